@@ -1,0 +1,31 @@
+# The two commands: `make demo` and `make test`. Each sets everything up from a
+# machine that has nothing but Python.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned here, in the install step, so pip never pulls a CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) examples/run_demo.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

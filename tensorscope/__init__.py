@@ -1,0 +1,65 @@
+"""tensorscope: every ATen op, layout change, cast, leak and C++ error of a PyTorch cell, as Arrow tables.
+
+``import tensorscope`` is cheap and has no side effects: torch, pyarrow and IPython
+are imported on first use of the API, and no hook is installed until a trace starts.
+
+    with tensorscope.trace() as t:
+        loss = model(x).sum(); loss.backward()
+    t.ops            # pyarrow.Table, one row per ATen op
+    t.sql("select op, sum(cpu_ns) from ops group by op")
+    t.save("runs/step1"); tensorscope.load("runs/step1")
+
+In IPython/Jupyter: ``%load_ext tensorscope`` then ``%%tensorscope`` on a cell.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: F401  (cheap: no torch)
+    ExportError, GuardError, NativeBuildError, OptionsError, SchemaVersionError, TensorscopeError,
+    TraceActiveError, TraceFormatError,
+)
+
+_LAZY = {
+    "trace": ("tensorscope.session", "trace"),
+    "last": ("tensorscope.session", "last"),
+    "history": ("tensorscope.session", "history"),
+    "Trace": ("tensorscope._trace", "Trace"),
+    "TraceOptions": ("tensorscope.options", "TraceOptions"),
+    "load": ("tensorscope.io.parquet", "load"),
+    "find_leaks": ("tensorscope.tracking.leaks", "find_leaks"),
+    "env": ("tensorscope.env", "env"),
+    "SCHEMA_VERSION": ("tensorscope.schema", "SCHEMA_VERSION"),
+}
+
+__all__ = sorted(list(_LAZY) + ["__version__", "load_ipython_extension", "unload_ipython_extension",
+                                "TensorscopeError", "TraceActiveError", "SchemaVersionError", "TraceFormatError",
+                                "ExportError", "OptionsError", "GuardError", "NativeBuildError"])
+
+
+def __getattr__(name):
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'tensorscope' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext tensorscope``."""
+    from .magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from .magics import unload_ipython_extension as _unload
+
+    _unload(ipython)

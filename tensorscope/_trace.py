@@ -1,0 +1,129 @@
+"""Trace: the immutable, tensor-free result of a recording (or of ``load()``).
+
+Recorded tables are given at construction; derived tables (``casts``,
+``layout_changes``, ``memory``) are computed on first access by the pure
+functions in ``analyses/`` and cached. Nothing here refers to a tensor, so a
+Trace sitting in ``Out`` keeps no memory alive.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+from typing import Any, Dict, Optional
+
+import pyarrow as pa
+
+from . import schema as S
+
+
+def _derive(name: str, tables: Dict[str, pa.Table]) -> pa.Table:
+    try:
+        if name == "casts":
+            from .analyses.casts import casts
+
+            return S.conform("casts", casts(tables["ops"], tables["calls"]))
+        if name == "layout_changes":
+            from .analyses.layout import layout_changes
+
+            return S.conform("layout_changes", layout_changes(tables["ops"], tables["calls"]))
+        if name == "memory":
+            from .analyses.memory import memory_table
+
+            return S.conform("memory", memory_table(tables["tensors"], tables["ops"].num_rows))
+    except ImportError:
+        return S.empty(name)
+    raise KeyError(name)
+
+
+class Trace:
+    """One recording. ``t.ops``, ``t.calls``… are ``pyarrow.Table``s (empty, right schema, when nothing)."""
+
+    def __init__(self, tables: Dict[str, pa.Table], metadata: Dict[str, Any], *, _spill_file: Optional[str] = None):
+        self._tables = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
+                        for name in S.RECORDED}
+        for name in S.DERIVED:
+            if tables.get(name) is not None:
+                self._tables[name] = tables[name]
+        self.metadata = metadata
+        self._plot = None
+        if _spill_file:
+            # ops were decoded to a memory-mapped file: remove it when the Trace goes
+            weakref.finalize(self, shutil.rmtree, os.path.dirname(_spill_file), True)
+
+    # -- tables ------------------------------------------------------------
+    def table(self, name: str) -> pa.Table:
+        if name not in S.TABLES:
+            raise KeyError(f"no table {name!r}; tables: {', '.join(S.TABLES)}")
+        t = self._tables.get(name)
+        if t is None:
+            t = self._tables[name] = _derive(name, self._tables)
+        return t
+
+    @property
+    def tables(self) -> Dict[str, pa.Table]:
+        return {name: self.table(name) for name in S.TABLES}
+
+    ops = property(lambda self: self.table("ops"))
+    calls = property(lambda self: self.table("calls"))
+    tensors = property(lambda self: self.table("tensors"))
+    errors = property(lambda self: self.table("errors"))
+    kernels = property(lambda self: self.table("kernels"))
+    leaks = property(lambda self: self.table("leaks"))
+    casts = property(lambda self: self.table("casts"))
+    layout_changes = property(lambda self: self.table("layout_changes"))
+    memory = property(lambda self: self.table("memory"))
+
+    def df(self, name: str = "ops"):
+        """A table as a pandas DataFrame (nullable ints stay ints)."""
+        import pandas as pd
+
+        return self.table(name).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype(),
+                                                        pa.bool_(): pd.BooleanDtype()}.get)
+
+    def sql(self, query: str, *, arrow: bool = False):
+        """Run DuckDB SQL over the tables (``ops``, ``calls``… by name); a DataFrame, or Arrow with ``arrow=True``."""
+        from .io.sql import run_sql
+
+        return run_sql(self, query, arrow=arrow)
+
+    # -- io ------------------------------------------------------------------
+    def save(self, path) -> str:
+        """Write a directory: one parquet file per table (zstd) and ``metadata.json``. Returns the path."""
+        from .io.parquet import save
+
+        return save(self, path)
+
+    def to_perfetto(self, path) -> str:
+        """Chrome/Perfetto trace-event JSON (opens in ui.perfetto.dev and chrome://tracing)."""
+        from .render.perfetto import write_perfetto
+
+        return write_perfetto(self, path)
+
+    @property
+    def plot(self):
+        """Matplotlib plots: ``t.plot.timeline()``, ``top_ops()``, ``memory()``, ``modules()``."""
+        if self._plot is None:
+            from .render.plots import PlotAccessor
+
+            self._plot = PlotAccessor(self)
+        return self._plot
+
+    # -- display -------------------------------------------------------------
+    def summary(self):
+        """A Summary (sections of rows) — what the notebook shows after a traced cell."""
+        from .render.summary import summarize
+
+        return summarize(self)
+
+    def __repr__(self):
+        md = self.metadata
+        return (f"<tensorscope.Trace: {md.get('n_ops', self.ops.num_rows)} ops, {md.get('n_calls', self.calls.num_rows)} calls, "
+                f"{self.errors.num_rows} errors/warnings, cell={md.get('cell')}>")
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        s = self.summary()
+        return {"text/plain": s.to_text(), "text/html": s.to_html()}
+
+    def __getstate__(self):
+        raise TypeError("a Trace is not pickled: save it with t.save(path) (parquet, no pickle) and tensorscope.load(path)")

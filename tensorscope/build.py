@@ -1,0 +1,536 @@
+"""Decode a finished Session's interned columns into the Arrow tables of ``schema.py``.
+
+Everything the hot path left for later is derived here, vectorised: op names
+and tags, shapes/strides/dtypes/formats per row (``take`` over the interned
+meta tuples), bytes read/written, source lines (from the enclosing call, or for
+backward ops from the forward op that created their autograd node), module of
+backward ops (likewise), ``fwd_seq``, ``hidden_copy``. Spilled traces are
+decoded chunk by chunk into a memory-mapped Arrow IPC file, so building never
+needs the whole decoded table in RAM.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import schema as S
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
+
+#: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
+EXPECT_FREE_CALLS = frozenset({
+    "reshape", "flatten", "contiguous", "view_as", "reshape_as", "to", "type_as", "matmul", "linear", "einsum",
+    "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "expand", "expand_as", "view", "__matmul__",
+    "movedim", "swapaxes", "bmm", "mm", "tensordot", "ravel", "T", "mT",
+})
+COPY_OPS = frozenset({"clone", "reshape", "flatten", "contiguous", "reshape_as", "_to_copy", "ravel"})
+NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_local_scalar_dense"})
+_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+                           "float8_e4m3fnuz", "float8_e5m2fnuz", "complex64", "complex128", "complex32"})
+
+
+def _op_dicts(rec):
+    names, nss, ovls, tags, noise, short = [], [], [], [], [], []
+    for func in rec.funcs.values:
+        name = str(func)
+        names.append(name)
+        parts = name.split(".")
+        nss.append(parts[0])
+        ovls.append(parts[2] if len(parts) > 2 else "default")
+        try:
+            tags.append([str(t).split(".")[-1] for t in func.tags])
+        except Exception:
+            tags.append([])
+        sn = parts[1] if len(parts) > 1 else name
+        short.append(sn)
+        noise.append(sn in NOISE_OPS)
+    return dict(op=pa.array(names, pa.string()), namespace=pa.array(nss, pa.string()),
+                overload=pa.array(ovls, pa.string()), tags=pa.array(tags, pa.list_(pa.string())),
+                is_noise=pa.array(noise, pa.bool_()), short=short)
+
+
+def _tuple_dicts(rec):
+    m = rec.metas
+    shapes, strides, dtypes, devices, formats, amb, nbytes, lens, has_float = [], [], [], [], [], [], [], [], []
+    for tup in rec.tuples.values:
+        shapes.append([list(m.shapes[i]) for i in tup])
+        strides.append([list(m.strides[i]) if m.strides[i] is not None else [] for i in tup])
+        dtypes.append([m.dtypes[i] for i in tup])
+        devices.append([m.devices[i] for i in tup])
+        formats.append([m.formats[i] for i in tup])
+        amb.append([m.ambiguous[i] for i in tup])
+        nbytes.append(sum(m.nbytes[i] for i in tup))
+        lens.append(len(tup))
+        has_float.append(any(m.dtypes[i] in _FLOAT_DTYPES for i in tup))
+    return dict(shapes=pa.array(shapes, S._shapes), strides=pa.array(strides, S._shapes),
+                dtypes=pa.array(dtypes, S._strs), devices=pa.array(devices, S._strs),
+                formats=pa.array(formats, S._strs), ambiguous=pa.array(amb, S._bools),
+                nbytes=np.array(nbytes, dtype=np.int64), lens=np.array(lens, dtype=np.int64),
+                has_float=np.array(has_float, dtype=bool))
+
+
+def _nullable(values: np.ndarray, null_mask: np.ndarray, typ=pa.int64()):
+    return pa.array(values, typ, mask=null_mask)
+
+
+def _take(dict_array, idx: np.ndarray, null_mask: Optional[np.ndarray] = None):
+    indices = pa.array(idx, pa.int64(), mask=null_mask) if null_mask is not None else pa.array(idx, pa.int64())
+    return pc.take(dict_array, indices)
+
+
+class _Ctx:
+    """Dictionaries and global per-op arrays shared by every chunk's decode."""
+
+    def __init__(self, sess):
+        rec = sess.rec
+        self.sess = sess
+        self.ops = _op_dicts(rec)
+        self.tup = _tuple_dicts(rec)
+        self.aliases = pa.array([list(a) for a in rec.aliases.values], S._i32s)
+        self.alias_fresh = np.array([all(x < 0 for x in a) for a in rec.aliases.values] or [True], dtype=bool)
+        self.modules = pa.array(rec.modules.values, pa.string())
+        self.nodes = pa.array(rec.nodes.values, pa.string())
+        n_calls = rec.n_calls
+        call_src = np.frombuffer(rec.calls.src, dtype=np.int32).astype(np.int64) if n_calls else np.zeros(0, np.int64)
+        src_vals = rec.sources.values
+        self.src_files = pa.array([None if v is None else v[0] for v in src_vals], pa.string())
+        self.src_lines = pa.array([None if v is None else v[1] for v in src_vals], pa.int64())
+        self.call_src = call_src
+        func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
+        call_func = np.frombuffer(rec.calls.func, dtype=np.int32) if n_calls else np.zeros(0, np.int32)
+        self.call_free = np.array([func_names[i] in EXPECT_FREE_CALLS for i in call_func], dtype=bool) if n_calls else np.zeros(0, bool)
+        short = self.ops["short"]
+        self.copy_op = np.array([s in COPY_OPS for s in short] or [False], dtype=bool)
+        self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
+        self.cell = sess.cell
+        self._global_pass(rec)
+
+    def _global_pass(self, rec):
+        # seq_nr, node, module, call, op for every row: links backward ops to forward ones
+        parts = {k: [] for k in ("seq_nr", "node", "module", "call", "op")}
+        for chunk in rec.iter_op_chunks():
+            for k in parts:
+                parts[k].append(chunk[k])
+        g = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in parts.items()}
+        self.g = g
+        n = len(g["op"])
+        self.n = n
+        fwd = (g["node"] == 0) & (g["seq_nr"] >= 0)
+        fwd_idx = np.nonzero(fwd)[0]
+        keys, first = np.unique(g["seq_nr"][fwd_idx], return_index=True)
+        first_seq = fwd_idx[first]
+        fwd_seq = np.full(n, -1, dtype=np.int64)
+        bwd = (g["node"] != 0) & (g["seq_nr"] >= 0)
+        bwd_idx = np.nonzero(bwd)[0]
+        if len(bwd_idx) and len(keys):
+            pos = np.searchsorted(keys, g["seq_nr"][bwd_idx])
+            pos_c = np.minimum(pos, len(keys) - 1)
+            hit = keys[pos_c] == g["seq_nr"][bwd_idx]
+            fwd_seq[bwd_idx[hit]] = first_seq[pos_c[hit]]
+        self.fwd_seq = fwd_seq
+        # effective module / call (for the source line): a backward op inherits its forward op's
+        has = fwd_seq >= 0
+        eff_module = g["module"].astype(np.int64).copy()
+        eff_call = g["call"].astype(np.int64).copy()
+        eff_module[has] = g["module"][fwd_seq[has]]
+        eff_call[has] = g["call"][fwd_seq[has]]
+        self.eff_module = eff_module
+        self.eff_call = eff_call
+
+    def decode(self, chunk, start: int) -> pa.RecordBatch:
+        rec = self.sess.rec
+        n = len(chunk["op"])
+        sl = slice(start, start + n)
+        seq = np.arange(start, start + n, dtype=np.int64)
+        op = chunk["op"].astype(np.int64)
+        ins = chunk["ins"].astype(np.int64)
+        outs = chunk["outs"].astype(np.int64)
+        alias = chunk["alias"].astype(np.int64)
+        flags = chunk["flags"]
+        node = chunk["node"].astype(np.int64)
+        module = self.eff_module[sl]
+        call = self.eff_call[sl]
+        call_null = call < 0
+        src_idx = np.zeros(n, dtype=np.int64)
+        if len(self.call_src):
+            src_idx[~call_null] = self.call_src[call[~call_null]]
+        t = self.tup
+        cols: Dict[str, Any] = {}
+        cols["seq"] = pa.array(seq)
+        cols["cell"] = pa.nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
+        for k in ("op", "namespace", "overload", "tags"):
+            cols[k] = _take(self.ops[k], op)
+        backward = (flags & F_BACKWARD) != 0
+        cols["phase"] = pa.array(np.where(backward, "backward", "forward"), pa.string())
+        cols["autograd_node"] = _take(self.nodes, node)
+        seq_nr = chunk["seq_nr"]
+        cols["seq_nr"] = _nullable(seq_nr, seq_nr < 0)
+        fs = self.fwd_seq[sl]
+        cols["fwd_seq"] = _nullable(fs, fs < 0)
+        cols["call_id"] = _nullable(chunk["call"], chunk["call"] < 0)
+        cols["module"] = _take(self.modules, module)
+        cols["source_file"] = _take(self.src_files, src_idx)
+        cols["source_line"] = _take(self.src_lines, src_idx)
+        for side, idx in (("in", ins), ("out", outs)):
+            for k in ("shapes", "strides", "dtypes", "devices", "formats", "ambiguous"):
+                cols[f"{side}_{k}"] = _take(t[k], idx)
+        # storages: per row n_in then n_out ids, row after row
+        stor = chunk["storages"]
+        n_in = t["lens"][ins] if n else np.zeros(0, np.int64)
+        n_out = t["lens"][outs] if n else np.zeros(0, np.int64)
+        row_off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(n_in + n_out, out=row_off[1:])
+        in_off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(n_in, out=in_off[1:])
+        out_off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(n_out, out=out_off[1:])
+        in_pos = np.repeat(row_off[:-1] - in_off[:-1], n_in) + np.arange(in_off[-1])
+        out_pos = np.repeat(row_off[:-1] + n_in - out_off[:-1], n_out) + np.arange(out_off[-1])
+        if len(stor) < row_off[-1]:  # defensive: a truncated chunk never misaligns rows
+            stor = np.concatenate([stor, np.full(row_off[-1] - len(stor), -1, np.int64)])
+        cols["in_storages"] = pa.ListArray.from_arrays(pa.array(in_off, pa.int32()), pa.array(stor[in_pos], pa.int64()))
+        cols["out_storages"] = pa.ListArray.from_arrays(pa.array(out_off, pa.int32()), pa.array(stor[out_pos], pa.int64()))
+        cols["out_alias"] = _take(self.aliases, alias)
+        is_view = (flags & F_VIEW) != 0
+        cols["is_view"] = pa.array(is_view)
+        cols["inplace"] = pa.array((flags & (F_INPLACE | F_OUT_KW)) != 0)
+        cols["hidden_copy"] = pa.array(self._hidden_copy(op, ins, outs, alias, call, n))
+        cols["is_noise"] = _take(self.ops["is_noise"], op)
+        flops = chunk["flops"]
+        cols["flops"] = _nullable(flops, flops < 0)
+        no_bytes = is_view | np.asarray(cols["is_noise"].to_numpy(zero_copy_only=False), dtype=bool)
+        cols["bytes_read"] = pa.array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
+        cols["bytes_written"] = pa.array(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
+        cols["start_ns"] = pa.array(chunk["start"])
+        cols["cpu_ns"] = pa.array(chunk["dur"])
+        cols["cuda_ns"] = self._sparse_int(rec.cuda_ns, start, n)
+        cols["error_id"] = self._sparse_int(rec.op_errors, start, n)
+        if self.sess.screen is not None:
+            nf = np.where(t["has_float"][outs], 0, -1) if n else np.zeros(0, np.int64)
+            prod = np.zeros(n, dtype=bool)
+            prod_null = np.ones(n, dtype=bool)
+            for s, (cnt, produced) in rec.nonfinite.items():
+                if start <= s < start + n:
+                    nf[s - start] = cnt
+                    prod[s - start] = bool(produced)
+                    prod_null[s - start] = False
+            cols["nonfinite"] = _nullable(nf.astype(np.int64), nf < 0)
+            cols["nonfinite_produced"] = pa.array(prod, pa.bool_(), mask=prod_null)
+        else:
+            cols["nonfinite"] = pa.nulls(n, pa.int64())
+            cols["nonfinite_produced"] = pa.nulls(n, pa.bool_())
+        rel = np.full(n, np.nan)
+        mx = np.full(n, np.nan)
+        for s, (r, m) in rec.numerics.items():
+            if start <= s < start + n:
+                rel[s - start] = r
+                mx[s - start] = m
+        cols["num_rel_err"] = pa.array(rel, pa.float64(), mask=np.isnan(rel))
+        cols["num_max_abs_err"] = pa.array(mx, pa.float64(), mask=np.isnan(mx))
+        return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
+
+    @staticmethod
+    def _sparse_int(d: Dict[int, int], start: int, n: int):
+        vals = np.zeros(n, dtype=np.int64)
+        mask = np.ones(n, dtype=bool)
+        for s, v in d.items():
+            if start <= s < start + n:
+                vals[s - start] = v
+                mask[s - start] = False
+        return pa.array(vals, pa.int64(), mask=mask)
+
+    def _hidden_copy(self, op, ins, outs, alias, call, n):
+        if n == 0 or not len(self.call_free):
+            return np.zeros(n, dtype=bool)
+        under_free = np.zeros(n, dtype=bool)
+        ok = call >= 0
+        under_free[ok] = self.call_free[call[ok]]
+        cand = self.copy_op[op] & under_free & self.alias_fresh[alias]
+        # a _to_copy is a cast or a device move unless dtype and device are unchanged
+        idx = np.nonzero(cand & self.to_copy_op[op])[0]
+        if len(idx):
+            m = self.sess.rec.metas
+            tv = self.sess.rec.tuples.values
+            for i in idx:
+                a, b = tv[ins[i]], tv[outs[i]]
+                if not a or not b or m.dtypes[a[0]] != m.dtypes[b[0]] or m.devices[a[0]] != m.devices[b[0]]:
+                    cand[i] = False
+        return cand
+
+
+def _ops_table(sess, ctx: _Ctx):
+    rec = sess.rec
+    batches = []
+    start = 0
+    spilled = bool(rec.spilled_chunks)
+    sink = writer = None
+    path = None
+    if spilled:
+        tmp = tempfile.mkdtemp(prefix="tensorscope-ops-", dir=sess.options.spill_dir)
+        path = os.path.join(tmp, "ops.arrow")
+        sink = pa.OSFile(path, "wb")
+        writer = pa.ipc.new_file(sink, S.OPS)
+    for chunk in rec.iter_op_chunks():
+        b = ctx.decode(chunk, start)
+        start += b.num_rows
+        if writer is not None:
+            writer.write_batch(b)
+        else:
+            batches.append(b)
+    if writer is not None:
+        writer.close()
+        sink.close()
+        with pa.memory_map(path) as src:
+            table = pa.ipc.open_file(src).read_all()
+        return table, path
+    if not batches:
+        return S.empty("ops"), None
+    return pa.Table.from_batches(batches, schema=S.OPS), None
+
+
+def _calls_table(sess, ctx: _Ctx):
+    rec = sess.rec
+    c = rec.calls
+    n = rec.n_calls
+    if n == 0:
+        return S.empty("calls")
+    a = {k: np.frombuffer(getattr(c, k), dtype=np.int32 if code == "i" else np.int64)[:n] for k, code in c.spec}
+    funcs = rec.call_funcs.values
+    names = pa.array([getattr(f, "__name__", str(f)) for f in funcs], pa.string())
+    qual = pa.array([_qualname(f) for f in funcs], pa.string())
+    parent = a["parent"]
+    depth = np.zeros(n, dtype=np.int64)
+    for i in range(n):  # parents precede children
+        if parent[i] >= 0:
+            depth[i] = depth[parent[i]] + 1
+    src = a["src"].astype(np.int64)
+    autocasts = pa.array(rec.autocasts.values, pa.string())
+    compiled = np.array([bool(rec.call_compiled.get(i)) for i in range(n)], dtype=bool)
+    cols = dict(
+        call_id=pa.array(np.arange(n, dtype=np.int64)),
+        parent_id=_nullable(parent, parent < 0),
+        depth=pa.array(depth),
+        cell=pa.nulls(n, pa.int64()) if sess.cell is None else pa.array(np.full(n, sess.cell, np.int64)),
+        name=_take(names, a["func"].astype(np.int64)),
+        qualname=_take(qual, a["func"].astype(np.int64)),
+        module=_take(ctx.modules, a["module"].astype(np.int64)),
+        source_file=_take(ctx.src_files, src),
+        source_line=_take(ctx.src_lines, src),
+        start_ns=pa.array(a["start"]),
+        dur_ns=pa.array(a["dur"]),
+        first_seq=_nullable(a["first_seq"], a["n_ops"] <= 0),
+        n_ops=pa.array(a["n_ops"]),
+        autocast=_take(autocasts, a["autocast"].astype(np.int64)),
+        compiled=pa.array(compiled),
+        error_id=_nullable(a["error"], a["error"] < 0),
+    )
+    return pa.Table.from_arrays([cols[f.name] for f in S.CALLS], schema=S.CALLS)
+
+
+def _qualname(f) -> str:
+    q = getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or str(f)
+    if q.startswith("TensorBase.") or q.startswith("_TensorBase."):
+        return "Tensor." + q.split(".", 1)[1]
+    mod = getattr(f, "__module__", None)
+    if mod in (None, "torch._C._VariableFunctions", "torch._C._nn", "torch._C._linalg", "torch._C._fft", "torch._C._special"):
+        mod = {"torch._C._nn": "torch.nn.functional", "torch._C._linalg": "torch.linalg", "torch._C._fft": "torch.fft",
+               "torch._C._special": "torch.special"}.get(mod, "torch")
+    if mod == "torch._tensor":
+        mod = "torch"
+        if not q.startswith("Tensor."):
+            q = "Tensor." + q
+    return f"{mod}.{q}"
+
+
+def _tensors_table(sess, ctx: _Ctx):
+    rec = sess.rec
+    c = rec.tensors
+    n = len(c.meta)
+    if n == 0:
+        return S.empty("tensors")
+    m = rec.metas
+    meta = np.frombuffer(c.meta, dtype=np.int32).astype(np.int64)
+    alloc = np.frombuffer(c.alloc_seq, dtype=np.int64)
+    free = np.frombuffer(c.free_seq, dtype=np.int64)
+    call = np.frombuffer(c.call, dtype=np.int64)
+    devs = pa.array(m.devices, pa.string())
+    dts = pa.array(m.dtypes, pa.string())
+    shapes = pa.array([list(s) for s in m.shapes], S._i64s)
+    src_idx = np.zeros(n, dtype=np.int64)
+    ok = call >= 0
+    if len(ctx.call_src):
+        src_idx[ok] = ctx.call_src[call[ok]]
+    g_op = ctx.g["op"]
+    alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
+    cols = dict(
+        storage_id=pa.array(np.arange(n, dtype=np.int64)),
+        nbytes=pa.array(np.frombuffer(c.nbytes, dtype=np.int64)),
+        device=_take(devs, meta), dtype=_take(dts, meta), shape=_take(shapes, meta),
+        alloc_seq=_nullable(alloc, alloc < 0),
+        alloc_op=_take(ctx.ops["op"], alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else pa.nulls(n, pa.string()),
+        free_seq=_nullable(free, free < 0),
+        cell=pa.nulls(n, pa.int64()) if sess.cell is None else pa.array(np.full(n, sess.cell, np.int64)),
+        module=_take(ctx.modules, np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
+        source_file=_take(ctx.src_files, src_idx),
+        source_line=_take(ctx.src_lines, src_idx),
+    )
+    return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
+
+
+def _errors_table(sess, ctx: _Ctx):
+    rows = sess.rec.errors
+    if not rows:
+        return S.empty("errors")
+    names = ctx.ops["op"]
+    g_op = ctx.g["op"]
+    folded: List[Dict[str, Any]] = []
+    index: Dict[tuple, int] = {}
+    for r in rows:
+        r = dict(r)
+        if r.get("op") is None and r.get("seq") is not None and 0 <= r["seq"] < len(g_op) and r["kind"] == "warning":
+            r["op"] = names[int(g_op[r["seq"]])].as_py()
+        if r["kind"] == "warning":
+            key = (r.get("seq"), r.get("message"), r.get("cpp_file"), r.get("cpp_line"))
+            if key in index:
+                folded[index[key]]["count"] += 1
+                continue
+            index[key] = len(folded)
+        folded.append(r)
+    for i, r in enumerate(folded):
+        r.setdefault("count", 1)
+    # error ids are positions in the recorded list; keep them stable for ops/calls links
+    return pa.Table.from_pylist(folded, schema=S.ERRORS)
+
+
+def _kernels_table(sess, ops):
+    if sess.kernels is None:
+        return S.empty("kernels"), []
+    try:
+        return sess.kernels.end_window(sess, ops)
+    except Exception as e:
+        sess.rec.tracer_error("kernels", e)
+        return S.empty("kernels"), [f"kernel collection failed: {e}"]
+
+
+def _leaks_table(sess, tensors):
+    if sess.tracker is None or not sess.options.leaks:
+        return S.empty("leaks")
+    try:
+        from .tracking.leaks import leak_table
+        from .tracking.storages import LiveStorage
+    except ImportError:
+        return S.empty("leaks")
+    live = sess.tracker.live_created()
+    if not live:
+        return S.empty("leaks")
+    t = tensors.to_pydict() if tensors.num_rows < 200_000 else None
+    records = []
+    for sid, ref in live:
+        if t is None:
+            row = tensors.slice(sid, 1).to_pylist()[0]
+        else:
+            row = {k: v[sid] for k, v in t.items()}
+        records.append(LiveStorage(
+            storage_id=sid, ref=ref, data_ptr=sess.tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
+            dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"], alloc_op=row["alloc_op"],
+            cell=row["cell"], source_file=row["source_file"], source_line=row["source_line"]))
+    shell = _ipython_shell()
+    return leak_table(records, shell=shell)
+
+
+def _ipython_shell():
+    if "IPython" not in sys.modules:
+        return None
+    try:
+        from IPython import get_ipython
+
+        return get_ipython()
+    except Exception:
+        return None
+
+
+def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
+    import torch
+
+    from . import __version__
+
+    rec = sess.rec
+    try:
+        from .env import env
+
+        device = env().to_dict()
+    except Exception as e:
+        device = {"error": str(e)}
+    cap = sess.capture
+    native = None
+    try:
+        from . import native as _native
+
+        native = dict(_native.status())
+        native["used"] = bool(getattr(cap, "native", False))
+    except Exception:
+        pass
+    compiled = sum(1 for v in rec.call_compiled.values() if v)
+    return {
+        "schema_version": S.SCHEMA_VERSION,
+        "tensorscope_version": __version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "created_unix_ns": time.time_ns(),
+        "device": device,
+        "options": sess.options.to_dict(),
+        "cell": sess.cell,
+        "cell_source": sess.cell_source,
+        "wall_ns": sess.wall_ns,
+        "n_ops": ops_rows,
+        "n_calls": rec.n_calls,
+        "spilled_rows": rec.n_spilled,
+        "tracer_errors": len(rec.tracer_errors),
+        "tracer_error_messages": [m for m in rec.tracer_errors[:20] if m],
+        "native": native,
+        "compiled_calls": compiled,
+        "notes": list(rec.notes) + list(notes),
+    }
+
+
+def build_trace(sess):
+    from ._trace import Trace
+
+    rec = sess.rec
+    rec.end_chunk()
+    if sess.cuda_timer is not None:
+        try:
+            rec.cuda_ns.update(sess.cuda_timer.resolve())
+        except Exception as e:
+            rec.tracer_error("cuda timer resolve", e)
+    if sess.screen is not None:
+        try:
+            rec.nonfinite.update(sess.screen.finish())
+        except Exception as e:
+            rec.tracer_error("non-finite screen finish", e)
+    ctx = _Ctx(sess)
+    ops, ops_file = _ops_table(sess, ctx)
+    tables = {
+        "ops": ops,
+        "calls": _calls_table(sess, ctx),
+        "tensors": _tensors_table(sess, ctx),
+        "errors": _errors_table(sess, ctx),
+    }
+    kernels, knotes = _kernels_table(sess, ops)
+    tables["kernels"] = kernels
+    notes = list(knotes)
+    try:
+        tables["leaks"] = _leaks_table(sess, tables["tensors"])
+    except Exception as e:
+        rec.tracer_error("leaks", e)
+        tables["leaks"] = S.empty("leaks")
+    md = metadata(sess, ops.num_rows, notes)
+    return Trace(tables, md, _spill_file=ops_file)

@@ -1,0 +1,42 @@
+"""The exception hierarchy: every error tensorscope raises is a TensorscopeError."""
+from __future__ import annotations
+
+
+class TensorscopeError(Exception):
+    """Base class of all tensorscope errors."""
+
+
+class TraceActiveError(TensorscopeError, RuntimeError):
+    """A trace was entered while another one is recording on this thread."""
+
+
+class SchemaVersionError(TensorscopeError, ValueError):
+    """A saved trace was written by a newer, incompatible schema version."""
+
+
+class TraceFormatError(TensorscopeError, ValueError):
+    """A directory is not a tensorscope trace, or a file in it is malformed."""
+
+
+class ExportError(TensorscopeError, OSError):
+    """A trace could not be written; the trace itself is still in memory."""
+
+
+class OptionsError(TensorscopeError, ValueError):
+    """An unknown or invalid trace option."""
+
+
+class GuardError(TensorscopeError, AssertionError):
+    """A cell guard (``expect=``, ``max_casts=``, ``nonfinite="error"``) failed.
+
+    The cell ran to completion and its trace is kept in ``.trace``.
+    """
+
+    def __init__(self, message: str, trace=None, failures=()):
+        super().__init__(message)
+        self.trace = trace
+        self.failures = list(failures)
+
+
+class NativeBuildError(TensorscopeError, RuntimeError):
+    """The native extension could not be built or loaded."""

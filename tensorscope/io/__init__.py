@@ -1,0 +1,1 @@
+"""Persistence and queries: parquet datasets (save/load) and DuckDB."""

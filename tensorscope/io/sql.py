@@ -1,0 +1,27 @@
+"""DuckDB over a Trace's tables, registered zero-copy as Arrow tables.
+
+Only the tables a query names are registered, so derived tables are not built
+for queries that do not use them.
+"""
+from __future__ import annotations
+
+import re
+
+from .. import schema as S
+
+
+def run_sql(trace, query: str, *, arrow: bool = False):
+    try:
+        import duckdb
+    except ImportError as e:
+        raise ImportError("t.sql() needs duckdb: pip install 'tensorscope[sql]'") from e
+    con = duckdb.connect(database=":memory:")
+    try:
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", query))
+        for name in S.TABLES:
+            if name in words:
+                con.register(name, trace.table(name))
+        rel = con.execute(query)
+        return rel.fetch_arrow_table() if arrow else rel.df()
+    finally:
+        con.close()

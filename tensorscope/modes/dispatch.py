@@ -1,0 +1,273 @@
+"""The TorchDispatchMode: one ``ops`` row per ATen operator call. The hot path.
+
+Per op it appends integers only (see recorder.py): interned ids of the op, of
+the tuple of input metas and output metas, of the alias tuple, the module and
+call ids, autograd node and sequence number, flags, FLOPs and times; storage
+ids go to one flat column. Input metadata is read *before* ``func`` runs
+(``t_``, ``resize_`` and out= change inputs in place). Outputs are never kept:
+a strong reference changes the program (an extra ``aten.detach`` after factory
+ops, design.md §3). Everything derivable later (names, formats, bytes, source
+lines, hidden copies) is derived when the tables are built.
+
+``ignore_compile_internals()`` is True so torch.compile'd code keeps running
+compiled (a default mode makes Dynamo skip the frame for good); what the
+compiled artifact calls is then all we see, and the summary says so.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
+
+Tensor = torch.Tensor
+_perf = time.perf_counter_ns
+_current_node = torch._C._current_autograd_node
+_get_seq_nr = torch._C._autograd._get_sequence_nr
+
+try:
+    from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
+except Exception:  # older torch
+    _FLOP_REGISTRY = {}
+
+NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_local_scalar_dense"})
+
+
+class OpInfo:
+    """Per-OpOverload facts computed once: id, flags, FLOP formula."""
+
+    __slots__ = ("op_id", "flags", "flop")
+
+    def __init__(self, rec, func):
+        self.op_id = rec.funcs(func)
+        flags = 0
+        schema = func._schema
+        out_kw = False
+        mut_pos = False
+        for a in schema.arguments:
+            ai = a.alias_info
+            if ai is not None and ai.is_write:
+                if a.kwarg_only and a.name.startswith("out"):
+                    out_kw = True
+                else:
+                    mut_pos = True
+        if mut_pos:
+            flags |= F_INPLACE
+        if out_kw:
+            flags |= F_OUT_KW
+        if getattr(func, "is_view", False):
+            flags |= F_VIEW
+        self.flags = flags
+        self.flop = _FLOP_REGISTRY.get(func.overloadpacket)
+
+
+def _tensors_of(args, kwargs, out):
+    for a in args:
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, Tensor):
+                    out.append(b)
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                out.append(a)
+            elif type(a) is list or type(a) is tuple:
+                for b in a:
+                    if isinstance(b, Tensor):
+                        out.append(b)
+    return out
+
+
+class TracingDispatchMode(TorchDispatchMode):
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __init__(self, session):
+        super().__init__()
+        self.s = session
+        self._infos = {}
+
+    def _describe(self, ts, alloc, stor, module_id, call_id):
+        """Meta ids (and storage ids, appended to ``stor``) of tensors ``ts``; also their data pointers."""
+        rec = self.s.rec
+        metas = rec.metas
+        ids = metas.ids
+        tracker = self.s.tracker
+        mids = []
+        ptrs = []
+        for t in ts:
+            try:
+                st = t.stride()
+            except Exception:   # sparse, nested: no strides
+                st = None
+            key = (t.shape, st, t.dtype, t.device)
+            mid = ids.get(key)
+            if mid is None:
+                mid = metas.add(key, t.shape, st, t.dtype, t.device)
+            mids.append(mid)
+            try:
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+            except Exception:   # wrapper subclasses, sparse: storage unknown
+                ptrs.append(0)
+                stor.append(-1)
+                continue
+            ptrs.append(ptr)
+            if tracker is None or ptr == 0:
+                stor.append(-1)
+            else:
+                stor.append(tracker.storage_id(storage, mid, alloc, module_id, call_id))
+        return mids, ptrs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        s = self.s
+        if not s.recording:
+            return func(*args, **kwargs)
+        rec = s.rec
+        seq = s.seq
+        s.seq = seq + 1
+        try:
+            info = self._infos.get(func)
+            if info is None:
+                info = self._infos[func] = OpInfo(rec, func)
+            module_id = s.modules.current
+            call_id = s.current_call
+            stor = rec.storages
+            ins = _tensors_of(args, kwargs, [])
+            in_mids, in_ptrs = self._describe(ins, False, stor, module_id, call_id)
+            flags = info.flags
+            node = _current_node()
+            if node is None:
+                node_id = 0
+                seq_nr = _get_seq_nr() - 1
+            else:
+                flags |= F_BACKWARD
+                nt = type(node)
+                node_id = s.node_names.get(nt)
+                if node_id is None:
+                    node_id = s.node_names[nt] = rec.nodes(node.name())
+                seq_nr = node._sequence_nr()
+                if seq_nr >= 1 << 62:   # AccumulateGrad & co. carry UINT64_MAX: no forward op
+                    seq_nr = -1
+            screen = s.screen
+            pre_state = screen.pre(func, args, kwargs, True) if (screen is not None and flags & (F_INPLACE | F_OUT_KW)) else None
+            ok = True
+        except Exception as e:
+            rec.tracer_error("dispatch (before op)", e)
+            ok = False
+        cap = s.capture
+        cuda = s.cuda_timer
+        tok = None
+        if cap is not None:
+            cap.op_begin()
+        if cuda is not None and ok:
+            tok = cuda.begin_for(seq, ins)
+        t0 = _perf()
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as e:
+            t1 = _perf()
+            try:
+                info_ = cap.error_info(e) if cap is not None else None
+                s.last_error_id = s.record_exception(e, seq=seq, call_id=s.current_call, op=str(func), info=info_)
+                s.last_exc_id = id(e)
+                rec.op_errors[seq] = s.last_error_id
+                if ok:
+                    self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, (), 0, t0, t1)
+                else:
+                    s.seq = seq   # keep seq dense: no row was written
+            except Exception as e2:
+                rec.tracer_error("dispatch (error)", e2)
+            raise
+        finally:
+            if tok is not None:
+                try:
+                    cuda.end(tok)
+                except Exception as e3:
+                    rec.tracer_error("cuda timer", e3)
+            if cap is not None:
+                try:
+                    ws = cap.op_end()
+                    if ws:
+                        s.record_warnings(ws, call_id=s.current_call, seq=seq, op=str(func))
+                except Exception as e4:
+                    rec.tracer_error("native capture", e4)
+        t1 = _perf()
+        if not ok:
+            s.seq = seq
+            return out
+        try:
+            if type(out) is Tensor or isinstance(out, Tensor):
+                outs = (out,)
+            elif type(out) is tuple or type(out) is list:
+                outs = [o for o in out if isinstance(o, Tensor)]
+            else:
+                outs = ()
+            flop = 0
+            if info.flop is not None:
+                try:
+                    flop = int(info.flop(*args, **kwargs, out_val=out))
+                except Exception:
+                    flop = -1
+            elif info.flop is None:
+                flop = -1
+            self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
+            if screen is not None:
+                r = screen.post(seq, func, args, kwargs, outs, pre_state)
+                if r is not None:
+                    rec.nonfinite[seq] = r
+            shadow = s.shadow
+            if shadow is not None:
+                r = shadow.compare(seq, func, args, kwargs, outs)
+                if r is not None:
+                    rec.numerics[seq] = r
+        except Exception as e:
+            rec.tracer_error("dispatch (after op)", e)
+        return out
+
+    def _append(self, seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1):
+        s = self.s
+        rec = s.rec
+        stor = rec.storages
+        if outs:
+            out_mids, out_ptrs = self._describe(outs, True, stor, module_id, call_id)
+            alias = []
+            for p in out_ptrs:
+                a = -1
+                if p:
+                    for i, q in enumerate(in_ptrs):
+                        if q == p:
+                            a = i
+                            break
+                alias.append(a)
+            alias_id = rec.aliases(tuple(alias))
+        else:
+            out_mids = ()
+            alias_id = rec.aliases(())
+        in_id = rec.tuples(tuple(in_mids))
+        out_id = rec.tuples(tuple(out_mids))
+        if not -1 <= flop < 1 << 62:
+            flop = -1
+        # every value is computed above: the appends below cannot fail half-way and misalign columns
+        cols = rec.ops
+        cols.op.append(info.op_id)
+        cols.ins.append(in_id)
+        cols.outs.append(out_id)
+        cols.alias.append(alias_id)
+        cols.module.append(module_id)
+        cols.call.append(call_id)
+        cols.node.append(node_id)
+        cols.seq_nr.append(seq_nr)
+        cols.flags.append(flags)
+        cols.flops.append(flop)
+        cols.start.append(t0 - s.t0)
+        cols.dur.append(t1 - t0)
+        if seq + 1 - rec.chunk_start >= rec.chunk_rows:
+            rec.end_chunk()

@@ -1,0 +1,43 @@
+"""User source line of a torch-level call: a cheap frame walk, cached per code object.
+
+Walk ``sys._getframe()`` outwards and stop at the first frame whose file is not
+inside torch, tensorscope or the standard library's wrappers: that is the
+user's code (an IPython cell file, an earlier cell's function, a script).
+Never ``inspect.stack()`` (milliseconds) and never keep the frame objects.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, Optional, Tuple
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB_WRAPPERS = tuple(os.path.join(os.path.dirname(os.__file__), m) for m in ("contextlib.py", "functools.py"))
+
+_internal: Dict[object, bool] = {}
+
+
+def _is_internal(code) -> bool:
+    r = _internal.get(code)
+    if r is None:
+        f = code.co_filename
+        r = f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or f.startswith(_STDLIB_WRAPPERS) or f.startswith("<frozen")
+        _internal[code] = r
+    return r
+
+
+def user_frame_location(depth: int = 2) -> Tuple[Optional[str], Optional[int]]:
+    """(filename, line) of the innermost user frame above the caller."""
+    try:
+        f = sys._getframe(depth)
+    except ValueError:
+        return None, None
+    while f is not None:
+        code = f.f_code
+        if not _is_internal(code):
+            return code.co_filename, f.f_lineno
+        f = f.f_back
+    return None, None

@@ -1,0 +1,244 @@
+"""The live recorder: interned integer columns, chunked, spilled to disk when large.
+
+Why integers: appending tuples or lists per op creates gc-tracked objects, and a
+process with torch imported already holds ~166k of them, so full collections
+come often and dominate (design.md §3). Every per-op value here is an int in an
+``array`` column; repeated values (op overloads, tensor metas, tuples of metas,
+module paths, autograd node names, source locations) are interned once.
+
+Columns grow until ``chunk_rows``; a full chunk is frozen into numpy arrays
+(compact, not gc-tracked) and, past ``spill_rows`` rows in memory, written to an
+Arrow IPC file in a spill directory. ``build()`` (in ``tensorscope.build``)
+decodes the ids into the Arrow tables of ``schema.py``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from array import array
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .modes.meta import memory_format
+
+# ops row flags
+F_INPLACE = 1
+F_VIEW = 2
+F_OUT_KW = 4          # out= variant
+F_BACKWARD = 8
+
+OPS_COLUMNS = (
+    ("op", "i"), ("ins", "i"), ("outs", "i"), ("alias", "i"), ("module", "i"),
+    ("call", "q"), ("node", "i"), ("seq_nr", "q"), ("flags", "i"), ("flops", "q"),
+    ("start", "q"), ("dur", "q"),
+)
+CALL_COLUMNS = (
+    ("func", "i"), ("module", "i"), ("src", "i"), ("start", "q"), ("dur", "q"),
+    ("first_seq", "q"), ("n_ops", "q"), ("autocast", "i"), ("parent", "q"), ("error", "q"),
+)
+TENSOR_COLUMNS = (
+    ("meta", "i"), ("nbytes", "q"), ("alloc_seq", "q"), ("free_seq", "q"),
+    ("module", "i"), ("call", "q"),
+)
+
+
+class Interner:
+    """value -> dense int id; ``values[id]`` gives it back. Id 0 may be reserved."""
+
+    __slots__ = ("ids", "values")
+
+    def __init__(self, reserve_none: bool = False):
+        self.ids: Dict[Any, int] = {}
+        self.values: List[Any] = []
+        if reserve_none:
+            self.ids[None] = 0
+            self.values.append(None)
+
+    def __call__(self, v) -> int:
+        i = self.ids.get(v)
+        if i is None:
+            i = self.ids[v] = len(self.values)
+            self.values.append(v)
+        return i
+
+    def __len__(self):
+        return len(self.values)
+
+
+class TensorMetas:
+    """Interned tensor metadata keyed by ``(shape, stride, dtype, device)``.
+
+    Derived facts (format label, ambiguity, item size) are computed once per
+    distinct meta, not per op.
+    """
+
+    __slots__ = ("ids", "shapes", "strides", "dtypes", "devices", "formats", "ambiguous", "nbytes", "itemsize")
+
+    def __init__(self):
+        self.ids: Dict[tuple, int] = {}
+        self.shapes: List[tuple] = []
+        self.strides: List[tuple] = []
+        self.dtypes: List[str] = []
+        self.devices: List[str] = []
+        self.formats: List[str] = []
+        self.ambiguous: List[bool] = []
+        self.nbytes: List[int] = []
+        self.itemsize: List[int] = []
+
+    def add(self, key, shape, stride, dtype, device) -> int:
+        i = len(self.shapes)
+        self.ids[key] = i
+        shape = tuple(shape)
+        stride = tuple(stride) if stride is not None else None
+        self.shapes.append(shape)
+        self.strides.append(stride)
+        self.dtypes.append(str(dtype).replace("torch.", ""))
+        self.devices.append(str(device))
+        if stride is None:
+            fmt, amb = "non_strided", False
+        else:
+            fmt, amb = memory_format(shape, stride)
+        self.formats.append(fmt)
+        self.ambiguous.append(amb)
+        try:
+            isz = dtype.itemsize
+        except Exception:
+            isz = 0
+        n = 1
+        for s in shape:
+            n *= s
+        self.itemsize.append(isz)
+        self.nbytes.append(n * isz)
+        return i
+
+
+class _Columns:
+    """A set of ``array`` columns with chunk freezing."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.reset()
+        self.frozen: List[Dict[str, np.ndarray]] = []
+
+    def reset(self):
+        for name, code in self.spec:
+            setattr(self, name, array(code))
+
+    def freeze(self) -> Dict[str, np.ndarray]:
+        chunk = {name: np.frombuffer(getattr(self, name), dtype=np.int32 if code == "i" else np.int64).copy()
+                 for name, code in self.spec}
+        self.reset()
+        return chunk
+
+
+class Recorder:
+    """Holds everything one trace records. Plain values only: never a tensor."""
+
+    def __init__(self, chunk_rows: int = 65536, spill_rows: int = 2_000_000, spill_dir: Optional[str] = None):
+        self.chunk_rows = chunk_rows
+        self.spill_rows = spill_rows
+        self._spill_parent = spill_dir
+        self.spill_path: Optional[str] = None
+        self.n_spilled = 0
+        self.spilled_chunks: List[str] = []
+        self.mem_chunks: List[Dict[str, np.ndarray]] = []
+        self.mem_rows = 0
+
+        self.funcs = Interner()                       # OpOverload -> id
+        self.metas = TensorMetas()
+        self.tuples = Interner()                      # tuple of meta ids -> id
+        self.aliases = Interner()                     # tuple of input indexes -> id
+        self.modules = Interner(reserve_none=True)    # module path -> id (0: none)
+        self.nodes = Interner(reserve_none=True)      # autograd node name -> id (0: forward)
+        self.sources = Interner(reserve_none=True)    # (file, line) -> id
+        self.call_funcs = Interner()                  # torch-level callable -> id
+        self.autocasts = Interner(reserve_none=True)  # autocast dtype str -> id
+
+        self.ops = _Columns(OPS_COLUMNS)
+        self.storages = array("q")                    # in storages then out storages, row after row
+        self.n_ops = 0
+        self.chunk_start = 0                          # seq of the first row of the live chunk
+
+        self.calls = _Columns(CALL_COLUMNS)
+        self.n_calls = 0
+        self.call_compiled: Dict[int, bool] = {}
+
+        self.tensors = _Columns(TENSOR_COLUMNS)
+
+        # sparse per-op facts: seq -> value
+        self.op_errors: Dict[int, int] = {}
+        self.cuda_ns: Dict[int, int] = {}
+        self.nonfinite: Dict[int, Tuple[int, bool]] = {}
+        self.numerics: Dict[int, Tuple[float, float]] = {}
+        self.errors: List[Dict[str, Any]] = []
+        self.tracer_errors: List[str] = []
+        self.notes: List[str] = []
+
+    # -- ops ---------------------------------------------------------------
+    def end_chunk(self):
+        """Freeze the live op chunk (called every ``chunk_rows`` rows)."""
+        chunk = self.ops.freeze()
+        chunk["storages"] = np.frombuffer(self.storages, dtype=np.int64).copy()
+        self.storages = array("q")
+        rows = len(chunk["op"])
+        self.chunk_start += rows
+        if rows == 0:
+            return
+        self.mem_chunks.append(chunk)
+        self.mem_rows += rows
+        if self.mem_rows > self.spill_rows:
+            self._spill()
+
+    def _spill(self):
+        import pyarrow as pa
+
+        if self.spill_path is None:
+            self.spill_path = tempfile.mkdtemp(prefix="tensorscope-spill-", dir=self._spill_parent)
+        for chunk in self.mem_chunks:
+            path = os.path.join(self.spill_path, f"chunk-{len(self.spilled_chunks):06d}.arrow")
+            ops = {k: v for k, v in chunk.items() if k != "storages"}
+            batch = pa.record_batch({k: pa.array(v) for k, v in ops.items()})
+            stor = pa.record_batch({"storages": pa.array(chunk["storages"])})
+            with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, batch.schema) as w:
+                w.write_batch(batch)
+            with pa.OSFile(path + ".stor", "wb") as f, pa.ipc.new_file(f, stor.schema) as w:
+                w.write_batch(stor)
+            self.spilled_chunks.append(path)
+            self.n_spilled += len(chunk["op"])
+        self.mem_chunks = []
+        self.mem_rows = 0
+
+    def iter_op_chunks(self):
+        """Every op chunk in order, spilled ones read back (memory-mapped)."""
+        import pyarrow as pa
+
+        for path in self.spilled_chunks:
+            with pa.memory_map(path) as src:
+                t = pa.ipc.open_file(src).read_all()
+            with pa.memory_map(path + ".stor") as src:
+                s = pa.ipc.open_file(src).read_all()
+            chunk = {name: t.column(name).to_numpy() for name in t.column_names}
+            chunk["storages"] = s.column("storages").to_numpy()
+            yield chunk
+        yield from self.mem_chunks
+
+    def close(self):
+        if self.spill_path is not None:
+            shutil.rmtree(self.spill_path, ignore_errors=True)
+            self.spill_path = None
+
+    # -- errors --------------------------------------------------------------
+    def add_error(self, **row) -> int:
+        eid = len(self.errors)
+        row["error_id"] = eid
+        self.errors.append(row)
+        return eid
+
+    def tracer_error(self, where: str, exc: BaseException):
+        """A bug inside tensorscope: counted, never raised into user code."""
+        if len(self.tracer_errors) < 100:
+            self.tracer_errors.append(f"{where}: {type(exc).__name__}: {exc}")
+        else:
+            self.tracer_errors.append("")  # still counted

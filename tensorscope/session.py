@@ -1,0 +1,371 @@
+"""The live session: ``trace(**options)`` installs the modes and hooks, restores them, builds the Trace.
+
+Order on entry: module hooks, then the function mode (outer), then the
+dispatch mode (inner). On exit everything is undone in reverse before any
+table is built, so a failure while building can never leave a mode behind,
+and it is undone on exceptions and KeyboardInterrupt alike. Only one trace
+records per thread: entering a second raises ``TraceActiveError`` (double
+recording would attribute every op twice).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import warnings
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from .errors import TraceActiveError
+from .options import TraceOptions
+from .recorder import Recorder
+
+_local = threading.local()
+_last = None
+_history: List[Any] = []
+_HISTORY_MAX = 64
+_warned_tracer_bug = False
+
+
+def active_session():
+    return getattr(_local, "session", None)
+
+
+def last():
+    """The most recent Trace of this process (``%%tensorscope`` and ``trace()`` set it)."""
+    return _last
+
+
+def history() -> List[Any]:
+    """Traces kept by ``%tensorscope on`` and ``%%tensorscope``, oldest first (at most 64)."""
+    return list(_history)
+
+
+def _remember(t, keep_history: bool):
+    global _last
+    _last = t
+    if keep_history:
+        _history.append(t)
+        del _history[:-_HISTORY_MAX]
+
+
+class Session:
+    """Everything one trace needs while it records. Holds no tensor."""
+
+    def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
+                 keep_history: bool = False):
+        from .modes.modules import ModuleTracker
+        from .tracking.storages import StorageTracker
+
+        self.options = options
+        self.cell = cell
+        self.cell_source = cell_source
+        self.keep_history = keep_history
+        self.rec = Recorder(options.chunk_rows, options.spill_rows, options.spill_dir)
+        self.seq = 0
+        self.recording = False
+        self.want_source = options.source
+        self.call_stack: List[int] = []
+        self.current_call = -1
+        self.node_names: Dict[type, int] = {}
+        self.last_exc_id = None
+        self.last_error_id = -1
+        self.modules = ModuleTracker(self.rec)
+        # seq - 1: the op running or last finished when the storage appeared or died
+        self.tracker = StorageTracker(self.rec, lambda: self.seq - 1) if options.storages else None
+        self.capture = None
+        self.screen = None
+        self.shadow = None
+        self.cuda_timer = None
+        self.kernels = None
+        self.t0 = 0
+        self.wall_ns = 0
+        self.trace = None
+        self._fmode = None
+        self._dmode = None
+        self._entered = []
+
+    # -- recording helpers used by the modes ----------------------------------
+    def record_exception(self, e: BaseException, *, seq, call_id, op, info) -> int:
+        from .modes.source import user_frame_location
+
+        file, line = user_frame_location(3) if self.want_source else (None, None)
+        if call_id is not None and call_id >= 0:
+            src = self.rec.calls.src[call_id]
+            if src:
+                file, line = self.rec.sources.values[src]
+        info = info or {}
+        msg = info.get("message") or _first_line_message(e)
+        return self.rec.add_error(
+            kind="exception", py_type=type(e).__name__, cpp_type=info.get("cpp_type"), message=msg,
+            cpp_file=info.get("cpp_file"), cpp_line=info.get("cpp_line"), cpp_function=info.get("cpp_function"),
+            seq=seq, call_id=call_id if (call_id is not None and call_id >= 0) else None, op=op,
+            source_file=file, source_line=line, native=bool(info.get("native", False)), count=1,
+        )
+
+    def record_warnings(self, ws, *, call_id, seq, op=None):
+        rec = self.rec
+        file = line = None
+        if call_id is not None and call_id >= 0:
+            src = rec.calls.src[call_id]
+            if src:
+                file, line = rec.sources.values[src]
+        for w in ws:
+            wseq = seq if seq is not None else (self.seq - 1 if self.seq > 0 else None)
+            wop = op
+            if wop is None and wseq is not None and wseq >= 0:
+                wop = "?"   # resolved to the op name when the tables are built
+            rec.add_error(
+                kind="warning", py_type=w.get("category") or "UserWarning", cpp_type=None,
+                message=w.get("message"), cpp_file=w.get("cpp_file"), cpp_line=w.get("cpp_line"),
+                cpp_function=w.get("cpp_function"), seq=wseq, call_id=call_id if (call_id is not None and call_id >= 0) else None,
+                op=None if wop == "?" else wop, source_file=file, source_line=line, native=bool(w.get("native", False)), count=1,
+            )
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self):
+        if active_session() is not None:
+            raise TraceActiveError(
+                "a tensorscope trace is already recording on this thread; nested traces would record every op "
+                "twice. Exit the outer trace first (or use %tensorscope off).")
+        from .modes.dispatch import TracingDispatchMode
+        from .modes.function import TracingFunctionMode
+
+        opts = self.options
+        _warm_up()
+        self._setup_probes()
+        self._fmode = TracingFunctionMode(self)
+        self._dmode = TracingDispatchMode(self)
+        _local.session = self
+        try:
+            if opts.modules:
+                self.modules.install()
+                self._entered.append("modules")
+            self._fmode.__enter__()
+            self._entered.append("function")
+            self._dmode.__enter__()
+            self._entered.append("dispatch")
+        except BaseException:
+            self._restore()
+            raise
+        self.t0 = time.perf_counter_ns()
+        self.recording = True
+
+    def _setup_probes(self):
+        opts = self.options
+        try:
+            from . import native
+
+            self.capture = native.open_capture(native=opts.native, cpp_errors=opts.cpp_errors)
+        except Exception as e:
+            self.capture = None
+            self.rec.notes.append(f"warning/error capture unavailable: {type(e).__name__}: {e}")
+        if opts.nonfinite:
+            try:
+                from .modes.numerics import NonfiniteScreen
+
+                self.screen = NonfiniteScreen()
+            except Exception as e:
+                self.rec.notes.append(f"non-finite screen unavailable: {e}")
+        if opts.numerics:
+            from .modes.numerics import NumericsShadow
+
+            self.shadow = NumericsShadow(mode=opts.numerics)
+        if opts.cuda_timing and torch.cuda.is_available():
+            try:
+                from .timing.cuda import CudaOpTimer
+
+                self.cuda_timer = CudaOpTimer()
+            except Exception as e:
+                self.rec.notes.append(f"CUDA timing unavailable: {e}")
+        if opts.kernels:
+            try:
+                from .timing.kernels import KernelCollector
+
+                self.kernels = KernelCollector.shared()
+                self.kernels.begin_window()
+            except Exception as e:
+                self.kernels = None
+                self.rec.notes.append(f"kernel collection unavailable: {e}")
+
+    def _restore(self):
+        """Undo modes and hooks, innermost first. Safe to call twice."""
+        self.recording = False
+        errors = []
+        if "dispatch" in self._entered:
+            try:
+                _exit_mode(self._dmode, _get_current_dispatch_mode_stack)
+            except BaseException as e:
+                errors.append(e)
+        if "function" in self._entered:
+            try:
+                from torch.overrides import _get_current_function_mode_stack
+
+                _exit_mode(self._fmode, _get_current_function_mode_stack)
+            except BaseException as e:
+                errors.append(e)
+        if "modules" in self._entered:
+            self.modules.remove()
+        self._entered = []
+        if self.tracker is not None:
+            pass  # storages stay watched until the tables are built (free_seq of late frees)
+        if getattr(_local, "session", None) is self:
+            _local.session = None
+        if self.capture is not None:
+            try:
+                self.capture.close()
+            except Exception as e:
+                errors.append(e)
+        for e in errors:
+            self.rec.tracer_error("restore", e)
+
+    def stop(self, exc: Optional[BaseException] = None):
+        """Stop recording, restore global state, build and return the Trace."""
+        end = time.perf_counter_ns()
+        self.wall_ns = end - self.t0 if self.t0 else 0
+        self._restore()
+        if exc is not None:
+            self._note_cell_exception(exc)
+        from .build import build_trace
+
+        try:
+            self.trace = build_trace(self)
+        finally:
+            if self.tracker is not None:
+                self.tracker.close()
+            self.rec.close()
+        _remember(self.trace, self.keep_history)
+        _warn_tracer_bugs(self.trace)
+        return self.trace
+
+    def _note_cell_exception(self, exc: BaseException):
+        """An exception that left the traced block: recorded once (modes may have seen it already)."""
+        if self.last_exc_id == id(exc):
+            return
+        file = line = None
+        tb = exc.__traceback__
+        # the innermost frame outside torch/tensorscope: where the user's code raised
+        from .modes.source import _is_internal
+
+        while tb is not None:
+            if not _is_internal(tb.tb_frame.f_code):
+                file, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+            tb = tb.tb_next
+        self.last_error_id = self.rec.add_error(
+            kind="exception", py_type=type(exc).__name__, cpp_type=None, message=_first_line_message(exc),
+            cpp_file=None, cpp_line=None, cpp_function=None, seq=None, call_id=None, op=None,
+            source_file=file, source_line=line, native=False, count=1)
+        self.last_exc_id = id(exc)
+
+
+_warmed = False
+
+
+def _warm_up():
+    """One-time imports the first dispatch would trigger (torch._dynamo: seconds), kept out of the timings."""
+    global _warmed
+    if _warmed:
+        return
+    _warmed = True
+    try:
+        import torch._dynamo  # noqa: F401  (every mode's __torch_dispatch__ runs under a dynamo-disable wrapper)
+        import torch.utils.flop_counter  # noqa: F401
+    except Exception:
+        pass
+
+
+def _exit_mode(mode, stack_fn):
+    """Pop ``mode``, also when user code left other modes above it (they are re-pushed)."""
+    stack = stack_fn()
+    if not any(m is mode for m in stack):
+        return
+    above = []
+    if stack and stack[-1] is not mode:
+        while stack_fn() and stack_fn()[-1] is not mode:
+            top = stack_fn()[-1]
+            top.__exit__(None, None, None)
+            above.append(top)
+    mode.__exit__(None, None, None)
+    for m in reversed(above):
+        m.__enter__()
+
+
+def _first_line_message(e: BaseException) -> str:
+    try:
+        msg = str(e)
+    except Exception:
+        msg = repr(e)
+    return msg
+
+
+def _warn_tracer_bugs(t):
+    global _warned_tracer_bug
+    n = t.metadata.get("tracer_errors", 0)
+    if n and not _warned_tracer_bug:
+        _warned_tracer_bug = True
+        first = (t.metadata.get("tracer_error_messages") or ["?"])[0]
+        warnings.warn(f"tensorscope: {n} internal error(s) while tracing were contained (first: {first}); "
+                      "the program ran unchanged but the trace may be incomplete. Please report this.",
+                      RuntimeWarning, stacklevel=3)
+
+
+def raise_for_guards(t):
+    """Cell guards (``expect=``, ``max_casts=``): raise GuardError after the block, trace kept."""
+    if not (t.metadata.get("options", {}).get("expect") or t.metadata.get("options", {}).get("max_casts") is not None):
+        return
+    from .analyses.guards import check_guards
+    from .errors import GuardError
+
+    failures = check_guards(t)
+    if failures:
+        raise GuardError("tensorscope guard failed:\n" + "\n".join(f"  - {f}" for f in failures), t, failures)
+
+
+class trace:
+    """Record every torch-level call and ATen op run inside the block.
+
+    ``with tensorscope.trace() as t: ...`` — after the block ``t`` is the
+    finished, immutable ``tensorscope.Trace`` (attribute access is
+    forwarded to it). Options are keyword-only, see ``TraceOptions``.
+    """
+
+    def __init__(self, **options):
+        self._cell = options.pop("_cell", None)
+        self._cell_source = options.pop("_cell_source", None)
+        self._keep_history = options.pop("_keep_history", False)
+        self.options = TraceOptions.from_kwargs(options)
+        self._session: Optional[Session] = None
+        self._trace = None
+
+    def __enter__(self):
+        self._session = Session(self.options, cell=self._cell, cell_source=self._cell_source,
+                                keep_history=self._keep_history)
+        self._session.start()
+        return self
+
+    def __exit__(self, et, ev, tb):
+        self._trace = self._session.stop(ev)
+        self._session = None
+        if ev is None:
+            raise_for_guards(self._trace)
+        return False
+
+    @property
+    def result(self):
+        if self._trace is None:
+            raise AttributeError("the trace is still recording; its tables exist once the with-block exits")
+        return self._trace
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.result, name)
+
+    def __repr__(self):
+        return repr(self._trace) if self._trace is not None else "<tensorscope.trace (recording)>"
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return self.result._repr_mimebundle_(include, exclude)

@@ -1,0 +1,107 @@
+"""Storage tracking by weak reference: the ``tensors`` table and alloc/free events.
+
+Storages, not tensors (design.md §4): a tensor that autograd saves as an output
+is a different TensorImpl whose Python object dies while its memory lives. The
+``UntypedStorage`` Python object, in contrast, is preserved by torch as long as
+the C++ storage lives, so ``weakref.ref(storage, callback)`` fires exactly when
+the memory is released. One weak reference per storage first seen, keyed by
+its data pointer; the callback records ``free_seq`` and drops the entry, so a
+reused address is a new storage. Holding these weak references keeps nothing
+alive. Zero-byte and meta storages (data pointer 0) and wrapper subclasses
+(which raise on storage access) get storage id -1: unknown.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class LiveStorage:
+    """A storage the trace created that is alive at its end (for the leak finder)."""
+
+    storage_id: int
+    ref: Any                 # weakref.ref to the torch.UntypedStorage; call it, may return None
+    data_ptr: int
+    nbytes: int
+    device: str
+    dtype: str
+    shape: Tuple[int, ...]
+    alloc_seq: Optional[int]
+    alloc_op: Optional[str]
+    cell: Optional[int]
+    source_file: Optional[str]
+    source_line: Optional[int]
+
+
+class StorageTracker:
+    """Assigns storage ids by data pointer and watches each storage's death."""
+
+    def __init__(self, rec, seq_fn: Callable[[], int]):
+        self.rec = rec
+        self.cols = rec.tensors
+        self._seq = seq_fn
+        self.by_ptr: Dict[int, int] = {}          # live data_ptr -> storage id
+        self.refs: Dict[int, weakref.ref] = {}    # storage id -> weakref (live ones)
+        self.ptrs: List[int] = []                 # storage id -> data_ptr
+        self.devices: List[str] = []
+        self.closed = False
+        self._cb_cache: Dict[int, Callable] = {}
+
+    def _freed(self, sid: int):
+        # Runs from the weakref callback, at an arbitrary point: keep it tiny.
+        if self.closed:
+            return
+        self.cols.free_seq[sid] = self._seq()
+        self.refs.pop(sid, None)
+        ptr = self.ptrs[sid]
+        if self.by_ptr.get(ptr) == sid:
+            del self.by_ptr[ptr]
+
+    def storage_id(self, storage, meta_id: int, alloc: bool, module_id: int, call_id: int) -> int:
+        """Id of ``storage`` (an UntypedStorage); registers it when first seen.
+
+        ``alloc`` says whether it appeared as an op output (created by the trace)
+        rather than as an input that existed before.
+        """
+        ptr = storage.data_ptr()
+        if ptr == 0:
+            return -1
+        sid = self.by_ptr.get(ptr)
+        if sid is not None:
+            return sid
+        sid = len(self.ptrs)
+        cols = self.cols
+        try:
+            ref = weakref.ref(storage, lambda _r, sid=sid: self._freed(sid))
+        except TypeError:
+            return -1
+        self.by_ptr[ptr] = sid
+        self.refs[sid] = ref
+        self.ptrs.append(ptr)
+        cols.meta.append(meta_id)
+        cols.nbytes.append(storage.nbytes())
+        cols.alloc_seq.append(self._seq() if alloc else -1)
+        cols.free_seq.append(-1)
+        cols.module.append(module_id)
+        cols.call.append(call_id)
+        return sid
+
+    def live_created(self) -> List[Tuple[int, Any]]:
+        """(storage id, weakref) of storages the trace created that are still alive."""
+        alloc = self.cols.alloc_seq
+        free = self.cols.free_seq
+        out = []
+        for sid, ref in list(self.refs.items()):
+            if alloc[sid] >= 0 and free[sid] < 0 and ref() is not None:
+                out.append((sid, ref))
+        return out
+
+    def close(self):
+        """Stop watching: the callbacks become no-ops and the weak refs are dropped."""
+        self.closed = True
+        self.refs.clear()
+        self.by_ptr.clear()
