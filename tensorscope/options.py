@@ -97,7 +97,10 @@ def argparse_arguments() -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
     for f in fields():
         md = f.metadata
         flags = cli_flag(f)
-        kw: Dict[str, Any] = {"dest": f.name, "help": md["help"]}
+        help_ = md["help"]
+        if md.get("type") is None and f.default is True:
+            help_ = "don't " + help_
+        kw: Dict[str, Any] = {"dest": f.name, "help": help_}
         if md.get("type") is None:  # boolean switch
             if f.default is True:
                 kw.update(action="store_const", const=False, default=None)

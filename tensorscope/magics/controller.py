@@ -1,0 +1,240 @@
+"""Per-shell state of the IPython integration: pending cells, the running trace, always-on mode.
+
+The code injected into a traced cell calls ``tensorscope.magics._cell.begin(token)``
+and ``end(token, value)``, which land here. Tokens tie the injected calls to the
+options parsed for that very cell, so a cell that was transformed but never run
+cannot hand its options to another.
+"""
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+_CELL_RE = re.compile(r"^\s*%%tensorscope(?:\s+(?P<args>.*))?$")
+_MARK = "__import__('tensorscope.magics._cell', fromlist=['_']).begin({token})"
+_controllers: Dict[int, "Controller"] = {}
+
+
+@dataclass
+class CellRequest:
+    token: int
+    options: Dict[str, Any]
+    output: Optional[str] = None
+    save: Optional[str] = None
+    quiet: bool = False
+    cell_source: str = ""
+    keep_history: bool = True
+    trace_cm: Any = None
+    result: Any = None
+    error: Optional[BaseException] = field(default=None, repr=False)
+    ended: bool = False
+
+
+def get_controller(shell, create: bool = True) -> Optional["Controller"]:
+    ctl = _controllers.get(id(shell))
+    if ctl is None and create:
+        ctl = _controllers[id(shell)] = Controller(shell)
+    return ctl
+
+
+class Controller:
+    def __init__(self, shell):
+        self.shell = shell
+        self.installed = False
+        self._tokens = itertools.count(1)
+        self.pending: Dict[int, CellRequest] = {}
+        self.active: Optional[CellRequest] = None
+        self.finished: Optional[CellRequest] = None
+        self.always_on: Optional[Dict[str, Any]] = None   # options of %tensorscope on, or None
+        self._armed = False   # set by pre_run_cell: the next AST transform is the cell's own (not %timeit's)
+        self._ast = _Injector(self)
+
+    # -- install -------------------------------------------------------------
+    def install(self):
+        sh = self.shell
+        sh.input_transformers_cleanup.insert(0, self.transform_lines)
+        sh.ast_transformers.append(self._ast)
+        sh.events.register("post_run_cell", self.post_run_cell)
+        sh.events.register("pre_run_cell", self.pre_run_cell)
+        self.installed = True
+
+    def uninstall(self):
+        sh = self.shell
+        self._stop_active(None)
+        for lst, item in ((sh.input_transformers_cleanup, self.transform_lines), (sh.ast_transformers, self._ast)):
+            while item in lst:
+                lst.remove(item)
+        for ev, fn in (("post_run_cell", self.post_run_cell), ("pre_run_cell", self.pre_run_cell)):
+            try:
+                sh.events.unregister(ev, fn)
+            except ValueError:
+                pass
+        self.installed = False
+        _controllers.pop(id(sh), None)
+
+    # -- step 1: the raw cell ---------------------------------------------------
+    def transform_lines(self, lines):
+        if not lines:
+            return lines
+        m = _CELL_RE.match(lines[0].rstrip("\n"))
+        if m is None:
+            return lines
+        argline = (m.group("args") or "").strip()
+        if argline.endswith("?"):
+            return lines          # %%tensorscope? is help: IPython handles it
+        from .magics import parse_cell_args
+
+        try:
+            req = parse_cell_args(argline)
+        except BaseException:
+            return lines          # the real cell magic reports the usage error, runs nothing
+        req.token = next(self._tokens)
+        req.cell_source = "".join(lines[1:])
+        self.pending[req.token] = req
+        while len(self.pending) > 32:   # transformed but never run (e.g. inspection): forget
+            self.pending.pop(next(iter(self.pending)))
+        # the magic's line becomes the call that starts the trace (line numbers stay true)
+        return [_MARK.format(token=req.token) + "  # " + lines[0].strip() + "\n"] + lines[1:]
+
+    # -- step 2: runtime calls from the cell ------------------------------------
+    def begin(self, token: int):
+        req = self.pending.pop(token, None)
+        if req is None:
+            return
+        self._stop_active(None)   # a trace left by an interrupted cell ends here
+        from ..session import trace
+
+        cell = getattr(self.shell, "execution_count", None)
+        req.trace_cm = trace(**req.options, _cell=cell, _cell_source=req.cell_source, _keep_history=req.keep_history)
+        self.active = req
+        req.trace_cm.__enter__()
+
+    def end(self, token: int, value):
+        req = self.active
+        if req is None or req.token != token:
+            return value
+        self._finish(req, None)
+        if req.error is not None:
+            err, req.error = req.error, None
+            raise err
+        return value
+
+    def _finish(self, req: CellRequest, exc: Optional[BaseException]):
+        from ..errors import GuardError
+
+        self.active = None
+        req.ended = True
+        try:
+            req.trace_cm.__exit__(type(exc) if exc else None, exc, None)
+        except GuardError as g:
+            req.error = g
+        req.result = req.trace_cm._trace
+        if req.output:
+            self.shell.user_ns[req.output] = req.result
+        self.finished = req
+
+    def _stop_active(self, exc):
+        if self.active is not None:
+            try:
+                self._finish(self.active, exc)
+            except Exception as e:  # never break the shell
+                print(f"tensorscope: could not stop the previous trace: {e}", file=sys.stderr)
+
+    # -- events -------------------------------------------------------------------
+    def pre_run_cell(self, info=None):
+        self._armed = True
+        self._raw_cell = getattr(info, "raw_cell", "") or ""
+        if self.active is not None:
+            self._stop_active(KeyboardInterrupt("cell interrupted before the trace could stop"))
+            self.finished = None
+
+    def post_run_cell(self, result=None):
+        if self.active is not None:
+            exc = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
+            self._stop_active(exc)
+        req, self.finished = self.finished, None
+        if req is None or req.result is None:
+            return
+        t = req.result
+        if req.save:
+            try:
+                path = t.save(req.save)
+                t.metadata["saved_to"] = path
+            except Exception as e:
+                print(f"tensorscope: {e}", file=sys.stderr)
+        if not req.quiet:
+            try:
+                from IPython.display import display
+
+                display(t)
+            except Exception as e:
+                print(f"tensorscope: could not display the summary: {e}", file=sys.stderr)
+
+
+class _Injector(ast.NodeTransformer):
+    """Wraps the last expression of a marked (or, when always-on, any) cell in ``end(token, value)``."""
+
+    def __init__(self, ctl: Controller):
+        self.ctl = ctl
+
+    def visit_Module(self, node):
+        body = node.body
+        armed, self.ctl._armed = self.ctl._armed, False
+        token = _marker_token(body[0]) if body else None
+        if token is None and armed and self.ctl.always_on is not None and body and not _only_tensorscope_magic(body):
+            token = next(self.ctl._tokens)
+            req = CellRequest(token=token, options=dict(self.ctl.always_on), quiet=True,
+                              cell_source=getattr(self.ctl, "_raw_cell", ""))
+            self.ctl.pending[token] = req
+            body.insert(0, ast.copy_location(_call_stmt("begin", token), body[0]))
+        if token is None:
+            return node
+        last = body[-1]
+        if isinstance(last, ast.Expr) and len(body) > 1:
+            last.value = ast.copy_location(_call("end", token, last.value), last.value)
+        else:
+            body.append(ast.copy_location(_call_stmt("end", token, ast.Constant(None)), last))
+        ast.fix_missing_locations(node)
+        return node
+
+
+def _runtime():
+    return ast.Call(func=ast.Name(id="__import__", ctx=ast.Load()),
+                    args=[ast.Constant("tensorscope.magics._cell")],
+                    keywords=[ast.keyword(arg="fromlist", value=ast.List(elts=[ast.Constant("_")], ctx=ast.Load()))])
+
+
+def _call(name, token, *args):
+    return ast.Call(func=ast.Attribute(value=_runtime(), attr=name, ctx=ast.Load()),
+                    args=[ast.Constant(token), *args], keywords=[])
+
+
+def _call_stmt(name, token, *args):
+    return ast.Expr(value=_call(name, token, *args))
+
+
+def _marker_token(stmt) -> Optional[int]:
+    try:
+        call = stmt.value
+        if (isinstance(stmt, ast.Expr) and isinstance(call, ast.Call) and call.func.attr == "begin"
+                and isinstance(call.func.value, ast.Call) and call.func.value.args[0].value == "tensorscope.magics._cell"):
+            return int(call.args[0].value)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        pass
+    return None
+
+
+def _only_tensorscope_magic(body) -> bool:
+    """A cell that only runs %tensorscope line magics (on/off/last...) is not itself traced."""
+    for stmt in body:
+        try:
+            call = stmt.value
+            if not (call.func.attr == "run_line_magic" and call.args[0].value == "tensorscope"):
+                return False
+        except (AttributeError, IndexError):
+            return False
+    return True

@@ -1,0 +1,151 @@
+"""The ``%%tensorscope`` cell magic and the ``%tensorscope`` line magic.
+
+Options come from ``TraceOptions`` (one declaration) plus the magic's own
+``-o/--output``, ``--save`` and ``--quiet``, so ``%%tensorscope?`` lists them all.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .. import options as O
+from .controller import CellRequest
+
+MAGIC_ONLY = [
+    (("-o", "--output"), dict(dest="output", metavar="VAR", default=None,
+                              help="store the Trace in this variable of the user namespace")),
+    (("--save",), dict(dest="save", metavar="PATH", default=None,
+                       help="save the trace as a parquet directory at PATH after the cell")),
+    (("-q", "--quiet"), dict(dest="quiet", action="store_true", default=False,
+                             help="do not display the summary")),
+]
+
+
+def _with_options(func):
+    for flags, kw in reversed(O.argparse_arguments()):
+        func = argument(*flags, **kw)(func)
+    for flags, kw in reversed(MAGIC_ONLY):
+        func = argument(*flags, **kw)(func)
+    return magic_arguments(name="%tensorscope")(func)
+
+
+def _parse(func, argline: str):
+    args = parse_argstring(func, argline)
+    opts = O.from_namespace(args)
+    try:
+        O.TraceOptions.from_kwargs(opts)   # validate now: a bad value runs nothing
+    except Exception as e:
+        raise UsageError(str(e)) from None
+    return args, opts
+
+
+def parse_cell_args(argline: str) -> CellRequest:
+    args, opts = _parse(TensorscopeMagics.tensorscope_cell, argline)
+    return CellRequest(token=0, options=opts, output=args.output, save=args.save, quiet=args.quiet)
+
+
+LINE_HELP = """%tensorscope SUBCOMMAND
+
+  last              display the most recent trace (tensorscope.last())
+  save PATH         save the most recent trace as a parquet directory
+  on [OPTIONS]      trace every following cell (one Trace per cell, see tensorscope.history());
+                    OPTIONS are those of %%tensorscope (see %%tensorscope?)
+  off               stop tracing every cell
+  history           list the traces kept this session
+  leaks [--min-bytes N] [--device D] [-o VAR]
+                    every live tensor storage of the notebook, who holds it, and the fix
+  env               torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings
+  help              this text
+"""
+
+
+@magics_class
+class TensorscopeMagics(Magics):
+    def __init__(self, shell, controller):
+        super().__init__(shell)
+        self.ctl = controller
+
+    @_with_options
+    @cell_magic("tensorscope")
+    def tensorscope_cell(self, line, cell):
+        """Trace the cell: every torch-level call and ATen op, as Arrow tables.
+
+        The cell runs exactly as without the magic (its last expression displays,
+        Out, line numbers, %-magics and top-level await are unchanged), then a
+        summary is displayed. ``-o t`` keeps the Trace in ``t``; ``tensorscope.last()``
+        always has it.
+        """
+        # Reached only when the input transformer did not take the cell (options
+        # that fail to parse raise UsageError here and nothing runs), or when the
+        # magic is called programmatically: then run the body as a nested cell.
+        args, opts = _parse(TensorscopeMagics.tensorscope_cell, line)
+        from ..session import trace
+
+        cm = trace(**opts, _cell=getattr(self.shell, "execution_count", None), _cell_source=cell, _keep_history=True)
+        with cm:
+            self.shell.run_cell(cell, store_history=False)
+        t = cm.result
+        if args.output:
+            self.shell.user_ns[args.output] = t
+        if args.save:
+            try:
+                t.metadata["saved_to"] = t.save(args.save)
+            except Exception as e:
+                print(f"tensorscope: {e}", file=sys.stderr)
+        if not args.quiet:
+            from IPython.display import display
+
+            display(t)
+
+    @line_magic("tensorscope")
+    def tensorscope_line(self, line):
+        """%tensorscope last | save PATH | on [OPTIONS] | off | history | leaks | env | help"""
+        parts = shlex.split(line)
+        if not parts or parts[0] in ("help", "-h", "--help"):
+            print(LINE_HELP)
+            return None
+        cmd, rest = parts[0], line.strip()[len(parts[0]):].strip()
+        from .. import session
+
+        if cmd == "last":
+            t = session.last()
+            if t is None:
+                raise UsageError("no trace yet: run a cell with %%tensorscope first")
+            return t
+        if cmd == "save":
+            if len(parts) != 2:
+                raise UsageError("usage: %tensorscope save PATH")
+            t = session.last()
+            if t is None:
+                raise UsageError("no trace to save: run a cell with %%tensorscope first")
+            path = t.save(parts[1])
+            t.metadata["saved_to"] = path
+            print(f"tensorscope: saved to {path}")
+            return None
+        if cmd == "on":
+            req = parse_cell_args(rest)
+            self.ctl.always_on = dict(req.options)
+            print("tensorscope: tracing every cell from now on (%tensorscope off to stop; tensorscope.history() keeps them)")
+            return None
+        if cmd == "off":
+            was = self.ctl.always_on is not None
+            self.ctl.always_on = None
+            print("tensorscope: always-on tracing is off" if was else "tensorscope: always-on tracing was not on")
+            return None
+        if cmd == "history":
+            for t in session.history():
+                print(repr(t))
+            return None
+        if cmd == "leaks":
+            from .leaks import leaks_magic
+
+            return leaks_magic(self.shell, rest)
+        if cmd == "env":
+            from ..env import env
+
+            return env()
+        raise UsageError(f"unknown %tensorscope subcommand {cmd!r}\n\n{LINE_HELP}")
