@@ -98,13 +98,13 @@ class _Ctx:
         self.modules = pa.array(rec.modules.values, pa.string())
         self.nodes = pa.array(rec.nodes.values, pa.string())
         n_calls = rec.n_calls
-        call_src = np.frombuffer(rec.calls.src, dtype=np.int32).astype(np.int64) if n_calls else np.zeros(0, np.int64)
+        call_src = rec.calls.column("src").copy()
         src_vals = rec.sources.values
         self.src_files = pa.array([None if v is None else v[0] for v in src_vals], pa.string())
         self.src_lines = pa.array([None if v is None else v[1] for v in src_vals], pa.int64())
         self.call_src = call_src
         func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
-        call_func = np.frombuffer(rec.calls.func, dtype=np.int32) if n_calls else np.zeros(0, np.int32)
+        call_func = rec.calls.column("func")
         self.call_free = np.array([func_names[i] in EXPECT_FREE_CALLS for i in call_func], dtype=bool) if n_calls else np.zeros(0, bool)
         short = self.ops["short"]
         self.copy_op = np.array([s in COPY_OPS for s in short] or [False], dtype=bool)
@@ -301,7 +301,8 @@ def _calls_table(sess, ctx: _Ctx):
     n = rec.n_calls
     if n == 0:
         return S.empty("calls")
-    a = {k: np.frombuffer(getattr(c, k), dtype=np.int32 if code == "i" else np.int64)[:n] for k, code in c.spec}
+    m = c.matrix()
+    a = {k: m[:n, i] for i, k in enumerate(c.fields)}
     funcs = rec.call_funcs.values
     names = pa.array([getattr(f, "__name__", str(f)) for f in funcs], pa.string())
     qual = pa.array([_qualname(f) for f in funcs], pa.string())
@@ -465,7 +466,7 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     try:
         from .env import env
 
-        device = env().to_dict()
+        device = env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
     except Exception as e:
         device = {"error": str(e)}
     cap = sess.capture
@@ -497,6 +498,7 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         "tracer_error_messages": [m for m in rec.tracer_errors[:20] if m],
         "native": native,
         "compiled_calls": compiled,
+        "opaque_ops": sess.opaque_ops,
         "notes": list(rec.notes) + list(notes),
     }
 

@@ -22,6 +22,9 @@ def run_sql(trace, query: str, *, arrow: bool = False):
             if name in words:
                 con.register(name, trace.table(name))
         rel = con.execute(query)
-        return rel.fetch_arrow_table() if arrow else rel.df()
+        if arrow:
+            fetch = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table   # duckdb >= 1.4 / older
+            return fetch()
+        return rel.df()
     finally:
         con.close()

@@ -147,6 +147,8 @@ class TracingDispatchMode(TorchDispatchMode):
             if node is None:
                 node_id = 0
                 seq_nr = _get_seq_nr() - 1
+                if call_id < 0:
+                    s.opaque_ops += 1   # no torch-level call around it: compiled code or a C++ caller
             else:
                 flags |= F_BACKWARD
                 nt = type(node)
@@ -256,18 +258,7 @@ class TracingDispatchMode(TorchDispatchMode):
         if not -1 <= flop < 1 << 62:
             flop = -1
         # every value is computed above: the appends below cannot fail half-way and misalign columns
-        cols = rec.ops
-        cols.op.append(info.op_id)
-        cols.ins.append(in_id)
-        cols.outs.append(out_id)
-        cols.alias.append(alias_id)
-        cols.module.append(module_id)
-        cols.call.append(call_id)
-        cols.node.append(node_id)
-        cols.seq_nr.append(seq_nr)
-        cols.flags.append(flags)
-        cols.flops.append(flop)
-        cols.start.append(t0 - s.t0)
-        cols.dur.append(t1 - t0)
+        rec.ops.data.extend((info.op_id, in_id, out_id, alias_id, module_id, call_id, node_id, seq_nr, flags, flop,
+                             t0 - s.t0, t1 - t0))
         if seq + 1 - rec.chunk_start >= rec.chunk_rows:
             rec.end_chunk()

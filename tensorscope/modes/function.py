@@ -14,6 +14,7 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
 from .source import user_frame_location
 
 # torch-level functions that are bookkeeping, not work: never recorded
@@ -28,6 +29,10 @@ NOISE_NAMES = frozenset({
 })
 
 _perf = time.perf_counter_ns
+try:
+    _is_compiling = torch.compiler.is_compiling
+except AttributeError:  # torch < 2.3
+    _is_compiling = lambda: False  # noqa: E731
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
@@ -62,35 +67,30 @@ class TracingFunctionMode(TorchFunctionMode):
         if keep is None:
             keep = self._kinds[func] = _classify(func)
         s = self.s
-        if not keep or not s.recording:
+        # While Dynamo traces this handler, is_compiling() is True: it then inlines a
+        # plain call (no frame walk, no graph break), and compiled code stays compiled.
+        if not keep or not s.recording or _is_compiling():
             return func(*args, **kwargs)
         rec = s.rec
-        cols = rec.calls
+        data = rec.calls.data
         try:
             cid = rec.n_calls
             rec.n_calls = cid + 1
             parent = s.call_stack[-1] if s.call_stack else -1
             if parent >= 0:
-                src = cols.src[parent]   # nested calls inherit the user line
+                src = data[parent * CALL_WIDTH + C_SRC]   # nested calls inherit the user line
             elif s.want_source:
                 src = rec.sources(user_frame_location(2))
             else:
                 src = 0
-            cols.func.append(rec.call_funcs(func))
-            cols.module.append(s.modules.current)
-            cols.src.append(src)
-            cols.first_seq.append(s.seq)
-            cols.n_ops.append(0)
-            cols.parent.append(parent)
-            cols.error.append(-1)
-            ac = autocast_state()
-            cols.autocast.append(rec.autocasts(ac) if ac else 0)
-            s.call_stack.append(cid)
-            s.current_call = cid
+            ac = autocast_state() if _any_autocast is None or _any_autocast() else None
             cap = s.capture
             token = cap.call_begin() if (cap is not None and parent < 0) else None
-            cols.start.append(_perf() - s.t0)
-            cols.dur.append(0)
+            # func, module, src, first_seq, n_ops, autocast, parent, error, start, dur
+            data.extend((rec.call_funcs(func), s.modules.current, src, s.seq, 0, rec.autocasts(ac) if ac else 0,
+                         parent, -1, _perf() - s.t0, 0))
+            s.call_stack.append(cid)
+            s.current_call = cid
         except Exception as e:  # a tracer bug must never reach user code
             rec.tracer_error("function mode (enter)", e)
             return func(*args, **kwargs)
@@ -99,20 +99,21 @@ class TracingFunctionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         except BaseException as e:
             try:
+                base = cid * CALL_WIDTH
                 if s.last_exc_id == id(e):
-                    cols.error[cid] = s.last_error_id
+                    data[base + C_ERROR] = s.last_error_id
                 else:
-                    cols.error[cid] = s.record_exception(e, seq=None, call_id=cid, op=None, info=None)
+                    data[base + C_ERROR] = s.last_error_id = s.record_exception(e, seq=None, call_id=cid, op=None, info=None)
                     s.last_exc_id = id(e)
-                    s.last_error_id = cols.error[cid]
             except Exception as e2:
                 rec.tracer_error("function mode (error)", e2)
             raise
         finally:
             t1 = _perf()
             try:
-                cols.dur[cid] = t1 - t0
-                cols.n_ops[cid] = s.seq - cols.first_seq[cid]
+                base = cid * CALL_WIDTH
+                data[base + C_DUR] = t1 - t0
+                data[base + C_N_OPS] = s.seq - data[base + C_FIRST_SEQ]
                 stack = s.call_stack
                 if stack and stack[-1] == cid:
                     stack.pop()

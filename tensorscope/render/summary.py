@@ -98,6 +98,10 @@ def overview(t) -> Section:
     if md.get("compiled_calls"):
         notes.append(f"{md['compiled_calls']} call(s) ran torch.compile'd code: only what the compiled artifact "
                      "dispatches is visible, not the ops it fused.")
+    if md.get("opaque_ops"):
+        notes.append(f"{md['opaque_ops']} forward op(s) ran outside any torch-level call the function mode saw: "
+                     "typically torch.compile'd code, which runs compiled and opaque (only the ops the compiled "
+                     "artifact dispatches are visible, not what it fused), or code called from C++.")
     if md.get("spilled_rows"):
         notes.append(f"{md['spilled_rows']} rows were spilled to disk while recording (trace larger than spill_rows).")
     if md.get("tracer_errors"):
@@ -126,6 +130,20 @@ def top_ops(t, k: int = 10) -> Optional[Section]:
         rows.append((r["op"], str(r["cpu_ns_count"]), fmt_ns(r["cpu_ns_sum"]), f"{100 * r['cpu_ns_sum'] / total:.1f}%",
                      fmt_bytes(r["bytes_written_sum"])))
     return Section("top ops by CPU time", rows, ("op", "calls", "CPU", "share", "written"))
+
+
+@register_section
+def modules_section(t, k: int = 8) -> Optional[Section]:
+    ops = t.ops
+    if ops.num_rows == 0:
+        return None
+    with_mod = ops.filter(pc.invert(pc.is_null(ops.column("module"))))
+    if with_mod.num_rows == 0:
+        return None
+    g = with_mod.group_by(["module", "phase"]).aggregate([("cpu_ns", "sum"), ("cpu_ns", "count")])
+    g = g.sort_by([("cpu_ns_sum", "descending")]).slice(0, k)
+    rows = [(r["module"], r["phase"], str(r["cpu_ns_count"]), fmt_ns(r["cpu_ns_sum"])) for r in g.to_pylist()]
+    return Section("time per module", rows, ("module", "phase", "ops", "CPU"))
 
 
 @register_section

@@ -1,0 +1,182 @@
+"""Side-by-side tracing overhead, in one process: eager vs an empty dispatch mode vs
+tensorscope vs DebugMode vs FlopCounterMode vs torch.profiler.
+
+Prints µs/op, overhead over eager, and overhead as a multiple of the empty
+TorchDispatchMode's overhead, on (a) a loop of small elementwise ops on 8×8
+tensors and (b) an MLP forward+backward. Then records a 1M-op trace and reports
+the time to build the Arrow tables and the resident bytes per recorded op.
+
+    python benchmarks/overhead.py [--quick] [--ops 1000000] [--json out.json]
+
+Numbers are relative: run on an idle machine, single thread (torch.set_num_threads(1)).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tensorscope
+
+
+class EmptyMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def small_ops(n_iter):
+    x = torch.randn(8, 8)
+    y = torch.randn(8, 8)
+
+    def run():
+        z = y
+        for _ in range(n_iter):
+            z = x + z
+            z = z * x
+            z = z.relu()
+        return z
+    return run, 3 * n_iter
+
+
+def mlp(n_steps, width=128, depth=4, batch=16):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(batch, width)
+
+    def run():
+        for _ in range(n_steps):
+            model.zero_grad(set_to_none=True)
+            loss = model(x).sum()
+            loss.backward()
+    with tensorscope.trace(leaks=False) as t:
+        for _ in range(1):
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+    return run, t.ops.num_rows * n_steps
+
+
+def contexts():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ctx = {
+        "eager": contextlib.nullcontext,
+        "empty dispatch mode": EmptyMode,
+        "tensorscope.trace()": lambda: tensorscope.trace(leaks=False),
+        "tensorscope (numerics=fp32)": lambda: tensorscope.trace(leaks=False, numerics="fp32"),
+        "tensorscope (no nonfinite)": lambda: tensorscope.trace(leaks=False, nonfinite=False),
+        "FlopCounterMode": lambda: FlopCounterMode(display=False),
+        "torch.profiler(record_shapes)": lambda: torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True),
+    }
+    try:
+        from torch.utils._debug_mode import DebugMode
+
+        ctx["DebugMode"] = DebugMode
+        ctx["DebugMode(record_torchfunction)"] = lambda: DebugMode(record_torchfunction=True)
+    except ImportError:
+        pass
+    return ctx
+
+
+def time_ctx(make, run, reps):
+    samples = []
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.perf_counter_ns()
+        with make():
+            run()
+        samples.append(time.perf_counter_ns() - t0)
+    return statistics.median(samples)
+
+
+def bench_workload(name, run, n_ops, reps):
+    ctx = contexts()
+    for make in ctx.values():   # warm-up: imports, caches, first-call costs
+        with make():
+            run()
+    res = {k: time_ctx(m, run, reps) / n_ops / 1e3 for k, m in ctx.items()}
+    eager = res["eager"]
+    empty = res["empty dispatch mode"] - eager
+    print(f"\n{name}: {n_ops} ops per run, median of {reps}")
+    print(f"{'context':34s} {'us/op':>9s} {'over eager':>11s} {'x empty-mode overhead':>22s}")
+    rows = {}
+    for k, v in res.items():
+        over = v - eager
+        mult = over / empty if empty > 0 else float("nan")
+        rows[k] = {"us_per_op": v, "overhead_us": over, "x_empty": mult}
+        print(f"{k:34s} {v:9.2f} {over:11.2f} {mult if k != 'eager' else float('nan'):22.2f}")
+    return rows
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def big_trace(n_ops):
+    from tensorscope.options import TraceOptions
+    from tensorscope.session import Session
+
+    x = torch.randn(8, 8)
+    sess = Session(TraceOptions(leaks=False, nonfinite=False))
+    gc.collect()
+    r0 = rss_bytes()
+    sess.start()
+    try:
+        z = x
+        for _ in range(n_ops // 2):
+            z = x + z
+            z = z.relu_()
+    finally:
+        r1 = rss_bytes()
+        t0 = time.perf_counter_ns()
+        t = sess.stop()
+        t1 = time.perf_counter_ns()
+    n = t.ops.num_rows
+    print(f"\n{n} ops recorded: resident while recording {(r1 - r0) / n:.1f} B/op; "
+          f"stop + build tables {(t1 - t0) / 1e6:.0f} ms = {(t1 - t0) / n:.2f} µs/op "
+          f"({t.metadata.get('spilled_rows', 0)} rows spilled)")
+    return {"n_ops": n, "rss_bytes_per_op": (r1 - r0) / n, "build_us_per_op": (t1 - t0) / n / 1e3}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
+    ap.add_argument("--ops", type=int, default=1_000_000, help="ops in the big trace (0 to skip)")
+    ap.add_argument("--json", help="also write the numbers here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    reps = 3 if a.quick else 7
+    out = {"torch": torch.__version__, "native": None}
+    try:
+        from tensorscope import native
+
+        out["native"] = native.status()
+    except Exception:
+        pass
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, native: {out['native']}")
+    run, n = small_ops(300 if a.quick else 1000)
+    out["small_ops"] = bench_workload("(a) small elementwise ops on 8x8", run, n, reps)
+    run, n = mlp(2 if a.quick else 10)
+    out["mlp"] = bench_workload("(b) MLP forward+backward (4x Linear(128)+ReLU, batch 16)", run, n, reps)
+    if a.ops:
+        out["big"] = big_trace(a.ops)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
