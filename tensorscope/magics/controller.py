@@ -108,7 +108,9 @@ class Controller:
         self._stop_active(None)   # a trace left by an interrupted cell ends here
         from ..session import trace
 
-        cell = getattr(self.shell, "execution_count", None)
+        cell = getattr(self, "_cell_count", None)
+        if cell is None:
+            cell = getattr(self.shell, "execution_count", None)
         req.trace_cm = trace(**req.options, _cell=cell, _cell_source=req.cell_source, _keep_history=req.keep_history)
         self.active = req
         req.trace_cm.__enter__()
@@ -148,6 +150,11 @@ class Controller:
     def pre_run_cell(self, info=None):
         self._armed = True
         self._raw_cell = getattr(info, "raw_cell", "") or ""
+        # IPython has already counted this cell when pre_run_cell fires
+        count = getattr(self.shell, "execution_count", None)
+        if count is not None and getattr(info, "store_history", False) and not getattr(info, "silent", False):
+            count -= 1
+        self._cell_count = count
         if self.active is not None:
             self._stop_active(KeyboardInterrupt("cell interrupted before the trace could stop"))
             self.finished = None
