@@ -1,0 +1,49 @@
+"""The main job behind `make demo`: execute examples/quickstart.ipynb headless in a real
+kernel (nbclient), then print the trace's summary from the parquet it wrote.
+
+    python examples/run_demo.py [--notebook examples/quickstart.ipynb] [--out runs]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--notebook", default=os.path.join(HERE, "quickstart.ipynb"))
+    ap.add_argument("--cwd", default=ROOT, help="working directory of the kernel (runs/ is written there)")
+    a = ap.parse_args(argv)
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(a.notebook, as_version=4)
+    t0 = time.time()
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": a.cwd}})
+    client.execute()
+    os.makedirs(os.path.join(a.cwd, "runs"), exist_ok=True)
+    executed = os.path.join(a.cwd, "runs", "quickstart.executed.ipynb")
+    nbformat.write(nb, executed)
+    print(f"executed {os.path.relpath(a.notebook, a.cwd)} in a real kernel in {time.time() - t0:.1f} s -> {executed}")
+
+    import tensorscope
+
+    path = os.path.join(a.cwd, "runs", "quickstart")
+    t = tensorscope.load(path)
+    print(t.summary().to_text())
+    print(f"\nparquet trace: {path}/ ({', '.join(sorted(os.listdir(path)))})")
+    top = t.sql("select op, count(*)::BIGINT as n, sum(cpu_ns)::BIGINT as cpu_ns from ops group by op "
+                "order by cpu_ns desc limit 5")
+    print("\ntop ops (DuckDB over the loaded trace):")
+    print(top.to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""``python -m tensorscope``: summary, export, sql, env and build-native from a shell."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tensorscope", description="tensorscope: traces of PyTorch programs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("summary", help="print the summary of a saved trace")
+    s.add_argument("path")
+    e = sub.add_parser("export", help="export a saved trace")
+    e.add_argument("path")
+    e.add_argument("--perfetto", metavar="OUT", required=True, help="write Chrome/Perfetto trace-event JSON here")
+    q = sub.add_parser("sql", help="run a DuckDB query over a saved trace's tables")
+    q.add_argument("path")
+    q.add_argument("query")
+    sub.add_parser("env", help="torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings")
+    b = sub.add_parser("build-native", help="build the native C++ hooks now (cached)")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from .errors import TensorscopeError
+
+    try:
+        if args.cmd == "build-native":
+            from .native import build_native_main
+
+            return int(build_native_main(args.rest) or 0)
+        if args.cmd == "env":
+            from .env import env
+
+            print(env())
+            return 0
+        from .io.parquet import load
+
+        t = load(args.path)
+        if args.cmd == "summary":
+            print(t.summary().to_text())
+        elif args.cmd == "export":
+            print(t.to_perfetto(args.perfetto))
+        elif args.cmd == "sql":
+            import pandas as pd
+
+            with pd.option_context("display.width", 200, "display.max_columns", 50):
+                print(t.sql(args.query).to_string(index=False))
+        return 0
+    except TensorscopeError as e:
+        print(f"tensorscope: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
