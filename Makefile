@@ -10,7 +10,6 @@ TORCH_PIN ?= torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null

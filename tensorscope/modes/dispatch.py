@@ -63,6 +63,17 @@ class OpInfo:
         self.flop = _FLOP_REGISTRY.get(func.overloadpacket)
 
 
+_COMPOSITE = {}   # OpOverload -> has a CompositeImplicitAutograd kernel
+_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def _is_composite(func) -> bool:
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
+    except Exception:
+        return False
+
+
 def _tensors_of(args, kwargs, out):
     for a in args:
         if isinstance(a, Tensor):
@@ -98,6 +109,7 @@ class TracingDispatchMode(TorchDispatchMode):
         metas = rec.metas
         ids = metas.ids
         tracker = self.s.tracker
+        by_ptr = tracker.by_ptr if tracker is not None else None
         mids = []
         ptrs = []
         for t in ts:
@@ -118,10 +130,13 @@ class TracingDispatchMode(TorchDispatchMode):
                 stor.append(-1)
                 continue
             ptrs.append(ptr)
-            if tracker is None or ptr == 0:
+            if by_ptr is None or ptr == 0:
                 stor.append(-1)
             else:
-                stor.append(tracker.storage_id(storage, mid, alloc, module_id, call_id))
+                sid = by_ptr.get(ptr)   # known storage: no call into the tracker
+                if sid is None:
+                    sid = tracker.storage_id(storage, mid, alloc, module_id, call_id)
+                stor.append(sid)
         return mids, ptrs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -130,6 +145,17 @@ class TracingDispatchMode(TorchDispatchMode):
         s = self.s
         if not s.recording:
             return func(*args, **kwargs)
+        # [layout/inference parity] CompositeImplicitAutograd ops (reshape, flatten, matmul,
+        # linear, to...) reach this mode whole only under inference_mode; decompose them with
+        # the mode re-entered, as FlopCounterMode does, so both modes record the same ops
+        comp = _COMPOSITE.get(func)
+        if comp is None:
+            comp = _COMPOSITE[func] = _is_composite(func)
+        if comp:
+            # the C++ kernel eager runs, not func.decompose(): that prefers a Python
+            # decomposition (upsample -> _unsafe_index) whose ops and bits differ from eager
+            with self:
+                return func._op_dk(_CIA, *args, **kwargs)
         rec = s.rec
         seq = s.seq
         s.seq = seq + 1
