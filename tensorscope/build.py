@@ -262,6 +262,8 @@ class _Ctx:
                 a, b = tv[ins[i]], tv[outs[i]]
                 if not a or not b or m.dtypes[a[0]] != m.dtypes[b[0]] or m.devices[a[0]] != m.devices[b[0]]:
                     cand[i] = False
+                elif m.formats[a[0]] != m.formats[b[0]] and not m.ambiguous[a[0]] and not m.ambiguous[b[0]]:
+                    cand[i] = False   # .to(memory_format=...): the conversion the user asked for
         return cand
 
 
@@ -301,7 +303,7 @@ def _calls_table(sess, ctx: _Ctx):
     n = rec.n_calls
     if n == 0:
         return S.empty("calls")
-    m = c.matrix()
+    m = c.full_matrix()
     a = {k: m[:n, i] for i, k in enumerate(c.fields)}
     funcs = rec.call_funcs.values
     names = pa.array([getattr(f, "__name__", str(f)) for f in funcs], pa.string())
@@ -494,8 +496,8 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         "n_ops": ops_rows,
         "n_calls": rec.n_calls,
         "spilled_rows": rec.n_spilled,
-        "tracer_errors": len(rec.tracer_errors),
-        "tracer_error_messages": [m for m in rec.tracer_errors[:20] if m],
+        "tracer_errors": rec.n_tracer_errors,
+        "tracer_error_messages": list(rec.tracer_errors),
         "native": native,
         "compiled_calls": compiled,
         "opaque_ops": sess.opaque_ops,

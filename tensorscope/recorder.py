@@ -42,6 +42,30 @@ TENSOR_COLUMNS = (
 )
 
 
+def pack(a: np.ndarray):
+    """(base, narrow array): the column minus its minimum, in the smallest int type that holds it.
+
+    Frozen chunks are most of a long trace's memory; ids, flags, times within a chunk
+    and durations mostly fit in 1-4 bytes, so this is what keeps a row near 30 bytes.
+    """
+    if len(a) == 0:
+        return 0, a.astype(np.int8)
+    lo = int(a.min())
+    span = int(a.max()) - lo
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if span <= np.iinfo(dt).max:
+            return lo, (a - lo).astype(dt)
+    return 0, a
+
+
+def unpack(packed) -> np.ndarray:
+    base, a = packed
+    out = a.astype(np.int64)
+    if base:
+        out += base
+    return out
+
+
 class Interner:
     """value -> dense int id; ``values[id]`` gives it back. Id 0 may be reserved."""
 
@@ -137,6 +161,45 @@ class RowBuffer:
         return chunk
 
 
+class CallStore(RowBuffer):
+    """Calls rows: the live tail is a RowBuffer; finished rows below every active call are packed.
+
+    A call row is updated when the call returns, so only rows older than the
+    oldest call still on the stack may be frozen. ``base`` is the call id of
+    the first live row: live index = call_id - base.
+    """
+
+    def __init__(self, fields):
+        super().__init__(fields)
+        self.base = 0
+        self.frozen: List[Dict[str, Any]] = []
+
+    def freeze_below(self, keep_from: int):
+        n = keep_from - self.base
+        if n <= 0:
+            return
+        m = self.matrix()
+        self.frozen.append({name: pack(m[:n, i].copy()) for i, name in enumerate(self.fields)})
+        rest = m[n:].copy()
+        self.data = array("q")
+        self.data.frombytes(rest.tobytes())
+        self.base = keep_from
+
+    def full_matrix(self) -> np.ndarray:
+        parts = [np.stack([unpack(c[name]) for name in self.fields], axis=1) for c in self.frozen]
+        parts.append(self.matrix())
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def column(self, name: str) -> np.ndarray:
+        return self.full_matrix()[:, self.fields.index(name)]
+
+    def field(self, call_id: int, k: int) -> int:
+        i = call_id - self.base
+        if i >= 0:
+            return self.data[i * self.width + k]
+        return int(self.full_matrix()[call_id, k])
+
+
 class _Columns:
     """A set of ``array`` columns with chunk freezing."""
 
@@ -184,7 +247,7 @@ class Recorder:
         self.n_ops = 0
         self.chunk_start = 0                          # seq of the first row of the live chunk
 
-        self.calls = RowBuffer(CALL_FIELDS)
+        self.calls = CallStore(CALL_FIELDS)
         self.n_calls = 0
         self.call_compiled: Dict[int, bool] = {}
 
@@ -196,12 +259,13 @@ class Recorder:
         self.nonfinite: Dict[int, Tuple[int, bool]] = {}
         self.numerics: Dict[int, Tuple[float, float]] = {}
         self.errors: List[Dict[str, Any]] = []
-        self.tracer_errors: List[str] = []
+        self.tracer_errors: List[str] = []     # the first messages
+        self.n_tracer_errors = 0
         self.notes: List[str] = []
 
     # -- ops ---------------------------------------------------------------
     def end_chunk(self):
-        """Freeze the live op chunk (called every ``chunk_rows`` rows)."""
+        """Freeze the live op chunk (called every ``chunk_rows`` rows) into packed numpy columns."""
         chunk = self.ops.freeze()
         chunk["storages"] = np.frombuffer(self.storages, dtype=np.int64).copy()
         self.storages = array("q")
@@ -209,43 +273,33 @@ class Recorder:
         self.chunk_start += rows
         if rows == 0:
             return
-        self.mem_chunks.append(chunk)
+        self.mem_chunks.append({k: pack(v) for k, v in chunk.items()})
         self.mem_rows += rows
         if self.mem_rows > self.spill_rows:
             self._spill()
 
     def _spill(self):
-        import pyarrow as pa
-
         if self.spill_path is None:
             self.spill_path = tempfile.mkdtemp(prefix="tensorscope-spill-", dir=self._spill_parent)
         for chunk in self.mem_chunks:
-            path = os.path.join(self.spill_path, f"chunk-{len(self.spilled_chunks):06d}.arrow")
-            ops = {k: v for k, v in chunk.items() if k != "storages"}
-            batch = pa.record_batch({k: pa.array(v) for k, v in ops.items()})
-            stor = pa.record_batch({"storages": pa.array(chunk["storages"])})
-            with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, batch.schema) as w:
-                w.write_batch(batch)
-            with pa.OSFile(path + ".stor", "wb") as f, pa.ipc.new_file(f, stor.schema) as w:
-                w.write_batch(stor)
+            path = os.path.join(self.spill_path, f"chunk-{len(self.spilled_chunks):06d}.npz")
+            arrays = {k: v for k, (_, v) in chunk.items()}
+            arrays["__bases__"] = np.array([chunk[k][0] for k in sorted(chunk)], dtype=np.int64)
+            np.savez(path, **arrays)   # numeric arrays only: no pickle is written or read
             self.spilled_chunks.append(path)
-            self.n_spilled += len(chunk["op"])
+            self.n_spilled += len(chunk["op"][1])
         self.mem_chunks = []
         self.mem_rows = 0
 
     def iter_op_chunks(self):
-        """Every op chunk in order, spilled ones read back (memory-mapped)."""
-        import pyarrow as pa
-
+        """Every op chunk in order as int64 columns, spilled ones read back from disk."""
         for path in self.spilled_chunks:
-            with pa.memory_map(path) as src:
-                t = pa.ipc.open_file(src).read_all()
-            with pa.memory_map(path + ".stor") as src:
-                s = pa.ipc.open_file(src).read_all()
-            chunk = {name: t.column(name).to_numpy() for name in t.column_names}
-            chunk["storages"] = s.column("storages").to_numpy()
-            yield chunk
-        yield from self.mem_chunks
+            with np.load(path, allow_pickle=False) as z:
+                names = sorted(k for k in z.files if k != "__bases__")
+                bases = z["__bases__"]
+                yield {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names)}
+        for chunk in self.mem_chunks:
+            yield {k: unpack(v) for k, v in chunk.items()}
 
     def close(self):
         if self.spill_path is not None:
@@ -261,7 +315,6 @@ class Recorder:
 
     def tracer_error(self, where: str, exc: BaseException):
         """A bug inside tensorscope: counted, never raised into user code."""
-        if len(self.tracer_errors) < 100:
+        self.n_tracer_errors += 1
+        if len(self.tracer_errors) < 20:
             self.tracer_errors.append(f"{where}: {type(exc).__name__}: {exc}")
-        else:
-            self.tracer_errors.append("")  # still counted

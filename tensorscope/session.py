@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .errors import TraceActiveError
 from .options import TraceOptions
-from .recorder import C_SRC, CALL_WIDTH, Recorder
+from .recorder import C_SRC, Recorder
 
 _local = threading.local()
 _last = None
@@ -95,7 +95,7 @@ class Session:
 
         file, line = user_frame_location(3) if self.want_source else (None, None)
         if call_id is not None and call_id >= 0:
-            src = self.rec.calls.data[call_id * CALL_WIDTH + C_SRC]
+            src = self.rec.calls.field(call_id, C_SRC)
             if src:
                 file, line = self.rec.sources.values[src]
         info = info or {}
@@ -111,7 +111,7 @@ class Session:
         rec = self.rec
         file = line = None
         if call_id is not None and call_id >= 0:
-            src = rec.calls.data[call_id * CALL_WIDTH + C_SRC]
+            src = rec.calls.field(call_id, C_SRC)
             if src:
                 file, line = rec.sources.values[src]
         for w in ws:

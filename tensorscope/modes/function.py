@@ -72,20 +72,24 @@ class TracingFunctionMode(TorchFunctionMode):
         if not keep or not s.recording or _is_compiling():
             return func(*args, **kwargs)
         rec = s.rec
-        data = rec.calls.data
+        calls = rec.calls
+        cap = token = None
         try:
             cid = rec.n_calls
+            if cid - calls.base >= rec.chunk_rows:   # pack finished rows: memory stays bounded
+                calls.freeze_below(s.call_stack[0] if s.call_stack else cid)
+            data = calls.data
             rec.n_calls = cid + 1
             parent = s.call_stack[-1] if s.call_stack else -1
             if parent >= 0:
-                src = data[parent * CALL_WIDTH + C_SRC]   # nested calls inherit the user line
+                src = data[(parent - calls.base) * CALL_WIDTH + C_SRC]   # nested calls inherit the user line
             elif s.want_source:
                 src = rec.sources(user_frame_location(2))
             else:
                 src = 0
             ac = autocast_state() if _any_autocast is None or _any_autocast() else None
             cap = s.capture
-            token = cap.call_begin() if (cap is not None and parent < 0) else None
+            token = cap.call_begin(func) if (cap is not None and parent < 0) else None   # native: func decides the warning redirect
             # func, module, src, first_seq, n_ops, autocast, parent, error, start, dur
             data.extend((rec.call_funcs(func), s.modules.current, src, s.seq, 0, rec.autocasts(ac) if ac else 0,
                          parent, -1, _perf() - s.t0, 0))
@@ -93,17 +97,23 @@ class TracingFunctionMode(TorchFunctionMode):
             s.current_call = cid
         except Exception as e:  # a tracer bug must never reach user code
             rec.tracer_error("function mode (enter)", e)
+            if token is not None:   # native capture: never leave a call open (its warning redirect)
+                try:
+                    cap.call_end(token)
+                except Exception as e5:
+                    rec.tracer_error("function mode (enter)", e5)
             return func(*args, **kwargs)
         t0 = _perf()
         try:
             return func(*args, **kwargs)
         except BaseException as e:
             try:
-                base = cid * CALL_WIDTH
+                base = (cid - calls.base) * CALL_WIDTH
                 if s.last_exc_id == id(e):
                     data[base + C_ERROR] = s.last_error_id
                 else:
-                    data[base + C_ERROR] = s.last_error_id = s.record_exception(e, seq=None, call_id=cid, op=None, info=None)
+                    data[base + C_ERROR] = s.last_error_id = s.record_exception(
+                        e, seq=None, call_id=cid, op=None, info=cap.error_info(e) if cap is not None else None)
                     s.last_exc_id = id(e)
             except Exception as e2:
                 rec.tracer_error("function mode (error)", e2)
@@ -111,16 +121,20 @@ class TracingFunctionMode(TorchFunctionMode):
         finally:
             t1 = _perf()
             try:
-                base = cid * CALL_WIDTH
+                data = calls.data
+                base = (cid - calls.base) * CALL_WIDTH
                 data[base + C_DUR] = t1 - t0
                 data[base + C_N_OPS] = s.seq - data[base + C_FIRST_SEQ]
                 stack = s.call_stack
                 if stack and stack[-1] == cid:
                     stack.pop()
                 s.current_call = stack[-1] if stack else -1
-                if token is not None:
+            except Exception as e:
+                rec.tracer_error("function mode (exit)", e)
+            if token is not None:   # its own try: the native capture's call must always end
+                try:
                     ws = cap.call_end(token)
                     if ws:
                         s.record_warnings(ws, call_id=cid, seq=None)
-            except Exception as e:
-                rec.tracer_error("function mode (exit)", e)
+                except Exception as e:
+                    rec.tracer_error("function mode (exit)", e)
