@@ -178,3 +178,17 @@ def test_spill_keeps_memory_bounded_and_results_identical(tmp_path):
     assert tensorscope.load(out).ops.num_rows == 600
     leftovers = [p for p in os.listdir(tmp_path) if p.startswith("tensorscope-spill-")]
     assert leftovers == [], "spilled chunks are removed after the build"
+
+
+def test_golden_file_of_each_released_schema_version_loads():
+    golden = os.path.join(os.path.dirname(__file__), "data")
+    dirs = sorted(d for d in os.listdir(golden) if d.startswith("golden-schema-"))
+    assert dirs, "a golden trace per released schema version lives in tests/data"
+    for d in dirs:
+        t = tensorscope.load(os.path.join(golden, d))
+        assert t.metadata["schema_version"] == d.split("-")[-1]
+        assert t.ops.schema.equals(S.OPS, check_metadata=False)
+        ops = t.ops.to_pylist()
+        assert [r["op"] for r in ops][:2] == ["aten.t.default", "aten.addmm.default"]
+        assert ops[1]["in_shapes"] == [[4], [2, 4], [4, 4]] and ops[1]["module"] == "0"
+        assert any(r["phase"] == "backward" and r["fwd_seq"] == 1 for r in ops)
