@@ -501,6 +501,9 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         "native": native,
         "compiled_calls": compiled,
         "opaque_ops": sess.opaque_ops,
+        # [precision integration] probe counters: non-finite screen, numerics shadow (skips and why)
+        "nonfinite_screen": sess.screen.report() if getattr(sess, "screen", None) is not None else None,
+        "numerics": sess.shadow.report() if getattr(sess, "shadow", None) is not None else None,
         "notes": list(rec.notes) + list(notes),
     }
 

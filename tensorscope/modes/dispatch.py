@@ -196,7 +196,7 @@ class TracingDispatchMode(TorchDispatchMode):
         if cap is not None:
             cap.op_begin()
         if cuda is not None and ok:
-            tok = cuda.begin_for(seq, ins)
+            tok = cuda.begin_for(seq, ins, kwargs)
         t0 = _perf()
         try:
             out = func(*args, **kwargs)

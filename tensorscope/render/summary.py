@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import pyarrow.compute as pc
 
@@ -21,7 +21,7 @@ class Section:
     rows: List[Tuple] = field(default_factory=list)
     header: Optional[Tuple[str, ...]] = None
     notes: List[str] = field(default_factory=list)
-    image_png: Optional[bytes] = None       # an inline image (embedded as data URI in HTML)
+    image_png: Any = None    # PNG bytes, or a callable making them, drawn only for HTML (data URI)
 
 
 SECTIONS: List[Callable] = []
@@ -190,11 +190,18 @@ class Summary:
         parts = ['<div class="tensorscope-summary" style="font-family:system-ui,sans-serif;font-size:12px;">']
         for s in self.sections:
             parts.append(f'<div style="margin:6px 0 2px;font-weight:600">{_e(s.title)}</div>')
-            if s.image_png:
+            png = s.image_png
+            if callable(png):
+                try:
+                    png = png()
+                except Exception as e:  # an image must never hide the tables
+                    png = None
+                    parts.append(f'<div style="color:#a15c00">timeline image failed: {_e(e)}</div>')
+            if png:
                 import base64
 
                 parts.append('<img alt="timeline" src="data:image/png;base64,'
-                             + base64.b64encode(s.image_png).decode("ascii") + '"/>')
+                             + base64.b64encode(png).decode("ascii") + '"/>')
             if s.rows:
                 parts.append('<table style="border-collapse:collapse">')
                 if s.header:
