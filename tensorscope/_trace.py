@@ -40,8 +40,8 @@ class Trace:
     """One recording. ``t.ops``, ``t.calls``… are ``pyarrow.Table``s (empty, right schema, when nothing)."""
 
     def __init__(self, tables: Dict[str, pa.Table], metadata: Dict[str, Any], *, _spill_file: Optional[str] = None):
-        self._tables = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
-                        for name in S.RECORDED}
+        self._tables: Dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
+                                        for name in S.RECORDED}
         for name in S.DERIVED:
             if tables.get(name) is not None:
                 self._tables[name] = tables[name]
@@ -58,6 +58,11 @@ class Trace:
         t = self._tables.get(name)
         if t is None:
             t = self._tables[name] = _derive(name, self._tables)
+        elif not isinstance(t, pa.Table):
+            # a deferred table (always-on CUDA kernels, harvested across cells): resolve once
+            t, notes = t.resolve()
+            self._tables[name] = t
+            self.metadata.setdefault("notes", []).extend(notes)
         return t
 
     @property

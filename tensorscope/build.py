@@ -416,6 +416,12 @@ def _kernels_table(sess, ops):
     if sess.kernels is None:
         return S.empty("kernels"), []
     try:
+        if sess.deferred_kernels and sess.kernels.available:
+            from .timing.kernels import _cuda_devices_of
+
+            pending = sess.kernels.end_window_deferred(sess.t0, ops, _cuda_devices_of(ops))
+            if pending is not None:
+                return pending, []   # the Trace resolves it when the table is first read
         return sess.kernels.end_window(sess, ops)
     except Exception as e:
         sess.rec.tracer_error("kernels", e)

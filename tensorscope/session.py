@@ -82,6 +82,7 @@ class Session:
         self.shadow = None
         self.cuda_timer = None
         self.kernels = None
+        self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.t0 = 0
         self.wall_ns = 0
         self.trace = None
@@ -337,6 +338,7 @@ class trace:
         self._cell = options.pop("_cell", None)
         self._cell_source = options.pop("_cell_source", None)
         self._keep_history = options.pop("_keep_history", False)
+        self._deferred_kernels = options.pop("_deferred_kernels", False)
         self.options = TraceOptions.from_kwargs(options)
         self._session: Optional[Session] = None
         self._trace = None
@@ -344,6 +346,7 @@ class trace:
     def __enter__(self):
         self._session = Session(self.options, cell=self._cell, cell_source=self._cell_source,
                                 keep_history=self._keep_history)
+        self._session.deferred_kernels = self._deferred_kernels
         self._session.start()
         return self
 

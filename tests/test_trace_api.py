@@ -266,3 +266,20 @@ def test_repr_mimebundle_is_self_contained_and_escaped():
     html = b["text/html"]
     assert "<script>" not in html and "http://" not in html and "https://" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html      # the module name is shown, escaped
+
+
+def test_deferred_table_resolves_once_on_first_read():
+    # always-on kernel collection hands the Trace a pending kernels table (no GPU here: a stand-in)
+    from tensorscope._trace import Trace
+
+    calls = []
+
+    class Pending:
+        def resolve(self):
+            calls.append(1)
+            return S.empty("kernels"), ["harvested later"]
+
+    t = Trace({"kernels": Pending()}, {"notes": []})
+    assert calls == []
+    assert t.kernels.num_rows == 0 and t.kernels.num_rows == 0
+    assert calls == [1] and t.metadata["notes"] == ["harvested later"]

@@ -28,6 +28,7 @@ class CellRequest:
     quiet: bool = False
     cell_source: str = ""
     keep_history: bool = True
+    deferred_kernels: bool = False
     trace_cm: Any = None
     result: Any = None
     error: Optional[BaseException] = field(default=None, repr=False)
@@ -111,7 +112,8 @@ class Controller:
         cell = getattr(self, "_cell_count", None)
         if cell is None:
             cell = getattr(self.shell, "execution_count", None)
-        req.trace_cm = trace(**req.options, _cell=cell, _cell_source=req.cell_source, _keep_history=req.keep_history)
+        req.trace_cm = trace(**req.options, _cell=cell, _cell_source=req.cell_source, _keep_history=req.keep_history,
+                             _deferred_kernels=req.deferred_kernels)
         self.active = req
         req.trace_cm.__enter__()
 
@@ -194,7 +196,7 @@ class _Injector(ast.NodeTransformer):
         token = _marker_token(body[0]) if body else None
         if token is None and armed and self.ctl.always_on is not None and body and not _only_tensorscope_magic(body):
             token = next(self.ctl._tokens)
-            req = CellRequest(token=token, options=dict(self.ctl.always_on), quiet=True,
+            req = CellRequest(token=token, options=dict(self.ctl.always_on), quiet=True, deferred_kernels=True,
                               cell_source=getattr(self.ctl, "_raw_cell", ""))
             self.ctl.pending[token] = req
             body.insert(0, ast.copy_location(_call_stmt("begin", token), body[0]))

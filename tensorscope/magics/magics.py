@@ -129,11 +129,21 @@ class TensorscopeMagics(Magics):
         if cmd == "on":
             req = parse_cell_args(rest)
             self.ctl.always_on = dict(req.options)
+            if req.options.get("kernels"):
+                # one Kineto session for every cell (restarting per cell drifts and drops GPU events)
+                from ..timing.kernels import KernelCollector
+
+                KernelCollector.shared().keep_alive = True
             print("tensorscope: tracing every cell from now on (%tensorscope off to stop; tensorscope.history() keeps them)")
             return None
         if cmd == "off":
             was = self.ctl.always_on is not None
+            kernels = was and self.ctl.always_on.get("kernels")
             self.ctl.always_on = None
+            if kernels:
+                from ..timing.kernels import KernelCollector
+
+                KernelCollector.shared().close()   # harvest what is pending, end the session
             print("tensorscope: always-on tracing is off" if was else "tensorscope: always-on tracing was not on")
             return None
         if cmd == "history":
