@@ -24,6 +24,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["build-native"]:
+        # Its options (--force, --status ...) belong to build_native_main's own parser;
+        # argparse.REMAINDER does not capture options that come first.
+        from .native import build_native_main
+
+        return int(build_native_main(argv[1:]) or 0)
     args = _parser().parse_args(argv)
     from .errors import TensorscopeError
 

@@ -1,0 +1,186 @@
+"""Native hooks for the C++ -> Python exception and warning path, behind one facade.
+
+The tracer's modes talk to this package only through :func:`open_capture`::
+
+    cap = tensorscope.native.open_capture(native=True, cpp_errors=False)
+    cap.native                      # True: compiled hooks; False: pure-Python fallback
+    cap.op_begin(); ...; ws = cap.op_end()      # around every ATen op (in a finally)
+    tok = cap.call_begin(func); ...; ws = cap.call_end(tok)   # around each outermost torch-level call
+    cap.error_info(exc)             # {cpp_type, message, cpp_file, cpp_line, cpp_function, native, py_type}
+    cap.swallowed_count()           # c10 errors constructed but never surfaced (cpp_errors=True), else None
+    cap.close()                     # restores every handler / fetcher / hook it installed
+
+``call_begin`` takes the called function (optional): when it is a C binding
+(torch.add, Tensor.add_), the native path hands the op's C++ warnings to that
+binding's own PyWarningHandler, so Python reports them at the user's line (and
+"default"/"once" filters deduplicate as untraced) instead of at the function
+mode's frame. Its token is never None.
+
+``op_end``/``call_end`` return ``None`` or a list of warning dicts with keys
+message, category, cpp_file, cpp_line, cpp_function, deprecation, verbatim,
+native (fallback and call-level ones also carry the Python filename/lineno).
+
+The hooks (hooks.cpp) are compiled on first use with
+``torch.utils.cpp_extension.load`` into a cache keyed on the torch version,
+Python version and source hash (``$TENSORSCOPE_CACHE`` or
+``~/.cache/tensorscope/native``); ``python -m tensorscope build-native``
+compiles ahead of time, :func:`build_in_background` from ``%load_ext``.
+``TENSORSCOPE_FORCE_FALLBACK=1`` forces the fallback so the whole test suite
+can run against both implementations.
+
+Importing this package is cheap: it imports neither torch nor the compiler
+tool chain, and builds nothing.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import _build
+
+__all__ = [
+    "open_capture", "status", "build", "build_in_background", "build_native_main",
+    "forced_fallback", "load_test_ops", "FORCE_ENV",
+]
+
+#: Set to 1 to force the pure-Python fallback (read at every call, not at import).
+FORCE_ENV = "TENSORSCOPE_FORCE_FALLBACK"
+
+
+def forced_fallback() -> bool:
+    return os.environ.get(FORCE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def status() -> Dict[str, Any]:
+    """``{'state': 'built'|'building'|'fallback', 'reason': str, 'path': str|None, ...}``.
+
+    'built' with ``loaded=False`` means a cached build exists and will be
+    imported (in about a millisecond) on first use. Never compiles anything.
+    """
+    out = _build.lib_status(_build.HOOKS)
+    mod = _build._STATES[_build.HOOKS.kind].module
+    if mod is not None:
+        out["source_locations"] = bool(getattr(mod, "peek_ok", False))
+        out["source_locations_reason"] = str(getattr(mod, "peek_reason", ""))
+        out["cpp_stacktraces"] = bool(getattr(mod, "cpp_stacktraces", False))
+    out["forced_fallback"] = forced_fallback()
+    if out["forced_fallback"]:
+        out["available"] = out["state"]
+        out["state"] = "fallback"
+        out["reason"] = f"{FORCE_ENV}=1 forces the pure-Python fallback (native hooks: {out['available']})"
+    return out
+
+
+def build(verbose: bool = False, force: bool = False) -> Dict[str, Any]:
+    """Compile (or load from the cache) the hooks now, blocking; returns :func:`status`.
+
+    Builds even when the fallback is forced, so the binary is ready later.
+    ``force=True`` recompiles, ignoring the cache and any remembered failure.
+    """
+    _build.ensure(_build.HOOKS, wait=True, verbose=verbose, force=force)
+    return status()
+
+
+def build_in_background() -> Dict[str, Any]:
+    """Start compiling/loading the hooks in a daemon thread (for ``%load_ext``).
+
+    A capture opened while it runs uses the fallback rather than waiting.
+    """
+    if not forced_fallback():
+        _build.ensure_in_background(_build.HOOKS)
+    return status()
+
+
+def _hooks(wait: bool = True):
+    """(extension module or None, reason)."""
+    if forced_fallback():
+        return None, f"{FORCE_ENV}=1"
+    return _build.ensure(_build.HOOKS, wait=wait)
+
+
+def open_capture(native: bool = True, cpp_errors: bool = False):
+    """A capture for one trace: native when asked for and available, else the fallback.
+
+    The first native capture of a process compiles the hooks if no cached
+    build exists (one line on stderr says so), unless a background build is
+    under way, in which case this capture uses the fallback instead of waiting.
+    """
+    from ._fallback import FallbackCapture
+
+    if not native:
+        return FallbackCapture(reason="native=False", cpp_errors=cpp_errors)
+    ext, reason = _hooks(wait=False)
+    if ext is None and "background" not in reason and not forced_fallback():
+        ext, reason = _hooks(wait=True)
+    if ext is None:
+        return FallbackCapture(reason=reason, cpp_errors=cpp_errors)
+    from ._capture import NativeCapture
+
+    return NativeCapture(ext, cpp_errors=cpp_errors, reason=reason)
+
+
+def load_test_ops():
+    """Compile/load the ``tensorscope_test`` op library; ``torch.ops.tensorscope_test``.
+
+    For tests only: it registers ops that throw every c10 error kind and emit
+    every warning kind. Raises ``NativeBuildError`` when it cannot be built.
+    """
+    import torch
+
+    from ..errors import NativeBuildError
+
+    lib, reason = _build.ensure(_build.TEST_OPS, wait=True)
+    if lib is None:
+        raise NativeBuildError(f"test-op library unavailable: {reason}")
+    return torch.ops.tensorscope_test
+
+
+def _describe(st: Dict[str, Any]) -> str:
+    line = f"native hooks: {st['state']} ({st['reason']})"
+    if st.get("path"):
+        line += f"\n  path: {st['path']}"
+    if "source_locations" in st:
+        line += f"\n  c10 error source locations: {'yes' if st['source_locations'] else 'no'}" \
+                f" ({st.get('source_locations_reason', '')})"
+    return line
+
+
+def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m tensorscope build-native [--force] [--verbose] [--test-ops] [--status]``.
+
+    Returns 0 when the hooks (and, with ``--test-ops``, the test library) are
+    built, 1 otherwise.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tensorscope build-native",
+                                description="Compile tensorscope's native C++ hooks into the cache ahead of time.")
+    p.add_argument("--force", action="store_true", help="recompile even if a cached build (or failure) exists")
+    p.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    p.add_argument("--test-ops", action="store_true", help="also build the test-op library used by the test suite")
+    p.add_argument("--status", action="store_true", help="only report the state; build nothing")
+    p.add_argument("--cache-dir", action="store_true", help="print the cache directory and exit")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if args.cache_dir:
+        print(_build.cache_root())
+        return 0
+    if args.status:
+        st = status()
+        print(_describe(st))
+        return 0 if st["state"] == "built" else 1
+    _build.ensure(_build.HOOKS, wait=True, verbose=args.verbose, force=args.force)
+    st = _build.lib_status(_build.HOOKS)
+    full = status()
+    for k in ("source_locations", "source_locations_reason"):
+        if k in full:
+            st[k] = full[k]
+    print(_describe(st))
+    ok = st["state"] == "built"
+    if args.test_ops:
+        _build.ensure(_build.TEST_OPS, wait=True, verbose=args.verbose, force=args.force)
+        tst = _build.lib_status(_build.TEST_OPS)
+        print(f"test-op library: {tst['state']} ({tst['reason']})")
+        ok = ok and tst["state"] == "built"
+    if forced_fallback():
+        print(f"note: {FORCE_ENV} is set, so traces use the pure-Python fallback anyway")
+    return 0 if ok else 1

@@ -1,0 +1,190 @@
+"""The native capture: the Python side of hooks.cpp, one object per trace.
+
+How it sees what it reports (measured on torch 2.13, see docs/architecture.md):
+
+* Warnings: ``op_begin``/``op_end`` are the extension's own C functions (no
+  Python wrapper, so the per-op cost is two C calls). The handler they push
+  records each c10 warning and hands it down the chain, so torch's
+  PyWarningHandler still emits it to Python once. During an outermost call
+  entered from a C binding, it hands it to *that* binding's handler, so the
+  Python warning points at the user's line rather than at the function mode's
+  frame (and "default"/"once" filters deduplicate as they would untraced).
+* Errors: ops called through ``OpOverload.__call__`` (what a
+  TorchDispatchMode does) raise through pybind11, whose translators see the
+  real ``c10::Error``; ours records type, message and source location in a
+  thread-local slot that ``op_begin`` clears, and ``error_info`` matches it
+  to the Python exception by message. Errors raised before dispatch
+  (argument parsing, leaf in-place checks) are translated by torch's own
+  ``HANDLE_TH_ERRORS`` and never pass a translator: those rows are
+  ``native=False``, described from the Python exception alone.
+* Python-level warnings (``warnings.warn`` in torch's Python code, or C++
+  ones raised outside any op) are collected per call by the same tap the
+  fallback uses, minus the C++ ones already captured at an op.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Dict, List, Optional
+
+from ._fallback import TAP, exc_text, fallback_error_info, py_type_name, raised_in_c, shown_warning_dict
+
+_MAX_CACHED_ERRORS = 16
+#: Callables implemented in C: torch.add, Tensor.add_, Tensor.shape.__get__ ...
+_C_CALLABLE_TYPES = frozenset({
+    types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodDescriptorType,
+    types.WrapperDescriptorType, types.MethodWrapperType, types.GetSetDescriptorType,
+    types.ClassMethodDescriptorType,
+})
+#: Python types torch raises for c10 errors (LinAlgError/OutOfMemoryError are RuntimeErrors).
+_C10_PY_TYPES = (RuntimeError, IndexError, ValueError, TypeError, NotImplementedError, BufferError)
+
+
+def _matches(recorded: str, text: str) -> bool:
+    if recorded == text:
+        return True
+    # With TORCH_SHOW_CPP_STACKTRACES the Python message is what() (message
+    # plus backtrace); the recorded one is what_without_backtrace().
+    if text.startswith(recorded) and text[len(recorded):len(recorded) + 1] in ("\n", " "):
+        return True
+    return False
+
+
+class NativeCapture:
+    """Capture backed by the compiled hooks (see the module docstring)."""
+
+    native = True
+
+    def __init__(self, ext: Any, cpp_errors: bool = False, reason: str = "") -> None:
+        self._ext = ext
+        self.reason = reason
+        self.cpp_errors = bool(cpp_errors)
+        self._closed = False
+        self._errors: Dict[int, tuple] = {}
+        self._surfaced = 0
+        self._baseline: Optional[int] = None
+        self._final_constructed: Optional[int] = None
+        ext.capture_open()
+        self._tapped = TAP.acquire()
+        if self.cpp_errors:
+            self._baseline = ext.counter_on()
+        # Bound straight to the C functions: this is the per-op hot path.
+        self.op_begin = ext.op_begin
+        self.op_end = ext.op_end
+        self._native_seen = ext.native_seen
+
+    @property
+    def description(self) -> str:
+        return "native C++ hooks"
+
+    @property
+    def source_locations(self) -> bool:
+        """Whether c10 errors' "raised from" locations can be read in this torch build."""
+        return bool(getattr(self._ext, "peek_ok", False))
+
+    def call_begin(self, func: Any = None) -> int:
+        """Enter an outermost torch-level call; pass the called ``func`` when known.
+
+        Always returns a token (never None), so callers that skip ``call_end``
+        for a None token still end the call.
+        """
+        self._ext.call_begin(type(func) in _C_CALLABLE_TYPES)
+        return TAP.push() if self._tapped else -1
+
+    def call_end(self, token: Any) -> Optional[List[Dict[str, Any]]]:
+        self._ext.call_end()
+        if token is None or token == -1:
+            return None
+        items = TAP.pop(token)
+        if not items:
+            return None
+        out = []
+        for it in items:
+            w = shown_warning_dict(*it)
+            if w["cpp_file"] is not None and self._native_seen(w["message"]):
+                continue  # the op that raised it already reported it, natively
+            out.append(w)
+        return out or None
+
+    def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
+        if not isinstance(exc, BaseException):
+            return None
+        try:
+            return self._error_info(exc)
+        except Exception:
+            return None
+
+    def _error_info(self, exc: BaseException) -> Dict[str, Any]:
+        text = exc_text(exc)
+        # The same exception is asked about by the op (dispatch mode) and by
+        # every enclosing call (function mode). No reference to it is kept:
+        # its traceback holds frames, and frames hold the user's tensors.
+        hit = self._errors.get(id(exc))
+        if hit is not None and hit[0] == text:
+            return dict(hit[1])
+        rec = self._ext.last_error()
+        if rec is not None and _matches(rec[2], text):
+            _serial, cpp_type, message, file, line, func = rec
+            info = {"cpp_type": cpp_type, "message": message, "cpp_file": file, "cpp_line": line,
+                    "cpp_function": func, "native": True, "py_type": py_type_name(exc)}
+        else:
+            info = fallback_error_info(exc, text)
+        if len(self._errors) >= _MAX_CACHED_ERRORS:
+            self._errors.pop(next(iter(self._errors)))
+        self._errors[id(exc)] = (text, info)
+        if info["native"]:
+            if str(info["cpp_type"]).startswith("c10::"):
+                self._surfaced += 1
+        elif isinstance(exc, _C10_PY_TYPES) and raised_in_c(exc):
+            # Raised by a torch binding before dispatch (HANDLE_TH_ERRORS):
+            # most likely a c10::Error the counter saw being constructed.
+            self._surfaced += 1
+        return dict(info)
+
+    def constructed_count(self) -> Optional[int]:
+        """c10::Error objects constructed while this capture counted (cpp_errors)."""
+        if self._baseline is None:
+            return None
+        if self._final_constructed is not None:
+            return self._final_constructed
+        return int(self._ext.constructed()) - self._baseline
+
+    def swallowed_count(self) -> Optional[int]:
+        """Constructed c10 errors that never surfaced as an exception the trace saw.
+
+        Errors that reached Python are those the trace asked ``error_info``
+        about (once each), so call this after the trace's last ``error_info``.
+        """
+        made = self.constructed_count()
+        if made is None:
+            return None
+        return max(0, made - self._surfaced)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ext = self._ext
+        try:
+            if self._baseline is not None:
+                self._final_constructed = self.constructed_count()
+                ext.counter_off()
+        finally:
+            try:
+                ext.reset_thread()
+            finally:
+                ext.capture_close()
+                if self._tapped:
+                    TAP.release()
+        self.op_begin = _closed_noop
+        self.op_end = _closed_noop
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
+def _closed_noop() -> None:
+    return None

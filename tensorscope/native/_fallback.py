@@ -1,0 +1,293 @@
+"""Pure-Python twin of the native capture, and the pieces both paths share.
+
+Used when the native hooks cannot be built (no compiler, failed build) or are
+turned off (``native=False``, ``TENSORSCOPE_FORCE_FALLBACK=1``). What it can see:
+
+* exceptions: the Python exception only. Its message, and the C++ location
+  and c10 type only when ``TORCH_SHOW_CPP_STACKTRACES=1`` was set before torch
+  was imported (then torch appends "Exception raised from F at FILE:LINE").
+* warnings: per torch-level call, through a tap on ``warnings._showwarnmsg``
+  (the function CPython's C warning machinery calls to show a warning). C++
+  warnings carry their location in "(Triggered internally at FILE:LINE.)" or,
+  for verbatim ones, as the warning's filename/lineno. The tap sees warnings
+  after the user's filters: an ignored warning is not seen, an "error" one
+  becomes the call's exception.
+
+The tap never changes what the user sees: it records and calls the function it
+replaced. It is installed while any capture is open and collects per thread.
+"""
+from __future__ import annotations
+
+import dis
+import re
+import threading
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+_TRIGGERED = " (Triggered internally at "
+_CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".hh", ".cu", ".cuh", ".mm")
+_RAISED_FROM = re.compile(r"\nException raised from (?P<func>.*?) at (?P<file>[^\n]*?):(?P<line>\d+) \(most recent call first\):")
+
+
+# ---------------------------------------------------------------------------
+# parsing
+# ---------------------------------------------------------------------------
+
+def split_triggered(text: str) -> Tuple[str, Optional[str], Optional[int]]:
+    """``"msg (Triggered internally at f.cpp:12.)"`` -> ``("msg", "f.cpp", 12)``."""
+    i = text.rfind(_TRIGGERED)
+    if i < 0 or not text.endswith(".)"):
+        return text, None, None
+    loc = text[i + len(_TRIGGERED):-2]
+    file, sep, line = loc.rpartition(":")
+    if not sep or not line.isdigit():
+        return text, None, None
+    return text[:i], file, int(line)
+
+
+def is_cpp_file(filename: Any) -> bool:
+    return isinstance(filename, str) and filename.lower().endswith(_CPP_SUFFIXES)
+
+
+def shown_warning_dict(text: str, category: type, filename: Any, lineno: Any) -> Dict[str, Any]:
+    """A warning dict (the facade's contract) from a warning Python showed."""
+    msg, cpp_file, cpp_line = split_triggered(text)
+    verbatim = False
+    if cpp_file is None and is_cpp_file(filename):
+        # Verbatim C++ warnings are raised with the C++ location as filename.
+        verbatim, cpp_file, cpp_line = True, filename, int(lineno) if lineno is not None else None
+    try:
+        deprecation = issubclass(category, DeprecationWarning)
+        cat = category.__name__
+    except TypeError:
+        deprecation, cat = False, str(category)
+    return {
+        "message": msg,
+        "category": cat,
+        "cpp_file": cpp_file,
+        "cpp_line": cpp_line,
+        "cpp_function": None,
+        "deprecation": deprecation,
+        "verbatim": verbatim,
+        "native": False,
+        "filename": filename if isinstance(filename, str) else None,
+        "lineno": lineno if isinstance(lineno, int) else None,
+    }
+
+
+def _c10_type_of(exc: BaseException) -> Optional[str]:
+    """The c10 class torch maps to this Python type (for errors known to come from C++)."""
+    import torch
+
+    table = []
+    for mod, name, c10 in (
+        (torch, "OutOfMemoryError", "c10::OutOfMemoryError"),
+        (getattr(torch, "linalg", None), "LinAlgError", "c10::LinAlgError"),
+        (torch, "AcceleratorError", "c10::AcceleratorError"),
+    ):
+        cls = getattr(mod, name, None) if mod is not None else None
+        if isinstance(cls, type):
+            table.append((cls, c10))
+    table += [(IndexError, "c10::IndexError"), (ValueError, "c10::ValueError"), (TypeError, "c10::TypeError"),
+              (NotImplementedError, "c10::NotImplementedError"), (BufferError, "c10::BufferError"),
+              (SyntaxError, "c10::SyntaxError"), (RuntimeError, "c10::Error")]
+    for cls, c10 in table:
+        if isinstance(exc, cls):
+            return c10
+    return None
+
+
+_PY_NAMES = {"torch._C._LinAlgError": "torch.linalg.LinAlgError"}
+
+
+def py_type_name(exc: BaseException) -> str:
+    """``RuntimeError``, ``torch.linalg.LinAlgError``, ``torch.OutOfMemoryError``..."""
+    t = type(exc)
+    mod = getattr(t, "__module__", "") or ""
+    qual = getattr(t, "__qualname__", t.__name__)
+    if mod == "builtins":
+        return qual
+    full = f"{mod}.{qual}"
+    return _PY_NAMES.get(full, full)
+
+
+def exc_text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return f"<unprintable {type(exc).__name__}>"
+
+
+def raised_in_c(exc: BaseException) -> bool:
+    """Whether the innermost traceback entry stopped at a call instruction.
+
+    A Python callee that raised would have added its own entry, so stopping at
+    a call means the exception came from a C function (torch's C++ bindings).
+    """
+    tb = getattr(exc, "__traceback__", None)
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    try:
+        code = tb.tb_frame.f_code.co_code
+        op = dis.opname[code[tb.tb_lasti]]
+    except Exception:
+        return False
+    return op.startswith("CALL") or op == "PRECALL"
+
+
+def fallback_error_info(exc: BaseException, text: Optional[str] = None) -> Dict[str, Any]:
+    """What the Python exception alone says (``native`` False)."""
+    if text is None:
+        text = exc_text(exc)
+    info: Dict[str, Any] = {
+        "cpp_type": None, "message": text, "cpp_file": None, "cpp_line": None, "cpp_function": None,
+        "native": False, "py_type": py_type_name(exc),
+    }
+    m = _RAISED_FROM.search(text)
+    if m is not None:
+        # Only c10::Error's what() has this line: the C++ type is then known
+        # up to torch's one-to-one mapping of c10 classes to Python types.
+        info.update(message=text[:m.start()], cpp_file=m.group("file"), cpp_line=int(m.group("line")),
+                    cpp_function=m.group("func"), cpp_type=_c10_type_of(exc))
+    return info
+
+
+# ---------------------------------------------------------------------------
+# the warnings tap
+# ---------------------------------------------------------------------------
+
+class _WarningTap:
+    """Wraps ``warnings._showwarnmsg`` while any capture is open; per-thread collectors."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._orig = None
+        self._local = threading.local()
+        self._hook_fn = self._hook  # one bound method, so `is` identifies it
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self._users == 0 and getattr(warnings, "_showwarnmsg", None) is not self._hook_fn:
+                orig = getattr(warnings, "_showwarnmsg", None)
+                if orig is None:
+                    return False
+                self._orig = orig
+                warnings._showwarnmsg = self._hook_fn
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                return
+            self._users -= 1
+            if self._users == 0:
+                self.reset_thread()  # an interrupted call may have left frames
+                if getattr(warnings, "_showwarnmsg", None) is self._hook_fn:
+                    warnings._showwarnmsg = self._orig
+            # If someone wrapped the hook meanwhile it stays in their chain,
+            # inert (no collectors) and passing everything through.
+
+    @property
+    def installed(self) -> bool:
+        return getattr(warnings, "_showwarnmsg", None) is self._hook_fn
+
+    def _hook(self, msg) -> None:
+        try:
+            stack = self._local.__dict__.get("stack")
+            if stack:
+                stack[-1].append((exc_text(msg.message) if isinstance(msg.message, BaseException) else str(msg.message),
+                                  msg.category, msg.filename, msg.lineno))
+        except Exception:
+            pass  # a tracer bug must never swallow the user's warning
+        orig = self._orig
+        if orig is None:
+            orig = warnings._showwarnmsg_impl
+        return orig(msg)
+
+    def push(self) -> int:
+        stack = self._local.__dict__.get("stack")
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append([])
+        return len(stack) - 1
+
+    def pop(self, token: Any) -> List[tuple]:
+        stack = self._local.__dict__.get("stack")
+        if not stack or not isinstance(token, int) or token < 0 or token >= len(stack):
+            return []
+        items = [it for frame in stack[token:] for it in frame]
+        del stack[token:]
+        return items
+
+    def reset_thread(self) -> None:
+        self._local.__dict__.pop("stack", None)
+
+
+TAP = _WarningTap()
+
+
+def _none() -> None:
+    return None
+
+
+class FallbackCapture:
+    """The pure-Python capture (same interface as the native one)."""
+
+    native = False
+
+    def __init__(self, reason: str = "", cpp_errors: bool = False) -> None:
+        self.reason = reason
+        self.cpp_errors = False
+        if cpp_errors:
+            self.reason = (reason + "; " if reason else "") + "cpp_errors needs the native hooks"
+        self._closed = False
+        self._tapped = TAP.acquire()
+        # No per-op work in this path: the tracer may call these around every op.
+        self.op_begin = _none
+        self.op_end = _none
+
+    @property
+    def description(self) -> str:
+        return "pure-Python fallback" + (f" ({self.reason})" if self.reason else "")
+
+    def call_begin(self, func: Any = None) -> Optional[int]:
+        if not self._tapped:
+            return None
+        return TAP.push()
+
+    def call_end(self, token: Any) -> Optional[List[Dict[str, Any]]]:
+        if token is None:
+            return None
+        items = TAP.pop(token)
+        if not items:
+            return None
+        return [shown_warning_dict(*it) for it in items]
+
+    def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
+        if not isinstance(exc, BaseException):
+            return None
+        try:
+            return fallback_error_info(exc)
+        except Exception:
+            return None
+
+    def swallowed_count(self) -> Optional[int]:
+        return None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._tapped:
+            TAP.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False

@@ -1,0 +1,159 @@
+"""Helpers for tests/test_native.py: minimal modes that drive a native Capture.
+
+The modes here are deliberately small stand-ins for tensorscope's own: a
+TorchDispatchMode calling ``op_begin``/``op_end`` around every ATen op, and a
+TorchFunctionMode calling ``call_begin``/``call_end`` around each outermost
+torch-level call, logging what the capture reports. A dispatch mode can also
+run a different callable for an op (``substitute``), so a test op can be made
+to run inside a real torch binding (torch.neg), whose PyWarningHandler turns
+its C++ warnings into Python warnings.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+TEST_OPS_CPP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "tensorscope", "native", "test_ops.cpp")
+
+
+def cpp_line_of(text: str, path: str = TEST_OPS_CPP) -> int:
+    """1-based line of ``path`` containing ``text`` (exactly one)."""
+    with open(path) as f:
+        hits = [i + 1 for i, line in enumerate(f) if text in line]
+    assert len(hits) == 1, (text, hits)
+    return hits[0]
+
+
+class Log:
+    def __init__(self) -> None:
+        self.op_errors: List[tuple] = []     # (op, exc type, info)
+        self.op_warnings: List[tuple] = []   # (op, warning dict, in_backward)
+        self.call_errors: List[tuple] = []   # (call name, exc type, info)
+        self.call_warnings: List[tuple] = []  # (call name, warning dict)
+
+    def op_warning_messages(self) -> List[str]:
+        return [w["message"] for _op, w, _bw in self.op_warnings]
+
+
+class MiniDispatch(TorchDispatchMode):
+    def __init__(self, cap, log: Log, substitute: Optional[Dict[Any, Callable]] = None, bare: bool = False):
+        super().__init__()
+        self.cap, self.log, self.substitute, self.bare = cap, log, substitute or {}, bare
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.bare:
+            return func(*args, **kwargs)
+        cap = self.cap
+        run = self.substitute.get(func, func)
+        cap.op_begin()
+        try:
+            return run(*args, **kwargs)
+        except BaseException as e:
+            self.log.op_errors.append((str(func), type(e), cap.error_info(e)))
+            raise
+        finally:
+            ws = cap.op_end()
+            if ws:
+                bw = torch._C._current_autograd_node() is not None
+                self.log.op_warnings.extend((str(func), w, bw) for w in ws)
+
+
+class MiniFunction(TorchFunctionMode):
+    def __init__(self, cap, log: Log):
+        super().__init__()
+        self.cap, self.log, self.depth = cap, log, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        tok = self.cap.call_begin(func) if self.depth == 0 else None
+        self.depth += 1
+        try:
+            return func(*args, **kwargs)
+        except BaseException as e:
+            self.log.call_errors.append((name, type(e), self.cap.error_info(e)))
+            raise
+        finally:
+            self.depth -= 1
+            if tok is not None:
+                ws = self.cap.call_end(tok)
+                if ws:
+                    self.log.call_warnings.extend((name, w) for w in ws)
+
+
+@contextlib.contextmanager
+def traced(cap, substitute=None, function=True):
+    """Both minimal modes around a block; yields the Log."""
+    log = Log()
+    with contextlib.ExitStack() as stack:
+        if function:
+            stack.enter_context(MiniFunction(cap, log))
+        stack.enter_context(MiniDispatch(cap, log, substitute))
+        yield log
+
+
+class _PlainMode(TorchDispatchMode):
+    """The dispatch-mode skeleton of MiniDispatch without the capture calls."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            pass
+
+
+class _CaptureMode(TorchDispatchMode):
+    """The same skeleton with op_begin/op_end, as a tracer calls them."""
+
+    def __init__(self, cap):
+        super().__init__()
+        self.op_begin, self.op_end = cap.op_begin, cap.op_end
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.op_begin()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.op_end()
+
+
+def per_op_ns(cap, n: int = 20000, repeats: int = 3, block: int = 500) -> Dict[str, float]:
+    """Per-op time of a small op inside a real TorchDispatchMode, without and with op_begin/op_end.
+
+    ``n`` ops per variant per repeat, run as alternating blocks of ``block``
+    ops in this thread's CPU time (the machine is shared; wall time would
+    mostly measure the neighbours). The overhead is the median of the paired
+    block differences, robust against the noise that dwarfs a sub-microsecond
+    effect when whole runs are compared.
+    """
+    import statistics
+
+    x = torch.ones(4)
+    neg = torch.neg
+    plain, with_cap = _PlainMode(), _CaptureMode(cap)
+
+    def run(mode, k) -> float:
+        with mode:
+            t0 = time.thread_time_ns()
+            for _ in range(k):
+                neg(x)
+            return (time.thread_time_ns() - t0) / k
+
+    run(plain, block), run(with_cap, block)  # warm up
+    bare, capd, diffs = [], [], []
+    for _ in range(max(1, repeats * n // block)):
+        b = run(plain, block)
+        c = run(with_cap, block)
+        bare.append(b)
+        capd.append(c)
+        diffs.append(c - b)
+    return {"bare_ns": statistics.median(bare), "capture_ns": statistics.median(capd),
+            "overhead_ns": statistics.median(diffs)}
