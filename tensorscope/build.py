@@ -76,6 +76,19 @@ def _tuple_dicts(rec):
                 has_float=np.array(has_float, dtype=bool))
 
 
+def _matmul_flops(name: str, shapes) -> int:
+    """torch.utils.flop_counter's mm/addmm/bmm/baddbmm formulas (2*m*n*k per batch), or -1."""
+    try:
+        a, b = shapes[-2], shapes[-1]
+        if name in ("mm", "addmm"):
+            return 2 * a[0] * a[1] * b[1]
+        if name in ("bmm", "baddbmm"):
+            return 2 * a[0] * a[1] * a[2] * b[2]
+    except (IndexError, TypeError):
+        pass
+    return -1
+
+
 def _nullable(values: np.ndarray, null_mask: np.ndarray, typ=pa.int64()):
     return pa.array(values, typ, mask=null_mask)
 
@@ -203,7 +216,7 @@ class _Ctx:
         cols["inplace"] = pa.array((flags & (F_INPLACE | F_OUT_KW)) != 0)
         cols["hidden_copy"] = pa.array(self._hidden_copy(op, ins, outs, alias, call, n))
         cols["is_noise"] = _take(self.ops["is_noise"], op)
-        flops = chunk["flops"]
+        flops = self._shape_flops(chunk["flops"], op, ins)
         cols["flops"] = _nullable(flops, flops < 0)
         no_bytes = is_view | np.asarray(cols["is_noise"].to_numpy(zero_copy_only=False), dtype=bool)
         cols["bytes_read"] = pa.array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
@@ -235,6 +248,25 @@ class _Ctx:
         cols["num_rel_err"] = pa.array(rel, pa.float64(), mask=np.isnan(rel))
         cols["num_max_abs_err"] = pa.array(mx, pa.float64(), mask=np.isnan(mx))
         return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
+
+    def _shape_flops(self, flops, op, ins):
+        """Fill the rows the dispatch mode left for later (-2): matmul FLOPs from input shapes."""
+        todo = np.nonzero(flops == -2)[0]
+        if not len(todo):
+            return flops
+        flops = flops.copy()
+        m = self.sess.rec.metas
+        tv = self.sess.rec.tuples.values
+        short = self.ops["short"]
+        cache = {}
+        for i in todo:
+            key = (int(op[i]), int(ins[i]))
+            v = cache.get(key)
+            if v is None:
+                shapes = [m.shapes[j] for j in tv[key[1]]]
+                v = cache[key] = _matmul_flops(short[key[0]], shapes)
+            flops[i] = v
+        return flops
 
     @staticmethod
     def _sparse_int(d: Dict[int, int], start: int, n: int):

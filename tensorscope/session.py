@@ -72,7 +72,7 @@ class Session:
         self.current_call = -1
         self.node_names: Dict[type, int] = {}
         self.opaque_ops = 0
-        self.last_exc_id = None
+        self.last_exc_key = None   # (id, type, message) of the last recorded exception
         self.last_error_id = -1
         self.modules = ModuleTracker(self.rec)
         # seq - 1: the op running or last finished when the storage appeared or died
@@ -245,7 +245,7 @@ class Session:
 
     def _note_cell_exception(self, exc: BaseException):
         """An exception that left the traced block: recorded once (modes may have seen it already)."""
-        if self.last_exc_id == id(exc):
+        if self.last_exc_key == exc_key(exc):
             return
         file = line = None
         tb = exc.__traceback__
@@ -260,7 +260,7 @@ class Session:
             kind="exception", py_type=type(exc).__name__, cpp_type=None, message=_first_line_message(exc),
             cpp_file=None, cpp_line=None, cpp_function=None, seq=None, call_id=None, op=None,
             source_file=file, source_line=line, native=False, count=1)
-        self.last_exc_id = id(exc)
+        self.last_exc_key = exc_key(exc)
 
 
 _warmed = False
@@ -293,6 +293,16 @@ def _exit_mode(mode, stack_fn):
     mode.__exit__(None, None, None)
     for m in reversed(above):
         m.__enter__()
+
+
+def exc_key(e: BaseException):
+    """Identity of an exception without a reference to it (which would keep its frames and
+    tensors alive). CPython reuses the id of a freed exception, so type and message join it."""
+    try:
+        msg = str(e)
+    except Exception:
+        msg = None
+    return (id(e), type(e), msg)
 
 
 def _first_line_message(e: BaseException) -> str:

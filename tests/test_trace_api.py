@@ -283,3 +283,25 @@ def test_deferred_table_resolves_once_on_first_read():
     assert calls == []
     assert t.kernels.num_rows == 0 and t.kernels.num_rows == 0
     assert calls == [1] and t.metadata["notes"] == ["harvested later"]
+
+
+def test_flops_match_flop_counter_mode():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    conv = torch.nn.Conv2d(3, 4, 3)
+    lin = torch.nn.Linear(8, 5)
+
+    def prog():
+        a = torch.randn(6, 7) @ torch.randn(7, 3)
+        b = torch.bmm(torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+        c = torch.baddbmm(torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+        d = lin(torch.randn(2, 8))
+        e = conv(torch.randn(1, 3, 8, 8))
+        (d.sum() + e.sum()).backward()
+
+    with FlopCounterMode(display=False) as fc:
+        prog()
+    with tensorscope.trace() as t:
+        prog()
+    ours = sum(v for v in t.ops.column("flops").to_pylist() if v)
+    assert ours == fc.get_total_flops()

@@ -233,3 +233,21 @@ def test_tracer_bug_never_reaches_user_code(monkeypatch):
             y = x * 2
     assert torch.equal(y, x * 2)
     assert t.metadata["tracer_errors"] >= 1
+
+
+def test_two_caught_exceptions_in_turn_are_both_recorded():
+    # CPython reuses a freed exception's id: dedupe must not swallow the second one
+    x = torch.randn(3, requires_grad=True)
+    with tensorscope.trace() as t:
+        for _ in range(2):
+            try:
+                torch.randn(3) + torch.ones(4)
+            except RuntimeError:
+                pass
+            try:
+                x.add_(1)
+            except RuntimeError:
+                pass
+    kinds = [(e["py_type"], e["op"]) for e in t.errors.to_pylist() if e["kind"] == "exception"]
+    assert kinds.count(("RuntimeError", "aten.add.Tensor")) == 2
+    assert kinds.count(("RuntimeError", None)) == 2

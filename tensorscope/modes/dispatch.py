@@ -20,6 +20,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..session import exc_key
 from ..recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 Tensor = torch.Tensor
@@ -32,13 +33,16 @@ try:
 except Exception:  # older torch
     _FLOP_REGISTRY = {}
 
+#: ops whose FLOPs build.py computes from input shapes (same formulas as torch.utils.flop_counter)
+SHAPE_FLOP_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
 NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_local_scalar_dense"})
 
 
 class OpInfo:
     """Per-OpOverload facts computed once: id, flags, FLOP formula."""
 
-    __slots__ = ("op_id", "flags", "flop")
+    __slots__ = ("op_id", "flags", "flop", "flop_at_build")
 
     def __init__(self, rec, func):
         self.op_id = rec.funcs(func)
@@ -60,7 +64,11 @@ class OpInfo:
         if getattr(func, "is_view", False):
             flags |= F_VIEW
         self.flags = flags
-        self.flop = _FLOP_REGISTRY.get(func.overloadpacket)
+        packet = func.overloadpacket
+        # matmul FLOPs depend on input shapes only: counted when the tables are built
+        # (flop_counter's formulas tree-map their arguments: ~25 µs per call)
+        self.flop_at_build = str(packet).split(".")[-1] in SHAPE_FLOP_OPS and packet in _FLOP_REGISTRY
+        self.flop = None if self.flop_at_build else _FLOP_REGISTRY.get(packet)
 
 
 _COMPOSITE = {}   # OpOverload -> has a CompositeImplicitAutograd kernel
@@ -205,7 +213,7 @@ class TracingDispatchMode(TorchDispatchMode):
             try:
                 info_ = cap.error_info(e) if cap is not None else None
                 s.last_error_id = s.record_exception(e, seq=seq, call_id=s.current_call, op=str(func), info=info_)
-                s.last_exc_id = id(e)
+                s.last_exc_key = exc_key(e)
                 rec.op_errors[seq] = s.last_error_id
                 if ok:
                     self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, (), 0, t0, t1)
@@ -244,7 +252,9 @@ class TracingDispatchMode(TorchDispatchMode):
                     flop = int(info.flop(*args, **kwargs, out_val=out))
                 except Exception:
                     flop = -1
-            elif info.flop is None:
+            elif info.flop_at_build:
+                flop = -2   # build.py: from the interned input shapes
+            else:
                 flop = -1
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
             if screen is not None:
@@ -281,7 +291,7 @@ class TracingDispatchMode(TorchDispatchMode):
             alias_id = rec.aliases(())
         in_id = rec.tuples(tuple(in_mids))
         out_id = rec.tuples(tuple(out_mids))
-        if not -1 <= flop < 1 << 62:
+        if not -2 <= flop < 1 << 62:
             flop = -1
         # every value is computed above: the appends below cannot fail half-way and misalign columns
         rec.ops.data.extend((info.op_id, in_id, out_id, alias_id, module_id, call_id, node_id, seq_nr, flags, flop,

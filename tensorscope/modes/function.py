@@ -14,6 +14,7 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..session import exc_key
 from ..recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
 from .source import user_frame_location
 
@@ -109,12 +110,12 @@ class TracingFunctionMode(TorchFunctionMode):
         except BaseException as e:
             try:
                 base = (cid - calls.base) * CALL_WIDTH
-                if s.last_exc_id == id(e):
+                if s.last_exc_key == exc_key(e):
                     data[base + C_ERROR] = s.last_error_id
                 else:
                     data[base + C_ERROR] = s.last_error_id = s.record_exception(
                         e, seq=None, call_id=cid, op=None, info=cap.error_info(e) if cap is not None else None)
-                    s.last_exc_id = id(e)
+                    s.last_exc_key = exc_key(e)
             except Exception as e2:
                 rec.tracer_error("function mode (error)", e2)
             raise
