@@ -21,10 +21,10 @@ def run_sql(trace, query: str, *, arrow: bool = False):
         for name in S.TABLES:
             if name in words:
                 con.register(name, trace.table(name))
-        rel = con.execute(query)
         if arrow:
-            fetch = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table   # duckdb >= 1.4 / older
+            rel = con.sql(query)
+            fetch = getattr(rel, "to_arrow_table", None) or rel.arrow   # duckdb >= 1.4 / older
             return fetch()
-        return rel.df()
+        return con.execute(query).df()
     finally:
         con.close()
