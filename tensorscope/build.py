@@ -123,6 +123,9 @@ class _Ctx:
         self.copy_op = np.array([s in COPY_OPS for s in short] or [False], dtype=bool)
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
         self.cell = sess.cell
+        screen = sess.screen
+        self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
+                                     for f in rec.funcs.values] or [False], dtype=bool)
         self._global_pass(rec)
 
     def _global_pass(self, rec):
@@ -226,7 +229,8 @@ class _Ctx:
         cols["cuda_ns"] = self._sparse_int(rec.cuda_ns, start, n)
         cols["error_id"] = self._sparse_int(rec.op_errors, start, n)
         if self.sess.screen is not None:
-            nf = np.where(t["has_float"][outs], 0, -1) if n else np.zeros(0, np.int64)
+            screened = self.screened_op[op] & t["has_float"][outs] if n else np.zeros(0, bool)
+            nf = np.where(screened, 0, -1)   # null: not screened (views, aliases, empty*, no float output)
             prod = np.zeros(n, dtype=bool)
             prod_null = np.ones(n, dtype=bool)
             for s, (cnt, produced) in rec.nonfinite.items():

@@ -82,6 +82,18 @@ def _is_composite(func) -> bool:
         return False
 
 
+def _dense_args(args, kwargs) -> bool:
+    """Only plain strided tensors: nested/sparse/mkldnn inputs have their own kernels (linear has a
+    NestedTensor one), which eager would run instead of the composite."""
+    for a in list(args) + (list(kwargs.values()) if kwargs else []):
+        ts = a if (type(a) is list or type(a) is tuple) else (a,)
+        for t in ts:
+            if isinstance(t, Tensor) and (t.layout != torch.strided or t.is_nested or
+                                          (type(t) is not Tensor and type(t) is not torch.nn.Parameter)):
+                return False
+    return True
+
+
 def _tensors_of(args, kwargs, out):
     for a in args:
         if isinstance(a, Tensor):
@@ -159,7 +171,7 @@ class TracingDispatchMode(TorchDispatchMode):
         comp = _COMPOSITE.get(func)
         if comp is None:
             comp = _COMPOSITE[func] = _is_composite(func)
-        if comp:
+        if comp and _dense_args(args, kwargs):
             # the C++ kernel eager runs, not func.decompose(): that prefers a Python
             # decomposition (upsample -> _unsafe_index) whose ops and bits differ from eager
             with self:

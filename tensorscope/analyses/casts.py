@@ -1,0 +1,361 @@
+"""The ``casts`` table: every dtype conversion of a trace, written or not.
+
+A pure function of ``ops`` and ``calls`` (no tensor is needed; torch is not
+imported). Kinds:
+
+``explicit``
+    ``_to_copy`` (``.to(dtype)``, ``.half()``, ``.float()``…; ``aten.to`` and
+    ``type_as`` as inference_mode delivers them undecomposed) that changes the
+    dtype, outside autocast's own casts.
+``autocast``
+    the same ops when autocast inserted them: the enclosing torch-level call
+    ran with autocast on (``calls.autocast``; inside ``__torch_dispatch__``
+    autocast reads as disabled, so the function level is where it is visible)
+    and is not itself a conversion the user wrote. CPU and CUDA autocast
+    cache the casts of leaf tensors that require grad (parameters) while the
+    autocast region is open: the first ``nn.Linear`` call shows three casts
+    (input, weight, bias), the next one only the input's (also under
+    ``no_grad``; under ``inference_mode`` nothing is cached, measured on 2.13).
+    Backward ops of a cast (``ToCopyBackward0``) inherit the kind of their
+    forward cast (via ``ops.fwd_seq``).
+``copy``
+    ``copy_`` into a tensor of another dtype (``dst.copy_(src)``, or an
+    assignment ``x[i] = y`` that widens).
+``implicit_downcast``
+    a value computed in a wider dtype written into a narrower tensor:
+    in-place and out= ops (``f16.add_(f32)``), and ``copy_`` that narrows
+    under a call other than ``copy_`` (``x_f16[:] = y_f32``).
+``promotion``
+    a pointwise op (or ``cat``/``stack``) with mixed input dtypes: the narrower
+    inputs are converted on the fly to the computation dtype (``f16 + f32`` is
+    one ``aten.add`` computing in float32). Zero-dim and bool inputs are not
+    counted (scalars and masks, not data).
+
+``direction``: ``up``/``down`` (wider/narrower float or complex), ``same_width``
+(float16 <-> bfloat16 trades range for precision; int8 <-> uint8),
+``int_narrowing`` (values may wrap: int64 -> int16), ``float_to_int``
+(truncation), ``int_to_float``, ``to_bool``, ``complex_to_real``.
+
+``numel`` counts the converted elements and ``bytes`` their size in the target
+dtype. ``round_trip`` marks both halves of an a -> b -> a pair on the same data
+(a materialised cast whose output storage is the source of a later cast back
+to the original dtype, e.g. ``x.bfloat16().float()``); it needs storage ids, so
+``storages=False`` traces report none. ``nonfinite_produced`` is the cast op's
+own verdict (an fp32 -> fp16 cast of 70000 produces inf), null when unscreened.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+from .layout import _NoGC, call_names, itemsize, numel, short_name, take_rows
+
+#: ops that materialise a conversion of their (first) input
+CAST_OPS = frozenset({"_to_copy", "to", "type_as", "_autocast_to_reduced_precision", "_autocast_to_full_precision",
+                      "_to_dense"})
+COPY_OPS = frozenset({"copy_", "copy", "_copy_from", "_copy_from_and_resize"})
+#: non-pointwise ops that promote their inputs like TensorIterator does
+PROMOTING_OPS = frozenset({"cat", "stack", "concat", "concatenate", "hstack", "vstack", "dstack", "column_stack",
+                           "lerp", "addcmul", "addcdiv"})
+#: torch-level calls that *are* a conversion the user wrote (not autocast's)
+USER_CAST_CALLS = frozenset({
+    "to", "type", "type_as", "half", "float", "double", "bfloat16", "int", "long", "short", "char", "byte", "bool",
+    "cfloat", "cdouble", "copy_", "__setitem__", "clone", "new_tensor", "tensor", "as_tensor", "_to_copy",
+})
+
+_COLS = ("seq", "op", "tags", "phase", "fwd_seq", "call_id", "module", "source_file", "source_line", "in_shapes",
+         "in_dtypes", "in_storages", "out_shapes", "out_dtypes", "out_storages", "out_alias", "is_view", "inplace",
+         "overload", "nonfinite", "nonfinite_produced")
+
+_FLOAT = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64,
+          "float8_e4m3fn": 8, "float8_e5m2": 8, "float8_e4m3fnuz": 8, "float8_e5m2fnuz": 8, "float8_e8m0fnu": 8}
+_COMPLEX = {"complex32": 32, "complex64": 64, "complex128": 128}
+_INT = {"uint8": (8, False), "int8": (8, True), "int16": (16, True), "int32": (32, True), "int64": (64, True),
+        "uint16": (16, False), "uint32": (32, False), "uint64": (64, False)}
+
+
+def _category(dt: str) -> int:
+    if dt == "bool":
+        return 0
+    if dt in _INT:
+        return 1
+    if dt in _FLOAT:
+        return 2
+    if dt in _COMPLEX:
+        return 3
+    return -1
+
+
+def direction(src: str, dst: str) -> str:
+    """How a value changes going from dtype ``src`` to ``dst``."""
+    if src == dst:
+        return "same"
+    cs, cd = _category(src), _category(dst)
+    if cd == 0:
+        return "to_bool"
+    if cs == 3 and cd < 3:
+        return "complex_to_real"
+    if cs == 2 and cd == 1:
+        return "float_to_int"
+    if cs in (0, 1) and cd >= 2:
+        return "int_to_float"
+    if cs == 0:
+        return "up"
+    if cs == 1 and cd == 1:
+        (ws, ss), (wd, sd) = _INT[src], _INT[dst]
+        if wd < ws or (wd == ws and ss != sd):
+            return "int_narrowing" if wd < ws else "same_width"
+        if not sd and ss:   # signed -> wider unsigned: negatives wrap
+            return "int_narrowing"
+        return "up"
+    if cs == 2 and cd == 3:
+        return "up" if 2 * _FLOAT[src] <= _COMPLEX[dst] else "down"
+    ws = _FLOAT.get(src) or _COMPLEX.get(src) or 0
+    wd = _FLOAT.get(dst) or _COMPLEX.get(dst) or 0
+    if wd > ws:
+        return "up"
+    if wd < ws:
+        return "down"
+    return "same_width"
+
+
+_NARROWING = frozenset({"down", "int_narrowing", "float_to_int", "to_bool", "complex_to_real", "same_width"})
+
+# promote_types for the dtypes that meet in practice (the lattice torch uses)
+_FLOAT_ORDER = ["float16", "bfloat16", "float32", "float64"]
+
+
+def _to_complex(dt: str) -> str:
+    return "complex128" if dt == "float64" else "complex64"
+
+
+def promote(a: Optional[str], b: Optional[str]) -> Optional[str]:
+    """torch.promote_types on dtype names, without importing torch."""
+    if a is None:
+        return b
+    if b is None or a == b:
+        return a
+    ca, cb = _category(a), _category(b)
+    if ca < 0 or cb < 0:
+        return a
+    if ca != cb:
+        hi, lo = (a, b) if ca > cb else (b, a)
+        if _category(hi) == 3 and lo == "float64":
+            return "complex128"
+        return hi
+    if ca == 2:
+        if {a, b} == {"float16", "bfloat16"}:
+            return "float32"
+        return a if _FLOAT.get(a, 0) >= _FLOAT.get(b, 0) else b
+    if ca == 3:
+        return a if _COMPLEX[a] >= _COMPLEX[b] else b
+    if ca == 1:
+        (wa, sa), (wb, sb) = _INT[a], _INT[b]
+        if sa == sb:
+            return a if wa >= wb else b
+        s_, u = (a, b) if sa else (b, a)
+        if _INT[s_][0] > _INT[u][0]:
+            return s_
+        return {8: "int16", 16: "int32", 32: "int64"}.get(_INT[u][0], "int64")
+    return a
+
+
+def computation_dtype(dtypes: List[str], shapes: List[list]) -> Optional[str]:
+    """TensorIterator's common dtype (c10 ResultTypeState): a 0-dim tensor only lifts the category."""
+    dim_res = zero_res = None
+    for dt, sh in zip(dtypes, shapes):
+        if _category(dt) < 0:
+            continue
+        if len(sh) > 0:
+            dim_res = promote(dim_res, dt)
+        else:
+            zero_res = promote(zero_res, dt)
+    if dim_res is None:
+        return zero_res
+    if zero_res is None:
+        return dim_res
+    # combine_categories(higher=dim_res, lower=zero_res)
+    ch, cl = _category(dim_res), _category(zero_res)
+    if ch == 3:
+        return dim_res
+    if cl == 3:
+        return _to_complex(dim_res) if ch == 2 else zero_res
+    if ch == 2:
+        return dim_res
+    if ch == 0 or cl == 2:
+        return promote(dim_res, zero_res)
+    return dim_res
+
+
+def casts(ops: pa.Table, calls: pa.Table) -> pa.Table:
+    """Derive the CASTS table from ``ops`` and ``calls``, in seq order."""
+    return _analyse(ops, calls)[0]
+
+
+def round_trip_pairs(ops: pa.Table, calls: pa.Table) -> int:
+    """Number of a -> b -> a pairs (casts that undo an earlier cast of the same data)."""
+    return _analyse(ops, calls)[1]
+
+
+# the last analysis, keyed by the identity of its input tables (held weakly): the summary
+# and the guards ask for the pair count right after the table was derived
+_last: Optional[tuple] = None
+
+
+def _analyse(ops: pa.Table, calls: pa.Table):
+    global _last
+    if _last is not None and _last[0]() is ops and _last[1]() is calls:
+        return _last[2], _last[3]
+    res = _analyse_uncached(ops, calls)
+    try:
+        _last = (weakref.ref(ops), weakref.ref(calls), res[0], res[1])
+    except TypeError:
+        _last = None
+    return res
+
+
+def _analyse_uncached(ops: pa.Table, calls: pa.Table):
+    if ops is None or ops.num_rows == 0:
+        return S.empty("casts"), 0
+    names = call_names(calls)
+    autocast = {}
+    if calls is not None and calls.num_rows:
+        for cid, ac in zip(calls.column("call_id").to_pylist(), calls.column("autocast").to_pylist()):
+            if ac:
+                autocast[cid] = ac
+
+    # candidates: rows with more than one distinct dtype among inputs and outputs
+    idx = _mixed_dtype_rows(ops)
+    with _NoGC():
+        return _cast_rows(take_rows(ops, idx, _COLS), names, autocast)
+
+
+def _cast_rows(rows, names, autocast):
+    out: Dict[str, list] = {f.name: [] for f in S.CASTS}
+    #: kind of each forward materialised cast by seq (backward casts inherit it)
+    fwd_kind: Dict[int, str] = {}
+    #: output storage of a materialised cast -> (row index in out, from_dtype, to_dtype)
+    produced_by: Dict[int, Tuple[int, str, str]] = {}
+    round_trip: List[bool] = []
+    pairs = [0]
+
+    def emit(r, frm, to, kind, n, produced=None, src_storage=None, dst_storage=None):
+        cid = r.get("call_id")
+        k = len(out["seq"])
+        out["seq"].append(r["seq"])
+        out["op"].append(r["op"])
+        out["call"].append(names.get(cid) if cid is not None else None)
+        out["from_dtype"].append(frm)
+        out["to_dtype"].append(to)
+        out["kind"].append(kind)
+        out["direction"].append(direction(frm, to))
+        out["numel"].append(int(n))
+        out["bytes"].append(int(n) * itemsize(to))
+        out["nonfinite_produced"].append(produced)
+        out["module"].append(r.get("module"))
+        out["source_file"].append(r.get("source_file"))
+        out["source_line"].append(r.get("source_line"))
+        round_trip.append(False)
+        # a -> b -> a on the same data: this cast reads the storage an earlier b-cast wrote
+        if src_storage is not None and src_storage >= 0:
+            prev = produced_by.get(src_storage)
+            if prev is not None and prev[2] == frm and prev[1] == to:
+                round_trip[prev[0]] = True
+                round_trip[k] = True
+                pairs[0] += 1
+        if dst_storage is not None and dst_storage >= 0:
+            produced_by[dst_storage] = (k, frm, to)
+
+    for r in rows:
+        name = short_name(r["op"])
+        in_dt = r.get("in_dtypes") or []
+        out_dt = r.get("out_dtypes") or []
+        in_sh = r.get("in_shapes") or []
+        out_sh = r.get("out_shapes") or []
+        in_st = r.get("in_storages") or []
+        out_st = r.get("out_storages") or []
+        alias = r.get("out_alias") or []
+        cid = r.get("call_id")
+        call = names.get(cid) if cid is not None else None
+        # screened ops: False when finite, the op's verdict otherwise; null when not screened
+        nf = r.get("nonfinite")
+        produced = None if nf is None else (bool(r.get("nonfinite_produced")) if nf > 0 else False)
+        if name in CAST_OPS:
+            if not in_dt or not out_dt or in_dt[0] == out_dt[0]:
+                continue
+            if alias and alias[0] is not None and alias[0] >= 0:
+                continue   # an aliasing aten.to: no conversion happened
+            if r.get("phase") == "backward":
+                kind = fwd_kind.get(r.get("fwd_seq"), "explicit")
+            elif cid in autocast and call not in USER_CAST_CALLS:
+                kind = "autocast"
+            else:
+                kind = "explicit"
+            fwd_kind[r["seq"]] = kind
+            emit(r, in_dt[0], out_dt[0], kind, numel(out_sh[0]) if out_sh else 0, produced,
+                 in_st[0] if in_st else None, out_st[0] if out_st else None)
+            continue
+        if name in COPY_OPS:
+            if len(in_dt) < 2 or in_dt[0] == in_dt[1]:
+                continue
+            dst, src = in_dt[0], in_dt[1]
+            d = direction(src, dst)
+            kind = "implicit_downcast" if (d in _NARROWING and call != "copy_") else "copy"
+            emit(r, src, dst, kind, numel(in_sh[0]) if in_sh else 0, produced,
+                 in_st[1] if len(in_st) > 1 else None, in_st[0] if in_st else None)
+            continue
+        if r.get("is_view"):
+            continue
+        tags = r.get("tags") or []
+        if not ("pointwise" in tags or name in PROMOTING_OPS or name.rstrip("_") in PROMOTING_OPS):
+            continue
+        # which inputs are written (in-place self, out= tensors): from out_alias
+        written = sorted({a for a in alias if a is not None and a >= 0})
+        is_out = "out" in tags or (r.get("overload") or "").startswith("out")
+        reads = [i for i in range(len(in_dt)) if not (is_out and i in written)]
+        if written and r.get("inplace"):
+            comp = computation_dtype([in_dt[i] for i in reads], [in_sh[i] for i in reads])
+        else:
+            comp = out_dt[0] if out_dt else None
+        if comp is None or _category(comp) <= 0:
+            continue   # comparisons and masks: bool results
+        for i in reads:
+            dt = in_dt[i]
+            if dt == comp or _category(dt) <= 0 or len(in_sh[i]) == 0 or i in written:
+                continue
+            emit(r, dt, comp, "promotion", numel(in_sh[i]))
+        if written and r.get("inplace"):
+            for w in written:
+                if w < len(in_dt) and in_dt[w] != comp:
+                    d = direction(comp, in_dt[w])
+                    emit(r, comp, in_dt[w], "implicit_downcast" if d in _NARROWING else "promotion",
+                         numel(in_sh[w]), produced)
+    out["round_trip"] = round_trip
+    return pa.Table.from_pydict(out, schema=S.CASTS), pairs[0]
+
+
+def _mixed_dtype_rows(ops: pa.Table) -> np.ndarray:
+    """Rows whose inputs and outputs do not all share one dtype (vectorised prefilter)."""
+    ins = ops.column("in_dtypes")
+    outs = ops.column("out_dtypes")
+    if isinstance(ins, pa.ChunkedArray):
+        ins = ins.combine_chunks()
+        outs = outs.combine_chunks()
+    n = len(ins)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    flat = pa.concat_arrays([pc.list_flatten(ins), pc.list_flatten(outs)])
+    parents = np.concatenate([pc.list_parent_indices(ins).to_numpy(), pc.list_parent_indices(outs).to_numpy()])
+    if len(flat) == 0:
+        return np.zeros(0, np.int64)
+    codes = pc.dictionary_encode(flat).indices.to_numpy()
+    lo = np.full(n, np.iinfo(np.int64).max)
+    hi = np.full(n, -1)
+    np.minimum.at(lo, parents, codes)
+    np.maximum.at(hi, parents, codes)
+    return np.nonzero((hi >= 0) & (lo != hi))[0].astype(np.int64)

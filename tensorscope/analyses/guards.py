@@ -1,0 +1,207 @@
+"""Cell guards: ``expect=(...)`` and ``max_casts=N`` checked against a finished trace.
+
+``check_guards(trace) -> list[str]`` returns one readable failure per broken
+expectation (empty when all hold); ``session.raise_for_guards`` turns them
+into a ``GuardError`` after the block ran, with the trace kept on the error.
+The options come from ``trace.metadata["options"]``, so a loaded trace can be
+re-checked. Expectations:
+
+``channels_last``
+    no op turned a channels_last (or channels_last_3d) tensor into another
+    format (the ``format_change`` rows of ``layout_changes``), and the cell did
+    use channels_last at all: 4-d/5-d data that never was channels_last is a
+    failure too (the usual cause is a model converted but not its input, or
+    neither).
+``no_nonfinite``
+    no op output held NaN/Inf; names the first op that produced one.
+``no_hidden_copies``
+    no ``hidden_copy`` rows in ``layout_changes``.
+``no_leaks``
+    the ``leaks`` table is empty.
+``max_casts=N``
+    at most N rows in ``casts`` (every kind, promotions included).
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter, OrderedDict
+from typing import Dict, List, Optional
+
+import pyarrow.compute as pc
+
+CL = ("channels_last", "channels_last_3d")
+_MAX_LISTED = 5
+
+
+def _where(r: dict) -> str:
+    parts = []
+    f, line = r.get("source_file"), r.get("source_line")
+    if f is not None or line is not None:
+        parts.append(f"{os.path.basename(f) if f else '?'}:{line if line is not None else '?'}")
+    if r.get("module"):
+        parts.append(f"module {r['module']}")
+    return ", ".join(parts) if parts else "location unknown"
+
+
+def _bytes(n) -> str:
+    from ..render.summary import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def _grouped(rows: List[dict], key_fields, limit=_MAX_LISTED) -> List[tuple]:
+    """[(first row, count, total bytes)] grouped by ``key_fields``, in order of first appearance."""
+    groups: "OrderedDict[tuple, list]" = OrderedDict()
+    for r in rows:
+        k = tuple(r.get(f) for f in key_fields)
+        g = groups.get(k)
+        if g is None:
+            groups[k] = [r, 1, r.get("bytes") or 0]
+        else:
+            g[1] += 1
+            g[2] += r.get("bytes") or 0
+    return [tuple(v) for v in list(groups.values())[:limit]] + ([("more", len(groups) - limit, 0)] if len(groups) > limit else [])
+
+
+def _listing(groups) -> str:
+    lines = []
+    for r, n, nb in groups:
+        if r == "more":
+            lines.append(f"    … and {n} more place(s)")
+            continue
+        call = f" in {r['call']}()" if r.get("call") else ""
+        lines.append(f"    {r['op']}{call}: {r.get('from_format')} -> {r.get('to_format')}, "
+                     f"{n}x, {_bytes(nb)} ({_where(r)})")
+    return "\n".join(lines)
+
+
+def _check_channels_last(t) -> Optional[str]:
+    lc = t.layout_changes
+    rows = [r for r in lc.to_pylist() if r["kind"] == "format_change" and r["from_format"] in CL
+            and r["to_format"] not in CL]
+    if rows:
+        groups = _grouped(rows, ("op", "call", "source_file", "source_line", "module"))
+        total = sum(r.get("bytes") or 0 for r in rows)
+        return (f"expect channels_last: {len(rows)} op(s) returned a channels_last input in another format "
+                f"({_bytes(total)} written that way; later convolutions then run on the wrong layout):\n"
+                + _listing(groups))
+    ops = t.ops
+    if ops.num_rows == 0:
+        return None
+    from .layout import rows_with_any
+
+    if len(rows_with_any(ops.column("in_formats"), CL)) or len(rows_with_any(ops.column("out_formats"), CL)):
+        return None
+    # no channels_last anywhere: did 4-d/5-d dense data run at all?
+    idx = rows_with_any(ops.column("in_formats"), ("contiguous",))
+    for r in ops.select(["op", "in_shapes", "in_formats", "in_ambiguous", "source_file", "source_line", "module"]) \
+            .take(idx[:2000]).to_pylist():
+        for sh, f, a in zip(r["in_shapes"] or [], r["in_formats"] or [], r["in_ambiguous"] or []):
+            if len(sh) in (4, 5) and f == "contiguous" and not a:
+                return (f"expect channels_last: no tensor in this cell was channels_last, but 4-d/5-d data ran "
+                        f"contiguous (first: {r['op']} on shape {tuple(sh)}, {_where(r)}); convert the model "
+                        f"and its input with .to(memory_format=torch.channels_last)")
+    return None
+
+
+def _check_nonfinite(t) -> Optional[str]:
+    ops = t.ops
+    if ops.num_rows == 0:
+        return None
+    col = ops.column("nonfinite")
+    if col.null_count == ops.num_rows:
+        return ("expect no_nonfinite: cannot check, the non-finite screen was off for this trace "
+                "(drop --no-nonfinite / nonfinite=False)")
+    bad = ops.filter(pc.fill_null(pc.greater(col, 0), False))
+    if bad.num_rows == 0:
+        return None
+    rows = bad.select(["seq", "op", "nonfinite", "nonfinite_produced", "module", "source_file", "source_line"]).to_pylist()
+    produced = [r for r in rows if r["nonfinite_produced"]]
+    first = produced[0] if produced else rows[0]
+    head = (f"first produced by {first['op']} (seq {first['seq']}, {first['nonfinite']} value(s), {_where(first)})"
+            if produced else f"none was produced inside the cell: they came from its inputs "
+                             f"(first seen in {first['op']}, seq {first['seq']}, {_where(first)})")
+    return (f"expect no_nonfinite: {len(rows)} op(s) output NaN/Inf ({len(produced)} produced them, "
+            f"{len(rows) - len(produced)} propagated); {head}")
+
+
+def _check_hidden_copies(t) -> Optional[str]:
+    rows = [r for r in t.layout_changes.to_pylist() if r["kind"] == "hidden_copy"]
+    if not rows:
+        return None
+    groups = _grouped(rows, ("op", "call", "source_file", "source_line", "module"))
+    lines = []
+    for r, n, nb in groups:
+        if r == "more":
+            lines.append(f"    … and {n} more place(s)")
+        else:
+            lines.append(f"    {r.get('reason') or r['op']}; {n}x, {_bytes(nb)} ({_where(r)})")
+    total = sum(r.get("bytes") or 0 for r in rows)
+    return f"expect no_hidden_copies: {len(rows)} hidden cop(ies), {_bytes(total)}:\n" + "\n".join(lines)
+
+
+def _check_leaks(t) -> Optional[str]:
+    lk = t.leaks
+    if lk.num_rows == 0:
+        return None
+    rows = lk.to_pylist()
+    total = sum(r.get("nbytes") or 0 for r in rows)
+    lines = []
+    for r in rows[:_MAX_LISTED]:
+        holder = r.get("holder") or "unknown holder"
+        fix = f"; fix: {r['fix']}" if r.get("fix") else ""
+        lines.append(f"    {_bytes(r.get('nbytes'))} {r.get('dtype')} {tuple(r.get('shape') or ())} "
+                     f"from {r.get('alloc_op') or '?'} (line {r.get('source_line')}), held by {holder}{fix}")
+    if len(rows) > _MAX_LISTED:
+        lines.append(f"    … and {len(rows) - _MAX_LISTED} more")
+    return f"expect no_leaks: {len(rows)} storage(s) created by the cell are still alive ({_bytes(total)}):\n" \
+        + "\n".join(lines)
+
+
+def _check_max_casts(t, limit: int) -> Optional[str]:
+    cs = t.casts
+    n = cs.num_rows
+    if n <= limit:
+        return None
+    rows = cs.to_pylist()
+    kinds = Counter((r["kind"], r["direction"]) for r in rows)
+    by = ", ".join(f"{k} {d} x{c}" for (k, d), c in kinds.most_common())
+    places = Counter((r["op"], r.get("call"), r.get("source_file"), r.get("source_line"), r.get("module"))
+                     for r in rows)
+    lines = []
+    for (op, call, f, line, mod), c in places.most_common(_MAX_LISTED):
+        call_s = f" in {call}()" if call else ""
+        lines.append(f"    {op}{call_s}: {c}x ({_where({'source_file': f, 'source_line': line, 'module': mod})})")
+    from .casts import round_trip_pairs
+
+    rt = round_trip_pairs(t.ops, t.calls)
+    rts = f"; {rt} round trip(s) a->b->a" if rt else ""
+    return f"max_casts={limit}: {n} casts ran ({by}{rts}):\n" + "\n".join(lines)
+
+
+_CHECKS = {
+    "channels_last": _check_channels_last,
+    "no_nonfinite": _check_nonfinite,
+    "no_hidden_copies": _check_hidden_copies,
+    "no_leaks": _check_leaks,
+}
+
+
+def check_guards(trace) -> List[str]:
+    """Failures of the guards in ``trace.metadata['options']`` (empty list: all hold)."""
+    opts: Dict = (trace.metadata or {}).get("options") or {}
+    failures: List[str] = []
+    for e in opts.get("expect") or ():
+        fn = _CHECKS.get(e)
+        if fn is None:
+            failures.append(f"unknown expectation {e!r}")
+            continue
+        msg = fn(trace)
+        if msg:
+            failures.append(msg)
+    mc = opts.get("max_casts")
+    if mc is not None:
+        msg = _check_max_casts(trace, int(mc))
+        if msg:
+            failures.append(msg)
+    return failures

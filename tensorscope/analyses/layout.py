@@ -1,0 +1,373 @@
+"""The ``layout_changes`` table: memory-format changes, hidden copies and non-dense inputs.
+
+A pure function of the ``ops`` and ``calls`` tables (no tensor, no torch
+import). One row per finding, three kinds:
+
+``format_change``
+    an op whose dense input format differs from its output's: a channels_last
+    (or channels_last_3d) input and an output in another format (layer_norm,
+    softmax(dim=1), reductions, matmul, cat of mixed formats, contiguous(),
+    reshape/flatten copies), or an output in a channels_last format none of
+    its inputs had (``.to(memory_format=...)``, conv with channels_last
+    weights). Only tensors of the same rank are compared, and tensors whose
+    label is ambiguous because of size-1 dims never count, so ``(N, C, 1, 1)``
+    pooling outputs produce no false change. Views and in-place ops move no
+    data and are never format changes. A reshape-family op that copies
+    (``aten.reshape``/``flatten`` with a fresh output, as inference_mode
+    delivers them undecomposed) is compared like the ``clone`` grad mode shows
+    in its place: its copy is contiguous, so grad and inference mode agree.
+``hidden_copy``
+    an op the trace builder flagged ``hidden_copy`` (a copy under a torch-level
+    call users expect to be free: reshape, flatten, contiguous, matmul, …),
+    with the reason (the source shape, strides and format that made a view
+    impossible) and the bytes copied.
+``non_dense_input``
+    an expanded, gapped or overlapping input to a compute op (matmul family,
+    convolution, normalisation, indexing, …), which often means a slow path or
+    an internal copy. Pointwise and reduction ops (TensorIterator reads any
+    strides, and a zero stride is just broadcasting), views, copies and
+    factories are not compute ops here.
+
+``bytes`` is the output's size for format changes and hidden copies (what was
+written in the new layout) and the input's logical size for non-dense inputs
+(what a materialisation would copy).
+"""
+from __future__ import annotations
+
+import gc
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+
+CL_FORMATS = frozenset({"channels_last", "channels_last_3d"})
+#: dense labels (the recorder writes "strided"; design.md also names "dense_permuted")
+DENSE_FORMATS = frozenset({"contiguous", "channels_last", "channels_last_3d", "strided", "dense_permuted"})
+NON_DENSE_FORMATS = frozenset({"non_dense", "expanded", "gapped", "overlapping"})
+
+#: undecomposed (inference_mode) composites that are a view or a contiguous copy
+RESHAPE_FAMILY = frozenset({"reshape", "flatten", "reshape_as", "ravel", "unflatten", "contiguous", "view_as"})
+#: ops that read no data of the tensor they are given (templates)
+_TEMPLATE_OPS = frozenset({
+    "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like",
+    "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "resize_", "resize_as_", "set_",
+})
+#: not compute ops for the non-dense check: materialising is what they are for, or they only move data
+_NOT_COMPUTE = _TEMPLATE_OPS | RESHAPE_FAMILY | frozenset({
+    "clone", "_to_copy", "to", "copy_", "copy", "_copy_from", "_copy_from_and_resize", "detach", "alias",
+    "lift_fresh", "lift_fresh_copy", "_unsafe_view", "_reshape_alias", "expand", "expand_as", "as_strided",
+    "fill_", "zero_", "fill", "_local_scalar_dense", "item", "_assert_async", "record_stream",
+    "_foreach_copy_", "masked_fill_", "index_put_", "index_copy_", "select_scatter", "slice_scatter",
+    "as_strided_scatter", "diagonal_scatter", "unbind", "split", "split_with_sizes", "chunk",
+    "cat", "stack",
+})
+
+_COLS = ("seq", "op", "tags", "call_id", "module", "source_file", "source_line", "in_shapes", "in_strides",
+         "in_dtypes", "in_formats", "in_ambiguous", "in_storages", "out_shapes", "out_strides", "out_dtypes",
+         "out_formats", "out_ambiguous", "out_storages", "out_alias", "is_view", "inplace", "hidden_copy")
+
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1,
+}
+
+
+def itemsize(dtype: Optional[str]) -> int:
+    return _ITEMSIZE.get(dtype or "", 0)
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def short_name(op: str) -> str:
+    """``aten.add_.Tensor`` -> ``add_``."""
+    parts = op.split(".")
+    return parts[1] if len(parts) > 1 else op
+
+
+def rows_with_any(col, values) -> np.ndarray:
+    """Row indices whose list column contains any of ``values`` (vectorised)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if len(col) == 0:
+        return np.zeros(0, dtype=np.int64)
+    flat = pc.list_flatten(col)
+    if len(flat) == 0:
+        return np.zeros(0, dtype=np.int64)
+    parents = pc.list_parent_indices(col).to_numpy()
+    hit = pc.is_in(flat, value_set=pa.array(sorted(values), pa.string())).to_numpy(zero_copy_only=False)
+    hit = np.asarray(hit, dtype=bool)
+    return np.unique(parents[hit]).astype(np.int64)
+
+
+def true_rows(col) -> np.ndarray:
+    arr = pc.fill_null(col, False)
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    return np.nonzero(np.asarray(arr.to_numpy(zero_copy_only=False), dtype=bool))[0].astype(np.int64)
+
+
+def call_names(calls: pa.Table) -> Dict[int, str]:
+    """call_id -> torch-level call name."""
+    if calls is None or calls.num_rows == 0:
+        return {}
+    ids = calls.column("call_id").to_pylist()
+    names = calls.column("name").to_pylist()
+    return {i: n for i, n in zip(ids, names) if i is not None}
+
+
+class _NoGC:
+    """Collections paused while many small lists are built: torch keeps ~166k objects
+    tracked, and gen-2 passes triggered by the conversion cost 3-4x the conversion."""
+
+    def __enter__(self):
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc):
+        if self.was:
+            gc.enable()
+
+
+def take_rows(ops: pa.Table, idx: np.ndarray, cols=_COLS) -> List[dict]:
+    """Rows ``idx`` of ``ops`` as dicts of the columns ``cols`` (column-wise: several times faster)."""
+    if len(idx) == 0:
+        return []
+    have = [c for c in cols if c in ops.column_names]
+    sub = ops.select(have).take(pa.array(idx, pa.int64()))
+    with _NoGC():
+        values = [sub.column(c).to_pylist() for c in have]
+        return [dict(zip(have, v)) for v in zip(*values)]
+
+
+def count_in(col, values, flags=None) -> np.ndarray:
+    """Per row: how many elements of a list column are in ``values`` (and, with ``flags``, a
+    parallel list<bool> column, whose flag is false)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    n = len(col)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    flat = pc.list_flatten(col)
+    if len(flat) == 0:
+        return np.zeros(n, dtype=np.int64)
+    parents = pc.list_parent_indices(col).to_numpy()
+    hit = np.asarray(pc.is_in(flat, value_set=pa.array(sorted(values), pa.string())).to_numpy(zero_copy_only=False),
+                     dtype=bool)
+    if flags is not None:
+        if isinstance(flags, pa.ChunkedArray):
+            flags = flags.combine_chunks() if flags.num_chunks != 1 else flags.chunk(0)
+        f = pc.fill_null(pc.list_flatten(flags), False).to_numpy(zero_copy_only=False)
+        if len(f) == len(hit):
+            hit &= ~np.asarray(f, dtype=bool)
+    return np.bincount(parents[hit], minlength=n).astype(np.int64)
+
+
+def non_dense_kind(shape: Sequence[int], stride: Sequence[int]) -> str:
+    """expanded (a zero stride), overlapping, or gapped, from the strides."""
+    dims = sorted((abs(st), sz) for st, sz in zip(stride, shape) if sz != 1)
+    if any(st == 0 for st, _ in dims):
+        return "expanded"
+    extent = 1
+    gapped = False
+    for st, sz in dims:
+        if st < extent:
+            return "overlapping"
+        if st > extent:
+            gapped = True
+        extent = st * sz
+    return "gapped" if gapped else "dense"
+
+
+def _fmt_tuple(v) -> str:
+    v = list(v or [])
+    return "(" + ", ".join(str(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+
+
+def _comparable(fmt, amb) -> bool:
+    return fmt in DENSE_FORMATS and not amb
+
+
+def _format_change(r) -> Optional[Tuple[str, str, int]]:
+    """(from_format, to_format, bytes) when the op changed a memory format, else None."""
+    name = short_name(r["op"])
+    reshape_copy = name in RESHAPE_FAMILY
+    # reshape/flatten are schema views that may copy: their fresh outputs are checked below
+    if (r.get("is_view") and not reshape_copy) or r.get("inplace") or name in _TEMPLATE_OPS:
+        return None
+    in_f = r.get("in_formats") or []
+    in_a = r.get("in_ambiguous") or [False] * len(in_f)
+    in_sh = r.get("in_shapes") or []
+    out_f = r.get("out_formats") or []
+    out_a = r.get("out_ambiguous") or [False] * len(out_f)
+    out_sh = r.get("out_shapes") or []
+    alias = r.get("out_alias") or [-1] * len(out_f)
+    for j, of in enumerate(out_f):
+        if j < len(alias) and alias[j] is not None and alias[j] >= 0:
+            continue   # shares the input's storage: no data moved
+        rank = len(out_sh[j]) if j < len(out_sh) else -1
+        if reshape_copy:
+            # a reshape that copies writes a contiguous tensor of another rank
+            of, oa = "contiguous", False
+            cand = [(f, a) for f, a, sh in zip(in_f[:1], in_a[:1], in_sh[:1])]
+        else:
+            oa = out_a[j] if j < len(out_a) else False
+            cand = [(f, a) for f, a, sh in zip(in_f, in_a, in_sh) if len(sh) == rank]
+        if not _comparable(of, oa):
+            continue
+        ins = [f for f, a in cand if _comparable(f, a)]
+        if not ins:
+            continue
+        nb = _out_bytes(r, j)
+        for f in ins:
+            if f in CL_FORMATS and f != of:
+                return f, of, nb
+        if of in CL_FORMATS and of not in ins:
+            return ins[0], of, nb
+        return None   # the first comparable output decides (the others are stats/indices)
+    return None
+
+
+def _out_bytes(r, j) -> int:
+    sh = (r.get("out_shapes") or [])
+    dt = (r.get("out_dtypes") or [])
+    if j >= len(sh):
+        return 0
+    return numel(sh[j]) * itemsize(dt[j] if j < len(dt) else None)
+
+
+def _in_bytes(r, i) -> int:
+    sh = (r.get("in_shapes") or [])
+    dt = (r.get("in_dtypes") or [])
+    if i >= len(sh):
+        return 0
+    return numel(sh[i]) * itemsize(dt[i] if i < len(dt) else None)
+
+
+def _copy_target(r, nxt) -> Optional[list]:
+    """The shape the user asked for: the ``_unsafe_view`` right after a clone, else the copy's output."""
+    if nxt is not None and short_name(nxt["op"]) == "_unsafe_view" and nxt.get("call_id") == r.get("call_id"):
+        st_out = (r.get("out_storages") or [None])[0]
+        st_in = (nxt.get("in_storages") or [None])[0]
+        if st_out is not None and st_out == st_in and st_out >= 0:
+            return (nxt.get("out_shapes") or [None])[0]
+    return (r.get("out_shapes") or [None])[0]
+
+
+def _hidden_reason(r, call: Optional[str], target) -> str:
+    sh = (r.get("in_shapes") or [[]])[0]
+    st = (r.get("in_strides") or [[]])[0]
+    fmt = (r.get("in_formats") or ["?"])[0]
+    name = short_name(r["op"])
+    src = f"source shape {_fmt_tuple(sh)} strides {_fmt_tuple(st)} [{fmt}]"
+    c = call or "?"
+    if c == "contiguous" or name == "contiguous":
+        return f"contiguous() copied: {src} is not contiguous"
+    if name == "_to_copy":
+        return f"{c}() copied without changing dtype or device: {src}"
+    if target is not None and list(target) != list(sh):
+        return f"{c}() copied: {src} cannot be viewed as {_fmt_tuple(target)}"
+    return f"{c}() copied: {src} cannot be viewed with the requested strides"
+
+
+def layout_changes(ops: pa.Table, calls: pa.Table) -> pa.Table:
+    """Derive the LAYOUT_CHANGES table from ``ops`` and ``calls`` (sorted by seq, then kind)."""
+    if ops is None or ops.num_rows == 0:
+        return S.empty("layout_changes")
+    names = call_names(calls)
+    # format-change candidates, vectorised: a channels_last input and an unambiguous dense
+    # non-channels_last output, or a channels_last output without a channels_last input
+    cl_in = count_in(ops.column("in_formats"), CL_FORMATS)
+    cl_out = count_in(ops.column("out_formats"), CL_FORMATS)
+    other_out = count_in(ops.column("out_formats"), DENSE_FORMATS - CL_FORMATS, ops.column("out_ambiguous"))
+    fmt_idx = np.nonzero(((cl_in > 0) & (other_out > 0)) | ((cl_out > 0) & (cl_in == 0)))[0].astype(np.int64)
+    hid_idx = true_rows(ops.column("hidden_copy"))
+    nd_idx = rows_with_any(ops.column("in_formats"), NON_DENSE_FORMATS)
+    # the row after each hidden copy, to name the shape the user asked for
+    nxt_idx = hid_idx + 1
+    nxt_idx = nxt_idx[nxt_idx < ops.num_rows]
+    want = np.unique(np.concatenate([fmt_idx, hid_idx, nd_idx, nxt_idx]))
+    with _NoGC():
+        return _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx)
+
+
+def _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx) -> pa.Table:
+    rows = dict(zip(want.tolist(), take_rows(ops, want)))
+    fmt_set, hid_set, nd_set = set(fmt_idx.tolist()), set(hid_idx.tolist()), set(nd_idx.tolist())
+
+    out: Dict[str, list] = {f.name: [] for f in S.LAYOUT_CHANGES}
+
+    def emit(r, kind, frm, to, reason, nbytes):
+        cid = r.get("call_id")
+        out["seq"].append(r["seq"])
+        out["op"].append(r["op"])
+        out["call"].append(names.get(cid) if cid is not None else None)
+        out["from_format"].append(frm)
+        out["to_format"].append(to)
+        out["kind"].append(kind)
+        out["reason"].append(reason)
+        out["bytes"].append(int(nbytes))
+        out["module"].append(r.get("module"))
+        out["source_file"].append(r.get("source_file"))
+        out["source_line"].append(r.get("source_line"))
+
+    for i in want.tolist():
+        r = rows[i]
+        if i in fmt_set:
+            ch = _format_change(r)
+            if ch is not None:
+                frm, to, nb = ch
+                cid = r.get("call_id")
+                call = names.get(cid) if cid is not None else None
+                why = f"{short_name(r['op'])} returned {to} for a {frm} input"
+                if call and call != short_name(r["op"]):
+                    why += f" (inside {call}())"
+                emit(r, "format_change", frm, to, why, nb)
+        if i in hid_set:
+            cid = r.get("call_id")
+            call = names.get(cid) if cid is not None else None
+            target = _copy_target(r, rows.get(i + 1))
+            frm = (r.get("in_formats") or [None])[0]
+            to = "contiguous" if short_name(r["op"]) in RESHAPE_FAMILY else (r.get("out_formats") or [None])[0]
+            emit(r, "hidden_copy", frm, to, _hidden_reason(r, call, target), _out_bytes(r, 0))
+        if i in nd_set:
+            nd = _non_dense_input(r)
+            if nd is not None:
+                k, fmt_kind, reason, nb = nd
+                emit(r, "non_dense_input", fmt_kind, (r.get("out_formats") or [None])[0], reason, nb)
+    return pa.Table.from_pydict(out, schema=S.LAYOUT_CHANGES)
+
+
+def _non_dense_input(r):
+    name = short_name(r["op"])
+    if r.get("is_view") or name in _NOT_COMPUTE or name.startswith("_foreach_"):
+        return None
+    tags = r.get("tags") or []
+    if "pointwise" in tags or "reduction" in tags or "view_copy" in tags:
+        return None
+    fmts = r.get("in_formats") or []
+    shapes = r.get("in_shapes") or []
+    strides = r.get("in_strides") or []
+    alias = set(a for a in (r.get("out_alias") or []) if a is not None and a >= 0)
+    for i, f in enumerate(fmts):
+        if f not in NON_DENSE_FORMATS or i in alias:
+            continue   # a written (in-place/out=) tensor is not an input read through a slow path
+        sh = shapes[i] if i < len(shapes) else []
+        st = strides[i] if i < len(strides) else []
+        kind = non_dense_kind(sh, st) if f == "non_dense" else f
+        if kind == "dense":
+            continue
+        reason = (f"input {i} of {name} is {kind}: shape {_fmt_tuple(sh)} strides {_fmt_tuple(st)}"
+                  + ("; the kernel may copy it or take a slow path" if kind != "expanded" else
+                     "; a zero-stride input is usually materialised by this kernel"))
+        return i, kind, reason, _in_bytes(r, i)
+    return None

@@ -1,0 +1,690 @@
+"""Per-op numerics probes the dispatch mode calls: the non-finite screen and the numerics shadow.
+
+Both run inside ``__torch_dispatch__``, where the tracing modes are inactive,
+so the extra ops they dispatch are invisible to the trace. They read user
+tensors only (never write them), draw no random numbers, keep no strong
+reference to a tensor after the op returns, and build no autograd graph.
+
+``NonfiniteScreen`` (``nonfinite=True``): for every floating output, a cheap
+screen first and an exact count only when it fires (design.md §3):
+
+* float32/float64/bfloat16/complex: ``out.sum()``. torch accumulates 16-bit
+  sums in float32 internally, and bfloat16 has float32's range, so the sum
+  overflows only where float32 would. ``sum(dtype=float32)`` costs 2-3x more
+  on CPU (measured here) for no extra soundness.
+* float16: its sum *output* overflows at 65520 although every element is
+  finite (70000 ones), which would fire the exact count on ordinary data;
+  ``aminmax`` cannot overflow and costs about what a 1M-element ``relu``
+  does (measured here; ``sum(dtype=float32)`` costs twice that).
+* any non-finite element makes the screen non-finite (inf + finite = inf,
+  NaN propagates, inf - inf = NaN), so a finite screen proves the tensor finite;
+  a fired screen can be a false alarm (an overflowing sum), which the exact
+  count settles.
+
+The verdict: *produced* when no input held a non-finite value before the op
+(Python float arguments count: ``masked_fill(m, -inf)`` propagates what the
+user wrote), *propagated* otherwise. In-place ops overwrite their input, so
+``pre()`` screens the written tensor before the op, unless this screen saw
+that very tensor (same data pointer, shape, strides, dtype and version
+counter) come out of an earlier op, which is the usual case and costs nothing.
+
+On CUDA nothing is read back per op: exact finite counts are written into a
+device buffer (no host branch, so no sync) and ``finish()`` copies it to the
+host once. The produced/propagated verdict then comes from the screen's own
+dataflow: an input is bad when the screened output it came from was bad;
+tensors from outside the trace are screened once on the device.
+
+``NumericsShadow`` (``numerics='fp32'|'fp64'``): recomputes ops with 16-bit
+(and with 'fp64', float32) floating inputs on upcast copies and reports the
+norm-wise relative error and the max absolute error of the real output
+against that reference. Ops that draw random numbers are skipped (and counted),
+as are in-place/out= ops (their inputs are gone when the probe runs). It is a
+debugging mode: every compared op runs twice, and on CUDA reading the error
+back synchronises once per op.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+_isfinite = math.isfinite
+
+_F16 = torch.float16
+_BF16 = torch.bfloat16
+_F32 = torch.float32
+_F64 = torch.float64
+
+# ops whose outputs are uninitialised memory or pure aliases of an input:
+# screening them costs a full pass and tells nothing (the data is screened
+# where it is computed, or is garbage the program will overwrite)
+_UNINIT_OPS = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
+    "resize_", "resize_as_", "set_", "_resize_output_", "_empty_affine_quantized", "_empty_per_channel_affine_quantized",
+})
+_ALIAS_OPS = frozenset({
+    "detach", "alias", "lift_fresh", "_unsafe_view", "_reshape_alias", "lift_fresh_copy", "_local_scalar_dense",
+    "_nested_tensor_from_mask", "record_stream", "_assert_async", "sym_size", "sym_stride", "sym_numel",
+})
+# conversions and copies: exact when widening, the cast itself when narrowing;
+# a shadow reference would reproduce the same values and the same work
+_SHADOW_SKIP_SILENT = frozenset({
+    "_to_copy", "to", "clone", "contiguous", "copy", "_copy_from", "_copy_from_and_resize", "type_as",
+    "zeros_like", "ones_like", "full_like", "fill", "lift_fresh_copy",
+}) | _UNINIT_OPS | _ALIAS_OPS
+# in-place ops that overwrite their target without reading it: its old contents
+# (possibly garbage from empty()) are no input of theirs
+_OVERWRITE_OPS = frozenset({
+    "copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
+    "log_normal_", "random_", "_copy_from", "_foreach_copy_", "_foreach_zero_",
+})
+# composites that draw random numbers but arrive undecomposed under inference_mode
+_SEEDED_NAMES = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                           "rrelu", "rrelu_"})
+
+_NOSCREEN, _SCREEN, _MAYBE_ALIAS = 0, 1, 2
+_REL = Tuple[float, float]
+
+
+def _op_name(func) -> str:
+    try:
+        return func._schema.name.split("::", 1)[-1]
+    except Exception:
+        return str(func).split(".")[1] if "." in str(func) else str(func)
+
+
+class _FuncInfo:
+    """Per-OpOverload facts, computed once: skip, which arguments it writes."""
+
+    __slots__ = ("screen", "write_pos", "write_kw", "inplace", "overwrites")
+
+    def __init__(self, func):
+        name = _op_name(func)
+        view = bool(getattr(func, "is_view", False))
+        if name in _UNINIT_OPS or name in _ALIAS_OPS:
+            self.screen = _NOSCREEN
+        elif view:
+            # reshape/flatten/contiguous/to are schema views that may copy; they arrive
+            # undecomposed under inference_mode: screen the outputs that are fresh
+            self.screen = _MAYBE_ALIAS if _is_composite(func) else _NOSCREEN
+        else:
+            self.screen = _SCREEN
+        wp, wk = [], []
+        inplace = False
+        try:
+            for i, a in enumerate(func._schema.arguments):
+                ai = a.alias_info
+                if ai is not None and ai.is_write:
+                    if a.kwarg_only:
+                        wk.append(a.name)
+                    else:
+                        wp.append(i)
+                        inplace = True
+        except Exception:
+            pass
+        self.write_pos = tuple(wp)
+        self.write_kw = tuple(wk)
+        self.inplace = inplace
+        self.overwrites = name in _OVERWRITE_OPS
+
+
+_NO_DISPATCH = Tensor.__torch_dispatch__
+_STRIDED = torch.strided
+
+
+def _is_composite(func) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    except Exception:
+        return False
+
+
+def _plain(t) -> bool:
+    """A strided tensor whose data we may read: no wrapper subclass (fake, functional, DTensor), not meta."""
+    tt = type(t)
+    if tt is not Tensor and tt is not torch.nn.Parameter and getattr(tt, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
+        return False
+    return t.layout == torch.strided and not t.is_meta
+
+
+def _is_float(t) -> bool:
+    dt = t.dtype
+    return dt.is_floating_point or dt.is_complex
+
+
+def _tensor_args(args, kwargs, skip_kw=()):
+    out = []
+    for a in args:
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, Tensor):
+                    out.append(b)
+    if kwargs:
+        for k, a in kwargs.items():
+            if k in skip_kw:
+                continue
+            if isinstance(a, Tensor):
+                out.append(a)
+            elif type(a) is list or type(a) is tuple:
+                for b in a:
+                    if isinstance(b, Tensor):
+                        out.append(b)
+    return out
+
+
+def _scalar_nonfinite(args, kwargs) -> bool:
+    """A non-finite Python float among the arguments (what the user wrote)."""
+    for a in args:
+        if type(a) is float and not _isfinite(a):
+            return True
+        if type(a) is complex and not (_isfinite(a.real) and _isfinite(a.imag)):
+            return True
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) is float and not _isfinite(a):
+                return True
+    return False
+
+
+#: at or below this many elements the screen reads values to Python: one
+#: ``tolist`` (~1 µs) is cheaper than a reduction plus ``item`` (~2.6 µs)
+SMALL = 64
+
+
+def _finite_values(v) -> bool:
+    # Python's sum of floats is non-finite iff an element is (or it overflows:
+    # a false alarm the exact count settles)
+    s = sum(v)
+    if type(s) is complex:
+        return _isfinite(s.real) and _isfinite(s.imag)
+    return _isfinite(s)
+
+
+def screen_finite(t: Tensor) -> bool:
+    """Cheap screen (CPU): True proves ``t`` finite; False means "count exactly"."""
+    n = t.numel()
+    if n == 0:
+        return True
+    dt = t.dtype
+    if n <= SMALL and dt.itemsize > 1:
+        d = t.dim()
+        if d == 0:
+            return _finite_values((t.item(),))
+        v = t.tolist()
+        if d == 1:
+            return _finite_values(v)
+        if d == 2:
+            return _finite_values([x for row in v for x in row])
+    if dt is _F16 and n > 1:
+        lo, hi = torch.aminmax(t)
+        return _isfinite(lo.item()) and _isfinite(hi.item())
+    if dt.is_complex:
+        v = t.sum().item()
+        return _isfinite(v.real) and _isfinite(v.imag)
+    if dt.itemsize == 1:   # float8: no sum kernel; rare enough to widen
+        t = t.float()
+    return _isfinite(t.sum().item())
+
+
+def count_nonfinite(t: Tensor) -> int:
+    """Exact number of NaN/Inf elements (x - x is NaN exactly there; faster than ~isfinite on CPU)."""
+    if t.numel() == 0:
+        return 0
+    if t.dtype.itemsize == 1 and not t.dtype.is_complex:
+        t = t.float()
+    return int(torch.count_nonzero(torch.sub(t, t).ne_(0)))
+
+
+def _key(t):
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def _version(t):
+    try:
+        return t._version
+    except Exception:   # inference tensors have no version counter: never trust a memo for them
+        return None
+
+
+class NonfiniteScreen:
+    """One per trace. ``pre`` before in-place/out= ops, ``post`` after every op, ``finish`` at the end."""
+
+    #: screened tensors remembered for in-place ops; bounded so long traces stay small
+    MEMO_MAX = 4096
+    #: route CPU tensors through the deferred (device-buffer) path too: lets the CUDA
+    #: logic run, and be tested, on a machine without a GPU
+    defer_cpu = False
+
+    def __init__(self):
+        self._infos: Dict[Any, _FuncInfo] = {}
+        # key -> (version, finite) for CPU tensors that came out of a screened op
+        self._memo: Dict[tuple, tuple] = {}
+        self._cuda: Optional[_CudaFlags] = None
+        self.n_screened = 0      # outputs screened
+        self.n_fired = 0         # ops that held a non-finite value
+        self.n_pre_screened = 0  # in-place targets screened before the op (memo misses)
+        self._deferred = 0       # ops whose verdict came from the device buffer at finish()
+
+    def _info(self, func) -> _FuncInfo:
+        info = self._infos.get(func)
+        if info is None:
+            info = self._infos[func] = _FuncInfo(func)
+        return info
+
+    def screens(self, func) -> bool:
+        """Whether ``post`` screens this op's outputs at all (views, aliases and ops returning
+        uninitialised memory are not): the trace builder can leave those rows null."""
+        return self._info(func).screen != _NOSCREEN
+
+    # -- per-op probes -----------------------------------------------------
+    def pre(self, func, args, kwargs, inplace: bool = True):
+        """Before an in-place/out= op: the finiteness of what it will overwrite (and then read)."""
+        try:
+            info = self._info(func)
+            if info.screen == _NOSCREEN:
+                return None
+            written = self._written(info, args, kwargs)
+            if not written:
+                return None
+            if not info.inplace:
+                # out=: the old contents are not an input, unless the out tensor is also passed as one
+                others = _tensor_args(args, kwargs, skip_kw=info.write_kw)
+                ptrs = {t.data_ptr() for t in others if isinstance(t, Tensor)}
+                written = [t for t in written if t.data_ptr() in ptrs]
+                if not written:
+                    return None
+            ptrs = []
+            bad = False
+            cuda_refs = []
+            for t in written:
+                if not _plain(t) or not _is_float(t):
+                    continue
+                ptrs.append(t.data_ptr())
+                if info.overwrites:
+                    continue   # not read: nothing to screen, only excluded from the inputs later
+                if t.is_cuda or self.defer_cpu:
+                    cuda_refs.append(self._cuda_flags().input_ref(t))
+                    continue
+                if not bad:
+                    known = self._known(t)
+                    if known is None:
+                        self.n_pre_screened += 1
+                        bad = not screen_finite(t) and count_nonfinite(t) > 0
+                    else:
+                        bad = not known
+            if not ptrs:
+                return None
+            return (bad, frozenset(ptrs), cuda_refs)
+        except Exception:
+            return None
+
+    def post(self, seq, func, args, kwargs, outs, state) -> Optional[Tuple[int, bool]]:
+        """After an op: ``(count, produced)`` when a floating output holds NaN/Inf, else None."""
+        info = self._infos.get(func)
+        if info is None:
+            info = self._info(func)
+        if info.screen == _NOSCREEN:
+            return None
+        try:
+            targets = outs
+            if info.inplace and not targets:
+                targets = self._written(info, args, kwargs)   # in-place ops that return nothing (_foreach_*_)
+            elif info.screen == _MAYBE_ALIAS:
+                ptrs = {t.data_ptr() for t in _tensor_args(args, kwargs)}
+                targets = [t for t in targets if t.data_ptr() not in ptrs]
+            count = 0
+            cuda_outs = None
+            memo = self._memo
+            for t in targets:
+                dt = t.dtype
+                if not (dt.is_floating_point or dt.is_complex):
+                    continue
+                if type(t) is not Tensor and not _plain(t):
+                    continue
+                if t.layout is not _STRIDED or t.is_meta:
+                    continue
+                if t.is_cuda or self.defer_cpu:
+                    if cuda_outs is None:
+                        cuda_outs = []
+                    cuda_outs.append(t)
+                    continue
+                self.n_screened += 1
+                c = 0 if screen_finite(t) else count_nonfinite(t)
+                count += c
+                # remembered for a later in-place op on this very tensor (see pre)
+                try:
+                    memo[(t.data_ptr(), t.shape, t.stride(), dt)] = (t._version, c == 0)
+                except Exception:   # inference tensors have no version counter
+                    pass
+            if len(memo) > self.MEMO_MAX:
+                del memo[next(iter(memo))]
+            if cuda_outs is not None:
+                self._cuda_flags().record(seq, args, kwargs, cuda_outs, state, info)
+            if not count:
+                return None
+            self.n_fired += 1
+            return count, not self._inputs_nonfinite(info, args, kwargs, state)
+        except Exception:
+            return None
+
+    def finish(self) -> Dict[int, Tuple[int, bool]]:
+        """CUDA: one device-to-host read of every flag; ``{seq: (count, produced)}`` for bad ops."""
+        self._memo.clear()
+        if self._cuda is None:
+            return {}
+        try:
+            self._deferred = len(self._cuda._ops)
+            return self._cuda.resolve()
+        finally:
+            self._cuda = None
+
+    # -- helpers -------------------------------------------------------------
+    @staticmethod
+    def _written(info, args, kwargs) -> List[Tensor]:
+        out = []
+        for i in info.write_pos:
+            if i < len(args):
+                a = args[i]
+                if isinstance(a, Tensor):
+                    out.append(a)
+                elif type(a) is list or type(a) is tuple:
+                    out.extend(b for b in a if isinstance(b, Tensor))
+        for k in info.write_kw:
+            a = kwargs.get(k) if kwargs else None
+            if isinstance(a, Tensor):
+                out.append(a)
+            elif type(a) is list or type(a) is tuple:
+                out.extend(b for b in a if isinstance(b, Tensor))
+        return out
+
+    def _known(self, t) -> Optional[bool]:
+        """Finiteness of ``t`` as last screened, if nothing wrote to it since (version counter); else None."""
+        rec = self._memo.get(_key(t))
+        if rec is None:
+            return None
+        v = _version(t)
+        return rec[1] if (v is not None and rec[0] == v) else None
+
+    def _inputs_nonfinite(self, info, args, kwargs, state) -> bool:
+        if _scalar_nonfinite(args, kwargs):
+            return True
+        written_ptrs = frozenset()
+        if state is not None:
+            if state[0]:
+                return True
+            written_ptrs = state[1]
+        skip_kw = info.write_kw
+        for t in _tensor_args(args, kwargs, skip_kw=skip_kw):
+            if not _is_float(t) or not _plain(t) or t.is_cuda or self.defer_cpu:
+                continue
+            if info.inplace and t.data_ptr() in written_ptrs:
+                continue   # overwritten by the op: its before-state is in ``state``
+            if not screen_finite(t) and count_nonfinite(t) > 0:
+                return True
+        return False
+
+    def _cuda_flags(self) -> "_CudaFlags":
+        if self._cuda is None:
+            self._cuda = _CudaFlags(self.defer_cpu)
+        return self._cuda
+
+    def report(self) -> Dict[str, int]:
+        """Counters for the trace metadata."""
+        out = {"screened": self.n_screened, "fired": self.n_fired, "pre_screened": self.n_pre_screened}
+        if self._deferred:
+            out["deferred"] = self._deferred
+        return out
+
+
+class _CudaFlags:
+    """Device-side finite counts, read once at the end (no sync per op).
+
+    Every screened CUDA tensor gets a slot in a per-device int64 buffer holding
+    its number of *finite* elements, written by ``isfinite`` + ``sum`` + ``copy_``
+    on the current stream: ordered with the op, asynchronous, exact (a host-side
+    "count only when it fires" would need a sync to know it fired). Per op the
+    host keeps only integers: output slots with their numel, and for inputs the
+    slot that describes them (the output slot they came from, or a fresh screen
+    of a tensor the trace did not produce).
+    """
+
+    GROW = 4096
+
+    def __init__(self, defer_cpu: bool = False):
+        self.defer_cpu = defer_cpu
+        self._bufs: Dict[Any, Tensor] = {}
+        self._used: Dict[Any, int] = {}
+        self._slots: List[Tuple[Any, int, int]] = []      # slot id -> (device, index, numel)
+        self._memo: Dict[tuple, tuple] = {}                # tensor key -> (version, slot id)
+        self._ops: List[Tuple[int, Tuple[int, ...], Tuple[int, ...], bool]] = []
+
+    def _capturing(self) -> bool:
+        try:
+            return torch.cuda.is_current_stream_capturing()
+        except Exception:
+            return False
+
+    def _slot(self, t: Tensor) -> int:
+        dev = t.device
+        buf = self._bufs.get(dev)
+        used = self._used.get(dev, 0)
+        if buf is None or used >= buf.numel():
+            new = torch.zeros(max(self.GROW, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int64, device=dev)
+            if buf is not None:
+                new[:used].copy_(buf[:used])
+            buf = self._bufs[dev] = new
+        idx = used
+        self._used[dev] = used + 1
+        finite = torch.isfinite(t).sum()
+        buf.select(0, idx).copy_(finite)
+        sid = len(self._slots)
+        self._slots.append((dev, idx, t.numel()))
+        return sid
+
+    def input_ref(self, t: Tensor) -> int:
+        """The slot describing ``t`` now: the one it was written to, or a fresh screen."""
+        k = _key(t)
+        rec = self._memo.get(k)
+        v = _version(t)
+        if rec is not None and v is not None and rec[0] == v:
+            return rec[1]
+        sid = self._slot(t)
+        if v is not None:
+            self._memo[k] = (v, sid)
+        return sid
+
+    def record(self, seq, args, kwargs, outs, state, info):
+        if self._capturing():
+            return   # extra kernels would become part of the user's CUDA graph
+        written_ptrs = state[1] if state is not None else frozenset()
+        in_slots = list(state[2]) if state is not None else []
+        scalar_bad = _scalar_nonfinite(args, kwargs)
+        for t in _tensor_args(args, kwargs, skip_kw=info.write_kw):
+            if not (t.is_cuda or self.defer_cpu) or not _is_float(t) or not _plain(t):
+                continue
+            if info.inplace and t.data_ptr() in written_ptrs:
+                continue
+            in_slots.append(self.input_ref(t))
+        out_slots = []
+        for t in outs:
+            sid = self._slot(t)
+            out_slots.append(sid)
+            v = _version(t)
+            if v is not None:
+                self._memo[_key(t)] = (v, sid)
+        if len(self._memo) > 65536:
+            # bounded: forgetting a key only costs one extra device screen later
+            for k in list(self._memo)[:32768]:
+                del self._memo[k]
+        self._ops.append((seq, tuple(out_slots), tuple(in_slots), scalar_bad))
+
+    def resolve(self) -> Dict[int, Tuple[int, bool]]:
+        host = {dev: buf[: self._used.get(dev, 0)].cpu().tolist() for dev, buf in self._bufs.items()}
+        bad = [0] * len(self._slots)
+        for sid, (dev, idx, n) in enumerate(self._slots):
+            bad[sid] = n - host[dev][idx]
+        out: Dict[int, Tuple[int, bool]] = {}
+        for seq, oslots, islots, scalar_bad in self._ops:
+            c = sum(bad[s] for s in oslots)
+            if c:
+                out[seq] = (c, not (scalar_bad or any(bad[s] for s in islots)))
+        self._bufs.clear()
+        return out
+
+
+# ----------------------------------------------------------------------------
+# numerics shadow mode
+
+def rel_errors(real: Tensor, ref: Tensor) -> Tuple[float, float]:
+    """Norm-wise relative error ``||real - ref|| / ||ref||`` and max |real - ref|, in ``ref``'s dtype.
+
+    Positions where both are the same non-finite value (both inf of one sign,
+    both NaN) agree; a non-finite value on one side only makes the error inf.
+    """
+    r = real.to(ref.dtype)
+    same = (r == ref) | (torch.isnan(r) & torch.isnan(ref))
+    diff = torch.where(same, torch.zeros((), dtype=ref.dtype, device=ref.device), r - ref)
+    if diff.is_complex():
+        diff = diff.abs()
+    else:
+        diff = diff.abs()
+    mx = float(diff.max()) if diff.numel() else 0.0
+    ref_f = torch.where(torch.isfinite(ref), ref, torch.zeros((), dtype=ref.dtype, device=ref.device))
+    num = float(torch.linalg.vector_norm(diff)) if diff.numel() else 0.0
+    den = float(torch.linalg.vector_norm(ref_f)) if ref_f.numel() else 0.0
+    if math.isnan(mx):
+        mx = math.inf
+    if math.isnan(num):
+        num = math.inf
+    if num == 0.0:
+        rel = 0.0
+    elif den == 0.0:
+        rel = math.inf
+    else:
+        rel = num / den
+    return rel, mx
+
+
+class NumericsShadow:
+    """Recompute low-precision ops in a wider dtype; report the real output's error against it."""
+
+    def __init__(self, mode: str = "fp32"):
+        if mode in (True, None):
+            mode = "fp32"
+        if mode not in ("fp32", "fp64"):
+            raise ValueError(f"numerics mode must be 'fp32' or 'fp64', not {mode!r}")
+        self.mode = mode
+        self.ref_dtype = _F32 if mode == "fp32" else _F64
+        self.low = frozenset({_F16, _BF16}) if mode == "fp32" else frozenset({_F16, _BF16, _F32})
+        self.skipped: Dict[str, int] = {}
+        self.skip_reasons: Dict[str, str] = {}
+        self.n_compared = 0
+        self._kinds: Dict[Any, Optional[str]] = {}
+
+    def _kind(self, func) -> Optional[str]:
+        """None: shadow it; "" skip silently (nothing to compare); else the reason it is skipped."""
+        k = self._kinds.get(func, 0)
+        if k != 0:
+            return k
+        name = _op_name(func)
+        tags = getattr(func, "tags", ()) or ()
+        if torch.Tag.nondeterministic_seeded in tags or name in _SEEDED_NAMES:
+            k = "nondeterministic_seeded"
+        elif getattr(func, "is_view", False) or name in _SHADOW_SKIP_SILENT:
+            k = ""
+        else:
+            k = None
+            try:
+                for a in func._schema.arguments:
+                    if a.alias_info is not None and a.alias_info.is_write:
+                        k = "in-place/out= (its inputs are overwritten before the probe runs)"
+                        break
+            except Exception:
+                pass
+        self._kinds[func] = k
+        return k
+
+    def report(self) -> Dict[str, Any]:
+        """For the trace metadata: mode, ops compared, ops skipped and why."""
+        return {"mode": self.mode, "compared": self.n_compared, "skipped": dict(self.skipped),
+                "skip_reasons": dict(self.skip_reasons)}
+
+    def _skip(self, func, reason: str):
+        name = str(func)
+        self.skipped[name] = self.skipped.get(name, 0) + 1
+        self.skip_reasons.setdefault(name, reason)
+
+    def compare(self, seq, func, args, kwargs, outs) -> Optional[_REL]:
+        if not outs:
+            return None
+        try:
+            low = self.low
+            has_low = False
+            for t in _tensor_args(args, kwargs):
+                if t.dtype in low and _plain(t):
+                    has_low = True
+                    break
+            if not has_low:
+                return None
+            kind = self._kind(func)
+            if kind is not None:
+                if kind:
+                    self._skip(func, kind)
+                return None
+            pairs = [(i, o) for i, o in enumerate(outs) if isinstance(o, Tensor) and _is_float(o) and _plain(o)]
+            if not pairs:
+                return None
+            with torch.no_grad():
+                ref = self._reference(func, args, kwargs)
+                if ref is None:
+                    return None
+                refs = [ref] if isinstance(ref, Tensor) else [r for r in ref if isinstance(r, Tensor)] \
+                    if isinstance(ref, (list, tuple)) else []
+                rel = mx = 0.0
+                got = False
+                for i, o in pairs:
+                    if i >= len(refs):
+                        continue
+                    r = refs[i]
+                    if not isinstance(r, Tensor) or r.shape != o.shape or not _is_float(r):
+                        continue
+                    wide = r.dtype if r.dtype in (_F32, _F64) or r.dtype.is_complex else self.ref_dtype
+                    if wide.itemsize < self.ref_dtype.itemsize and not wide.is_complex:
+                        wide = self.ref_dtype
+                    a, b = rel_errors(o, r.to(wide))
+                    rel, mx = max(rel, a), max(mx, b)
+                    got = True
+            if not got:
+                return None
+            self.n_compared += 1
+            return rel, mx
+        except Exception as e:
+            try:
+                self._skip(func, f"reference failed: {type(e).__name__}")
+            except Exception:
+                pass
+            return None
+
+    def _up(self, a):
+        if isinstance(a, Tensor):
+            if a.dtype in self.low and _plain(a):
+                return a.to(self.ref_dtype)
+            return a
+        if isinstance(a, torch.dtype):
+            # sum(dtype=float16), softmax(x, 1, torch.bfloat16): the reference computes wide too
+            return self.ref_dtype if a in self.low else a
+        if type(a) is list or type(a) is tuple:
+            return type(a)(self._up(b) for b in a)
+        return a
+
+    def _reference(self, func, args, kwargs):
+        new_args = [self._up(a) for a in args]
+        new_kwargs = {k: self._up(v) for k, v in kwargs.items()} if kwargs else {}
+        name = _op_name(func)
+        if name in ("_softmax", "_log_softmax") and len(new_args) >= 3:
+            new_args[2] = False   # half_to_float is only legal on half inputs
+        return func(*new_args, **new_kwargs)

@@ -1,0 +1,167 @@
+"""Summary sections "layout" and "precision": what moved data between layouts, what changed dtype.
+
+Both are functions ``trace -> Section | None`` registered in the summary's
+``SECTIONS`` registry; they only read tables (``layout_changes``, ``casts``,
+``ops``) and metadata, and return None when there is nothing to say, so a
+clean cell shows no empty boxes.
+
+"layout": format changes, hidden copies and non-dense inputs grouped by place
+(op, torch-level call, source line, module), largest bytes first.
+"precision": casts by kind and direction (round trips counted), the ops that
+produced NaN/Inf (the first one called out), and, with ``numerics=``, the ops
+whose relative error against the wide reference exceeds the threshold.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import List, Optional
+
+import pyarrow.compute as pc
+
+from ..analyses.layout import _NoGC
+from .summary import Section, fmt_bytes, register_section
+
+_TOP = 12
+_KIND_LABEL = {"format_change": "format change", "hidden_copy": "hidden copy", "non_dense_input": "non-dense input"}
+_PLURAL = {"format_change": "format changes", "hidden_copy": "hidden copies", "non_dense_input": "non-dense inputs"}
+
+
+def _where(r) -> str:
+    parts = []
+    f, line = r.get("source_file"), r.get("source_line")
+    if f is not None:
+        parts.append(f"{os.path.basename(f)}:{line}" if line is not None else os.path.basename(f))
+    elif line is not None:
+        parts.append(f"line {line}")
+    if r.get("module"):
+        parts.append(r["module"])
+    return " ".join(parts)
+
+
+def _group(rows, key):
+    g: "OrderedDict[tuple, list]" = OrderedDict()
+    for r in rows:
+        k = key(r)
+        e = g.get(k)
+        if e is None:
+            g[k] = [r, 1, r.get("bytes") or 0]
+        else:
+            e[1] += 1
+            e[2] += r.get("bytes") or 0
+    return list(g.values())
+
+
+def layout_section(t) -> Optional[Section]:
+    lc = t.layout_changes
+    if lc.num_rows == 0:
+        return None
+    with _NoGC():
+        rows = lc.to_pylist()
+    groups = _group(rows, lambda r: (r["kind"], r["op"], r.get("call"), r.get("from_format"), r.get("to_format"),
+                                     r.get("source_file"), r.get("source_line"), r.get("module")))
+    groups.sort(key=lambda e: -e[2])
+    out = []
+    for r, n, nb in groups[:_TOP]:
+        detail = r.get("reason") or ""
+        out.append((_KIND_LABEL.get(r["kind"], r["kind"]), r["op"], r.get("call") or "",
+                    f"{r.get('from_format')} → {r.get('to_format')}", str(n), fmt_bytes(nb), _where(r), detail))
+    notes = []
+    tot = {}
+    for r in rows:
+        c = tot.setdefault(r["kind"], [0, 0])
+        c[0] += 1
+        c[1] += r.get("bytes") or 0
+    parts = [f"{v[0]} {(_PLURAL if v[0] != 1 else _KIND_LABEL).get(k, k)} ({fmt_bytes(v[1])})" for k, v in tot.items()]
+    notes.append("; ".join(parts))
+    lost = sum(1 for r in rows if r["kind"] == "format_change" and r.get("from_format", "").startswith("channels_last")
+               and not (r.get("to_format") or "").startswith("channels_last"))
+    if lost:
+        notes.append(f"{lost} op(s) dropped channels_last; ops after them run contiguous "
+                     "(guard this with %%tensorscope --expect channels_last)")
+    if len(groups) > _TOP:
+        notes.append(f"{len(groups) - _TOP} more place(s) in t.layout_changes")
+    return Section("layout", out, ("kind", "op", "call", "change", "count", "bytes", "where", "detail"), notes)
+
+
+def precision_section(t) -> Optional[Section]:
+    rows: List[tuple] = []
+    notes: List[str] = []
+    # -- casts by kind and direction
+    cs = t.casts
+    if cs.num_rows:
+        with _NoGC():
+            crow = cs.to_pylist()
+        key = lambda r: (r["kind"], r["direction"], r["from_dtype"], r["to_dtype"])
+        groups = _group(crow, key)
+        groups.sort(key=lambda e: (-e[1], -e[2]))
+        places = {}
+        for x in crow:
+            places.setdefault(key(x), OrderedDict()).setdefault(
+                (x.get("source_file"), x.get("source_line"), x.get("module")), x)
+        for r, n, nb in groups[:_TOP]:
+            pl = list(places[key(r)].values())
+            where = ", ".join(_where(p) for p in pl[:3]) + (" …" if len(pl) > 3 else "")
+            rows.append((f"cast: {r['kind']}", f"{r['from_dtype']} → {r['to_dtype']} ({r['direction']})",
+                         str(n), fmt_bytes(nb), where))
+        from ..analyses.casts import round_trip_pairs
+
+        rt = round_trip_pairs(t.ops, t.calls)
+        if rt:
+            rows.append(("cast: round trip", "a → b → a on the same data", str(rt), "", ""))
+        if any(r["kind"] == "autocast" for r in crow):
+            notes.append("autocast caches the casts of parameters (leaf tensors requiring grad) while its region is "
+                         "open: a module's first call casts input, weight and bias, later calls only the input; "
+                         "under inference_mode nothing is cached")
+        if any(r["direction"] in ("int_narrowing", "float_to_int") for r in crow):
+            notes.append("int_narrowing/float_to_int casts wrap or truncate silently: check the value range")
+    # -- non-finite values
+    ops = t.ops
+    if ops.num_rows and ops.column("nonfinite").null_count < ops.num_rows:
+        bad = ops.filter(pc.fill_null(pc.greater(ops.column("nonfinite"), 0), False))
+        if bad.num_rows:
+            b = bad.select(["seq", "op", "nonfinite", "nonfinite_produced", "module", "source_file", "source_line"]).to_pylist()
+            prod = [r for r in b if r["nonfinite_produced"]]
+            for r in prod[:5]:
+                first = " (first)" if r is prod[0] else ""
+                rows.append((f"non-finite produced{first}", f"{r['op']} (seq {r['seq']})", str(r["nonfinite"]), "",
+                             _where(r)))
+            nprop = len(b) - len(prod)
+            if nprop:
+                rows.append(("non-finite propagated", f"{nprop} op(s) passed NaN/Inf on", str(nprop), "", ""))
+            if not prod:
+                notes.append("every NaN/Inf came from the cell's inputs (no op inside it produced one)")
+    elif ops.num_rows:
+        notes.append("non-finite screen off")
+    # -- numerics shadow
+    md = t.metadata or {}
+    opts = md.get("options") or {}
+    if opts.get("numerics"):
+        thr = float(opts.get("numerics_threshold") or 1e-2)
+        col = ops.column("num_rel_err")
+        if col.null_count < ops.num_rows:
+            over = ops.filter(pc.fill_null(pc.greater(col, thr), False))
+            cand = over.select(["seq", "op", "num_rel_err", "num_max_abs_err", "in_dtypes", "module", "source_file",
+                                "source_line"]).to_pylist()
+            cand.sort(key=lambda r: -(r["num_rel_err"] if r["num_rel_err"] == r["num_rel_err"] else float("inf")))
+            for r in cand[:_TOP]:
+                rows.append(("numerics error", f"{r['op']} (seq {r['seq']}, {'/'.join(sorted(set(r['in_dtypes'] or [])))})",
+                             f"rel {r['num_rel_err']:.3g}", f"max abs {r['num_max_abs_err']:.3g}", _where(r)))
+            n_cmp = ops.num_rows - col.null_count
+            notes.append(f"numerics ({opts.get('numerics')}): {n_cmp} op(s) compared against a wide reference, "
+                         f"{over.num_rows} above rel. error {thr:g}")
+        nm = md.get("numerics") or {}
+        skipped = nm.get("skipped") or {}
+        if skipped:
+            reasons = nm.get("skip_reasons") or {}
+            notes.append("numerics skipped: " + ", ".join(
+                f"{k} x{v} ({reasons.get(k, 'skipped')})" for k, v in sorted(skipped.items())))
+    if not rows and not notes:
+        return None
+    if not rows and notes == ["non-finite screen off"]:
+        return None
+    return Section("precision", rows, ("what", "detail", "count", "bytes / error", "where"), notes)
+
+
+register_section(layout_section)
+register_section(precision_section)
