@@ -305,3 +305,19 @@ def test_flops_match_flop_counter_mode():
         prog()
     ours = sum(v for v in t.ops.column("flops").to_pylist() if v)
     assert ours == fc.get_total_flops()
+
+
+def test_nested_and_sparse_inputs_are_recorded_not_dropped():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+        sp = torch.randn(3, 3).relu().to_sparse()
+    with tensorscope.trace() as t:
+        nt.relu()
+        sp * 2
+    ops = t.ops.to_pylist()
+    assert ops[0]["op"] == "aten.relu.default" and ops[0]["in_formats"] == ["non_strided"]
+    assert any(r["in_formats"] == ["non_strided"] for r in ops[1:])
+    assert t.metadata["tracer_errors"] == 0

@@ -137,10 +137,13 @@ class TracingDispatchMode(TorchDispatchMode):
                 st = t.stride()
             except Exception:   # sparse, nested: no strides
                 st = None
-            key = (t.shape, st, t.dtype, t.device)
+            try:
+                key = (t.shape, st, t.dtype, t.device)
+            except Exception:   # nested tensors have no single shape
+                key = ((), st, t.dtype, t.device)
             mid = ids.get(key)
             if mid is None:
-                mid = metas.add(key, t.shape, st, t.dtype, t.device)
+                mid = metas.add(key, key[0], st, key[2], key[3])
             mids.append(mid)
             try:
                 storage = t.untyped_storage()
