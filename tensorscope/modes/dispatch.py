@@ -24,6 +24,7 @@ from ..session import exc_key
 from ..recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 Tensor = torch.Tensor
+_STRIDED = torch.strided
 _perf = time.perf_counter_ns
 _current_node = torch._C._current_autograd_node
 _get_seq_nr = torch._C._autograd._get_sequence_nr
@@ -134,8 +135,8 @@ class TracingDispatchMode(TorchDispatchMode):
         ptrs = []
         for t in ts:
             try:
-                st = t.stride()
-            except Exception:   # sparse, nested: no strides
+                st = t.stride() if t.layout is _STRIDED else None   # sparse/mkldnn: no meaningful strides
+            except Exception:   # nested: no strides
                 st = None
             try:
                 key = (t.shape, st, t.dtype, t.device)
