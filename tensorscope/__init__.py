@@ -28,6 +28,9 @@ _LAZY = {
     "TraceOptions": ("tensorscope.options", "TraceOptions"),
     "load": ("tensorscope.io.parquet", "load"),
     "find_leaks": ("tensorscope.tracking.leaks", "find_leaks"),
+    "leak_table": ("tensorscope.tracking.leaks", "leak_table"),
+    "enable_discovery": ("tensorscope.tracking.leaks", "enable_discovery"),
+    "disable_discovery": ("tensorscope.tracking.leaks", "disable_discovery"),
     "env": ("tensorscope.env", "env"),
     "SCHEMA_VERSION": ("tensorscope.schema", "SCHEMA_VERSION"),
 }

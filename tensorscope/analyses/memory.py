@@ -1,0 +1,134 @@
+"""Memory over time: live bytes per device after each op, from the storages' alloc/free events.
+
+A pure function of the ``tensors`` table (one row per storage the trace saw):
+``alloc_seq`` is the op whose output first showed the storage (null: it existed
+before the trace and was first seen as an input), ``free_seq`` the op during or
+after which it died (null: alive at the end). A storage is live *after* op ``s``
+when ``alloc_seq <= s < free_seq``; one that existed before the trace counts from
+the start. So ``live_bytes`` is the memory of the storages this trace saw, not the
+allocator's total (memory it never touched is not in the table); each storage's
+bytes count once, however many views share it.
+
+``memory_peak`` reads the result: the largest ``live_bytes`` per device and the op
+after which it happened, and the high-water mark that also counts what an op
+allocated and released within itself (temporaries, in-place resizes).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+
+__all__ = ["memory_table", "memory_peak"]
+
+
+def _int_column(table: pa.Table, name: str, fill: int) -> np.ndarray:
+    col = table.column(name)
+    if col.null_count:
+        col = pc.fill_null(col, fill)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    if index.size == 0:
+        return np.zeros(n, dtype=np.int64)
+    return np.bincount(index, weights=weights.astype(np.float64), minlength=n)[:n].astype(np.int64)
+
+
+def _devices(tensors: pa.Table):
+    """(device names in first-seen order, per-row device index)."""
+    col = pc.fill_null(tensors.column("device"), "unknown").combine_chunks()
+    enc = col.dictionary_encode()
+    names = enc.dictionary.to_pylist()
+    idx = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    return names, idx
+
+
+def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
+    """MEMORY rows ``(seq, device, live_bytes, delta_bytes)``: one per op and device, seq order.
+
+    ``delta_bytes`` is the change against the previous op (against the pre-trace baseline for
+    seq 0). Devices are listed in the order they first appear in ``tensors``.
+    """
+    n_ops = int(n_ops)
+    if n_ops <= 0 or tensors.num_rows == 0:
+        return S.empty("memory")
+    nbytes = _int_column(tensors, "nbytes", 0)
+    alloc = _int_column(tensors, "alloc_seq", -1)
+    free = _int_column(tensors, "free_seq", -1)
+    dev_order, dev = _devices(tensors)
+    D, W = len(dev_order), n_ops + 1
+    # delta[d, s]: bytes that became live after op s minus those no longer live after it
+    # (bincount's float64 sums are exact below 2**53 bytes)
+    pre = alloc < 0
+    baseline = _sum_by(dev[pre], nbytes[pre], D)
+    alloc_d = _sum_by(dev[~pre] * W + np.minimum(alloc[~pre], n_ops), nbytes[~pre], D * W)
+    freed = free >= 0
+    free_d = _sum_by(dev[freed] * W + np.minimum(free[freed], n_ops), nbytes[freed], D * W)
+    delta = (alloc_d - free_d).reshape(D, W)
+    live = baseline[:, None] + np.cumsum(delta[:, :n_ops], axis=1)
+    prev = np.concatenate([baseline[:, None], live[:, :-1]], axis=1)
+    seqs = np.tile(np.arange(n_ops, dtype=np.int64), len(dev_order))
+    dev_col = pa.DictionaryArray.from_arrays(np.repeat(np.arange(len(dev_order), dtype=np.int32), n_ops),
+                                             pa.array(dev_order, pa.string())).cast(pa.string())
+    return pa.Table.from_arrays([pa.array(seqs), dev_col, pa.array(live.reshape(-1)),
+                                 pa.array((live - prev).reshape(-1))], schema=S.MEMORY)
+
+
+def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> Dict[str, dict]:
+    """Per device: ``peak_bytes`` and ``peak_seq`` (first op after which live bytes were largest),
+    ``peak_op`` (its name, when ``ops`` is given), ``start_bytes`` (before seq 0), ``end_bytes``
+    (after the last op) and, when ``tensors`` is given, ``high_water_bytes``/``high_water_seq``,
+    which also count storages an op allocated and freed within itself."""
+    out: Dict[str, dict] = {}
+    if memory.num_rows == 0:
+        return out
+    seq = memory.column("seq").to_numpy()
+    live = memory.column("live_bytes").to_numpy()
+    delta = memory.column("delta_bytes").to_numpy()
+    names, devs = _devices(memory)
+    op_col = ops.column("op") if ops is not None and ops.num_rows else None
+    hw = _high_water(tensors) if tensors is not None else {}
+    for di, d in enumerate(names):
+        m = devs == di
+        s, lv, dl = seq[m], live[m], delta[m]
+        k = int(np.argmax(lv))
+        info = {"peak_bytes": int(lv[k]), "peak_seq": int(s[k]), "start_bytes": int(lv[0] - dl[0]),
+                "end_bytes": int(lv[-1])}
+        if op_col is not None and 0 <= info["peak_seq"] < len(op_col):
+            info["peak_op"] = op_col[info["peak_seq"]].as_py()
+        if d in hw:
+            info["high_water_bytes"], info["high_water_seq"] = hw[d]
+        out[d] = info
+    return out
+
+
+def _high_water(tensors: pa.Table) -> Dict[str, tuple]:
+    """Per device (bytes, seq) of live-before-op + allocated-by-op: an upper bound on the peak inside ops."""
+    if tensors.num_rows == 0:
+        return {}
+    nbytes = _int_column(tensors, "nbytes", 0)
+    alloc = _int_column(tensors, "alloc_seq", -1)
+    free = _int_column(tensors, "free_seq", -1)
+    names, dev = _devices(tensors)
+    n = int(max(alloc.max(initial=-1), free.max(initial=-1))) + 1
+    out = {}
+    if n <= 0:
+        return out
+    for di, d in enumerate(names):
+        m = dev == di
+        nb, a, f = nbytes[m], alloc[m], free[m]
+        pre = a < 0
+        base = int(nb[pre].sum())
+        add = _sum_by(a[~pre], nb[~pre], n + 1)
+        rem = _sum_by(f[f >= 0], nb[f >= 0], n + 1)
+        live_after = base + np.cumsum(add - rem)[:n]
+        before = np.concatenate([[base], live_after[:-1]])
+        hw = before + add[:n]
+        k = int(np.argmax(hw))
+        out[d] = (int(hw[k]), k)
+    return out

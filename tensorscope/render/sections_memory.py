@@ -1,0 +1,73 @@
+"""Summary sections "memory" and "leaks": how live bytes moved during the cell, and what it left behind.
+
+"memory" reads the derived ``memory`` table (live bytes per device after each op)
+through ``analyses.memory.memory_peak``: the peak per device, the op (and source
+line) after which it happened, the bytes at the start and end, and the high-water
+mark that also counts what ops allocated and freed within themselves.
+"leaks" groups ``t.leaks`` (storages the cell created that are still alive) by
+holder: bytes, kind, the path and the fix, largest first.
+Both return None when there is nothing to say.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .summary import Section, fmt_bytes, register_section
+
+_TOP = 10
+
+
+@register_section
+def memory_section(t) -> Optional[Section]:
+    from ..analyses.memory import memory_peak
+
+    mem = t.memory
+    if mem.num_rows == 0:
+        return None
+    peaks = memory_peak(mem, t.ops, t.tensors)
+    if not peaks or all(p["peak_bytes"] == 0 and p.get("high_water_bytes", 0) == 0 for p in peaks.values()):
+        return None
+    rows = []
+    ops = t.ops
+    for dev, p in peaks.items():
+        at = f"after op {p['peak_seq']}"
+        if p.get("peak_op"):
+            at += f" ({p['peak_op']}"
+            try:
+                line = ops.column("source_line")[p["peak_seq"]].as_py()
+                f = ops.column("source_file")[p["peak_seq"]].as_py()
+            except Exception:
+                line = f = None
+            if line is not None:
+                at += f" at {os.path.basename(f) if f else 'line'}:{line}"
+            at += ")"
+        hw = p.get("high_water_bytes")
+        rows.append((dev, fmt_bytes(p["peak_bytes"]), at, f"{fmt_bytes(p['start_bytes'])} → {fmt_bytes(p['end_bytes'])}",
+                     fmt_bytes(hw) if hw is not None else "-"))
+    return Section("memory (storages this trace saw)", rows, ("device", "peak live", "when", "start → end",
+                                                               "high water (incl. temporaries)"))
+
+
+@register_section
+def leaks_section(t) -> Optional[Section]:
+    lk = t.leaks
+    if lk.num_rows == 0:
+        return None
+    groups = {}
+    for r in lk.to_pylist():
+        holder = (r.get("holder") or "").split("; also ")[0]
+        if r.get("holder_kind") == "autograd_graph":
+            holder = holder.split(" → grad_fn")[0] + " (autograd graph)"
+        key = (r.get("holder_kind"), holder)
+        g = groups.setdefault(key, {"n": 0, "bytes": 0, "fix": r.get("fix") or "", "line": r.get("source_line")})
+        g["n"] += 1
+        g["bytes"] += r.get("nbytes") or 0
+    ordered = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])
+    rows = [(fmt_bytes(g["bytes"]), kind or "", holder, str(g["n"]),
+             (f"line {g['line']}" if g["line"] is not None else ""), g["fix"])
+            for (kind, holder), g in ordered[:_TOP]]
+    total = sum(g["bytes"] for g in groups.values())
+    notes = [f"{len(ordered) - _TOP} more holders in t.leaks"] if len(ordered) > _TOP else []
+    return Section(f"still alive after the cell: {fmt_bytes(total)} in {lk.num_rows} storages", rows,
+                   ("bytes", "kind", "holder", "storages", "created", "fix"), notes)
