@@ -111,7 +111,7 @@ def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
         inner = pa.ListArray.from_arrays(pa.array(_offsets(n2), pa.int32()),
                                          pa.array(flat[_segments(starts[metas], n2)], pa.int64()))
         cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, inner)
-    idx = pa.array(metas, pa.int64())
+    idx = pa.array(metas.astype(np.int32), pa.int32())
     for name in ("dtypes", "devices", "formats", "ambiguous"):
         cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, pc.take(t[name], idx))
 
@@ -134,8 +134,24 @@ def _nullable(values: np.ndarray, null_mask: np.ndarray, typ=pa.int64()):
 
 
 def _take(dict_array, idx: np.ndarray, null_mask: Optional[np.ndarray] = None):
-    indices = pa.array(idx, pa.int64(), mask=null_mask) if null_mask is not None else pa.array(idx, pa.int64())
+    # int32 indices: ~40% faster takes than int64 (dictionaries are interned, far below 2**31)
+    idx = np.asarray(idx, dtype=np.int32)
+    indices = pa.array(idx, pa.int32(), mask=null_mask) if null_mask is not None else pa.array(idx, pa.int32())
     return pc.take(dict_array, indices)
+
+
+class _ListDict:
+    """A list column's interned values as flat numpy segments: rows expand by segment gather."""
+
+    def __init__(self, lists, value_type):
+        self.lens = np.array([len(v) for v in lists] or [0], dtype=np.int64)
+        self.starts = _offsets(self.lens)[:-1]
+        self.flat = pa.array([x for v in lists for x in v], value_type)
+
+    def take(self, idx: np.ndarray):
+        n = self.lens[idx]
+        pos = _segments(self.starts[idx], n)
+        return pa.ListArray.from_arrays(pa.array(_offsets(n), pa.int32()), pc.take(self.flat, pa.array(pos, pa.int32())))
 
 
 class _Ctx:
@@ -146,7 +162,8 @@ class _Ctx:
         self.sess = sess
         self.ops = _op_dicts(rec)
         self.tup = _tuple_dicts(rec)
-        self.aliases = pa.array([list(a) for a in rec.aliases.values], S._i32s)
+        self.alias_lists = _ListDict(rec.aliases.values, pa.int32())
+        self.tags = _ListDict(self.ops["tags"].to_pylist(), pa.string())
         self.alias_fresh = np.array([all(x < 0 for x in a) for a in rec.aliases.values] or [True], dtype=bool)
         self.modules = pa.array(rec.modules.values, pa.string())
         self.nodes = pa.array(rec.nodes.values, pa.string())
@@ -222,8 +239,9 @@ class _Ctx:
         cols: Dict[str, Any] = {}
         cols["seq"] = pa.array(seq)
         cols["cell"] = pa.nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
-        for k in ("op", "namespace", "overload", "tags"):
+        for k in ("op", "namespace", "overload"):
             cols[k] = _take(self.ops[k], op)
+        cols["tags"] = self.tags.take(op)
         backward = (flags & F_BACKWARD) != 0
         cols["phase"] = pa.array(np.where(backward, "backward", "forward"), pa.string())
         cols["autograd_node"] = _take(self.nodes, node)
@@ -253,7 +271,7 @@ class _Ctx:
             stor = np.concatenate([stor, np.full(row_off[-1] - len(stor), -1, np.int64)])
         cols["in_storages"] = pa.ListArray.from_arrays(pa.array(in_off, pa.int32()), pa.array(stor[in_pos], pa.int64()))
         cols["out_storages"] = pa.ListArray.from_arrays(pa.array(out_off, pa.int32()), pa.array(stor[out_pos], pa.int64()))
-        cols["out_alias"] = _take(self.aliases, alias)
+        cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
         cols["is_view"] = pa.array(is_view)
         cols["inplace"] = pa.array((flags & (F_INPLACE | F_OUT_KW)) != 0)
