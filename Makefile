@@ -22,6 +22,8 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+	# the native seam again, with the pure-Python fallback forced (design: both implementations are tested)
+	TENSORSCOPE_FORCE_FALLBACK=1 $(PY) -m pytest -q tests/test_native.py tests/test_unchanged.py tests/test_trace_api.py
 
 bench: setup
 	$(PY) benchmarks/overhead.py
