@@ -541,15 +541,6 @@ def test_unbalanced_calls_are_harmless(ext):
         cap.close()
 
 
-def test_per_op_overhead(ext):
-    cap = NativeCapture(ext)
-    try:
-        r = per_op_ns(cap, n=5000, repeats=5)
-    finally:
-        cap.close()
-    # Target < 500 ns/op (measured ~150-300 ns on an idle machine); the bound
-    # here leaves room for a shared CI machine.
-    assert r["overhead_ns"] < 2000, r
 
 
 # ---------------------------------------------------------------------------

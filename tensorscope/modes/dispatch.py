@@ -95,7 +95,9 @@ def _dense_args(args, kwargs) -> bool:
     return True
 
 
-def _tensors_of(args, kwargs, out):
+def tensor_args(args, kwargs, skip_kw=()):
+    """The tensors among an op's arguments (one level of lists), in order; by hand, not pytree."""
+    out = []
     for a in args:
         if isinstance(a, Tensor):
             out.append(a)
@@ -104,7 +106,9 @@ def _tensors_of(args, kwargs, out):
                 if isinstance(b, Tensor):
                     out.append(b)
     if kwargs:
-        for a in kwargs.values():
+        for k, a in kwargs.items():
+            if skip_kw and k in skip_kw:
+                continue
             if isinstance(a, Tensor):
                 out.append(a)
             elif type(a) is list or type(a) is tuple:
@@ -190,7 +194,7 @@ class TracingDispatchMode(TorchDispatchMode):
             module_id = s.modules.current
             call_id = s.current_call
             stor = rec.storages
-            ins = _tensors_of(args, kwargs, [])
+            ins = tensor_args(args, kwargs)
             in_mids, in_ptrs = self._describe(ins, False, stor, module_id, call_id)
             flags = info.flags
             node = _current_node()

@@ -49,6 +49,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .dispatch import tensor_args
+
 Tensor = torch.Tensor
 _isfinite = math.isfinite
 
@@ -152,28 +154,6 @@ def _plain(t) -> bool:
 def _is_float(t) -> bool:
     dt = t.dtype
     return dt.is_floating_point or dt.is_complex
-
-
-def _tensor_args(args, kwargs, skip_kw=()):
-    out = []
-    for a in args:
-        if isinstance(a, Tensor):
-            out.append(a)
-        elif type(a) is list or type(a) is tuple:
-            for b in a:
-                if isinstance(b, Tensor):
-                    out.append(b)
-    if kwargs:
-        for k, a in kwargs.items():
-            if k in skip_kw:
-                continue
-            if isinstance(a, Tensor):
-                out.append(a)
-            elif type(a) is list or type(a) is tuple:
-                for b in a:
-                    if isinstance(b, Tensor):
-                        out.append(b)
-    return out
 
 
 def _scalar_nonfinite(args, kwargs) -> bool:
@@ -292,7 +272,7 @@ class NonfiniteScreen:
                 return None
             if not info.inplace:
                 # out=: the old contents are not an input, unless the out tensor is also passed as one
-                others = _tensor_args(args, kwargs, skip_kw=info.write_kw)
+                others = tensor_args(args, kwargs, skip_kw=info.write_kw)
                 ptrs = {t.data_ptr() for t in others if isinstance(t, Tensor)}
                 written = [t for t in written if t.data_ptr() in ptrs]
                 if not written:
@@ -334,7 +314,7 @@ class NonfiniteScreen:
             if info.inplace and not targets:
                 targets = self._written(info, args, kwargs)   # in-place ops that return nothing (_foreach_*_)
             elif info.screen == _MAYBE_ALIAS:
-                ptrs = {t.data_ptr() for t in _tensor_args(args, kwargs)}
+                ptrs = {t.data_ptr() for t in tensor_args(args, kwargs)}
                 targets = [t for t in targets if t.data_ptr() not in ptrs]
             count = 0
             cuda_outs = None
@@ -418,7 +398,7 @@ class NonfiniteScreen:
                 return True
             written_ptrs = state[1]
         skip_kw = info.write_kw
-        for t in _tensor_args(args, kwargs, skip_kw=skip_kw):
+        for t in tensor_args(args, kwargs, skip_kw=skip_kw):
             if not _is_float(t) or not _plain(t) or t.is_cuda or self.defer_cpu:
                 continue
             if info.inplace and t.data_ptr() in written_ptrs:
@@ -503,7 +483,7 @@ class _CudaFlags:
         written_ptrs = state[1] if state is not None else frozenset()
         in_slots = list(state[2]) if state is not None else []
         scalar_bad = _scalar_nonfinite(args, kwargs)
-        for t in _tensor_args(args, kwargs, skip_kw=info.write_kw):
+        for t in tensor_args(args, kwargs, skip_kw=info.write_kw):
             if not (t.is_cuda or self.defer_cpu) or not _is_float(t) or not _plain(t):
                 continue
             if info.inplace and t.data_ptr() in written_ptrs:
@@ -624,7 +604,7 @@ class NumericsShadow:
         try:
             low = self.low
             has_low = False
-            for t in _tensor_args(args, kwargs):
+            for t in tensor_args(args, kwargs):
                 if t.dtype in low and _plain(t):
                     has_low = True
                     break
