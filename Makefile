@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	# compile the native hooks now (cached per torch/python/source) rather than in the first traced cell;
+	# a failed build is not fatal: tensorscope then uses, and says it uses, the pure-Python fallback
+	-$(PY) -m tensorscope build-native
 	touch $@
 
 setup: $(VENV)/.installed
