@@ -177,6 +177,8 @@ class Summary:
     def to_text(self) -> str:
         out = []
         for s in self.sections:
+            if not s.rows and not s.notes:
+                continue   # an image-only section has nothing to say as text
             out.append(f"== {s.title} ==")
             if s.header:
                 out.append("  " + " | ".join(s.header))
