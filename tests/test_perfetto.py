@@ -9,28 +9,15 @@ import pyarrow as pa
 import pytest
 import torch
 
+from synthetic import make_trace, table
 import tensorscope
 from tensorscope import schema as S
 from tensorscope.errors import ExportError
 from tensorscope.render.perfetto import CPU_PID, GPU_PID_BASE, trace_events, validate_trace_events, write_perfetto
 
 
-def _tbl(name, rows):
-    if not rows:
-        return S.empty(name)
-    cols = {k: [r.get(k) for r in rows] for k in rows[0]}
-    return S.conform(name, pa.table({k: pa.array(v, S.TABLES[name].field(k).type) for k, v in cols.items()}))
-
-
-class StandIn:
-    """The part of the Trace API the exporters use: ``.tables`` / ``.table()`` and ``.metadata``."""
-
-    def __init__(self, **tables):
-        self.tables = {n: tables.get(n, S.empty(n)) for n in S.TABLES}
-        self.metadata = {"cell": 3, "wall_ns": 60_000, "device": {"torch": "x"}, "notes": ["a note"]}
-
-    def table(self, name):
-        return self.tables[name]
+def StandIn(**tables):
+    return make_trace({"cell": 3, "wall_ns": 60_000, "device": {"torch": "x"}, "notes": ["a note"]}, **tables)
 
 
 def _op(seq, op, start, dur, call_id, **kw):
@@ -43,7 +30,7 @@ def _op(seq, op, start, dur, call_id, **kw):
 
 
 def sample_trace():
-    calls = _tbl("calls", [
+    calls = table("calls", [
         dict(call_id=0, parent_id=None, depth=0, name="linear", qualname="torch.nn.functional.linear", module="0",
              source_file="/tmp/cell.py", source_line=4, start_ns=1_000, dur_ns=20_000, n_ops=2),
         dict(call_id=1, parent_id=0, depth=1, name="t", qualname="Tensor.t", module="0",
@@ -51,20 +38,20 @@ def sample_trace():
         dict(call_id=2, parent_id=None, depth=0, name="relu", qualname="torch.relu", module="1",
              source_file="/tmp/cell.py", source_line=5, start_ns=30_000, dur_ns=5_000, n_ops=1),
     ])
-    ops = _tbl("ops", [
+    ops = table("ops", [
         _op(0, "aten.t.default", 2_500, 1_000, 1, flops=-1),
         _op(1, "aten.addmm.default", 8_000, 12_000, 0, cuda_ns=9_000),
         # measured by separate clock reads, it pokes 300 ns past its call: must be clamped, not overlap
         _op(2, "aten.relu.default", 31_000, 4_300, 2),
     ])
-    kernels = _tbl("kernels", [
+    kernels = table("kernels", [
         dict(seq=1, name="ampere_sgemm_64x64", device=0, stream=7, start_ns=9_000, dur_ns=8_000, grid=[4, 1, 1],
              block=[128, 1, 1], correlation_id=55),
         dict(seq=2, name="relu_kernel", device=0, stream=13, start_ns=33_000, dur_ns=1_000, correlation_id=56),
         dict(seq=None, name="probe_kernel", device=0, stream=7, start_ns=40_000, dur_ns=500, correlation_id=57),
         dict(seq=1, name="bad_stamp", device=0, stream=7, start_ns=None, dur_ns=100, correlation_id=58),
     ])
-    memory = _tbl("memory", [
+    memory = table("memory", [
         dict(seq=1, device="cuda:0", live_bytes=4096, delta_bytes=4096),
         dict(seq=2, device="cuda:0", live_bytes=8192, delta_bytes=4096),
         dict(seq=0, device="cpu", live_bytes=100, delta_bytes=100),

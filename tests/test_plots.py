@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from synthetic import make_trace, table
 import tensorscope  # noqa: E402
 from tensorscope import schema as S  # noqa: E402
 from tensorscope.render.plots import PlotAccessor, timeline_png  # noqa: E402
@@ -20,24 +21,12 @@ from tensorscope.render.plots import PlotAccessor, timeline_png  # noqa: E402
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _tbl(name, rows):
-    if not rows:
-        return S.empty(name)
-    cols = {k: [r.get(k) for r in rows] for k in rows[0]}
-    return S.conform(name, pa.table({k: pa.array(v, S.TABLES[name].field(k).type) for k, v in cols.items()}))
-
-
-class StandIn:
-    def __init__(self, **tables):
-        self.tables = {n: tables.get(n, S.empty(n)) for n in S.TABLES}
-        self.metadata = {}
-
-    def table(self, name):
-        return self.tables[name]
+def StandIn(**tables):
+    return make_trace({}, **tables)
 
 
 def sample(with_kernels=True, with_memory=True):
-    ops = _tbl("ops", [dict(seq=i, op=op, start_ns=1_000 + 10_000 * i, cpu_ns=dur, phase=ph, module=mod,
+    ops = table("ops", [dict(seq=i, op=op, start_ns=1_000 + 10_000 * i, cpu_ns=dur, phase=ph, module=mod,
                             flops=fl, bytes_read=br, bytes_written=bw, cuda_ns=cu, is_noise=False)
                        for i, (op, dur, ph, mod, fl, br, bw, cu) in enumerate([
                            ("aten.addmm.default", 8_000, "forward", "0", 1000, 400, 100, 5_000),
@@ -45,13 +34,13 @@ def sample(with_kernels=True, with_memory=True):
                            ("aten.addmm.default", 7_000, "forward", "2", 1000, 400, 100, 4_000),
                            ("aten.mm.default", 9_000, "backward", "2", 2000, 800, 400, None),
                            ("aten.threshold_backward.default", 1_000, "backward", None, -1, 200, 100, None)])])
-    calls = _tbl("calls", [dict(call_id=0, depth=0, name="linear", start_ns=500, dur_ns=9_000),
+    calls = table("calls", [dict(call_id=0, depth=0, name="linear", start_ns=500, dur_ns=9_000),
                            dict(call_id=1, depth=1, name="t", start_ns=600, dur_ns=300),
                            dict(call_id=2, depth=0, name="backward", start_ns=30_000, dur_ns=20_000)])
-    kernels = _tbl("kernels", [dict(seq=0, name="gemm", device=0, stream=7, start_ns=2_000, dur_ns=5_000),
+    kernels = table("kernels", [dict(seq=0, name="gemm", device=0, stream=7, start_ns=2_000, dur_ns=5_000),
                                dict(seq=3, name="gemm2", device=0, stream=13, start_ns=32_000, dur_ns=6_000),
                                dict(seq=3, name="bad", device=0, stream=13, start_ns=None, dur_ns=5)]) if with_kernels else None
-    memory = _tbl("memory", [dict(seq=i, device=d, live_bytes=v, delta_bytes=0)
+    memory = table("memory", [dict(seq=i, device=d, live_bytes=v, delta_bytes=0)
                              for i, d, v in [(0, "cpu", 1 << 20), (1, "cpu", 3 << 20), (2, "cuda:0", 1 << 22),
                                              (4, "cpu", 2 << 20)]]) if with_memory else None
     return StandIn(ops=ops, calls=calls, **({"kernels": kernels} if kernels is not None else {}),

@@ -1,0 +1,23 @@
+"""Schema-conformant tables and real Trace objects built from a few hand-written rows.
+
+For renderer/exporter tests that need exact timings or GPU kernels a CPU run cannot produce.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+from tensorscope import schema as S
+from tensorscope._trace import Trace
+
+
+def table(name, rows):
+    if not rows:
+        return S.empty(name)
+    cols = {k: [r.get(k) for r in rows] for k in rows[0]}
+    return S.conform(name, pa.table({k: pa.array(v, S.TABLES[name].field(k).type) for k, v in cols.items()}))
+
+
+def make_trace(metadata=None, **tables) -> Trace:
+    """A real Trace over the given tables (absent ones empty, derived ones empty unless given)."""
+    full = {n: tables.get(n, S.empty(n)) for n in S.TABLES}
+    return Trace(full, dict(metadata or {}))
