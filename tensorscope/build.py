@@ -408,10 +408,6 @@ def _calls_table(sess, ctx: _Ctx):
         depth[i] = depth[parent[i]] + 1
     src = a["src"].astype(np.int64)
     autocasts = pa.array(rec.autocasts.values, pa.string())
-    compiled = np.zeros(n, dtype=bool)
-    for i, v in rec.call_compiled.items():
-        if v and 0 <= i < n:
-            compiled[i] = True
     cols = dict(
         call_id=pa.array(np.arange(n, dtype=np.int64)),
         parent_id=_nullable(parent, parent < 0),
@@ -427,7 +423,7 @@ def _calls_table(sess, ctx: _Ctx):
         first_seq=_nullable(a["first_seq"], a["n_ops"] <= 0),
         n_ops=pa.array(a["n_ops"]),
         autocast=_take(autocasts, a["autocast"].astype(np.int64)),
-        compiled=pa.array(compiled),
+        compiled=pa.nulls(n, pa.bool_()),   # not attributed per call yet: see metadata "opaque_ops"
         error_id=_nullable(a["error"], a["error"] < 0),
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.CALLS], schema=S.CALLS)
@@ -582,7 +578,6 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         native["used"] = bool(getattr(cap, "native", False))
     except Exception:
         pass
-    compiled = sum(1 for v in rec.call_compiled.values() if v)
     return {
         "schema_version": S.SCHEMA_VERSION,
         "tensorscope_version": __version__,
@@ -601,7 +596,6 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         "tracer_errors": rec.n_tracer_errors,
         "tracer_error_messages": list(rec.tracer_errors),
         "native": native,
-        "compiled_calls": compiled,
         "opaque_ops": sess.opaque_ops,
         # [precision integration] probe counters: non-finite screen, numerics shadow (skips and why)
         "nonfinite_screen": sess.screen.report() if getattr(sess, "screen", None) is not None else None,

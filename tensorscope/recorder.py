@@ -249,7 +249,6 @@ class Recorder:
 
         self.calls = CallStore(CALL_FIELDS)
         self.n_calls = 0
-        self.call_compiled: Dict[int, bool] = {}
 
         self.tensors = _Columns(TENSOR_COLUMNS)
 

@@ -97,7 +97,7 @@ CALLS = _schema("calls", [
     ("first_seq", _i64),            # first ops.seq inside the call (null if none dispatched)
     ("n_ops", _i64),
     ("autocast", _str),             # autocast dtype active for the call's device, or null
-    ("compiled", _bool),            # a torch.compile'd region ran inside (opaque to dispatch)
+    ("compiled", _bool),            # reserved: null until compiled regions are attributed per call
     ("error_id", _i64),
 ])
 

@@ -49,18 +49,23 @@ def _bytes(n) -> str:
     return fmt_bytes(n)
 
 
-def _grouped(rows: List[dict], key_fields, limit=_MAX_LISTED) -> List[tuple]:
-    """[(first row, count, total bytes)] grouped by ``key_fields``, in order of first appearance."""
+def group_rows(rows: List[dict], key) -> List[list]:
+    """[[first row, count, total bytes]] grouped by ``key(row)``, in order of first appearance."""
     groups: "OrderedDict[tuple, list]" = OrderedDict()
     for r in rows:
-        k = tuple(r.get(f) for f in key_fields)
+        k = key(r)
         g = groups.get(k)
         if g is None:
             groups[k] = [r, 1, r.get("bytes") or 0]
         else:
             g[1] += 1
             g[2] += r.get("bytes") or 0
-    return [tuple(v) for v in list(groups.values())[:limit]] + ([("more", len(groups) - limit, 0)] if len(groups) > limit else [])
+    return list(groups.values())
+
+
+def _grouped(rows: List[dict], key_fields, limit=_MAX_LISTED) -> List[tuple]:
+    groups = group_rows(rows, lambda r: tuple(r.get(f) for f in key_fields))
+    return [tuple(v) for v in groups[:limit]] + ([("more", len(groups) - limit, 0)] if len(groups) > limit else [])
 
 
 def _listing(groups) -> str:

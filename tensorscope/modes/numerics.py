@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .dispatch import tensor_args
+from .dispatch import _is_composite, tensor_args
 
 Tensor = torch.Tensor
 _isfinite = math.isfinite
@@ -134,13 +134,6 @@ class _FuncInfo:
 
 _NO_DISPATCH = Tensor.__torch_dispatch__
 _STRIDED = torch.strided
-
-
-def _is_composite(func) -> bool:
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
-    except Exception:
-        return False
 
 
 def _plain(t) -> bool:

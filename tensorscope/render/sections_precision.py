@@ -19,6 +19,7 @@ from typing import List, Optional
 
 import pyarrow.compute as pc
 
+from ..analyses.guards import group_rows
 from ..analyses.layout import _NoGC
 from .summary import Section, fmt_bytes, register_section
 
@@ -39,17 +40,7 @@ def _where(r) -> str:
     return " ".join(parts)
 
 
-def _group(rows, key):
-    g: "OrderedDict[tuple, list]" = OrderedDict()
-    for r in rows:
-        k = key(r)
-        e = g.get(k)
-        if e is None:
-            g[k] = [r, 1, r.get("bytes") or 0]
-        else:
-            e[1] += 1
-            e[2] += r.get("bytes") or 0
-    return list(g.values())
+_group = group_rows   # one grouping rule for guards and summary
 
 
 def layout_section(t) -> Optional[Section]:

@@ -95,9 +95,6 @@ def overview(t) -> Section:
     if md.get("saved_to"):
         rows.append(("saved to", md["saved_to"]))
     notes = []
-    if md.get("compiled_calls"):
-        notes.append(f"{md['compiled_calls']} call(s) ran torch.compile'd code: only what the compiled artifact "
-                     "dispatches is visible, not the ops it fused.")
     if md.get("opaque_ops"):
         notes.append(f"{md['opaque_ops']} forward op(s) ran outside any torch-level call the function mode saw: "
                      "typically torch.compile'd code, which runs compiled and opaque (only the ops the compiled "
