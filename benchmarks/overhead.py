@@ -129,7 +129,7 @@ def rss_bytes():
 
 def big_trace(n_ops):
     from tensorscope.options import TraceOptions
-    from tensorscope.session import Session
+    from tensorscope.recording.session import Session
 
     x = torch.randn(8, 8)
     sess = Session(TraceOptions(leaks=False, nonfinite=False))

@@ -21,9 +21,9 @@ from .errors import (  # noqa: F401  (cheap: no torch)
 )
 
 _LAZY = {
-    "trace": ("tensorscope.session", "trace"),
-    "last": ("tensorscope.session", "last"),
-    "history": ("tensorscope.session", "history"),
+    "trace": ("tensorscope.recording.session", "trace"),
+    "last": ("tensorscope.recording.history", "last"),
+    "history": ("tensorscope.recording.history", "history"),
     "Trace": ("tensorscope._trace", "Trace"),
     "TraceOptions": ("tensorscope.options", "TraceOptions"),
     "load": ("tensorscope.io.parquet", "load"),

@@ -36,7 +36,7 @@ def _restore_global_state():
     dstack = list(_get_current_dispatch_mode_stack())
     fstack = list(_get_current_function_mode_stack())
     yield
-    from tensorscope import session
+    from tensorscope.recording import session
 
     leaked = []
     if session.active_session() is not None:

@@ -226,7 +226,7 @@ def test_tracer_bug_never_reaches_user_code(monkeypatch):
     monkeypatch.setattr(dispatch.TracingDispatchMode, "_append", broken)
     x = torch.randn(3)
     with pytest.warns(RuntimeWarning, match="internal error"):
-        import tensorscope.session as S
+        import tensorscope.recording.session as S
 
         monkeypatch.setattr(S, "_warned_tracer_bug", False)
         with tensorscope.trace() as t:

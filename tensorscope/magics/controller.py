@@ -107,7 +107,7 @@ class Controller:
         if req is None:
             return
         self._stop_active(None)   # a trace left by an interrupted cell ends here
-        from ..session import trace
+        from ..recording.session import trace
 
         cell = getattr(self, "_cell_count", None)
         if cell is None:

@@ -83,7 +83,7 @@ class TensorscopeMagics(Magics):
         # that fail to parse raise UsageError here and nothing runs), or when the
         # magic is called programmatically: then run the body as a nested cell.
         args, opts = _parse(TensorscopeMagics.tensorscope_cell, line)
-        from ..session import trace
+        from ..recording.session import trace
 
         cm = trace(**opts, _cell=getattr(self.shell, "execution_count", None), _cell_source=cell, _keep_history=True)
         with cm:
@@ -109,7 +109,7 @@ class TensorscopeMagics(Magics):
             print(LINE_HELP)
             return None
         cmd, rest = parts[0], line.strip()[len(parts[0]):].strip()
-        from .. import session
+        from ..recording import history as session
 
         if cmd == "last":
             t = session.last()

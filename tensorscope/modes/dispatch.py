@@ -20,8 +20,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..session import exc_key
-from ..recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
+from ..recording.session import exc_key
+from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided

@@ -14,8 +14,8 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..session import exc_key
-from ..recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
+from ..recording.session import exc_key
+from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
 from .source import user_frame_location
 
 # torch-level functions that are bookkeeping, not work: never recorded

@@ -8,7 +8,7 @@ module paths, autograd node names, source locations) are interned once.
 
 Columns grow until ``chunk_rows``; a full chunk is frozen into numpy arrays
 (compact, not gc-tracked) and, past ``spill_rows`` rows in memory, written to an
-Arrow IPC file in a spill directory. ``build()`` (in ``tensorscope.build``)
+Arrow IPC file in a spill directory. ``build_trace()`` (in ``tensorscope.recording.build``)
 decodes the ids into the Arrow tables of ``schema.py``.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .modes.meta import memory_format
+from ..modes.meta import memory_format
 
 # ops row flags
 F_INPLACE = 1

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import schema as S
+from .. import schema as S
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
@@ -524,8 +524,8 @@ def _leaks_table(sess, tensors):
     if sess.tracker is None or not sess.options.leaks:
         return S.empty("leaks")
     try:
-        from .tracking.leaks import leak_table
-        from .tracking.storages import LiveStorage
+        from ..tracking.leaks import leak_table
+        from ..tracking.storages import LiveStorage
     except ImportError:
         return S.empty("leaks")
     live = sess.tracker.live_created()
@@ -560,11 +560,11 @@ def _ipython_shell():
 def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     rec = sess.rec
     try:
-        from .env import env
+        from ..env import env
 
         device = env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
     except Exception as e:
@@ -572,7 +572,7 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     cap = sess.capture
     native = None
     try:
-        from . import native as _native
+        from .. import native as _native
 
         native = dict(_native.status())
         native["used"] = bool(getattr(cap, "native", False))
@@ -605,7 +605,7 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
 
 
 def build_trace(sess):
-    from ._trace import Trace
+    from .._trace import Trace
 
     rec = sess.rec
     rec.end_chunk()

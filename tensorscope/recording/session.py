@@ -19,14 +19,12 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from .errors import TraceActiveError
-from .options import TraceOptions
+from ..errors import TraceActiveError
+from ..options import TraceOptions
+from .history import _remember
 from .recorder import C_SRC, Recorder
 
 _local = threading.local()
-_last = None
-_history: List[Any] = []
-_HISTORY_MAX = 64
 _warned_tracer_bug = False
 
 
@@ -34,31 +32,13 @@ def active_session():
     return getattr(_local, "session", None)
 
 
-def last():
-    """The most recent Trace of this process (``%%tensorscope`` and ``trace()`` set it)."""
-    return _last
-
-
-def history() -> List[Any]:
-    """Traces kept by ``%tensorscope on`` and ``%%tensorscope``, oldest first (at most 64)."""
-    return list(_history)
-
-
-def _remember(t, keep_history: bool):
-    global _last
-    _last = t
-    if keep_history:
-        _history.append(t)
-        del _history[:-_HISTORY_MAX]
-
-
 class Session:
     """Everything one trace needs while it records. Holds no tensor."""
 
     def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
                  keep_history: bool = False):
-        from .modes.modules import ModuleTracker
-        from .tracking.storages import StorageTracker
+        from ..modes.modules import ModuleTracker
+        from ..tracking.storages import StorageTracker
 
         self.options = options
         self.cell = cell
@@ -92,7 +72,7 @@ class Session:
 
     # -- recording helpers used by the modes ----------------------------------
     def record_exception(self, e: BaseException, *, seq, call_id, op, info) -> int:
-        from .modes.source import user_frame_location
+        from ..modes.source import user_frame_location
 
         file, line = user_frame_location(3) if self.want_source else (None, None)
         if call_id is not None and call_id >= 0:
@@ -133,8 +113,8 @@ class Session:
             raise TraceActiveError(
                 "a tensorscope trace is already recording on this thread; nested traces would record every op "
                 "twice. Exit the outer trace first (or use %tensorscope off).")
-        from .modes.dispatch import TracingDispatchMode
-        from .modes.function import TracingFunctionMode
+        from ..modes.dispatch import TracingDispatchMode
+        from ..modes.function import TracingFunctionMode
 
         opts = self.options
         _warm_up()
@@ -159,7 +139,7 @@ class Session:
     def _setup_probes(self):
         opts = self.options
         try:
-            from . import native
+            from .. import native
 
             self.capture = native.open_capture(native=opts.native, cpp_errors=opts.cpp_errors)
         except Exception as e:
@@ -167,25 +147,25 @@ class Session:
             self.rec.notes.append(f"warning/error capture unavailable: {type(e).__name__}: {e}")
         if opts.nonfinite:
             try:
-                from .modes.numerics import NonfiniteScreen
+                from ..modes.numerics import NonfiniteScreen
 
                 self.screen = NonfiniteScreen()
             except Exception as e:
                 self.rec.notes.append(f"non-finite screen unavailable: {e}")
         if opts.numerics:
-            from .modes.numerics import NumericsShadow
+            from ..modes.numerics import NumericsShadow
 
             self.shadow = NumericsShadow(mode=opts.numerics)
         if opts.cuda_timing and torch.cuda.is_available():
             try:
-                from .timing.cuda import CudaOpTimer
+                from ..timing.cuda import CudaOpTimer
 
                 self.cuda_timer = CudaOpTimer()
             except Exception as e:
                 self.rec.notes.append(f"CUDA timing unavailable: {e}")
         if opts.kernels:
             try:
-                from .timing.kernels import KernelCollector
+                from ..timing.kernels import KernelCollector
 
                 self.kernels = KernelCollector.shared()
                 self.kernels.begin_window()
@@ -250,7 +230,7 @@ class Session:
         file = line = None
         tb = exc.__traceback__
         # the innermost frame outside torch/tensorscope: where the user's code raised
-        from .modes.source import _is_internal
+        from ..modes.source import _is_internal
 
         while tb is not None:
             if not _is_internal(tb.tb_frame.f_code):
@@ -328,8 +308,8 @@ def raise_for_guards(t):
     """Cell guards (``expect=``, ``max_casts=``): raise GuardError after the block, trace kept."""
     if not (t.metadata.get("options", {}).get("expect") or t.metadata.get("options", {}).get("max_casts") is not None):
         return
-    from .analyses.guards import check_guards
-    from .errors import GuardError
+    from ..analyses.guards import check_guards
+    from ..errors import GuardError
 
     failures = check_guards(t)
     if failures:
