@@ -72,15 +72,80 @@ class OpInfo:
         self.flop = None if self.flop_at_build else _FLOP_REGISTRY.get(packet)
 
 
-_COMPOSITE = {}   # OpOverload -> has a CompositeImplicitAutograd kernel
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+_has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+_key_for_device = getattr(torch._C, "_dispatch_key_for_device", None)
+
+#: OpOverload -> {device type: decompose?} for ops with a CompositeImplicitAutograd kernel;
+#: None for every other op (the common case: one dict lookup per op)
+_COMPOSITE = {}
 
 
 def _is_composite(func) -> bool:
     try:
-        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
+        return bool(_has_kernel(func.name(), "CompositeImplicitAutograd"))
     except Exception:
         return False
+
+
+def _call_device_type(args, kwargs) -> str:
+    """The device type whose backend kernel eager would pick: the first tensor argument's (one
+    level of lists), else a ``device`` argument, else the default device."""
+    for a in args:
+        if isinstance(a, Tensor):
+            return a.device.type
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, Tensor):
+                    return b.device.type
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                return a.device.type
+        d = kwargs.get("device")
+        if d is not None:
+            try:
+                return torch.device(d).type
+            except Exception:
+                pass
+    try:
+        return torch.get_default_device().type
+    except Exception:   # torch < 2.3
+        return "cpu"
+
+
+def _eager_decomposes(func, device_type: str) -> bool:
+    """Would eager run ``func``'s CompositeImplicitAutograd kernel on this backend?
+
+    The dispatcher fills a backend's slot with the composite only when the op has no kernel of
+    its own for that backend: ``aten::silu_backward`` has a CPU kernel *and* a composite, and
+    eager runs the CPU kernel (other bits than the composite's ``sigmoid`` arithmetic). A Python
+    mode receives such an op whole, as it receives every composite under ``inference_mode``
+    (autograd keys excluded), so only the backend's own registration decides.
+    """
+    try:
+        key = _key_for_device(device_type) if _key_for_device is not None else None
+        name = func.name()
+        if key is None:
+            key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}.get(device_type)
+        if key is None:
+            return True   # unknown backend: the composite, as before
+        return not _has_kernel(name, str(key).split(".")[-1])
+    except Exception:
+        return True
+
+
+def _should_decompose(func, args, kwargs) -> bool:
+    per_device = _COMPOSITE.get(func, False)
+    if per_device is False:
+        per_device = _COMPOSITE[func] = {} if _is_composite(func) else None
+    if per_device is None:
+        return False
+    dev = _call_device_type(args, kwargs)
+    d = per_device.get(dev)
+    if d is None:
+        d = per_device[dev] = _eager_decomposes(func, dev)
+    return d and _dense_args(args, kwargs)
 
 
 def _dense_args(args, kwargs) -> bool:
@@ -174,12 +239,10 @@ class TracingDispatchMode(TorchDispatchMode):
         if not s.recording:
             return func(*args, **kwargs)
         # [layout/inference parity] CompositeImplicitAutograd ops (reshape, flatten, matmul,
-        # linear, to...) reach this mode whole only under inference_mode; decompose them with
-        # the mode re-entered, as FlopCounterMode does, so both modes record the same ops
-        comp = _COMPOSITE.get(func)
-        if comp is None:
-            comp = _COMPOSITE[func] = _is_composite(func)
-        if comp and _dense_args(args, kwargs):
+        # linear, to...) reach this mode whole under inference_mode, and ops with a backend
+        # kernel of their own (silu_backward) always do; decompose, with the mode re-entered as
+        # FlopCounterMode does, exactly those eager would decompose on this backend
+        if _should_decompose(func, args, kwargs):
             # the C++ kernel eager runs, not func.decompose(): that prefers a Python
             # decomposition (upsample -> _unsafe_index) whose ops and bits differ from eager
             with self:

@@ -1,0 +1,196 @@
+"""Results unchanged on real-model-shaped workloads, and the facts recorded about them right.
+
+Each workload builds its model from a seed and runs a training step (or an inference_mode
+forward); the untraced run is the reference. Traced runs must give bitwise the same outputs,
+gradients, buffers (BatchNorm running stats) and RNG state. Parametrised over engines: the
+python dispatch-mode engine always, the native one where ``TraceOptions`` has an ``engine``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tensorscope
+from tensorscope.options import TraceOptions
+
+_HAS_ENGINE = "engine" in {f.name for f in dataclasses.fields(TraceOptions)}
+ENGINES = ["python"] + (["native"] if _HAS_ENGINE else [])
+
+
+def _trace(engine, **kw):
+    if _HAS_ENGINE:
+        kw["engine"] = engine
+    return tensorscope.trace(**kw)
+
+
+# -- workloads -------------------------------------------------------------------------------
+
+class SiLUMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        x = self.drop(F.silu(self.fc1(x)))
+        x = F.silu(self.fc2(x))
+        return self.fc3(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal mask by ``torch.where(mask, s, -inf)``, softmax, dropout."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        s = q @ k.transpose(-2, -1) / math.sqrt(d // h)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        s = torch.where(mask, s, -math.inf)
+        a = self.drop(s.softmax(-1)) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.b1(self.c1(x)))
+        x = F.silu(self.b2(self.c2(x)))
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def _make(name):
+    torch.manual_seed(0)
+    if name == "silu_mlp":
+        return SiLUMLP(), torch.randn(16, 32)
+    if name == "transformer_block":
+        return Block(), torch.randn(2, 6, 32)
+    net = ConvNet().to(memory_format=torch.channels_last)
+    return net, torch.randn(4, 3, 12, 12).to(memory_format=torch.channels_last)
+
+
+WORKLOADS = ["silu_mlp", "transformer_block", "channels_last_convnet"]
+
+
+def _train_step(name):
+    """Every tensor a training step produces that a user could look at, plus the RNG state."""
+    model, x = _make(name)
+    x.requires_grad_(True)
+    torch.manual_seed(1)
+    out = model(x)
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    res = {"out": out.detach(), "loss": loss.detach(), "x.grad": x.grad}
+    for n, p in model.named_parameters():
+        res[f"{n}.grad"] = p.grad
+    for n, b in model.named_buffers():
+        res[n] = b
+    res["rng"] = torch.get_rng_state()
+    return res
+
+
+def _inference(name):
+    model, x = _make(name)
+    model.eval()
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        out = model(x)
+    return {"out": out.clone(), "rng": torch.get_rng_state()}
+
+
+def _assert_bitwise(ref, got):
+    assert ref.keys() == got.keys()
+    for k in ref:
+        a, b = ref[k], got[k]
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), k
+        assert torch.equal(a, b), f"{k} differs: max abs diff {(a.double() - b.double()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_training_step_bitwise_unchanged(name, engine):
+    ref = _train_step(name)
+    with _trace(engine) as t:
+        got = _train_step(name)
+    _assert_bitwise(ref, got)
+    assert t.ops.num_rows > 0
+    assert "backward" in t.ops.column("phase").to_pylist()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_inference_mode_bitwise_unchanged(name, engine):
+    ref = _inference(name)
+    with _trace(engine) as t:
+        got = _inference(name)
+    _assert_bitwise(ref, got)
+    assert t.ops.num_rows > 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_silu_backward_runs_its_cpu_kernel(engine):
+    # aten::silu_backward has a CPU kernel and a CompositeImplicitAutograd definition: eager runs
+    # the CPU kernel, and so must a traced run (the composite's sigmoid arithmetic differs in bits)
+    name = "aten::silu_backward"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+    torch.manual_seed(0)
+    x = torch.randn(256, 256, requires_grad=True)
+    g = torch.randn(256, 256)
+    F.silu(x).backward(g)
+    ref = x.grad
+    x.grad = None
+    with _trace(engine) as t:
+        F.silu(x).backward(g)
+    assert torch.equal(ref, x.grad)
+    bwd = [r["op"] for r in t.ops.select(["op", "phase"]).to_pylist() if r["phase"] == "backward"]
+    assert "aten.silu_backward.default" in bwd
+    assert not any(op.startswith("aten.sigmoid") for op in bwd), bwd
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_inference_mode_composites_decompose_like_eager(engine):
+    # under inference_mode composites reach a dispatch mode whole: the ones without a CPU kernel
+    # (linear, reshape) are decomposed as eager decomposes them; silu_backward runs whole
+    torch.manual_seed(0)
+    x, w, g = torch.randn(4, 8), torch.randn(3, 8), torch.randn(4, 8)
+    with torch.inference_mode():
+        ref = (F.linear(x, w), torch.ops.aten.silu_backward(g, x), x.t().reshape(-1))
+    with torch.inference_mode(), _trace(engine) as t:
+        got = (F.linear(x, w), torch.ops.aten.silu_backward(g, x), x.t().reshape(-1))
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    ops = t.ops.column("op").to_pylist()
+    assert "aten.linear.default" not in ops and "aten.mm.default" in ops
+    assert "aten.silu_backward.default" in ops
+    assert "aten.reshape.default" not in ops and "aten.clone.default" in ops
+
+
+def test_decomposition_follows_the_backend_registration():
+    from tensorscope.modes.dispatch import _eager_decomposes
+
+    aten = torch.ops.aten
+    assert not _eager_decomposes(aten.silu_backward.default, "cpu")
+    assert not _eager_decomposes(aten.mish_backward.default, "cpu")
+    assert _eager_decomposes(aten.linear.default, "cpu")
+    assert _eager_decomposes(aten.reshape.default, "cpu")
