@@ -194,3 +194,64 @@ def test_decomposition_follows_the_backend_registration():
     assert not _eager_decomposes(aten.mish_backward.default, "cpu")
     assert _eager_decomposes(aten.linear.default, "cpu")
     assert _eager_decomposes(aten.reshape.default, "cpu")
+
+
+# -- backward -> forward links -----------------------------------------------------------------
+
+def _rows(t, *cols):
+    return t.ops.select(list(cols)).to_pylist()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_backward_links_to_the_op_that_created_its_node(engine):
+    model, x = _make("silu_mlp")
+    with _trace(engine) as t:
+        loss = model(x).pow(2).mean()
+        unrelated = torch.zeros(2) + 1      # creates no autograd node: must claim no sequence number
+        loss.backward()
+    rows = _rows(t, "seq", "op", "phase", "autograd_node", "seq_nr", "fwd_seq", "source_line")
+    by_seq = {r["seq"]: r for r in rows}
+    fwd = [r for r in rows if r["phase"] == "forward"]
+    bwd = [r for r in rows if r["phase"] == "backward"]
+    assert unrelated.tolist() == [1.0, 1.0]
+    zeros_add = [r for r in fwd if r["op"] == "aten.add.Tensor"][-1]
+    assert zeros_add["seq_nr"] is None
+    claimed = [r["seq_nr"] for r in fwd if r["seq_nr"] is not None]
+    assert len(claimed) == len(set(claimed)), "two forward ops claim one autograd node"
+    linked = [r for r in bwd if r["fwd_seq"] is not None]
+    assert linked, "no backward op linked to its forward op"
+    for r in bwd:
+        if r["autograd_node"] in ("torch::autograd::AccumulateGrad",):
+            assert r["fwd_seq"] is None
+        if r["fwd_seq"] is not None:
+            f = by_seq[r["fwd_seq"]]
+            assert f["phase"] == "forward" and f["seq_nr"] == r["seq_nr"]
+            assert f["seq"] != zeros_add["seq"]
+    # SiLU's backward links to the silu forward op
+    silu_b = [r for r in bwd if r["op"] == "aten.silu_backward.default"]
+    assert silu_b and all(by_seq[r["fwd_seq"]]["op"] == "aten.silu.default" for r in silu_b)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_backward_of_a_graph_built_before_the_trace_links_to_nothing(engine):
+    # the notebook pattern: loss built in one cell (traced or not), loss.backward() traced in the next
+    import inspect
+
+    model, x = _make("silu_mlp")
+    with _trace(engine) as t1:
+        loss = model(x).pow(2).mean()
+    with _trace(engine) as t2:
+        z = torch.zeros(2) + 1
+        zline = inspect.currentframe().f_lineno - 1
+        loss.backward()
+        bline = inspect.currentframe().f_lineno - 1
+    assert z.sum().item() == 2
+    assert any(r["seq_nr"] is not None for r in _rows(t1, "seq_nr"))
+    rows = _rows(t2, "op", "phase", "seq_nr", "fwd_seq", "source_line", "module")
+    fwd = [r for r in rows if r["phase"] == "forward"]
+    bwd = [r for r in rows if r["phase"] == "backward"]
+    assert fwd and bwd
+    assert all(r["seq_nr"] is None for r in fwd), fwd
+    assert all(r["fwd_seq"] is None for r in bwd), [r for r in bwd if r["fwd_seq"] is not None]
+    lines = {r["source_line"] for r in bwd}
+    assert zline not in lines and lines == {bline}, (lines, zline, bline)

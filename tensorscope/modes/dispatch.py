@@ -192,6 +192,10 @@ class TracingDispatchMode(TorchDispatchMode):
         super().__init__()
         self.s = session
         self._infos = {}
+        # autograd's sequence counter as the last op left it: a forward op created a node (and may
+        # claim ``counter - 1``) only if the counter advanced since, so an op that created none
+        # never claims a node made before the trace or by an op we did not record
+        self._seq_mark = _get_seq_nr()
 
     def _describe(self, ts, alloc, stor, module_id, call_id):
         """Meta ids (and storage ids, appended to ``stor``) of tensors ``ts``; also their data pointers."""
@@ -237,7 +241,10 @@ class TracingDispatchMode(TorchDispatchMode):
             kwargs = {}
         s = self.s
         if not s.recording:
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._seq_mark = _get_seq_nr()
         # [layout/inference parity] CompositeImplicitAutograd ops (reshape, flatten, matmul,
         # linear, to...) reach this mode whole under inference_mode, and ops with a backend
         # kernel of their own (silu_backward) always do; decompose, with the mode re-entered as
@@ -263,7 +270,9 @@ class TracingDispatchMode(TorchDispatchMode):
             node = _current_node()
             if node is None:
                 node_id = 0
-                seq_nr = _get_seq_nr() - 1
+                # the autograd layer above this mode created the op's node before dispatching here
+                cur = _get_seq_nr()
+                seq_nr = cur - 1 if cur != self._seq_mark else -1
                 if call_id < 0:
                     s.opaque_ops += 1   # no torch-level call around it: compiled code or a C++ caller
             else:
@@ -306,6 +315,7 @@ class TracingDispatchMode(TorchDispatchMode):
                 rec.tracer_error("dispatch (error)", e2)
             raise
         finally:
+            self._seq_mark = _get_seq_nr()
             if tok is not None:
                 try:
                     cuda.end(tok)
@@ -349,6 +359,8 @@ class TracingDispatchMode(TorchDispatchMode):
                 r = shadow.compare(seq, func, args, kwargs, outs)
                 if r is not None:
                     rec.numerics[seq] = r
+            if screen is not None or shadow is not None:
+                self._seq_mark = _get_seq_nr()   # a probe's own ops must not look like the next op's node
         except Exception as e:
             rec.tracer_error("dispatch (after op)", e)
         return out
