@@ -255,3 +255,95 @@ def test_backward_of_a_graph_built_before_the_trace_links_to_nothing(engine):
     assert all(r["fwd_seq"] is None for r in bwd), [r for r in bwd if r["fwd_seq"] is not None]
     lines = {r["source_line"] for r in bwd}
     assert zline not in lines and lines == {bline}, (lines, zline, bline)
+
+
+# -- format labels -----------------------------------------------------------------------------
+
+def _brute_kind(shape, stride):
+    """The label from every touched offset, enumerated."""
+    import itertools
+
+    if any(s == 0 for s in shape):
+        return "dense"
+    offs = [sum(i * st for i, st in zip(idx, stride)) for idx in itertools.product(*(range(s) for s in shape))]
+    n = len(offs)
+    distinct = set(offs)
+    if len(distinct) < n:
+        return "expanded" if any(st == 0 and sz > 1 for sz, st in zip(shape, stride)) else "overlapping"
+    return "dense" if distinct == set(range(min(offs), min(offs) + n)) else "gapped"
+
+
+LAYOUTS = [
+    ((2, 2), (3, 2)),        # offsets {0, 2, 3, 5}: gapped (was labelled overlapping)
+    ((3, 2), (2, 3)),        # {0, 2, 3, 4, 5, 7}: gapped though the strides interleave
+    ((2, 3), (3, 2)),        # {0, 2, 4, 3, 5, 7}
+    ((3, 3), (2, 3)),        # 0*2 + 2*3 == 3*2 + 0*3: overlapping
+    ((4, 3), (1, 1)),        # overlapping
+    ((4, 3), (6, 1)),        # gapped rows
+    ((4, 3), (0, 1)),        # expanded
+    ((4, 3), (3, 1)),        # contiguous
+    ((3, 4), (1, 3)),        # transposed: dense
+    ((8, 3), (1, 1)),        # unfold(0, 3, 1): overlapping windows
+    ((4, 3), (3, 1)),
+    ((5, 4), (4, 5)),        # 5 dims of stride 4 would be needed to meet one of stride 5: gapped
+    ((2, 2, 2), (4, 3, 1)),
+    ((2, 3, 5), (15, 5, 2)),
+    ((7, 5), (5, 7)),
+    ((6, 4), (4, 6)),
+    ((3, 3, 3), (9, 4, 1)),
+    ((2, 2), (2, 2)),
+    ((3,), (2,)),            # 1-d with a step: gapped
+    ((1, 5), (100, 2)),      # size-1 dims never matter
+    ((0, 3), (3, 1)),
+]
+
+
+@pytest.mark.parametrize("shape,stride", LAYOUTS)
+def test_non_dense_kind_matches_enumeration(shape, stride):
+    from tensorscope.modes.meta import non_dense_kind
+
+    assert non_dense_kind(shape, stride) == _brute_kind(shape, stride)
+
+
+def test_non_dense_kind_random_layouts_match_enumeration():
+    import random
+
+    from tensorscope.modes.meta import non_dense_kind
+
+    rnd = random.Random(0)
+    kinds = set()
+    for _ in range(3000):
+        nd = rnd.randint(1, 4)
+        shape = tuple(rnd.randint(1, 5) for _ in range(nd))
+        stride = tuple(rnd.randint(0, 12) for _ in range(nd))
+        want = _brute_kind(shape, stride)
+        assert non_dense_kind(shape, stride) == want, (shape, stride)
+        kinds.add(want)
+    assert kinds == {"dense", "expanded", "gapped", "overlapping"}
+
+
+def test_memory_format_labels_non_dense_tensors_exactly():
+    from tensorscope.modes.meta import memory_format, non_dense_kind
+
+    assert memory_format((2, 2), (3, 2)) == ("gapped", False)
+    assert memory_format((4, 3), (1, 1)) == ("overlapping", False)
+    assert memory_format((4, 3), (0, 1)) == ("expanded", False)
+    assert memory_format((3, 4), (1, 3)) == ("strided", False)
+    # past the exact budget an undecidable layout stays honest rather than guessed
+    assert non_dense_kind((1 << 20, 3, 2), (3, 1 << 20, 5 << 20)) == "non_dense"
+    assert non_dense_kind((1 << 20, 4, 2), (1, 2, 1 << 30)) == "overlapping"   # pigeonhole settles it
+    assert non_dense_kind((1 << 20, 3), (3, 1 << 20)) == "gapped"              # two dims: closed form
+    assert non_dense_kind((1 << 20, 3), (3, 1 << 19)) == "gapped"
+    assert non_dense_kind((1 << 20, 3), (3, 6)) == "overlapping"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_recorded_formats_of_gapped_and_overlapping_views(engine):
+    base = torch.arange(16.0)
+    with _trace(engine) as t:
+        g = base.as_strided((2, 2), (3, 2)).clone()
+        o = base.as_strided((4, 3), (1, 1)).clone()
+        e = base[:3].expand(4, 3).clone()
+    assert g.tolist() == [[0.0, 2.0], [3.0, 5.0]] and o.shape == e.shape == (4, 3)
+    clones = [r for r in _rows(t, "op", "in_formats", "in_strides") if r["op"] == "aten.clone.default"]
+    assert [r["in_formats"] for r in clones] == [["gapped"], ["overlapping"], ["expanded"]]

@@ -119,9 +119,9 @@ def test_views_inplace_and_out_variants():
     add_out = one(t, "aten.add.out")
     assert add_out["inplace"] and add_out["out_alias"] == [1]
     ex = one(t, "aten.expand.default")
-    assert ex["out_formats"] == ["non_dense"] and ex["out_strides"] == [[4, 0]]
+    assert ex["out_formats"] == ["expanded"] and ex["out_strides"] == [[4, 0]]
     sl = rows(t, op="aten.slice.Tensor")[-1]
-    assert sl["out_formats"] == ["non_dense"] and sl["out_strides"] == [[8, 1]]
+    assert sl["out_formats"] == ["gapped"] and sl["out_strides"] == [[8, 1]]
     assert t.tensors.num_rows >= 2
 
 

@@ -42,9 +42,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from ..modes.meta import non_dense_kind  # noqa: F401  (one definition of the labels; re-exported)
 
 CL_FORMATS = frozenset({"channels_last", "channels_last_3d"})
-#: dense labels (the recorder writes "strided"; design.md also names "dense_permuted")
+#: dense labels (the recorder writes "strided"; design.md also names "dense_permuted"); traces before
+#: schema 1.2 wrote "non_dense" for every non-dense tensor, now labelled expanded/gapped/overlapping
 DENSE_FORMATS = frozenset({"contiguous", "channels_last", "channels_last_3d", "strided", "dense_permuted"})
 NON_DENSE_FORMATS = frozenset({"non_dense", "expanded", "gapped", "overlapping"})
 
@@ -170,22 +172,6 @@ def count_in(col, values, flags=None) -> np.ndarray:
         if len(f) == len(hit):
             hit &= ~np.asarray(f, dtype=bool)
     return np.bincount(parents[hit], minlength=n).astype(np.int64)
-
-
-def non_dense_kind(shape: Sequence[int], stride: Sequence[int]) -> str:
-    """expanded (a zero stride), overlapping, or gapped, from the strides."""
-    dims = sorted((abs(st), sz) for st, sz in zip(stride, shape) if sz != 1)
-    if any(st == 0 for st, _ in dims):
-        return "expanded"
-    extent = 1
-    gapped = False
-    for st, sz in dims:
-        if st < extent:
-            return "overlapping"
-        if st > extent:
-            gapped = True
-        extent = st * sz
-    return "gapped" if gapped else "dense"
 
 
 def _fmt_tuple(v) -> str:

@@ -6,12 +6,17 @@ integer loops ~1-2 µs, and the cache makes repeats free.
 
 Labels: ``empty`` (numel 0), ``scalar`` (dim 0), ``contiguous``, ``channels_last``
 (4-d NHWC), ``channels_last_3d`` (5-d NDHWC), ``strided`` (dense, another
-permutation), ``non_dense`` (expanded, gapped or overlapping). ``ambiguous`` is
-true when size-1 dims make a tensor both contiguous and channels_last; the label
-then follows torch's own tie-break (``is_channels_last_strides_2d``).
+permutation), and for tensors that are not dense: ``expanded`` (a zero stride on a
+dim of size > 1), ``overlapping`` (two indexes reach one element), ``gapped``
+(distinct elements, holes between them). ``non_dense`` remains only for the rare
+layout too large to settle exactly (and in traces written before schema 1.2).
+``ambiguous`` is true when size-1 dims make a tensor both contiguous and
+channels_last; the label then follows torch's own tie-break
+(``is_channels_last_strides_2d``).
 """
 from __future__ import annotations
 
+from math import gcd
 from typing import Sequence, Tuple
 
 
@@ -68,6 +73,83 @@ def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+#: the exact overlap check walks a bitset of this many offsets at most (64 KiB)
+EXACT_EXTENT_BITS = 1 << 19
+
+
+def non_dense_kind(shape: Sequence[int], stride: Sequence[int]) -> str:
+    """``dense``, ``expanded``, ``gapped`` or ``overlapping`` from sizes and strides; ``non_dense``
+    when the layout is not dense and too large to decide overlap exactly.
+
+    Overlap means two index tuples reach one offset. Sorted by stride, a dim whose stride
+    exceeds the largest offset the smaller dims reach can never collide with them (the usual
+    test, exact when it passes; it used ``stride * size`` as that reach, which called
+    shape (2, 2) strides (3, 2), offsets {0, 2, 3, 5}, overlapping). When it fails the answer
+    may still be "no": shape (3, 2) strides (2, 3) reaches {0, 2, 3, 4, 5, 7}. Two dims have a
+    closed form; more elements than offsets in reach settles "yes"; otherwise the set of reached offsets is built as a
+    bitset, dim by dim: no collision exactly when its size is the product of the sizes.
+    """
+    dims = sorted((abs(st), sz) for st, sz in zip(stride, shape) if sz != 1)
+    if any(sz == 0 for _, sz in dims):
+        return "dense"   # empty: nothing is touched
+    if any(st == 0 for st, _ in dims):
+        return "expanded"
+    expected = 1
+    dense = True
+    for st, sz in dims:
+        if st != expected:
+            dense = False
+            break
+        expected *= sz
+    if dense:
+        return "dense"
+    reach = 0
+    for st, sz in dims:
+        if st <= reach:
+            break
+        reach += (sz - 1) * st
+    else:
+        return "gapped"
+    if len(dims) == 2:
+        # i*a == j*b has its smallest solution at i = b/g, j = a/g: a collision exactly when both fit
+        (a, na), (b, nb) = dims
+        g = gcd(a, b)
+        return "overlapping" if b // g < na and a // g < nb else "gapped"
+    g = 0
+    for st, _ in dims:
+        g = gcd(g, st)
+    dims = [(st // g, sz) for st, sz in dims]
+    n = 1
+    extent = 1
+    for st, sz in dims:   # a collision among the smaller-stride dims is a collision
+        n *= sz
+        extent += (sz - 1) * st
+        if n > extent:
+            return "overlapping"   # more elements than offsets they can reach
+    if extent > EXACT_EXTENT_BITS:
+        return "non_dense"
+    reached = 1   # bit k set: offset k is reached
+    count = 1
+    for st, sz in dims:
+        acc = reached   # union of ``reached`` shifted by 0 .. m-1 strides
+        m = 1
+        while 2 * m <= sz:
+            acc |= acc << (m * st)
+            m *= 2
+        if m < sz:   # shifts sz-m .. sz-1 complete 0 .. sz-1 (the ranges overlap: a union is a union)
+            acc |= acc << ((sz - m) * st)
+        count *= sz
+        if _popcount(acc) != count:
+            return "overlapping"
+        reached = acc
+    return "gapped"
+
+
+def _popcount(x: int) -> int:
+    bc = getattr(x, "bit_count", None)   # Python >= 3.10
+    return bc() if bc is not None else bin(x).count("1")
+
+
 _CL2 = (1, 3, 2, 0)
 _CL3 = (1, 4, 3, 2, 0)
 
@@ -93,7 +175,8 @@ def memory_format(shape: Tuple[int, ...], stride: Tuple[int, ...]) -> Tuple[str,
             return name, False
     if contig:
         return "contiguous", False
-    return ("strided" if is_dense(shape, stride) else "non_dense"), False
+    kind = non_dense_kind(shape, stride)
+    return ("strided" if kind == "dense" else kind), False
 
 
 def numel(shape: Sequence[int]) -> int:
