@@ -8,6 +8,14 @@ filled with nulls. Evolve a table only by adding nullable columns (minor bump).
 Rules kept so every engine reads the files (DuckDB, pyarrow, polars, Spark):
 signed int64 for counts/ids, times as int64 nanoseconds, plain
 ``list<list<int64>>`` for shapes and strides, no float16, snake_case names.
+
+Since 1.2 the repetitive string columns of the large tables (ops, calls,
+tensors) are dictionary-encoded, ``dictionary<int32, string>`` (``_dstr``,
+and ``list<dictionary<...>>`` for per-tensor lists): the builder makes them
+from interned ids without a per-row string. In parquet they are ordinary
+dictionary-encoded UTF-8 columns, so every engine reads them as strings
+(pyarrow restores the dictionary type, pandas shows it as ``category``).
+Files of 1.1 and earlier hold plain strings; ``conform`` casts them.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from typing import Dict
 import pyarrow as pa
 
 #: "major.minor". Bump major when a column changes meaning or type.
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 _i64 = pa.int64()
@@ -29,6 +37,9 @@ _bools = pa.list_(pa.bool_())
 _i64s = pa.list_(pa.int64())
 _i32s = pa.list_(pa.int32())
 _shapes = pa.list_(pa.list_(pa.int64()))
+#: dictionary-encoded strings (1.2): ids into one small dictionary per column and batch
+_dstr = pa.dictionary(pa.int32(), pa.string())
+_dstrs = pa.list_(_dstr)
 
 
 def _schema(name: str, fields) -> pa.Schema:
@@ -38,30 +49,30 @@ def _schema(name: str, fields) -> pa.Schema:
 OPS = _schema("ops", [
     ("seq", _i64),                  # 0-based dispatch order within the trace
     ("cell", _i64),                 # IPython execution count, null outside a notebook
-    ("op", _str),                   # str(OpOverload): aten.add.Tensor
-    ("namespace", _str),
-    ("overload", _str),
-    ("tags", _strs),
-    ("phase", _str),                # forward / backward
-    ("autograd_node", _str),        # backward: node.name(); forward: null
+    ("op", _dstr),                  # str(OpOverload): aten.add.Tensor
+    ("namespace", _dstr),
+    ("overload", _dstr),
+    ("tags", _dstrs),
+    ("phase", _dstr),               # forward / backward
+    ("autograd_node", _dstr),       # backward: node.name(); forward: null
     ("seq_nr", _i64),               # forward: autograd sequence nr of the node it created; backward: node's
     ("fwd_seq", _i64),              # backward: seq of the forward op that created the node
     ("call_id", _i64),              # innermost enclosing torch-level call (calls.call_id)
-    ("module", _str),               # qualified module path (named_modules() of the root)
-    ("source_file", _str),
+    ("module", _dstr),              # qualified module path (named_modules() of the root)
+    ("source_file", _dstr),
     ("source_line", _i64),
     ("in_shapes", _shapes),
     ("in_strides", _shapes),
-    ("in_dtypes", _strs),
-    ("in_devices", _strs),
-    ("in_formats", _strs),
+    ("in_dtypes", _dstrs),
+    ("in_devices", _dstrs),
+    ("in_formats", _dstrs),
     ("in_ambiguous", _bools),       # format label ambiguous because of size-1 dims
     ("in_storages", _i64s),         # tensors.storage_id per input tensor (-1 unknown)
     ("out_shapes", _shapes),
     ("out_strides", _shapes),
-    ("out_dtypes", _strs),
-    ("out_devices", _strs),
-    ("out_formats", _strs),
+    ("out_dtypes", _dstrs),
+    ("out_devices", _dstrs),
+    ("out_formats", _dstrs),
     ("out_ambiguous", _bools),
     ("out_storages", _i64s),
     ("out_alias", _i32s),           # index of the tensor input each output aliases, -1 fresh
@@ -87,16 +98,16 @@ CALLS = _schema("calls", [
     ("parent_id", _i64),
     ("depth", _i64),
     ("cell", _i64),
-    ("name", _str),                 # linear, reshape, backward ...
-    ("qualname", _str),             # torch.nn.functional.linear, Tensor.reshape
-    ("module", _str),
-    ("source_file", _str),
+    ("name", _dstr),                # linear, reshape, backward ...
+    ("qualname", _dstr),            # torch.nn.functional.linear, Tensor.reshape
+    ("module", _dstr),
+    ("source_file", _dstr),
     ("source_line", _i64),
     ("start_ns", _i64),
     ("dur_ns", _i64),
     ("first_seq", _i64),            # first ops.seq inside the call (null if none dispatched)
     ("n_ops", _i64),
-    ("autocast", _str),             # autocast dtype active for the call's device, or null
+    ("autocast", _dstr),            # autocast dtype active for the call's device, or null
     ("compiled", _bool),            # reserved: null until compiled regions are attributed per call
     ("error_id", _i64),
 ])
@@ -104,15 +115,15 @@ CALLS = _schema("calls", [
 TENSORS = _schema("tensors", [
     ("storage_id", _i64),
     ("nbytes", _i64),
-    ("device", _str),
-    ("dtype", _str),
+    ("device", _dstr),
+    ("dtype", _dstr),
     ("shape", _i64s),
     ("alloc_seq", _i64),            # seq of the op whose output first showed it (null: found at a boundary)
-    ("alloc_op", _str),
+    ("alloc_op", _dstr),
     ("free_seq", _i64),             # last op started before it was freed (freed by or after it); null if alive at the end
     ("cell", _i64),
-    ("module", _str),
-    ("source_file", _str),
+    ("module", _dstr),
+    ("source_file", _dstr),
     ("source_line", _i64),
 ])
 

@@ -347,3 +347,119 @@ def test_recorded_formats_of_gapped_and_overlapping_views(engine):
     assert g.tolist() == [[0.0, 2.0], [3.0, 5.0]] and o.shape == e.shape == (4, 3)
     clones = [r for r in _rows(t, "op", "in_formats", "in_strides") if r["op"] == "aten.clone.default"]
     assert [r["in_formats"] for r in clones] == [["gapped"], ["overlapping"], ["expanded"]]
+
+
+# -- dictionary-encoded string columns (schema 1.2) ----------------------------------------------
+
+def _small_trace():
+    model, x = _make("channels_last_convnet")
+    with tensorscope.trace(leaks=False, chunk_rows=16) as t:   # many batches: one dictionary each
+        model(x).sum().backward()
+    return t
+
+
+def _dict_fields(schema):
+    import pyarrow as pa
+
+    out = []
+    for f in schema:
+        typ = f.type.value_type if pa.types.is_list(f.type) else f.type
+        if pa.types.is_dictionary(typ):
+            out.append(f.name)
+    return out
+
+
+def test_string_columns_are_dictionary_encoded():
+    from tensorscope import schema as S
+
+    assert S.SCHEMA_VERSION == "1.2"
+    t = _small_trace()
+    for name in ("ops", "calls", "tensors"):
+        table = t.table(name)
+        assert table.schema.equals(S.TABLES[name], check_metadata=False), name
+        assert table.num_rows > 0
+    assert {"op", "namespace", "overload", "phase", "autograd_node", "module", "source_file", "tags",
+            "in_dtypes", "in_formats", "out_devices"} <= set(_dict_fields(t.ops.schema))
+    assert {"name", "qualname", "source_file"} <= set(_dict_fields(t.calls.schema))
+    assert {"dtype", "device", "alloc_op"} <= set(_dict_fields(t.tensors.schema))
+    assert t.ops.column("op").num_chunks > 1
+    ops = t.ops.to_pylist()
+    assert {r["phase"] for r in ops} == {"forward", "backward"}
+    conv = next(r for r in ops if r["op"] == "aten.convolution.default")
+    assert conv["in_formats"][0] == "channels_last" and conv["in_dtypes"] == ["float32"] * 3
+    assert conv["namespace"] == "aten" and conv["overload"] == "default" and conv["module"] == "c1"
+    assert all(r["autograd_node"] is None for r in ops if r["phase"] == "forward")
+    assert all(r["autograd_node"] for r in ops if r["phase"] == "backward")
+
+
+def test_dictionary_columns_round_trip_and_query(tmp_path):
+    import duckdb
+    import pyarrow.parquet as pq
+
+    t = _small_trace()
+    path = t.save(tmp_path / "tr")
+    back = tensorscope.load(path)
+    for name in ("ops", "calls", "tensors"):
+        assert back.table(name).schema.equals(t.table(name).schema, check_metadata=False)
+        assert back.table(name).to_pylist() == t.table(name).to_pylist(), name
+    # a reader that knows nothing of Arrow dictionaries sees plain strings
+    raw = pq.read_table(f"{path}/ops.parquet", read_dictionary=[])
+    want = t.ops.column("op").to_pylist()
+    assert raw.column("op").to_pylist() == want
+    q = "SELECT op, count(*) AS n FROM read_parquet('{}') GROUP BY op ORDER BY n DESC, op".format(f"{path}/ops.parquet")
+    from_file = duckdb.sql(q).fetchall()
+    from_trace = [tuple(r) for r in t.sql("SELECT op, count(*) AS n FROM ops GROUP BY op ORDER BY n DESC, op")
+                  .itertuples(index=False)]
+    assert from_file == from_trace and sum(n for _, n in from_file) == t.ops.num_rows
+    hit = t.sql("SELECT count(*) AS n FROM ops WHERE list_contains(in_formats, 'channels_last') "
+                "AND phase = 'backward'")
+    assert int(hit["n"][0]) > 0
+    df = t.df("ops")
+    assert df["op"].tolist() == want
+    assert df["in_dtypes"].map(list).tolist() == t.ops.column("in_dtypes").to_pylist()
+
+
+def test_dictionary_columns_read_by_polars(tmp_path):
+    pl = pytest.importorskip("polars")
+    t = _small_trace()
+    path = t.save(tmp_path / "tr")
+    df = pl.read_parquet(f"{path}/ops.parquet")
+    counts = dict(df.group_by("op").len().iter_rows())
+    want = {}
+    for op in t.ops.column("op").to_pylist():
+        want[op] = want.get(op, 0) + 1
+    assert counts == want
+    assert df.filter(pl.col("phase") == "backward").height == t.ops.column("phase").to_pylist().count("backward")
+
+
+def test_trace_saved_with_schema_1_1_loads_with_dictionary_columns():
+    import os
+
+    import pyarrow.parquet as pq
+
+    from tensorscope import schema as S
+
+    d = os.path.join(os.path.dirname(__file__), "data", "golden-schema-1.1")
+    raw = pq.read_table(os.path.join(d, "ops.parquet"))
+    assert str(raw.schema.field("op").type) == "string"   # 1.1 wrote plain strings
+    t = tensorscope.load(d)
+    assert t.metadata["schema_version"] == "1.1"
+    assert t.ops.schema.equals(S.OPS, check_metadata=False)
+    assert t.ops.column("op").to_pylist() == raw.column("op").to_pylist()
+    assert t.ops.column("in_dtypes").to_pylist() == raw.column("in_dtypes").to_pylist()
+    assert t.calls.column("name").to_pylist() == pq.read_table(os.path.join(d, "calls.parquet")).column("name").to_pylist()
+    assert t.layout_changes is not None and t.casts is not None   # analyses run on the cast columns
+
+
+def test_perfetto_and_analyses_on_dictionary_columns(tmp_path):
+    import json
+
+    t = _small_trace()
+    out = t.to_perfetto(tmp_path / "t.json")
+    events = json.load(open(out))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e.get("name") for e in events}
+    assert "aten.convolution.default" in names
+    assert t.layout_changes.num_rows >= 0 and t.casts.num_rows >= 0
+    bundle = t._repr_mimebundle_()
+    assert "convolution" in bundle["text/html"] and bundle["text/plain"]

@@ -135,8 +135,8 @@ def _eager_decomposes(func, device_type: str) -> bool:
         return True
 
 
-def _should_decompose(func, args, kwargs) -> bool:
-    per_device = _COMPOSITE.get(func, False)
+def _should_decompose(func, per_device, args, kwargs) -> bool:
+    """``per_device`` is ``_COMPOSITE.get(func, False)``; the caller skips this call when it is None."""
     if per_device is False:
         per_device = _COMPOSITE[func] = {} if _is_composite(func) else None
     if per_device is None:
@@ -249,7 +249,8 @@ class TracingDispatchMode(TorchDispatchMode):
         # linear, to...) reach this mode whole under inference_mode, and ops with a backend
         # kernel of their own (silu_backward) always do; decompose, with the mode re-entered as
         # FlopCounterMode does, exactly those eager would decompose on this backend
-        if _should_decompose(func, args, kwargs):
+        per_device = _COMPOSITE.get(func, False)
+        if per_device is not None and _should_decompose(func, per_device, args, kwargs):
             # the C++ kernel eager runs, not func.decompose(): that prefers a Python
             # decomposition (upsample -> _unsafe_index) whose ops and bits differ from eager
             with self:

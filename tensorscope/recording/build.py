@@ -4,7 +4,11 @@ Everything the hot path left for later is derived here, vectorised: op names
 and tags, shapes/strides/dtypes/formats per row (``take`` over the interned
 meta tuples), bytes read/written, source lines (from the enclosing call, or for
 backward ops from the forward op that created their autograd node), module of
-backward ops (likewise), ``fwd_seq``, ``hidden_copy``. Spilled traces are
+backward ops (likewise), ``fwd_seq``, ``hidden_copy``. String columns are
+dictionary-encoded (schema 1.2): each interned table (op names, metas' dtypes,
+devices and formats, modules, node names, files) becomes one small Arrow
+dictionary once, and a column is its integer codes gathered by numpy, so no
+per-row Python object and no string copy is made. Spilled traces are
 decoded chunk by chunk into a memory-mapped Arrow IPC file, so building never
 needs the whole decoded table in RAM.
 """
@@ -36,6 +40,39 @@ _FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "float8_
                            "float8_e4m3fnuz", "float8_e5m2fnuz", "complex64", "complex128", "complex32"})
 
 
+class _Dict:
+    """Interned strings as an Arrow dictionary: ``codes[id]`` is the value's index in
+    ``dictionary`` (-1 for None), so a column is a numpy gather of codes, never a string copy.
+
+    The dictionary holds each distinct string once (ids of different interned values may
+    share one: every ``aten.*`` op has namespace ``aten``); None is a null index, never a
+    dictionary entry, so every reader sees plain nullable strings.
+    """
+
+    __slots__ = ("dictionary", "codes", "values")
+
+    def __init__(self, values):
+        index: Dict[str, int] = {}
+        codes = np.empty(len(values), dtype=np.int32)
+        for i, v in enumerate(values):
+            codes[i] = -1 if v is None else index.setdefault(v, len(index))
+        self.values = values
+        self.dictionary = pa.array(list(index), pa.string())
+        self.codes = codes
+
+    def take(self, ids: np.ndarray, null_mask: Optional[np.ndarray] = None) -> pa.DictionaryArray:
+        c = self.codes[ids] if len(ids) else np.zeros(0, np.int32)
+        null = c < 0
+        if null_mask is not None:
+            null |= null_mask
+        indices = pa.array(c, pa.int32(), mask=null) if null.any() else pa.array(c, pa.int32())
+        return pa.DictionaryArray.from_arrays(indices, self.dictionary)
+
+
+#: the phase column's dictionary: index 1 for rows flagged F_BACKWARD
+_PHASES = pa.array(["forward", "backward"], pa.string())
+
+
 def _op_dicts(rec):
     names, nss, ovls, tags, noise, short = [], [], [], [], [], []
     for func in rec.funcs.values:
@@ -51,9 +88,8 @@ def _op_dicts(rec):
         sn = parts[1] if len(parts) > 1 else name
         short.append(sn)
         noise.append(sn in NOISE_OPS)
-    return dict(op=pa.array(names, pa.string()), namespace=pa.array(nss, pa.string()),
-                overload=pa.array(ovls, pa.string()), tags=pa.array(tags, pa.list_(pa.string())),
-                is_noise=pa.array(noise, pa.bool_()), short=short)
+    return dict(op=_Dict(names), namespace=_Dict(nss), overload=_Dict(ovls), tags=tags,
+                is_noise=np.array(noise or [False], dtype=bool), short=short, names=names)
 
 
 def _segments(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -95,25 +131,34 @@ def _tuple_dicts(rec):
     return dict(tup_len=tup_len, tup_flat=tup_flat, tup_start=tup_start,
                 shape=(shape_len, _offsets(shape_len)[:-1], shape_flat),
                 stride=(stride_len, _offsets(stride_len)[:-1], stride_flat),
-                dtypes=pa.array(m.dtypes, pa.string()), devices=pa.array(m.devices, pa.string()),
-                formats=pa.array(m.formats, pa.string()), ambiguous=pa.array(m.ambiguous, pa.bool_()),
-                nbytes=nbytes, lens=tup_len, has_float=has_float)
+                dtypes=_Dict(m.dtypes), devices=_Dict(m.devices), formats=_Dict(m.formats),
+                ambiguous=np.array(m.ambiguous or [False], dtype=bool),
+                nbytes=nbytes, lens=tup_len, has_float=has_float,
+                # every meta has as many strides as dims (none non-strided): one gather serves both
+                same_layout=bool(np.array_equal(shape_len, stride_len)))
 
 
 def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
-    """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``."""
+    """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
+    returns the rows' offsets (tensors per row, cumulated)."""
     n1 = t["tup_len"][tuple_ids]
-    off1 = pa.array(_offsets(n1), pa.int32())
+    offsets = _offsets(n1)
+    off1 = pa.array(offsets, pa.int32())
     metas = t["tup_flat"][_segments(t["tup_start"][tuple_ids], n1)]
+    pos = off2 = None
     for key, name in (("shape", "shapes"), ("stride", "strides")):
         lens, starts, flat = t[key]
-        n2 = lens[metas]
-        inner = pa.ListArray.from_arrays(pa.array(_offsets(n2), pa.int32()),
-                                         pa.array(flat[_segments(starts[metas], n2)], pa.int64()))
+        if pos is None or not t["same_layout"]:
+            n2 = lens[metas]
+            off2 = pa.array(_offsets(n2), pa.int32())
+            pos = _segments(starts[metas], n2)
+        inner = pa.ListArray.from_arrays(off2, pa.array(flat[pos], pa.int64()))
         cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, inner)
-    idx = pa.array(metas.astype(np.int32), pa.int32())
-    for name in ("dtypes", "devices", "formats", "ambiguous"):
-        cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, pc.take(t[name], idx))
+    for name in ("dtypes", "devices", "formats"):
+        cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, t[name].take(metas))
+    cols[f"{side}_ambiguous"] = pa.ListArray.from_arrays(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
+    cols[f"_{side}_off"] = off1
+    return offsets
 
 
 def _matmul_flops(name: str, shapes) -> int:
@@ -141,17 +186,30 @@ def _take(dict_array, idx: np.ndarray, null_mask: Optional[np.ndarray] = None):
 
 
 class _ListDict:
-    """A list column's interned values as flat numpy segments: rows expand by segment gather."""
+    """A list column's interned values as flat numpy segments: rows expand by segment gather.
+
+    Values are ints (``value_type``) or, with ``value_type=None``, strings kept as a ``_Dict``.
+    """
 
     def __init__(self, lists, value_type):
         self.lens = np.array([len(v) for v in lists] or [0], dtype=np.int64)
         self.starts = _offsets(self.lens)[:-1]
-        self.flat = pa.array([x for v in lists for x in v], value_type)
+        flat = [x for v in lists for x in v]
+        if value_type is None:
+            self.strings = _Dict(flat)
+            self.flat = np.arange(len(flat), dtype=np.int64)
+        else:
+            self.strings = None
+            self.flat = np.array(flat, dtype=value_type.to_pandas_dtype())
+            self.value_type = value_type
 
     def take(self, idx: np.ndarray):
         n = self.lens[idx]
         pos = _segments(self.starts[idx], n)
-        return pa.ListArray.from_arrays(pa.array(_offsets(n), pa.int32()), pc.take(self.flat, pa.array(pos, pa.int32())))
+        off = pa.array(_offsets(n), pa.int32())
+        if self.strings is not None:
+            return pa.ListArray.from_arrays(off, self.strings.take(pos))
+        return pa.ListArray.from_arrays(off, pa.array(self.flat[pos], self.value_type))
 
 
 class _Ctx:
@@ -163,20 +221,21 @@ class _Ctx:
         self.ops = _op_dicts(rec)
         self.tup = _tuple_dicts(rec)
         self.alias_lists = _ListDict(rec.aliases.values, pa.int32())
-        self.tags = _ListDict(self.ops["tags"].to_pylist(), pa.string())
+        self.tags = _ListDict(self.ops["tags"], None)
         self.alias_fresh = np.array([all(x < 0 for x in a) for a in rec.aliases.values] or [True], dtype=bool)
-        self.modules = pa.array(rec.modules.values, pa.string())
-        self.nodes = pa.array(rec.nodes.values, pa.string())
+        self.modules = _Dict(rec.modules.values)
+        self.nodes = _Dict(rec.nodes.values)
         n_calls = rec.n_calls
         self.call_matrix = rec.calls.full_matrix()
         call_src = self.call_matrix[:, rec.calls.fields.index("src")].copy()
         src_vals = rec.sources.values
-        self.src_files = pa.array([None if v is None else v[0] for v in src_vals], pa.string())
-        self.src_lines = pa.array([None if v is None else v[1] for v in src_vals], pa.int64())
+        self.src_files = _Dict([None if v is None else v[0] for v in src_vals])
+        self.src_lines = np.array([-1 if v is None or v[1] is None else v[1] for v in src_vals] or [-1], dtype=np.int64)
         self.call_src = call_src
         func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
-        call_func = self.call_matrix[:, rec.calls.fields.index("func")]
-        self.call_free = np.array([func_names[i] in EXPECT_FREE_CALLS for i in call_func], dtype=bool) if n_calls else np.zeros(0, bool)
+        call_func = self.call_matrix[:n_calls, rec.calls.fields.index("func")]
+        func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
+        self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
         short = self.ops["short"]
         self.copy_op = np.array([s in COPY_OPS for s in short] or [False], dtype=bool)
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
@@ -240,46 +299,42 @@ class _Ctx:
         cols["seq"] = pa.array(seq)
         cols["cell"] = pa.nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
         for k in ("op", "namespace", "overload"):
-            cols[k] = _take(self.ops[k], op)
+            cols[k] = self.ops[k].take(op)
         cols["tags"] = self.tags.take(op)
         backward = (flags & F_BACKWARD) != 0
-        cols["phase"] = pa.array(np.where(backward, "backward", "forward"), pa.string())
-        cols["autograd_node"] = _take(self.nodes, node)
+        cols["phase"] = pa.DictionaryArray.from_arrays(pa.array(backward.astype(np.int32), pa.int32()), _PHASES)
+        cols["autograd_node"] = self.nodes.take(node)
         seq_nr = chunk["seq_nr"]
         cols["seq_nr"] = _nullable(seq_nr, seq_nr < 0)
         fs = self.fwd_seq[sl]
         cols["fwd_seq"] = _nullable(fs, fs < 0)
         cols["call_id"] = _nullable(chunk["call"], chunk["call"] < 0)
-        cols["module"] = _take(self.modules, module)
-        cols["source_file"] = _take(self.src_files, src_idx)
-        cols["source_line"] = _take(self.src_lines, src_idx)
-        _list_columns(t, ins, "in", cols)
-        _list_columns(t, outs, "out", cols)
-        # storages: per row n_in then n_out ids, row after row
+        cols["module"] = self.modules.take(module)
+        cols["source_file"] = self.src_files.take(src_idx)
+        cols["source_line"] = self._lines(src_idx)
+        in_off = _list_columns(t, ins, "in", cols)
+        out_off = _list_columns(t, outs, "out", cols)
+        # storages: per row n_in then n_out ids, row after row (row i starts at in_off[i] + out_off[i])
         stor = chunk["storages"]
-        n_in = t["lens"][ins] if n else np.zeros(0, np.int64)
-        n_out = t["lens"][outs] if n else np.zeros(0, np.int64)
-        row_off = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(n_in + n_out, out=row_off[1:])
-        in_off = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(n_in, out=in_off[1:])
-        out_off = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(n_out, out=out_off[1:])
-        in_pos = np.repeat(row_off[:-1] - in_off[:-1], n_in) + np.arange(in_off[-1])
-        out_pos = np.repeat(row_off[:-1] + n_in - out_off[:-1], n_out) + np.arange(out_off[-1])
-        if len(stor) < row_off[-1]:  # defensive: a truncated chunk never misaligns rows
-            stor = np.concatenate([stor, np.full(row_off[-1] - len(stor), -1, np.int64)])
-        cols["in_storages"] = pa.ListArray.from_arrays(pa.array(in_off, pa.int32()), pa.array(stor[in_pos], pa.int64()))
-        cols["out_storages"] = pa.ListArray.from_arrays(pa.array(out_off, pa.int32()), pa.array(stor[out_pos], pa.int64()))
+        n_in = np.diff(in_off)
+        n_out = np.diff(out_off)
+        in_pos = np.repeat(out_off[:-1], n_in) + np.arange(in_off[-1])
+        out_pos = np.repeat(in_off[1:], n_out) + np.arange(out_off[-1])
+        total = in_off[-1] + out_off[-1]
+        if len(stor) < total:  # defensive: a truncated chunk never misaligns rows
+            stor = np.concatenate([stor, np.full(total - len(stor), -1, np.int64)])
+        cols["in_storages"] = pa.ListArray.from_arrays(cols.pop("_in_off"), pa.array(stor[in_pos], pa.int64()))
+        cols["out_storages"] = pa.ListArray.from_arrays(cols.pop("_out_off"), pa.array(stor[out_pos], pa.int64()))
         cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
         cols["is_view"] = pa.array(is_view)
         cols["inplace"] = pa.array((flags & (F_INPLACE | F_OUT_KW)) != 0)
         cols["hidden_copy"] = pa.array(self._hidden_copy(op, ins, outs, alias, call, n))
-        cols["is_noise"] = _take(self.ops["is_noise"], op)
+        noise = self.ops["is_noise"][op] if n else np.zeros(0, bool)
+        cols["is_noise"] = pa.array(noise, pa.bool_())
         flops = self._shape_flops(chunk["flops"], op, ins)
         cols["flops"] = _nullable(flops, flops < 0)
-        no_bytes = is_view | np.asarray(cols["is_noise"].to_numpy(zero_copy_only=False), dtype=bool)
+        no_bytes = is_view | noise
         cols["bytes_read"] = pa.array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
         cols["bytes_written"] = pa.array(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
         cols["start_ns"] = pa.array(chunk["start"])
@@ -301,15 +356,23 @@ class _Ctx:
         else:
             cols["nonfinite"] = pa.nulls(n, pa.int64())
             cols["nonfinite_produced"] = pa.nulls(n, pa.bool_())
-        rel = np.full(n, np.nan)
-        mx = np.full(n, np.nan)
-        for s, (r, m) in rec.numerics.items():
-            if start <= s < start + n:
-                rel[s - start] = r
-                mx[s - start] = m
-        cols["num_rel_err"] = pa.array(rel, pa.float64(), mask=np.isnan(rel))
-        cols["num_max_abs_err"] = pa.array(mx, pa.float64(), mask=np.isnan(mx))
+        if rec.numerics:
+            rel = np.full(n, np.nan)
+            mx = np.full(n, np.nan)
+            for s, (r, m) in rec.numerics.items():
+                if start <= s < start + n:
+                    rel[s - start] = r
+                    mx[s - start] = m
+            cols["num_rel_err"] = pa.array(rel, pa.float64(), mask=np.isnan(rel))
+            cols["num_max_abs_err"] = pa.array(mx, pa.float64(), mask=np.isnan(mx))
+        else:
+            cols["num_rel_err"] = pa.nulls(n, pa.float64())
+            cols["num_max_abs_err"] = pa.nulls(n, pa.float64())
         return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
+
+    def _lines(self, src_idx: np.ndarray):
+        lines = self.src_lines[src_idx] if len(src_idx) else np.zeros(0, np.int64)
+        return _nullable(lines, lines < 0)
 
     def _shape_flops(self, flops, op, ins):
         """Fill the rows the dispatch mode left for later (-2): matmul FLOPs from input shapes."""
@@ -332,6 +395,8 @@ class _Ctx:
 
     @staticmethod
     def _sparse_int(d: Dict[int, int], start: int, n: int):
+        if not d:
+            return pa.nulls(n, pa.int64())
         vals = np.zeros(n, dtype=np.int64)
         mask = np.ones(n, dtype=bool)
         for s, v in d.items():
@@ -400,29 +465,29 @@ def _calls_table(sess, ctx: _Ctx):
     m = ctx.call_matrix
     a = {k: m[:n, i] for i, k in enumerate(c.fields)}
     funcs = rec.call_funcs.values
-    names = pa.array([getattr(f, "__name__", str(f)) for f in funcs], pa.string())
-    qual = pa.array([_qualname(f) for f in funcs], pa.string())
+    names = _Dict([getattr(f, "__name__", str(f)) for f in funcs])
+    qual = _Dict([_qualname(f) for f in funcs])
     parent = a["parent"]
     depth = np.zeros(n, dtype=np.int64)
     for i in np.nonzero(parent >= 0)[0]:  # nested calls are rare; parents precede children
         depth[i] = depth[parent[i]] + 1
     src = a["src"].astype(np.int64)
-    autocasts = pa.array(rec.autocasts.values, pa.string())
+    autocasts = _Dict(rec.autocasts.values)
     cols = dict(
         call_id=pa.array(np.arange(n, dtype=np.int64)),
         parent_id=_nullable(parent, parent < 0),
         depth=pa.array(depth),
         cell=pa.nulls(n, pa.int64()) if sess.cell is None else pa.array(np.full(n, sess.cell, np.int64)),
-        name=_take(names, a["func"].astype(np.int64)),
-        qualname=_take(qual, a["func"].astype(np.int64)),
-        module=_take(ctx.modules, a["module"].astype(np.int64)),
-        source_file=_take(ctx.src_files, src),
-        source_line=_take(ctx.src_lines, src),
+        name=names.take(a["func"]),
+        qualname=qual.take(a["func"]),
+        module=ctx.modules.take(a["module"]),
+        source_file=ctx.src_files.take(src),
+        source_line=ctx._lines(src),
         start_ns=pa.array(a["start"]),
         dur_ns=pa.array(a["dur"]),
         first_seq=_nullable(a["first_seq"], a["n_ops"] <= 0),
         n_ops=pa.array(a["n_ops"]),
-        autocast=_take(autocasts, a["autocast"].astype(np.int64)),
+        autocast=autocasts.take(a["autocast"]),
         compiled=pa.nulls(n, pa.bool_()),   # not attributed per call yet: see metadata "opaque_ops"
         error_id=_nullable(a["error"], a["error"] < 0),
     )
@@ -455,8 +520,8 @@ def _tensors_table(sess, ctx: _Ctx):
     alloc = np.frombuffer(c.alloc_seq, dtype=np.int64)
     free = np.frombuffer(c.free_seq, dtype=np.int64)
     call = np.frombuffer(c.call, dtype=np.int64)
-    devs = pa.array(m.devices, pa.string())
-    dts = pa.array(m.dtypes, pa.string())
+    devs = ctx.tup["devices"]
+    dts = ctx.tup["dtypes"]
     shapes = pa.array([list(s) for s in m.shapes], S._i64s)
     src_idx = np.zeros(n, dtype=np.int64)
     ok = call >= 0
@@ -467,14 +532,15 @@ def _tensors_table(sess, ctx: _Ctx):
     cols = dict(
         storage_id=pa.array(np.arange(n, dtype=np.int64)),
         nbytes=pa.array(np.frombuffer(c.nbytes, dtype=np.int64)),
-        device=_take(devs, meta), dtype=_take(dts, meta), shape=_take(shapes, meta),
+        device=devs.take(meta), dtype=dts.take(meta), shape=_take(shapes, meta),
         alloc_seq=_nullable(alloc, alloc < 0),
-        alloc_op=_take(ctx.ops["op"], alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else pa.nulls(n, pa.string()),
+        alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
+        pa.nulls(n, S.TENSORS.field("alloc_op").type),
         free_seq=_nullable(free, free < 0),
         cell=pa.nulls(n, pa.int64()) if sess.cell is None else pa.array(np.full(n, sess.cell, np.int64)),
-        module=_take(ctx.modules, np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
-        source_file=_take(ctx.src_files, src_idx),
-        source_line=_take(ctx.src_lines, src_idx),
+        module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
+        source_file=ctx.src_files.take(src_idx),
+        source_line=ctx._lines(src_idx),
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
 
@@ -483,14 +549,14 @@ def _errors_table(sess, ctx: _Ctx):
     rows = sess.rec.errors
     if not rows:
         return S.empty("errors")
-    names = ctx.ops["op"]
+    names = ctx.ops["names"]
     g_op = ctx.g["op"]
     folded: List[Dict[str, Any]] = []
     index: Dict[tuple, int] = {}
     for r in rows:
         r = dict(r)
         if r.get("op") is None and r.get("seq") is not None and 0 <= r["seq"] < len(g_op) and r["kind"] == "warning":
-            r["op"] = names[int(g_op[r["seq"]])].as_py()
+            r["op"] = names[int(g_op[r["seq"]])]
         if r["kind"] == "warning":
             key = (r.get("seq"), r.get("message"), r.get("cpp_file"), r.get("cpp_line"))
             if key in index:

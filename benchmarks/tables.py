@@ -1,0 +1,142 @@
+"""Table building and python-engine per-op cost, for the string-column work (schema 1.2).
+
+(a) Records an ``--ops``-op trace of small ops once, then times decoding it into the
+Arrow ``ops`` table (``_Ctx`` + ``_ops_table``, best of ``--reps``) and the whole
+``build_trace`` once, in µs per op, and the ops table's in-memory size.
+(b) Per-op overhead of ``trace(leaks=False)`` and of ``trace()`` over eager on a loop
+of small 8x8 ops, eager and traced rounds interleaved, median of ``--rounds``.
+
+    python benchmarks/tables.py [--ops 1000000] [--reps 3] [--rounds 15] [--json out.json]
+
+Run it against another checkout (PYTHONPATH) to compare before/after; single thread.
+Times are the thread's CPU time (``time.thread_time_ns``): on a shared machine wall time
+measures the neighbours; CPU time of a single-threaded loop barely does.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import tensorscope
+
+_clock = time.thread_time_ns
+
+
+def record(n_ops):
+    from tensorscope.options import TraceOptions
+    from tensorscope.recording.session import Session
+
+    x = torch.rand(8, 8) * 0.5
+    sess = Session(TraceOptions(leaks=False, nonfinite=False))
+    sess.start()
+    try:
+        z = x
+        for _ in range(n_ops // 2):
+            z = x + z
+            z = z.relu_()
+    finally:
+        sess._restore()
+    sess.rec.end_chunk()
+    return sess
+
+
+def build_cost(n_ops, reps):
+    from tensorscope.recording import build
+
+    t0 = time.perf_counter()
+    sess = record(n_ops)
+    rec_s = time.perf_counter() - t0
+    best = None
+    ops = None
+    for _ in range(reps):
+        gc.collect()
+        t0 = _clock()
+        ctx = build._Ctx(sess)
+        ops, _ = build._ops_table(sess, ctx)
+        dt = _clock() - t0
+        best = dt if best is None else min(best, dt)
+    n = ops.num_rows
+    gc.collect()
+    t0 = _clock()
+    trace = build.build_trace(sess)
+    full = _clock() - t0
+    sess.rec.close()
+    res = {"n_ops": n, "record_s": rec_s, "ops_table_us_per_op": best / n / 1e3,
+           "build_trace_us_per_op": full / n / 1e3, "ops_table_bytes_per_op": ops.nbytes / n,
+           "string_columns": {f.name: str(f.type) for f in ops.schema
+                              if "string" in str(f.type)}}
+    print(f"(a) {n} ops: ops table {best / 1e6:.0f} ms = {res['ops_table_us_per_op']:.3f} µs/op "
+          f"(best of {reps}); whole build_trace {full / 1e6:.0f} ms = {res['build_trace_us_per_op']:.3f} µs/op; "
+          f"ops table {res['ops_table_bytes_per_op']:.0f} B/op in memory")
+    del trace
+    return res
+
+
+def per_op(rounds, n_iter=1000):
+    x = torch.rand(8, 8) * 0.5
+    y = torch.rand(8, 8)
+
+    def run():
+        z = y
+        for _ in range(n_iter):
+            z = x + z
+            z = z * x
+            z = z.relu()
+        return z
+
+    n = 3 * n_iter
+    ctx = {"eager": None, "trace(leaks=False)": dict(leaks=False), "trace()": {}}
+    samples = {k: [] for k in ctx}
+    for k, kw in ctx.items():   # warm-up
+        if kw is None:
+            run()
+        else:
+            with tensorscope.trace(**kw):
+                run()
+    for _ in range(rounds):
+        for k, kw in ctx.items():
+            gc.collect()
+            t0 = _clock()
+            if kw is None:
+                run()
+            else:
+                with tensorscope.trace(**kw):
+                    run()
+            samples[k].append(_clock() - t0)
+    med = {k: statistics.median(v) / n / 1e3 for k, v in samples.items()}
+    res = {k: {"us_per_op": v, "overhead_us": v - med["eager"]} for k, v in med.items()}
+    print(f"(b) small ops, {n} per run, median of {rounds}: " +
+          ", ".join(f"{k} {v['us_per_op']:.2f} µs/op (+{v['overhead_us']:.2f})" for k, v in res.items()))
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", type=int, default=1_000_000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from tensorscope import schema
+
+    out = {"schema": schema.SCHEMA_VERSION, "tensorscope": tensorscope.__file__}
+    print(f"schema {schema.SCHEMA_VERSION} from {tensorscope.__file__}")
+    if a.rounds:
+        out["per_op"] = per_op(a.rounds)
+    if a.ops:
+        out["build"] = build_cost(a.ops, a.reps)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
