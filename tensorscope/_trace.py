@@ -80,10 +80,12 @@ class Trace:
     memory = property(lambda self: self.table("memory"))
 
     def df(self, name: str = "ops"):
-        """A table as a pandas DataFrame (nullable ints stay ints)."""
+        """A table as a pandas DataFrame (nullable ints stay ints, strings are plain strings)."""
         import pandas as pd
 
-        return self.table(name).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype(),
+        from .schema import plain_strings
+
+        return plain_strings(self.table(name)).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype(),
                                                         pa.bool_(): pd.BooleanDtype()}.get)
 
     def sql(self, query: str, *, arrow: bool = False):

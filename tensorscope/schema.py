@@ -254,6 +254,23 @@ def conform(name: str, table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=schema)
 
 
+def _plain_type(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_dictionary(t):
+        return t.value_type
+    if pa.types.is_list(t):
+        inner = _plain_type(t.value_type)
+        return t if inner is t.value_type else pa.list_(inner)
+    return t
+
+
+def plain_strings(table: pa.Table) -> pa.Table:
+    """``table`` with dictionary-encoded columns decoded to their plain values (``string``,
+    ``list<string>``): for pandas, where a ``category`` column would sort and group by
+    dictionary code, not by value."""
+    schema = pa.schema([f.with_type(_plain_type(f.type)) for f in table.schema], metadata=table.schema.metadata)
+    return table if schema.equals(table.schema) else table.cast(schema)
+
+
 def parse_version(v: str):
     major, _, minor = str(v).partition(".")
     return int(major), int(minor or 0)

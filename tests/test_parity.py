@@ -416,6 +416,8 @@ def test_dictionary_columns_round_trip_and_query(tmp_path):
     assert int(hit["n"][0]) > 0
     df = t.df("ops")
     assert df["op"].tolist() == want
+    assert str(df["op"].dtype) != "category"   # plain strings: sorting and grouping by value
+    assert df.sort_values("op")["op"].tolist() == sorted(want)
     assert df["in_dtypes"].map(list).tolist() == t.ops.column("in_dtypes").to_pylist()
 
 
