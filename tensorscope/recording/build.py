@@ -92,14 +92,15 @@ def _op_dicts(rec):
                 is_noise=np.array(noise or [False], dtype=bool), short=short, names=names)
 
 
-def _segments(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Indexes of the concatenated segments [starts[i], starts[i] + lens[i]) (vectorised)."""
-    total = int(lens.sum()) if len(lens) else 0
+def _segments(starts: np.ndarray, lens: np.ndarray, offsets: Optional[np.ndarray] = None) -> np.ndarray:
+    """Indexes of the concatenated segments [starts[i], starts[i] + lens[i]) (vectorised).
+    ``offsets``: ``_offsets(lens)`` when the caller has it already."""
+    if offsets is None:
+        offsets = _offsets(lens)
+    total = int(offsets[-1])
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    offs = np.zeros(len(lens), dtype=np.int64)
-    np.cumsum(lens[:-1], out=offs[1:])
-    return np.repeat(starts - offs, lens) + np.arange(total, dtype=np.int64)
+    return np.repeat(starts - offsets[:-1], lens) + np.arange(total, dtype=np.int64)
 
 
 def _offsets(lens: np.ndarray) -> np.ndarray:
@@ -144,14 +145,15 @@ def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
     n1 = t["tup_len"][tuple_ids]
     offsets = _offsets(n1)
     off1 = pa.array(offsets, pa.int32())
-    metas = t["tup_flat"][_segments(t["tup_start"][tuple_ids], n1)]
+    metas = t["tup_flat"][_segments(t["tup_start"][tuple_ids], n1, offsets)]
     pos = off2 = None
     for key, name in (("shape", "shapes"), ("stride", "strides")):
         lens, starts, flat = t[key]
         if pos is None or not t["same_layout"]:
             n2 = lens[metas]
-            off2 = pa.array(_offsets(n2), pa.int32())
-            pos = _segments(starts[metas], n2)
+            o2 = _offsets(n2)
+            off2 = pa.array(o2, pa.int32())
+            pos = _segments(starts[metas], n2, o2)
         inner = pa.ListArray.from_arrays(off2, pa.array(flat[pos], pa.int64()))
         cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, inner)
     for name in ("dtypes", "devices", "formats"):
@@ -205,8 +207,9 @@ class _ListDict:
 
     def take(self, idx: np.ndarray):
         n = self.lens[idx]
-        pos = _segments(self.starts[idx], n)
-        off = pa.array(_offsets(n), pa.int32())
+        o = _offsets(n)
+        pos = _segments(self.starts[idx], n, o)
+        off = pa.array(o, pa.int32())
         if self.strings is not None:
             return pa.ListArray.from_arrays(off, self.strings.take(pos))
         return pa.ListArray.from_arrays(off, pa.array(self.flat[pos], self.value_type))
@@ -248,7 +251,7 @@ class _Ctx:
     def _global_pass(self, rec):
         # seq_nr, node, module, call, op for every row: links backward ops to forward ones
         parts = {k: [] for k in ("seq_nr", "node", "module", "call", "op")}
-        for chunk in rec.iter_op_chunks():
+        for chunk in rec.iter_op_chunks(columns=parts):
             for k in parts:
                 parts[k].append(chunk[k])
         g = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in parts.items()}
@@ -270,8 +273,8 @@ class _Ctx:
         self.fwd_seq = fwd_seq
         # effective module / call (for the source line): a backward op inherits its forward op's
         has = fwd_seq >= 0
-        eff_module = g["module"].astype(np.int64).copy()
-        eff_call = g["call"].astype(np.int64).copy()
+        eff_module = g["module"].astype(np.int64)   # a copy: rows are overwritten below
+        eff_call = g["call"].astype(np.int64)
         eff_module[has] = g["module"][fwd_seq[has]]
         eff_call[has] = g["call"][fwd_seq[has]]
         self.eff_module = eff_module
@@ -282,12 +285,12 @@ class _Ctx:
         n = len(chunk["op"])
         sl = slice(start, start + n)
         seq = np.arange(start, start + n, dtype=np.int64)
-        op = chunk["op"].astype(np.int64)
-        ins = chunk["ins"].astype(np.int64)
-        outs = chunk["outs"].astype(np.int64)
-        alias = chunk["alias"].astype(np.int64)
+        op = np.asarray(chunk["op"], dtype=np.int64)   # already int64 once unpacked: no copy
+        ins = np.asarray(chunk["ins"], dtype=np.int64)
+        outs = np.asarray(chunk["outs"], dtype=np.int64)
+        alias = np.asarray(chunk["alias"], dtype=np.int64)
         flags = chunk["flags"]
-        node = chunk["node"].astype(np.int64)
+        node = np.asarray(chunk["node"], dtype=np.int64)
         module = self.eff_module[sl]
         call = self.eff_call[sl]
         call_null = call < 0

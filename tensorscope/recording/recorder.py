@@ -290,15 +290,16 @@ class Recorder:
         self.mem_chunks = []
         self.mem_rows = 0
 
-    def iter_op_chunks(self):
-        """Every op chunk in order as int64 columns, spilled ones read back from disk."""
+    def iter_op_chunks(self, columns=None):
+        """Every op chunk in order as int64 columns (only ``columns`` when given), spilled ones
+        read back from disk."""
         for path in self.spilled_chunks:
             with np.load(path, allow_pickle=False) as z:
                 names = sorted(k for k in z.files if k != "__bases__")
                 bases = z["__bases__"]
-                yield {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names)}
+                yield {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names) if columns is None or k in columns}
         for chunk in self.mem_chunks:
-            yield {k: unpack(v) for k, v in chunk.items()}
+            yield {k: unpack(v) for k, v in chunk.items() if columns is None or k in columns}
 
     def close(self):
         if self.spill_path is not None:
