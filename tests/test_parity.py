@@ -465,3 +465,30 @@ def test_perfetto_and_analyses_on_dictionary_columns(tmp_path):
     assert t.layout_changes.num_rows >= 0 and t.casts.num_rows >= 0
     bundle = t._repr_mimebundle_()
     assert "convolution" in bundle["text/html"] and bundle["text/plain"]
+
+
+@pytest.mark.kernel
+def test_notebook_forward_in_one_cell_backward_in_the_next(tmp_path):
+    from kernel_utils import Kernel
+
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        r = k.run("%load_ext tensorscope\nimport torch\ntorch.manual_seed(0)\n"
+                  "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1))\n"
+                  "x = torch.randn(8, 4)")
+        assert r.status == "ok", r.error
+        r = k.run("%%tensorscope -o t1 --no-leaks\nloss = m(x).pow(2).mean()")
+        assert r.status == "ok", r.error
+        r = k.run("%%tensorscope -o t2 --no-leaks\nz = torch.zeros(2) + 1\nloss.backward()")
+        assert r.status == "ok", r.error
+        rows = k.value("[(r['phase'], r['seq_nr'], r['fwd_seq'], r['source_line']) for r in "
+                       "t2.ops.select(['phase', 'seq_nr', 'fwd_seq', 'source_line']).to_pylist()]")
+        fwd = [r for r in rows if r[0] == "forward"]
+        bwd = [r for r in rows if r[0] == "backward"]
+        assert fwd and bwd
+        assert all(r[1] is None for r in fwd), fwd            # zeros/add created no autograd node
+        assert all(r[2] is None for r in bwd), bwd            # their forward ran in the previous cell
+        assert {r[3] for r in bwd} == {3}, bwd                 # the backward() line, not the zeros line
+        assert k.value("any(v is not None for v in t1.ops.column('seq_nr').to_pylist())") is True
+    finally:
+        k.close()
