@@ -251,7 +251,33 @@ def conform(name: str, table: pa.Table) -> pa.Table:
             cols.append(col)
         else:
             cols.append(pa.nulls(n, field.type))
-    return pa.Table.from_arrays(cols, schema=schema)
+    return unify_dictionaries(pa.Table.from_arrays(cols, schema=schema))
+
+
+def _dictionaries(chunk):
+    if pa.types.is_dictionary(chunk.type):
+        return chunk.dictionary
+    if pa.types.is_list(chunk.type) and pa.types.is_dictionary(chunk.type.value_type):
+        return chunk.values.dictionary
+    return None
+
+
+def unify_dictionaries(table: pa.Table) -> pa.Table:
+    """One dictionary per column across the table's chunks (a table read from several files or
+    row groups, or concatenated from several traces, may carry one per chunk): Arrow's
+    ``group_by`` and hash kernels refuse differing dictionaries. A no-op, without copying,
+    when the chunks already share theirs (every table one trace builds)."""
+    for col in table.columns:
+        if col.num_chunks < 2:
+            continue
+        first = _dictionaries(col.chunk(0))
+        if first is None:
+            continue
+        for chunk in col.chunks[1:]:
+            d = _dictionaries(chunk)
+            if d is not first and not d.equals(first):
+                return table.unify_dictionaries()
+    return table
 
 
 def _plain_type(t: pa.DataType) -> pa.DataType:

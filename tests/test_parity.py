@@ -492,3 +492,21 @@ def test_notebook_forward_in_one_cell_backward_in_the_next(tmp_path):
         assert k.value("any(v is not None for v in t1.ops.column('seq_nr').to_pylist())") is True
     finally:
         k.close()
+
+
+def test_tables_from_several_traces_share_one_dictionary_after_conform():
+    import pyarrow as pa
+
+    from tensorscope import schema as S
+
+    with tensorscope.trace(leaks=False) as t1:
+        torch.ones(3).relu()
+    with tensorscope.trace(leaks=False) as t2:
+        torch.ones(3).sigmoid().relu()
+    both = pa.concat_tables([t1.ops, t2.ops])
+    with pytest.raises(pa.ArrowNotImplementedError):   # what conform protects every reader from
+        both.group_by("op").aggregate([("seq", "count")])
+    ops = S.conform("ops", both)
+    got = {r["op"]: r["seq_count"] for r in ops.group_by("op").aggregate([("seq", "count")]).to_pylist()}
+    assert got == {"aten.ones.default": 2, "aten.relu.default": 2, "aten.sigmoid.default": 1}
+    assert S.unify_dictionaries(t1.ops) is t1.ops   # one trace's batches already share theirs
