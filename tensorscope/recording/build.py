@@ -141,7 +141,7 @@ def _tuple_dicts(rec):
 
 def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
     """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
-    returns the rows' offsets (tensors per row, cumulated)."""
+    returns the rows' offsets (tensors per row, cumulated) as numpy and as an Arrow array."""
     n1 = t["tup_len"][tuple_ids]
     offsets = _offsets(n1)
     off1 = pa.array(offsets, pa.int32())
@@ -159,8 +159,7 @@ def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
     for name in ("dtypes", "devices", "formats"):
         cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, t[name].take(metas))
     cols[f"{side}_ambiguous"] = pa.ListArray.from_arrays(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
-    cols[f"_{side}_off"] = off1
-    return offsets
+    return offsets, off1
 
 
 def _matmul_flops(name: str, shapes) -> int:
@@ -198,8 +197,7 @@ class _ListDict:
         self.starts = _offsets(self.lens)[:-1]
         flat = [x for v in lists for x in v]
         if value_type is None:
-            self.strings = _Dict(flat)
-            self.flat = np.arange(len(flat), dtype=np.int64)
+            self.strings = _Dict(flat)   # flat position == id in the _Dict
         else:
             self.strings = None
             self.flat = np.array(flat, dtype=value_type.to_pandas_dtype())
@@ -315,8 +313,8 @@ class _Ctx:
         cols["module"] = self.modules.take(module)
         cols["source_file"] = self.src_files.take(src_idx)
         cols["source_line"] = self._lines(src_idx)
-        in_off = _list_columns(t, ins, "in", cols)
-        out_off = _list_columns(t, outs, "out", cols)
+        in_off, in_off_pa = _list_columns(t, ins, "in", cols)
+        out_off, out_off_pa = _list_columns(t, outs, "out", cols)
         # storages: per row n_in then n_out ids, row after row (row i starts at in_off[i] + out_off[i])
         stor = chunk["storages"]
         n_in = np.diff(in_off)
@@ -326,8 +324,8 @@ class _Ctx:
         total = in_off[-1] + out_off[-1]
         if len(stor) < total:  # defensive: a truncated chunk never misaligns rows
             stor = np.concatenate([stor, np.full(total - len(stor), -1, np.int64)])
-        cols["in_storages"] = pa.ListArray.from_arrays(cols.pop("_in_off"), pa.array(stor[in_pos], pa.int64()))
-        cols["out_storages"] = pa.ListArray.from_arrays(cols.pop("_out_off"), pa.array(stor[out_pos], pa.int64()))
+        cols["in_storages"] = pa.ListArray.from_arrays(in_off_pa, pa.array(stor[in_pos], pa.int64()))
+        cols["out_storages"] = pa.ListArray.from_arrays(out_off_pa, pa.array(stor[out_pos], pa.int64()))
         cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
         cols["is_view"] = pa.array(is_view)
