@@ -66,7 +66,8 @@ class _Dict:
         if null_mask is not None:
             null |= null_mask
         indices = pa.array(c, pa.int32(), mask=null) if null.any() else pa.array(c, pa.int32())
-        return pa.DictionaryArray.from_arrays(indices, self.dictionary)
+        # codes index the dictionary by construction: skip the O(n) bounds validation
+        return pa.DictionaryArray.from_arrays(indices, self.dictionary, safe=False)
 
 
 #: the phase column's dictionary: index 1 for rows flagged F_BACKWARD
@@ -303,7 +304,8 @@ class _Ctx:
             cols[k] = self.ops[k].take(op)
         cols["tags"] = self.tags.take(op)
         backward = (flags & F_BACKWARD) != 0
-        cols["phase"] = pa.DictionaryArray.from_arrays(pa.array(backward.astype(np.int32), pa.int32()), _PHASES)
+        cols["phase"] = pa.DictionaryArray.from_arrays(pa.array(backward.astype(np.int32), pa.int32()), _PHASES,
+                                                       safe=False)
         cols["autograd_node"] = self.nodes.take(node)
         seq_nr = chunk["seq_nr"]
         cols["seq_nr"] = _nullable(seq_nr, seq_nr < 0)
