@@ -284,8 +284,7 @@ LAYOUTS = [
     ((4, 3), (3, 1)),        # contiguous
     ((3, 4), (1, 3)),        # transposed: dense
     ((8, 3), (1, 1)),        # unfold(0, 3, 1): overlapping windows
-    ((4, 3), (3, 1)),
-    ((5, 4), (4, 5)),        # 5 dims of stride 4 would be needed to meet one of stride 5: gapped
+    ((5, 4), (4, 5)),        # i*4 == j*5 first at i = 5, past the size: gapped
     ((2, 2, 2), (4, 3, 1)),
     ((2, 3, 5), (15, 5, 2)),
     ((7, 5), (5, 7)),
