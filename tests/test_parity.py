@@ -232,6 +232,32 @@ def test_backward_links_to_the_op_that_created_its_node(engine):
     assert silu_b and all(by_seq[r["fwd_seq"]]["op"] == "aten.silu.default" for r in silu_b)
 
 
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_custom_function_backward_links_into_its_forward(engine):
+    # Function.apply makes the node, then runs forward without grad: its first op is the link
+    x = torch.randn(3, requires_grad=True)
+    with _trace(engine) as t:
+        y = _Square.apply(x)
+        torch.zeros(2) + 1
+        y.exp().sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach() * y.detach().exp())
+    rows = _rows(t, "seq", "op", "phase", "autograd_node", "fwd_seq")
+    sq = [r for r in rows if r["autograd_node"] == "_SquareBackward"]
+    assert sq and {r["fwd_seq"] for r in sq} == {0} and rows[0]["op"] == "aten.mul.Tensor"
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_backward_of_a_graph_built_before_the_trace_links_to_nothing(engine):
     # the notebook pattern: loss built in one cell (traced or not), loss.backward() traced in the next
