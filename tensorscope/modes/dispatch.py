@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..recording.session import exc_key
+from .frames import clean_traceback
 from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 Tensor = torch.Tensor
@@ -241,6 +242,7 @@ class TracingDispatchMode(TorchDispatchMode):
                     s.seq = seq   # keep seq dense: no row was written
             except Exception as e2:
                 rec.tracer_error("dispatch (error)", e2)
+            clean_traceback(e)   # the tracer's frames go; the user's and torch's own stay
             raise
         finally:
             if tok is not None:

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..recording.session import exc_key
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
+from .frames import clean_traceback, register_tracer_code
 from .source import user_frame_location
 
 # torch-level functions that are bookkeeping, not work: never recorded
@@ -71,7 +72,11 @@ class TracingFunctionMode(TorchFunctionMode):
         # While Dynamo traces this handler, is_compiling() is True: it then inlines a
         # plain call (no frame walk, no graph break), and compiled code stays compiled.
         if not keep or not s.recording or _is_compiling():
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except BaseException as e:
+                clean_traceback(e)   # this frame never existed untraced; bare raise adds none
+                raise
         rec = s.rec
         calls = rec.calls
         cap = token = None
@@ -103,7 +108,11 @@ class TracingFunctionMode(TorchFunctionMode):
                     cap.call_end(token)
                 except Exception as e5:
                     rec.tracer_error("function mode (enter)", e5)
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except BaseException as e6:
+                clean_traceback(e6)
+                raise
         t0 = _perf()
         try:
             return func(*args, **kwargs)
@@ -118,6 +127,7 @@ class TracingFunctionMode(TorchFunctionMode):
                     s.last_exc_key = exc_key(e)
             except Exception as e2:
                 rec.tracer_error("function mode (error)", e2)
+            clean_traceback(e)
             raise
         finally:
             t1 = _perf()
@@ -139,3 +149,6 @@ class TracingFunctionMode(TorchFunctionMode):
                         s.record_warnings(ws, call_id=cid, seq=None)
                 except Exception as e:
                     rec.tracer_error("function mode (exit)", e)
+
+
+register_tracer_code(TracingFunctionMode.__torch_function__)

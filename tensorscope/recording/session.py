@@ -343,8 +343,16 @@ class trace:
     def __exit__(self, et, ev, tb):
         self._trace = self._session.stop(ev)
         self._session = None
-        if ev is None:
+        if ev is not None:
+            from ..modes.frames import clean_traceback
+
+            clean_traceback(ev)   # the with-statement re-raises ev: its traceback as untraced
+            return False
+        try:
             raise_for_guards(self._trace)
+        except BaseException as g:
+            g.__traceback__ = None   # point at the with-statement, not into tensorscope
+            raise
         return False
 
     @property
