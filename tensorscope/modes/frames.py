@@ -11,7 +11,8 @@ A traced exception passes through frames that do not exist untraced:
 * the dynamo-disable wrappers torch puts around ``__torch_dispatch__``
   (``torch/_compile.py:inner``, ``torch/_dynamo/eval_frame.py:_fn``), when
   what they wrap is ours;
-* ``OpOverload.__call__`` (``torch/_ops.py``) when our dispatch mode called it.
+* ``OpOverload.__call__`` (``torch/_ops.py``) when our dispatch mode called it;
+* the trampoline (below) through which the function mode calls torch functions.
 
 Each is recognised by what it is (its code object, the mode or function in
 its locals, its caller), never by its position alone, so a user's own modes
@@ -28,7 +29,9 @@ controller's exception hook before IPython displays the traceback.
 from __future__ import annotations
 
 import os
-from typing import Set
+import sys
+from types import FunctionType
+from typing import Dict, Set
 
 import torch
 
@@ -61,6 +64,63 @@ def _register_defaults() -> None:
         pass
 
 
+# ---------------------------------------------------------------------------
+# the trampoline: the frame that calls a torch function looks like the user's
+# ---------------------------------------------------------------------------
+# ``warnings.warn(stacklevel=N)`` in torch's Python code and C++ warnings turned into Python ones
+# (stacklevel 1) are attributed to the frame that called the torch function, and their filters
+# and "once"/"default" registries key on that frame's filename, line and globals (its module name,
+# its ``__warningregistry__``). Under a mode that frame is the mode's. So the mode calls ``func``
+# through a one-line function whose code carries the user's filename and line and which runs with
+# the user's globals: the frame a stacklevel lands on is then indistinguishable from the untraced one.
+_TRAMPOLINE_NAME = "_tensorscope_call"
+_TEMPLATE = compile(f"def {_TRAMPOLINE_NAME}(func, args, kwargs): return func(*args, **kwargs)",
+                    "<tensorscope>", "exec").co_consts[0]
+_TEMPLATE_BYTES = _TEMPLATE.co_code
+_trampolines: Dict[tuple, FunctionType] = {}
+_getframe = sys._getframe
+
+
+def trampoline_for(caller) -> FunctionType:
+    """``f(func, args, kwargs)`` whose frame has ``caller``'s filename, current line and globals."""
+    g = caller.f_globals
+    key = (caller.f_code, caller.f_lineno, id(g))
+    fn = _trampolines.get(key)
+    if fn is None:
+        line = caller.f_lineno
+        if line is None or line < 1:
+            line = caller.f_code.co_firstlineno
+        code = _TEMPLATE.replace(co_filename=caller.f_code.co_filename, co_firstlineno=line)
+        fn = FunctionType(code, g)
+        if len(_trampolines) >= 4096:   # bounded: one entry per distinct call site
+            _trampolines.clear()
+        _trampolines[key] = fn
+    return fn
+
+
+def call_as_caller(depth: int, func, args, kwargs):
+    """Call ``func(*args, **kwargs)`` from a frame that looks like the one that called the torch
+    function (``depth`` frames above the caller of this function, past handle_torch_function)."""
+    caller = _getframe(depth + 1)
+    if caller.f_code is _HTF_CODE:   # a Python-level torch function handed itself to the mode
+        back = caller.f_back
+        caller = back.f_back if back is not None else None
+    if caller is None:
+        return func(*args, **kwargs)
+    return trampoline_for(caller)(func, args, kwargs)
+
+
+register_tracer_code(call_as_caller)
+
+
+def _is_trampoline(code) -> bool:
+    return code.co_name == _TRAMPOLINE_NAME and code.co_code == _TEMPLATE_BYTES
+
+
+def _is_tracer_code(code) -> bool:
+    return code in _TRACER_CODES or _is_trampoline(code)
+
+
 def _is_tracer_callable(obj) -> bool:
     obj = getattr(obj, "__func__", obj)
     return getattr(obj, "__code__", None) in _TRACER_CODES
@@ -82,7 +142,7 @@ def _introduced(tb) -> int:
     """0: keep; 1: introduced by the tracer; 2: handle_torch_function that called one of our modes."""
     frame = tb.tb_frame
     code = frame.f_code
-    if code in _TRACER_CODES:
+    if _is_tracer_code(code):
         return 1
     if code is _HTF_CODE:
         return 2 if _mode_is_ours(_locals(frame).get("mode")) else 0
@@ -143,7 +203,7 @@ def _clean_one(exc: BaseException) -> None:
         if j < n:
             f = entries[j].tb_frame
             back = f.f_back
-            if f.f_code is caller.tb_frame.f_code and back is not None and back.f_code in _TRACER_CODES:
+            if f.f_code is caller.tb_frame.f_code and back is not None and _is_tracer_code(back.f_code):
                 drop[i - 1] = True
     kept = [t for t, d in zip(entries, drop) if not d]
     for a, b in zip(kept, kept[1:]):

@@ -16,19 +16,27 @@ from torch.overrides import TorchFunctionMode
 
 from ..recording.session import exc_key
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
-from .frames import clean_traceback, register_tracer_code
+from .frames import call_as_caller, clean_traceback, register_tracer_code
 from .source import user_frame_location
 
-# torch-level functions that are bookkeeping, not work: never recorded
+# torch-level functions that are pure metadata queries, not work: never recorded (and they
+# dispatch no op). Conversions that do dispatch ops (``__bool__`` -> ``is_nonzero``,
+# ``__repr__``, ``__format__``, ``__deepcopy__``...) are recorded like any call, so every op
+# run from user code has its call and line.
 NOISE_NAMES = frozenset({
     "__get__", "__set__", "__delete__", "size", "dim", "stride", "numel", "nelement", "ndimension",
-    "_set_grad_enabled", "__repr__", "__str__", "__format__", "__len__", "__hash__", "__bool__",
-    "__index__", "__int__", "__float__", "__contains__", "is_contiguous", "data_ptr", "storage_offset",
+    "_set_grad_enabled", "__len__", "__hash__",
+    "is_contiguous", "data_ptr", "storage_offset",
     "element_size", "is_floating_point", "is_complex", "is_signed", "get_device", "untyped_storage",
-    "_is_view", "is_shared", "is_pinned", "__reduce_ex__", "__setstate__", "__getstate__", "__deepcopy__",
+    "_is_view", "is_shared", "is_pinned", "__reduce_ex__", "__setstate__", "__getstate__",
     "_has_compatible_shallow_copy_type", "is_inference", "requires_grad_", "retain_grad", "register_hook",
     "has_names", "is_nested", "is_sparse", "_version", "dim_order", "__dlpack_device__",
 })
+#: property getters that dispatch a view op (recorded as calls named after the property)
+OP_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+#: how a torch-level function is handled: passed straight through, recorded, or passed through
+#: from a frame that looks like the caller's (getters and setters can warn: ``.grad`` of a non-leaf)
+DIRECT, RECORD, PASS = 0, 1, 2
 
 _perf = time.perf_counter_ns
 try:
@@ -38,9 +46,17 @@ except AttributeError:  # torch < 2.3
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-def _classify(func) -> bool:
+def _classify(func):
+    """(kind, the object the calls table names it by)."""
     name = getattr(func, "__name__", None)
-    return name is not None and name not in NOISE_NAMES
+    if name is None:
+        return DIRECT, func
+    if name in ("__get__", "__set__"):
+        desc = getattr(func, "__self__", None)
+        if name == "__get__" and getattr(desc, "__name__", None) in OP_GETTERS:
+            return RECORD, desc   # named "T", qualname "Tensor.T"
+        return PASS, func
+    return (DIRECT if name in NOISE_NAMES else RECORD), func
 
 
 def autocast_state():
@@ -65,14 +81,17 @@ class TracingFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        keep = self._kinds.get(func)
-        if keep is None:
-            keep = self._kinds[func] = _classify(func)
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _classify(func)
+        keep, named = kind
         s = self.s
         # While Dynamo traces this handler, is_compiling() is True: it then inlines a
         # plain call (no frame walk, no graph break), and compiled code stays compiled.
-        if not keep or not s.recording or _is_compiling():
+        if keep != RECORD or not s.recording or _is_compiling():
             try:
+                if keep == PASS and s.recording and not _is_compiling():
+                    return call_as_caller(1, func, args, kwargs)   # a getter's warning: at the user's line
                 return func(*args, **kwargs)
             except BaseException as e:
                 clean_traceback(e)   # this frame never existed untraced; bare raise adds none
@@ -97,7 +116,7 @@ class TracingFunctionMode(TorchFunctionMode):
             cap = s.capture
             token = cap.call_begin(func) if (cap is not None and parent < 0) else None   # native: func decides the warning redirect
             # func, module, src, first_seq, n_ops, autocast, parent, error, start, dur
-            data.extend((rec.call_funcs(func), s.modules.current, src, s.seq, 0, rec.autocasts(ac) if ac else 0,
+            data.extend((rec.call_funcs(named), s.modules.current, src, s.seq, 0, rec.autocasts(ac) if ac else 0,
                          parent, -1, _perf() - s.t0, 0))
             s.call_stack.append(cid)
             s.current_call = cid
@@ -115,7 +134,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 raise
         t0 = _perf()
         try:
-            return func(*args, **kwargs)
+            return call_as_caller(1, func, args, kwargs)   # warnings keep the user's location
         except BaseException as e:
             try:
                 base = (cid - calls.base) * CALL_WIDTH

@@ -20,12 +20,14 @@ _STDLIB_WRAPPERS = tuple(os.path.join(os.path.dirname(os.__file__), m) for m in 
 _internal: Dict[object, bool] = {}
 
 
+def _is_internal_file(f: str) -> bool:
+    return f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or f.startswith(_STDLIB_WRAPPERS) or f.startswith("<frozen")
+
+
 def _is_internal(code) -> bool:
     r = _internal.get(code)
     if r is None:
-        f = code.co_filename
-        r = f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or f.startswith(_STDLIB_WRAPPERS) or f.startswith("<frozen")
-        _internal[code] = r
+        r = _internal[code] = _is_internal_file(code.co_filename)
     return r
 
 

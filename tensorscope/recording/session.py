@@ -107,6 +107,48 @@ class Session:
                 op=None if wop == "?" else wop, source_file=file, source_line=line, native=bool(w.get("native", False)), count=1,
             )
 
+    def _begin_cell_warnings(self):
+        """Collect every warning shown while tracing that no torch-level call claims: a plain
+        ``warnings.warn`` in user code, a C++ warning shown after its call returned (handed to the
+        outer binding) or raised by a pass-through getter."""
+        self._warn_token = None
+        cap = self.capture
+        if cap is not None:
+            try:
+                self._warn_token = cap.call_begin(None)
+            except Exception as e:
+                self.rec.tracer_error("warnings (begin)", e)
+
+    def _end_cell_warnings(self):
+        tok, self._warn_token = getattr(self, "_warn_token", None), None
+        cap = self.capture
+        if tok is None or cap is None:
+            return
+        try:
+            ws = cap.call_end(tok)
+        except Exception as e:
+            self.rec.tracer_error("warnings (end)", e)
+            return
+        if not ws:
+            return
+        from collections import Counter
+
+        # a C++ warning the native hooks recorded at its op is shown by Python later: not twice
+        native = Counter(r.get("message") for r in self.rec.errors if r.get("kind") == "warning" and r.get("native"))
+        for w in ws:
+            msg = w.get("message")
+            if w.get("cpp_file") is not None and native.get(msg):
+                native[msg] -= 1
+                continue
+            file, line = w.get("filename"), w.get("lineno")
+            if file is not None and (w.get("verbatim") or _looks_internal(file)):
+                file = line = None   # shown at a C++ or library location: no user line to name
+            self.rec.add_error(
+                kind="warning", py_type=w.get("category") or "UserWarning", cpp_type=None, message=msg,
+                cpp_file=w.get("cpp_file"), cpp_line=w.get("cpp_line"), cpp_function=w.get("cpp_function"),
+                seq=None, call_id=None, op=None, source_file=file, source_line=line,
+                native=bool(w.get("native", False)), count=1)
+
     # -- lifecycle -------------------------------------------------------------
     def start(self):
         if active_session() is not None:
@@ -119,6 +161,7 @@ class Session:
         opts = self.options
         _warm_up()
         self._setup_probes()
+        self._begin_cell_warnings()
         self._fmode = TracingFunctionMode(self)
         self._dmode = TracingDispatchMode(self)
         _local.session = self
@@ -208,6 +251,8 @@ class Session:
         """Stop recording, restore global state, build and return the Trace."""
         end = time.perf_counter_ns()
         self.wall_ns = end - self.t0 if self.t0 else 0
+        self.recording = False
+        self._end_cell_warnings()
         self._restore()
         if exc is not None:
             self._note_cell_exception(exc)
@@ -273,6 +318,12 @@ def _exit_mode(mode, stack_fn):
     mode.__exit__(None, None, None)
     for m in reversed(above):
         m.__enter__()
+
+
+def _looks_internal(filename: str) -> bool:
+    from ..modes.source import _is_internal_file
+
+    return _is_internal_file(filename)
 
 
 def exc_key(e: BaseException):
