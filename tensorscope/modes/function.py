@@ -36,7 +36,10 @@ NOISE_NAMES = frozenset({
 OP_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 #: how a torch-level function is handled: passed straight through, recorded, or passed through
 #: from a frame that looks like the caller's (getters and setters can warn: ``.grad`` of a non-leaf)
-DIRECT, RECORD, PASS = 0, 1, 2
+DIRECT, RECORD, PASS, LAZY = 0, 1, 2, 3
+#: conversions that dispatch ops only sometimes (``repr`` of a large tensor summarises it with
+#: ops; of a small one, none): recorded like any call, the row dropped again when no op ran
+MAY_DISPATCH = frozenset({"__repr__", "__str__", "__format__", "__deepcopy__", "__contains__", "__array__"})
 
 _perf = time.perf_counter_ns
 try:
@@ -56,6 +59,8 @@ def _classify(func):
         if name == "__get__" and getattr(desc, "__name__", None) in OP_GETTERS:
             return RECORD, desc   # named "T", qualname "Tensor.T"
         return PASS, func
+    if name in MAY_DISPATCH:
+        return LAZY, func
     return (DIRECT if name in NOISE_NAMES else RECORD), func
 
 
@@ -88,7 +93,7 @@ class TracingFunctionMode(TorchFunctionMode):
         s = self.s
         # While Dynamo traces this handler, is_compiling() is True: it then inlines a
         # plain call (no frame walk, no graph break), and compiled code stays compiled.
-        if keep != RECORD or not s.recording or _is_compiling():
+        if keep < RECORD or keep == PASS or not s.recording or _is_compiling():
             try:
                 if keep == PASS and s.recording and not _is_compiling():
                     return call_as_caller(1, func, args, kwargs)   # a getter's warning: at the user's line
@@ -161,6 +166,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 s.current_call = stack[-1] if stack else -1
             except Exception as e:
                 rec.tracer_error("function mode (exit)", e)
+            ws = None
             if token is not None:   # its own try: the native capture's call must always end
                 try:
                     ws = cap.call_end(token)
@@ -168,6 +174,21 @@ class TracingFunctionMode(TorchFunctionMode):
                         s.record_warnings(ws, call_id=cid, seq=None)
                 except Exception as e:
                     rec.tracer_error("function mode (exit)", e)
+            if keep == LAZY and not ws:
+                try:
+                    _drop_if_empty(rec, calls, cid)
+                except Exception as e:
+                    rec.tracer_error("function mode (exit)", e)
+
+
+def _drop_if_empty(rec, calls, cid) -> None:
+    """Forget call ``cid`` if it dispatched no op, raised nothing and nothing nested was recorded."""
+    data = calls.data
+    base = (cid - calls.base) * CALL_WIDTH
+    if (rec.n_calls == cid + 1 and base >= 0 and len(data) == base + CALL_WIDTH
+            and data[base + C_N_OPS] == 0 and data[base + C_ERROR] < 0):
+        del data[base:]
+        rec.n_calls = cid
 
 
 register_tracer_code(TracingFunctionMode.__torch_function__)

@@ -260,6 +260,7 @@ class Session:
 
         try:
             self.trace = build_trace(self)
+            _note_cell_files(self.trace, self.rec)
         finally:
             if self.tracker is not None:
                 self.tracker.close()
@@ -318,6 +319,20 @@ def _exit_mode(mode, stack_fn):
     mode.__exit__(None, None, None)
     for m in reversed(above):
         m.__enter__()
+
+
+def _note_cell_files(t, rec):
+    """Which source files are notebook cells, and their numbers (``Cell In[3], line 11``)."""
+    try:
+        from .._location import cell_files_for
+
+        files = [v[0] for v in rec.sources.values if v is not None]
+        files += [r.get("source_file") for r in rec.errors]
+        cells = cell_files_for(files)
+        if cells:
+            t.metadata["cell_files"] = cells
+    except Exception as e:
+        rec.tracer_error("cell files", e)
 
 
 def _looks_internal(filename: str) -> bool:

@@ -10,7 +10,6 @@ Both return None when there is nothing to say.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from .summary import Section, fmt_bytes, register_section
@@ -40,7 +39,9 @@ def memory_section(t) -> Optional[Section]:
             except Exception:
                 line = f = None
             if line is not None:
-                at += f" at {os.path.basename(f) if f else 'line'}:{line}"
+                from .._location import format_location, trace_cells
+
+                at += f" at {format_location(f, line, trace_cells(t))}"
             at += ")"
         hw = p.get("high_water_bytes")
         rows.append((dev, fmt_bytes(p["peak_bytes"]), at, f"{fmt_bytes(p['start_bytes'])} → {fmt_bytes(p['end_bytes'])}",

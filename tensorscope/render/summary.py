@@ -56,13 +56,12 @@ def fmt_ns(n) -> str:
     return f"{n / 1e9:.2f} s"
 
 
-def _location(file, line) -> str:
+def _location(file, line, cells=None) -> str:
     if file is None:
         return ""
-    import os
+    from .._location import format_location
 
-    base = os.path.basename(file)
-    return f"{base}:{line}" if line is not None else base
+    return format_location(file, line, cells)
 
 
 @register_section
@@ -160,7 +159,9 @@ def errors_section(t) -> Optional[Section]:
         if r.get("op"):
             where.append(f"in {r['op']}")
         if r.get("source_line") is not None:
-            where.append(f"line {r['source_line']}")
+            from .._location import format_location, trace_cells
+
+            where.append(format_location(r.get("source_file"), r["source_line"], trace_cells(t)))
         msg = (r.get("message") or "").strip().splitlines()
         rows.append((r["kind"], r.get("py_type") or "", " ".join(where), (msg[0] if msg else "")[:300],
                      str(r.get("count") or 1)))
