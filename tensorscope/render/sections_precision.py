@@ -106,22 +106,29 @@ def precision_section(t) -> Optional[Section]:
                          "under inference_mode nothing is cached")
         if any(r["direction"] in ("int_narrowing", "float_to_int") for r in crow):
             notes.append("int_narrowing/float_to_int casts wrap or truncate silently: check the value range")
-    # -- non-finite values
+    # -- non-finite values: produced by an op, written on purpose (masks), or passed on
     ops = t.ops
     if ops.num_rows and ops.column("nonfinite").null_count < ops.num_rows:
-        bad = ops.filter(pc.fill_null(pc.greater(ops.column("nonfinite"), 0), False))
-        if bad.num_rows:
-            b = bad.select(["seq", "op", "nonfinite", "nonfinite_produced", "module", "source_file", "source_line"]).to_pylist()
-            prod = [r for r in b if r["nonfinite_produced"]]
+        from ..analyses.nonfinite import nonfinite_verdicts
+
+        b = nonfinite_verdicts(ops)
+        if b:
+            prod = [r for r in b if r["verdict"] == "produced"]
             for r in prod[:5]:
                 first = " (first)" if r is prod[0] else ""
                 rows.append((f"non-finite produced{first}", f"{r['op']} (seq {r['seq']})", str(r["nonfinite"]), "",
                              _where(r, cells)))
-            nprop = len(b) - len(prod)
+            nprop = sum(1 for r in b if r["verdict"] == "propagated")
             if nprop:
                 rows.append(("non-finite propagated", f"{nprop} op(s) passed NaN/Inf on", str(nprop), "", ""))
-            if not prod:
-                notes.append("every NaN/Inf came from the cell's inputs (no op inside it produced one)")
+            nconst = sum(1 for r in b if r["verdict"] == "constant")
+            nfrom = sum(1 for r in b if r["verdict"] == "from_constant")
+            if nconst and (prod or nprop):
+                notes.append(f"±inf written on purpose by {nconst} op(s) (full/masked_fill/where with an infinite "
+                             f"constant, e.g. attention masks) and carried on by {nfrom}: intentional, not an overflow")
+            if nprop and not prod:
+                notes.append("every other NaN/Inf came from the cell's inputs (no op inside it produced one)"
+                             if nconst else "every NaN/Inf came from the cell's inputs (no op inside it produced one)")
     elif ops.num_rows:
         notes.append("non-finite screen off")
     # -- numerics shadow
