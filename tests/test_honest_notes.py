@@ -61,3 +61,47 @@ def test_every_op_from_user_code_has_a_call_and_line():
     assert "__repr__" not in names and "__get__" not in names   # pure metadata queries stay unrecorded
     assert not t.metadata.get("opaque_ops")
     assert "torch.compile" not in t.summary().to_text()
+
+
+def test_no_global_module_hooks_and_compiled_modules_keep_the_users_names():
+    import warnings
+
+    from torch.nn.modules import module as _mod
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with tensorscope.trace(leaks=False) as t:
+        assert not _mod._global_forward_hooks and not _mod._global_forward_pre_hooks
+        m(x)
+    assert set(t.ops.column("module").to_pylist()) == {"0", "1", "2"}
+    cm = torch.compile(m, backend="aot_eager")
+    cm(x)   # compiled outside the trace
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        with tensorscope.trace(leaks=False) as t:
+            y = cm(x)
+    assert not [w for w in ws if "global hooks" in str(w.message)]
+    mods = {m for m in t.ops.column("module").to_pylist() if m is not None}
+    assert mods and not any("_orig_mod" in m or "OptimizedModule" in m or "GraphModule" in m for m in mods), mods
+
+
+def test_module_error_traceback_is_the_untraced_one():
+    import traceback
+
+    class Bad(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.softmax(x, dim=5)
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), Bad())
+
+    def frames(traced):
+        try:
+            if traced:
+                with tensorscope.trace(leaks=False):
+                    net(torch.randn(2, 3))
+            else:
+                net(torch.randn(2, 3))
+        except IndexError as e:
+            return [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(e.__traceback__)][1:]
+
+    assert frames(True) == frames(False)

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..recording.session import exc_key
 from .frames import clean_traceback
+from .source import called_from_compiled_code
 from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 Tensor = torch.Tensor
@@ -204,6 +205,8 @@ class TracingDispatchMode(TorchDispatchMode):
                 seq_nr = _get_seq_nr() - 1
                 if call_id < 0:
                     s.opaque_ops += 1   # no torch-level call around it: compiled code or a C++ caller
+                    if called_from_compiled_code():
+                        s.compiled_ops += 1
             else:
                 flags |= F_BACKWARD
                 nt = type(node)

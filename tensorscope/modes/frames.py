@@ -84,7 +84,7 @@ _getframe = sys._getframe
 def trampoline_for(caller) -> FunctionType:
     """``f(func, args, kwargs)`` whose frame has ``caller``'s filename, current line and globals."""
     g = caller.f_globals
-    key = (caller.f_code, caller.f_lineno, id(g))
+    key = (caller.f_code, caller.f_lasti, id(g))   # the instruction, not the line: no line-table lookup
     fn = _trampolines.get(key)
     if fn is None:
         line = caller.f_lineno
@@ -98,19 +98,30 @@ def trampoline_for(caller) -> FunctionType:
     return fn
 
 
-def call_as_caller(depth: int, func, args, kwargs):
-    """Call ``func(*args, **kwargs)`` from a frame that looks like the one that called the torch
-    function (``depth`` frames above the caller of this function, past handle_torch_function)."""
+def caller_frame(depth: int):
+    """The frame that called the torch function whose mode handler is ``depth`` frames above the
+    caller of this function (past handle_torch_function and the function that called it)."""
     caller = _getframe(depth + 1)
     if caller.f_code is _HTF_CODE:   # a Python-level torch function handed itself to the mode
         back = caller.f_back
         caller = back.f_back if back is not None else None
+    return caller
+
+
+def call_from(caller, func, args, kwargs):
+    """``func(*args, **kwargs)``, called from a frame that looks like ``caller``."""
     if caller is None:
         return func(*args, **kwargs)
     return trampoline_for(caller)(func, args, kwargs)
 
 
-register_tracer_code(call_as_caller)
+def call_as_caller(depth: int, func, args, kwargs):
+    """Call ``func(*args, **kwargs)`` from a frame that looks like the one that called the torch
+    function (``depth`` frames above the caller of this function, past handle_torch_function)."""
+    return call_from(caller_frame(depth + 1), func, args, kwargs)
+
+
+register_tracer_code(call_as_caller, call_from)
 
 
 def _is_trampoline(code) -> bool:

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..recording.session import exc_key
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
-from .frames import call_as_caller, clean_traceback, register_tracer_code
+from .frames import call_as_caller, call_from, caller_frame, clean_traceback, register_tracer_code
 from .source import user_frame_location
 
 # torch-level functions that are pure metadata queries, not work: never recorded (and they
@@ -103,8 +103,9 @@ class TracingFunctionMode(TorchFunctionMode):
                 raise
         rec = s.rec
         calls = rec.calls
-        cap = token = None
+        cap = token = caller = None
         try:
+            caller = caller_frame(1)
             cid = rec.n_calls
             if cid - calls.base >= rec.chunk_rows:   # pack finished rows: memory stays bounded
                 calls.freeze_below(s.call_stack[0] if s.call_stack else cid)
@@ -117,6 +118,8 @@ class TracingFunctionMode(TorchFunctionMode):
                 src = rec.sources(user_frame_location(2))
             else:
                 src = 0
+            if parent < 0 and s.options.modules:
+                s.modules.at(caller)   # the module whose call encloses this one (nested calls inherit it)
             ac = autocast_state() if _any_autocast is None or _any_autocast() else None
             cap = s.capture
             token = cap.call_begin(func) if (cap is not None and parent < 0) else None   # native: func decides the warning redirect
@@ -139,7 +142,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 raise
         t0 = _perf()
         try:
-            return call_as_caller(1, func, args, kwargs)   # warnings keep the user's location
+            return call_from(caller, func, args, kwargs)   # warnings keep the user's location
         except BaseException as e:
             try:
                 base = (cid - calls.base) * CALL_WIDTH

@@ -52,6 +52,7 @@ class Session:
         self.current_call = -1
         self.node_names: Dict[type, int] = {}
         self.opaque_ops = 0
+        self.compiled_ops = 0   # of those, dispatched by torch.compile'd code
         self.last_exc_key = None   # (id, type, message) of the last recorded exception
         self.last_error_id = -1
         self.modules = ModuleTracker(self.rec)
@@ -261,6 +262,7 @@ class Session:
         try:
             self.trace = build_trace(self)
             _note_cell_files(self.trace, self.rec)
+            self.trace.metadata["compiled_ops"] = self.compiled_ops
         finally:
             if self.tracker is not None:
                 self.tracker.close()
