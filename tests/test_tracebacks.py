@@ -122,3 +122,37 @@ def test_a_users_own_exception_handler_is_chained_and_restored(k):
     assert len(seen) == 2 and seen[0] == seen[1]   # their handler ran, on the same frames
     assert k.value("repr(get_ipython().custom_exceptions)") == "(<class 'ZeroDivisionError'>,)"
     k.run("get_ipython().set_custom_exc((), None)")
+
+
+def test_always_on_cells_have_untraced_tracebacks(k):
+    body = "x = torch.randn(3)\ny = F.softmax(x, dim=5)"
+    untraced = k.run(f"# %%tensorscope -q\n{body}")
+    u_frames = k.value("_frames()")
+    assert k.run("%tensorscope on --no-leaks").status == "ok"
+    try:
+        traced = k.run(f"# %%tensorscope -q\n{body}")
+        t_frames = k.value("_frames()")
+    finally:
+        k.run("%tensorscope off")
+    assert t_frames == u_frames and _shown(traced) == _shown(untraced)
+    assert "IndexError" in k.value("[e for t in tensorscope.history() for e in t.errors.column('py_type').to_pylist()]")
+
+
+def test_guard_error_of_a_with_block_points_at_the_with_statement():
+    import traceback
+
+    import torch
+
+    import tensorscope
+    from tensorscope.errors import GuardError
+
+    def f():
+        with tensorscope.trace(leaks=False, max_casts=0):
+            torch.randn(3).double()
+
+    try:
+        f()
+    except GuardError as e:
+        tb = traceback.extract_tb(e.__traceback__)
+    assert [(x.name, x.line) for x in tb][-1] == ("f", "with tensorscope.trace(leaks=False, max_casts=0):")
+    assert not any("/tensorscope/" in x.filename for x in tb)

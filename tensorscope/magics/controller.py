@@ -85,6 +85,7 @@ class Controller:
             return lines
         m = _CELL_RE.match(lines[0].rstrip("\n"))
         if m is None:
+            self._cell_token = None   # a token of an earlier cell that never reached the AST stage
             return lines
         argline = (m.group("args") or "").strip()
         if argline.endswith("?"):
