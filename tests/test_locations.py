@@ -28,12 +28,13 @@ def test_summary_errors_and_saved_trace_show_cell_numbers(tmp_path):
         helper_cell = r.execution_count
         save = tmp_path / "t1"
         r = k.run(f"%%tensorscope -o t --save {save}\nx = torch.randn(4, 4)\n"
-                  "y = F.softmax(x)\nz = helper(x)\nw = z.float()")
+                  "y = F.softmax(x)\nz = helper(x)\nw = z.float()\nkept = [x * 3]")
         assert r.status == "ok", r.error
         n = r.execution_count
         html = r.html()
         assert f"Cell In[{n}], line 3" in html            # the warning's row in the summary
         assert f"Cell In[{helper_cell}], line 2" in html   # the cast done in an earlier cell's function
+        assert f"Cell In[{n}], line 6" in html            # where the tensor still alive was created
         assert "ipykernel_" not in html and ".py:" not in html.split("saved to")[0]
         # the tables keep the raw file and the cell number; the map travels with the trace
         assert k.value("set(t.ops.column('cell').to_pylist())") == {n}
