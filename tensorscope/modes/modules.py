@@ -4,7 +4,9 @@ Global module hooks would change the program's observable behaviour: every modul
 ``_call_impl``'s slow path (tracebacks show other lines and an extra ``inner`` frame), and
 ``torch.compile(module)`` warns about global hooks. So nothing is registered: when the function
 mode records an outermost torch-level call it asks :meth:`ModuleTracker.at` for the module whose
-``Module.__call__`` frame (``_wrapped_call_impl``) encloses the caller, a walk of a few frames.
+``Module.__call__`` frame (``_wrapped_call_impl``) encloses the caller: a walk from the caller
+to top-level code (the cell's or script's ``<module>`` frame, at most 64 frames) that reads
+``self`` of the innermost and the outermost module call only (cached per (root, module)).
 Names come from a cached ``root.named_modules()`` of the outermost module on the stack, so
 modules in ModuleList/ModuleDict get their qualified names; a module not under the root gets the
 enclosing module's path plus ``<ClassName>``. A ``torch.compile``'d root (``OptimizedModule``) is
@@ -20,8 +22,6 @@ from typing import Dict, List, Optional
 import torch
 
 _Module = torch.nn.Module
-_CALL_CODES = tuple(getattr(getattr(_Module, n, None), "__code__", None) for n in ("_wrapped_call_impl", "_call_impl"))
-_CALL_CODES = tuple(c for c in _CALL_CODES if c is not None)
 _WRAPPED_CODE = getattr(getattr(_Module, "_wrapped_call_impl", None), "__code__", None)
 _IMPL_CODE = getattr(getattr(_Module, "_call_impl", None), "__code__", None)
 #: how far out to look for a module call (compiled regions sit under ~30 frames of torch.compile);
@@ -53,14 +53,18 @@ except Exception:  # pragma: no cover
     _GraphModule = None
 
 
+_MOD_CODE = _WRAPPED_CODE or _IMPL_CODE   # one frame per module call (Module.__call__)
+
+
 class ModuleTracker:
     def __init__(self, rec):
         self.rec = rec
         self.stack: List[int] = []       # kept for callers that look at it; always empty now
         self.current = 0                 # module id of the innermost running module (0: none)
-        self._names: Dict[int, str] = {}
-        self._root_ref: Optional[weakref.ref] = None
-        self._ids: Dict[int, int] = {}   # id(module) -> module path id, for the current root
+        # (id(root), id(module)) -> (weakref(module), weakref(root), module path id)
+        self._ids: Dict[tuple, tuple] = {}
+        # id(root) -> (weakref(root), {id(module): qualified name})
+        self._trees: Dict[int, tuple] = {}
 
     def install(self):
         """Nothing to install: modules are read from the stack (see the module docstring)."""
@@ -68,8 +72,7 @@ class ModuleTracker:
     def remove(self):
         self.current = 0
         self._ids = {}
-        self._names = {}
-        self._root_ref = None
+        self._trees = {}
 
     def at(self, frame) -> int:
         """Module path id for code running at ``frame`` (0 outside any module). Sets ``current``."""
@@ -82,66 +85,66 @@ class ModuleTracker:
         return mid
 
     def _at(self, frame) -> int:
+        # the Module.__call__ frames between the caller and top-level code (a cell, a script)
+        calls = []
         f = frame
         n = _NEAR
-        codes = _CALL_CODES
-        mod = None
         while f is not None and n:
-            if f.f_code.co_name == "<module>":
+            code = f.f_code
+            if code is _MOD_CODE:
+                calls.append(f)
+            elif code.co_name == "<module>":
                 break
-            if f.f_code in codes:
-                if f.f_code is _IMPL_CODE:
-                    b = f.f_back
-                    if b is not None and b.f_code is _WRAPPED_CODE:
-                        f = b   # the same module; its frame has 3 locals to read, not ~15
-                mod = _module_of(f)
-                if mod is not None and not _is_artifact(mod):
-                    break
-                mod = None   # a compiled graph (fx GraphModule) is no module of the user's: look further out
             f = f.f_back
             n -= 1
+        if not calls:
+            return 0
+        mod = root = None
+        inner = 0
+        for i, fr in enumerate(calls):   # innermost user module (compiled graphs are no module of the user's)
+            m = _module_of(fr)
+            if m is not None and not _is_artifact(m):
+                mod, inner = _unwrap(m), i
+                break
         if mod is None:
             return 0
-        mod = _unwrap(mod)
-        mid = self._ids.get(id(mod))
-        if mid is not None:
-            root = self._root_ref() if self._root_ref is not None else None
-            if root is not None:
-                return mid
-        # a module not named yet: find the outermost module on the stack (the root) and name its tree
-        root = mod
-        g = f.f_back
-        while g is not None:
-            if g.f_code in codes:
-                m = _module_of(g)
+        for fr in reversed(calls[inner:]):   # outermost: the root whose names are the paths
+            m = _module_of(fr)
+            if m is not None and not _is_artifact(m):
+                root = _unwrap(m)
+                break
+        key = (id(root), id(mod))
+        ent = self._ids.get(key)
+        if ent is not None and ent[0]() is mod and ent[1]() is root:
+            return ent[2]
+        names = self._tree(root)
+        name = names.get(id(mod))
+        if name is None:   # not under the root: the enclosing module's path plus <ClassName>
+            parent = ""
+            for fr in calls[inner + 1:]:
+                m = _module_of(fr)
                 if m is not None and not _is_artifact(m):
-                    root = _unwrap(m)
-            g = g.f_back
-        cur_root = self._root_ref() if self._root_ref is not None else None
-        if cur_root is not root:
-            self._root_ref = weakref.ref(root)
-            # ids are only valid while the root (and so its children) is alive
-            self._names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-            self._ids = {}
-        name = self._names.get(id(mod))
-        if name is None:
-            parent = self._parent_path(f)
+                    m = _unwrap(m)
+                    pn = names.get(id(m))
+                    if pn is not None:
+                        parent = pn or f"<{type(m).__name__}>"
+                        break
             name = f"{parent}.<{type(mod).__name__}>" if parent else f"<{type(mod).__name__}>"
         elif name == "":
             name = f"<{type(mod).__name__}>"   # the root itself
         mid = self.rec.modules(name)
-        self._ids[id(mod)] = mid
+        if len(self._ids) >= 65536:
+            self._ids.clear()
+        self._ids[key] = (weakref.ref(mod), weakref.ref(root), mid)
         return mid
 
-    def _parent_path(self, f) -> str:
-        g = f.f_back
-        while g is not None:
-            if g.f_code in _CALL_CODES:
-                m = _module_of(g)
-                if m is not None:
-                    m = _unwrap(m)
-                    n = self._names.get(id(m))
-                    if n is not None:
-                        return n or f"<{type(m).__name__}>"
-            g = g.f_back
-        return ""
+    def _tree(self, root) -> Dict[int, str]:
+        ent = self._trees.get(id(root))
+        if ent is not None and ent[0]() is root:
+            return ent[1]
+        # ids are valid while the root (and so its children) is alive: checked through the weakref
+        names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        if len(self._trees) >= 16:
+            self._trees.clear()
+        self._trees[id(root)] = (weakref.ref(root), names)
+        return names
