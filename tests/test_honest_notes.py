@@ -51,7 +51,7 @@ def test_every_op_from_user_code_has_a_call_and_line():
         if (y > 0).any():
             pass
         z = x.mT
-        w = x.T
+        w = y.T
         r = repr(y)
     ops = t.ops.to_pylist()
     assert ops and all(o["call_id"] is not None and o["source_line"] is not None for o in ops), \
@@ -105,3 +105,13 @@ def test_module_error_traceback_is_the_untraced_one():
             return [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(e.__traceback__)][1:]
 
     assert frames(True) == frames(False)
+
+
+def test_a_submodule_called_alone_then_inside_its_root_gets_both_paths():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    x = torch.randn(2, 4)
+    with tensorscope.trace(leaks=False) as t:
+        m[1](x)     # on its own: it is the root
+        m(x)
+    mods = [r["module"] for r in t.ops.to_pylist() if r["op"] in ("aten.relu.default", "aten.addmm.default")]
+    assert mods == ["0", "1", "0", "1.0", "1.1"]
