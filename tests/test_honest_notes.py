@@ -51,7 +51,7 @@ def test_every_op_from_user_code_has_a_call_and_line():
         if (y > 0).any():
             pass
         z = x.mT
-        w = y.T
+        w = x[0].T
         r = repr(y)
     ops = t.ops.to_pylist()
     assert ops and all(o["call_id"] is not None and o["source_line"] is not None for o in ops), \
