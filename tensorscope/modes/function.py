@@ -3,9 +3,14 @@
 It is the outer of the two modes. Per call it appends one ``calls`` row (name,
 module, user source line, autocast state, time, error) and sets the session's
 current call id, which every ATen op dispatched inside inherits; the source
-line is found here only (a frame walk per torch-level call, never per op).
-Property getters and metadata queries (``size``, ``dim``, ``__get__``...) are
-passed straight through unrecorded.
+line is found here only (a frame walk per torch-level call, never per op), and so is
+the module path (modules.py reads it from the stack).
+Pure metadata queries (``size``, ``dim``, ``.shape``...) are passed straight through
+unrecorded; property getters that dispatch a view op (``.T``, ``.mT``) are calls named
+after the property; conversions that may dispatch ops (``__repr__``) are kept only when
+they did. Every torch function is called through a trampoline frame that looks like the
+caller's (frames.py), so warnings keep their untraced location, and an exception leaves
+without the frames tracing added.
 """
 from __future__ import annotations
 
