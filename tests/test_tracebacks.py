@@ -156,3 +156,14 @@ def test_guard_error_of_a_with_block_points_at_the_with_statement():
         tb = traceback.extract_tb(e.__traceback__)
     assert [(x.name, x.line) for x in tb][-1] == ("f", "with tensorscope.trace(leaks=False, max_casts=0):")
     assert not any("/tensorscope/" in x.filename for x in tb)
+
+
+def test_error_inside_a_module_forward(k):
+    r = k.run("class Block(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+              "        self.lin = torch.nn.Linear(3, 3)\n    def forward(self, x):\n"
+              "        return F.softmax(self.lin(x), dim=4)\nnet = torch.nn.Sequential(Block())")
+    assert r.status == "ok", r.error
+    frames, _ = _compare(k, "-q", "x = torch.randn(2, 3)\ny = net(x)")
+    assert [f[2] for f in frames if not f[0].startswith("/")][:1] == ["<module>"]
+    assert [f[2] for f in frames][-2:] == ["forward", "softmax"]
+    _compare(k, "-q", "x = torch.randn(2, 4)\ny = net(x)")     # shape error in the C linear, two modules down
