@@ -83,6 +83,8 @@ def test_no_global_module_hooks_and_compiled_modules_keep_the_users_names():
     assert not [w for w in ws if "global hooks" in str(w.message)]
     mods = {m for m in t.ops.column("module").to_pylist() if m is not None}
     assert mods and not any("_orig_mod" in m or "OptimizedModule" in m or "GraphModule" in m for m in mods), mods
+    # the compiled graph's ops belong to the line that called the compiled module, not to generated code
+    assert {f for f in t.ops.column("source_file").to_pylist()} == {__file__}
 
 
 def test_module_error_traceback_is_the_untraced_one():

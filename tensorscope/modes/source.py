@@ -21,7 +21,10 @@ _internal: Dict[object, bool] = {}
 
 
 def _is_internal_file(f: str) -> bool:
-    return f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or f.startswith(_STDLIB_WRAPPERS) or f.startswith("<frozen")
+    # generated code of torch.compile (fx graphs, inductor's modules) is not the user's either:
+    # its ops belong to the line that called the compiled function
+    return (f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or f.startswith(_STDLIB_WRAPPERS)
+            or f.startswith("<frozen") or f.startswith("<eval_with_key") or "torchinductor" in f)
 
 
 def _is_internal(code) -> bool:
