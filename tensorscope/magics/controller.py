@@ -244,7 +244,7 @@ class _Injector(ast.NodeTransformer):
         armed, self.ctl._armed = self.ctl._armed, False
         token = None
         pending, self.ctl._cell_token = self.ctl._cell_token, None
-        if pending is not None and body:
+        if pending is not None:
             token = pending[1]
             # at line 1, the magic's own (now a comment): an error while starting points there
             body.insert(0, _at_line(_call_stmt("begin", token), 1))
