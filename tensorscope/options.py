@@ -27,7 +27,7 @@ def _opt(default, help, flag=None, type=None, choices=None, metavar=None):
 class TraceOptions:
     """Everything ``tensorscope.trace()`` accepts. All keyword-only."""
 
-    modules: bool = _opt(True, "record the nn.Module path of each op (global forward hooks)")
+    modules: bool = _opt(True, "record the nn.Module path of each op (read from the call stack, no hooks)")
     source: bool = _opt(True, "record the user source line of each torch-level call")
     flops: bool = _opt(True, "count FLOPs with torch.utils.flop_counter's formulas")
     storages: bool = _opt(True, "track storages by weak reference (tensors table, leaks, memory)")

@@ -21,4 +21,10 @@ def end(token: int, value=None):
     ctl = _ctl()
     if ctl is None:
         return value
-    return ctl.end(token, value)
+    try:
+        return ctl.end(token, value)
+    except BaseException as e:
+        # a GuardError (the cell's verdict, raised after it ran): the traceback is the cell's
+        # line 1, where the magic is, not tensorscope's internals. A bare raise adds no entry.
+        e.__traceback__ = None
+        raise

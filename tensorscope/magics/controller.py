@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 _CELL_RE = re.compile(r"^\s*%%tensorscope(?:\s+(?P<args>.*))?$")
-_MARK = "__import__('tensorscope.magics._cell', fromlist=['_']).begin({token})"
 _controllers: Dict[int, "Controller"] = {}
 
 
@@ -52,6 +51,8 @@ class Controller:
         self.finished: Optional[CellRequest] = None
         self.always_on: Optional[Dict[str, Any]] = None   # options of %tensorscope on, or None
         self._armed = False   # set by pre_run_cell: the next AST transform is the cell's own (not %timeit's)
+        self._cell_token = None   # (raw cell key, token) of the %%tensorscope cell being transformed
+        self._exc_hook = None    # (custom_exceptions, CustomTB) saved while a traced cell runs
         self._ast = _Injector(self)
 
     # -- install -------------------------------------------------------------
@@ -66,6 +67,7 @@ class Controller:
     def uninstall(self):
         sh = self.shell
         self._stop_active(None)
+        self._unhook_exceptions()
         for lst, item in ((sh.input_transformers_cleanup, self.transform_lines), (sh.ast_transformers, self._ast)):
             while item in lst:
                 lst.remove(item)
@@ -83,6 +85,7 @@ class Controller:
             return lines
         m = _CELL_RE.match(lines[0].rstrip("\n"))
         if m is None:
+            self._cell_token = None   # a token of an earlier cell that never reached the AST stage
             return lines
         argline = (m.group("args") or "").strip()
         if argline.endswith("?"):
@@ -98,8 +101,13 @@ class Controller:
         self.pending[req.token] = req
         while len(self.pending) > 32:   # transformed but never run (e.g. inspection): forget
             self.pending.pop(next(iter(self.pending)))
-        # the magic's line becomes the call that starts the trace (line numbers stay true)
-        return [_MARK.format(token=req.token) + "  # " + lines[0].strip() + "\n"] + lines[1:]
+        # The magic's line becomes a comment (line numbers stay true, and a traceback that shows the
+        # top of the cell shows the user's magic, nothing injected); the call that starts the trace is
+        # inserted by the AST transformer at that line, for the cell whose raw text this is.
+        self._cell_token = (_cell_key(lines), req.token)
+        return ["# " + lines[0].strip() + "\n"] + lines[1:]
+
+    transform_lines.has_side_effects = True   # IPython's check_complete must not create requests
 
     # -- step 2: runtime calls from the cell ------------------------------------
     def begin(self, token: int):
@@ -115,7 +123,44 @@ class Controller:
         req.trace_cm = trace(**req.options, _cell=cell, _cell_source=req.cell_source, _keep_history=req.keep_history,
                              _deferred_kernels=req.deferred_kernels)
         self.active = req
+        self._hook_exceptions()
         req.trace_cm.__enter__()
+
+    def _hook_exceptions(self):
+        """Until the cell ends, clean a traceback of the tracer's frames before IPython shows it.
+
+        IPython's custom-exception slot is the one place that sees the exception with every frame
+        (the cell's, torch's, the tracer's) before it is displayed; a handler already there is
+        chained, not replaced, and put back when the cell ends.
+        """
+        sh = self.shell
+        if self._exc_hook is not None or not hasattr(sh, "set_custom_exc"):
+            return
+        prev_types, prev_tb = getattr(sh, "custom_exceptions", ()), getattr(sh, "CustomTB", None)
+
+        def handler(shell, etype, value, tb, tb_offset=None):
+            try:
+                from ..modes.frames import clean_traceback
+
+                clean_traceback(value)
+                tb = value.__traceback__
+            except Exception:
+                pass
+            if prev_types and isinstance(value, prev_types) and prev_tb is not None:
+                return prev_tb(etype, value, tb, tb_offset=tb_offset)
+            shell.showtraceback(running_compiled_code=True)   # what run_code does without a handler
+            return None
+
+        sh.set_custom_exc((BaseException,), handler)
+        self._exc_hook = (prev_types, prev_tb, sh.CustomTB)
+
+    def _unhook_exceptions(self):
+        saved, self._exc_hook = self._exc_hook, None
+        if saved is None:
+            return
+        sh = self.shell
+        if getattr(sh, "CustomTB", None) is saved[2]:   # unless the user installed their own meanwhile
+            sh.custom_exceptions, sh.CustomTB = saved[0], saved[1]
 
     def end(self, token: int, value):
         req = self.active
@@ -152,6 +197,9 @@ class Controller:
     def pre_run_cell(self, info=None):
         self._armed = True
         self._raw_cell = getattr(info, "raw_cell", "") or ""
+        pending = self._cell_token
+        if pending is not None and pending[0] != _cell_key(self._raw_cell.splitlines(keepends=True)):
+            self._cell_token = None   # transformed for something else (inspection...), never run
         # IPython has already counted this cell when pre_run_cell fires
         count = getattr(self.shell, "execution_count", None)
         if count is not None and getattr(info, "store_history", False) and not getattr(info, "silent", False):
@@ -162,6 +210,7 @@ class Controller:
             self.finished = None
 
     def post_run_cell(self, result=None):
+        self._unhook_exceptions()
         if self.active is not None:
             exc = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
             self._stop_active(exc)
@@ -193,7 +242,12 @@ class _Injector(ast.NodeTransformer):
     def visit_Module(self, node):
         body = node.body
         armed, self.ctl._armed = self.ctl._armed, False
-        token = _marker_token(body[0]) if body else None
+        token = None
+        pending, self.ctl._cell_token = self.ctl._cell_token, None
+        if pending is not None:
+            token = pending[1]
+            # at line 1, the magic's own (now a comment): an error while starting points there
+            body.insert(0, _at_line(_call_stmt("begin", token), 1))
         if token is None and armed and self.ctl.always_on is not None and body and not _only_tensorscope_magic(body):
             token = next(self.ctl._tokens)
             req = CellRequest(token=token, options=dict(self.ctl.always_on), quiet=True, deferred_kernels=True,
@@ -203,10 +257,11 @@ class _Injector(ast.NodeTransformer):
         if token is None:
             return node
         last = body[-1]
+        # end() raises a GuardError: its call sits at line 1 (the magic), so the error points there
         if isinstance(last, ast.Expr) and len(body) > 1:
-            last.value = ast.copy_location(_call("end", token, last.value), last.value)
+            last.value = _at_line(_call("end", token, last.value), 1)
         else:
-            body.append(ast.copy_location(_call_stmt("end", token, ast.Constant(None)), last))
+            body.append(_at_line(_call_stmt("end", token, ast.Constant(None)), 1))
         ast.fix_missing_locations(node)
         return node
 
@@ -226,15 +281,18 @@ def _call_stmt(name, token, *args):
     return ast.Expr(value=_call(name, token, *args))
 
 
-def _marker_token(stmt) -> Optional[int]:
-    try:
-        call = stmt.value
-        if (isinstance(stmt, ast.Expr) and isinstance(call, ast.Call) and call.func.attr == "begin"
-                and isinstance(call.func.value, ast.Call) and call.func.value.args[0].value == "tensorscope.magics._cell"):
-            return int(call.args[0].value)
-    except (AttributeError, IndexError, TypeError, ValueError):
-        pass
-    return None
+def _at_line(node, line: int):
+    """Put the injected nodes (those without a location) at ``line``; the user's own keep theirs."""
+    for n in ast.walk(node):
+        if "lineno" in n._attributes and getattr(n, "lineno", None) is None:
+            n.lineno = n.end_lineno = line
+            n.col_offset = n.end_col_offset = 0
+    return node
+
+
+def _cell_key(lines) -> str:
+    text = "".join(lines)
+    return text if text.endswith("\n") else text + "\n"
 
 
 def _only_tensorscope_magic(body) -> bool:

@@ -21,6 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..recording.session import exc_key
+from .frames import clean_traceback
+from .source import called_from_compiled_code
 from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 Tensor = torch.Tensor
@@ -276,6 +278,8 @@ class TracingDispatchMode(TorchDispatchMode):
                 seq_nr = cur - 1 if cur != self._seq_mark else -1
                 if call_id < 0:
                     s.opaque_ops += 1   # no torch-level call around it: compiled code or a C++ caller
+                    if called_from_compiled_code():
+                        s.compiled_ops += 1
             else:
                 flags |= F_BACKWARD
                 nt = type(node)
@@ -314,6 +318,7 @@ class TracingDispatchMode(TorchDispatchMode):
                     s.seq = seq   # keep seq dense: no row was written
             except Exception as e2:
                 rec.tracer_error("dispatch (error)", e2)
+            clean_traceback(e)   # the tracer's frames go; the user's and torch's own stay
             raise
         finally:
             self._seq_mark = _get_seq_nr()

@@ -3,9 +3,14 @@
 It is the outer of the two modes. Per call it appends one ``calls`` row (name,
 module, user source line, autocast state, time, error) and sets the session's
 current call id, which every ATen op dispatched inside inherits; the source
-line is found here only (a frame walk per torch-level call, never per op).
-Property getters and metadata queries (``size``, ``dim``, ``__get__``...) are
-passed straight through unrecorded.
+line is found here only (a frame walk per torch-level call, never per op), and so is
+the module path (modules.py reads it from the stack).
+Pure metadata queries (``size``, ``dim``, ``.shape``...) are passed straight through
+unrecorded; property getters that dispatch a view op (``.T``, ``.mT``) are calls named
+after the property; conversions that may dispatch ops (``__repr__``) are kept only when
+they did. Every torch function is called through a trampoline frame that looks like the
+caller's (frames.py), so warnings keep their untraced location, and an exception leaves
+without the frames tracing added.
 """
 from __future__ import annotations
 
@@ -16,18 +21,30 @@ from torch.overrides import TorchFunctionMode
 
 from ..recording.session import exc_key
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
+from .frames import call_as_caller, call_from, caller_frame, clean_traceback, register_tracer_code
 from .source import user_frame_location
 
-# torch-level functions that are bookkeeping, not work: never recorded
+# torch-level functions that are pure metadata queries, not work: never recorded (and they
+# dispatch no op). Conversions that do dispatch ops (``__bool__`` -> ``is_nonzero``,
+# ``__repr__``, ``__format__``, ``__deepcopy__``...) are recorded like any call, so every op
+# run from user code has its call and line.
 NOISE_NAMES = frozenset({
     "__get__", "__set__", "__delete__", "size", "dim", "stride", "numel", "nelement", "ndimension",
-    "_set_grad_enabled", "__repr__", "__str__", "__format__", "__len__", "__hash__", "__bool__",
-    "__index__", "__int__", "__float__", "__contains__", "is_contiguous", "data_ptr", "storage_offset",
+    "_set_grad_enabled", "__len__", "__hash__",
+    "is_contiguous", "data_ptr", "storage_offset",
     "element_size", "is_floating_point", "is_complex", "is_signed", "get_device", "untyped_storage",
-    "_is_view", "is_shared", "is_pinned", "__reduce_ex__", "__setstate__", "__getstate__", "__deepcopy__",
+    "_is_view", "is_shared", "is_pinned", "__reduce_ex__", "__setstate__", "__getstate__",
     "_has_compatible_shallow_copy_type", "is_inference", "requires_grad_", "retain_grad", "register_hook",
     "has_names", "is_nested", "is_sparse", "_version", "dim_order", "__dlpack_device__",
 })
+#: property getters that dispatch a view op (recorded as calls named after the property)
+OP_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+#: how a torch-level function is handled: passed straight through, recorded, or passed through
+#: from a frame that looks like the caller's (getters and setters can warn: ``.grad`` of a non-leaf)
+DIRECT, RECORD, PASS, LAZY = 0, 1, 2, 3
+#: conversions that dispatch ops only sometimes (``repr`` of a large tensor summarises it with
+#: ops; of a small one, none): recorded like any call, the row dropped again when no op ran
+MAY_DISPATCH = frozenset({"__repr__", "__str__", "__format__", "__deepcopy__", "__contains__", "__array__"})
 
 _perf = time.perf_counter_ns
 try:
@@ -37,9 +54,19 @@ except AttributeError:  # torch < 2.3
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-def _classify(func) -> bool:
+def _classify(func):
+    """(kind, the object the calls table names it by)."""
     name = getattr(func, "__name__", None)
-    return name is not None and name not in NOISE_NAMES
+    if name is None:
+        return DIRECT, func
+    if name in ("__get__", "__set__"):
+        desc = getattr(func, "__self__", None)
+        if name == "__get__" and getattr(desc, "__name__", None) in OP_GETTERS:
+            return RECORD, desc   # named "T", qualname "Tensor.T"
+        return PASS, func
+    if name in MAY_DISPATCH:
+        return LAZY, func
+    return (DIRECT if name in NOISE_NAMES else RECORD), func
 
 
 def autocast_state():
@@ -64,18 +91,26 @@ class TracingFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        keep = self._kinds.get(func)
-        if keep is None:
-            keep = self._kinds[func] = _classify(func)
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _classify(func)
+        keep, named = kind
         s = self.s
         # While Dynamo traces this handler, is_compiling() is True: it then inlines a
         # plain call (no frame walk, no graph break), and compiled code stays compiled.
-        if not keep or not s.recording or _is_compiling():
-            return func(*args, **kwargs)
+        if keep < RECORD or keep == PASS or not s.recording or _is_compiling():
+            try:
+                if keep == PASS and s.recording and not _is_compiling():
+                    return call_as_caller(1, func, args, kwargs)   # a getter's warning: at the user's line
+                return func(*args, **kwargs)
+            except BaseException as e:
+                clean_traceback(e)   # this frame never existed untraced; bare raise adds none
+                raise
         rec = s.rec
         calls = rec.calls
-        cap = token = None
+        cap = token = caller = None
         try:
+            caller = caller_frame(1)
             cid = rec.n_calls
             if cid - calls.base >= rec.chunk_rows:   # pack finished rows: memory stays bounded
                 calls.freeze_below(s.call_stack[0] if s.call_stack else cid)
@@ -88,11 +123,13 @@ class TracingFunctionMode(TorchFunctionMode):
                 src = rec.sources(user_frame_location(2))
             else:
                 src = 0
+            if parent < 0 and s.options.modules:
+                s.modules.at(caller)   # the module whose call encloses this one (nested calls inherit it)
             ac = autocast_state() if _any_autocast is None or _any_autocast() else None
             cap = s.capture
             token = cap.call_begin(func) if (cap is not None and parent < 0) else None   # native: func decides the warning redirect
             # func, module, src, first_seq, n_ops, autocast, parent, error, start, dur
-            data.extend((rec.call_funcs(func), s.modules.current, src, s.seq, 0, rec.autocasts(ac) if ac else 0,
+            data.extend((rec.call_funcs(named), s.modules.current, src, s.seq, 0, rec.autocasts(ac) if ac else 0,
                          parent, -1, _perf() - s.t0, 0))
             s.call_stack.append(cid)
             s.current_call = cid
@@ -103,10 +140,14 @@ class TracingFunctionMode(TorchFunctionMode):
                     cap.call_end(token)
                 except Exception as e5:
                     rec.tracer_error("function mode (enter)", e5)
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except BaseException as e6:
+                clean_traceback(e6)
+                raise
         t0 = _perf()
         try:
-            return func(*args, **kwargs)
+            return call_from(caller, func, args, kwargs)   # warnings keep the user's location
         except BaseException as e:
             try:
                 base = (cid - calls.base) * CALL_WIDTH
@@ -118,6 +159,7 @@ class TracingFunctionMode(TorchFunctionMode):
                     s.last_exc_key = exc_key(e)
             except Exception as e2:
                 rec.tracer_error("function mode (error)", e2)
+            clean_traceback(e)
             raise
         finally:
             t1 = _perf()
@@ -132,6 +174,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 s.current_call = stack[-1] if stack else -1
             except Exception as e:
                 rec.tracer_error("function mode (exit)", e)
+            ws = None
             if token is not None:   # its own try: the native capture's call must always end
                 try:
                     ws = cap.call_end(token)
@@ -139,3 +182,21 @@ class TracingFunctionMode(TorchFunctionMode):
                         s.record_warnings(ws, call_id=cid, seq=None)
                 except Exception as e:
                     rec.tracer_error("function mode (exit)", e)
+            if keep == LAZY and not ws:
+                try:
+                    _drop_if_empty(rec, calls, cid)
+                except Exception as e:
+                    rec.tracer_error("function mode (exit)", e)
+
+
+def _drop_if_empty(rec, calls, cid) -> None:
+    """Forget call ``cid`` if it dispatched no op, raised nothing and nothing nested was recorded."""
+    data = calls.data
+    base = (cid - calls.base) * CALL_WIDTH
+    if (rec.n_calls == cid + 1 and base >= 0 and len(data) == base + CALL_WIDTH
+            and data[base + C_N_OPS] == 0 and data[base + C_ERROR] < 0):
+        del data[base:]
+        rec.n_calls = cid
+
+
+register_tracer_code(TracingFunctionMode.__torch_function__)

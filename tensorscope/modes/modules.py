@@ -1,10 +1,18 @@
-"""nn.Module path of the running code, from global forward hooks.
+"""nn.Module path of the running code, read from the call stack (no module hooks).
 
-``register_module_forward_pre_hook`` pushes, ``register_module_forward_hook(always_call=True)``
-pops (also when forward raises). The outermost module called is the root; names
-come from a cached ``root.named_modules()``, so modules in ModuleList/ModuleDict get
-their qualified names (containers are never called themselves). A module not under
-the root gets its parent's path plus ``<ClassName>``.
+Global module hooks would change the program's observable behaviour: every module call takes
+``_call_impl``'s slow path (tracebacks show other lines and an extra ``inner`` frame), and
+``torch.compile(module)`` warns about global hooks. So nothing is registered: when the function
+mode records an outermost torch-level call it asks :meth:`ModuleTracker.at` for the module whose
+``Module.__call__`` frame (``_wrapped_call_impl``) encloses the caller: a walk from the caller
+to top-level code (the cell's or script's ``<module>`` frame, at most 64 frames) that reads
+``self`` of the innermost and the outermost module call only (cached per (root, module)).
+Names come from a cached ``root.named_modules()`` of the outermost module on the stack, so
+modules in ModuleList/ModuleDict get their qualified names; a module not under the root gets the
+enclosing module's path plus ``<ClassName>``. A ``torch.compile``'d root (``OptimizedModule``) is
+named through the module it wraps: paths are the user's (no ``_orig_mod``).
+
+Frames are read while they execute and never kept (they hold the user's tensors).
 """
 from __future__ import annotations
 
@@ -13,59 +21,130 @@ from typing import Dict, List, Optional
 
 import torch
 
+_Module = torch.nn.Module
+_WRAPPED_CODE = getattr(getattr(_Module, "_wrapped_call_impl", None), "__code__", None)
+_IMPL_CODE = getattr(getattr(_Module, "_call_impl", None), "__code__", None)
+#: how far out to look for a module call (compiled regions sit under ~30 frames of torch.compile);
+#: top-level code (a cell, a script: ``<module>``) ends the walk at once
+_NEAR = 64
+
+
+def _module_of(frame) -> Optional[_Module]:
+    try:
+        m = frame.f_locals.get("self")
+    except Exception:
+        return None
+    return m if isinstance(m, _Module) else None
+
+
+def _unwrap(m):
+    """The user's module behind a torch.compile wrapper (OptimizedModule keeps it as _orig_mod)."""
+    orig = getattr(m, "_orig_mod", None) if type(m).__name__ == "OptimizedModule" else None
+    return orig if isinstance(orig, _Module) else m
+
+
+def _is_artifact(m) -> bool:
+    return isinstance(m, _GraphModule) if _GraphModule is not None else False
+
+
+try:
+    from torch.fx import GraphModule as _GraphModule
+except Exception:  # pragma: no cover
+    _GraphModule = None
+
+
+_MOD_CODE = _WRAPPED_CODE or _IMPL_CODE   # one frame per module call (Module.__call__)
+
 
 class ModuleTracker:
     def __init__(self, rec):
         self.rec = rec
-        self.stack: List[int] = []       # module path ids
+        self.stack: List[int] = []       # kept for callers that look at it; always empty now
         self.current = 0                 # module id of the innermost running module (0: none)
-        self._names: Dict[int, str] = {}
-        self._root_ref: Optional[weakref.ref] = None
-        self._handles = []
+        # (id(root), id(module)) -> (weakref(module), weakref(root), module path id)
+        self._ids: Dict[tuple, tuple] = {}
+        # id(root) -> (weakref(root), {id(module): qualified name})
+        self._trees: Dict[int, tuple] = {}
 
     def install(self):
-        reg = torch.nn.modules.module
-        self._handles = [
-            reg.register_module_forward_pre_hook(self._pre),
-            reg.register_module_forward_hook(self._post, always_call=True),
-        ]
+        """Nothing to install: modules are read from the stack (see the module docstring)."""
 
     def remove(self):
-        for h in self._handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._handles = []
-        self.stack.clear()
         self.current = 0
+        self._ids = {}
+        self._trees = {}
 
-    def _name_of(self, module) -> str:
-        if not self.stack:
-            root = self._root_ref() if self._root_ref is not None else None
-            if root is not module:
-                self._root_ref = weakref.ref(module)
-                # ids are only valid while the root (and so its children) is alive
-                self._names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-        name = self._names.get(id(module))
-        if name is None:
-            parent = self.rec.modules.values[self.current] if self.current else ""
-            name = f"{parent}.<{type(module).__name__}>" if parent else f"<{type(module).__name__}>"
-        elif name == "":
-            name = f"<{type(module).__name__}>"   # the root itself
-        return name
-
-    def _pre(self, module, args):
+    def at(self, frame) -> int:
+        """Module path id for code running at ``frame`` (0 outside any module). Sets ``current``."""
         try:
-            name = self._name_of(module)
-            mid = self.rec.modules(name)
-            self.stack.append(mid)
-            self.current = mid
+            mid = self._at(frame)
         except Exception as e:  # never reach user code
-            self.stack.append(self.current)
-            self.rec.tracer_error("module pre-hook", e)
+            self.rec.tracer_error("module path", e)
+            mid = 0
+        self.current = mid
+        return mid
 
-    def _post(self, module, args, output):
-        if self.stack:
-            self.stack.pop()
-        self.current = self.stack[-1] if self.stack else 0
+    def _at(self, frame) -> int:
+        # the Module.__call__ frames between the caller and top-level code (a cell, a script)
+        calls = []
+        f = frame
+        n = _NEAR
+        while f is not None and n:
+            code = f.f_code
+            if code is _MOD_CODE:
+                calls.append(f)
+            elif code.co_name == "<module>":
+                break
+            f = f.f_back
+            n -= 1
+        if not calls:
+            return 0
+        mod = root = None
+        inner = 0
+        for i, fr in enumerate(calls):   # innermost user module (compiled graphs are no module of the user's)
+            m = _module_of(fr)
+            if m is not None and not _is_artifact(m):
+                mod, inner = _unwrap(m), i
+                break
+        if mod is None:
+            return 0
+        for fr in reversed(calls[inner:]):   # outermost: the root whose names are the paths
+            m = _module_of(fr)
+            if m is not None and not _is_artifact(m):
+                root = _unwrap(m)
+                break
+        key = (id(root), id(mod))
+        ent = self._ids.get(key)
+        if ent is not None and ent[0]() is mod and ent[1]() is root:
+            return ent[2]
+        names = self._tree(root)
+        name = names.get(id(mod))
+        if name is None:   # not under the root: the enclosing module's path plus <ClassName>
+            parent = ""
+            for fr in calls[inner + 1:]:
+                m = _module_of(fr)
+                if m is not None and not _is_artifact(m):
+                    m = _unwrap(m)
+                    pn = names.get(id(m))
+                    if pn is not None:
+                        parent = pn or f"<{type(m).__name__}>"
+                        break
+            name = f"{parent}.<{type(mod).__name__}>" if parent else f"<{type(mod).__name__}>"
+        elif name == "":
+            name = f"<{type(mod).__name__}>"   # the root itself
+        mid = self.rec.modules(name)
+        if len(self._ids) >= 65536:
+            self._ids.clear()
+        self._ids[key] = (weakref.ref(mod), weakref.ref(root), mid)
+        return mid
+
+    def _tree(self, root) -> Dict[int, str]:
+        ent = self._trees.get(id(root))
+        if ent is not None and ent[0]() is root:
+            return ent[1]
+        # ids are valid while the root (and so its children) is alive: checked through the weakref
+        names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        if len(self._trees) >= 16:
+            self._trees.clear()
+        self._trees[id(root)] = (weakref.ref(root), names)
+        return names

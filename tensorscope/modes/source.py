@@ -20,12 +20,17 @@ _STDLIB_WRAPPERS = tuple(os.path.join(os.path.dirname(os.__file__), m) for m in 
 _internal: Dict[object, bool] = {}
 
 
+def _is_internal_file(f: str) -> bool:
+    # generated code of torch.compile (fx graphs, inductor's modules) is not the user's either:
+    # its ops belong to the line that called the compiled function
+    return (f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or f.startswith(_STDLIB_WRAPPERS)
+            or f.startswith("<frozen") or f.startswith("<eval_with_key") or "torchinductor" in f)
+
+
 def _is_internal(code) -> bool:
     r = _internal.get(code)
     if r is None:
-        f = code.co_filename
-        r = f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or f.startswith(_STDLIB_WRAPPERS) or f.startswith("<frozen")
-        _internal[code] = r
+        r = _internal[code] = _is_internal_file(code.co_filename)
     return r
 
 
@@ -41,3 +46,43 @@ def user_frame_location(depth: int = 2) -> Tuple[Optional[str], Optional[int]]:
             return code.co_filename, f.f_lineno
         f = f.f_back
     return None, None
+
+
+# ---------------------------------------------------------------------------
+# did compiled code call this op?
+# ---------------------------------------------------------------------------
+_COMPILED_DIRS = tuple(os.path.join(_TORCH_DIR, d) + os.sep for d in ("_inductor", "_functorch", "_higher_order_ops", "fx"))
+_DISABLE_WRAPPERS = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORCH_DIR, "_dynamo", "eval_frame.py"))
+_compiled: Dict[object, Optional[bool]] = {}
+
+
+def _compiled_verdict(code) -> Optional[bool]:
+    r = _compiled.get(code, 0)
+    if r == 0:
+        f = code.co_filename
+        if f.startswith(_DISABLE_WRAPPERS) or f.startswith(_OUR_DIR):
+            r = None                      # the modes and torch's wrappers around them: look further out
+        elif f.startswith(_COMPILED_DIRS) or "torchinductor" in f or f.startswith("<eval_with_key"):
+            r = True                      # a compiled graph (inductor, AOT autograd, an fx GraphModule)
+        elif not _is_internal(code):
+            r = False                     # user code reached first: called directly (torch.ops, C++)
+        else:
+            r = None
+        _compiled[code] = r
+    return r
+
+
+def called_from_compiled_code(depth: int = 2, limit: int = 24) -> bool:
+    """Whether an op that ran outside any torch-level call was dispatched by torch.compile'd code
+    (the innermost classifying frame is a compiled graph's), not by user code calling ops directly."""
+    try:
+        f = sys._getframe(depth)
+    except ValueError:
+        return False
+    while f is not None and limit > 0:
+        r = _compiled_verdict(f.f_code)
+        if r is not None:
+            return r
+        f = f.f_back
+        limit -= 1
+    return False

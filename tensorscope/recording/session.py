@@ -52,6 +52,7 @@ class Session:
         self.current_call = -1
         self.node_names: Dict[type, int] = {}
         self.opaque_ops = 0
+        self.compiled_ops = 0   # of those, dispatched by torch.compile'd code
         self.last_exc_key = None   # (id, type, message) of the last recorded exception
         self.last_error_id = -1
         self.modules = ModuleTracker(self.rec)
@@ -107,6 +108,48 @@ class Session:
                 op=None if wop == "?" else wop, source_file=file, source_line=line, native=bool(w.get("native", False)), count=1,
             )
 
+    def _begin_cell_warnings(self):
+        """Collect every warning shown while tracing that no torch-level call claims: a plain
+        ``warnings.warn`` in user code, a C++ warning shown after its call returned (handed to the
+        outer binding) or raised by a pass-through getter."""
+        self._warn_token = None
+        cap = self.capture
+        if cap is not None:
+            try:
+                self._warn_token = cap.call_begin(None)
+            except Exception as e:
+                self.rec.tracer_error("warnings (begin)", e)
+
+    def _end_cell_warnings(self):
+        tok, self._warn_token = getattr(self, "_warn_token", None), None
+        cap = self.capture
+        if tok is None or cap is None:
+            return
+        try:
+            ws = cap.call_end(tok)
+        except Exception as e:
+            self.rec.tracer_error("warnings (end)", e)
+            return
+        if not ws:
+            return
+        from collections import Counter
+
+        # a C++ warning the native hooks recorded at its op is shown by Python later: not twice
+        native = Counter(r.get("message") for r in self.rec.errors if r.get("kind") == "warning" and r.get("native"))
+        for w in ws:
+            msg = w.get("message")
+            if w.get("cpp_file") is not None and native.get(msg):
+                native[msg] -= 1
+                continue
+            file, line = w.get("filename"), w.get("lineno")
+            if file is not None and (w.get("verbatim") or _looks_internal(file)):
+                file = line = None   # shown at a C++ or library location: no user line to name
+            self.rec.add_error(
+                kind="warning", py_type=w.get("category") or "UserWarning", cpp_type=None, message=msg,
+                cpp_file=w.get("cpp_file"), cpp_line=w.get("cpp_line"), cpp_function=w.get("cpp_function"),
+                seq=None, call_id=None, op=None, source_file=file, source_line=line,
+                native=bool(w.get("native", False)), count=1)
+
     # -- lifecycle -------------------------------------------------------------
     def start(self):
         if active_session() is not None:
@@ -119,6 +162,7 @@ class Session:
         opts = self.options
         _warm_up()
         self._setup_probes()
+        self._begin_cell_warnings()
         self._fmode = TracingFunctionMode(self)
         self._dmode = TracingDispatchMode(self)
         _local.session = self
@@ -208,6 +252,8 @@ class Session:
         """Stop recording, restore global state, build and return the Trace."""
         end = time.perf_counter_ns()
         self.wall_ns = end - self.t0 if self.t0 else 0
+        self.recording = False
+        self._end_cell_warnings()
         self._restore()
         if exc is not None:
             self._note_cell_exception(exc)
@@ -215,6 +261,8 @@ class Session:
 
         try:
             self.trace = build_trace(self)
+            _note_cell_files(self.trace, self.rec)
+            self.trace.metadata["compiled_ops"] = self.compiled_ops
         finally:
             if self.tracker is not None:
                 self.tracker.close()
@@ -273,6 +321,26 @@ def _exit_mode(mode, stack_fn):
     mode.__exit__(None, None, None)
     for m in reversed(above):
         m.__enter__()
+
+
+def _note_cell_files(t, rec):
+    """Which source files are notebook cells, and their numbers (``Cell In[3], line 11``)."""
+    try:
+        from .._location import cell_files_for
+
+        files = [v[0] for v in rec.sources.values if v is not None]
+        files += [r.get("source_file") for r in rec.errors]
+        cells = cell_files_for(files)
+        if cells:
+            t.metadata["cell_files"] = cells
+    except Exception as e:
+        rec.tracer_error("cell files", e)
+
+
+def _looks_internal(filename: str) -> bool:
+    from ..modes.source import _is_internal_file
+
+    return _is_internal_file(filename)
 
 
 def exc_key(e: BaseException):
@@ -343,8 +411,16 @@ class trace:
     def __exit__(self, et, ev, tb):
         self._trace = self._session.stop(ev)
         self._session = None
-        if ev is None:
+        if ev is not None:
+            from ..modes.frames import clean_traceback
+
+            clean_traceback(ev)   # the with-statement re-raises ev: its traceback as untraced
+            return False
+        try:
             raise_for_guards(self._trace)
+        except BaseException as g:
+            g.__traceback__ = None   # point at the with-statement, not into tensorscope
+            raise
         return False
 
     @property

@@ -59,11 +59,12 @@ def _us(ns: int) -> float:
     return ns / 1000.0
 
 
-def _loc(file, line) -> Optional[str]:
+def _loc(file, line, cells=None) -> Optional[str]:
     if not file:
         return None
-    base = os.path.basename(file)
-    return f"{base}:{line}" if line is not None else base
+    from .._location import format_location
+
+    return format_location(file, line, cells or {})
 
 
 def _clean(d: Dict[str, Any]) -> Dict[str, Any]:
@@ -100,7 +101,7 @@ def trace_events(trace) -> Dict[str, Any]:
                 continue
             e = s + (c("dur_ns", i) or 0)
             args = _clean({"call_id": c("call_id", i), "qualname": c("qualname", i), "module": c("module", i),
-                           "line": _loc(c("source_file", i), c("source_line", i)), "n_ops": c("n_ops", i),
+                           "line": _loc(c("source_file", i), c("source_line", i), md.get("cell_files")), "n_ops": c("n_ops", i),
                            "autocast": c("autocast", i), "error_id": c("error_id", i)})
             slices.append((s, e, 0, {"name": c("name", i) or "?", "cat": "call", "args": args}))
     op_names: Dict[int, str] = {}
@@ -121,7 +122,7 @@ def trace_events(trace) -> Dict[str, Any]:
             op_names[seq] = name
             flops = g("flops", i)
             args = _clean({"seq": seq, "phase": g("phase", i), "module": g("module", i),
-                           "line": _loc(g("source_file", i), g("source_line", i)),
+                           "line": _loc(g("source_file", i), g("source_line", i), md.get("cell_files")),
                            "in_shapes": g("in_shapes", i), "in_dtypes": g("in_dtypes", i), "in_formats": g("in_formats", i),
                            "out_shapes": g("out_shapes", i), "out_dtypes": g("out_dtypes", i),
                            "out_formats": g("out_formats", i), "flops": flops if (flops is not None and flops >= 0) else None,

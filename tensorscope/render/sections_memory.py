@@ -10,7 +10,6 @@ Both return None when there is nothing to say.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from .summary import Section, fmt_bytes, register_section
@@ -40,7 +39,9 @@ def memory_section(t) -> Optional[Section]:
             except Exception:
                 line = f = None
             if line is not None:
-                at += f" at {os.path.basename(f) if f else 'line'}:{line}"
+                from .._location import format_location, trace_cells
+
+                at += f" at {format_location(f, line, trace_cells(t))}"
             at += ")"
         hw = p.get("high_water_bytes")
         rows.append((dev, fmt_bytes(p["peak_bytes"]), at, f"{fmt_bytes(p['start_bytes'])} → {fmt_bytes(p['end_bytes'])}",
@@ -54,18 +55,22 @@ def leaks_section(t) -> Optional[Section]:
     lk = t.leaks
     if lk.num_rows == 0:
         return None
+    from .._location import format_location, trace_cells
+
+    cells = trace_cells(t)
     groups = {}
     for r in lk.to_pylist():
         holder = (r.get("holder") or "").split("; also ")[0]
         if r.get("holder_kind") == "autograd_graph":
             holder = holder.split(" → grad_fn")[0] + " (autograd graph)"
         key = (r.get("holder_kind"), holder)
-        g = groups.setdefault(key, {"n": 0, "bytes": 0, "fix": r.get("fix") or "", "line": r.get("source_line")})
+        g = groups.setdefault(key, {"n": 0, "bytes": 0, "fix": r.get("fix") or "", "line": r.get("source_line"),
+                                    "file": r.get("source_file")})
         g["n"] += 1
         g["bytes"] += r.get("nbytes") or 0
     ordered = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])
     rows = [(fmt_bytes(g["bytes"]), kind or "", holder, str(g["n"]),
-             (f"line {g['line']}" if g["line"] is not None else ""), g["fix"])
+             (format_location(g["file"], g["line"], cells) if g["line"] is not None else ""), g["fix"])
             for (kind, holder), g in ordered[:_TOP]]
     total = sum(g["bytes"] for g in groups.values())
     notes = [f"{len(ordered) - _TOP} more holders in t.leaks"] if len(ordered) > _TOP else []

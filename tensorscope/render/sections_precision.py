@@ -13,12 +13,12 @@ whose relative error against the wide reference exceeds the threshold.
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from typing import List, Optional
 
 import pyarrow.compute as pc
 
+from .._location import format_location, trace_cells
 from ..analyses.guards import group_rows
 from ..analyses.layout import _NoGC
 from .summary import Section, fmt_bytes, register_section
@@ -28,13 +28,11 @@ _KIND_LABEL = {"format_change": "format change", "hidden_copy": "hidden copy", "
 _PLURAL = {"format_change": "format changes", "hidden_copy": "hidden copies", "non_dense_input": "non-dense inputs"}
 
 
-def _where(r) -> str:
+def _where(r, cells=None) -> str:
     parts = []
-    f, line = r.get("source_file"), r.get("source_line")
-    if f is not None:
-        parts.append(f"{os.path.basename(f)}:{line}" if line is not None else os.path.basename(f))
-    elif line is not None:
-        parts.append(f"line {line}")
+    loc = format_location(r.get("source_file"), r.get("source_line"), cells)
+    if loc:
+        parts.append(loc)
     if r.get("module"):
         parts.append(r["module"])
     return " ".join(parts)
@@ -44,6 +42,7 @@ _group = group_rows   # one grouping rule for guards and summary
 
 
 def layout_section(t) -> Optional[Section]:
+    cells = trace_cells(t)
     lc = t.layout_changes
     if lc.num_rows == 0:
         return None
@@ -56,7 +55,7 @@ def layout_section(t) -> Optional[Section]:
     for r, n, nb in groups[:_TOP]:
         detail = r.get("reason") or ""
         out.append((_KIND_LABEL.get(r["kind"], r["kind"]), r["op"], r.get("call") or "",
-                    f"{r.get('from_format')} → {r.get('to_format')}", str(n), fmt_bytes(nb), _where(r), detail))
+                    f"{r.get('from_format')} → {r.get('to_format')}", str(n), fmt_bytes(nb), _where(r, cells), detail))
     notes = []
     tot = {}
     for r in rows:
@@ -76,6 +75,7 @@ def layout_section(t) -> Optional[Section]:
 
 
 def precision_section(t) -> Optional[Section]:
+    cells = trace_cells(t)
     rows: List[tuple] = []
     notes: List[str] = []
     # -- casts by kind and direction
@@ -92,7 +92,7 @@ def precision_section(t) -> Optional[Section]:
                 (x.get("source_file"), x.get("source_line"), x.get("module")), x)
         for r, n, nb in groups[:_TOP]:
             pl = list(places[key(r)].values())
-            where = ", ".join(_where(p) for p in pl[:3]) + (" …" if len(pl) > 3 else "")
+            where = ", ".join(_where(p, cells) for p in pl[:3]) + (" …" if len(pl) > 3 else "")
             rows.append((f"cast: {r['kind']}", f"{r['from_dtype']} → {r['to_dtype']} ({r['direction']})",
                          str(n), fmt_bytes(nb), where))
         from ..analyses.casts import round_trip_pairs
@@ -106,22 +106,29 @@ def precision_section(t) -> Optional[Section]:
                          "under inference_mode nothing is cached")
         if any(r["direction"] in ("int_narrowing", "float_to_int") for r in crow):
             notes.append("int_narrowing/float_to_int casts wrap or truncate silently: check the value range")
-    # -- non-finite values
+    # -- non-finite values: produced by an op, written on purpose (masks), or passed on
     ops = t.ops
     if ops.num_rows and ops.column("nonfinite").null_count < ops.num_rows:
-        bad = ops.filter(pc.fill_null(pc.greater(ops.column("nonfinite"), 0), False))
-        if bad.num_rows:
-            b = bad.select(["seq", "op", "nonfinite", "nonfinite_produced", "module", "source_file", "source_line"]).to_pylist()
-            prod = [r for r in b if r["nonfinite_produced"]]
+        from ..analyses.nonfinite import nonfinite_verdicts
+
+        b = nonfinite_verdicts(ops)
+        if b:
+            prod = [r for r in b if r["verdict"] == "produced"]
             for r in prod[:5]:
                 first = " (first)" if r is prod[0] else ""
                 rows.append((f"non-finite produced{first}", f"{r['op']} (seq {r['seq']})", str(r["nonfinite"]), "",
-                             _where(r)))
-            nprop = len(b) - len(prod)
+                             _where(r, cells)))
+            nprop = sum(1 for r in b if r["verdict"] == "propagated")
             if nprop:
                 rows.append(("non-finite propagated", f"{nprop} op(s) passed NaN/Inf on", str(nprop), "", ""))
-            if not prod:
-                notes.append("every NaN/Inf came from the cell's inputs (no op inside it produced one)")
+            nconst = sum(1 for r in b if r["verdict"] == "constant")
+            nfrom = sum(1 for r in b if r["verdict"] == "from_constant")
+            if nconst and (prod or nprop):
+                notes.append(f"±inf written on purpose by {nconst} op(s) (full/masked_fill/where with an infinite "
+                             f"constant, e.g. attention masks) and carried on by {nfrom}: intentional, not an overflow")
+            if nprop and not prod:
+                notes.append("every other NaN/Inf came from the cell's inputs (no op inside it produced one)"
+                             if nconst else "every NaN/Inf came from the cell's inputs (no op inside it produced one)")
     elif ops.num_rows:
         notes.append("non-finite screen off")
     # -- numerics shadow
@@ -137,7 +144,7 @@ def precision_section(t) -> Optional[Section]:
             cand.sort(key=lambda r: -(r["num_rel_err"] if r["num_rel_err"] == r["num_rel_err"] else float("inf")))
             for r in cand[:_TOP]:
                 rows.append(("numerics error", f"{r['op']} (seq {r['seq']}, {'/'.join(sorted(set(r['in_dtypes'] or [])))})",
-                             f"rel {r['num_rel_err']:.3g}", f"max abs {r['num_max_abs_err']:.3g}", _where(r)))
+                             f"rel {r['num_rel_err']:.3g}", f"max abs {r['num_max_abs_err']:.3g}", _where(r, cells)))
             n_cmp = ops.num_rows - col.null_count
             notes.append(f"numerics ({opts.get('numerics')}): {n_cmp} op(s) compared against a wide reference, "
                          f"{over.num_rows} above rel. error {thr:g}")

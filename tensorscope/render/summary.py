@@ -56,13 +56,12 @@ def fmt_ns(n) -> str:
     return f"{n / 1e9:.2f} s"
 
 
-def _location(file, line) -> str:
+def _location(file, line, cells=None) -> str:
     if file is None:
         return ""
-    import os
+    from .._location import format_location
 
-    base = os.path.basename(file)
-    return f"{base}:{line}" if line is not None else base
+    return format_location(file, line, cells)
 
 
 @register_section
@@ -95,10 +94,16 @@ def overview(t) -> Section:
     if md.get("saved_to"):
         rows.append(("saved to", md["saved_to"]))
     notes = []
-    if md.get("opaque_ops"):
-        notes.append(f"{md['opaque_ops']} forward op(s) ran outside any torch-level call the function mode saw: "
-                     "typically torch.compile'd code, which runs compiled and opaque (only the ops the compiled "
-                     "artifact dispatches are visible, not what it fused), or code called from C++.")
+    compiled = md.get("compiled_ops")
+    if compiled is None:   # a trace saved before compiled ops were told apart
+        compiled = md.get("opaque_ops") or 0
+    if compiled:
+        notes.append(f"{compiled} forward op(s) were dispatched by torch.compile'd code, which runs compiled and "
+                     "opaque: only the ops the compiled artifact dispatches are visible, not what it fused.")
+    direct = (md.get("opaque_ops") or 0) - compiled
+    if direct > 0:
+        notes.append(f"{direct} forward op(s) ran outside any torch-level call (called through torch.ops or from "
+                     "C++): they have no call, and their line is unknown.")
     if md.get("spilled_rows"):
         notes.append(f"{md['spilled_rows']} rows were spilled to disk while recording (trace larger than spill_rows).")
     if md.get("tracer_errors"):
@@ -160,7 +165,9 @@ def errors_section(t) -> Optional[Section]:
         if r.get("op"):
             where.append(f"in {r['op']}")
         if r.get("source_line") is not None:
-            where.append(f"line {r['source_line']}")
+            from .._location import format_location, trace_cells
+
+            where.append(format_location(r.get("source_file"), r["source_line"], trace_cells(t)))
         msg = (r.get("message") or "").strip().splitlines()
         rows.append((r["kind"], r.get("py_type") or "", " ".join(where), (msg[0] if msg else "")[:300],
                      str(r.get("count") or 1)))

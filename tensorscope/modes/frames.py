@@ -1,0 +1,224 @@
+"""Tracebacks as they are untraced: drop the traceback entries the tracer introduced.
+
+A traced exception passes through frames that do not exist untraced:
+
+* the modes' own ``__torch_function__`` / ``__torch_dispatch__`` (any code
+  object registered with :func:`register_tracer_code`);
+* ``torch.overrides.handle_torch_function``, when the mode it called is one of
+  ours, and the frame of the Python-level torch function that called it
+  (``F.softmax`` checks ``has_torch_function`` and hands itself to the mode,
+  which calls it again: untraced only the second invocation exists);
+* the dynamo-disable wrappers torch puts around ``__torch_dispatch__``
+  (``torch/_compile.py:inner``, ``torch/_dynamo/eval_frame.py:_fn``), when
+  what they wrap is ours;
+* ``OpOverload.__call__`` (``torch/_ops.py``) when our dispatch mode called it;
+* the trampoline (below) through which the function mode calls torch functions.
+
+Each is recognised by what it is (its code object, the mode or function in
+its locals, its caller), never by its position alone, so a user's own modes
+and torch's own frames that also exist untraced are kept. Entries are removed
+by relinking ``tb_next`` (writable since Python 3.7); a bare ``raise`` after
+cleaning adds no entry, so the exception continues with the cleaned chain.
+
+Cleaning is idempotent and cheap (error path only). Each layer cleans what it
+can see: a mode sees only the entries below its own frame, so the entries
+above it (``handle_torch_function``, the duplicated caller) are removed by an
+outer layer: ``trace.__exit__`` or, in a traced notebook cell, the
+controller's exception hook before IPython displays the traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from types import FunctionType
+from typing import Dict, Set
+
+import torch
+
+_TRACER_CODES: Set[object] = set()
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_WRAPPER_FILES = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORCH_DIR, "_dynamo", "eval_frame.py"))
+_OPS_FILE = os.path.join(_TORCH_DIR, "_ops.py")
+_HTF_CODE = getattr(getattr(torch.overrides, "handle_torch_function", None), "__code__", None)
+_registered_defaults = False
+
+
+def register_tracer_code(*fns) -> None:
+    """Mark functions whose frames exist only because tensorscope is tracing."""
+    for fn in fns:
+        fn = getattr(fn, "__func__", fn)
+        fn = getattr(fn, "__wrapped__", fn)   # the raw function behind torch's dynamo-disable wrapper
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            _TRACER_CODES.add(code)
+
+
+def _register_defaults() -> None:
+    global _registered_defaults
+    _registered_defaults = True
+    try:   # the python engine's dispatch mode (imported lazily: it may never be used)
+        from .dispatch import TracingDispatchMode
+
+        register_tracer_code(TracingDispatchMode.__dict__.get("__torch_dispatch__"))
+    except Exception:
+        pass
+
+
+# ---------------------------------------------------------------------------
+# the trampoline: the frame that calls a torch function looks like the user's
+# ---------------------------------------------------------------------------
+# ``warnings.warn(stacklevel=N)`` in torch's Python code and C++ warnings turned into Python ones
+# (stacklevel 1) are attributed to the frame that called the torch function, and their filters
+# and "once"/"default" registries key on that frame's filename, line and globals (its module name,
+# its ``__warningregistry__``). Under a mode that frame is the mode's. So the mode calls ``func``
+# through a one-line function whose code carries the user's filename and line and which runs with
+# the user's globals: the frame a stacklevel lands on is then indistinguishable from the untraced one.
+_TRAMPOLINE_NAME = "_tensorscope_call"
+_TEMPLATE = compile(f"def {_TRAMPOLINE_NAME}(func, args, kwargs): return func(*args, **kwargs)",
+                    "<tensorscope>", "exec").co_consts[0]
+_TEMPLATE_BYTES = _TEMPLATE.co_code
+_trampolines: Dict[tuple, FunctionType] = {}
+_getframe = sys._getframe
+
+
+def trampoline_for(caller) -> FunctionType:
+    """``f(func, args, kwargs)`` whose frame has ``caller``'s filename, current line and globals."""
+    g = caller.f_globals
+    key = (caller.f_code, caller.f_lasti, id(g))   # the instruction, not the line: no line-table lookup
+    fn = _trampolines.get(key)
+    if fn is None:
+        line = caller.f_lineno
+        if line is None or line < 1:
+            line = caller.f_code.co_firstlineno
+        code = _TEMPLATE.replace(co_filename=caller.f_code.co_filename, co_firstlineno=line)
+        fn = FunctionType(code, g)
+        if len(_trampolines) >= 4096:   # bounded: one entry per distinct call site
+            _trampolines.clear()
+        _trampolines[key] = fn
+    return fn
+
+
+def caller_frame(depth: int):
+    """The frame that called the torch function whose mode handler is ``depth`` frames above the
+    caller of this function (past handle_torch_function and the function that called it)."""
+    caller = _getframe(depth + 1)
+    if caller.f_code is _HTF_CODE:   # a Python-level torch function handed itself to the mode
+        back = caller.f_back
+        caller = back.f_back if back is not None else None
+    return caller
+
+
+def call_from(caller, func, args, kwargs):
+    """``func(*args, **kwargs)``, called from a frame that looks like ``caller``."""
+    if caller is None:
+        return func(*args, **kwargs)
+    return trampoline_for(caller)(func, args, kwargs)
+
+
+def call_as_caller(depth: int, func, args, kwargs):
+    """Call ``func(*args, **kwargs)`` from a frame that looks like the one that called the torch
+    function (``depth`` frames above the caller of this function, past handle_torch_function)."""
+    return call_from(caller_frame(depth + 1), func, args, kwargs)
+
+
+register_tracer_code(call_as_caller, call_from)
+
+
+def _is_trampoline(code) -> bool:
+    return code.co_name == _TRAMPOLINE_NAME and code.co_code == _TEMPLATE_BYTES
+
+
+def _is_tracer_code(code) -> bool:
+    return code in _TRACER_CODES or _is_trampoline(code)
+
+
+def _is_tracer_callable(obj) -> bool:
+    obj = getattr(obj, "__func__", obj)
+    return getattr(obj, "__code__", None) in _TRACER_CODES
+
+
+def _mode_is_ours(mode) -> bool:
+    return _is_tracer_callable(getattr(type(mode), "__torch_function__", None)) or \
+        _is_tracer_callable(getattr(type(mode), "__torch_dispatch__", None))
+
+
+def _locals(frame) -> dict:
+    try:
+        return frame.f_locals
+    except Exception:
+        return {}
+
+
+def _introduced(tb) -> int:
+    """0: keep; 1: introduced by the tracer; 2: handle_torch_function that called one of our modes."""
+    frame = tb.tb_frame
+    code = frame.f_code
+    if _is_tracer_code(code):
+        return 1
+    if code is _HTF_CODE:
+        return 2 if _mode_is_ours(_locals(frame).get("mode")) else 0
+    fname = code.co_filename
+    if fname in _WRAPPER_FILES and code.co_name in ("inner", "_fn"):
+        return 1 if _is_tracer_callable(_locals(frame).get("fn")) else 0
+    if fname == _OPS_FILE and code.co_name == "__call__":
+        back = frame.f_back
+        return 1 if (back is not None and back.f_code in _TRACER_CODES) else 0
+    return 0
+
+
+def clean_traceback(exc: BaseException) -> BaseException:
+    """Remove the tracer's entries from ``exc``'s traceback (and its cause/context chain), in place."""
+    if not _registered_defaults:
+        _register_defaults()
+    seen = set()
+    e = exc
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        try:
+            _clean_one(e)
+        except Exception:   # never let cleaning replace the user's exception
+            pass
+        todo.append(e.__cause__)
+        todo.append(e.__context__)
+    return exc
+
+
+def _clean_one(exc: BaseException) -> None:
+    entries = []
+    tb = exc.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    if not entries:
+        return
+    kinds = [_introduced(t) for t in entries]
+    if not any(kinds):
+        return
+    drop = [k != 0 for k in kinds]
+    n = len(entries)
+    for i, k in enumerate(kinds):
+        if k != 2 or i == 0:
+            continue
+        # F.softmax -> handle_torch_function -> our mode -> F.softmax again: untraced only the
+        # second call exists (at the line that does the work), so the first one goes
+        caller = entries[i - 1]
+        if drop[i - 1] or caller.tb_frame is not entries[i].tb_frame.f_back:
+            continue
+        j = i + 1
+        while j < n and drop[j]:
+            j += 1
+        if j < n:
+            f = entries[j].tb_frame
+            back = f.f_back
+            if f.f_code is caller.tb_frame.f_code and back is not None and _is_tracer_code(back.f_code):
+                drop[i - 1] = True
+    kept = [t for t, d in zip(entries, drop) if not d]
+    for a, b in zip(kept, kept[1:]):
+        a.tb_next = b
+    if kept:
+        kept[-1].tb_next = None
+    exc.__traceback__ = kept[0] if kept else None
