@@ -78,6 +78,8 @@ class Trace:
     casts = property(lambda self: self.table("casts"))
     layout_changes = property(lambda self: self.table("layout_changes"))
     memory = property(lambda self: self.table("memory"))
+    graphs = property(lambda self: self.table("graphs"))
+    graph_nodes = property(lambda self: self.table("graph_nodes"))
 
     def df(self, name: str = "ops"):
         """A table as a pandas DataFrame (nullable ints stay ints)."""

@@ -80,6 +80,7 @@ OPS = _schema("ops", [
     ("nonfinite_produced", _bool),  # true when inputs were finite (produced, not propagated)
     ("num_rel_err", _f64),          # numerics shadow mode: relative error vs the wide reference
     ("num_max_abs_err", _f64),
+    ("graph_id", _i64),             # compiled region (graphs.graph_id, kind inductor) that ran this op, or null
 ])
 
 CALLS = _schema("calls", [
@@ -97,8 +98,9 @@ CALLS = _schema("calls", [
     ("first_seq", _i64),            # first ops.seq inside the call (null if none dispatched)
     ("n_ops", _i64),
     ("autocast", _str),             # autocast dtype active for the call's device, or null
-    ("compiled", _bool),            # reserved: null until compiled regions are attributed per call
+    ("compiled", _bool),            # true when the call ran inside a torch.compile'd region (see graph_id)
     ("error_id", _i64),
+    ("graph_id", _i64),             # compiled region (graphs.graph_id) the call ran in, or null
 ])
 
 TENSORS = _schema("tensors", [
@@ -193,6 +195,38 @@ LAYOUT_CHANGES = _schema("layout_changes", [
     ("source_line", _i64),
 ])
 
+GRAPHS = _schema("graphs", [      # what torch.compile built while tracing (structured-trace artifacts)
+    ("graph_id", _i64),
+    ("kind", _str),                 # dynamo / aot_forward / aot_backward / inductor
+    ("compile_id", _str),           # Dynamo's "frame/attempt" id: "0/1" is frame 0's 2nd compile (a recompile)
+    ("phase", _str),                # aot/inductor: forward / backward / inference; dynamo: null
+    ("frame", _str),                # compiled function's name
+    ("source_file", _str),
+    ("source_line", _i64),          # first line of the compiled function
+    ("compile_ns", _i64),           # dynamo: whole frame; aot_forward: backend; inductor: inductor (per phase)
+    ("n_nodes", _i64),              # FX nodes incl. inputs and output (dynamo/aot)
+    ("n_ops", _i64),                # call nodes (ATen ops for aot graphs)
+    ("n_kernels", _i64),            # inductor: kernels the generated call() launches
+    ("kernels", _strs),             # inductor: fused kernel names, extern_kernels.*, ATen fallbacks
+    ("guards", _strs),              # dynamo: leaf guards of the guard tree
+    ("recompile_reason", _str),     # dynamo: the guard that failed and forced this compile
+    ("cache", _str),                # fx_graph_cache_hit / aotautograd_cache_miss ...
+    ("code_file", _str),            # inductor: the generated module that runs
+    ("compiled_in_trace", _bool),   # false: compiled in an earlier trace of this process, only run here
+])
+
+GRAPH_NODES = _schema("graph_nodes", [
+    ("graph_id", _i64),
+    ("idx", _i64),
+    ("name", _str),
+    ("op", _str),                   # aten.addmm.default / torch._C._nn.linear / Tensor.sum / input / output
+    ("shapes", _shapes),            # per tensor output; -1 for a symbolic (dynamic) size
+    ("strides", _shapes),
+    ("dtypes", _strs),
+    ("source_file", _str),          # user line the node came from
+    ("source_line", _i64),
+])
+
 MEMORY = _schema("memory", [
     ("seq", _i64),
     ("device", _str),
@@ -211,10 +245,12 @@ TABLES: Dict[str, pa.Schema] = {
     "casts": CASTS,
     "layout_changes": LAYOUT_CHANGES,
     "memory": MEMORY,
+    "graphs": GRAPHS,
+    "graph_nodes": GRAPH_NODES,
 }
 
 #: Tables recorded directly; the rest are derived by analyses from these.
-RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks")
+RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks", "graphs", "graph_nodes")
 DERIVED = ("casts", "layout_changes", "memory")
 
 

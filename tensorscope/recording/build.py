@@ -309,6 +309,7 @@ class _Ctx:
                 mx[s - start] = m
         cols["num_rel_err"] = pa.array(rel, pa.float64(), mask=np.isnan(rel))
         cols["num_max_abs_err"] = pa.array(mx, pa.float64(), mask=np.isnan(mx))
+        cols["graph_id"] = pa.nulls(n, pa.int64())   # filled by recording/compiled.attach
         return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
 
     def _shape_flops(self, flops, op, ins):
@@ -425,6 +426,7 @@ def _calls_table(sess, ctx: _Ctx):
         autocast=_take(autocasts, a["autocast"].astype(np.int64)),
         compiled=pa.nulls(n, pa.bool_()),   # not attributed per call yet: see metadata "opaque_ops"
         error_id=_nullable(a["error"], a["error"] < 0),
+        graph_id=pa.nulls(n, pa.int64()),   # filled by recording/compiled.attach
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.CALLS], schema=S.CALLS)
 
@@ -627,6 +629,13 @@ def build_trace(sess):
         "tensors": _tensors_table(sess, ctx),
         "errors": _errors_table(sess, ctx),
     }
+    try:
+        from .compiled import attach
+
+        tables = attach(sess, tables)   # graphs, graph_nodes; ops/calls.graph_id
+        ops = tables["ops"]
+    except Exception as e:
+        rec.tracer_error("compiled regions", e)
     kernels, knotes = _kernels_table(sess, ops)
     tables["kernels"] = kernels
     notes = list(knotes)

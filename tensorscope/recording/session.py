@@ -62,6 +62,7 @@ class Session:
         self.shadow = None
         self.cuda_timer = None
         self.kernels = None
+        self.compile_capture = None   # torch.compile artifacts (recording/compiled.py)
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.t0 = 0
         self.wall_ns = 0
@@ -163,6 +164,13 @@ class Session:
                 self.cuda_timer = CudaOpTimer()
             except Exception as e:
                 self.rec.notes.append(f"CUDA timing unavailable: {e}")
+        try:
+            from .compiled import CompileCapture
+
+            self.compile_capture = CompileCapture().install()
+        except Exception as e:
+            self.compile_capture = None
+            self.rec.notes.append(f"torch.compile capture unavailable: {e}")
         if opts.kernels:
             try:
                 from ..timing.kernels import KernelCollector
@@ -196,6 +204,11 @@ class Session:
             pass  # storages stay watched until the tables are built (free_seq of late frees)
         if getattr(_local, "session", None) is self:
             _local.session = None
+        if self.compile_capture is not None:
+            try:
+                self.compile_capture.close()
+            except Exception as e:
+                errors.append(e)
         if self.capture is not None:
             try:
                 self.capture.close()
