@@ -195,6 +195,19 @@ LAYOUT_CHANGES = _schema("layout_changes", [
     ("source_line", _i64),
 ])
 
+API = _schema("api", [            # derived: per torch-level API, the ATen ops it became
+    ("qualname", _str),             # torch.nn.functional.linear, Tensor.reshape
+    ("name", _str),
+    ("n_calls", _i64),              # calls of the API in the trace
+    ("no_op_calls", _i64),          # of them, calls that dispatched no ATen op at all
+    ("op", _str),                   # an ATen op it dispatched (null: none of its calls dispatched any)
+    ("n_ops", _i64),                # how many times
+    ("ops_per_call", _f64),
+    ("cpu_ns", _i64),
+    ("core", _bool),                # op is core ATen (torch.Tag.core)
+    ("hidden_copies", _i64),        # rows of this op flagged hidden_copy
+])
+
 GRAPHS = _schema("graphs", [      # what torch.compile built while tracing (structured-trace artifacts)
     ("graph_id", _i64),
     ("kind", _str),                 # dynamo / aot_forward / aot_backward / inductor
@@ -247,11 +260,12 @@ TABLES: Dict[str, pa.Schema] = {
     "memory": MEMORY,
     "graphs": GRAPHS,
     "graph_nodes": GRAPH_NODES,
+    "api": API,
 }
 
 #: Tables recorded directly; the rest are derived by analyses from these.
 RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks", "graphs", "graph_nodes")
-DERIVED = ("casts", "layout_changes", "memory")
+DERIVED = ("casts", "layout_changes", "memory", "api")
 
 
 def empty(name: str) -> pa.Table:

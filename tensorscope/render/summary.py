@@ -240,7 +240,8 @@ def summarize(t) -> Summary:
 
 
 _SECTION_MODULES = ("tensorscope.render.sections_precision", "tensorscope.render.sections_memory",
-                    "tensorscope.render.sections_timing")
+                    "tensorscope.render.sections_timing", "tensorscope.render.sections_compiled",
+                    "tensorscope.render.sections_api")
 
 
 def _load_section_modules():
