@@ -33,6 +33,8 @@ _LAZY = {
     "disable_discovery": ("tensorscope.tracking.leaks", "disable_discovery"),
     "env": ("tensorscope.env", "env"),
     "SCHEMA_VERSION": ("tensorscope.schema", "SCHEMA_VERSION"),
+    "check_substitution": ("tensorscope.substitution", "check_substitution"),
+    "SubstitutionReport": ("tensorscope.substitution", "SubstitutionReport"),
 }
 
 __all__ = sorted(list(_LAZY) + ["__version__", "load_ipython_extension", "unload_ipython_extension",

@@ -247,6 +247,22 @@ MEMORY = _schema("memory", [
     ("delta_bytes", _i64),
 ])
 
+#: Not a trace table: the rows of ``check_substitution(...).table`` (one per divergence).
+SUBSTITUTION = _schema("substitution", [
+    ("kind", _str),                 # op_appeared / op_disappeared / shape / dtype / layout / input_layout /
+                                    # input_dtype / aliasing / inplace / lost_subclass / value / exception / ...
+    ("phase", _str),                # forward / backward (op divergences)
+    ("op", _str),                   # the ATen op, or output[i] for output divergences
+    ("call", _str),                 # the torch-level call around the op
+    ("plain", _str),                # what plain tensors did
+    ("wrapped", _str),              # what the subclass did
+    ("source_file", _str),          # the user line
+    ("source_line", _i64),
+    ("plain_seq", _i64),            # ops.seq in report.plain
+    ("wrapped_seq", _i64),          # ops.seq in report.wrapped
+    ("detail", _str),
+])
+
 #: Every table a Trace carries, in display order. ``memory`` is derived.
 TABLES: Dict[str, pa.Schema] = {
     "ops": OPS,
