@@ -34,6 +34,8 @@ _LAZY = {
     "env": ("tensorscope.env", "env"),
     "SCHEMA_VERSION": ("tensorscope.schema", "SCHEMA_VERSION"),
     "check_substitution": ("tensorscope.substitution", "check_substitution"),
+    "diff": ("tensorscope._diff", "diff"),
+    "TraceDiff": ("tensorscope._diff", "TraceDiff"),
     "SubstitutionReport": ("tensorscope.substitution", "SubstitutionReport"),
 }
 

@@ -263,6 +263,25 @@ SUBSTITUTION = _schema("substitution", [
     ("detail", _str),
 ])
 
+#: Not a trace table: ``tensorscope.diff(a, b).table``, one row per (section, key) of either run.
+DIFF = _schema("diff", [
+    ("section", _str),              # ops / hidden_copies / casts / layout
+    ("status", _str),               # appeared / disappeared / changed / same
+    ("module", _str),
+    ("phase", _str),
+    ("op", _str),
+    ("detail", _str),               # casts: "<kind> from → to"; layout: "<kind> from → to"
+    ("count_a", _i64),
+    ("count_b", _i64),
+    ("delta_count", _i64),
+    ("cpu_ns_a", _i64),
+    ("cpu_ns_b", _i64),
+    ("delta_cpu_ns", _i64),
+    ("bytes_a", _i64),              # ops: bytes written; casts/layout: bytes converted
+    ("bytes_b", _i64),
+    ("delta_bytes", _i64),
+])
+
 #: Every table a Trace carries, in display order. ``memory`` is derived.
 TABLES: Dict[str, pa.Schema] = {
     "ops": OPS,

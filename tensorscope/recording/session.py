@@ -317,14 +317,21 @@ def _warn_tracer_bugs(t):
                       RuntimeWarning, stacklevel=3)
 
 
-def raise_for_guards(t):
-    """Cell guards (``expect=``, ``max_casts=``): raise GuardError after the block, trace kept."""
-    if not (t.metadata.get("options", {}).get("expect") or t.metadata.get("options", {}).get("max_casts") is not None):
+def raise_for_guards(t, baseline=None):
+    """Cell guards (``expect=``, ``max_casts=``, ``baseline=``): raise GuardError after the block, trace kept."""
+    opts = t.metadata.get("options", {})
+    if not (opts.get("expect") or opts.get("max_casts") is not None or baseline is not None):
         return
     from ..analyses.guards import check_guards
     from ..errors import GuardError
 
     failures = check_guards(t)
+    if baseline is not None:
+        from .._diff import diff
+
+        found = diff(baseline, t).regressions(time=opts.get("baseline_time", 0.2),
+                                              memory=opts.get("baseline_memory", 0.1))
+        failures += [f"{f} against the baseline (tensorscope.diff(baseline, trace) shows where)" for f in found]
     if failures:
         raise GuardError("tensorscope guard failed:\n" + "\n".join(f"  - {f}" for f in failures), t, failures)
 
@@ -342,6 +349,10 @@ class trace:
         self._cell_source = options.pop("_cell_source", None)
         self._keep_history = options.pop("_keep_history", False)
         self._deferred_kernels = options.pop("_deferred_kernels", False)
+        if options.get("baseline") is not None:
+            from .._diff import as_trace
+
+            options["baseline"] = as_trace(options["baseline"])   # a bad baseline fails before anything runs
         self.options = TraceOptions.from_kwargs(options)
         self._session: Optional[Session] = None
         self._trace = None
@@ -357,7 +368,7 @@ class trace:
         self._trace = self._session.stop(ev)
         self._session = None
         if ev is None:
-            raise_for_guards(self._trace)
+            raise_for_guards(self._trace, baseline=self.options.baseline)
         return False
 
     @property
