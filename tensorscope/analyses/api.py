@@ -83,13 +83,14 @@ def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> L
     """APIs whose expansion is worth a look, most surprising first.
 
     Reasons: hidden copies under it; more than ``min_ops_per_call`` ATen ops per
-    call (excluding ``backward``, which runs the whole graph); non-core ATen ops.
+    call; non-core ATen ops. ``backward`` (the whole autograd graph) and bookkeeping
+    ops (``detach``, ``alias``…) are left out.
     """
     by: Dict[str, Dict] = {}
     for r in api.to_pylist():
         a = by.setdefault(r["qualname"], dict(api=r["qualname"], n_calls=r["n_calls"], no_op=r["no_op_calls"],
                                                ops=[], per_call=0.0, hidden=0, non_core=[], cpu_ns=0))
-        if r["op"] is None:
+        if r["op"] is None or r["op"].split(".")[1:2] and r["op"].split(".")[1] in _BOOKKEEPING:
             continue
         a["ops"].append((r["op"], r["n_ops"]))
         a["per_call"] += r["ops_per_call"]
@@ -100,10 +101,12 @@ def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> L
             a["non_core"].append(r["op"])
     out = []
     for a in by.values():
+        if a["api"].endswith(".backward"):
+            continue   # backward runs the whole autograd graph: its expansion is the model's, not an API's
         reasons = []
         if a["hidden"]:
             reasons.append(f"{a['hidden']} hidden copies")
-        if a["per_call"] > min_ops_per_call and not a["api"].endswith(".backward"):
+        if a["per_call"] > min_ops_per_call:
             reasons.append(f"{a['per_call']:.1f} ATen ops per call")
         if a["non_core"]:
             reasons.append("non-core ATen: " + ", ".join(sorted(set(a["non_core"]))[:4]))
