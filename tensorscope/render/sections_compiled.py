@@ -33,7 +33,8 @@ def compiled_section(t) -> Optional[Section]:
     ops = t.ops
     ran: Dict[int, list] = {}
     if ops.num_rows and "graph_id" in ops.column_names:
-        linked = ops.filter(pc.invert(pc.is_null(ops.column("graph_id"))))
+        linked = ops.filter(pc.and_(pc.invert(pc.is_null(ops.column("graph_id"))),
+                                    pc.invert(pc.fill_null(ops.column("is_noise"), False))))
         if linked.num_rows:
             agg = linked.group_by("graph_id").aggregate([("cpu_ns", "sum"), ("cpu_ns", "count")])
             for r in agg.to_pylist():
