@@ -59,7 +59,7 @@ class TraceDiff:
         self.label_b = label_b
 
     def changed(self) -> pa.Table:
-        """Rows whose count or bytes moved, or that appeared/disappeared (time-only deltas are in ``table``)."""
+        """Rows that appeared, disappeared, changed count or bytes, or got slower/faster (20% and 50 µs)."""
         if self.table.num_rows == 0:
             return self.table
         return self.table.filter(pc.not_equal(self.table.column("status"), "same"))

@@ -266,7 +266,7 @@ SUBSTITUTION = _schema("substitution", [
 #: Not a trace table: ``tensorscope.diff(a, b).table``, one row per (section, key) of either run.
 DIFF = _schema("diff", [
     ("section", _str),              # ops / hidden_copies / casts / layout
-    ("status", _str),               # appeared / disappeared / changed / same
+    ("status", _str),               # appeared / disappeared / changed (count or bytes) / slower / faster / same
     ("module", _str),
     ("phase", _str),
     ("op", _str),

@@ -165,3 +165,25 @@ def test_trace_without_compile_has_empty_graph_tables():
     assert t.graphs.num_rows == 0 and t.graph_nodes.num_rows == 0
     assert t.graphs.schema.equals(S.GRAPHS, check_metadata=False)
     assert t.ops.column("graph_id").null_count == t.ops.num_rows
+
+
+def test_region_compiled_in_an_earlier_trace_is_still_linked():
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    m = MLP()
+    cm = torch.compile(m, dynamic=False)
+    x = torch.randn(4, 4)
+    try:
+        with tensorscope.trace(leaks=False, modules=False) as first:   # no global module hooks: no recompile
+            cm(x)
+        with tensorscope.trace(leaks=False, modules=False) as second:
+            cm(x)
+        assert {r["kind"] for r in first.graphs.to_pylist()} >= {"dynamo", "inductor"}
+        g = second.graphs.to_pylist()
+        assert g and not any(r["compiled_in_trace"] for r in g)          # compiled earlier, only run here
+        assert {r["compile_id"] for r in g} == {r["compile_id"] for r in first.graphs.to_pylist()}
+        linked = [o for o in second.ops.to_pylist() if o["graph_id"] is not None]
+        assert linked and all(g[o["graph_id"]]["kind"] == "inductor" for o in linked)
+        assert "in an earlier trace" in second.summary().to_text()
+    finally:
+        torch._dynamo.reset()

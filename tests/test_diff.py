@@ -138,3 +138,13 @@ def test_magics_diff_and_baseline(tmp_path):
         assert k.value("ran") is False
     finally:
         k.close()
+
+
+def test_same_count_time_shift_classification():
+    from tensorscope.analyses.diff import _timing
+
+    assert _timing(1_000_000, 1_300_000) == "slower"      # +30%, +300 µs
+    assert _timing(1_000_000, 700_000) == "faster"
+    assert _timing(1_000_000, 1_100_000) == "same"        # +10%: noise
+    assert _timing(10_000, 40_000) == "same"              # +300% but only 30 µs
+    assert _timing(None, 5) == "same"

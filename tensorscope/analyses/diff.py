@@ -27,6 +27,9 @@ from .. import schema as S
 #: absolute floors of the baseline guard (below them a relative change is noise)
 MIN_TIME_NS = 100_000
 MIN_BYTES = 1024
+#: an op key with the same count is "slower"/"faster" past this relative and absolute time change
+TIME_SHIFT = 0.2
+MIN_SHIFT_NS = 50_000
 
 
 def _group(t: pa.Table, keys: List[str], sums: List[str]) -> Dict[Tuple, Dict[str, int]]:
@@ -87,7 +90,7 @@ def _rows(section, ga, gb, keycols, label):
         na, nb = (a or {}).get("cpu_ns"), (b or {}).get("cpu_ns")
         ba, bb = (a or {}).get("bytes", 0), (b or {}).get("bytes", 0)
         status = ("appeared" if a is None else "disappeared" if b is None
-                  else "changed" if (ca != cb or ba != bb) else "same")
+                  else "changed" if (ca != cb or ba != bb) else _timing(na, nb))
         d = dict(zip(keycols, key))
         rows.append(dict(section=section, status=status, module=d.get("module") or None, phase=d.get("phase"),
                          op=d.get("op"), detail=label(d), count_a=ca, count_b=cb, delta_count=cb - ca,
@@ -95,6 +98,16 @@ def _rows(section, ga, gb, keycols, label):
                          delta_cpu_ns=None if na is None and nb is None else (nb or 0) - (na or 0),
                          bytes_a=ba, bytes_b=bb, delta_bytes=bb - ba))
     return rows
+
+
+def _timing(na, nb) -> str:
+    """Same count and bytes: "slower"/"faster" when the time moved by TIME_SHIFT and MIN_SHIFT_NS, else "same"."""
+    if na is None or nb is None:
+        return "same"
+    d = nb - na
+    if abs(d) >= max(TIME_SHIFT * max(na, nb), MIN_SHIFT_NS):
+        return "slower" if d > 0 else "faster"
+    return "same"
 
 
 def compare(a, b) -> Tuple[pa.Table, Dict[str, Any], Dict[str, Any]]:

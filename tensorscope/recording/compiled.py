@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .. import schema as S
 
@@ -500,45 +501,52 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
                 by_file[f] = by_md5[h]
     if not by_file:
         return call_gid, op_gid
-    sibling: Dict[Tuple[str, str], int] = {}
+    # vectorised: traces can hold millions of ops
+    files = pa.array(list(by_file), pa.string())
+    file_gid = np.array(list(by_file.values()), dtype=np.int64)
+
+    def gid_of(col) -> np.ndarray:
+        if isinstance(col, pa.ChunkedArray):
+            col = col.combine_chunks()
+        idx = pc.index_in(col, value_set=files).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        out = np.full(len(idx), -1, np.int64)
+        ok = idx >= 0
+        out[ok] = file_gid[idx[ok]]
+        return out
+
+    sib = np.arange(len(graphs), dtype=np.int64)   # runtime graph -> its backward sibling
+    backward_of = {g.get("compile_id"): gid for gid, g in enumerate(graphs)
+                   if g["kind"] == "inductor" and g.get("phase") == "backward"}
     for gid, g in enumerate(graphs):
-        if g["kind"] == "inductor":
-            sibling.setdefault((g.get("compile_id"), g.get("phase")), gid)
+        if g["kind"] == "inductor" and g.get("compile_id") in backward_of:
+            sib[gid] = backward_of[g["compile_id"]]
     if n_calls:
-        cf = calls.column("source_file").to_pylist()
-        for i, f in enumerate(cf):
-            gid = by_file.get(f) if f else None
-            if gid is not None:
-                call_gid[i] = gid
-        # a call nested in a linked call ran in the same region
+        call_gid[:] = gid_of(calls.column("source_file"))
         parent = calls.column("parent_id").fill_null(-1).to_numpy()
-        for i in range(n_calls):
-            if call_gid[i] < 0 and parent[i] >= 0 and call_gid[parent[i]] >= 0:
+        for i in np.nonzero((call_gid < 0) & (parent >= 0))[0]:   # nested in a linked call: same region
+            if call_gid[parent[i]] >= 0:                            # (parents precede their children)
                 call_gid[i] = call_gid[parent[i]]
     if n_ops:
         call = ops.column("call_id").fill_null(-1).to_numpy()
-        has = call >= 0
-        op_gid[has] = call_gid[call[has]] if n_calls else -1
-        src = ops.column("source_file").to_pylist()
-        phase = ops.column("phase").to_pylist()
-        node = ops.column("autograd_node").to_pylist()
+        has = (call >= 0) & (call < n_calls)
+        op_gid[has] = call_gid[call[has]]
+        src_gid = gid_of(ops.column("source_file"))
+        bwd = pc.equal(ops.column("phase"), "backward").fill_null(False).to_numpy(zero_copy_only=False)
+        fill = ~bwd & (op_gid < 0) & (src_gid >= 0)
+        op_gid[fill] = src_gid[fill]
+        compiled_node = pc.match_substring(ops.column("autograd_node"), "CompiledFunction").fill_null(False) \
+            .to_numpy(zero_copy_only=False)
+        fwd_gid = op_gid.copy()
+        op_gid[bwd] = -1   # AccumulateGrad & co: the autograd engine, not the compiled graph
         fwd = ops.column("fwd_seq").fill_null(-1).to_numpy()
-        for i in range(n_ops):
-            if phase[i] != "backward":
-                if op_gid[i] < 0 and src[i] in by_file:
-                    op_gid[i] = by_file[src[i]]
-                continue
-            nd = node[i] or ""
-            if "CompiledFunction" not in nd:
-                op_gid[i] = -1   # AccumulateGrad & co: the autograd engine, not the compiled graph
-                continue
-            fg = op_gid[fwd[i]] if 0 <= fwd[i] < n_ops and fwd[i] < i else -1
-            if fg < 0 and src[i] in by_file:
-                fg = by_file[src[i]]
-            if fg < 0:
-                continue
-            g = graphs[fg]
-            op_gid[i] = sibling.get((g.get("compile_id"), "backward"), fg)
+        rows = np.nonzero(bwd & compiled_node)[0]
+        if len(rows):
+            f = fwd[rows]
+            ok = (f >= 0) & (f < n_ops)
+            fg = np.full(len(rows), -1, np.int64)
+            fg[ok] = fwd_gid[f[ok]]
+            fg = np.where(fg >= 0, fg, src_gid[rows])
+            op_gid[rows] = np.where(fg >= 0, sib[np.maximum(fg, 0)], -1)
     return call_gid, op_gid
 
 

@@ -96,7 +96,7 @@ def overview(t) -> Section:
     if md.get("saved_to"):
         rows.append(("saved to", md["saved_to"]))
     notes = []
-    if md.get("opaque_ops"):
+    if md.get("opaque_ops") and not t.graphs.num_rows:
         notes.append(f"{md['opaque_ops']} forward op(s) ran outside any torch-level call the function mode saw: "
                      "typically torch.compile'd code, which runs compiled and opaque (only the ops the compiled "
                      "artifact dispatches are visible, not what it fused), or code called from C++.")
