@@ -1,6 +1,7 @@
 """Inline SVG views for the summary: the timeline and an icicle of module → torch call → ATen op.
 
-Plain SVG markup built as strings: crisp at any zoom, no JavaScript, no
+Plain SVG markup built as strings (inline in HTML5, so no ``xmlns``: the summary
+carries no URL at all): crisp at any zoom, no JavaScript, no
 matplotlib (``t.plot.*`` keeps matplotlib for figures). Every text and every
 hover ``<title>`` goes through ``_e`` (HTML-escaped: op names, module names,
 file names are user-controlled). Each colour used has a legend entry. Sizes are
@@ -157,7 +158,7 @@ def timeline_svg(trace, width: int = 720, max_bars: int = 1500) -> Optional[str]
     height = ly + lh + (14 if note else 2)
     if note:
         parts.append(f'<text x="{label_w}" y="{height - 4}" {_FONT} fill="#a15c00">{_e(note)}</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="timeline" width="{width}" '
+    return (f'<svg role="img" aria-label="timeline" width="{width}" '
             f'height="{height:.0f}" viewBox="0 0 {width} {height:.0f}">' + "".join(parts) + "</svg>")
 
 
@@ -271,5 +272,5 @@ def icicle_svg(trace, width: int = 720, max_depth: int = 9) -> Optional[str]:
     legend, lh = _legend(order, 1, ly, width - 2)
     parts.append(legend)
     height = ly + lh + 2
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="icicle: module, call, op" '
+    return (f'<svg role="img" aria-label="icicle: module, call, op" '
             f'width="{width}" height="{height:.0f}" viewBox="0 0 {width} {height:.0f}">' + "".join(parts) + "</svg>")
