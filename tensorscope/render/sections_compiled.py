@@ -67,7 +67,9 @@ def compiled_section(t) -> Optional[Section]:
                 txt += f"{aot['n_ops']} ATen ops"
             if ind is not None and ind["n_kernels"] is not None:
                 fused = sum(1 for k in ind["kernels"] or [] if not k.startswith(("extern_kernels.", "aten.")))
-                txt += (" fused into " if aot is not None else "") + f"{ind['n_kernels']} kernels ({fused} generated)"
+                nk = ind["n_kernels"]
+                txt += (" fused into " if aot is not None else "") + \
+                    f"{nk} kernel{'s' if nk != 1 else ''} ({fused} generated)"
                 if ind["graph_id"] in ran:
                     n_run += ran[ind["graph_id"]][0]
                     ns_run += ran[ind["graph_id"]][1] or 0
@@ -75,7 +77,10 @@ def compiled_section(t) -> Optional[Section]:
         compile_txt = fmt_ns(reg["compile_ns"]) if reg["compile_ns"] else "-"
         if not reg["in_trace"]:
             compile_txt += " (in an earlier trace)"
-        ran_txt = f"{n_run} ATen ops visible, {fmt_ns(ns_run)}" if n_run else "did not run while tracing"
+        has_code = any(r["kind"] == "inductor" for r in reg["rows"])
+        ran_txt = (f"{n_run} ATen ops visible, {fmt_ns(ns_run)}" if n_run else
+                   "no ATen op visible at run time (fully fused, or not run)" if has_code else
+                   "not linked (only Inductor's generated code is linked to what ran)")
         rows.append((f"compiled region {cid}", where, "; ".join(parts), compile_txt, ran_txt,
                      str(len(dyn["guards"] or [])) if dyn is not None else "-"))
         if dyn is not None and dyn["recompile_reason"]:
