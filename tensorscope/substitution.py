@@ -25,7 +25,7 @@ from __future__ import annotations
 import difflib
 import html
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import pyarrow as pa
 
