@@ -5,8 +5,10 @@ carries no URL at all): crisp at any zoom, no JavaScript, no
 matplotlib (``t.plot.*`` keeps matplotlib for figures). Every text and every
 hover ``<title>`` goes through ``_e`` (HTML-escaped: op names, module names,
 file names are user-controlled). Each colour used has a legend entry. Sizes are
-bounded: the timeline keeps the longest ``max_bars`` ops (and says so), the
-icicle merges nodes narrower than a pixel into their parent's "other" slot.
+bounded: on the timeline, marks narrower than 2 px are merged per 2-px column and
+colour into one mark whose title counts them (the picture is the same at that
+resolution), and past ``max_bars`` only the longest ops are read (the SVG says
+so); the icicle drops nodes narrower than a pixel.
 """
 from __future__ import annotations
 
@@ -69,7 +71,30 @@ def _shape_txt(shapes) -> str:
 
 # -- timeline ----------------------------------------------------------------------------------------------
 
-def timeline_svg(trace, width: int = 720, max_bars: int = 1500) -> Optional[str]:
+def _merge(bars, scale: float, min_px: float = 2.0):
+    """Marks under ``min_px`` wide merged per ``min_px`` column and colour; wider marks kept as they are."""
+    out, buckets = [], {}
+    for start, dur, key, title in bars:
+        if dur * scale >= min_px:
+            out.append((start, dur, key, title))
+            continue
+        b = buckets.get((key, int(start * scale / min_px)))
+        if b is None:
+            buckets[(key, int(start * scale / min_px))] = [start, start + dur, key, 1, dur, title, dur]
+            continue
+        b[0], b[1] = min(b[0], start), max(b[1], start + dur)
+        b[3] += 1
+        b[4] += dur
+        if dur > b[6]:
+            b[5], b[6] = title, dur
+    for start, end, key, n, total, title, _ in buckets.values():
+        if n > 1:
+            title = f"{n} marks here, {_fmt_ns(total)} in all; the longest: {title}"
+        out.append((start, end - start, key, title))
+    return out
+
+
+def timeline_svg(trace, width: int = 720, max_bars: int = 20000) -> Optional[str]:
     """Calls by nesting depth, ATen ops (forward/backward/compiled) and GPU kernels over time."""
     ops, calls, kernels = trace.ops, trace.calls, trace.kernels
     label_w, row_h, top = 90, 16, 6
@@ -89,8 +114,7 @@ def timeline_svg(trace, width: int = 720, max_bars: int = 1500) -> Optional[str]
             w = _where(r["source_file"], r["source_line"])
             by_depth.setdefault(r["depth"] or 0, []).append((r["start_ns"], d, "call", title + (f" · {w}" if w else "")))
         for dep in sorted(by_depth)[:4]:
-            bars = sorted(by_depth[dep], key=lambda b: -b[1])[:max_bars]
-            rows.append((f"calls (depth {dep})", bars))
+            rows.append((f"calls (depth {dep})", sorted(by_depth[dep], key=lambda b: -b[1])[:max_bars]))
     if ops.num_rows:
         cols = ["start_ns", "cpu_ns", "phase", "op", "module", "in_shapes", "out_shapes", "source_file", "source_line"]
         has_gid = "graph_id" in ops.column_names
@@ -98,7 +122,7 @@ def timeline_svg(trace, width: int = 720, max_bars: int = 1500) -> Optional[str]
         if o.num_rows > max_bars:
             idx = pc.sort_indices(o, sort_keys=[("cpu_ns", "descending")]).slice(0, max_bars)
             o = o.take(idx)
-            note = f"the longest {max_bars} of {ops.num_rows} ops are drawn"
+            note = f"the longest {max_bars} of {ops.num_rows} ops are drawn"   # reading more costs seconds
         bars = []
         for r in o.to_pylist():
             if r["start_ns"] is None:
@@ -136,7 +160,7 @@ def timeline_svg(trace, width: int = 720, max_bars: int = 1500) -> Optional[str]
         parts.append(f'<text x="{label_w - 6}" y="{y + row_h - 4}" text-anchor="end" {_FONT} fill="#333">'
                      f'{_e(label)}</text>')
         parts.append(f'<rect x="{label_w}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f6f6f6"/>')
-        for start, dur, key, title in bars:
+        for start, dur, key, title in _merge(bars, scale):
             used.add(key)
             x = label_w + start * scale
             w = max(dur * scale, 0.6)   # narrower than a pixel: still visible
