@@ -63,7 +63,8 @@ def test_icicle_widths_are_proportional_to_time():
     root = icicle_tree(t)
     ops = [o for o in t.ops.to_pylist() if not o["is_noise"]]
     assert root.ns == sum(o["cpu_ns"] for o in ops)
-    feats = next(c for c in root.children.values() if c.name == "features")
+    net = next(c for c in root.children.values() if c.name == "<Net>")   # the outermost module holds the others
+    feats = next(c for c in net.children.values() if c.name == "features")
     assert feats.ns == sum(o["cpu_ns"] for o in ops if (o["module"] or "").startswith("features"))
     assert sum(c.ns for c in feats.children.values()) == feats.ns
     svg = icicle_svg(t, width=702)

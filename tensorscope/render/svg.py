@@ -215,6 +215,9 @@ def icicle_tree(trace) -> Optional[_Node]:
         names = dict(zip(calls.column("call_id").to_pylist(), calls.column("name").to_pylist()))
     has_gid = "graph_id" in work.column_names
     cols = ["module", "call_id", "op", "phase", "cpu_ns", "in_shapes", "source_file", "source_line"]
+    mods = [m for m in work.column("module").unique().to_pylist() if m]
+    tops = [m for m in mods if m.startswith("<") and "." not in m]
+    top = tops[0] if len(tops) == 1 else None   # the outermost module called ("<Net>") holds the others
     root = _Node("cell", "root")
     for r in work.select(cols + (["graph_id"] if has_gid else [])).to_pylist():
         ns = max(r["cpu_ns"] or 0, 0)
@@ -223,6 +226,10 @@ def icicle_tree(trace) -> Optional[_Node]:
         node.count += 1
         mod = r["module"]
         if mod:
+            if top is not None and mod != top:
+                node = node.child(top, "module")
+                node.ns += ns
+                node.count += 1
             parts = mod.split(".")
             for i in range(len(parts)):
                 node = node.child(".".join(parts[: i + 1]), "module")
