@@ -250,7 +250,8 @@ MEMORY = _schema("memory", [
 #: Not a trace table: the rows of ``check_substitution(...).table`` (one per divergence).
 SUBSTITUTION = _schema("substitution", [
     ("kind", _str),                 # op_appeared / op_disappeared / shape / dtype / layout / input_layout /
-                                    # input_dtype / aliasing / inplace / lost_subclass / value / exception / ...
+                                    # input_dtype / aliasing / inplace / lost_subclass / value / grad / exception /
+                                    # output_type / output_structure
     ("phase", _str),                # forward / backward (op divergences)
     ("op", _str),                   # the ATen op, or output[i] for output divergences
     ("call", _str),                 # the torch-level call around the op

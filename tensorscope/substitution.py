@@ -7,12 +7,14 @@ constructor…). Both runs get fresh copies of the tensor arguments and the same
 RNG state; afterwards the global RNG is where one run of ``fn`` leaves it. The
 two traces are compared:
 
-- the ATen op sequences, aligned by op name (``difflib``): ops that appear or
-  disappear in the subclass run;
+- the ATen op sequences, aligned by op name and phase (``difflib``; ops that only
+  moved are paired, not reported): ops that appear or disappear in the subclass run;
 - for aligned ops: output shapes, dtypes, memory format and strides (inputs'
   too), aliasing (``out_alias``, ``is_view``) and in-place-ness;
 - the outputs: structure, type (outputs that stop being the subclass), shape,
   dtype, memory format, and values within ``rtol``/``atol``;
+- gradients: when ``fn`` runs a backward, the ``.grad`` of every argument that
+  requires grad (computed in one run only, shape, dtype, layout, values);
 - exceptions (one run raised, or both with different types/messages).
 
 The result is a ``SubstitutionReport``: ``.ok``, ``.table`` (one row per
@@ -120,8 +122,12 @@ def _where(r) -> str:
 # -- running ---------------------------------------------------------------------------------------------------
 
 def _copy_args(args, kwargs, wrap=None):
+    """Fresh copies (wrapped when ``wrap``), and per argument requiring grad the tensor its gradient lands
+    on: the wrapper when it is a leaf itself, else the plain copy under it (``as_subclass`` aliases)."""
     import torch
     from torch.utils._pytree import tree_map
+
+    leaves = []
 
     def one(x):
         if not isinstance(x, torch.Tensor):
@@ -130,9 +136,12 @@ def _copy_args(args, kwargs, wrap=None):
             c = x.detach().clone(memory_format=torch.preserve_format)
         if x.requires_grad:
             c.requires_grad_(True)
-        return wrap(c) if wrap is not None else c
+        w = wrap(c) if wrap is not None else c
+        if x.requires_grad:
+            leaves.append(w if w.is_leaf else c)
+        return w
 
-    return tree_map(one, tuple(args)), tree_map(one, dict(kwargs))
+    return tree_map(one, tuple(args)), tree_map(one, dict(kwargs)), leaves
 
 
 def _run(fn, args, kwargs, trace_options):
@@ -171,16 +180,18 @@ def check_substitution(fn: Callable, *args, wrap: Callable, rtol: float = 1e-5, 
     fn_name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
     rng = torch.get_rng_state()
-    pa_args, pa_kwargs = _copy_args(args, kwargs)
+    pa_args, pa_kwargs, leaves = _copy_args(args, kwargs)
     plain_t, plain_out, plain_exc = _run(fn, pa_args, pa_kwargs, opts)
     after = torch.get_rng_state()
-    del pa_args, pa_kwargs
+    plain_grads = [x.grad for x in leaves]
+    del pa_args, pa_kwargs, leaves
     torch.set_rng_state(rng)
     try:
-        wr_args, wr_kwargs = _copy_args(args, kwargs, wrap)
+        wr_args, wr_kwargs, leaves = _copy_args(args, kwargs, wrap)
         sub_type = _subclass_type(wr_args, wr_kwargs)
         wrapped_t, wrapped_out, wrapped_exc = _run(fn, wr_args, wr_kwargs, opts)
-        del wr_args, wr_kwargs
+        wrapped_grads = [x.grad for x in leaves]
+        del wr_args, wr_kwargs, leaves
     finally:
         torch.set_rng_state(after)   # as if fn ran once
 
@@ -189,6 +200,7 @@ def check_substitution(fn: Callable, *args, wrap: Callable, rtol: float = 1e-5, 
     _compare_ops(plain_t, wrapped_t, rows)
     if plain_exc is None and wrapped_exc is None:
         _compare_outputs(plain_out, wrapped_out, sub_type, rows, rtol, atol, check_values, unwrap)
+        _compare_outputs(plain_grads, wrapped_grads, None, rows, rtol, atol, check_values, unwrap, what="grad")
     table = pa.Table.from_pylist(rows, schema=S.SUBSTITUTION) if rows else S.SUBSTITUTION.empty_table()
     name = f"{sub_type.__module__}.{sub_type.__qualname__}" if sub_type is not None else None
     return SubstitutionReport(table, plain_t, wrapped_t, name, fn_name)
@@ -256,23 +268,35 @@ def _op_rows(t) -> List[Dict[str, Any]]:
 
 
 def _compare_ops(pt, wt, rows):
+    """Align by (op, phase); unmatched ops of the same kind on both sides are paired in order (a reordering,
+    e.g. autograd running independent backward nodes in another order, is not a divergence)."""
     a, b = _op_rows(pt), _op_rows(wt)
     ka = [(r["op"], r["phase"]) for r in a]
     kb = [(r["op"], r["phase"]) for r in b]
     sm = difflib.SequenceMatcher(a=ka, b=kb, autojunk=False)
+    only_a, only_b = [], []
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
         if tag == "equal":
             for ra, rb in zip(a[i1:i2], b[j1:j2]):
                 _compare_pair(ra, rb, rows)
             continue
-        for ra in a[i1:i2]:
-            rows.append(_row("op_disappeared", phase=ra["phase"], op=ra["op"], call=ra["call"], plain=ra["op"],
-                             wrapped="(not dispatched)", source_file=ra["source_file"], source_line=ra["source_line"],
-                             plain_seq=ra["seq"]))
-        for rb in b[j1:j2]:
-            rows.append(_row("op_appeared", phase=rb["phase"], op=rb["op"], call=rb["call"], plain="(not dispatched)",
-                             wrapped=rb["op"], source_file=rb["source_file"], source_line=rb["source_line"],
-                             wrapped_seq=rb["seq"]))
+        only_a.extend(a[i1:i2])
+        only_b.extend(b[j1:j2])
+    pending: Dict[Any, List[Dict[str, Any]]] = {}
+    for rb in only_b:
+        pending.setdefault((rb["op"], rb["phase"]), []).append(rb)
+    for ra in only_a:
+        match = pending.get((ra["op"], ra["phase"]))
+        if match:
+            _compare_pair(ra, match.pop(0), rows)
+            continue
+        rows.append(_row("op_disappeared", phase=ra["phase"], op=ra["op"], call=ra["call"], plain=ra["op"],
+                         wrapped="(not dispatched)", source_file=ra["source_file"], source_line=ra["source_line"],
+                         plain_seq=ra["seq"]))
+    for rb in sorted((r for rs in pending.values() for r in rs), key=lambda r: r["seq"]):
+        rows.append(_row("op_appeared", phase=rb["phase"], op=rb["op"], call=rb["call"], plain="(not dispatched)",
+                         wrapped=rb["op"], source_file=rb["source_file"], source_line=rb["source_line"],
+                         wrapped_seq=rb["seq"]))
 
 
 def _fmt(v):
@@ -339,17 +363,28 @@ def _fmt_layout(t) -> str:
         return "non_strided"
 
 
-def _compare_outputs(po, wo, sub_type, rows, rtol, atol, check_values, unwrap):
+def _compare_outputs(po, wo, sub_type, rows, rtol, atol, check_values, unwrap, what="output"):
     import torch
     from torch.utils._pytree import tree_flatten
 
-    pl, pspec = tree_flatten(po)
-    wl, wspec = tree_flatten(wo)
-    if pspec != wspec:
-        rows.append(_row("output_structure", plain=str(pspec), wrapped=str(wspec)))
-        return
-    for i, (a, b) in enumerate(zip(pl, wl)):
-        name = f"output[{i}]" if len(pl) > 1 else "output"
+    if what == "grad":   # one entry per argument requiring grad; None: no gradient reached it
+        pl, wl = list(po), list(wo)
+        for i, (a, b) in enumerate(zip(pl, wl)):
+            if (a is None) != (b is None):
+                rows.append(_row("grad", op=f"grad[{i}]", plain="none" if a is None else "computed",
+                                 wrapped="none" if b is None else "computed",
+                                 detail="the gradient of this argument is computed in one run only"))
+        pairs = [(a, b) for a, b in zip(pl, wl) if a is not None and b is not None]
+        names = [f"grad[{i}]" for i, (a, b) in enumerate(zip(pl, wl)) if a is not None and b is not None]
+    else:
+        pl, pspec = tree_flatten(po)
+        wl, wspec = tree_flatten(wo)
+        if pspec != wspec:
+            rows.append(_row("output_structure", plain=str(pspec), wrapped=str(wspec)))
+            return
+        pairs = list(zip(pl, wl))
+        names = [f"output[{i}]" if len(pl) > 1 else "output" for i in range(len(pl))]
+    for name, (a, b) in zip(names, pairs):
         if not isinstance(a, torch.Tensor):
             if isinstance(b, torch.Tensor) or (a != b if not isinstance(a, float) else abs(a - b) > atol + rtol * abs(a)):
                 rows.append(_row("value", op=name, plain=repr(a)[:80], wrapped=repr(b)[:80]))

@@ -176,3 +176,41 @@ def test_bad_arguments_are_clear():
         tensorscope.check_substitution(f, torch.randn(2, 2), torch.randn(2, 2), wrap=None)
     with pytest.raises(TypeError, match="fn must be callable"):
         tensorscope.check_substitution(3, wrap=lambda t: t)
+
+
+def test_gradients_are_compared_when_fn_runs_backward():
+    class DetachingGrad(torch.Tensor):
+        """Multiplication goes through .detach() on the subclass: the gradient never reaches the input."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("mul", "__mul__"):
+                args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def train_step(x, w):
+        loss = (x * 3 + w).sum()
+        loss.backward()
+        return loss.detach()
+
+    x = torch.randn(4, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
+    good = tensorscope.check_substitution(train_step, x, w, wrap=lambda t: t.as_subclass(Good))
+    assert good.ok, good.to_text()
+    assert x.grad is None and w.grad is None            # the caller's tensors are untouched
+    bad = tensorscope.check_substitution(train_step, x, w, wrap=lambda t: t.as_subclass(DetachingGrad))
+    rows = [r for r in bad.table.to_pylist() if r["kind"] == "grad"]
+    assert [(r["op"], r["plain"], r["wrapped"]) for r in rows] == [("grad[0]", "computed", "none")]
+
+
+def test_wrapper_subclass_gradients_are_unwrapped_and_compared():
+    lin = torch.nn.Linear(4, 3)
+
+    def step(x):
+        out = lin(x).relu().sum()
+        out.backward()
+        return out.detach()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    r = tensorscope.check_substitution(step, x, wrap=Wrapper)
+    assert not any(row["kind"] in ("grad", "value") for row in r.table.to_pylist()), r.to_text()
