@@ -187,3 +187,12 @@ def test_region_compiled_in_an_earlier_trace_is_still_linked():
         assert "in an earlier trace" in second.summary().to_text()
     finally:
         torch._dynamo.reset()
+
+
+def test_api_table_leaves_out_the_compilers_calls(run):
+    t = run["t"]
+    compiled_calls = {c["qualname"] for c in t.calls.to_pylist() if c["compiled"]}
+    assert compiled_calls
+    api = {r["qualname"] for r in t.api.to_pylist()}
+    assert not any(q in api for q in compiled_calls if q not in
+                   {c["qualname"] for c in t.calls.to_pylist() if not c["compiled"]})

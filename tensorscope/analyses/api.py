@@ -9,7 +9,8 @@ count and ops per call, its CPU time, whether the op is core ATen
 many of its rows were hidden copies. An API none of whose calls dispatched an
 op gets one row with ``op`` null. Ops are attributed to the innermost
 torch-level call around them (``ops.call_id``); ops outside any call are not
-in the table. ``surprising(api)`` ranks the APIs whose expansion deserves a
+in the table, and neither are calls made by torch.compile'd code (``calls.compiled``).
+``surprising(api)`` ranks the APIs whose expansion deserves a
 look: hidden copies, many ops per call, non-core ops.
 """
 from __future__ import annotations
@@ -24,6 +25,9 @@ from .. import schema as S
 
 
 def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
+    if calls.num_rows and "compiled" in calls.column_names:
+        # calls made by torch.compile'd code (Inductor's extern kernels) are the compiler's, not the user's API use
+        calls = calls.filter(pc.invert(pc.fill_null(calls.column("compiled"), False)))
     if calls.num_rows == 0:
         return S.empty("api")
     qual = calls.column("qualname").to_pylist()
