@@ -13,7 +13,13 @@ import torch
 import tensorscope
 from tensorscope import schema as S
 
-pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+import shutil
+
+pytestmark = [
+    pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable"),
+    pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                       reason="Inductor on CPU needs a C++ compiler (g++/clang++)"),
+]
 
 
 class MLP(torch.nn.Module):
