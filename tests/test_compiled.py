@@ -202,3 +202,13 @@ def test_api_table_leaves_out_the_compilers_calls(run):
     api = {r["qualname"] for r in t.api.to_pylist()}
     assert not any(q in api for q in compiled_calls if q not in
                    {c["qualname"] for c in t.calls.to_pylist() if not c["compiled"]})
+
+
+def test_ops_of_a_region_show_the_compiled_function_not_generated_code(run):
+    t = run["t"]
+    g = {r["graph_id"]: r for r in _graphs(t)}
+    linked = [o for o in t.ops.to_pylist() if o["graph_id"] is not None]
+    assert all((o["source_file"], o["source_line"]) == (__file__, MLP.forward.__code__.co_firstlineno)
+               for o in linked)
+    assert all("torchinductor" not in (c["source_file"] or "") for c in t.calls.to_pylist())
+    assert all(g[o["graph_id"]]["code_file"] for o in linked)   # the generated module is still named

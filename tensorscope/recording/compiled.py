@@ -550,6 +550,23 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
     return call_gid, op_gid
 
 
+def _user_location(table: pa.Table, gid: np.ndarray, graphs: List[Dict[str, Any]]) -> pa.Table:
+    """Rows that ran in a compiled region point at Inductor's generated file (the first frame outside torch):
+    show the compiled function's file and first line instead (the generated file is ``graphs.code_file``)."""
+    linked = gid >= 0
+    if not linked.any() or "source_file" not in table.column_names:
+        return table
+    files = pa.array([g.get("source_file") for g in graphs], pa.string())
+    lines = pa.array([g.get("source_line") for g in graphs], pa.int64())
+    idx = pa.array(np.where(linked, gid, 0))
+    mask = pa.array(linked & pc.is_valid(files.take(idx)).to_numpy(zero_copy_only=False))
+    for col, values in (("source_file", files), ("source_line", lines)):
+        i = table.schema.get_field_index(col)
+        new = pc.if_else(mask, values.take(idx), table.column(col))
+        table = table.set_column(i, table.schema.field(i), new)
+    return table
+
+
 def attach(sess, tables: Dict[str, pa.Table]) -> Dict[str, pa.Table]:
     """Build ``graphs``/``graph_nodes`` and fill ``graph_id`` (and ``calls.compiled``). Called by build_trace."""
     cap = getattr(sess, "compile_capture", None)
@@ -562,10 +579,12 @@ def attach(sess, tables: Dict[str, pa.Table]) -> Dict[str, pa.Table]:
     out = dict(tables)
     if "graph_id" in ops.column_names and ops.num_rows:
         i = ops.schema.get_field_index("graph_id")
-        out["ops"] = ops.set_column(i, ops.schema.field(i), pa.array(op_gid, pa.int64(), mask=op_gid < 0))
+        ops = ops.set_column(i, ops.schema.field(i), pa.array(op_gid, pa.int64(), mask=op_gid < 0))
+        out["ops"] = _user_location(ops, op_gid, graphs)
     if "graph_id" in calls.column_names and calls.num_rows:
         i = calls.schema.get_field_index("graph_id")
         calls = calls.set_column(i, calls.schema.field(i), pa.array(call_gid, pa.int64(), mask=call_gid < 0))
+        calls = _user_location(calls, call_gid, graphs)
         j = calls.schema.get_field_index("compiled")
         calls = calls.set_column(j, calls.schema.field(j), pa.array(call_gid >= 0, pa.bool_()))
         out["calls"] = calls
