@@ -196,7 +196,7 @@ def check_substitution(fn: Callable, *args, wrap: Callable, rtol: float = 1e-5, 
         torch.set_rng_state(after)   # as if fn ran once
 
     rows: List[Dict[str, Any]] = []
-    _compare_exceptions(plain_exc, wrapped_exc, rows)
+    _compare_exceptions(plain_exc, wrapped_exc, rows, plain_t, wrapped_t)
     _compare_ops(plain_t, wrapped_t, rows)
     if plain_exc is None and wrapped_exc is None:
         _compare_outputs(plain_out, wrapped_out, sub_type, rows, rtol, atol, check_values, unwrap)
@@ -223,16 +223,28 @@ def _row(kind, *, phase=None, op=None, call=None, plain=None, wrapped=None, sour
                 plain_seq=plain_seq, wrapped_seq=wrapped_seq, detail=detail)
 
 
-def _compare_exceptions(pe, we, rows):
+def _compare_exceptions(pe, we, rows, pt=None, wt=None):
     if pe is None and we is None:
         return
     fmt = (lambda e: None if e is None else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     if pe is None or we is None or type(pe) is not type(we) or str(pe) != str(we):
         loc = _exc_location(we if we is not None else pe)
-        rows.append(_row("exception", plain=fmt(pe) or "returned", wrapped=fmt(we) or "returned",
+        rows.append(_row("exception", op=_exc_op(wt if we is not None else pt), plain=fmt(pe) or "returned",
+                         wrapped=fmt(we) or "returned",
                          source_file=loc[0], source_line=loc[1],
                          detail="only the subclass raised" if pe is None else
                          "only plain tensors raised" if we is None else "different exception"))
+
+
+def _exc_op(t) -> Optional[str]:
+    """The ATen op the run's exception was raised in (from its errors table), if any."""
+    try:
+        for r in t.errors.to_pylist():
+            if r["kind"] == "exception" and r.get("op"):
+                return r["op"]
+    except Exception:
+        pass
+    return None
 
 
 def _exc_location(e):
@@ -259,8 +271,8 @@ def _op_rows(t) -> List[Dict[str, Any]]:
     calls = t.calls
     if calls.num_rows:
         names = dict(zip(calls.column("call_id").to_pylist(), calls.column("name").to_pylist()))
-    cols = (["seq", "op", "phase", "call_id", "source_file", "source_line", "in_strides", "out_strides"]
-            + sorted({f for f, _ in _OP_FIELDS}))
+    cols = (["seq", "op", "phase", "call_id", "source_file", "source_line", "in_strides", "out_strides",
+             "out_storages", "error_id"] + sorted({f for f, _ in _OP_FIELDS}))
     rows = ops.select(cols).to_pylist()
     for r in rows:
         r["call"] = names.get(r["call_id"])
@@ -309,9 +321,14 @@ def _fmt(v):
 
 def _compare_pair(ra, rb, rows):
     done = set()
+    raised = ra.get("error_id") is not None or rb.get("error_id") is not None
+    # storage identity is unknown for wrapper subclasses (-1): their aliasing cannot be compared
+    unknown_storage = any(x is None or x < 0 for r in (ra, rb) for x in (r.get("out_storages") or []))
     for field, kind in _OP_FIELDS:
         va, vb = ra.get(field), rb.get(field)
-        if field in ("out_alias",) and (va is None or vb is None):
+        if raised and field.startswith("out_"):
+            continue   # an op that raised has no outputs: the exception row says it
+        if field == "out_alias" and (va is None or vb is None or unknown_storage):
             continue
         if va == vb or (kind, ra["seq"]) in done:
             continue

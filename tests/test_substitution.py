@@ -214,3 +214,20 @@ def test_wrapper_subclass_gradients_are_unwrapped_and_compared():
     x = torch.randn(2, 4, requires_grad=True)
     r = tensorscope.check_substitution(step, x, wrap=Wrapper)
     assert not any(row["kind"] in ("grad", "value") for row in r.table.to_pylist()), r.to_text()
+
+
+def test_wrapper_with_wrong_strides_makes_reshape_take_the_view_path_and_fail():
+    def f(x):
+        return x.t().reshape(-1)
+
+    r = tensorscope.check_substitution(f, torch.randn(3, 4), wrap=Wrapper)
+    rows = r.table.to_pylist()
+    kinds = {row["kind"] for row in rows}
+    # the wrapper reports t()'s output as contiguous, so reshape views it and the inner view raises
+    t_row = next(row for row in rows if row["kind"] == "layout" and row["op"] == "aten.t.default")
+    assert (t_row["plain"], t_row["wrapped"]) == ("[strided]", "[contiguous]")
+    exc = next(row for row in rows if row["kind"] == "exception")
+    assert exc["plain"] == "returned" and exc["wrapped"].startswith("RuntimeError: view size is not compatible")
+    assert exc["op"] == "aten.view.default"
+    # storage identity is unknown for wrappers and the failing op has no outputs: neither is a divergence
+    assert "aliasing" not in kinds and "shape" not in kinds and "dtype" not in kinds

@@ -424,7 +424,7 @@ def _calls_table(sess, ctx: _Ctx):
         first_seq=_nullable(a["first_seq"], a["n_ops"] <= 0),
         n_ops=pa.array(a["n_ops"]),
         autocast=_take(autocasts, a["autocast"].astype(np.int64)),
-        compiled=pa.nulls(n, pa.bool_()),   # not attributed per call yet: see metadata "opaque_ops"
+        compiled=pa.nulls(n, pa.bool_()),   # filled by recording/compiled.attach
         error_id=_nullable(a["error"], a["error"] < 0),
         graph_id=pa.nulls(n, pa.int64()),   # filled by recording/compiled.attach
     )
