@@ -212,3 +212,28 @@ def test_ops_of_a_region_show_the_compiled_function_not_generated_code(run):
                for o in linked)
     assert all("torchinductor" not in (c["source_file"] or "") for c in t.calls.to_pylist())
     assert all(g[o["graph_id"]]["code_file"] for o in linked)   # the generated module is still named
+
+
+def test_region_whose_compile_was_never_seen_is_explained():
+    torch._dynamo.reset()
+    from tensorscope.recording import compiled as C
+
+    saved = dict(C._REGISTRY), dict(C._REGISTRY_BY_HASH)
+    try:
+        cm = torch.compile(MLP(), dynamic=False)
+        x = torch.randn(4, 4)
+        with tensorscope.trace(leaks=False, modules=False):
+            cm(x)
+        C._REGISTRY.clear()          # as if the compile had happened where no trace could see it
+        C._REGISTRY_BY_HASH.clear()
+        with tensorscope.trace(leaks=False, modules=False) as t:
+            cm(x)
+        assert t.graphs.num_rows == 0
+        assert any("compiled before any trace saw it" in n for n in t.metadata["notes"])
+        assert "torch._dynamo.reset()" in t.summary().to_text()
+    finally:
+        C._REGISTRY.clear()
+        C._REGISTRY_BY_HASH.clear()
+        C._REGISTRY.update(saved[0])
+        C._REGISTRY_BY_HASH.update(saved[1])
+        torch._dynamo.reset()

@@ -550,6 +550,18 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
     return call_gid, op_gid
 
 
+def _note_unknown_regions(sess, calls: pa.Table, call_gid: np.ndarray):
+    """Calls from Inductor-generated code whose compile this process never saw: say why there is no graph."""
+    if calls.num_rows == 0:
+        return
+    files = calls.column("source_file").to_pylist()
+    n = sum(1 for f, g in zip(files, call_gid) if g < 0 and f and _GENERATED.match(os.path.basename(f)))
+    if n:
+        sess.rec.notes.append(
+            f"{n} torch-level call(s) came from torch.compile'd code compiled before any trace saw it, so its "
+            "graphs are unknown: compile inside a traced cell (or call torch._dynamo.reset() first) to see them")
+
+
 def _user_location(table: pa.Table, gid: np.ndarray, graphs: List[Dict[str, Any]]) -> pa.Table:
     """Rows that ran in a compiled region point at Inductor's generated file (the first frame outside torch):
     show the compiled function's file and first line instead (the generated file is ``graphs.code_file``)."""
@@ -576,6 +588,7 @@ def attach(sess, tables: Dict[str, pa.Table]) -> Dict[str, pa.Table]:
         _remember(graphs)
     ops, calls = tables["ops"], tables["calls"]
     call_gid, op_gid = _link(graphs, ops, calls)
+    _note_unknown_regions(sess, calls, call_gid)
     out = dict(tables)
     if "graph_id" in ops.column_names and ops.num_rows:
         i = ops.schema.get_field_index("graph_id")
