@@ -87,9 +87,14 @@ def compiled_section(t) -> Optional[Section]:
             recompiles.append(f"recompile {cid} of {frame['frame'] if frame else '?'}: "
                               f"{_first_line(dyn['recompile_reason'])}")
     notes = list(recompiles)
-    if any("_global_forward_hooks" in (r or "") for r in graphs.column("recompile_reason").to_pylist()):
-        notes.append("a recompile was caused by global module hooks changing (tracing with module paths installs "
-                     "them); a region compiled outside a trace recompiles once inside it")
+    reasons = [r or "" for r in graphs.column("recompile_reason").to_pylist()]
+    if any("_global_forward_hooks" in r for r in reasons):
+        notes.append("a recompile was caused by tensorscope's global module hooks (Dynamo guards on their ids, "
+                     "which change with every trace): with module paths on, a compiled region recompiles in every "
+                     "new trace; modules=False (--no-modules) avoids it")
+    if any("check_torch_function_mode_stack" in r for r in reasons):
+        notes.append("a recompile was caused by the trace's torch-function mode (Dynamo guards on the mode stack): "
+                     "a region compiled outside a trace recompiles once inside one")
     notes.append("graphs: t.graphs; their ATen nodes with shapes and dtypes: t.graph_nodes; ops that ran in a region "
                  "carry its graph_id (the Inductor graph; its AOT graphs share its compile_id and phase)")
     return Section("compiled regions (torch.compile)", rows,
