@@ -26,13 +26,14 @@ def api_section(t) -> Optional[Section]:
         if len(a["ops"]) > 4:
             ops += f", … ({len(a['ops'])} ops)"
         rows.append((a["api"], str(a["n_calls"]), ops, fmt_ns(a["cpu_ns"]), "; ".join(a["reasons"])))
-    no_op = api.filter(pc.is_null(api.column("op")))
+    no_op = [r for r in api.filter(pc.is_null(api.column("op"))).to_pylist()
+             if not (r["name"] or "").startswith("_")]   # private torch._C helpers are PyTorch's own calls
     notes = []
-    if no_op.num_rows:
-        names = ", ".join(f"{r['qualname']} ×{r['n_calls']}" for r in no_op.to_pylist()[:6])
+    if no_op:
+        names = ", ".join(f"{r['qualname']} ×{r['n_calls']}" for r in no_op[:6])
         notes.append(f"calls that dispatched no ATen op (no-op conversions or pure Python): {names}")
     if not rows and not notes:
         return None
     notes.append("every API and the ATen ops it became: t.api")
     return Section("torch API vs ATen: surprising expansions", rows,
-                   ("API", "calls", "ATen ops", "CPU", "why"), notes)
+                   ("API", "calls", "ATen ops", "CPU", "why") if rows else None, notes)
