@@ -78,7 +78,7 @@ def compiled_section(t) -> Optional[Section]:
         if not reg["in_trace"]:
             compile_txt += " (in an earlier trace)"
         has_code = any(r["kind"] == "inductor" for r in reg["rows"])
-        ran_txt = (f"{n_run} ATen ops visible, {fmt_ns(ns_run)}" if n_run else
+        ran_txt = (f"{n_run} ATen op{'s' if n_run != 1 else ''} visible, {fmt_ns(ns_run)}" if n_run else
                    "no ATen op visible at run time (fully fused, or not run)" if has_code else
                    "not linked (only Inductor's generated code is linked to what ran)")
         rows.append((f"compiled region {cid}", where, "; ".join(parts), compile_txt, ran_txt,
