@@ -1,7 +1,9 @@
 """The main job behind `make demo`: execute examples/quickstart.ipynb headless in a real
 kernel (nbclient), then print the trace's summary from the parquet it wrote.
 
-    python examples/run_demo.py [--notebook examples/quickstart.ipynb] [--out runs]
+    python examples/run_demo.py [--notebook examples/quickstart.ipynb] [--cwd DIR]
+    python examples/run_demo.py --notebook examples/compiled_regions.ipynb   # any example notebook
+    python examples/run_demo.py --all                                       # every examples/*.ipynb
 """
 from __future__ import annotations
 
@@ -18,23 +20,32 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--notebook", default=os.path.join(HERE, "quickstart.ipynb"))
     ap.add_argument("--cwd", default=ROOT, help="working directory of the kernel (runs/ is written there)")
+    ap.add_argument("--all", action="store_true", help="execute every notebook in examples/ (quickstart last)")
     a = ap.parse_args(argv)
 
     import nbformat
     from nbclient import NotebookClient
 
-    nb = nbformat.read(a.notebook, as_version=4)
-    t0 = time.time()
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": a.cwd}})
-    client.execute()
+    books = [a.notebook]
+    if a.all:
+        books = [os.path.join(HERE, f) for f in sorted(os.listdir(HERE))
+                 if f.endswith(".ipynb") and f != "quickstart.ipynb"] + [os.path.join(HERE, "quickstart.ipynb")]
     os.makedirs(os.path.join(a.cwd, "runs"), exist_ok=True)
-    executed = os.path.join(a.cwd, "runs", "quickstart.executed.ipynb")
-    nbformat.write(nb, executed)
-    print(f"executed {os.path.relpath(a.notebook, a.cwd)} in a real kernel in {time.time() - t0:.1f} s -> {executed}")
+    for book in books:
+        nb = nbformat.read(book, as_version=4)
+        t0 = time.time()
+        client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": a.cwd}})
+        client.execute()
+        name = os.path.splitext(os.path.basename(book))[0]
+        executed = os.path.join(a.cwd, "runs", f"{name}.executed.ipynb")
+        nbformat.write(nb, executed)
+        print(f"executed {os.path.relpath(book, a.cwd)} in a real kernel in {time.time() - t0:.1f} s -> {executed}")
 
     import tensorscope
 
     path = os.path.join(a.cwd, "runs", "quickstart")
+    if not os.path.isdir(path):   # a notebook other than the quickstart: it printed what it shows
+        return 0
     t = tensorscope.load(path)
     print(t.summary().to_text())
     print(f"\nparquet trace: {path}/ ({', '.join(sorted(os.listdir(path)))})")

@@ -33,6 +33,10 @@ _LAZY = {
     "disable_discovery": ("tensorscope.tracking.leaks", "disable_discovery"),
     "env": ("tensorscope.env", "env"),
     "SCHEMA_VERSION": ("tensorscope.schema", "SCHEMA_VERSION"),
+    "check_substitution": ("tensorscope.substitution", "check_substitution"),
+    "diff": ("tensorscope._diff", "diff"),
+    "TraceDiff": ("tensorscope._diff", "TraceDiff"),
+    "SubstitutionReport": ("tensorscope.substitution", "SubstitutionReport"),
 }
 
 __all__ = sorted(list(_LAZY) + ["__version__", "load_ipython_extension", "unload_ipython_extension",

@@ -31,6 +31,10 @@ def _derive(name: str, tables: Dict[str, pa.Table]) -> pa.Table:
             from .analyses.memory import memory_table
 
             return S.conform("memory", memory_table(tables["tensors"], tables["ops"].num_rows))
+        if name == "api":
+            from .analyses.api import api_table
+
+            return S.conform("api", api_table(tables["ops"], tables["calls"]))
     except ImportError:
         return S.empty(name)
     raise KeyError(name)
@@ -78,6 +82,9 @@ class Trace:
     casts = property(lambda self: self.table("casts"))
     layout_changes = property(lambda self: self.table("layout_changes"))
     memory = property(lambda self: self.table("memory"))
+    graphs = property(lambda self: self.table("graphs"))
+    graph_nodes = property(lambda self: self.table("graph_nodes"))
+    api = property(lambda self: self.table("api"))
 
     def df(self, name: str = "ops"):
         """A table as a pandas DataFrame (nullable ints stay ints, strings are plain strings)."""

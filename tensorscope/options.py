@@ -43,6 +43,13 @@ class TraceOptions:
     expect: Tuple[str, ...] = _opt((), "cell guard: fail after the cell unless it holds (%s)" % ", ".join(EXPECTATIONS),
                                    type=str, choices=EXPECTATIONS, metavar="WHAT")
     max_casts: Optional[int] = _opt(None, "cell guard: fail when more than N casts ran", type=int, metavar="N")
+    baseline: Any = _opt(None, "cell guard: fail when CPU time in ops or peak memory regress against this run "
+                               "(a Trace or saved directory; in the magic a variable, history index or path)",
+                         type=str, metavar="VAR")
+    baseline_time: float = _opt(0.2, "baseline guard: allowed growth of CPU time in ops (0.2 = +20%%)", type=float,
+                                metavar="FRAC")
+    baseline_memory: float = _opt(0.1, "baseline guard: allowed growth of peak live bytes per device (0.1 = +10%%)",
+                                  type=float, metavar="FRAC")
     chunk_rows: int = _opt(65536, "rows buffered per column chunk before it is frozen", type=int, metavar="N")
     spill_rows: int = _opt(2_000_000, "rows kept in memory before chunks spill to disk", type=int, metavar="N")
     spill_dir: Optional[str] = _opt(None, "directory for spilled chunks (default: a temporary directory)", type=str, metavar="DIR")
@@ -64,6 +71,8 @@ class TraceOptions:
             if e not in EXPECTATIONS:
                 raise OptionsError(f"unknown expectation {e!r}; choose from {', '.join(EXPECTATIONS)}")
         object.__setattr__(self, "expect", exp)
+        if not (self.baseline_time >= 0 and self.baseline_memory >= 0):
+            raise OptionsError("baseline_time and baseline_memory are fractions >= 0 (0.2 = +20%)")
         if self.chunk_rows < 1 or self.spill_rows < self.chunk_rows:
             raise OptionsError("chunk_rows must be >= 1 and spill_rows >= chunk_rows")
 
@@ -76,7 +85,12 @@ class TraceOptions:
         return cls(**kwargs)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        out = {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(self)
+               for v in [getattr(self, f.name)]}
+        b = out.get("baseline")
+        if b is not None and not isinstance(b, str):   # never keep the baseline Trace alive through metadata
+            out["baseline"] = str((getattr(b, "metadata", None) or {}).get("saved_to") or repr(b))
+        return out
 
 
 def fields() -> List[dataclasses.Field]:

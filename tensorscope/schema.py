@@ -91,6 +91,7 @@ OPS = _schema("ops", [
     ("nonfinite_produced", _bool),  # true when inputs were finite (produced, not propagated)
     ("num_rel_err", _f64),          # numerics shadow mode: relative error vs the wide reference
     ("num_max_abs_err", _f64),
+    ("graph_id", _i64),             # compiled region (graphs.graph_id, kind inductor) that ran this op, or null
 ])
 
 CALLS = _schema("calls", [
@@ -108,8 +109,9 @@ CALLS = _schema("calls", [
     ("first_seq", _i64),            # first ops.seq inside the call (null if none dispatched)
     ("n_ops", _i64),
     ("autocast", _dstr),            # autocast dtype active for the call's device, or null
-    ("compiled", _bool),            # reserved: null until compiled regions are attributed per call
+    ("compiled", _bool),            # true when the call ran inside a torch.compile'd region (see graph_id)
     ("error_id", _i64),
+    ("graph_id", _i64),             # compiled region (graphs.graph_id) the call ran in, or null
 ])
 
 TENSORS = _schema("tensors", [
@@ -204,10 +206,91 @@ LAYOUT_CHANGES = _schema("layout_changes", [
     ("source_line", _i64),
 ])
 
+API = _schema("api", [            # derived: per torch-level API, the ATen ops it became
+    ("qualname", _str),             # torch.nn.functional.linear, Tensor.reshape
+    ("name", _str),
+    ("n_calls", _i64),              # calls of the API in the trace
+    ("no_op_calls", _i64),          # of them, calls that dispatched no ATen op at all
+    ("op", _str),                   # an ATen op it dispatched (null: none of its calls dispatched any)
+    ("n_ops", _i64),                # how many times
+    ("ops_per_call", _f64),
+    ("cpu_ns", _i64),
+    ("core", _bool),                # op is core ATen (torch.Tag.core)
+    ("hidden_copies", _i64),        # rows of this op flagged hidden_copy
+])
+
+GRAPHS = _schema("graphs", [      # what torch.compile built while tracing (structured-trace artifacts)
+    ("graph_id", _i64),
+    ("kind", _str),                 # dynamo / aot_forward / aot_backward / inductor
+    ("compile_id", _str),           # Dynamo's "frame/attempt" id: "0/1" is frame 0's 2nd compile (a recompile)
+    ("phase", _str),                # aot/inductor: forward / backward / inference; dynamo: null
+    ("frame", _str),                # compiled function's name
+    ("source_file", _str),
+    ("source_line", _i64),          # first line of the compiled function
+    ("compile_ns", _i64),           # dynamo: whole frame; aot_forward: backend; inductor: inductor (per phase)
+    ("n_nodes", _i64),              # FX nodes incl. inputs and output (dynamo/aot)
+    ("n_ops", _i64),                # call nodes (ATen ops for aot graphs)
+    ("n_kernels", _i64),            # inductor: kernels the generated call() launches
+    ("kernels", _strs),             # inductor: fused kernel names, extern_kernels.*, ATen fallbacks
+    ("guards", _strs),              # dynamo: leaf guards of the guard tree
+    ("recompile_reason", _str),     # dynamo: the guard that failed and forced this compile
+    ("cache", _str),                # fx_graph_cache_hit / aotautograd_cache_miss ...
+    ("code_file", _str),            # inductor: the generated module that runs
+    ("compiled_in_trace", _bool),   # false: compiled in an earlier trace of this process, only run here
+])
+
+GRAPH_NODES = _schema("graph_nodes", [
+    ("graph_id", _i64),
+    ("idx", _i64),
+    ("name", _str),
+    ("op", _str),                   # aten.addmm.default / torch._C._nn.linear / Tensor.sum / input / output
+    ("shapes", _shapes),            # per tensor output; -1 for a symbolic (dynamic) size
+    ("strides", _shapes),
+    ("dtypes", _strs),
+    ("source_file", _str),          # user line the node came from
+    ("source_line", _i64),
+])
+
 MEMORY = _schema("memory", [
     ("seq", _i64),
     ("device", _str),
     ("live_bytes", _i64),
+    ("delta_bytes", _i64),
+])
+
+#: Not a trace table: the rows of ``check_substitution(...).table`` (one per divergence).
+SUBSTITUTION = _schema("substitution", [
+    ("kind", _str),                 # op_appeared / op_disappeared / shape / dtype / layout / input_layout /
+                                    # input_dtype / aliasing / inplace / lost_subclass / value / grad / exception /
+                                    # output_type / output_structure
+    ("phase", _str),                # forward / backward (op divergences)
+    ("op", _str),                   # the ATen op, or output[i] for output divergences
+    ("call", _str),                 # the torch-level call around the op
+    ("plain", _str),                # what plain tensors did
+    ("wrapped", _str),              # what the subclass did
+    ("source_file", _str),          # the user line
+    ("source_line", _i64),
+    ("plain_seq", _i64),            # ops.seq in report.plain
+    ("wrapped_seq", _i64),          # ops.seq in report.wrapped
+    ("detail", _str),
+])
+
+#: Not a trace table: ``tensorscope.diff(a, b).table``, one row per (section, key) of either run.
+DIFF = _schema("diff", [
+    ("section", _str),              # ops / hidden_copies / casts / layout
+    ("status", _str),               # appeared / disappeared / changed (count or bytes) / slower / faster / same
+    ("module", _str),
+    ("phase", _str),
+    ("op", _str),
+    ("detail", _str),               # casts: "<kind> from → to"; layout: "<kind> from → to"
+    ("count_a", _i64),
+    ("count_b", _i64),
+    ("delta_count", _i64),
+    ("cpu_ns_a", _i64),
+    ("cpu_ns_b", _i64),
+    ("delta_cpu_ns", _i64),
+    ("bytes_a", _i64),              # ops: bytes written; casts/layout: bytes converted
+    ("bytes_b", _i64),
     ("delta_bytes", _i64),
 ])
 
@@ -222,11 +305,14 @@ TABLES: Dict[str, pa.Schema] = {
     "casts": CASTS,
     "layout_changes": LAYOUT_CHANGES,
     "memory": MEMORY,
+    "graphs": GRAPHS,
+    "graph_nodes": GRAPH_NODES,
+    "api": API,
 }
 
 #: Tables recorded directly; the rest are derived by analyses from these.
-RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks")
-DERIVED = ("casts", "layout_changes", "memory")
+RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks", "graphs", "graph_nodes")
+DERIVED = ("casts", "layout_changes", "memory", "api")
 
 
 def empty(name: str) -> pa.Table:

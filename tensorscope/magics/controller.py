@@ -117,6 +117,11 @@ class Controller:
         self._stop_active(None)   # a trace left by an interrupted cell ends here
         from ..recording.session import trace
 
+        if isinstance(req.options.get("baseline"), str):   # --baseline VAR: resolved now, before the cell runs
+            from .diff import resolve_trace
+
+            req.options = dict(req.options, baseline=resolve_trace(req.options["baseline"], self.shell.user_ns))
+
         cell = getattr(self, "_cell_count", None)
         if cell is None:
             cell = getattr(self.shell, "execution_count", None)

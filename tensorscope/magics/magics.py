@@ -58,6 +58,7 @@ LINE_HELP = """%tensorscope SUBCOMMAND
   history           list the traces kept this session
   leaks [--min-bytes N] [--device D] [-o VAR]
                     every live tensor storage of the notebook, who holds it, and the fix
+  diff A B          compare two runs (variables, tensorscope.history() indices or trace directories)
   env               torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings
   help              this text
 """
@@ -85,6 +86,11 @@ class TensorscopeMagics(Magics):
         args, opts = _parse(TensorscopeMagics.tensorscope_cell, line)
         from ..recording.session import trace
 
+        if opts.get("baseline") is not None:
+            from .diff import resolve_trace
+
+            opts["baseline"] = resolve_trace(opts["baseline"], self.shell.user_ns)
+
         cm = trace(**opts, _cell=getattr(self.shell, "execution_count", None), _cell_source=cell, _keep_history=True)
         with cm:
             self.shell.run_cell(cell, store_history=False)
@@ -103,7 +109,7 @@ class TensorscopeMagics(Magics):
 
     @line_magic("tensorscope")
     def tensorscope_line(self, line):
-        """%tensorscope last | save PATH | on [OPTIONS] | off | history | leaks | env | help"""
+        """%tensorscope last | save PATH | on [OPTIONS] | off | history | leaks | diff A B | env | help"""
         parts = shlex.split(line)
         if not parts or parts[0] in ("help", "-h", "--help"):
             print(LINE_HELP)
@@ -154,6 +160,10 @@ class TensorscopeMagics(Magics):
             from .leaks import leaks_magic
 
             return leaks_magic(self.shell, rest)
+        if cmd == "diff":
+            from .diff import diff_magic
+
+            return diff_magic(self.shell, rest)
         if cmd == "env":
             from ..env import env
 

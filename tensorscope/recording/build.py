@@ -371,6 +371,7 @@ class _Ctx:
         else:
             cols["num_rel_err"] = pa.nulls(n, pa.float64())
             cols["num_max_abs_err"] = pa.nulls(n, pa.float64())
+        cols["graph_id"] = pa.nulls(n, pa.int64())   # filled by recording/compiled.attach
         return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
 
     def _lines(self, src_idx: np.ndarray):
@@ -491,8 +492,9 @@ def _calls_table(sess, ctx: _Ctx):
         first_seq=_nullable(a["first_seq"], a["n_ops"] <= 0),
         n_ops=pa.array(a["n_ops"]),
         autocast=autocasts.take(a["autocast"]),
-        compiled=pa.nulls(n, pa.bool_()),   # not attributed per call yet: see metadata "opaque_ops"
+        compiled=pa.nulls(n, pa.bool_()),   # filled by recording/compiled.attach
         error_id=_nullable(a["error"], a["error"] < 0),
+        graph_id=pa.nulls(n, pa.int64()),   # filled by recording/compiled.attach
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.CALLS], schema=S.CALLS)
 
@@ -696,6 +698,13 @@ def build_trace(sess):
         "tensors": _tensors_table(sess, ctx),
         "errors": _errors_table(sess, ctx),
     }
+    try:
+        from .compiled import attach
+
+        tables = attach(sess, tables)   # graphs, graph_nodes; ops/calls.graph_id
+        ops = tables["ops"]
+    except Exception as e:
+        rec.tracer_error("compiled regions", e)
     kernels, knotes = _kernels_table(sess, ops)
     tables["kernels"] = kernels
     notes = list(knotes)

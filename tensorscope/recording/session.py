@@ -63,6 +63,7 @@ class Session:
         self.shadow = None
         self.cuda_timer = None
         self.kernels = None
+        self.compile_capture = None   # torch.compile artifacts (recording/compiled.py)
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.t0 = 0
         self.wall_ns = 0
@@ -207,6 +208,13 @@ class Session:
                 self.cuda_timer = CudaOpTimer()
             except Exception as e:
                 self.rec.notes.append(f"CUDA timing unavailable: {e}")
+        try:
+            from .compiled import CompileCapture
+
+            self.compile_capture = CompileCapture().install()
+        except Exception as e:
+            self.compile_capture = None
+            self.rec.notes.append(f"torch.compile capture unavailable: {e}")
         if opts.kernels:
             try:
                 from ..timing.kernels import KernelCollector
@@ -240,6 +248,11 @@ class Session:
             pass  # storages stay watched until the tables are built (free_seq of late frees)
         if getattr(_local, "session", None) is self:
             _local.session = None
+        if self.compile_capture is not None:
+            try:
+                self.compile_capture.close()
+            except Exception as e:
+                errors.append(e)
         if self.capture is not None:
             try:
                 self.capture.close()
@@ -372,14 +385,21 @@ def _warn_tracer_bugs(t):
                       RuntimeWarning, stacklevel=3)
 
 
-def raise_for_guards(t):
-    """Cell guards (``expect=``, ``max_casts=``): raise GuardError after the block, trace kept."""
-    if not (t.metadata.get("options", {}).get("expect") or t.metadata.get("options", {}).get("max_casts") is not None):
+def raise_for_guards(t, baseline=None):
+    """Cell guards (``expect=``, ``max_casts=``, ``baseline=``): raise GuardError after the block, trace kept."""
+    opts = t.metadata.get("options", {})
+    if not (opts.get("expect") or opts.get("max_casts") is not None or baseline is not None):
         return
     from ..analyses.guards import check_guards
     from ..errors import GuardError
 
     failures = check_guards(t)
+    if baseline is not None:
+        from .._diff import diff
+
+        found = diff(baseline, t).regressions(time=opts.get("baseline_time", 0.2),
+                                              memory=opts.get("baseline_memory", 0.1))
+        failures += [f"{f} against the baseline (tensorscope.diff(baseline, trace) shows where)" for f in found]
     if failures:
         raise GuardError("tensorscope guard failed:\n" + "\n".join(f"  - {f}" for f in failures), t, failures)
 
@@ -397,6 +417,10 @@ class trace:
         self._cell_source = options.pop("_cell_source", None)
         self._keep_history = options.pop("_keep_history", False)
         self._deferred_kernels = options.pop("_deferred_kernels", False)
+        if options.get("baseline") is not None:
+            from .._diff import as_trace
+
+            options["baseline"] = as_trace(options["baseline"])   # a bad baseline fails before anything runs
         self.options = TraceOptions.from_kwargs(options)
         self._session: Optional[Session] = None
         self._trace = None
@@ -417,7 +441,7 @@ class trace:
             clean_traceback(ev)   # the with-statement re-raises ev: its traceback as untraced
             return False
         try:
-            raise_for_guards(self._trace)
+            raise_for_guards(self._trace, baseline=self.options.baseline)
         except BaseException as g:
             g.__traceback__ = None   # point at the with-statement, not into tensorscope
             raise

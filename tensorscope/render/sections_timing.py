@@ -1,12 +1,11 @@
-"""The summary's timing section: CUDA time, kernels, and the small inline timeline image.
+"""The summary's timing sections: CUDA time, kernels, the inline SVG timeline, and the icicle.
 
 Role: one ``Section`` (see render/summary.py) with the GPU side of the trace
 — CUDA time in ops, kernel count / how many are linked to an op / how many
 failed their timestamp check — a note on CPU-only machines that the kernels
-table is empty and why, and a compact timeline PNG (rendered in memory by
-``render.plots.timeline_png``, embedded as a data URI by the HTML renderer;
-no file is written). Without matplotlib the section keeps its rows and says
-the image is unavailable.
+table is empty and why, and the timeline as inline SVG (``render.svg``: no
+matplotlib on the display path, no JavaScript). A second, image-only section
+draws the icicle of module → torch call → ATen op (width = CPU time).
 """
 from __future__ import annotations
 
@@ -43,17 +42,23 @@ def timing_section(t) -> Optional[Section]:
         already = any("CPU-only" in str(n) for n in md.get("notes") or [])
         if not env.get("cuda_available", False) and not already:
             notes.append("CPU-only: no CUDA device, so the kernels table is empty")
-    png = None
-    if ops.num_rows:
-        try:
-            import matplotlib  # noqa: F401  (only to know whether the image can be drawn)
+    svg = None
+    if ops.num_rows or kernels.num_rows:
+        from .svg import timeline_svg
 
-            from .plots import timeline_png
-
-            # drawn only when HTML is rendered (the text summary and the CLI never pay for it)
-            png = lambda: timeline_png(t, width_px=640)  # noqa: E731
-        except ImportError:
-            notes.append("timeline image unavailable (matplotlib is not installed)")
-    if not rows and png is None and not notes:
+        # inline SVG, drawn only when HTML is rendered (no matplotlib on the display path)
+        svg = lambda: timeline_svg(t)  # noqa: E731
+    if not rows and svg is None and not notes:
         return None
-    return Section("timeline", rows, None, notes, image_png=png)
+    return Section("timeline", rows, None, notes, svg=svg)
+
+
+@register_section
+def icicle_section(t) -> Optional[Section]:
+    """Where the time went: module → torch call → ATen op, width = CPU time (HTML only)."""
+    if t.ops.num_rows == 0:
+        return None
+    from .svg import icicle_svg
+
+    return Section("where the time went (module → torch call → ATen op; hover for details)", [], None, [],
+                   svg=lambda: icicle_svg(t))

@@ -22,6 +22,7 @@ class Section:
     header: Optional[Tuple[str, ...]] = None
     notes: List[str] = field(default_factory=list)
     image_png: Any = None    # PNG bytes, or a callable making them, drawn only for HTML (data URI)
+    svg: Any = None          # inline SVG markup (escaped by its maker, render/svg.py), or a callable making it
 
 
 SECTIONS: List[Callable] = []
@@ -97,7 +98,7 @@ def overview(t) -> Section:
     compiled = md.get("compiled_ops")
     if compiled is None:   # a trace saved before compiled ops were told apart
         compiled = md.get("opaque_ops") or 0
-    if compiled:
+    if compiled and not t.graphs.num_rows:
         notes.append(f"{compiled} forward op(s) were dispatched by torch.compile'd code, which runs compiled and "
                      "opaque: only the ops the compiled artifact dispatches are visible, not what it fused.")
     direct = (md.get("opaque_ops") or 0) - compiled
@@ -135,17 +136,53 @@ def top_ops(t, k: int = 10) -> Optional[Section]:
 
 
 @register_section
-def modules_section(t, k: int = 8) -> Optional[Section]:
+def modules_section(t, k: int = 12) -> Optional[Section]:
+    """Time per module, children rolled up into their parents (``layer4`` is its blocks' total)."""
     ops = t.ops
     if ops.num_rows == 0:
         return None
     with_mod = ops.filter(pc.invert(pc.is_null(ops.column("module"))))
     if with_mod.num_rows == 0:
         return None
-    g = with_mod.group_by(["module", "phase"]).aggregate([("cpu_ns", "sum"), ("cpu_ns", "count")])
-    g = g.sort_by([("cpu_ns_sum", "descending")]).slice(0, k)
-    rows = [(r["module"], r["phase"], str(r["cpu_ns_count"]), fmt_ns(r["cpu_ns_sum"])) for r in g.to_pylist()]
-    return Section("time per module", rows, ("module", "phase", "ops", "CPU"))
+    g = with_mod.group_by(["module", "phase"]).aggregate([("cpu_ns", "sum"), ("cpu_ns", "count")]).to_pylist()
+    total: dict = {}
+    own: dict = {}
+    for r in g:
+        name, ns, n, bwd = r["module"], r["cpu_ns_sum"] or 0, r["cpu_ns_count"], r["phase"] == "backward"
+        own[name] = own.get(name, 0) + ns
+        parts = name.split(".")
+        for i in range(len(parts)):
+            key = ".".join(parts[: i + 1])
+            tot = total.setdefault(key, [0, 0, 0, 0])   # total ns, forward ns, backward ns, ops
+            tot[0] += ns
+            tot[2 if bwd else 1] += ns
+            tot[3] += n
+    grand = sum(own.values()) or 1
+    roots = [key for key in total if key.startswith("<") and "." not in key]
+    root = roots[0] if len(roots) == 1 else None   # the outermost module called: "<Net>"
+    if root is not None:
+        total[root] = [sum(v[i] for key, v in total.items() if "." not in key) for i in range(4)]
+    children: dict = {}
+    for key in total:
+        parent = key.rsplit(".", 1)[0] if "." in key else (root if key != root else None)
+        children.setdefault(parent, []).append(key)
+    order = []
+
+    def walk(parent):
+        for key in sorted(children.get(parent, []), key=lambda c: -total[c][0]):
+            order.append(key)
+            walk(key)
+
+    walk(None)
+    rows = []
+    for key in order[:k]:
+        tot = total[key]
+        rows.append((key, fmt_ns(tot[0]), fmt_ns(own.get(key, 0)), fmt_ns(tot[1]), fmt_ns(tot[2]), str(tot[3]),
+                     f"{100 * tot[0] / grand:.1f}%"))
+    notes = [f"{len(order) - k} more modules: t.sql(\"select module, sum(cpu_ns) from ops group by module\")"] \
+        if len(order) > k else []
+    return Section("time per module (children rolled up into parents)", rows,
+                   ("module", "total", "self", "forward", "backward", "ops", "share"), notes)
 
 
 @register_section
@@ -203,6 +240,15 @@ class Summary:
                 except Exception as e:  # an image must never hide the tables
                     png = None
                     parts.append(f'<div style="color:#a15c00">timeline image failed: {_e(e)}</div>')
+            svg = s.svg
+            if callable(svg):
+                try:
+                    svg = svg()
+                except Exception as e:  # a drawing must never hide the tables
+                    svg = None
+                    parts.append(f'<div style="color:#a15c00">{_e(s.title)} drawing failed: {_e(e)}</div>')
+            if svg:
+                parts.append(f'<div class="tensorscope-svg" style="overflow-x:auto">{svg}</div>')
             if png:
                 import base64
 
@@ -247,7 +293,8 @@ def summarize(t) -> Summary:
 
 
 _SECTION_MODULES = ("tensorscope.render.sections_precision", "tensorscope.render.sections_memory",
-                    "tensorscope.render.sections_timing")
+                    "tensorscope.render.sections_timing", "tensorscope.render.sections_compiled",
+                    "tensorscope.render.sections_api")
 
 
 def _load_section_modules():

@@ -1,0 +1,148 @@
+"""Compare two runs: ``diff(a, b) -> TraceDiff`` (Traces or saved directories).
+
+Runs are matched by *what* ran, never by row: ops by (module, phase, op), casts
+by (op, from, to, kind), layout changes by (kind, op, from, to). So two cells of
+different lengths, a refactored loop or a changed batch size compare
+meaningfully. ``TraceDiff.table`` holds one row per changed key with counts,
+CPU time and bytes on both sides and their deltas; ``totals`` the cell-level
+numbers (ops, CPU time in ops, wall time, hidden copies, casts, peak live bytes
+per device, leaked bytes). Text and HTML list the biggest changes first.
+
+``regressions(totals_a, totals_b, time=0.2, memory=0.1)`` is the baseline guard
+(``%%tensorscope --baseline VAR`` / ``trace(baseline=...)``): it fails when the
+CPU time in ops grows by more than ``time`` (a fraction, and at least
+``MIN_TIME_NS`` so that noise on tiny cells never fails a cell) or when a
+device's peak live bytes grow by more than ``memory`` (and at least
+``MIN_BYTES``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+
+#: absolute floors of the baseline guard (below them a relative change is noise)
+MIN_TIME_NS = 100_000
+MIN_BYTES = 1024
+#: an op key with the same count is "slower"/"faster" past this relative and absolute time change
+TIME_SHIFT = 0.2
+MIN_SHIFT_NS = 50_000
+
+
+def _group(t: pa.Table, keys: List[str], sums: List[str]) -> Dict[Tuple, Dict[str, int]]:
+    if t.num_rows == 0:
+        return {}
+    aggs = [(keys[0], "count")] + [(c, "sum") for c in sums]
+    g = t.group_by(keys, use_threads=False).aggregate(aggs)
+    out = {}
+    for r in g.to_pylist():
+        out[tuple(r[k] for k in keys)] = dict(count=r[f"{keys[0]}_count"], **{c: r[f"{c}_sum"] or 0 for c in sums})
+    return out
+
+
+def _ops_work(ops: pa.Table) -> pa.Table:
+    """Ops minus bookkeeping (detach, alias…), with ``module`` null → "" so it can be a group key."""
+    if ops.num_rows == 0:
+        return pa.table({"module": pa.array([], pa.string()), "phase": pa.array([], pa.string()),
+                         "op": pa.array([], pa.string()), "cpu_ns": pa.array([], pa.int64()),
+                         "bytes": pa.array([], pa.int64()), "hidden_copy": pa.array([], pa.bool_())})
+    keep = pc.invert(ops.column("is_noise").fill_null(False))
+    t = ops.filter(keep).select(["module", "phase", "op", "cpu_ns", "bytes_written", "hidden_copy"])
+    t = t.rename_columns(["module", "phase", "op", "cpu_ns", "bytes", "hidden_copy"])
+    return t.set_column(0, "module", pc.fill_null(t.column("module"), ""))
+
+
+def _hidden(w: pa.Table) -> pa.Table:
+    return w.filter(pc.fill_null(w.column("hidden_copy"), False)) if w.num_rows else w
+
+
+def _peak(t) -> Dict[str, int]:
+    from .memory import memory_peak
+
+    return {d: int(p["peak_bytes"]) for d, p in memory_peak(t.memory, t.ops).items()}
+
+
+def totals(t) -> Dict[str, Any]:
+    """Cell-level numbers of one Trace."""
+    work = _ops_work(t.ops)
+    leaks = t.leaks
+    return dict(
+        ops=work.num_rows,
+        cpu_ns=int(pc.sum(work.column("cpu_ns")).as_py() or 0) if work.num_rows else 0,
+        wall_ns=int((t.metadata or {}).get("wall_ns") or 0),
+        hidden_copies=int(pc.sum(pc.cast(work.column("hidden_copy").fill_null(False), "int64")).as_py() or 0)
+        if work.num_rows else 0,
+        casts=t.casts.num_rows,
+        layout_changes=t.layout_changes.num_rows,
+        leaked_bytes=int(pc.sum(leaks.column("nbytes")).as_py() or 0) if leaks.num_rows else 0,
+        peak_bytes=_peak(t),
+    )
+
+
+def _rows(section, ga, gb, keycols, label):
+    rows = []
+    for key in set(ga) | set(gb):
+        a, b = ga.get(key), gb.get(key)
+        ca, cb = (a or {}).get("count", 0), (b or {}).get("count", 0)
+        na, nb = (a or {}).get("cpu_ns"), (b or {}).get("cpu_ns")
+        ba, bb = (a or {}).get("bytes", 0), (b or {}).get("bytes", 0)
+        status = ("appeared" if a is None else "disappeared" if b is None
+                  else "changed" if (ca != cb or ba != bb) else _timing(na, nb))
+        d = dict(zip(keycols, key))
+        rows.append(dict(section=section, status=status, module=d.get("module") or None, phase=d.get("phase"),
+                         op=d.get("op"), detail=label(d), count_a=ca, count_b=cb, delta_count=cb - ca,
+                         cpu_ns_a=na, cpu_ns_b=nb,
+                         delta_cpu_ns=None if na is None and nb is None else (nb or 0) - (na or 0),
+                         bytes_a=ba, bytes_b=bb, delta_bytes=bb - ba))
+    return rows
+
+
+def _timing(na, nb) -> str:
+    """Same count and bytes: "slower"/"faster" when the time moved by TIME_SHIFT and MIN_SHIFT_NS, else "same"."""
+    if na is None or nb is None:
+        return "same"
+    d = nb - na
+    if abs(d) >= max(TIME_SHIFT * max(na, nb), MIN_SHIFT_NS):
+        return "slower" if d > 0 else "faster"
+    return "same"
+
+
+def compare(a, b) -> Tuple[pa.Table, Dict[str, Any], Dict[str, Any]]:
+    """(changes table, totals of a, totals of b) for two Traces (see the module docstring)."""
+    rows: List[Dict[str, Any]] = []
+    wa, wb = _ops_work(a.ops), _ops_work(b.ops)
+    key = ["module", "phase", "op"]
+    rows += _rows("ops", _group(wa, key, ["cpu_ns", "bytes"]), _group(wb, key, ["cpu_ns", "bytes"]), key,
+                  lambda d: None)
+    rows += _rows("hidden_copies", _group(_hidden(wa), key, ["cpu_ns", "bytes"]),
+                  _group(_hidden(wb), key, ["cpu_ns", "bytes"]), key, lambda d: "hidden copy")
+    ck = ["op", "from_dtype", "to_dtype", "kind"]
+    rows += _rows("casts", _group(a.casts.select(ck + ["bytes"]), ck, ["bytes"]),
+                  _group(b.casts.select(ck + ["bytes"]), ck, ["bytes"]), ck,
+                  lambda d: f"{d['kind']} {d['from_dtype']} → {d['to_dtype']}")
+    lk = ["kind", "op", "from_format", "to_format"]
+    rows += _rows("layout", _group(a.layout_changes.select(lk + ["bytes"]), lk, ["bytes"]),
+                  _group(b.layout_changes.select(lk + ["bytes"]), lk, ["bytes"]), lk,
+                  lambda d: f"{d['kind']} {d['from_format']} → {d['to_format']}")
+    rows.sort(key=lambda r: (r["status"] == "same", -abs(r["delta_cpu_ns"] or 0), -abs(r["delta_bytes"] or 0),
+                             -abs(r["delta_count"]), r["section"], r["module"] or "", r["op"] or ""))
+    table = pa.Table.from_pylist(rows, schema=S.DIFF) if rows else S.DIFF.empty_table()
+    return table, totals(a), totals(b)
+
+
+def regressions(ta: Dict[str, Any], tb: Dict[str, Any], time: float = 0.2, memory: float = 0.1) -> List[Dict[str, Any]]:
+    """Failures of the baseline guard: CPU time in ops up by more than ``time`` (a fraction) and
+    ``MIN_TIME_NS``; a device's peak live bytes up by more than ``memory`` and ``MIN_BYTES``."""
+    out = []
+    a, b = ta["cpu_ns"], tb["cpu_ns"]
+    if b - a > max(time * a, MIN_TIME_NS):
+        out.append(dict(what="time", device=None, before=a, after=b, threshold=time))
+    pa_, pb = ta["peak_bytes"], tb["peak_bytes"]
+    for dev in sorted(set(pa_) | set(pb)):
+        x, y = pa_.get(dev, 0), pb.get(dev, 0)
+        if y - x > max(memory * x, MIN_BYTES):
+            out.append(dict(what="memory", device=dev, before=x, after=y, threshold=memory))
+    return out

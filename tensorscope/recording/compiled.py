@@ -1,0 +1,605 @@
+"""Compiled regions opened up: what torch.compile built while a trace recorded, and what ran it.
+
+Capture: while a trace records, one ``logging.Handler`` sits on PyTorch's
+structured-trace logger (``torch._logging._internal.trace_log``, the channel
+``TORCH_TRACE``/tlparse read). ``trace_structured`` only formats its payloads
+when that logger has a handler, so nothing is computed when no trace records.
+The handler keeps the few records tensorscope needs, as plain strings:
+
+- ``dynamo_start`` / ``dynamo_output_graph`` (the Dynamo FX graph, readable, with
+  shapes/strides/dtypes), ``dynamo_cpp_guards_str`` (the guard tree),
+  ``recompile_reasons`` (the guard that failed), ``compilation_metrics`` and
+  ``bwd_compilation_metrics`` (compile times, frame name, file, line);
+- ``aot_forward_graph`` / ``aot_inference_graph`` / ``aot_backward_graph`` (the
+  AOTAutograd ATen graphs; emitted again from the cache on a cache hit);
+- ``inductor_output_code`` (the generated module: its file path and its kernels).
+
+Nothing here touches a tensor, a mode or a frame; the program is unchanged
+(the only cost is PyTorch formatting those payloads during compilation).
+
+Link: Inductor's generated ``call()`` runs the graph; the torch-level calls it
+makes (``extern_kernels.addmm`` …) come from that generated file, so a call whose
+``source_file`` is a graph's code file ran that graph. Backward ops of a
+``CompiledFunctionBackward`` node belong to the backward graph of the same
+compile (found through ``fwd_seq`` or their inherited location). Graphs compiled
+in an earlier trace of this process are remembered (bounded), so a later trace
+that only runs them still links to them.
+
+Tables (schema.py): ``graphs`` (one row per graph) and ``graph_nodes`` (one row
+per node); ``ops.graph_id`` and ``calls.graph_id`` point at the runtime graph
+(kind ``inductor``), whose ``compile_id``/``phase`` name its AOT and Dynamo graphs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+
+_KEEP = frozenset({
+    "dynamo_start", "dynamo_output_graph", "dynamo_cpp_guards_str", "dynamo_guards", "compilation_metrics",
+    "bwd_compilation_metrics", "aot_forward_graph", "aot_inference_graph", "aot_backward_graph",
+    "inductor_output_code",
+})
+_KEEP_ARTIFACTS = frozenset({
+    "recompile_reasons", "fx_graph_cache_hit", "fx_graph_cache_miss", "fx_graph_cache_bypass",
+    "aotautograd_cache_hit", "aotautograd_cache_miss", "aotautograd_cache_bypass",
+})
+
+#: graphs compiled in earlier traces of this process, by generated code file (bounded)
+_REGISTRY: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
+_REGISTRY_BY_HASH: Dict[str, str] = {}
+_REGISTRY_MAX = 256
+_REGISTRY_LOCK = threading.Lock()
+#: Inductor's generated module names: c<hash>.py
+_GENERATED = re.compile(r"^c[a-z0-9]{20,}\.py$")
+
+
+class _Handler(logging.Handler):
+    """Keeps the structured-trace records tensorscope reads. Never raises into PyTorch."""
+
+    def __init__(self, sink: List[Tuple]):
+        super().__init__(level=logging.DEBUG)
+        self.sink = sink
+        self.errors = 0
+
+    def emit(self, record):
+        try:
+            md = getattr(record, "metadata", None)
+            if not isinstance(md, dict) or not md:
+                return
+            name = next(iter(md))
+            info = md.get(name)
+            if name == "artifact":
+                aname = info.get("name") if isinstance(info, dict) else None
+                if aname not in _KEEP_ARTIFACTS:
+                    return
+                name = aname
+            elif name not in _KEEP:
+                return
+            key = (md.get("frame_id"), md.get("frame_compile_id"), md.get("attempt"), md.get("compiled_autograd_id"))
+            self.sink.append((name, info, key, getattr(record, "payload", None), time.perf_counter_ns()))
+        except Exception:
+            self.errors += 1
+
+    def handleError(self, record):   # never print a logging traceback into the user's cell
+        self.errors += 1
+
+
+class CompileCapture:
+    """Installed by the session for the duration of a trace; ``close()`` removes it (idempotent)."""
+
+    def __init__(self):
+        self.records: List[Tuple] = []
+        self._handler = None
+        self._logger = None
+
+    def install(self):
+        try:
+            from torch._logging._internal import trace_log
+        except Exception:   # an older torch without structured tracing: nothing to capture
+            return self
+        self._handler = _Handler(self.records)
+        self._logger = trace_log
+        trace_log.addHandler(self._handler)
+        return self
+
+    def close(self):
+        if self._handler is not None and self._logger is not None:
+            try:
+                self._logger.removeHandler(self._handler)
+            finally:
+                self._handler = None
+
+    @property
+    def handler_errors(self) -> int:
+        return self._handler.errors if self._handler is not None else 0
+
+
+# -- parsing the readable graphs ----------------------------------------------------------------------------
+
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DTYPES = {
+    "f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16", "i64": "int64", "i32": "int32",
+    "i16": "int16", "i8": "int8", "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64", "b8": "bool",
+    "c32": "complex32", "c64": "complex64", "c128": "complex128", "f8e4m3fn": "float8_e4m3fn",
+    "f8e5m2": "float8_e5m2", "f8e4m3fnuz": "float8_e4m3fnuz", "f8e5m2fnuz": "float8_e5m2fnuz",
+}
+_ANN_TENSOR = re.compile(r"([a-z]+[0-9a-z]*)\[([^\]]*)\]\[([^\]]*)\]([a-z]+(?::\d+)?)?")
+_NODE = re.compile(r'^\s*(\w+)(?:\s*:\s*"([^"]*)")?\s*=\s*([\w.]+)\((.*)$')
+_PARAM = re.compile(r'(\w+)\s*:\s*"([^"]*)"')
+_FILE = re.compile(r"^\s*# File: (.+?):(\d+) in ")
+
+
+def _dims(text: str) -> List[int]:
+    out = []
+    for d in text.split(","):
+        d = d.strip()
+        if not d:
+            continue
+        try:
+            out.append(int(d))
+        except ValueError:
+            out.append(-1)   # a symbolic size (s0, 2*s1): dynamic
+    return out
+
+
+def parse_annotation(ann: Optional[str]):
+    """``"f32[3, 8][8, 1]cpu"`` -> ([[3, 8]], [[8, 1]], ["float32"]) (several for tuple outputs)."""
+    shapes, strides, dtypes = [], [], []
+    for m in _ANN_TENSOR.finditer(ann or ""):
+        code = m.group(1)
+        if code not in _DTYPES and not code.startswith(("f", "i", "u", "b", "c")):
+            continue
+        dtypes.append(_DTYPES.get(code, code))
+        shapes.append(_dims(m.group(2)))
+        strides.append(_dims(m.group(3)))
+    return shapes, strides, dtypes
+
+
+def _short_target(target: str, locals_: set) -> str:
+    if target.startswith("torch.ops."):
+        return target[len("torch.ops."):]
+    head = target.split(".", 1)[0]
+    if head in locals_ and "." in target:
+        return "Tensor." + target.rsplit(".", 1)[1]   # a method call on a graph value: linear_1.sum()
+    return target
+
+
+def parse_graph(text: Optional[str]) -> List[Dict[str, Any]]:
+    """Nodes of a readable FX graph (``GraphModule.print_readable(include_stride=True)``), in order.
+
+    Placeholders are ``op="input"``, the return is ``op="output"``; call nodes carry
+    their target (``aten.addmm.default``, ``torch._C._nn.linear``, ``Tensor.sum``).
+    """
+    nodes: List[Dict[str, Any]] = []
+    if not text:
+        return nodes
+    locals_: set = set()
+    src_file = src_line = None
+    in_sig = False
+    in_return = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("def forward("):
+            in_sig = not stripped.endswith("):")
+            for name, ann in _PARAM.findall(stripped):
+                _add_node(nodes, name, "input", ann, None, None)
+                locals_.add(name)
+            continue
+        if in_sig:
+            if stripped.startswith(")"):
+                in_sig = False
+                continue
+            for name, ann in _PARAM.findall(stripped.split("#", 1)[0]):
+                _add_node(nodes, name, "input", ann, None, None)
+                locals_.add(name)
+            continue
+        m = _FILE.match(line)
+        if m:
+            src_file, src_line = m.group(1), int(m.group(2))
+            if src_file.startswith(_OWN_DIR):   # Dynamo traced through tensorscope's own mode: not a user line
+                src_file = src_line = None
+            continue
+        if stripped.startswith("return"):
+            _add_node(nodes, "output", "output", None, None, None)
+            in_return = stripped.endswith("(")
+            continue
+        if in_return:
+            if stripped.startswith(")"):
+                in_return = False
+            continue
+        if stripped.startswith(("#", "class ", "def ")):
+            continue
+        m = _NODE.match(line)
+        if m:
+            name, ann, target = m.group(1), m.group(2), m.group(3)
+            _add_node(nodes, name, _short_target(target, locals_), ann, src_file, src_line)
+            locals_.add(name)
+            continue
+    return nodes
+
+
+def _add_node(nodes, name, op, ann, src_file, src_line):
+    shapes, strides, dtypes = parse_annotation(ann)
+    nodes.append(dict(idx=len(nodes), name=name, op=op, shapes=shapes, strides=strides, dtypes=dtypes,
+                      source_file=src_file, source_line=src_line))
+
+
+_KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.(\w+)\(", re.M)
+_EXTERN = re.compile(r"\bextern_kernels\.(\w+)\(")
+_FALLBACK = re.compile(r"\btorch\.ops\.(\w+\.\w+\.\w+)\(|\baten\.(\w+\.\w+)\(")
+
+
+def parse_output_code(code: Optional[str]) -> Dict[str, Any]:
+    """Kernels the generated ``call()`` launches, in order: fused kernels, extern kernels, ATen fallbacks."""
+    if not code:
+        return dict(kernels=[], aot_id=None)
+    aot = re.search(r"^# AOT ID: \['([^']*)'\]", code, re.M)
+    defined = {m.group(1) for m in _KERNEL_DEF.finditer(code)}
+    body = code
+    i = code.find("\ndef call(")
+    if i >= 0:
+        j = code.find("\ndef benchmark_compiled_module", i)
+        k = code.find("\nif __name__", i)
+        ends = [e for e in (j, k) if e > 0]
+        body = code[i:min(ends)] if ends else code[i:]
+    kernels: List[str] = []
+    if defined:
+        call_re = re.compile(r"\b(" + "|".join(sorted(map(re.escape, defined), key=len, reverse=True))
+                             + r")(?:\.run)?\(")
+    else:
+        call_re = None
+    for line in body.splitlines():
+        s = line.strip()
+        if s.startswith("#") or s.startswith("def "):
+            continue
+        for m in _EXTERN.finditer(s):
+            kernels.append("extern_kernels." + m.group(1))
+        for m in _FALLBACK.finditer(s):
+            kernels.append("aten." + (m.group(2) or m.group(1).split(".", 1)[1]) if m.group(2)
+                           else m.group(1))
+        if call_re is not None:
+            for m in call_re.finditer(s):
+                kernels.append(m.group(1))
+    return dict(kernels=kernels, aot_id=aot.group(1) if aot else None)
+
+
+def _guard_lines(text: Optional[str]) -> List[str]:
+    out = []
+    for line in (text or "").splitlines():
+        m = re.match(r"^[|\s]*\+- ([A-Z_]+): (.*)$", line)
+        if not m or m.group(1) in ("GuardManager", "RootGuardManager", "DictGuardManager"):
+            continue
+        expr = m.group(2).split("  # ", 1)[0].strip()
+        out.append(f"{m.group(1)}: {expr}")
+    return out
+
+
+def _reason(payload) -> Optional[str]:
+    if payload is None:
+        return None
+    if isinstance(payload, str):
+        try:
+            v = json.loads(payload)
+        except ValueError:
+            return payload.strip() or None
+    else:
+        v = payload
+    if isinstance(v, list):
+        return "; ".join(str(x) for x in v) or None
+    return str(v)
+
+
+def _cid(key) -> str:
+    frame, fcid, _attempt, ca = key
+    s = f"{frame}/{fcid}" if frame is not None else "?"
+    return f"!{ca}/{s}" if ca is not None else s
+
+
+# -- records -> graph rows -------------------------------------------------------------------------------------
+
+def graphs_from_records(records: List[Tuple]) -> List[Dict[str, Any]]:
+    """One dict per graph (with its ``nodes``), in compile order. Pure: strings in, dicts out."""
+    comps: "OrderedDict[Tuple, Dict[str, Any]]" = OrderedDict()
+
+    def comp(key):
+        ck = key[:2] + (key[3],)
+        c = comps.get(ck)
+        if c is None:
+            c = comps[ck] = dict(key=key, graphs=[], metrics=None, bwd_metrics=None, guards=[], reason=None,
+                                 cache=[], start_ns=None)
+        return c
+
+    for name, info, key, payload, ts in records:
+        c = comp(key)
+        if c["start_ns"] is None:
+            c["start_ns"] = ts
+        if name == "dynamo_output_graph":
+            c["graphs"].append(dict(kind="dynamo", phase=None, nodes=parse_graph(payload), ts=ts))
+        elif name in ("aot_forward_graph", "aot_inference_graph", "aot_backward_graph"):
+            phase = {"aot_forward_graph": "forward", "aot_inference_graph": "inference",
+                     "aot_backward_graph": "backward"}[name]
+            kind = "aot_backward" if phase == "backward" else "aot_forward"
+            c["graphs"].append(dict(kind=kind, phase=phase, nodes=parse_graph(payload), ts=ts))
+        elif name == "inductor_output_code":
+            parsed = parse_output_code(payload)
+            aot_id = parsed["aot_id"] or ""
+            phase = ("backward" if aot_id.endswith("backward") else "inference" if aot_id.endswith("inference")
+                     else "forward")
+            file = (info or {}).get("filename") or (info or {}).get("file_path") if isinstance(info, dict) else None
+            digest = hashlib.md5(payload.encode("utf-8"), usedforsecurity=False).hexdigest() if payload else None
+            c["graphs"].append(dict(kind="inductor", phase=phase, nodes=[], ts=ts, kernels=parsed["kernels"],
+                                    code_file=file, code_md5=digest))
+        elif name in ("dynamo_cpp_guards_str",):
+            c["guards"] = _guard_lines(payload)
+        elif name == "dynamo_guards" and not c["guards"]:
+            try:
+                c["guards"] = [str(g.get("code") or g) for g in json.loads(payload or "[]")]
+            except (ValueError, AttributeError):
+                pass
+        elif name == "recompile_reasons":
+            c["reason"] = _reason(payload)
+        elif name == "compilation_metrics":
+            c["metrics"] = info if isinstance(info, dict) else None
+        elif name == "bwd_compilation_metrics":
+            c["bwd_metrics"] = info if isinstance(info, dict) else None
+        elif name.startswith(("fx_graph_cache_", "aotautograd_cache_")):
+            c["cache"].append(name)
+    out = []
+    for c in comps.values():
+        if not c["graphs"]:
+            continue
+        m = c["metrics"] or {}
+        bm = c["bwd_metrics"] or {}
+
+        def secs(d, k):
+            v = d.get(k)
+            return int(round(float(v) * 1e9)) if isinstance(v, (int, float)) else None
+
+        cid = _cid(c["key"])
+        seen_inductor = set()
+        for g in c["graphs"]:
+            g["compile_id"] = cid
+            g["frame"] = m.get("co_name")
+            g["source_file"] = m.get("co_filename")
+            g["source_line"] = m.get("co_firstlineno")
+            g["guards"] = c["guards"] if g["kind"] == "dynamo" else []
+            g["recompile_reason"] = c["reason"] if g["kind"] == "dynamo" else None
+            g["cache"] = ",".join(sorted(set(c["cache"]))) or None
+            if g["kind"] == "dynamo":
+                g["compile_ns"] = secs(m, "entire_frame_compile_time_s")
+            elif g["kind"] == "aot_forward":
+                g["compile_ns"] = secs(m, "backend_compile_time_s")
+            elif g["kind"] == "inductor":
+                if g["phase"] == "backward":
+                    g["compile_ns"] = secs(bm, "inductor_compile_time_s")
+                elif g["phase"] not in seen_inductor:
+                    g["compile_ns"] = secs(m, "inductor_compile_time_s")
+                seen_inductor.add(g["phase"])
+            g.setdefault("compile_ns", None)
+            out.append(g)
+    return out
+
+
+def _remember(graphs: List[Dict[str, Any]]):
+    """Keep this trace's compiles for later traces that only run them (bounded, oldest dropped)."""
+    by_cid: Dict[str, List[Dict[str, Any]]] = {}
+    for g in graphs:
+        by_cid.setdefault(g["compile_id"], []).append(g)
+    with _REGISTRY_LOCK:
+        for group in by_cid.values():
+            for g in group:
+                if g["kind"] == "inductor" and g.get("code_file"):
+                    _REGISTRY[g["code_file"]] = group
+                    _REGISTRY.move_to_end(g["code_file"])
+                    if g.get("code_md5"):
+                        _REGISTRY_BY_HASH[g["code_md5"]] = g["code_file"]
+        while len(_REGISTRY) > _REGISTRY_MAX:
+            f, group = _REGISTRY.popitem(last=False)
+            for g in group:
+                if g.get("code_md5") in _REGISTRY_BY_HASH and _REGISTRY_BY_HASH[g["code_md5"]] == f:
+                    del _REGISTRY_BY_HASH[g["code_md5"]]
+
+
+def _file_md5(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.md5(f.read(), usedforsecurity=False).hexdigest()
+    except OSError:
+        return None
+
+
+# -- tables ----------------------------------------------------------------------------------------------------
+
+def graph_tables(graphs: List[Dict[str, Any]]) -> Tuple[pa.Table, pa.Table]:
+    rows, nrows = [], []
+    for gid, g in enumerate(graphs):
+        nodes = g.get("nodes") or []
+        n_ops = sum(1 for n in nodes if n["op"] not in ("input", "output"))
+        kernels = g.get("kernels")
+        rows.append(dict(
+            graph_id=gid, kind=g["kind"], compile_id=g.get("compile_id"), phase=g.get("phase"), frame=g.get("frame"),
+            source_file=g.get("source_file"), source_line=g.get("source_line"), compile_ns=g.get("compile_ns"),
+            n_nodes=len(nodes) if g["kind"] != "inductor" else None,
+            n_ops=n_ops if g["kind"] != "inductor" else None,
+            n_kernels=len(kernels) if kernels is not None else None, kernels=kernels,
+            guards=g.get("guards") if g["kind"] == "dynamo" else None,
+            recompile_reason=g.get("recompile_reason"), cache=g.get("cache"), code_file=g.get("code_file"),
+            compiled_in_trace=bool(g.get("compiled_in_trace", True)),
+        ))
+        for n in nodes:
+            nrows.append(dict(graph_id=gid, idx=n["idx"], name=n["name"], op=n["op"], shapes=n["shapes"],
+                              strides=n["strides"], dtypes=n["dtypes"], source_file=n["source_file"],
+                              source_line=n["source_line"]))
+    g = pa.Table.from_pylist(rows, schema=S.GRAPHS) if rows else S.empty("graphs")
+    n = pa.Table.from_pylist(nrows, schema=S.GRAPH_NODES) if nrows else S.empty("graph_nodes")
+    return g, n
+
+
+def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
+    """graph_id per call and per op (numpy int64, -1 = none), and the graphs actually used from earlier traces."""
+    n_calls, n_ops = calls.num_rows, ops.num_rows
+    call_gid = np.full(n_calls, -1, np.int64)
+    op_gid = np.full(n_ops, -1, np.int64)
+    by_file: Dict[str, int] = {}
+    by_md5: Dict[str, int] = {}
+    for gid, g in enumerate(graphs):
+        if g["kind"] == "inductor":
+            if g.get("code_file"):
+                by_file[g["code_file"]] = gid
+            if g.get("code_md5"):
+                by_md5[g["code_md5"]] = gid
+    # files that ran and were compiled before this trace: pull their compile from the registry
+    files = set()
+    if n_calls:
+        files.update(f for f in calls.column("source_file").unique().to_pylist() if f)
+    if n_ops:
+        files.update(f for f in ops.column("source_file").unique().to_pylist() if f)
+    for f in files:
+        if f in by_file or not _GENERATED.match(os.path.basename(f)):
+            continue
+        h = None
+        with _REGISTRY_LOCK:
+            group = _REGISTRY.get(f)
+        if group is None:
+            h = _file_md5(f)
+            if h is None:
+                continue
+            if h in by_md5:
+                by_file[f] = by_md5[h]
+                continue
+            with _REGISTRY_LOCK:
+                alt = _REGISTRY_BY_HASH.get(h)
+                group = _REGISTRY.get(alt) if alt else None
+            if group is None:
+                continue
+        base = len(graphs)
+        graphs.extend(dict(g, compiled_in_trace=False) for g in group)
+        for i, g in enumerate(group):
+            if g["kind"] == "inductor":
+                if g.get("code_file"):
+                    by_file.setdefault(g["code_file"], base + i)
+                if g.get("code_md5"):
+                    by_md5.setdefault(g["code_md5"], base + i)
+        if f not in by_file:
+            h = h or _file_md5(f)
+            if h in by_md5:
+                by_file[f] = by_md5[h]
+    if not by_file:
+        return call_gid, op_gid
+    # vectorised: traces can hold millions of ops
+    files = pa.array(list(by_file), pa.string())
+    file_gid = np.array(list(by_file.values()), dtype=np.int64)
+
+    def gid_of(col) -> np.ndarray:
+        if isinstance(col, pa.ChunkedArray):
+            col = col.combine_chunks()
+        idx = pc.index_in(col, value_set=files).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        out = np.full(len(idx), -1, np.int64)
+        ok = idx >= 0
+        out[ok] = file_gid[idx[ok]]
+        return out
+
+    sib = np.arange(len(graphs), dtype=np.int64)   # runtime graph -> its backward sibling
+    backward_of = {g.get("compile_id"): gid for gid, g in enumerate(graphs)
+                   if g["kind"] == "inductor" and g.get("phase") == "backward"}
+    for gid, g in enumerate(graphs):
+        if g["kind"] == "inductor" and g.get("compile_id") in backward_of:
+            sib[gid] = backward_of[g["compile_id"]]
+    if n_calls:
+        call_gid[:] = gid_of(calls.column("source_file"))
+        parent = calls.column("parent_id").fill_null(-1).to_numpy()
+        for i in np.nonzero((call_gid < 0) & (parent >= 0))[0]:   # nested in a linked call: same region
+            if call_gid[parent[i]] >= 0:                            # (parents precede their children)
+                call_gid[i] = call_gid[parent[i]]
+    if n_ops:
+        call = ops.column("call_id").fill_null(-1).to_numpy()
+        has = (call >= 0) & (call < n_calls)
+        op_gid[has] = call_gid[call[has]]
+        src_gid = gid_of(ops.column("source_file"))
+        bwd = pc.equal(ops.column("phase"), "backward").fill_null(False).to_numpy(zero_copy_only=False)
+        fill = ~bwd & (op_gid < 0) & (src_gid >= 0)
+        op_gid[fill] = src_gid[fill]
+        compiled_node = pc.match_substring(ops.column("autograd_node"), "CompiledFunction").fill_null(False) \
+            .to_numpy(zero_copy_only=False)
+        fwd_gid = op_gid.copy()
+        op_gid[bwd] = -1   # AccumulateGrad & co: the autograd engine, not the compiled graph
+        fwd = ops.column("fwd_seq").fill_null(-1).to_numpy()
+        rows = np.nonzero(bwd & compiled_node)[0]
+        if len(rows):
+            f = fwd[rows]
+            ok = (f >= 0) & (f < n_ops)
+            fg = np.full(len(rows), -1, np.int64)
+            fg[ok] = fwd_gid[f[ok]]
+            fg = np.where(fg >= 0, fg, src_gid[rows])
+            op_gid[rows] = np.where(fg >= 0, sib[np.maximum(fg, 0)], -1)
+    return call_gid, op_gid
+
+
+def _note_unknown_regions(sess, calls: pa.Table, call_gid: np.ndarray):
+    """Calls from Inductor-generated code whose compile this process never saw: say why there is no graph."""
+    if calls.num_rows == 0:
+        return
+    files = calls.column("source_file").to_pylist()
+    n = sum(1 for f, g in zip(files, call_gid) if g < 0 and f and _GENERATED.match(os.path.basename(f)))
+    if n:
+        sess.rec.notes.append(
+            f"{n} torch-level call(s) came from torch.compile'd code compiled before any trace saw it, so its "
+            "graphs are unknown: compile inside a traced cell (or call torch._dynamo.reset() first) to see them")
+
+
+def _user_location(table: pa.Table, gid: np.ndarray, graphs: List[Dict[str, Any]]) -> pa.Table:
+    """Rows that ran in a compiled region point at Inductor's generated file (the first frame outside torch):
+    show the compiled function's file and first line instead (the generated file is ``graphs.code_file``)."""
+    linked = gid >= 0
+    if not linked.any() or "source_file" not in table.column_names:
+        return table
+    files = pa.array([g.get("source_file") for g in graphs], pa.string())
+    lines = pa.array([g.get("source_line") for g in graphs], pa.int64())
+    idx = pa.array(np.where(linked, gid, 0))
+    mask = pa.array(linked & pc.is_valid(files.take(idx)).to_numpy(zero_copy_only=False))
+    for col, values in (("source_file", files), ("source_line", lines)):
+        i = table.schema.get_field_index(col)
+        new = pc.if_else(mask, values.take(idx), table.column(col))
+        table = table.set_column(i, table.schema.field(i), new)
+    return table
+
+
+def attach(sess, tables: Dict[str, pa.Table]) -> Dict[str, pa.Table]:
+    """Build ``graphs``/``graph_nodes`` and fill ``graph_id`` (and ``calls.compiled``). Called by build_trace."""
+    cap = getattr(sess, "compile_capture", None)
+    records = list(cap.records) if cap is not None else []
+    graphs = graphs_from_records(records)
+    if graphs:
+        _remember(graphs)
+    ops, calls = tables["ops"], tables["calls"]
+    call_gid, op_gid = _link(graphs, ops, calls)
+    _note_unknown_regions(sess, calls, call_gid)
+    out = dict(tables)
+    if "graph_id" in ops.column_names and ops.num_rows:
+        i = ops.schema.get_field_index("graph_id")
+        ops = ops.set_column(i, ops.schema.field(i), pa.array(op_gid, pa.int64(), mask=op_gid < 0))
+        out["ops"] = _user_location(ops, op_gid, graphs)
+    if "graph_id" in calls.column_names and calls.num_rows:
+        i = calls.schema.get_field_index("graph_id")
+        calls = calls.set_column(i, calls.schema.field(i), pa.array(call_gid, pa.int64(), mask=call_gid < 0))
+        calls = _user_location(calls, call_gid, graphs)
+        j = calls.schema.get_field_index("compiled")
+        calls = calls.set_column(j, calls.schema.field(j), pa.array(call_gid >= 0, pa.bool_()))
+        out["calls"] = calls
+    out["graphs"], out["graph_nodes"] = graph_tables(graphs)
+    return out

@@ -1,0 +1,75 @@
+"""The derived ``api`` table: torch-level APIs and the ATen ops they became, from real traces."""
+from __future__ import annotations
+
+import torch
+
+import tensorscope
+from tensorscope import schema as S
+from tensorscope.analyses.api import api_table, surprising
+
+
+def _by(t):
+    out = {}
+    for r in t.api.to_pylist():
+        out.setdefault(r["qualname"], {})[r["op"]] = r
+    return out
+
+
+def test_linear_reshape_and_noop_conversions():
+    lin = torch.nn.Linear(4, 8)
+    x = torch.randn(3, 4)
+    z = torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1)
+    with tensorscope.trace(leaks=False) as t:
+        lin(x)
+        lin(x)
+        x.float()            # float32 already: no op
+        x.contiguous()       # contiguous already: no op
+        z.reshape(2, -1)     # permuted: a hidden copy
+    assert t.api.schema.equals(S.API, check_metadata=False)
+    by = _by(t)
+    linear = by["torch.nn.functional.linear"]
+    assert linear["aten.addmm.default"]["n_calls"] == 2
+    assert linear["aten.addmm.default"]["n_ops"] == 2
+    assert linear["aten.addmm.default"]["ops_per_call"] == 1.0
+    assert linear["aten.addmm.default"]["core"] is True
+    assert linear["aten.t.default"]["core"] is False          # aten.t is not core ATen
+    assert linear["aten.addmm.default"]["no_op_calls"] == 0
+    for q in ("Tensor.float", "Tensor.contiguous"):
+        assert list(by[q]) == [None]
+        assert by[q][None]["n_calls"] == by[q][None]["no_op_calls"] == 1
+    reshape = by["Tensor.reshape"]
+    assert reshape["aten.clone.default"]["hidden_copies"] == 1
+    # cpu time of an (api, op) row is the sum over its ops
+    ops = t.ops.to_pylist()
+    calls = {c["call_id"]: c for c in t.calls.to_pylist()}
+    addmm_ns = sum(o["cpu_ns"] for o in ops if o["op"] == "aten.addmm.default"
+                   and calls[o["call_id"]]["qualname"] == "torch.nn.functional.linear")
+    assert linear["aten.addmm.default"]["cpu_ns"] == addmm_ns
+    # the table is a pure function of ops and calls
+    assert api_table(t.ops, t.calls).to_pylist() == t.api.to_pylist()
+
+
+def test_surprising_ranks_hidden_copies_and_summary_says_so():
+    z = torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1)
+    x = torch.randn(8)
+    with tensorscope.trace(leaks=False) as t:
+        z.reshape(2, -1)
+        x.float()
+        torch.relu(x)
+    s = surprising(t.api)
+    assert s and s[0]["api"] == "Tensor.reshape" and "1 hidden copies" in s[0]["reasons"]
+    assert all(a["api"] != "torch.relu" for a in s)     # one core op per call: nothing surprising
+    text = t.summary().to_text()
+    assert "torch API vs ATen" in text and "Tensor.reshape" in text
+    assert "dispatched no ATen op" in text and "Tensor.float" in text
+
+
+def test_empty_and_saved(tmp_path):
+    with tensorscope.trace(leaks=False) as t:
+        pass
+    assert t.api.num_rows == 0 and t.api.schema.equals(S.API, check_metadata=False)
+    with tensorscope.trace(leaks=False) as t:
+        torch.nn.functional.gelu(torch.randn(4))
+    back = tensorscope.load(t.save(tmp_path / "a"))
+    assert back.api.to_pylist() == t.api.to_pylist()
+    assert back.sql("select sum(n_ops) as n from api where qualname = 'torch.nn.functional.gelu'")["n"][0] >= 1
