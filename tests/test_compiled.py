@@ -13,6 +13,7 @@ import torch
 import tensorscope
 from tensorscope import schema as S
 
+import os
 import shutil
 
 pytestmark = [
@@ -40,7 +41,11 @@ def _step(cm, x):
 
 
 @pytest.fixture(scope="module")
-def run():
+def run(tmp_path_factory):
+    # a private Inductor/AOTAutograd cache: a cached graph keeps the stack traces (files, lines) of
+    # the process that first compiled it, which may be another checkout of these tests
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor-cache"))
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = MLP()
@@ -57,6 +62,10 @@ def run():
     grads2 = [p.grad.clone() for p in m.parameters()]
     yield dict(t=t.result, traced=(la, ga, lb, gb, grads), plain=(la2, ga2, lb2, gb2, grads2))
     torch._dynamo.reset()
+    if old is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 def _graphs(t):

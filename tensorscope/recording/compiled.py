@@ -508,6 +508,8 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
     def gid_of(col) -> np.ndarray:
         if isinstance(col, pa.ChunkedArray):
             col = col.combine_chunks()
+        if pa.types.is_dictionary(col.type):   # schema 1.2 dictionary columns
+            col = col.cast(pa.string())
         idx = pc.index_in(col, value_set=files).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
         out = np.full(len(idx), -1, np.int64)
         ok = idx >= 0
@@ -534,7 +536,7 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
         bwd = pc.equal(ops.column("phase"), "backward").fill_null(False).to_numpy(zero_copy_only=False)
         fill = ~bwd & (op_gid < 0) & (src_gid >= 0)
         op_gid[fill] = src_gid[fill]
-        compiled_node = pc.match_substring(ops.column("autograd_node"), "CompiledFunction").fill_null(False) \
+        compiled_node = pc.match_substring(pc.cast(ops.column("autograd_node"), pa.string()), "CompiledFunction").fill_null(False) \
             .to_numpy(zero_copy_only=False)
         fwd_gid = op_gid.copy()
         op_gid[bwd] = -1   # AccumulateGrad & co: the autograd engine, not the compiled graph
@@ -574,8 +576,11 @@ def _user_location(table: pa.Table, gid: np.ndarray, graphs: List[Dict[str, Any]
     mask = pa.array(linked & pc.is_valid(files.take(idx)).to_numpy(zero_copy_only=False))
     for col, values in (("source_file", files), ("source_line", lines)):
         i = table.schema.get_field_index(col)
-        new = pc.if_else(mask, values.take(idx), table.column(col))
-        table = table.set_column(i, table.schema.field(i), new)
+        field = table.schema.field(i)
+        new = pc.if_else(mask, values.take(idx), pc.cast(table.column(col), values.type))
+        if pa.types.is_dictionary(field.type):   # schema 1.2 dictionary columns: encode back
+            new = pc.dictionary_encode(new).cast(field.type)
+        table = table.set_column(i, field, new)
     return table
 
 
