@@ -456,7 +456,7 @@ def test_a_failing_search_leaves_no_reference_behind(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(L, "_rows_to_table", boom)
+    monkeypatch.setattr(L.report, "_rows_to_table", boom)
     with pytest.raises(RuntimeError):
         report(ns)
     tb = sys.exc_info()[2]
