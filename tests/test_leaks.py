@@ -123,7 +123,7 @@ def test_losses_list_holds_autograd_graphs_and_is_charged_their_bytes():
     assert grp.fix.startswith("losses = [v.detach() for v in losses]")
     # parameters belong to the model, not to the graphs that also reach them
     w = one(rep, 64 * 256 * 4)
-    assert w["holder"].startswith("global model[0].weight") and w["holder_kind"] == "module"
+    assert w["holder"].startswith("global model[0].weight") and w["holder_kind"] == "model_state" and w["expected"]
     refs = [storage_ref(t) for t in _saved_activations(ns["losses"])]
     assert len(refs) >= 3
     apply_fix(ns, grp.fix)
@@ -157,16 +157,18 @@ def test_module_parameters_buffers_grads_and_optimizer_state():
         "opt.step()\n")
     rep = report(ns)
     (w,) = [r for r in rows_of(rep, 20_000) if r["holder"].startswith("global model.weight;")]
-    assert w["holder_kind"] == "module" and w["fix"].startswith("del model")
+    assert w["holder_kind"] == "model_state" and w["expected"] and w["fix"].startswith("del model")
     g = [r for r in rows_of(rep, 20_000) if r["holder"] == "global model.weight.grad"]
-    assert len(g) == 1 and g[0]["holder_kind"] == "module" and g[0]["fix"] == "model.zero_grad(set_to_none=True)"
+    assert len(g) == 1 and g[0]["holder_kind"] == "model_state" and g[0]["expected"]
+    assert g[0]["fix"] == "model.zero_grad(set_to_none=True)"
     b = one(rep, 12_000)
-    assert (b["holder"], b["holder_kind"], b["fix"]) == ("global model.running", "module", "del model.running")
-    st = [r for r in rows_of(rep, kind="optimizer")]
+    assert (b["holder"], b["holder_kind"], b["fix"]) == ("global model.running", "model_state", "del model.running")
+    st = [r for r in rows_of(rep, kind="optimizer_state")]
+    assert st and all(r["expected"] for r in st)
     assert {r["holder"] for r in st if r["nbytes"] == 20_000} == {
         "global opt.state[model.weight]['exp_avg']", "global opt.state[model.weight]['exp_avg_sq']"}
     assert all(r["fix"].startswith("del opt") for r in st)
-    opt_group = next(gr for gr in rep.groups if gr.holder_kind == "optimizer")
+    opt_group = next(gr for gr in rep.groups if gr.holder_kind == "optimizer_state")
     assert opt_group.nbytes == sum(r["nbytes"] for r in st) and opt_group.nbytes >= 2 * (20_000 + 200)
     refs_state = [storage_ref(v) for s in ns["opt"].state.values() for v in s.values()]
     refs_grad = [storage_ref(ns["model"].weight.grad)]

@@ -37,7 +37,7 @@ def _group_kind(g) -> str:
 
 
 def report_text(rep, max_groups: int = 30) -> str:
-    if not rep.groups and not getattr(rep, "state", None):
+    if not rep.groups:
         return "tensorscope leaks: no live tensor storage found" + "".join(f"\nnote: {n}" for n in rep.notes)
     lines = [f"{_head(rep)} ({_cost(rep)})"]
     for g in rep.groups[:max_groups]:
@@ -52,16 +52,12 @@ def report_text(rep, max_groups: int = 30) -> str:
         lines.append(f"{'':14}fix: {g.fix}")
     if len(rep.groups) > max_groups:
         lines.append(f"  … {len(rep.groups) - max_groups} more holders (see .table)")
-    st = getattr(rep, "state", None)
-    if st:
-        lines.append(f"  {state_line(st)}")
     lines.extend(f"note: {n}" for n in rep.notes)
     return "\n".join(lines)
 
 
-def state_line(state) -> str:
-    """``kept as model/optimizer state: 267.0 KiB in 4 storages`` from ``(nbytes, n_storages)``."""
-    nbytes, n = state
+def state_line(nbytes: int, n: int) -> str:
+    """``kept as model/optimizer state: 267.0 KiB in 4 storages``."""
     return f"kept as model/optimizer state: {fmt_bytes(nbytes)} in {n} storage{'s' if n != 1 else ''}"
 
 
@@ -74,9 +70,6 @@ def report_html(rep, max_groups: int = 100) -> str:
         parts.append(html_table(("bytes", "kind", "holder", "storages", "created", "fix"), rows))
         if len(rep.groups) > max_groups:
             parts.append(f"<div>… {len(rep.groups) - max_groups} more holders (see .table)</div>")
-    st = getattr(rep, "state", None)
-    if st:
-        parts.append(f"<div>{_e(state_line(st))}</div>")
     for n in rep.notes:
         parts.append(f'<div style="{NOTE_STYLE}">note: {_e(n)}</div>')
     parts.append("</div>")

@@ -54,8 +54,15 @@ def leaks_section(t) -> Optional[Section]:
     lk = t.leaks
     if lk.num_rows == 0:
         return None
+    from .leaks import state_line
+
     groups = {}
+    state_bytes = n_state = 0
     for r in lk.to_pylist():
+        if r.get("expected"):   # model/optimizer state: one line, not a leak
+            state_bytes += r.get("nbytes") or 0
+            n_state += 1
+            continue
         holder = (r.get("holder") or "").split("; also ")[0]
         if r.get("holder_kind") == "autograd_graph":
             holder = holder.split(" → grad_fn")[0] + " (autograd graph)"
@@ -69,5 +76,10 @@ def leaks_section(t) -> Optional[Section]:
             for (kind, holder), g in ordered[:_TOP]]
     total = sum(g["bytes"] for g in groups.values())
     notes = [f"{len(ordered) - _TOP} more holders in t.leaks"] if len(ordered) > _TOP else []
-    return Section(f"still alive after the cell: {fmt_bytes(total)} in {lk.num_rows} storages", rows,
-                   ("bytes", "kind", "holder", "storages", "created", "fix"), notes)
+    if n_state:
+        notes.append(state_line(state_bytes, n_state))
+    if not groups:
+        return Section("still alive after the cell: no leaks", [], None, notes)
+    n_leaks = lk.num_rows - n_state
+    return Section(f"still alive after the cell: {fmt_bytes(total)} in {n_leaks} storage{'s' if n_leaks != 1 else ''}",
+                   rows, ("bytes", "kind", "holder", "storages", "created", "fix"), notes)

@@ -265,3 +265,31 @@ class _GcPaused:
         if self.was:
             gc.enable()
         return False
+
+
+_CO_OPTIMIZED = 0x1
+
+
+def _live_frame_locals(fr) -> List[Tuple[str, Any]]:
+    """(name, value) of a running function frame's locals, leaving nothing behind.
+
+    gc cannot see a running frame's locals (its thread owns them), so ``f_locals`` is the only
+    way in. From 3.13 it is a write-through proxy (PEP 667): nothing is copied. Before, it is a
+    dict cached on the frame that would keep every value alive until the next refresh, so a local
+    the function deletes later would outlive its ``del``: the cache is emptied again when nothing
+    but the frame holds it (the next ``locals()`` refills it, as it always does).
+    """
+    try:
+        d = fr.f_locals
+    except Exception:
+        return []
+    try:
+        items = list(d.items())
+        if (not _PY313 and type(d) is dict and fr.f_code.co_flags & _CO_OPTIMIZED
+                and sys.getrefcount(d) <= 3):   # the frame's cache, ``d`` and getrefcount's argument
+            d.clear()
+    except Exception:
+        items = []
+    del d
+    return items
+

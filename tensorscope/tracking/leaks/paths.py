@@ -14,7 +14,7 @@ import types
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from .classify import _PY313, _TENSOR, _isa, _running_frames, _types
+from .classify import _PY313, _TENSOR, _isa, _live_frame_locals, _running_frames, _types
 from .roots import _HIDDEN_UNDERS, _NEXT_CELL, _Root
 from .search import _Search
 
@@ -138,9 +138,12 @@ class _Labeler:
         """(name, value) of a frame's locals, without leaving a snapshot dict on a live frame."""
         if not _PY313:
             # f_locals on a frame that will run again (3.11/3.12) caches a dict that keeps locals
-            # alive after the function deletes them: only read it on finished frames.
-            if suspended or fr in _running_frames():
+            # alive after the function deletes them: a suspended generator's is never read, a
+            # running frame's is read and its cache emptied again (_live_frame_locals)
+            if suspended:
                 return []
+            if fr in _running_frames():
+                return _live_frame_locals(fr)
         try:
             return list(fr.f_locals.items())
         except Exception:
@@ -225,6 +228,12 @@ class _PathState:
     def extend(self, kind: str, text: str, parent, grandparent) -> "_PathState":
         n = self.copy()
         n.pos = self.pos + 1
+        if kind == "local" and self.nsteps == 0 and self.root.group == "local" and self.root.expr is None:
+            # a running function's local is a root of its own: `f() local y`, with y as its expression
+            fn = self.root.label
+            n.root = _Root(f"{fn} local {text}", "local", text, f"del {text}  (in {fn}, or return from it)")
+            n.text, n.expr = n.root.label, (text if _IDENT.match(text) else None)
+            return n
         if (kind == "index" or kind == "key") and self.moddict is None and not self.inst:
             # the parent is a list/tuple/dict: never a module or an optimizer; the common case
             e = self.expr
@@ -266,6 +275,8 @@ class _PathState:
             if "topmodule" not in n.marks:
                 n.marks = dict(n.marks, topmodule=(mpos, self.expr))
             return n
+        if kind == "attr" and self.inst and _isa(owner, "module"):
+            n.flags = n.flags | {"modattr"}   # a plain attribute: not a parameter, buffer or submodule
         if "optimizer" not in n.marks and _isa(owner, "optimizer"):
             n.flags = n.flags | {"optimizer"}
             n.marks = dict(n.marks, optimizer=(self.pos - (1 if self.inst else 0), self.expr))
@@ -398,25 +409,39 @@ class _Describer:
         self.lab.describer = None
 
 
+#: holder kinds that are a model's or an optimizer's state, not a leak (``expected`` rows)
+STATE_KINDS = frozenset(("model_state", "optimizer_state"))
+
+
 def _kind(group: str, flags) -> str:
-    if group in ("out_cache", "traceback", "local"):
+    if group in ("out_cache", "traceback"):
         return group
     if "autograd" in flags:
         return "autograd_graph"
     if "optimizer" in flags:
-        return "optimizer"
+        return "optimizer_state"
     if "param" in flags or "buffer" in flags:
-        return "module"
+        return "model_state"      # parameters, their .grad, registered buffers
+    if "modattr" in flags:
+        return "module"           # an activation kept on a module attribute: a leak
     if "closure" in flags:
         return "closure"
-    return group if group == "global" else "unknown"
+    return group if group in ("global", "local") else "unknown"
 
 
 def _fix(st: _PathState, kind: str, view) -> Tuple[str, int]:
     """(fix, cut): a concrete statement, and the chain position whose references it removes."""
     root = st.root
-    if root.group in ("out_cache", "traceback", "local"):
+    if root.group in ("out_cache", "traceback") or (root.group == "local" and root.expr is None):
         return root.fix, 0
+    fix, cut = _fix_path(st, kind, view)
+    if root.group == "local" and "  (in " not in fix:
+        fix += f"  (in {root.label.split(' local ')[0]})"
+    return fix, cut
+
+
+def _fix_path(st: _PathState, kind: str, view) -> Tuple[str, int]:
+    root = st.root
     full = st.expr
     last = st.pos
     marks = st.marks
@@ -431,12 +456,12 @@ def _fix(st: _PathState, kind: str, view) -> Tuple[str, int]:
             return (f"{root.expr} = {{k: v.detach() for k, v in {root.expr}.items()}}  "
                     f"(store .detach()/.item(), not the tensor with its graph)"), gpos
         return f"{owner} = {owner}.detach()  (or .item(): keep the value, not its autograd graph)", gpos
-    if kind == "optimizer":
+    if kind == "optimizer_state":
         p, e = marks["optimizer"]
         if e is not None:
             return f"del {e}  (or {e}.state.clear(): its state is as big as the parameters)", p
         return root.fix, 0
-    if kind == "module":
+    if kind == "model_state":
         top_pos, top_e = marks.get("topmodule", (0, None))
         if "grad" in marks:
             g, tensor_e = marks["grad"]
@@ -448,6 +473,8 @@ def _fix(st: _PathState, kind: str, view) -> Tuple[str, int]:
         if top_e is not None:
             return f"del {top_e}  (parameters live as long as their module)", top_pos
         return root.fix, 0
+    if kind == "module" and full is not None:
+        return f"del {full}  (or keep .detach()/.item(), or nothing, instead of the activation)", last
     if kind == "closure":
         return root.fix + "  (the function's closure keeps it)", 0
     if "gen" in marks:

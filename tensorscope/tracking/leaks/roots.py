@@ -151,8 +151,7 @@ def _collect_roots(shell, user_ns, frames: bool = True) -> Tuple[List[Any], List
     # 5. live frames of the user's functions calling us
     for f in (_stack_frames() if frames else ()):
         code = f.f_code
-        add(f, f"local in {code.co_name}() ({os.path.basename(code.co_filename)}:{f.f_lineno})", "local", None,
-            f"del the local in {code.co_name}() or return from it")
+        add(f, f"{code.co_name}()", "local", None, f"return from {code.co_name}() (its locals keep it)")
     return objs, roots
 
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 from ... import schema as S
 from .classify import _GcPaused, _TENSOR, _dev_str, _tensor_meta, _types
 from .known import _KNOWN, _meta_from_known, remember
-from .paths import _Describer, _Steps, _fmt_bytes, _merge_fixes
+from .paths import STATE_KINDS, _Describer, _Steps, _fmt_bytes, _merge_fixes
 from .roots import _get_shell, _user_namespace
 from .search import _Search, _run_search
 from .unreached import _classify_groups, _heap_tensors
@@ -24,7 +24,8 @@ class _Row:
     """One storage of a report: plain values only."""
 
     __slots__ = ("storage_id", "nbytes", "device", "dtype", "shape", "alloc_seq", "alloc_op", "cell", "source_file",
-                 "source_line", "holder", "holder_kind", "fix", "root_label", "root_fix", "data_ptr")
+                 "source_line", "holder", "holder_kind", "fix", "root_label", "root_fix", "data_ptr", "expected",
+                 "growing", "growth_bytes_per_cell")
 
     def __init__(self, holder: str, holder_kind: str, fix: str, root_label: str, root_fix: str, meta: dict):
         self.holder = holder
@@ -32,6 +33,9 @@ class _Row:
         self.fix = fix
         self.root_label = root_label
         self.root_fix = root_fix
+        self.expected = holder_kind in STATE_KINDS
+        self.growing = False
+        self.growth_bytes_per_cell = None
         g = meta.get
         self.storage_id = g("storage_id")
         self.nbytes = g("nbytes", 0)
@@ -50,6 +54,7 @@ class _Row:
         """A row for a storage no trace or discovery recorded: no creation site."""
         r = cls.__new__(cls)
         r.holder, r.holder_kind, r.fix, r.root_label, r.root_fix = holder, holder_kind, fix, root_label, root_fix
+        r.expected, r.growing, r.growth_bytes_per_cell = holder_kind in STATE_KINDS, False, None
         r.nbytes, r.data_ptr, r.device, r.dtype, r.shape = nbytes, data_ptr, device, dtype, shape
         r.storage_id = r.alloc_seq = r.alloc_op = r.cell = r.source_file = r.source_line = None
         return r
@@ -157,7 +162,22 @@ def _make_row(search, key, s, meta, text, kind, fix, root_label, root_fix) -> "_
             meta = _meta_from_known(k, s, dev, dt, shape)
         else:
             return _Row.plain(text, kind, fix, root_label, root_fix, s.nbytes(), s.data_ptr(), dev, dt, shape)
-    return _Row(text, kind, fix, root_label, root_fix, meta)
+    row = _Row(text, kind, fix, root_label, root_fix, meta)
+    _own_shape(row, search.order[search.found[key][0]])
+    return row
+
+
+def _own_shape(row: "_Row", t) -> None:
+    """The storage's own shape: the holding tensor's when it spans the whole storage. The recorded
+    shape is the allocating op's output, which can be another view of it (a bias ``.grad`` made
+    as ``[1, 256]`` and kept as ``(256,)``)."""
+    if _types.get(type(t)) != _TENSOR:
+        return
+    try:
+        if t.nbytes == row.nbytes and t.storage_offset() == 0:
+            row.shape = tuple(t.shape)
+    except Exception:
+        pass
 
 
 def _bulk_rows(search: _Search, desc: "_Describer", p: int, keys: List[int], key_meta, rows) -> bool:

@@ -14,6 +14,7 @@ import types
 from array import array
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from .classify import _live_frame_locals, _other_threads_frames, _running_frames
 from .classify import _CLASS, _DEFER, _FRAME, _FUNC, _GEN, _GENERIC, _NDARRAY, _NODE, _PYNODE, _SKIP, _STORAGE, _T, _TB, _TENSOR, _classify, _is_user_class, _node_name, _saved_names, _types, _untracked_interest, _user_modules
 from .roots import _Root, _collect_roots
 
@@ -39,6 +40,7 @@ class _Search:
         self.found: Dict[int, List[int]] = {}   # id(storage) -> tensor nodes holding it (first = primary)
         self.storages: Dict[int, Any] = {}      # id(storage) -> storage (kept alive during the search)
         self.user_modnames = user_modnames
+        self.running: Set[int] = {id(f) for f in _running_frames()} | _other_threads_frames()
         self.max_nodes = max_nodes
         self.truncated = False
         self.errors = 0
@@ -170,8 +172,11 @@ class _Search:
             self._storage_seen(o, i, None)
             return ()
         if h == _FRAME:
-            return [k for k in gc.get_referents(o) if type(k) is not types.FrameType and k is not o.f_globals
+            kids = [k for k in gc.get_referents(o) if type(k) is not types.FrameType and k is not o.f_globals
                     and k is not o.f_builtins and type(k) is not types.CodeType]
+            if id(o) in self.running:  # gc does not see a running frame's locals: its thread owns them
+                kids.extend(v for _n, v in _live_frame_locals(o))
+            return kids
         if h == _TB:
             return (o.tb_frame, o.tb_next)
         if h == _FUNC:
