@@ -382,6 +382,24 @@ def _live(s, t, cell=None, alloc_op="aten.exp.default", line=None, sid=0):
                        alloc_seq=3, alloc_op=alloc_op, cell=cell, source_file="cell.py", source_line=line)
 
 
+def test_every_holder_of_one_storage_is_listed_and_the_fix_releases_all():
+    ns = notebook("lin = torch.nn.Linear(64, 512)\nh = lin(torch.randn(256, 64))\nlosses = []\n"
+                  "for k in range(3):\n    losses.append(h.pow(2).sum() * k)\n")
+    h = ns["h"]
+    w = storage_ref(h)
+    tab = L.leak_table([_live(h.untyped_storage(), h, sid=0)], user_ns=ns, frames=False)
+    del h
+    (row,) = tab.to_pylist()
+    assert row["holder"].startswith("global h; also global losses"), row["holder"]
+    assert row["holder_kind"] == "global" and not row["expected"]
+    lines = L.fix_code(row["fix"]).splitlines()
+    assert lines[0] == "del h" and len(lines) > 1, row["fix"]
+    exec(lines[0], ns)
+    assert w() is not None          # the graphs in losses still hold it: `del h` alone frees nothing
+    exec("\n".join(lines[1:]), ns)
+    assert w() is None, row["fix"]
+
+
 def test_leak_table_rows_largest_first_with_creation_site_and_dead_refs_skipped():
     ns = notebook("a = torch.zeros(100)\nb = torch.zeros(1000)\n")
     dead = torch.zeros(10)

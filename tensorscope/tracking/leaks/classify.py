@@ -131,22 +131,36 @@ def _library_prefixes() -> Tuple[str, ...]:
 _LIB: Optional[Tuple[str, ...]] = None
 
 
+#: file path -> is it library code (paths are few and stable; thousands of modules share prefixes)
+_LIBFILE: Dict[str, bool] = {}
+
+
 def _is_library_file(path) -> bool:
     global _LIB
-    if _LIB is None:
-        _LIB = _library_prefixes()
     if not path or path.startswith("<"):
         return True
-    return os.path.abspath(path).startswith(_LIB)
+    r = _LIBFILE.get(path)
+    if r is None:
+        if _LIB is None:
+            _LIB = _library_prefixes()
+        if len(_LIBFILE) > 100_000:
+            _LIBFILE.clear()
+        r = _LIBFILE[path] = os.path.abspath(path).startswith(_LIB)
+    return r
 
 
 def _user_modules() -> List[Tuple[str, types.ModuleType]]:
-    """Imported modules that are the user's own code (not stdlib, not site-packages, not ours)."""
+    """Imported modules that are the user's own code (not stdlib, not site-packages, not ours).
+
+    With a big library imported (transformers: thousands of modules) this runs once per search
+    at a dict lookup per module; ``__file__`` is read from the module's dict, never through a
+    lazy module's ``__getattr__``."""
     out = []
     for name, mod in list(sys.modules.items()):
         if mod is None or name in ("__main__", "__mp_main__") or name.startswith("_"):
             continue
-        f = getattr(mod, "__file__", None)
+        d = getattr(mod, "__dict__", None)
+        f = d.get("__file__") if type(d) is dict else None
         if isinstance(f, str) and not _is_library_file(f):
             out.append((name, mod))
     return out

@@ -80,7 +80,7 @@ def _stack_frames() -> List[types.FrameType]:
     return out
 
 
-def _collect_roots(shell, user_ns, frames: bool = True) -> Tuple[List[Any], List[_Root]]:
+def _collect_roots(shell, user_ns, frames: bool = True, user_modules=None) -> Tuple[List[Any], List[_Root]]:
     """(objects, descriptions) in search priority order. The caller must clear ``objects``."""
     objs: List[Any] = []
     roots: List[_Root] = []
@@ -105,7 +105,7 @@ def _collect_roots(shell, user_ns, frames: bool = True) -> Tuple[List[Any], List
             continue
         add(val, f"global {name}", "global", name, f"del {name}")
     # 2. the user's own modules (a notebook's helper .py files)
-    for modname, mod in _user_modules():
+    for modname, mod in (_user_modules() if user_modules is None else user_modules):
         d = getattr(mod, "__dict__", None)
         if not isinstance(d, dict):
             continue

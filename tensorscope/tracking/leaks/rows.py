@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import pyarrow as pa
 
 from ... import schema as S
-from .classify import _GcPaused, _TENSOR, _dev_str, _tensor_meta, _types
+from .classify import _DEV_STR, _DTYPE_STR, _GcPaused, _TENSOR, _dev_str, _tensor_meta, _types
 from .known import _KNOWN, _meta_from_known, remember
 from .paths import STATE_KINDS, _Describer, _Steps, _fmt_bytes, _merge_fixes
 from .roots import _get_shell, _user_namespace
@@ -194,10 +194,15 @@ def _bulk_rows(search: _Search, desc: "_Describer", p: int, keys: List[int], key
     order, storages, found = search.order, search.storages, search.found
     base_text, base_expr = ps.text, ps.expr
     tensor_h = _TENSOR
+    types_get = _types.get
+    known_get = _KNOWN.get
+    plain = _Row.plain
+    dtype_str, dev_str = _DTYPE_STR, _DEV_STR
+    rlabel, rfix = root.label, root.fix
     out = []
     for key in keys:
         t = order[found[key][0]]
-        if _types.get(type(t)) != tensor_h:
+        if types_get(type(t)) != tensor_h:
             return False
         lab = m.get(id(t))
         if lab is None or (lab[0] != "index" and lab[0] != "key"):
@@ -210,14 +215,28 @@ def _bulk_rows(search: _Search, desc: "_Describer", p: int, keys: List[int], key
         except Exception:
             return False
         if expr is None:
-            fix = root.fix
+            fix = rfix
         elif vb * 2 < sb:
             fix = (f"{expr} = {expr}.clone()  (a {_fmt_bytes(vb)} view pins the whole {_fmt_bytes(sb)} storage; "
                    f"or del {expr})")
         else:
             fix = f"del {expr}"
-        out.append(_make_row(search, key, s, key_meta.get(key), base_text + step, "global", fix, root.label,
-                             root.fix))
+        meta = key_meta.get(key)
+        if meta is None and known_get(key) is None:
+            # the common case of a big report: a storage nobody recorded; inline _make_row/_tensor_meta
+            try:
+                dt, dv = t.dtype, t.device
+                ds, dvs = dtype_str.get(dt), dev_str.get(dv)
+                if ds is None:
+                    ds = dtype_str[dt] = str(dt).replace("torch.", "")
+                if dvs is None:
+                    dvs = dev_str[dv] = str(dv)
+                out.append(plain(base_text + step, "global", fix, rlabel, rfix, sb, s.data_ptr(), dvs, ds,
+                                 tuple(t.shape)))
+                continue
+            except Exception:
+                pass
+        out.append(_make_row(search, key, s, meta, base_text + step, "global", fix, rlabel, rfix))
     rows.extend(out)
     return True
 

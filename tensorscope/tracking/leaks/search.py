@@ -99,10 +99,12 @@ class _Search:
                     except Exception:
                         self.errors += 1
                         kids = ()
-                    if self.n_want and len(self.found) >= self.n_want:
-                        # every target has its (shortest) path: the rest of the heap cannot shorten it
+                    if self.n_want and not self.complete and len(self.found) >= self.n_want:
+                        # every target has its (shortest) path: the rest of the heap cannot shorten it,
+                        # but the user's other holders (an autograd graph that also saved it) must still
+                        # be named, or the fix frees nothing: finish the queue and the graph edges, and
+                        # leave only the big containers and optimizers deferred so far
                         self.complete = True
-                        return
                 oi = own[i]
                 for k in kids:
                     kid = id(k)
@@ -125,6 +127,8 @@ class _Search:
                     return
                 i += 1
             # the queue is empty: now the lower-priority edges (optimizers, autograd graphs)
+            if self.complete:
+                self._deferred_objs.clear()
             if not self._deferred_objs and not self._deferred_edges:
                 return
             objs, self._deferred_objs = self._deferred_objs, []
@@ -340,10 +344,12 @@ class _Search:
 
 def _run_search(shell, user_ns, want: Optional[Dict[int, Any]], collect_all: bool,
                 max_nodes: int = _Search.MAX_NODES_DEFAULT, frames: bool = True):
-    root_objs, roots = _collect_roots(shell, user_ns, frames)
+    user_modules = _user_modules()
+    root_objs, roots = _collect_roots(shell, user_ns, frames, user_modules)
     try:
-        search = _Search(root_objs, roots, want, collect_all, {n for n, _m in _user_modules()}, max_nodes)
+        search = _Search(root_objs, roots, want, collect_all, {n for n, _m in user_modules}, max_nodes)
     finally:
         root_objs.clear()
+        user_modules.clear()
     search.run()
     return search

@@ -20,26 +20,35 @@ from .classify import _T, _TENSOR, _classify, _other_threads_frames, _running_fr
 
 
 # -- the unreached: cycles and owners gc cannot see ----------------------------------------------
+def _tensor_types() -> Set[type]:
+    todo = [_T().Tensor]
+    out: Set[type] = set()
+    while todo:
+        tp = todo.pop()
+        if tp in out:
+            continue
+        out.add(tp)
+        try:
+            todo.extend(tp.__subclasses__())
+        except Exception:
+            pass
+    return out
+
+
 def _heap_tensors(keep, skip_ids: Optional[Dict[int, int]] = None) -> Tuple[Dict[int, Any], Dict[int, List[Any]]]:
     """Storages and Python tensors in the whole gc heap, by ``id(storage)``, for keys ``keep(key)`` accepts.
 
-    One ``gc.get_objects()`` pass; types are classified once per type at C speed (``map(type, …)``).
+    One ``gc.get_objects()`` pass, filtered at C speed (``compress``/``map``): the tensor types are
+    ``torch.Tensor`` and its live subclasses (every class keeps its subclasses), not a type scan.
     """
+    from itertools import compress
+
+    tset = _tensor_types()
     objs = gc.get_objects()
     try:
-        tset = set()
-        for tp in set(map(type, objs)):
-            h = _types.get(tp)
-            if h is None:
-                h = _classify(tp)
-            if h == _TENSOR:
-                tset.add(tp)
-        if not tset:
-            ts = []
-        elif skip_ids:
-            ts = [o for o in objs if type(o) in tset and id(o) not in skip_ids]  # the search saw those
-        else:
-            ts = [o for o in objs if type(o) in tset]
+        ts = list(compress(objs, map(tset.__contains__, map(type, objs))))
+        if skip_ids:
+            ts = [o for o in ts if id(o) not in skip_ids]   # the search saw those
     finally:
         objs.clear()
         del objs
