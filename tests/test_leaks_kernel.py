@@ -116,7 +116,7 @@ def test_losses_append_loss_holds_the_graphs_and_is_charged_their_bytes(k):
     (grp,) = k.value("_groups('autograd_graph')")
     holder, nbytes, n, fix = grp
     assert holder == "global losses (autograd graphs)" and nbytes == sum(r[0] for r in rows) >= 4 * 256 * 512 * 4
-    assert fix.startswith("losses = [v.detach() for v in losses]")
+    assert fix.startswith("losses = [l.item() for l in losses]")
     apply(k, fix)
     assert k.value("[w() is None for w in w_graph]") == [True] * k.value("len(w_graph)")
     assert k.value("_rows(kind='autograd_graph')") == []
@@ -273,3 +273,32 @@ def test_holders_inside_a_function_are_its_named_locals(k):
     assert ("local", "f() local y", "del y  (in f(), or return from it)") in rows, rows
     assert not [r for r in rows if r[0] == "hidden_cpp_owner"], rows
     assert {r[0] for r in rows if r[1].startswith("global fm.")} == {"model_state"}, rows
+
+
+def test_a_losses_list_growing_cell_after_cell_and_step_after_step(k):
+    ok(k, "gm = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))\n"
+          "glosses = []\ngx = torch.randn(100, 64)")
+    ok(k, "%tensorscope on -q")
+    try:
+        for _ in range(3):   # one training step per cell, the loss (and its graph) kept
+            ok(k, "gloss = gm(gx).pow(2).mean()\ngloss.backward()\nglosses.append(gm(gx).pow(2).mean())")
+    finally:
+        ok(k, "%tensorscope off")
+    rows = k.value("[(r['holder'], r['growing'], r['growth_bytes_per_cell'], r['nbytes']) "
+                   "for r in tensorscope.last().leaks.to_pylist() if r['holder'].startswith('global glosses')]")
+    assert rows and all(g for _h, g, _b, _n in rows), rows
+    per_cell = rows[0][2]
+    assert per_cell >= 100 * 128 * 4, rows          # at least the hidden activation each step keeps
+    text = k.value("tensorscope.last().summary().to_text()")
+    assert "growing" in text and "/cell" in text and "global glosses[2] → grad_fn" in text, text
+    (grp,) = k.value("_groups('autograd_graph')")
+    # within one cell, a loop appending one graph per step is growing too (bytes per step)
+    ok(k, "glosses.clear()\n%tensorscope off")
+    ok(k, "%%tensorscope -q -o gl\nfor _ in range(5):\n    glosses.append(gm(gx).pow(2).mean())")
+    rows = k.value("[(r['growing'], r['growth_bytes_per_cell']) for r in gl.leaks.to_pylist()]")
+    total = k.value("sum(gl.leaks.column('nbytes').to_pylist())")
+    assert rows and all(g for g, _ in rows) and {b for _, b in rows} == {total // 5}, rows
+    text = k.value("gl.summary().to_text()")
+    assert "global glosses[0..4] → grad_fn … (5 items)" in text and "/step" in text, text
+    assert "glosses = [l.item() for l in glosses]" in text
+    ok(k, "del gm, glosses, gl")

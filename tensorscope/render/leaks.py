@@ -33,7 +33,7 @@ def _cost(rep) -> str:
 
 
 def _group_kind(g) -> str:
-    return g.holder_kind + (f", growing {fmt_bytes(g.growth_bytes)}/cell" if getattr(g, "growth_bytes", None) else "")
+    return g.holder_kind + (f", growing {fmt_bytes(g.growth_bytes)}/cell" if g.growth_bytes else "")
 
 
 def report_text(rep, max_groups: int = 30) -> str:

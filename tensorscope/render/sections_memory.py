@@ -11,6 +11,7 @@ Both return None when there is nothing to say.
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 from .summary import Section, fmt_bytes, register_section
@@ -49,6 +50,28 @@ def memory_section(t) -> Optional[Section]:
                                                                "high water (incl. temporaries)"))
 
 
+_ELEMENT = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def _kind_text(kind, g) -> str:
+    growth = g["growth"]
+    if growth is None:
+        return kind or ""
+    # within one cell the growth is per loop step: the holder's bytes over its elements
+    per_step = len(g["items"]) > 1 and growth == g["bytes"] // len(g["items"])
+    return f"{kind}, growing {fmt_bytes(growth)}/{'step' if per_step else 'cell'}"
+
+
+def _holder_text(kind, holder, items) -> str:
+    if kind != "autograd_graph":
+        return holder
+    if len(items) > 1:
+        return f"{holder}[{min(items)}..{max(items)}] → grad_fn … ({len(items)} items)"
+    if items:
+        return f"{holder}[{next(iter(items))}] → grad_fn …"
+    return f"{holder} → grad_fn …"
+
+
 @register_section
 def leaks_section(t) -> Optional[Section]:
     lk = t.leaks
@@ -64,14 +87,41 @@ def leaks_section(t) -> Optional[Section]:
             n_state += 1
             continue
         holder = (r.get("holder") or "").split("; also ")[0]
-        if r.get("holder_kind") == "autograd_graph":
-            holder = holder.split(" → grad_fn")[0] + " (autograd graph)"
-        key = (r.get("holder_kind"), holder)
-        g = groups.setdefault(key, {"n": 0, "bytes": 0, "fix": r.get("fix") or "", "line": r.get("source_line")})
+        index = None
+        kind = r.get("holder_kind")
+        if kind in ("autograd_graph", "global"):
+            if kind == "autograd_graph":
+                holder = holder.split(" → grad_fn")[0]
+            m = _ELEMENT.match(holder)
+            if m:   # many elements of one container (losses[0], losses[1], ...) are one holder
+                holder, index = m.group(1), int(m.group(2))
+            if kind == "global" and index is not None:
+                kind = "elements"   # the tensors in the container themselves: with their graphs, if any
+        key = (kind, holder)
+        g = groups.setdefault(key, {"n": 0, "bytes": 0, "fix": r.get("fix") or "", "line": r.get("source_line"),
+                                    "items": set(), "growth": None})
+        if r.get("growing"):
+            g["growth"] = r.get("growth_bytes_per_cell")
         g["n"] += 1
         g["bytes"] += r.get("nbytes") or 0
+        if index is not None:
+            g["items"].add(index)
+            per = g.setdefault("per", {})
+            per[index] = per.get(index, 0) + (r.get("nbytes") or 0)
+    for (kind, holder), g in list(groups.items()):
+        if kind != "elements":
+            continue
+        del groups[(kind, holder)]
+        into = groups.get(("autograd_graph", holder))
+        if into is None:   # plain tensors in a container: one row per element, as before
+            groups.update({("global", f"{holder}[{i}]"): dict(g, n=1, bytes=g["per"][i], items=set())
+                           for i in sorted(g["items"])})
+            continue
+        into["n"] += g["n"]
+        into["bytes"] += g["bytes"]
+        into["items"] |= g["items"]
     ordered = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])
-    rows = [(fmt_bytes(g["bytes"]), kind or "", holder, str(g["n"]),
+    rows = [(fmt_bytes(g["bytes"]), _kind_text(kind, g), _holder_text(kind, holder, g["items"]), str(g["n"]),
              (f"line {g['line']}" if g["line"] is not None else ""), g["fix"])
             for (kind, holder), g in ordered[:_TOP]]
     total = sum(g["bytes"] for g in groups.values())

@@ -282,7 +282,7 @@ class _PathState:
             n.marks = dict(n.marks, optimizer=(self.pos - (1 if self.inst else 0), self.expr))
         if kind in _GRAPH_KINDS and "graph" not in n.marks:
             n.flags = n.flags | {"autograd"}
-            n.marks = dict(n.marks, graph=(n.pos, self.expr, self.nsteps == 1, self.first_kind))
+            n.marks = dict(n.marks, graph=(n.pos, self.expr, self.nsteps == 1, self.first_kind, _is_scalar(parent)))
         elif kind == "closure":
             n.flags = n.flags | {"closure"}
         elif kind == "genlocal" and "gen" not in n.marks:
@@ -305,6 +305,16 @@ class _PathState:
             self.text = self.text + _render_run(self.run)
             self.run = ()
         self.text = self.text + _render_step(kind, text)
+
+
+def _is_scalar(t) -> bool:
+    """A 0-dim tensor (a loss): its graph is worth nothing once the value is read with .item()."""
+    if _types.get(type(t)) != _TENSOR:
+        return False
+    try:
+        return t.dim() == 0 and not t.is_complex()
+    except Exception:
+        return False
 
 
 def _render_run(run: Tuple[str, ...]) -> str:
@@ -446,9 +456,12 @@ def _fix_path(st: _PathState, kind: str, view) -> Tuple[str, int]:
     last = st.pos
     marks = st.marks
     if kind == "autograd_graph":
-        gpos, owner, owner_is_elem, first_kind = marks["graph"]
+        gpos, owner, owner_is_elem, first_kind, scalar = marks["graph"]
         if owner is None:
             return f"{root.fix}  (or store .detach()/.item() instead of the tensor)", 0
+        if owner_is_elem and first_kind == "index" and scalar:
+            return (f"{root.expr} = [l.item() for l in {root.expr}]  (append loss.item(), not loss: each "
+                    f"scalar loss keeps its whole autograd graph)"), gpos
         if owner_is_elem and first_kind == "index":
             return (f"{root.expr} = [v.detach() for v in {root.expr}]  (append loss.item() or loss.detach(), "
                     f"not loss: each element keeps its autograd graph)"), gpos

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pyarrow as pa
 
 from . import boundary as _boundary
+from . import growth as _growth
 from .classify import _GcPaused
 from .known import _KNOWN
 from .paths import _merge_fixes
@@ -36,6 +37,7 @@ class LeakGroup:
     by_device: Dict[str, int]
     cells: List[int]
     sources: List[str]
+    growth_bytes: Optional[int] = None   # bytes per cell while the holder grows across traced cells
 
 
 class LeakReport:
@@ -132,7 +134,7 @@ def _groups(rows: List[_Row]) -> List[LeakGroup]:
         elif len(rs) == 1:
             holder = rs[0].holder
         g = LeakGroup(holder=holder, holder_kind=kind, fix=fix, n_storages=0, nbytes=0, by_device={}, cells=[],
-                      sources=[])
+                      sources=[], growth_bytes=_growth.per_cell(root_label))
         cells: Dict[int, None] = {}
         sources: Dict[str, None] = {}
         by_device = g.by_device

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import pyarrow as pa
 
 from ... import schema as S
+from . import growth as _growth
 from .classify import _DEV_STR, _DTYPE_STR, _GcPaused, _TENSOR, _dev_str, _tensor_meta, _types
 from .known import _KNOWN, _meta_from_known, remember
 from .paths import STATE_KINDS, _Describer, _Steps, _fmt_bytes, _merge_fixes
@@ -339,6 +340,7 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
                                  source_file=rec.source_file, source_line=rec.source_line, data_ptr=ptr)
             del s
         if not want:
+            _growth.observe([])
             return S.empty("leaks")
         search = _run_search(shell, ns, want, False, frames=frames)
         rows, reached = _rows_for(search, key_meta)
@@ -350,7 +352,9 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
             for k in missing:
                 unreached.setdefault(k, want[k])
             rows += _fallback_rows(unreached, tensors, key_meta, {id(want)})
-        return _rows_to_table(_merge_same_buffer(rows))
+        rows = _merge_same_buffer(rows)
+        _growth.observe(rows)
+        return _rows_to_table(rows)
     finally:
         # nothing of ours may outlive the call, not even in a traceback's frames
         if search is not None:
