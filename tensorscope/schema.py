@@ -216,6 +216,20 @@ TABLES: Dict[str, pa.Schema] = {
     "memory": MEMORY,
 }
 
+#: Columns a file of each table must have whatever its minor version: the ones that identify a
+#: row. A file without them is not that table (``load`` refuses it rather than fill them with nulls).
+REQUIRED: Dict[str, tuple] = {
+    "ops": ("seq", "op"),
+    "calls": ("call_id", "name"),
+    "tensors": ("storage_id", "nbytes"),
+    "errors": ("error_id", "kind"),
+    "kernels": ("seq", "name"),
+    "leaks": ("nbytes", "holder", "holder_kind"),
+    "casts": ("seq", "op", "from_dtype", "to_dtype"),
+    "layout_changes": ("seq", "op"),
+    "memory": ("seq", "device", "live_bytes"),
+}
+
 #: Tables recorded directly; the rest are derived by analyses from these.
 RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks")
 DERIVED = ("casts", "layout_changes", "memory")
