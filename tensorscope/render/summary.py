@@ -236,12 +236,17 @@ TABLE_STYLE = ("border-collapse:collapse;border-spacing:0;border:none;table-layo
                "margin:0 0 4px 0;font-size:12px;color:inherit")
 _CELL = "padding:1px 8px;border:none;line-height:1.4;max-width:none;background:transparent;"
 TH_STYLE = _CELL + "text-align:left;vertical-align:bottom;font-weight:600;white-space:nowrap"
-TD_STYLE = _CELL + "text-align:left;vertical-align:top;white-space:normal;overflow-wrap:anywhere"
+TD_STYLE = _CELL + "text-align:left;vertical-align:top;white-space:normal;overflow-wrap:break-word"
 NUM_STYLE = _CELL + "text-align:right;vertical-align:top;white-space:nowrap;font-variant-numeric:tabular-nums"
 KEY_STYLE = _CELL + "text-align:left;vertical-align:top;white-space:nowrap"
 
 #: a number, optionally with a unit, a share or a range: "384.0 KiB", "12", "1.5 ms", "3.2%", "12,345"
 _NUMBER = re.compile(r"^[-+−]?[\d][\d,._]*(\s?(B|KiB|MiB|GiB|TiB|ns|µs|us|ms|s|%|x|×|/cell))?$")
+
+
+#: columns that hold names even when every value looks like a number (module "0", cell 3)
+_TEXT_HEADERS = frozenset(("module", "op", "phase", "device", "kind", "holder", "fix", "created", "type", "where",
+                           "message", "when", "cell"))
 
 
 def is_number_text(v) -> bool:
@@ -256,7 +261,8 @@ def html_table(header: Optional[Sequence[str]], rows: Sequence[Sequence[Any]]) -
     numeric = []
     for c in range(ncols):
         vals = [r[c] for r in rows if c < len(r) and r[c] not in (None, "", "-")]
-        numeric.append(bool(vals) and all(is_number_text(v) for v in vals))
+        named = header is not None and c < len(header) and str(header[c]).lower() in _TEXT_HEADERS
+        numeric.append(bool(vals) and not named and all(is_number_text(v) for v in vals))
     kv = header is None and ncols == 2
     parts = [f'<table class="tensorscope-table" style="{TABLE_STYLE}">']
     if header:
