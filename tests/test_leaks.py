@@ -632,3 +632,25 @@ def test_cuda_storages_are_totalled_per_device_and_filtered():
     w = storage_ref(ns["g"])
     apply_fix(ns, r["fix"])
     assert w() is None
+
+
+def test_a_running_functions_locals_are_named_and_reading_them_keeps_nothing_alive():
+    import tensorscope
+
+    lin = torch.nn.Linear(8, 8)
+
+    def f():
+        x = torch.randn(3000, 8)
+        with tensorscope.trace(native=False) as t:
+            y = lin(x)
+        holders = {r["holder"]: r for r in t.result.leaks.to_pylist()}
+        w = storage_ref(y)
+        del y               # the leak search read f's locals: no snapshot of them may outlive this del
+        return holders, w() is None
+
+    holders, freed = f()
+    assert freed
+    r = holders["f() local y"]
+    assert r["holder_kind"] == "local" and r["fix"] == "del y  (in f(), or return from it)" and not r["expected"]
+    assert r["shape"] == [3000, 8]
+    assert not [h for h, r in holders.items() if r["holder_kind"] == "hidden_cpp_owner"], holders

@@ -62,6 +62,10 @@ _INTERNAL_FILE_HINTS = (os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.s
                         os.sep + "asyncio" + os.sep, os.sep + "traitlets" + os.sep)
 
 
+#: code with no file that is the user's: terminal IPython / in-process shells, exec'd strings, a REPL
+_USER_PSEUDO_FILES = ("<ipython-input-", "<string>", "<stdin>", "<console>")
+
+
 def _stack_frames() -> List[types.FrameType]:
     """Running user frames above us (function frames only: a module frame's locals are globals)."""
     out = []
@@ -73,8 +77,9 @@ def _stack_frames() -> List[types.FrameType]:
     while f is not None:
         code = f.f_code
         fn = code.co_filename
-        if (code.co_name != "<module>" and not fn.startswith(ours) and not _is_library_file(fn)
-                and not any(h in fn for h in _INTERNAL_FILE_HINTS)):
+        if code.co_name != "<module>" and (fn.startswith(_USER_PSEUDO_FILES) or (
+                not fn.startswith(ours) and not _is_library_file(fn)
+                and not any(h in fn for h in _INTERNAL_FILE_HINTS))):
             out.append(f)
         f = f.f_back
     return out
