@@ -289,6 +289,9 @@ def test_a_losses_list_growing_cell_after_cell_and_step_after_step(k):
     assert rows and all(g for _h, g, _b, _n in rows), rows
     per_cell = rows[0][2]
     assert per_cell >= 100 * 128 * 4, rows          # at least the hidden activation each step keeps
+    # `gloss = …` rebinds a global every cell: it gains bytes each time but frees the old ones
+    assert k.value("[r['growing'] for r in tensorscope.last().leaks.to_pylist() if r['holder'] == 'global gloss']") \
+        == [False]
     text = k.value("tensorscope.last().summary().to_text()")
     assert "growing" in text and "/cell" in text and "global glosses[2] → grad_fn" in text, text
     (grp,) = k.value("_groups('autograd_graph')")

@@ -353,7 +353,11 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
                 unreached.setdefault(k, want[k])
             rows += _fallback_rows(unreached, tensors, key_meta, {id(want)})
         rows = _merge_same_buffer(rows)
-        _growth.observe(rows)
+        by_ptr = {m["data_ptr"]: want[k] for k, m in key_meta.items() if k in want}
+        try:
+            _growth.observe(rows, lambda r: by_ptr.get(r.data_ptr))
+        finally:
+            by_ptr.clear()
         return _rows_to_table(rows)
     finally:
         # nothing of ours may outlive the call, not even in a traceback's frames
