@@ -101,6 +101,11 @@ def _classify(tp: type) -> int:
 
 #: Untracked (atomic-only) objects cannot hold tensors, except numpy arrays (``.base``), which gc
 #: does not track.
+#: types whose untracked instances hold nothing of interest (filled as met, cleared with the caches)
+_PLAIN_UNTRACKED: Set[type] = {int, str, float, bytes, bool, type(None), complex}
+_PLAIN_BASE = frozenset(_PLAIN_UNTRACKED)
+
+
 def _untracked_interest(obj) -> bool:
     h = _types.get(type(obj))
     if h is None:
@@ -263,6 +268,8 @@ def _clear_type_caches():
     _types.clear()
     _isa_cache.clear()
     _saved_attrs.clear()
+    _PLAIN_UNTRACKED.clear()
+    _PLAIN_UNTRACKED.update(_PLAIN_BASE)
 
 
 class _GcPaused:

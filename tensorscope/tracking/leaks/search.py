@@ -14,7 +14,7 @@ import types
 from array import array
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from .classify import _live_frame_locals, _other_threads_frames, _running_frames
+from .classify import _PLAIN_UNTRACKED, _live_frame_locals, _other_threads_frames, _running_frames
 from .classify import _CLASS, _DEFER, _FRAME, _FUNC, _GEN, _GENERIC, _NDARRAY, _NODE, _PYNODE, _SKIP, _STORAGE, _T, _TB, _TENSOR, _classify, _is_user_class, _node_name, _saved_names, _types, _untracked_interest, _user_modules
 from .roots import _Root, _collect_roots
 
@@ -69,6 +69,7 @@ class _Search:
         special = self._special
         max_nodes = self.max_nodes
         big = self.BIG_CONTAINER if self.n_want else 0
+        plain = _PLAIN_UNTRACKED
         expanded: Set[int] = set()
         i = 0
         while True:
@@ -107,11 +108,17 @@ class _Search:
                         self.complete = True
                 oi = own[i]
                 for k in kids:
+                    if not is_tracked(k):
+                        # ints and strings of the user's data: never a holder (numpy arrays are, untracked)
+                        tk = type(k)
+                        if tk in plain:
+                            continue
+                        if not _untracked_interest(k):
+                            plain.add(tk)
+                            continue
                     kid = id(k)
                     j = idx.get(kid)
                     if j is None:
-                        if not is_tracked(k) and not _untracked_interest(k):
-                            continue
                         idx[kid] = len(order)
                         order.append(k)
                         par.append(i)
