@@ -27,7 +27,7 @@ and integers only.
 from __future__ import annotations
 
 from .boundary import BoundaryDiscovery, disable_discovery, discovery, enable_discovery
-from .known import _KNOWN, known_storages, remember
+from .known import _KNOWN, known_storages, remember  # noqa: F401  (_KNOWN: the registry, for tests and tools)
 from .paths import fix_code
 from .report import LeakGroup, LeakReport, find_leaks
 from .rows import leak_table

@@ -10,7 +10,8 @@ global each cell gains bytes too, but frees the old ones: that is not growth). A
 holder is ``growing`` once that happened in two traces in a row (bytes per cell: the
 mean gain over the streak). Within
 one trace, an autograd-graph holder whose container gained three or more elements is
-growing too (however it was before), and its ``growth_bytes_per_cell`` is then per loop step (its bytes over the elements).
+growing too (however it was before), and its ``growth_bytes_per_cell`` is then per loop
+step (its bytes over the elements).
 """
 from __future__ import annotations
 

@@ -14,8 +14,11 @@ import types
 from array import array
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from .classify import _PLAIN_UNTRACKED, _live_frame_locals, _other_threads_frames, _running_frames
-from .classify import _CLASS, _DEFER, _FRAME, _FUNC, _GEN, _GENERIC, _NDARRAY, _NODE, _PYNODE, _SKIP, _STORAGE, _T, _TB, _TENSOR, _classify, _is_user_class, _node_name, _saved_names, _types, _untracked_interest, _user_modules
+from .classify import (
+    _CLASS, _DEFER, _FRAME, _FUNC, _GEN, _GENERIC, _NDARRAY, _NODE, _PLAIN_UNTRACKED, _PYNODE, _SKIP, _STORAGE,
+    _T, _TB, _TENSOR, _classify, _is_user_class, _live_frame_locals, _node_name, _other_threads_frames,
+    _running_frames, _saved_names, _types, _untracked_interest, _user_modules,
+)
 from .roots import _Root, _collect_roots
 
 

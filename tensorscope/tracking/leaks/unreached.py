@@ -16,7 +16,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from .classify import _T, _TENSOR, _classify, _other_threads_frames, _running_frames, _types
+from .classify import _T, _other_threads_frames, _running_frames
 
 
 # -- the unreached: cycles and owners gc cannot see ----------------------------------------------
