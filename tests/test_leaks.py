@@ -643,6 +643,8 @@ def test_a_running_functions_locals_are_named_and_reading_them_keeps_nothing_ali
         x = torch.randn(3000, 8)
         with tensorscope.trace(native=False) as t:
             y = lin(x)
+            z = lin(x)
+            loss = z.pow(2).sum()       # pow saves z: its graph holds z's storage too
         holders = {r["holder"]: r for r in t.result.leaks.to_pylist()}
         w = storage_ref(y)
         del y               # the leak search read f's locals: no snapshot of them may outlive this del
@@ -653,4 +655,6 @@ def test_a_running_functions_locals_are_named_and_reading_them_keeps_nothing_ali
     r = holders["f() local y"]
     assert r["holder_kind"] == "local" and r["fix"] == "del y  (in f(), or return from it)" and not r["expected"]
     assert r["shape"] == [3000, 8]
+    both = holders["f() local z; also f() local loss"]
+    assert tensorscope.tracking.leaks.fix_code(both["fix"]).splitlines() == ["del z", "del loss"]
     assert not [h for h, r in holders.items() if r["holder_kind"] == "hidden_cpp_owner"], holders

@@ -228,12 +228,6 @@ class _PathState:
     def extend(self, kind: str, text: str, parent, grandparent) -> "_PathState":
         n = self.copy()
         n.pos = self.pos + 1
-        if kind == "local" and self.nsteps == 0 and self.root.group == "local" and self.root.expr is None:
-            # a running function's local is a root of its own: `f() local y`, with y as its expression
-            fn = self.root.label
-            n.root = _Root(f"{fn} local {text}", "local", text, f"del {text}  (in {fn}, or return from it)")
-            n.text, n.expr = n.root.label, (text if _IDENT.match(text) else None)
-            return n
         if (kind == "index" or kind == "key") and self.moddict is None and not self.inst:
             # the parent is a list/tuple/dict: never a module or an optimizer; the common case
             e = self.expr

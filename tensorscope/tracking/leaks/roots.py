@@ -14,7 +14,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from .classify import _is_library_file, _user_modules
+from .classify import _is_library_file, _live_frame_locals, _user_modules
 
 
 # -- roots ---------------------------------------------------------------------------------------
@@ -153,10 +153,14 @@ def _collect_roots(shell, user_ns, frames: bool = True, user_modules=None) -> Tu
     if ler is not None:
         add(getattr(ler, "error_in_exec", None), "last_execution_result.error_in_exec", "traceback", None,
             "(released when the next cell runs)")
-    # 5. live frames of the user's functions calling us
+    # 5. the locals of the user's functions calling us (`def f(): with tensorscope.trace(): ...`), each
+    # a root of its own: `f() local y`, and a storage both y and loss's graph keep names both
     for f in (_stack_frames() if frames else ()):
-        code = f.f_code
-        add(f, f"{code.co_name}()", "local", None, f"return from {code.co_name}() (its locals keep it)")
+        fn = f"{f.f_code.co_name}()"
+        for name, val in _live_frame_locals(f):
+            add(val, f"{fn} local {name}", "local", name if name.isidentifier() else None,
+                f"del {name}  (in {fn}, or return from it)")
+        del f
     return objs, roots
 
 
