@@ -658,3 +658,30 @@ def test_a_running_functions_locals_are_named_and_reading_them_keeps_nothing_ali
     both = holders["f() local z; also f() local loss"]
     assert tensorscope.tracking.leaks.fix_code(both["fix"]).splitlines() == ["del z", "del loss"]
     assert not [h for h, r in holders.items() if r["holder_kind"] == "hidden_cpp_owner"], holders
+
+
+def test_summary_groups_a_containers_graphs_into_one_row_and_keeps_state_to_one_line():
+    from synthetic import make_trace, table
+
+    from tensorscope.render.sections_memory import leaks_section
+
+    def row(holder, kind, nbytes, fix, expected=False, growing=False, per=None):
+        return dict(storage_id=0, nbytes=nbytes, device="cpu", holder=holder, holder_kind=kind, fix=fix,
+                    source_line=3, expected=expected, growing=growing, growth_bytes_per_cell=per)
+
+    fix = "losses = [l.item() for l in losses]  (append loss.item(), not loss)"
+    rows = [row(f"global losses[{i}] → grad_fn MeanBackward0 → saved self", "autograd_graph", 1024, fix)
+            for i in range(100)]
+    rows += [row(f"global losses[{i}]", "global", 4, f"del losses[{i}]") for i in range(100)]
+    rows += [row("global xs[0]", "global", 64, "del xs[0]"), row("global xs[1]", "global", 32, "del xs[1]")]
+    rows += [row("global model.weight.grad", "model_state", 1000, "model.zero_grad(set_to_none=True)", True),
+             row("global opt.state[model.weight]['momentum_buffer']", "optimizer_state", 1000, "del opt", True)]
+    sec = leaks_section(make_trace(leaks=table("leaks", rows)))
+    assert sec.title == f"still alive after the cell: {(100 * 1028 + 96) / 1024:.1f} KiB in 202 storages"
+    by_holder = {r[2]: r for r in sec.rows}
+    g = by_holder["global losses[0..99] → grad_fn … (100 items)"]
+    assert g[0] == f"{100 * 1028 / 1024:.1f} KiB" and g[3] == "200" and g[5] == fix
+    assert by_holder["global xs[0]"][5] == "del xs[0]" and by_holder["global xs[1]"][5] == "del xs[1]"
+    assert sec.notes == ["kept as model/optimizer state: 2.0 KiB in 2 storages"]
+    only_state = leaks_section(make_trace(leaks=table("leaks", rows[-2:])))
+    assert only_state.title == "still alive after the cell: no leaks" and not only_state.rows

@@ -89,14 +89,11 @@ def leaks_section(t) -> Optional[Section]:
         holder = (r.get("holder") or "").split("; also ")[0]
         index = None
         kind = r.get("holder_kind")
-        if kind in ("autograd_graph", "global"):
-            if kind == "autograd_graph":
-                holder = holder.split(" → grad_fn")[0]
+        if kind == "autograd_graph":
+            holder = holder.split(" → grad_fn")[0]
             m = _ELEMENT.match(holder)
-            if m:   # many elements of one container (losses[0], losses[1], ...) are one holder
+            if m:   # the graphs of many elements of one container (losses[0], losses[1], ...): one holder
                 holder, index = m.group(1), int(m.group(2))
-            if kind == "global" and index is not None:
-                kind = "elements"   # the tensors in the container themselves: with their graphs, if any
         key = (kind, holder)
         g = groups.setdefault(key, {"n": 0, "bytes": 0, "fix": r.get("fix") or "", "line": r.get("source_line"),
                                     "items": set(), "growth": None})
@@ -106,20 +103,15 @@ def leaks_section(t) -> Optional[Section]:
         g["bytes"] += r.get("nbytes") or 0
         if index is not None:
             g["items"].add(index)
-            per = g.setdefault("per", {})
-            per[index] = per.get(index, 0) + (r.get("nbytes") or 0)
+    # the elements themselves (`global losses[3]`, the scalar loss) join their container's graphs
     for (kind, holder), g in list(groups.items()):
-        if kind != "elements":
-            continue
-        del groups[(kind, holder)]
-        into = groups.get(("autograd_graph", holder))
-        if into is None:   # plain tensors in a container: one row per element, as before
-            groups.update({("global", f"{holder}[{i}]"): dict(g, n=1, bytes=g["per"][i], items=set())
-                           for i in sorted(g["items"])})
-            continue
-        into["n"] += g["n"]
-        into["bytes"] += g["bytes"]
-        into["items"] |= g["items"]
+        m = _ELEMENT.match(holder) if kind == "global" else None
+        into = groups.get(("autograd_graph", m.group(1))) if m else None
+        if into is not None:
+            del groups[(kind, holder)]
+            into["n"] += g["n"]
+            into["bytes"] += g["bytes"]
+            into["items"].add(int(m.group(2)))
     ordered = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])
     rows = [(fmt_bytes(g["bytes"]), _kind_text(kind, g), _holder_text(kind, holder, g["items"]), str(g["n"]),
              (f"line {g['line']}" if g["line"] is not None else ""), g["fix"])
