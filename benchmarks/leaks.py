@@ -1,7 +1,8 @@
 """Leak-report cost: the end-of-trace leak step in a notebook, find_leaks on a ~300k-object heap, with 100k
 live tensors, with 1M extra objects, and the per-cell cost of always-on cell-boundary discovery (tracing off).
 
-Run: ``.venv/bin/python benchmarks/leaks.py [trace|all]`` (``trace``: only the end-of-trace step). Prints best-of-N wall times. A reference loop
+Run: ``.venv/bin/python benchmarks/leaks.py [trace|find|all]`` (``trace``: only the end-of-trace step;
+``find``: everything else). Prints best-of-N wall times. A reference loop
 (1M dict stores) is timed alongside, so numbers from a loaded or slow machine can be scaled.
 
 The end-of-trace step is measured in an in-process IPython shell (``%%tensorscope`` cells) with a
@@ -148,6 +149,8 @@ def trace_leak_step(n=5):
 def main(argv=None):
     what = (argv if argv is not None else sys.argv[1:]) or ["all"]
     print(f"reference: 1M dict stores in {reference() * 1e3:.0f} ms (about 60-80 ms on an idle modern core)")
+    if what[0] not in ("trace", "find", "all"):
+        raise SystemExit("usage: benchmarks/leaks.py [trace|find|all]")
     if what[0] in ("trace", "all"):
         trace_leak_step()
         if what[0] == "trace":
