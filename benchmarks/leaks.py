@@ -1,8 +1,15 @@
-"""Leak-report cost: find_leaks on a ~300k-object heap, with 100k live tensors, with 1M extra objects,
-and the per-cell cost of always-on cell-boundary discovery (tracing off).
+"""Leak-report cost: the end-of-trace leak step in a notebook, find_leaks on a ~300k-object heap, with 100k
+live tensors, with 1M extra objects, and the per-cell cost of always-on cell-boundary discovery (tracing off).
 
-Run: ``.venv/bin/python benchmarks/leaks.py``. Prints best-of-N wall times. A reference loop
+Run: ``.venv/bin/python benchmarks/leaks.py [trace|find|all]`` (``trace``: only the end-of-trace step;
+``find``: everything else). Prints best-of-N wall times. A reference loop
 (1M dict stores) is timed alongside, so numbers from a loaded or slow machine can be scaled.
+
+The end-of-trace step is measured in an in-process IPython shell (``%%tensorscope`` cells) with a
+model and its optimizer live and a big library emulated: transformers and timm are not installed
+here, so ``biglib`` stands in for them (300k objects of module state, 20k functions, 5k classes, in
+``sys.modules``, which is what makes a notebook's heap big); the leak step alone is timed by wrapping
+``leak_table``.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ def best(fn, n=3):
 
 
 def report(label, n=3):
-    ns = sys.modules["__main__"].__dict__
+    ns = globals()   # this script's namespace is the "notebook" (an IPython shell may have replaced __main__)
     t, rep = best(lambda: L.find_leaks(user_ns=ns, frames=False), n)
     heap = len(gc.get_objects())
     print(f"{label:<58} {t * 1e3:8.0f} ms   heap {heap:>9,}   storages {len(rep):>7,}   searched {rep.visited:>9,}")
@@ -56,7 +63,7 @@ def leak_table_cost(label, n=3):
         recs.append(LiveStorage(0, weakref.ref(s), s.data_ptr(), s.nbytes(), "cpu", "float32", tuple(t.shape), 1,
                                 "aten.randn.default", 3, "cell.py", 2))
     del s, t
-    ns = sys.modules["__main__"].__dict__
+    ns = globals()   # this script's namespace is the "notebook" (an IPython shell may have replaced __main__)
     t, tab = best(lambda: L.leak_table(recs, user_ns=ns, frames=False), n)
     print(f"{label:<58} {t * 1e3:8.0f} ms   heap {len(gc.get_objects()):>9,}   rows {tab.num_rows}")
     g.pop("made_by_cell")
@@ -83,8 +90,71 @@ def discovery_cost(label, make, n=5):
     keep.clear()
 
 
-def main():
+def trace_leak_step(n=5):
+    """The end-of-trace leak step of %%tensorscope cells in an IPython shell, big library imported."""
+    import types
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+
+    lib = types.ModuleType("biglib")
+    lib.state = [{"k": [i, str(i)]} for i in range(300_000)]
+    lib.funcs = [(lambda i: (lambda x: x + i))(i) for i in range(20_000)]
+    lib.classes = [type(f"C{i}", (), {"a": i}) for i in range(5_000)]
+    sys.modules["biglib"] = lib
+    times = []
+    orig = L.leak_table
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            times.append(time.perf_counter() - t0)
+
+    L.leak_table = timed   # recording.build imports it from the package at the end of each trace
+    sh = InteractiveShell.instance()
+
+    def cell(src):
+        r = sh.run_cell(src, silent=True)
+        if not r.success:
+            raise RuntimeError(f"benchmark cell failed: {r.error_in_exec or r.error_before_exec}")
+
+    try:
+        cell("%load_ext tensorscope")
+        cell("import torch, biglib\n"
+             "model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())])\n"
+             "opt = torch.optim.Adam(model.parameters())\nx = torch.randn(64, 256)\nlosses = []")
+        print(f"end-of-trace leak step, IPython shell, model + optimizer live, heap {len(gc.get_objects()):,} objects "
+              "(biglib emulates transformers/timm):")
+        step = "opt.zero_grad()\nloss = model(x).pow(2).mean(); loss.backward(); opt.step()"
+        for label, src in [
+            ("clean training step (grads, optimizer state: expected)", f"%%tensorscope -q\n{step}"),
+            ("step, losses.append(loss) (a graph kept, growing)", f"%%tensorscope -q\n{step}\nlosses.append(loss)"),
+            ("def f(): with tensorscope.trace(): step (locals named)",
+             "import tensorscope\ndef f():\n    with tensorscope.trace():\n        opt.zero_grad()\n"
+             "        y = model(x); l = y.pow(2).mean(); l.backward(); opt.step()\n    return y\nkeep = f()"),
+        ]:
+            times.clear()
+            for _ in range(n):
+                cell(src)
+            print(f"  {label:<56} {min(times) * 1e3:8.1f} ms   (median {sorted(times)[len(times) // 2] * 1e3:.1f})")
+        cell("del losses, keep, biglib, model, opt, x")
+    finally:
+        L.leak_table = orig
+        del sys.modules["biglib"]
+    print()
+
+
+def main(argv=None):
+    what = (argv if argv is not None else sys.argv[1:]) or ["all"]
     print(f"reference: 1M dict stores in {reference() * 1e3:.0f} ms (about 60-80 ms on an idle modern core)")
+    if what[0] not in ("trace", "find", "all"):
+        raise SystemExit("usage: benchmarks/leaks.py [trace|find|all]")
+    if what[0] in ("trace", "all"):
+        trace_leak_step()
+        if what[0] == "trace":
+            return
     g = globals()
     g["filler"] = [{"k": [i, str(i)]} for i in range(45_000)]   # with torch imported: ~300k gc objects
     report("heap ~300k objects, no tensors")

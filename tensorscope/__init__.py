@@ -31,7 +31,7 @@ _LAZY = {
     "leak_table": ("tensorscope.tracking.leaks", "leak_table"),
     "enable_discovery": ("tensorscope.tracking.leaks", "enable_discovery"),
     "disable_discovery": ("tensorscope.tracking.leaks", "disable_discovery"),
-    "env": ("tensorscope.env", "env"),
+    "env": ("tensorscope._env", "env"),
     "SCHEMA_VERSION": ("tensorscope.schema", "SCHEMA_VERSION"),
     "check_substitution": ("tensorscope.substitution", "check_substitution"),
     "diff": ("tensorscope._diff", "diff"),

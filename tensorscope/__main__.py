@@ -40,7 +40,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             return int(build_native_main(args.rest) or 0)
         if args.cmd == "env":
-            from .env import env
+            from ._env import env
 
             print(env())
             return 0

@@ -31,11 +31,12 @@ class TraceOptions:
     source: bool = _opt(True, "record the user source line of each torch-level call")
     flops: bool = _opt(True, "count FLOPs with torch.utils.flop_counter's formulas")
     storages: bool = _opt(True, "track storages by weak reference (tensors table, leaks, memory)")
-    leaks: bool = _opt(True, "after the trace, report storages it created that are still alive and who holds them")
+    leaks: bool = _opt(True, "report, after the trace, the storages it created that are still alive and who holds them")
     nonfinite: bool = _opt(True, "screen floating outputs for NaN/Inf (CPU: per op; CUDA: on-device flags read once at the end)")
-    numerics: Any = _opt(False, "shadow-compute 16-bit ops in float32 ('fp32') or float32 ops in float64 ('fp64') and record the error",
-                         type=str, choices=("off", "fp32", "fp64"), metavar="{fp32,fp64}")
-    numerics_threshold: float = _opt(1e-2, "relative error above which the summary lists an op", type=float)
+    numerics: Any = _opt(False, "shadow-compute ops in higher precision and record the error; values: fp32 (16-bit ops "
+                         "in float32, what a bare --numerics means), fp64 (float32 ops in float64), off (the default)",
+                         type=str, choices=("off", "fp32", "fp64"), metavar="{fp32,fp64,off}")
+    numerics_threshold: float = _opt(1e-2, "relative error above which the summary lists an op", type=float, metavar="X")
     cuda_timing: bool = _opt(True, "time ops on CUDA tensors with event pairs, resolved once at the end")
     kernels: bool = _opt(False, "collect CUDA kernels from the profiler (Kineto/CUPTI)")
     native: bool = _opt(True, "use the native C++ warning/error hooks when they are built")

@@ -143,6 +143,9 @@ LEAKS = _schema("leaks", [
     ("holder", _str),
     ("holder_kind", _str),
     ("fix", _str),
+    ("expected", _bool),            # model/optimizer state (holder_kind model_state/optimizer_state), not a leak
+    ("growing", _bool),             # the holder kept more bytes cell after cell (or step after step)
+    ("growth_bytes_per_cell", _i64),  # bytes the holder gained per cell (per step within one cell); null if not growing
 ])
 
 ERRORS = _schema("errors", [
@@ -308,6 +311,20 @@ TABLES: Dict[str, pa.Schema] = {
     "graphs": GRAPHS,
     "graph_nodes": GRAPH_NODES,
     "api": API,
+}
+
+#: Columns a file of each table must have whatever its minor version: the ones that identify a
+#: row. A file without them is not that table (``load`` refuses it rather than fill them with nulls).
+REQUIRED: Dict[str, tuple] = {
+    "ops": ("seq", "op"),
+    "calls": ("call_id", "name"),
+    "tensors": ("storage_id", "nbytes"),
+    "errors": ("error_id", "kind"),
+    "kernels": ("seq", "name"),
+    "leaks": ("nbytes", "holder", "holder_kind"),
+    "casts": ("seq", "op", "from_dtype", "to_dtype"),
+    "layout_changes": ("seq", "op"),
+    "memory": ("seq", "device", "live_bytes"),
 }
 
 #: Tables recorded directly; the rest are derived by analyses from these.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tensorscope
-from tensorscope.env import EnvReport, arch_support, env
+from tensorscope._env import EnvReport, arch_support, env
 
 
 def test_cpu_report_fields_are_real_and_json_able():

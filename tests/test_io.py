@@ -192,3 +192,45 @@ def test_golden_file_of_each_released_schema_version_loads():
         assert [r["op"] for r in ops][:2] == ["aten.t.default", "aten.addmm.default"]
         assert ops[1]["in_shapes"] == [[4], [2, 4], [4, 4]] and ops[1]["module"] == "0"
         assert any(r["phase"] == "backward" and r["fwd_seq"] == 1 for r in ops)
+
+
+def test_a_data_page_damaged_with_the_footer_intact_is_a_trace_format_error_naming_the_file(tmp_path):
+    t = _traced()
+    path = t.save(tmp_path / "run")
+    f = os.path.join(path, "ops.parquet")
+    meta = pq.ParquetFile(f).metadata
+    col = meta.row_group(0).column(0)
+    start = col.data_page_offset
+    with open(f, "r+b") as fh:           # garbage over the first data page; footer and schema untouched
+        fh.seek(start)
+        fh.write(b"\xff" * min(64, col.total_compressed_size))
+    assert pq.read_schema(f).names == S.OPS.names       # the footer still reads
+    with pytest.raises(tensorscope.TraceFormatError, match="ops.parquet.*damaged parquet data"):
+        tensorscope.load(path)
+
+
+def test_a_table_file_with_the_wrong_schema_is_refused_naming_the_columns(tmp_path):
+    t = _traced()
+    path = t.save(tmp_path / "run")
+    f = os.path.join(path, "calls.parquet")
+    good = pq.read_table(f)
+    # wrong types: a string where ids are int64, a float where a name is a string
+    bad = good.set_column(good.schema.get_field_index("call_id"), "call_id",
+                          pa.array([str(v) for v in good.column("call_id").to_pylist()], pa.string()))
+    bad = bad.set_column(bad.schema.get_field_index("name"), "name", pa.array([1.5] * bad.num_rows, pa.float64()))
+    pq.write_table(bad, f)
+    with pytest.raises(tensorscope.TraceFormatError) as e:
+        tensorscope.load(path)
+    msg = str(e.value)
+    assert "calls.parquet" in msg and "call_id (string, expected int64)" in msg and "name (double, expected string)" in msg
+    # missing required columns: another table's file under this name is not loaded as a half-null trace
+    pq.write_table(pq.read_table(os.path.join(path, "memory.parquet")), f)
+    with pytest.raises(tensorscope.TraceFormatError, match=r"missing required column\(s\) call_id, name"):
+        tensorscope.load(path)
+    # compatible storage types still load: int32 ids, dictionary-encoded strings
+    ok = good.set_column(good.schema.get_field_index("call_id"), "call_id", good.column("call_id").cast(pa.int32()))
+    ok = ok.set_column(ok.schema.get_field_index("name"), "name", ok.column("name").dictionary_encode())
+    pq.write_table(ok, f)
+    back = tensorscope.load(path)
+    assert back.calls.column("call_id").to_pylist() == good.column("call_id").to_pylist()
+    assert back.calls.column("name").to_pylist() == good.column("name").to_pylist()

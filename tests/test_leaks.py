@@ -120,10 +120,10 @@ def test_losses_list_holds_autograd_graphs_and_is_charged_their_bytes():
     grp = next(g for g in rep.groups if g.holder_kind == "autograd_graph")
     assert grp.holder == "global losses (autograd graphs)"
     assert grp.nbytes == sum(r["nbytes"] for r in graph)
-    assert grp.fix.startswith("losses = [v.detach() for v in losses]")
+    assert grp.fix.startswith("losses = [l.item() for l in losses]")
     # parameters belong to the model, not to the graphs that also reach them
     w = one(rep, 64 * 256 * 4)
-    assert w["holder"].startswith("global model[0].weight") and w["holder_kind"] == "module"
+    assert w["holder"].startswith("global model[0].weight") and w["holder_kind"] == "model_state" and w["expected"]
     refs = [storage_ref(t) for t in _saved_activations(ns["losses"])]
     assert len(refs) >= 3
     apply_fix(ns, grp.fix)
@@ -157,16 +157,18 @@ def test_module_parameters_buffers_grads_and_optimizer_state():
         "opt.step()\n")
     rep = report(ns)
     (w,) = [r for r in rows_of(rep, 20_000) if r["holder"].startswith("global model.weight;")]
-    assert w["holder_kind"] == "module" and w["fix"].startswith("del model")
+    assert w["holder_kind"] == "model_state" and w["expected"] and w["fix"].startswith("del model")
     g = [r for r in rows_of(rep, 20_000) if r["holder"] == "global model.weight.grad"]
-    assert len(g) == 1 and g[0]["holder_kind"] == "module" and g[0]["fix"] == "model.zero_grad(set_to_none=True)"
+    assert len(g) == 1 and g[0]["holder_kind"] == "model_state" and g[0]["expected"]
+    assert g[0]["fix"] == "model.zero_grad(set_to_none=True)"
     b = one(rep, 12_000)
-    assert (b["holder"], b["holder_kind"], b["fix"]) == ("global model.running", "module", "del model.running")
-    st = [r for r in rows_of(rep, kind="optimizer")]
+    assert (b["holder"], b["holder_kind"], b["fix"]) == ("global model.running", "model_state", "del model.running")
+    st = [r for r in rows_of(rep, kind="optimizer_state")]
+    assert st and all(r["expected"] for r in st)
     assert {r["holder"] for r in st if r["nbytes"] == 20_000} == {
         "global opt.state[model.weight]['exp_avg']", "global opt.state[model.weight]['exp_avg_sq']"}
     assert all(r["fix"].startswith("del opt") for r in st)
-    opt_group = next(gr for gr in rep.groups if gr.holder_kind == "optimizer")
+    opt_group = next(gr for gr in rep.groups if gr.holder_kind == "optimizer_state")
     assert opt_group.nbytes == sum(r["nbytes"] for r in st) and opt_group.nbytes >= 2 * (20_000 + 200)
     refs_state = [storage_ref(v) for s in ns["opt"].state.values() for v in s.values()]
     refs_grad = [storage_ref(ns["model"].weight.grad)]
@@ -380,6 +382,24 @@ def _live(s, t, cell=None, alloc_op="aten.exp.default", line=None, sid=0):
                        alloc_seq=3, alloc_op=alloc_op, cell=cell, source_file="cell.py", source_line=line)
 
 
+def test_every_holder_of_one_storage_is_listed_and_the_fix_releases_all():
+    ns = notebook("lin = torch.nn.Linear(64, 512)\nh = lin(torch.randn(256, 64))\nlosses = []\n"
+                  "for k in range(3):\n    losses.append(h.pow(2).sum() * k)\n")
+    h = ns["h"]
+    w = storage_ref(h)
+    tab = L.leak_table([_live(h.untyped_storage(), h, sid=0)], user_ns=ns, frames=False)
+    del h
+    (row,) = tab.to_pylist()
+    assert row["holder"].startswith("global h; also global losses"), row["holder"]
+    assert row["holder_kind"] == "global" and not row["expected"]
+    lines = L.fix_code(row["fix"]).splitlines()
+    assert lines[0] == "del h" and len(lines) > 1, row["fix"]
+    exec(lines[0], ns)
+    assert w() is not None          # the graphs in losses still hold it: `del h` alone frees nothing
+    exec("\n".join(lines[1:]), ns)
+    assert w() is None, row["fix"]
+
+
 def test_leak_table_rows_largest_first_with_creation_site_and_dead_refs_skipped():
     ns = notebook("a = torch.zeros(100)\nb = torch.zeros(1000)\n")
     dead = torch.zeros(10)
@@ -456,7 +476,7 @@ def test_a_failing_search_leaves_no_reference_behind(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(L, "_rows_to_table", boom)
+    monkeypatch.setattr(L.report, "_rows_to_table", boom)
     with pytest.raises(RuntimeError):
         report(ns)
     tb = sys.exc_info()[2]
@@ -612,3 +632,56 @@ def test_cuda_storages_are_totalled_per_device_and_filtered():
     w = storage_ref(ns["g"])
     apply_fix(ns, r["fix"])
     assert w() is None
+
+
+def test_a_running_functions_locals_are_named_and_reading_them_keeps_nothing_alive():
+    import tensorscope
+
+    lin = torch.nn.Linear(8, 8)
+
+    def f():
+        x = torch.randn(3000, 8)
+        with tensorscope.trace(native=False) as t:
+            y = lin(x)
+            z = lin(x)
+            loss = z.pow(2).sum()       # pow saves z: its graph holds z's storage too
+        holders = {r["holder"]: r for r in t.result.leaks.to_pylist()}
+        w = storage_ref(y)
+        del y               # the leak search read f's locals: no snapshot of them may outlive this del
+        return holders, w() is None
+
+    holders, freed = f()
+    assert freed
+    r = holders["f() local y"]
+    assert r["holder_kind"] == "local" and r["fix"] == "del y  (in f(), or return from it)" and not r["expected"]
+    assert r["shape"] == [3000, 8]
+    both = holders["f() local z; also f() local loss"]
+    assert tensorscope.tracking.leaks.fix_code(both["fix"]).splitlines() == ["del z", "del loss"]
+    assert not [h for h, r in holders.items() if r["holder_kind"] == "hidden_cpp_owner"], holders
+
+
+def test_summary_groups_a_containers_graphs_into_one_row_and_keeps_state_to_one_line():
+    from synthetic import make_trace, table
+
+    from tensorscope.render.sections_memory import leaks_section
+
+    def row(holder, kind, nbytes, fix, expected=False, growing=False, per=None):
+        return dict(storage_id=0, nbytes=nbytes, device="cpu", holder=holder, holder_kind=kind, fix=fix,
+                    source_line=3, expected=expected, growing=growing, growth_bytes_per_cell=per)
+
+    fix = "losses = [l.item() for l in losses]  (append loss.item(), not loss)"
+    rows = [row(f"global losses[{i}] → grad_fn MeanBackward0 → saved self", "autograd_graph", 1024, fix)
+            for i in range(100)]
+    rows += [row(f"global losses[{i}]", "global", 4, f"del losses[{i}]") for i in range(100)]
+    rows += [row("global xs[0]", "global", 64, "del xs[0]"), row("global xs[1]", "global", 32, "del xs[1]")]
+    rows += [row("global model.weight.grad", "model_state", 1000, "model.zero_grad(set_to_none=True)", True),
+             row("global opt.state[model.weight]['momentum_buffer']", "optimizer_state", 1000, "del opt", True)]
+    sec = leaks_section(make_trace(leaks=table("leaks", rows)))
+    assert sec.title == f"still alive after the cell: {(100 * 1028 + 96) / 1024:.1f} KiB in 202 storages"
+    by_holder = {r[2]: r for r in sec.rows}
+    g = by_holder["global losses[0..99] → grad_fn … (100 items)"]
+    assert g[0] == f"{100 * 1028 / 1024:.1f} KiB" and g[3] == "200" and g[5] == fix
+    assert by_holder["global xs[0]"][5] == "del xs[0]" and by_holder["global xs[1]"][5] == "del xs[1]"
+    assert sec.notes == ["kept as model/optimizer state: 2.0 KiB in 2 storages"]
+    only_state = leaks_section(make_trace(leaks=table("leaks", rows[-2:])))
+    assert only_state.title == "still alive after the cell: no leaks" and not only_state.rows

@@ -116,11 +116,58 @@ def _read_table(path: str, name: str) -> pa.Table:
     v = md.get(b"tensorscope_schema_version")
     if v is not None:
         check_version(v.decode(), file)
-    table = pq.read_table(file)
+    check_columns(name, schema, file)
+    try:
+        table = pq.read_table(file)
+    except (OSError, pa.ArrowException) as e:   # footer intact, a data page damaged
+        raise TraceFormatError(f"{file!r}: damaged parquet data, cannot be read ({type(e).__name__}: {e})") from e
     try:
         return S.conform(name, table)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
         raise TraceFormatError(f"{file!r}: does not match the {name} schema: {e}") from e
+
+
+def _string_like(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _compatible(found: pa.DataType, want: pa.DataType) -> bool:
+    """Can a column of type ``found`` be read as ``want`` without changing what its values mean?
+    Equal types, an all-null column, signed-integer widening, string/dictionary-of-string, and
+    lists of compatible values; never a reinterpretation (a string column parsed as numbers)."""
+    if found.equals(want) or pa.types.is_null(found):
+        return True
+    if _string_like(want):
+        return _string_like(found)
+    if pa.types.is_signed_integer(want):
+        return pa.types.is_signed_integer(found) and found.bit_width <= want.bit_width
+    if pa.types.is_floating(want):
+        return pa.types.is_floating(found) and found.bit_width <= want.bit_width
+    if pa.types.is_list(want) or pa.types.is_large_list(want):
+        return (pa.types.is_list(found) or pa.types.is_large_list(found)) and _compatible(found.value_type,
+                                                                                          want.value_type)
+    return False
+
+
+def check_columns(name: str, schema: pa.Schema, file: str) -> None:
+    """Refuse, naming the columns, a file that is not the ``name`` table: a required column missing
+    or a column whose type is not the table's (it would load as a half-null or misread trace)."""
+    want = S.TABLES[name]
+    missing = [c for c in S.REQUIRED.get(name, ()) if c not in schema.names]
+    wrong = []
+    for field in schema:
+        i = want.get_field_index(field.name)
+        if i >= 0 and not _compatible(field.type, want.field(i).type):
+            wrong.append(f"{field.name} ({field.type}, expected {want.field(i).type})")
+    problems = []
+    if missing:
+        problems.append("missing required column(s) " + ", ".join(missing))
+    if wrong:
+        problems.append("wrong column type(s): " + "; ".join(wrong))
+    if problems:
+        raise TraceFormatError(f"{file!r} is not a tensorscope {name} table: " + "; ".join(problems))
 
 
 def load(path):

@@ -13,6 +13,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .. import options as O
+from ..errors import TensorscopeError
 from .controller import CellRequest
 
 MAGIC_ONLY = [
@@ -128,7 +129,10 @@ class TensorscopeMagics(Magics):
             t = session.last()
             if t is None:
                 raise UsageError("no trace to save: run a cell with %%tensorscope first")
-            path = t.save(parts[1])
+            try:
+                path = t.save(parts[1])
+            except TensorscopeError as e:   # one line, as --save reports it: no internal traceback
+                raise UsageError(f"tensorscope: {e}") from None
             t.metadata["saved_to"] = path
             print(f"tensorscope: saved to {path}")
             return None
@@ -165,7 +169,7 @@ class TensorscopeMagics(Magics):
 
             return diff_magic(self.shell, rest)
         if cmd == "env":
-            from ..env import env
+            from .._env import env
 
             return env()
         raise UsageError(f"unknown %tensorscope subcommand {cmd!r}\n\n{LINE_HELP}")

@@ -635,7 +635,7 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
 
     rec = sess.rec
     try:
-        from ..env import env
+        from .._env import env
 
         device = env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
     except Exception as e:

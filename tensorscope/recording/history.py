@@ -1,11 +1,32 @@
-"""The traces this process remembers: ``tensorscope.last()`` and ``tensorscope.history()``."""
+"""The traces this process remembers: ``tensorscope.last()`` and ``tensorscope.history()``.
+
+``history()`` (filled by ``%tensorscope on`` and ``%%tensorscope``) is bounded twice:
+at most ``max_traces`` traces (64) and at most ``max_bytes`` of their tables (1 GiB;
+``TENSORSCOPE_HISTORY_BYTES`` or ``set_history_limits``), since one long traced cell can
+hold gigabytes. The oldest trace falls out first, never the newest, and says so in one
+line on stderr, with the ``tensorscope.load(...)`` call that reads it back when it was
+saved. Nothing here holds a tensor: a Trace is tables and metadata.
+"""
 from __future__ import annotations
 
-from typing import Any, List
+import os
+import sys
+from typing import Any, List, Optional
 
 _last = None
 _history: List[Any] = []
+_sizes: List[int] = []
 _HISTORY_MAX = 64
+
+
+def _env_bytes() -> int:
+    try:
+        return int(os.environ.get("TENSORSCOPE_HISTORY_BYTES", ""))
+    except ValueError:
+        return 1 << 30
+
+
+_HISTORY_MAX_BYTES = _env_bytes()
 
 
 def last():
@@ -14,8 +35,35 @@ def last():
 
 
 def history() -> List[Any]:
-    """Traces kept by ``%tensorscope on`` and ``%%tensorscope``, oldest first (at most 64)."""
+    """Traces kept by ``%tensorscope on`` and ``%%tensorscope``, oldest first (at most 64 traces and
+    1 GiB of tables by default: ``set_history_limits``)."""
     return list(_history)
+
+
+def set_history_limits(max_traces: Optional[int] = None, max_bytes: Optional[int] = None) -> None:
+    """Bound ``history()``: at most ``max_traces`` traces and ``max_bytes`` bytes of tables (the newest
+    trace is always kept). Traces beyond the new limits fall out now, oldest first."""
+    global _HISTORY_MAX, _HISTORY_MAX_BYTES
+    if max_traces is not None:
+        if int(max_traces) < 1:
+            raise ValueError("max_traces must be at least 1")
+        _HISTORY_MAX = int(max_traces)
+    if max_bytes is not None:
+        if int(max_bytes) < 0:
+            raise ValueError("max_bytes must be >= 0")
+        _HISTORY_MAX_BYTES = int(max_bytes)
+    _evict()
+
+
+def trace_nbytes(t) -> int:
+    """Bytes of the tables a Trace holds (Arrow buffers; a spilled, memory-mapped ops table counts too)."""
+    total = 0
+    for tab in getattr(t, "_tables", {}).values():
+        try:
+            total += tab.get_total_buffer_size()
+        except Exception:
+            pass   # a deferred table (pending kernels) is small until resolved
+    return total
 
 
 def _remember(t, keep_history: bool):
@@ -23,4 +71,31 @@ def _remember(t, keep_history: bool):
     _last = t
     if keep_history:
         _history.append(t)
-        del _history[:-_HISTORY_MAX]
+        _sizes.append(trace_nbytes(t))
+        _evict()
+
+
+def _evict():
+    while len(_history) > 1 and (len(_history) > _HISTORY_MAX or sum(_sizes) > _HISTORY_MAX_BYTES):
+        old, nb = _history.pop(0), _sizes.pop(0)
+        _say_dropped(old, nb, "traces" if len(_history) >= _HISTORY_MAX else "bytes")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _say_dropped(t, nbytes: int, why: str) -> None:
+    md = getattr(t, "metadata", None) or {}
+    cell = md.get("cell")
+    what = f"the trace of cell [{cell}]" if cell is not None else "the oldest trace"
+    limit = (f"{_HISTORY_MAX} traces" if why == "traces" else f"{_fmt_bytes(_HISTORY_MAX_BYTES)} of traces")
+    saved = md.get("saved_to")
+    again = (f"it was saved: tensorscope.load({saved!r}) reads it back" if saved
+             else "--save PATH keeps a trace on disk")
+    print(f"tensorscope: history() keeps at most {limit}: dropped {what} ({_fmt_bytes(nbytes)}); {again}",
+          file=sys.stderr)

@@ -10,6 +10,8 @@ Both return None when there is nothing to say.
 """
 from __future__ import annotations
 
+import os
+import re
 from typing import Optional
 
 from .summary import Section, fmt_bytes, register_section
@@ -50,6 +52,28 @@ def memory_section(t) -> Optional[Section]:
                                                                "high water (incl. temporaries)"))
 
 
+_ELEMENT = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def _kind_text(kind, g) -> str:
+    growth = g["growth"]
+    if growth is None:
+        return kind or ""
+    # within one cell the growth is per loop step: the holder's bytes over its elements
+    per_step = len(g["items"]) > 1 and growth == g["bytes"] // len(g["items"])
+    return f"{kind}, growing {fmt_bytes(growth)}/{'step' if per_step else 'cell'}"
+
+
+def _holder_text(kind, holder, items) -> str:
+    if kind != "autograd_graph":
+        return holder
+    if len(items) > 1:
+        return f"{holder}[{min(items)}..{max(items)}] → grad_fn … ({len(items)} items)"
+    if items:
+        return f"{holder}[{next(iter(items))}] → grad_fn …"
+    return f"{holder} → grad_fn …"
+
+
 @register_section
 def leaks_section(t) -> Optional[Section]:
     lk = t.leaks
@@ -58,21 +82,54 @@ def leaks_section(t) -> Optional[Section]:
     from .._location import format_location, trace_cells
 
     cells = trace_cells(t)
+    from .._location import format_location, trace_cells
+    from .leaks import state_line
+
+    cells = trace_cells(t)
     groups = {}
+    state_bytes = n_state = 0
     for r in lk.to_pylist():
+        if r.get("expected"):   # model/optimizer state: one line, not a leak
+            state_bytes += r.get("nbytes") or 0
+            n_state += 1
+            continue
         holder = (r.get("holder") or "").split("; also ")[0]
-        if r.get("holder_kind") == "autograd_graph":
-            holder = holder.split(" → grad_fn")[0] + " (autograd graph)"
-        key = (r.get("holder_kind"), holder)
+        index = None
+        kind = r.get("holder_kind")
+        if kind == "autograd_graph":
+            holder = holder.split(" → grad_fn")[0]
+            m = _ELEMENT.match(holder)
+            if m:   # the graphs of many elements of one container (losses[0], losses[1], ...): one holder
+                holder, index = m.group(1), int(m.group(2))
+        key = (kind, holder)
         g = groups.setdefault(key, {"n": 0, "bytes": 0, "fix": r.get("fix") or "", "line": r.get("source_line"),
+                                    "items": set(), "growth": None,
                                     "file": r.get("source_file")})
+        if r.get("growing"):
+            g["growth"] = r.get("growth_bytes_per_cell")
         g["n"] += 1
         g["bytes"] += r.get("nbytes") or 0
+        if index is not None:
+            g["items"].add(index)
+    # the elements themselves (`global losses[3]`, the scalar loss) join their container's graphs
+    for (kind, holder), g in list(groups.items()):
+        m = _ELEMENT.match(holder) if kind == "global" else None
+        into = groups.get(("autograd_graph", m.group(1))) if m else None
+        if into is not None:
+            del groups[(kind, holder)]
+            into["n"] += g["n"]
+            into["bytes"] += g["bytes"]
+            into["items"].add(int(m.group(2)))
     ordered = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])
-    rows = [(fmt_bytes(g["bytes"]), kind or "", holder, str(g["n"]),
+    rows = [(fmt_bytes(g["bytes"]), _kind_text(kind, g), _holder_text(kind, holder, g["items"]), str(g["n"]),
              (format_location(g["file"], g["line"], cells) if g["line"] is not None else ""), g["fix"])
             for (kind, holder), g in ordered[:_TOP]]
     total = sum(g["bytes"] for g in groups.values())
     notes = [f"{len(ordered) - _TOP} more holders in t.leaks"] if len(ordered) > _TOP else []
-    return Section(f"still alive after the cell: {fmt_bytes(total)} in {lk.num_rows} storages", rows,
-                   ("bytes", "kind", "holder", "storages", "created", "fix"), notes)
+    if n_state:
+        notes.append(state_line(state_bytes, n_state))
+    if not groups:
+        return Section("still alive after the cell: no leaks", [], None, notes)
+    n_leaks = lk.num_rows - n_state
+    return Section(f"still alive after the cell: {fmt_bytes(total)} in {n_leaks} storage{'s' if n_leaks != 1 else ''}",
+                   rows, ("bytes", "kind", "holder", "storages", "created", "fix"), notes)

@@ -1,0 +1,574 @@
+"""Holder paths: the label of each edge, the readable path text, the holder kind and the fix.
+
+Labels are computed lazily, only along reported paths, and path descriptions are
+memoized per node: a list of 100k tensors costs one description of the list plus a
+small extension per element. ``_fix`` turns a path into a concrete statement;
+``_merge_fixes`` joins the fixes of several holders into one that runs in order.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import re
+import types
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from .classify import _PY313, _TENSOR, _isa, _live_frame_locals, _running_frames, _types
+from .roots import _HIDDEN_UNDERS, _NEXT_CELL, _Root
+from .search import _Search
+
+
+# -- edge labels (computed lazily, only along reported paths) ------------------------------------
+def _short_repr(k, n=40) -> str:
+    try:
+        r = repr(k)
+    except Exception:
+        r = f"<{type(k).__name__}>"
+    return r if len(r) <= n else r[: n - 1] + "…"
+
+
+def _instance_dict(o):
+    try:
+        d = object.__getattribute__(o, "__dict__")
+    except Exception:
+        return None
+    return d if isinstance(d, dict) else None
+
+
+class _Labeler:
+    """Edge labels (kind, text) between a parent and a child; caches reverse maps per parent."""
+
+    def __init__(self, search: _Search):
+        self.s = search
+        self.cache: Dict[int, Dict[int, Tuple[str, str]]] = {}
+        self.describer = None
+        self._keying: Set[int] = set()
+
+    def label(self, j: int) -> Tuple[str, str]:
+        s = self.s
+        lab = s.synth.get(j)
+        if lab is not None:
+            return lab
+        p = s.par[j]
+        m = self.cache.get(p)
+        if m is None:
+            self.cache[p] = {}  # re-entry (a tensor key's own path) sees no labels rather than recursing
+            m = self._build(p)
+            self.cache[p] = m
+        lab = m.get(id(s.order[j]))
+        return lab if lab is not None else ("obj", type(s.order[j]).__name__)
+
+    def _build(self, p: int) -> Dict[int, Tuple[str, str]]:
+        s = self.s
+        o = s.order[p]
+        gp = s.order[s.par[p]] if s.par[p] >= 0 else None
+        m: Dict[int, Tuple[str, str]] = {}
+        try:
+            if isinstance(o, dict):
+                as_attrs = gp is not None and _instance_dict(gp) is o
+                cls_dict = gp is not None and isinstance(gp, type)
+                for k, v in list(o.items()):
+                    if as_attrs or cls_dict:
+                        m.setdefault(id(v), ("attr", str(k)))
+                        continue
+                    kt = self._key_text(k)
+                    m.setdefault(id(v), ("key", kt))
+                    if gc.is_tracked(k):  # only a container or tensor key can be on a path
+                        m.setdefault(id(k), ("dictkey", kt))
+            elif isinstance(o, (list, tuple)):
+                is_closure = gp is not None and type(gp) is types.FunctionType and gp.__closure__ is o
+                for n, v in enumerate(o):
+                    if is_closure:
+                        names = gp.__code__.co_freevars
+                        m.setdefault(id(v), ("closure", names[n] if n < len(names) else str(n)))
+                    else:
+                        m.setdefault(id(v), ("index", str(n)))
+            elif isinstance(o, (set, frozenset)):
+                for v in o:
+                    m.setdefault(id(v), ("obj", "{…}"))
+            elif type(o) is types.CellType:
+                try:
+                    m[id(o.cell_contents)] = ("cell", "")
+                except ValueError:
+                    pass
+            elif type(o) is types.TracebackType:
+                m[id(o.tb_next)] = ("tbnext", "")
+                co = o.tb_frame.f_code
+                m[id(o.tb_frame)] = ("frame", f"{co.co_name}() ({os.path.basename(co.co_filename)}:{o.tb_lineno})")
+            elif type(o) is types.FrameType:
+                for name, v in self._frame_locals(o):
+                    m.setdefault(id(v), ("local", name))
+            elif type(o) in (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType):
+                fr = getattr(o, "gi_frame", None) or getattr(o, "cr_frame", None) or getattr(o, "ag_frame", None)
+                if fr is not None:
+                    for name, v in self._frame_locals(fr, suspended=True):
+                        m.setdefault(id(v), ("genlocal", name))
+                for v in gc.get_referents(o):
+                    m.setdefault(id(v), ("genlocal", ""))
+            elif isinstance(o, type):
+                for d in gc.get_referents(o):
+                    if type(d) is dict:
+                        m[id(d)] = ("instdict", "")
+            elif type(o) is types.MethodType:
+                m[id(o.__self__)] = ("attr", "__self__")
+                m[id(o.__func__)] = ("attr", "__func__")
+            elif type(o) is types.FunctionType:
+                for attr in ("__closure__", "__defaults__", "__kwdefaults__", "__dict__"):
+                    v = getattr(o, attr, None)
+                    if v is not None:
+                        m[id(v)] = ("fnpart", attr)
+            else:
+                d = _instance_dict(o)
+                if d is not None:
+                    m[id(d)] = ("instdict", "")
+                    for k, v in list(d.items()):
+                        m.setdefault(id(v), ("attr", str(k)))
+                for cls in type(o).__mro__:
+                    for slot in cls.__dict__.get("__slots__", ()) if isinstance(cls.__dict__.get("__slots__", ()), (tuple, list)) else ():
+                        try:
+                            m.setdefault(id(object.__getattribute__(o, slot)), ("attr", slot))
+                        except Exception:
+                            pass
+        except Exception:
+            pass
+        return m
+
+    def _frame_locals(self, fr, suspended: bool = False):
+        """(name, value) of a frame's locals, without leaving a snapshot dict on a live frame."""
+        if not _PY313:
+            # f_locals on a frame that will run again (3.11/3.12) caches a dict that keeps locals
+            # alive after the function deletes them: a suspended generator's is never read, a
+            # running frame's is read and its cache emptied again (_live_frame_locals)
+            if suspended:
+                return []
+            if fr in _running_frames():
+                return _live_frame_locals(fr)
+        try:
+            return list(fr.f_locals.items())
+        except Exception:
+            return []
+
+    def _key_text(self, k) -> str:
+        h = _types.get(type(k))
+        if h == _TENSOR:
+            j = self.s.idx.get(id(k))
+            d = self.describer
+            if j is not None and d is not None and j not in self._keying:
+                self._keying.add(j)
+                try:
+                    e = d.state(j).expr
+                finally:
+                    self._keying.discard(j)
+                if e:
+                    return e
+            return f"<tensor {tuple(k.shape)}>"
+        return _short_repr(k)
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\(\))?$")   # a name, or a no-argument call: _values()
+
+
+def _apply_expr(e: str, kind: str, text: str) -> Optional[str]:
+    if kind == "attr":
+        return f"{e}.{text}" if _IDENT.match(text) else f"getattr({e}, {text!r})"
+    if kind in ("key",):
+        return f"{e}[{text}]"
+    if kind == "index":
+        return f"{e}[{text}]"
+    if kind in ("instdict", "cell"):
+        return e
+    if kind == "grad":
+        return f"{e}.grad"
+    if kind == "base":
+        return f"{e}._base"
+    return None
+
+
+# -- path → holder text, kind, fix ---------------------------------------------------------------
+# Descriptions are built incrementally and memoized per node: a list of 100k tensors costs one
+# description of the list plus one small extension per element, not 100k walks from the root.
+_MODULE_DICTS = {"_parameters": "param", "_buffers": "buffer", "_modules": "submodule"}
+
+
+_GRAPH_KINDS = frozenset(("grad_fn", "node", "saved", "variable"))
+
+
+class _PathState:
+    """The description of the path from a root to one node (immutable once built)."""
+
+    __slots__ = ("root", "pos", "expr", "flags", "marks", "first_kind", "last_kind", "nsteps", "text", "run",
+                 "inst", "moddict")
+
+    def __init__(self, root: _Root):
+        self.root = root
+        self.pos = 0
+        self.expr = root.expr
+        self.flags: frozenset = frozenset()
+        self.marks: Dict[str, tuple] = {}
+        self.first_kind = None
+        self.last_kind = None
+        self.nsteps = 0
+        self.text = root.label
+        self.run: Tuple[str, ...] = ()
+        self.inst = False          # the last raw step entered an instance's __dict__
+        self.moddict = None        # (what, expr, pos, parent) while a Module's _parameters/_buffers/_modules waits for its key
+
+    def copy(self) -> "_PathState":
+        n = _PathState.__new__(_PathState)
+        n.root, n.pos, n.expr, n.flags, n.marks = self.root, self.pos, self.expr, self.flags, self.marks
+        n.first_kind, n.last_kind, n.nsteps, n.text, n.run = (self.first_kind, self.last_kind, self.nsteps,
+                                                             self.text, self.run)
+        n.inst, n.moddict = self.inst, self.moddict
+        return n
+
+    def full_text(self) -> str:
+        return self.text + _render_run(self.run)
+
+    def extend(self, kind: str, text: str, parent, grandparent) -> "_PathState":
+        n = self.copy()
+        n.pos = self.pos + 1
+        if (kind == "index" or kind == "key") and self.moddict is None and not self.inst:
+            # the parent is a list/tuple/dict: never a module or an optimizer; the common case
+            e = self.expr
+            n.expr = f"{e}[{text}]" if e is not None else None
+            if n.first_kind is None:
+                n.first_kind = kind
+            n.last_kind = kind
+            n.nsteps += 1
+            n.text = (self.text + _render_run(self.run) if self.run else self.text) + f"[{text}]"
+            n.run = ()
+            return n
+        owner = grandparent if self.inst else parent   # attributes of an instance sit in its __dict__
+        n.inst = False
+        if kind == "instdict":
+            n.inst = True
+            return n
+        if kind in ("cell", "tbnext"):
+            return n
+        if kind == "fnpart":
+            if text == "__closure__":
+                n.flags = self.flags | {"closure"}
+            return n
+        if self.moddict is not None:
+            what, mexpr, mpos = self.moddict
+            n.moddict = None
+            if kind == "key":
+                name = text[1:-1] if len(text) >= 2 and text[0] in "'\"" else text
+                if what != "submodule":
+                    n.flags = n.flags | {what}
+                    if "module" not in n.marks:
+                        n.marks = dict(n.marks, module=(mpos, mexpr))
+                step = ("index", name) if name.isdigit() else ("attr", name)
+                n._append(step[0], step[1], mexpr)
+                return n
+            n._append("attr", text, mexpr)  # not the shape we expected: render both steps plainly
+        if kind == "attr" and text in _MODULE_DICTS and _isa(owner, "module"):
+            mpos = self.pos - (1 if self.inst else 0)
+            n.moddict = (_MODULE_DICTS[text], self.expr, mpos)
+            if "topmodule" not in n.marks:
+                n.marks = dict(n.marks, topmodule=(mpos, self.expr))
+            return n
+        if kind == "attr" and self.inst and _isa(owner, "module"):
+            n.flags = n.flags | {"modattr"}   # a plain attribute: not a parameter, buffer or submodule
+        if "optimizer" not in n.marks and _isa(owner, "optimizer"):
+            n.flags = n.flags | {"optimizer"}
+            n.marks = dict(n.marks, optimizer=(self.pos - (1 if self.inst else 0), self.expr))
+        if kind in _GRAPH_KINDS and "graph" not in n.marks:
+            n.flags = n.flags | {"autograd"}
+            n.marks = dict(n.marks, graph=(n.pos, self.expr, self.nsteps == 1, self.first_kind, _is_scalar(parent)))
+        elif kind == "closure":
+            n.flags = n.flags | {"closure"}
+        elif kind == "genlocal" and "gen" not in n.marks:
+            n.marks = dict(n.marks, gen=(self.pos, self.expr))
+        elif kind == "grad" and "grad" not in n.marks:
+            n.marks = dict(n.marks, grad=(n.pos, self.expr))
+        n._append(kind, text, self.expr)
+        return n
+
+    def _append(self, kind: str, text: str, base_expr):
+        self.expr = _apply_expr(base_expr, kind, text) if base_expr is not None else None
+        if self.first_kind is None:
+            self.first_kind = kind
+        self.last_kind = kind
+        self.nsteps += 1
+        if kind == "node":
+            self.run = self.run + (text,)
+            return
+        if self.run:
+            self.text = self.text + _render_run(self.run)
+            self.run = ()
+        self.text = self.text + _render_step(kind, text)
+
+
+def _is_scalar(t) -> bool:
+    """A 0-dim tensor (a loss): its graph is worth nothing once the value is read with .item()."""
+    if _types.get(type(t)) != _TENSOR:
+        return False
+    try:
+        return t.dim() == 0 and not t.is_complex()
+    except Exception:
+        return False
+
+
+def _render_run(run: Tuple[str, ...]) -> str:
+    if not run:
+        return ""
+    if len(run) > 3:
+        return f" → {run[0]} → … ({len(run) - 2} nodes) → {run[-1]}"
+    return "".join(f" → {n}" for n in run)
+
+
+def _render_step(kind: str, text: str) -> str:
+    if kind == "attr":
+        return f".{text}" if _IDENT.match(text) else f".{text!r}"
+    if kind in ("key", "index"):
+        return f"[{text}]"
+    if kind == "dictkey":
+        return f" (key {text})"
+    if kind == "grad":
+        return ".grad"
+    if kind == "base":
+        return "._base"
+    if kind == "grad_fn":
+        return f" → grad_fn {text}"
+    if kind == "saved":
+        return f" → saved {text}"
+    if kind == "variable":
+        return " → variable"
+    if kind == "closure":
+        return f" → closure {text}"
+    if kind == "local":
+        return f" → local {text}"
+    if kind == "genlocal":
+        return f" → local {text} of the suspended generator" if text else " → local of the suspended generator"
+    if kind in ("frame", "obj"):
+        return f" → {text}"
+    return ""
+
+
+@dataclass
+class _Steps:
+    text: str
+    kind: str
+    fix: str
+    cut: int            # chain position whose incoming references the fix removes
+    root_label: str
+    root_fix: str
+
+
+class _Describer:
+    """Memoized path states per node, and the holder text / kind / fix of a node."""
+
+    def __init__(self, search: _Search):
+        self.s = search
+        self.lab = _Labeler(search)
+        self.lab.describer = self
+        self.memo: Dict[int, _PathState] = {}
+
+    def state(self, j: int) -> _PathState:
+        memo = self.memo
+        st = memo.get(j)
+        if st is not None:
+            return st
+        s = self.s
+        p = s.par[j]
+        if p >= 0:
+            ps = memo.get(p)
+            if ps is not None:  # the common case: a sibling of a node already described
+                kind, text = self.lab.label(j)
+                gp = s.par[p]
+                st = memo[j] = ps.extend(kind, text, s.order[p], s.order[gp] if gp >= 0 else None)
+                return st
+        up = []
+        k = j
+        while k >= 0 and k not in memo:
+            up.append(k)
+            k = s.par[k]
+        if k < 0:
+            r = up.pop()  # the root node itself
+            st = _PathState(s.roots[s.own[r]])
+            memo[r] = st
+        else:
+            st = memo[k]
+        order, par = s.order, s.par
+        for n in reversed(up):
+            p = par[n]
+            gp = par[p]
+            kind, text = self.lab.label(n)
+            st = st.extend(kind, text, order[p], order[gp] if gp >= 0 else None)
+            memo[n] = st
+        return st
+
+    def describe(self, j: int, view=None) -> _Steps:
+        st = self.state(j)
+        root = st.root
+        kind = _kind(root.group, st.flags)
+        fix, cut = _fix(st, kind, view)
+        return _Steps(st.full_text(), kind, fix, cut, root.label, root.fix)
+
+    def clear(self):
+        self.memo.clear()
+        self.lab.cache.clear()
+        self.lab.describer = None
+
+
+#: holder kinds that are a model's or an optimizer's state, not a leak (``expected`` rows)
+STATE_KINDS = frozenset(("model_state", "optimizer_state"))
+
+
+def _kind(group: str, flags) -> str:
+    if group in ("out_cache", "traceback"):
+        return group
+    if "autograd" in flags:
+        return "autograd_graph"
+    if "optimizer" in flags:
+        return "optimizer_state"
+    if "param" in flags or "buffer" in flags:
+        return "model_state"      # parameters, their .grad, registered buffers
+    if "modattr" in flags:
+        return "module"           # an activation kept on a module attribute: a leak
+    if "closure" in flags:
+        return "closure"
+    return group if group in ("global", "local") else "unknown"
+
+
+def _fix(st: _PathState, kind: str, view) -> Tuple[str, int]:
+    """(fix, cut): a concrete statement, and the chain position whose references it removes."""
+    root = st.root
+    if root.group in ("out_cache", "traceback") or (root.group == "local" and root.expr is None):
+        return root.fix, 0
+    fix, cut = _fix_path(st, kind, view)
+    if root.group == "local" and "  (in " not in fix:
+        fix += f"  (in {root.label.split(' local ')[0]})"
+    return fix, cut
+
+
+def _fix_path(st: _PathState, kind: str, view) -> Tuple[str, int]:
+    root = st.root
+    full = st.expr
+    last = st.pos
+    marks = st.marks
+    if kind == "autograd_graph":
+        gpos, owner, owner_is_elem, first_kind, scalar = marks["graph"]
+        if owner is None:
+            return f"{root.fix}  (or store .detach()/.item() instead of the tensor)", 0
+        if owner_is_elem and first_kind == "index" and scalar:
+            return (f"{root.expr} = [l.item() for l in {root.expr}]  (append loss.item(), not loss: each "
+                    f"scalar loss keeps its whole autograd graph)"), gpos
+        if owner_is_elem and first_kind == "index":
+            return (f"{root.expr} = [v.detach() for v in {root.expr}]  (append loss.item() or loss.detach(), "
+                    f"not loss: each element keeps its autograd graph)"), gpos
+        if owner_is_elem and first_kind == "key":
+            return (f"{root.expr} = {{k: v.detach() for k, v in {root.expr}.items()}}  "
+                    f"(store .detach()/.item(), not the tensor with its graph)"), gpos
+        return f"{owner} = {owner}.detach()  (or .item(): keep the value, not its autograd graph)", gpos
+    if kind == "optimizer_state":
+        p, e = marks["optimizer"]
+        if e is not None:
+            return f"del {e}  (or {e}.state.clear(): its state is as big as the parameters)", p
+        return root.fix, 0
+    if kind == "model_state":
+        top_pos, top_e = marks.get("topmodule", (0, None))
+        if "grad" in marks:
+            g, tensor_e = marks["grad"]
+            if top_e is not None:
+                return f"{top_e}.zero_grad(set_to_none=True)", g
+            return (f"{tensor_e}.grad = None", g) if tensor_e else (root.fix, 0)
+        if "buffer" in st.flags and full is not None:
+            return f"del {full}", last
+        if top_e is not None:
+            return f"del {top_e}  (parameters live as long as their module)", top_pos
+        return root.fix, 0
+    if kind == "module" and full is not None:
+        return f"del {full}  (or keep .detach()/.item(), or nothing, instead of the activation)", last
+    if kind == "closure":
+        return root.fix + "  (the function's closure keeps it)", 0
+    if "gen" in marks:
+        gp, e = marks["gen"]
+        if e is not None:
+            return f"{e}.close()  (a suspended generator keeps its locals)", gp
+    if view is not None and full is not None:
+        vb, sb = view
+        return (f"{full} = {full}.clone()  (a {_fmt_bytes(vb)} view pins the whole {_fmt_bytes(sb)} storage; "
+                f"or del {full})"), last
+    if full is not None and last > 0:
+        if st.last_kind in ("key", "index", "attr"):
+            return f"del {full}", last
+        if st.last_kind == "grad":
+            g, tensor_e = marks["grad"]
+            return f"{tensor_e}.grad = None", last
+    return root.fix, 0
+
+
+def _fmt_bytes(n) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _split_fix(fix: str) -> List[str]:
+    """``a; b  (advice; more); c`` → the ``; ``-separated parts outside parentheses and quotes."""
+    if "; " not in fix:
+        return [fix] if fix else []
+    parts, depth, quote, cur = [], 0, None, []
+    i, n = 0, len(fix)
+    while i < n:
+        ch = fix[i]
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        elif ch == ";" and depth == 0 and fix.startswith("; ", i):
+            parts.append("".join(cur))
+            cur = []
+            i += 2
+            continue
+        cur.append(ch)
+        i += 1
+    parts.append("".join(cur))
+    return [p for p in parts if p]
+
+
+def _merge_fixes(fixes: Iterable[str]) -> str:
+    """One statement list that releases every holder, in an order that runs: ``a; b; c``."""
+    out: List[str] = []
+    for f in fixes:
+        for part in _split_fix(f) if f else ():
+            if part and part not in out:
+                out.append(part)
+    if len(out) > 1 and _NEXT_CELL in out:
+        out.remove(_NEXT_CELL)  # another holder needs a real fix; this one goes away by itself
+    # %reset -f out first: it leaves user_ns_hidden's _, __, ___ behind, which the next part clears
+    if _HIDDEN_UNDERS in out and "%reset -f out" in out:
+        out.remove("%reset -f out")
+        out.insert(out.index(_HIDDEN_UNDERS), "%reset -f out")
+    # imports first, the collection last (after every reference was dropped)
+    for mod in ("gc", "sys"):
+        if any(p.startswith(mod + ".") for p in out):
+            if f"import {mod}" in out:
+                out.remove(f"import {mod}")
+            out.insert(0, f"import {mod}")
+    coll = [p for p in out if p.startswith("gc.collect()")]
+    for p in coll:
+        out.remove(p)
+    out.extend(coll[:1])
+    return "; ".join(out)
+
+
+def fix_code(fix: str) -> str:
+    """The runnable cell for a ``fix`` text: one statement per line, advice in parentheses dropped."""
+    lines = []
+    for part in _split_fix(fix):
+        code = part.split("  (", 1)[0].strip()
+        if code and not code.startswith("("):
+            lines.append(code)
+    return "\n".join(lines)
