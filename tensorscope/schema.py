@@ -383,11 +383,11 @@ def unify_dictionaries(table: pa.Table) -> pa.Table:
     return table
 
 
-def _plain_type(t: pa.DataType) -> pa.DataType:
+def plain_type(t: pa.DataType) -> pa.DataType:
     if pa.types.is_dictionary(t):
         return t.value_type
     if pa.types.is_list(t):
-        inner = _plain_type(t.value_type)
+        inner = plain_type(t.value_type)
         return t if inner is t.value_type else pa.list_(inner)
     return t
 
@@ -396,7 +396,7 @@ def plain_strings(table: pa.Table) -> pa.Table:
     """``table`` with dictionary-encoded columns decoded to their plain values (``string``,
     ``list<string>``): for pandas, where a ``category`` column would sort and group by
     dictionary code, not by value."""
-    schema = pa.schema([f.with_type(_plain_type(f.type)) for f in table.schema], metadata=table.schema.metadata)
+    schema = pa.schema([f.with_type(plain_type(f.type)) for f in table.schema], metadata=table.schema.metadata)
     return table if schema.equals(table.schema) else table.cast(schema)
 
 

@@ -160,7 +160,7 @@ def check_columns(name: str, schema: pa.Schema, file: str) -> None:
     for field in schema:
         i = want.get_field_index(field.name)
         if i >= 0 and not _compatible(field.type, want.field(i).type):
-            wrong.append(f"{field.name} ({field.type}, expected {want.field(i).type})")
+            wrong.append(f"{field.name} ({field.type}, expected {S.plain_type(want.field(i).type)})")
     problems = []
     if missing:
         problems.append("missing required column(s) " + ", ".join(missing))

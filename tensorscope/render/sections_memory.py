@@ -10,7 +10,6 @@ Both return None when there is nothing to say.
 """
 from __future__ import annotations
 
-import os
 import re
 from typing import Optional
 
@@ -79,9 +78,6 @@ def leaks_section(t) -> Optional[Section]:
     lk = t.leaks
     if lk.num_rows == 0:
         return None
-    from .._location import format_location, trace_cells
-
-    cells = trace_cells(t)
     from .._location import format_location, trace_cells
     from .leaks import state_line
 
