@@ -635,5 +635,7 @@ def build_trace(sess):
     except Exception as e:
         rec.tracer_error("leaks", e)
         tables["leaks"] = S.empty("leaks")
+    coll = getattr(sess, "collectives", None)   # recording/collectives.py
+    tables["collectives"] = coll.table(sess.t0) if coll is not None else S.empty("collectives")
     md = metadata(sess, ops.num_rows, notes)
     return Trace(tables, md, _spill_file=ops_file)
