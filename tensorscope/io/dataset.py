@@ -231,11 +231,14 @@ class Dataset:
     # -- queries ---------------------------------------------------------------
     def sql(self, query: str, *, arrow: bool = False):
         """DuckDB SQL over the views; a pandas DataFrame, or a pyarrow.Table with ``arrow=True``."""
-        rel = self._con.sql(query)
         if arrow:
-            fetch = getattr(rel, "to_arrow_table", None) or rel.arrow
-            return fetch()
-        return rel.df()
+            return self._arrow(query)
+        return self._con.sql(query).df()
+
+    def _arrow(self, query: str, params=None) -> pa.Table:
+        rel = self._con.sql(query, params=params)
+        fetch = getattr(rel, "to_arrow_table", None) or rel.arrow
+        return fetch()
 
     def df(self, table: str = "ops"):
         if table not in DATASET_TABLES:
@@ -245,7 +248,8 @@ class Dataset:
     @property
     def ranks(self):
         """The ranks table (one row per trace a rank wrote) as a DataFrame, ordered by run, rank, trace."""
-        return self.sql("SELECT * FROM ranks ORDER BY start_unix_ns, run, rank, attempt, trace_id")
+        return self.sql("SELECT run, rank, * EXCLUDE (run, rank) FROM ranks "
+                        "ORDER BY start_unix_ns, run, rank, attempt, trace_id")
 
     @property
     def runs(self) -> List[str]:
@@ -296,9 +300,7 @@ class Dataset:
         cond = where + " AND attempt = ? AND trace_id = ?"
         tables = {}
         for name in S.TABLES:
-            rel = self._con.execute(f"SELECT * EXCLUDE (run, rank, attempt, trace_id) FROM {name} WHERE {cond}", params)
-            fetch = getattr(rel, "to_arrow_table", None) or rel.arrow
-            t = fetch()
+            t = self._arrow(f"SELECT * EXCLUDE (run, rank, attempt, trace_id) FROM {name} WHERE {cond}", params)
             if name == "ops" and t.num_rows:
                 t = t.sort_by("seq")
             tables[name] = S.conform(name, t)
