@@ -78,6 +78,7 @@ class Trace:
     casts = property(lambda self: self.table("casts"))
     layout_changes = property(lambda self: self.table("layout_changes"))
     memory = property(lambda self: self.table("memory"))
+    collectives = property(lambda self: self.table("collectives"))
 
     def df(self, name: str = "ops"):
         """A table as a pandas DataFrame (nullable ints stay ints)."""
