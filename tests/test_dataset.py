@@ -102,3 +102,22 @@ def test_newer_schema_is_refused(tmp_path, monkeypatch):
     pq.write_table(t, part)
     with pytest.raises(tensorscope.SchemaVersionError):
         tensorscope.open_dataset(root)
+
+
+def test_big_tables_roll_into_parts(tmp_path, monkeypatch):
+    from tensorscope.io import dataset as D
+
+    monkeypatch.setattr(D, "PART_ROWS", 4)
+    monkeypatch.setenv("TENSORSCOPE_RUN_ID", "run1")
+    root = tmp_path / "ds"
+    t = _traced(root)   # randn, mm, relu, sum + calls...
+    with tensorscope.trace(dataset=str(root), leaks=False) as t2:
+        x = torch.ones(3)
+        for _ in range(5):
+            x = x + 1
+    check_layout(str(root))
+    parts = sorted(os.listdir(root / "ops" / "run=run1" / "rank=0"))
+    assert len(parts) == 1 + 2 and parts[0] == "part-a0-00000.parquet"   # 4 ops, then 6 ops in two parts
+    ds = tensorscope.open_dataset(root)
+    assert ds.trace(trace_id=1).ops.equals(t2.result.ops)
+    assert ds.trace(trace_id=0).ops.equals(t.ops)

@@ -34,6 +34,7 @@ from ..errors import ExportError, TraceFormatError
 
 TMP_DIR = ".tensorscope-tmp"
 DATASET_TABLES = tuple(S.TABLES) + ("ranks",)
+PART_ROWS = 1_000_000   # rows per part file
 _PART = re.compile(r"^part-a(\d+)-(\d+)\.parquet$")
 
 
@@ -144,8 +145,12 @@ def write_trace(trace, root, *, ident: Dict[str, Any], dist=None) -> Dict[str, A
         trace_id = _next_part(partition_dir(root, "ranks", run_id, rank), attempt)
         parts = []
         for name in S.TABLES:
-            parts.append(write_part(root, name, run_id, rank, attempt,
-                                    to_dataset_table(name, trace.table(name), attempt, trace_id)))
+            table = trace.table(name)
+            # big tables roll into parts of PART_ROWS rows (a spilled ops table is memory-mapped:
+            # slicing it streams it); an empty table still writes one part with the full schema
+            for off in range(0, max(table.num_rows, 1), PART_ROWS):
+                parts.append(write_part(root, name, run_id, rank, attempt,
+                                        to_dataset_table(name, table.slice(off, PART_ROWS), attempt, trace_id)))
         # the ranks row last: a trace with a ranks row is complete
         parts.append(write_part(root, "ranks", run_id, rank, attempt, ranks_row(trace, ident, dist, trace_id),
                                 n=trace_id))
