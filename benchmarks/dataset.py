@@ -129,6 +129,7 @@ def duckdb_queries(root):
 def spark_queries(root):
     from pyspark.sql import SparkSession
 
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     t0 = time.perf_counter()
     spark = (SparkSession.builder.master("local[2]").appName("tensorscope-bench").config("spark.ui.enabled", "false")
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())

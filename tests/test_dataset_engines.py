@@ -71,6 +71,7 @@ def test_spark_reads_it_and_agrees_with_duckdb(dataset):
     from pyspark.sql import functions as F
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")   # loopback only
     spark = (SparkSession.builder.master("local[1]").appName("tensorscope-test")
              .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")

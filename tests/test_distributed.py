@@ -135,6 +135,9 @@ def test_trace_of_one_rank_and_perfetto(spawned, tmp_path):
 
     p = spawned.to_perfetto(tmp_path / "all.json")
     doc = json.load(open(p))
+    from tensorscope.render.perfetto import validate_trace_events
+
+    assert validate_trace_events(doc) == []
     names = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
     assert {"rank 0", "rank 1"} <= names
     assert any(e.get("cat") == "collective" for e in doc["traceEvents"])
