@@ -40,7 +40,7 @@ def _env():
     return env
 
 
-def _run(args, timeout=240):
+def _run(args, timeout=300):
     r = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     return r
 
@@ -185,8 +185,13 @@ def test_elastic_restart_writes_a_new_attempt(tmp_path):
             procs.append(subprocess.Popen([sys.executable, "-m", "tensorscope", "run", "--out", root, "--no-leaks",
                                            TRAIN], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
-        for p in procs:
-            out, _ = p.communicate(timeout=180)
+        try:
+            outs = [p.communicate(timeout=300)[0] for p in procs]
+        finally:
+            for p in procs:   # a rank left waiting for a failed peer must not outlive the test
+                if p.poll() is None:
+                    p.kill()
+        for p, out in zip(procs, outs):
             assert p.returncode == 0, out[-3000:]
     check_layout(root)
     ds = tensorscope.open_dataset(root)

@@ -27,6 +27,7 @@ def dataset_events(ds, run: str) -> Dict[str, Any]:
     t_min = min(k[3] or 0 for k in keys)
     events: List[Dict[str, Any]] = []
     ranks_seen = set()
+    lanes_named = set()
     for rank, attempt, trace_id, start in keys:
         t = ds.trace(rank=rank, run=run, attempt=attempt, trace_id=trace_id)
         doc = trace_events(t)
@@ -48,18 +49,31 @@ def dataset_events(ds, run: str) -> Dict[str, Any]:
                 ev["ts"] = ev["ts"] + shift_us
             events.append(ev)
         coll = t.table("collectives").to_pylist()
-        if coll:
-            if rank not in ranks_seen:
-                events.append({"ph": "M", "pid": base, "tid": 2, "name": "thread_name",
-                               "args": {"name": "collectives (call to completion)"}})
-            for c in coll:
-                end = c["done_ns"] if c["done_ns"] is not None else c["start_ns"] + (c["enqueue_ns"] or 0)
-                events.append({"ph": "X", "pid": base, "tid": 2, "ts": c["start_ns"] / 1e3 + shift_us,
-                               "dur": max(end - c["start_ns"], 0) / 1e3, "name": c["op"], "cat": "collective",
-                               "args": {"pg_name": c["pg_name"], "coll_index": c["coll_index"],
-                                        "nbytes": c["nbytes"], "reduce_op": c["reduce_op"],
-                                        "completion_known": c["done_ns"] is not None, "seq": c["seq"]}})
+        # call-to-completion spans of async collectives overlap without nesting: one lane (track)
+        # per overlap depth, so every track's slices stay properly nested
+        lanes: List[int] = []
+        for c in sorted(coll, key=lambda c: c["start_ns"]):
+            end = c["done_ns"] if c["done_ns"] is not None else c["start_ns"] + (c["enqueue_ns"] or 0)
+            end = max(end, c["start_ns"])
+            lane = next((i for i, e in enumerate(lanes) if e <= c["start_ns"]), None)
+            if lane is None:
+                lane = len(lanes)
+                lanes.append(end)
+                if (rank, lane) not in lanes_named:
+                    lanes_named.add((rank, lane))
+                    events.append({"ph": "M", "pid": base, "tid": 2 + lane, "name": "thread_name",
+                                   "args": {"name": "collectives (call to completion)" + (f" {lane + 1}" if lane else "")}})
+            lanes[lane] = end
+            events.append({"ph": "X", "pid": base, "tid": 2 + lane, "ts": c["start_ns"] / 1e3 + shift_us,
+                           "dur": (end - c["start_ns"]) / 1e3, "name": c["op"], "cat": "collective",
+                           "args": {"pg_name": c["pg_name"], "coll_index": c["coll_index"],
+                                    "nbytes": c["nbytes"], "reduce_op": c["reduce_op"],
+                                    "completion_known": c["done_ns"] is not None, "seq": c["seq"]}})
         ranks_seen.add(rank)
+    # metadata first, then every rank's events merged in timestamp order (the format wants ts sorted)
+    meta = [e for e in events if e.get("ph") == "M"]
+    timed = sorted((e for e in events if e.get("ph") != "M"), key=lambda e: e.get("ts", 0))
+    events = meta + timed
     return {"traceEvents": events, "displayTimeUnit": "ns",
             "otherData": {"run": run, "ranks": sorted(ranks_seen), "dataset": ds.root,
                           "time_unit_note": "ts in microseconds since the first rank's trace start, rank 0's clock"}}

@@ -7,11 +7,12 @@ parts next to attempt 0's, never over them.
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))   # a lost peer fails, never hangs
 rank = dist.get_rank()
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))

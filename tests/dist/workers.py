@@ -6,6 +6,7 @@
 import os
 import signal
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ import tensorscope
 
 def _init(rank, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
 
 
 def spawn_worker(rank, root, port):
