@@ -121,3 +121,24 @@ def test_big_tables_roll_into_parts(tmp_path, monkeypatch):
     ds = tensorscope.open_dataset(root)
     assert ds.trace(trace_id=1).ops.equals(t2.result.ops)
     assert ds.trace(trace_id=0).ops.equals(t.ops)
+
+
+def test_spilled_rows_become_parts_while_the_trace_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORSCOPE_RUN_ID", "run1")
+    root = tmp_path / "ds"
+    seen = []
+    with tensorscope.trace(dataset=str(root), leaks=False, chunk_rows=8, spill_rows=16) as t:
+        x = torch.ones(3)
+        for i in range(60):
+            x = x + 1
+            if i == 40:   # parts of the rows spilled so far are on disk, complete and readable now
+                files = sorted((root / "ops" / "run=run1" / "rank=0").glob("part-*.parquet"))
+                seen = [pq.read_table(f).num_rows for f in files]
+        y = x.sum()
+    assert len(seen) >= 1 and sum(seen) >= 16
+    check_layout(str(root))
+    ds = tensorscope.open_dataset(root)
+    back = ds.trace()
+    assert back.ops.num_rows == t.ops.num_rows == 62
+    assert back.ops.equals(t.ops)
+    assert back.calls.equals(t.calls)

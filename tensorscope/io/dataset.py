@@ -137,20 +137,49 @@ def ranks_row(trace, ident: Dict[str, Any], dist, trace_id: int) -> pa.Table:
     return pa.Table.from_pylist([row], schema=S.RANKS)
 
 
-def write_trace(trace, root, *, ident: Dict[str, Any], dist=None) -> Dict[str, Any]:
-    """Write every table of ``trace`` (this rank) into dataset ``root``. Returns where it went."""
+def reserve_trace_id(root, ident: Dict[str, Any]) -> int:
+    """The trace_id of this rank's next trace (its ranks part number), fixed before any part is written."""
+    root = _check_root(root)
+    return _next_part(partition_dir(root, "ranks", ident["run_id"], int(ident["rank"])), int(ident["attempt"]))
+
+
+def write_table_parts(root, name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table) -> List[str]:
+    """``table`` (a Trace table ``name``) as parts of at most PART_ROWS rows; an empty table writes
+    one empty part with the full schema."""
+    root = _check_root(root)
+    run_id, rank, attempt = ident["run_id"], int(ident["rank"]), int(ident["attempt"])
+    out = []
+    try:
+        for off in range(0, max(table.num_rows, 1), PART_ROWS):
+            out.append(write_part(root, name, run_id, rank, attempt,
+                                  to_dataset_table(name, table.slice(off, PART_ROWS), attempt, trace_id)))
+    except OSError as e:
+        raise ExportError(f"cannot write the dataset to {root!r}: {e.strerror or e} "
+                          "(the trace is still in memory: tensorscope.last())") from e
+    return out
+
+
+def write_trace(trace, root, *, ident: Dict[str, Any], dist=None, trace_id: Optional[int] = None,
+                ops_written: int = 0) -> Dict[str, Any]:
+    """Write every table of ``trace`` (this rank) into dataset ``root``. Returns where it went.
+
+    ``trace_id``/``ops_written``: parts of this trace's first ``ops_written`` ops rows were already
+    written while it recorded (the spill path); only the rest is written now."""
     root = _check_root(root)
     run_id, rank, attempt = ident["run_id"], int(ident["rank"]), int(ident["attempt"])
     try:
-        trace_id = _next_part(partition_dir(root, "ranks", run_id, rank), attempt)
+        if trace_id is None:
+            trace_id = _next_part(partition_dir(root, "ranks", run_id, rank), attempt)
         parts = []
         for name in S.TABLES:
             table = trace.table(name)
+            if name == "ops" and ops_written:
+                table = table.slice(ops_written)
+                if table.num_rows == 0:
+                    continue
             # big tables roll into parts of PART_ROWS rows (a spilled ops table is memory-mapped:
-            # slicing it streams it); an empty table still writes one part with the full schema
-            for off in range(0, max(table.num_rows, 1), PART_ROWS):
-                parts.append(write_part(root, name, run_id, rank, attempt,
-                                        to_dataset_table(name, table.slice(off, PART_ROWS), attempt, trace_id)))
+            # slicing it streams it)
+            parts += write_table_parts(root, name, ident, trace_id, table)
         # the ranks row last: a trace with a ranks row is complete
         parts.append(write_part(root, "ranks", run_id, rank, attempt, ranks_row(trace, ident, dist, trace_id),
                                 n=trace_id))

@@ -391,6 +391,20 @@ def _ops_table(sess, ctx: _Ctx):
     return pa.Table.from_batches(batches, schema=S.OPS), None
 
 
+def decode_ops_from(sess, first_seq: int):
+    """Record batches of the ops rows from ``first_seq`` on, decoded now, while the trace may still
+    record (``dataset=`` writes spilled rows as parts). Rows decoded early lack what is only
+    resolved at the end (``cuda_ns``)."""
+    ctx = _Ctx(sess)
+    start = 0
+    for chunk in sess.rec.iter_op_chunks():
+        n = len(chunk["op"])
+        if start + n > first_seq:
+            b = ctx.decode(chunk, start)
+            yield b.slice(first_seq - start) if start < first_seq else b
+        start += n
+
+
 def _calls_table(sess, ctx: _Ctx):
     rec = sess.rec
     c = rec.calls

@@ -64,6 +64,9 @@ class Session:
         self.dist = DistContext(sync_clocks=options.sync_clocks)
         self.collectives = CollectiveProbe(on_first=self._first_collective)
         self.dataset_error: Optional[BaseException] = None
+        self._ds = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
+        if options.dataset:
+            self.rec.on_spill = self._spill_to_dataset
         self.capture = None
         self.screen = None
         self.shadow = None
@@ -247,9 +250,27 @@ class Session:
         _warn_tracer_bugs(self.trace)
         return self.trace
 
+    def _spill_to_dataset(self):
+        """The recorder spilled: write the spilled ops rows as parts now (readable while the trace
+        runs). Rank and run id are fixed for this trace from here on."""
+        from ..io.dataset import reserve_trace_id, write_table_parts
+        from .build import decode_ops_from
+
+        if self._ds is None:
+            ident = self.dist.resolve()
+            self._ds = {"ident": ident, "trace_id": reserve_trace_id(self.options.dataset, ident), "ops_written": 0}
+        ds = self._ds
+        was, self.recording = self.recording, False   # nothing here may be recorded
+        try:
+            for batch in decode_ops_from(self, ds["ops_written"]):
+                write_table_parts(self.options.dataset, "ops", ds["ident"], ds["trace_id"], pa_table(batch))
+                ds["ops_written"] += batch.num_rows
+        finally:
+            self.recording = was
+
     def _write_dataset(self):
         """``dataset=DIR``: this rank's tables into the multi-rank dataset (io/dataset.py)."""
-        ident = self.dist.resolve()
+        ident = self._ds["ident"] if self._ds is not None else self.dist.resolve()
         self.trace.metadata["distributed"] = {**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
                                               "anchor_unix_ns": self.dist.anchor_unix_ns}
         self.trace.metadata.setdefault("notes", []).extend(self.dist.notes)
@@ -258,7 +279,9 @@ class Session:
         from ..io.dataset import write_trace
 
         try:
-            where = write_trace(self.trace, self.options.dataset, ident=ident, dist=self.dist)
+            early = self._ds or {}
+            where = write_trace(self.trace, self.options.dataset, ident=ident, dist=self.dist,
+                                trace_id=early.get("trace_id"), ops_written=early.get("ops_written", 0))
             self.trace.metadata["dataset"] = where
         except Exception as e:   # the trace is kept (tensorscope.last()); trace.__exit__ reports it
             self.dataset_error = e
@@ -354,6 +377,12 @@ def raise_for_guards(t):
     failures = check_guards(t)
     if failures:
         raise GuardError("tensorscope guard failed:\n" + "\n".join(f"  - {f}" for f in failures), t, failures)
+
+
+def pa_table(batch):
+    import pyarrow as pa
+
+    return pa.Table.from_batches([batch])
 
 
 def _report_dataset_error(e: BaseException, raise_: bool):
