@@ -270,10 +270,16 @@ class Session:
 
     def _write_dataset(self):
         """``dataset=DIR``: this rank's tables into the multi-rank dataset (io/dataset.py)."""
-        ident = self._ds["ident"] if self._ds is not None else self.dist.resolve()
-        self.trace.metadata["distributed"] = {**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
-                                              "anchor_unix_ns": self.dist.anchor_unix_ns}
-        self.trace.metadata.setdefault("notes", []).extend(self.dist.notes)
+        try:
+            ident = self._ds["ident"] if self._ds is not None else self.dist.resolve()
+            self.trace.metadata["distributed"] = {**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
+                                                  "anchor_unix_ns": self.dist.anchor_unix_ns}
+            self.trace.metadata.setdefault("notes", []).extend(self.dist.notes)
+        except Exception as e:   # describing the rank must never break the trace
+            if not self.options.dataset:
+                return
+            self.dataset_error = e
+            return
         if not self.options.dataset:
             return
         from ..io.dataset import write_trace
