@@ -182,17 +182,20 @@ def test_elastic_restart_writes_a_new_attempt(tmp_path):
             env = _env()
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port),
                        TORCHELASTIC_RUN_ID="job-42", TORCHELASTIC_RESTART_COUNT=str(attempt))
-            procs.append(subprocess.Popen([sys.executable, "-m", "tensorscope", "run", "--out", root, "--no-leaks",
-                                           TRAIN], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
+            log = open(tmp_path / f"a{attempt}-r{rank}.log", "w+")   # a file, not a pipe nobody drains
+            procs.append((subprocess.Popen([sys.executable, "-m", "tensorscope", "run", "--out", root, "--no-leaks",
+                                            TRAIN], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
         try:
-            outs = [p.communicate(timeout=300)[0] for p in procs]
+            for p, _ in procs:
+                p.wait(timeout=300)
         finally:
-            for p in procs:   # a rank left waiting for a failed peer must not outlive the test
+            for p, _ in procs:   # a rank left waiting for a failed peer must not outlive the test
                 if p.poll() is None:
                     p.kill()
-        for p, out in zip(procs, outs):
-            assert p.returncode == 0, out[-3000:]
+        for p, log in procs:
+            log.seek(0)
+            assert p.returncode == 0, log.read()[-3000:]
+            log.close()
     check_layout(root)
     ds = tensorscope.open_dataset(root)
     assert ds.runs == ["job-42"]
