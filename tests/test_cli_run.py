@@ -108,3 +108,21 @@ def test_install_kernel_loads_the_extension(tmp_path):
         kc.stop_channels()
     finally:
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.kernel
+def test_cell_magic_dataset_flag(tmp_path):
+    from kernel_utils import Kernel
+
+    k = Kernel(cwd=str(tmp_path), env={"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                       "TENSORSCOPE_RUN_ID": "nb1"})
+    try:
+        assert k.run("%load_ext tensorscope").status == "ok"
+        r = k.run(f"%%tensorscope -q --no-leaks --dataset {tmp_path / 'ds'}\nimport torch\ntorch.ones(2).add(1)")
+        assert r.status == "ok", r.error
+        assert "tensor([2., 2.])" in r.text()   # the cell's value still displays
+    finally:
+        k.close()
+    ds = tensorscope.open_dataset(tmp_path / "ds")
+    assert ds.runs == ["nb1"] and list(ds.ranks["cell"]) == [2]
+    assert "aten.add.Tensor" in set(ds.df("ops")["op"])
