@@ -27,6 +27,8 @@ _LAZY = {
     "Trace": ("tensorscope._trace", "Trace"),
     "TraceOptions": ("tensorscope.options", "TraceOptions"),
     "load": ("tensorscope.io.parquet", "load"),
+    "open_dataset": ("tensorscope.io.dataset", "open_dataset"),
+    "Dataset": ("tensorscope.io.dataset", "Dataset"),
     "find_leaks": ("tensorscope.tracking.leaks", "find_leaks"),
     "leak_table": ("tensorscope.tracking.leaks", "leak_table"),
     "enable_discovery": ("tensorscope.tracking.leaks", "enable_discovery"),

@@ -1,4 +1,7 @@
-"""``python -m tensorscope``: summary, export, sql, env and build-native from a shell."""
+"""``python -m tensorscope``: run, report, install-kernel, summary, export, sql, env and build-native from a shell.
+
+The headless commands live one per module in ``tensorscope/cli/``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +23,21 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings")
     b = sub.add_parser("build-native", help="build the native C++ hooks now (cached)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
+    from .cli import kernel, report, run
+
+    run.add_parser(sub)
+    report.add_parser(sub)
+    kernel.add_parser(sub)
     return p
+
+
+def _split_run(argv: List[str]):
+    """``run [options] target [script args]``: everything after the target belongs to the script
+    (argparse would otherwise take a script's ``--out`` or ``-o`` for ours)."""
+    for i, a in enumerate(argv[1:], 1):
+        if a.endswith((".py", ".ipynb")) and not argv[i - 1] in ("--out", "-o", "--dataset", "--spill-dir", "--kernel"):
+            return argv[:i + 1], argv[i + 1:]
+    return argv, []
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -31,10 +48,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .native import build_native_main
 
         return int(build_native_main(argv[1:]) or 0)
+    script_args = []
+    if argv[:1] == ["run"]:
+        argv, script_args = _split_run(argv)
     args = _parser().parse_args(argv)
     from .errors import TensorscopeError
 
     try:
+        if args.cmd == "run":
+            from .cli import run
+
+            args.args = list(args.args or []) + script_args
+            return run.main(args)
+        if args.cmd == "report":
+            from .cli import report
+
+            return report.main(args)
+        if args.cmd == "install-kernel":
+            from .cli import kernel
+
+            return kernel.main(args)
         if args.cmd == "build-native":
             from .native import build_native_main
 

@@ -85,6 +85,7 @@ class Trace:
     graphs = property(lambda self: self.table("graphs"))
     graph_nodes = property(lambda self: self.table("graph_nodes"))
     api = property(lambda self: self.table("api"))
+    collectives = property(lambda self: self.table("collectives"))
 
     def df(self, name: str = "ops"):
         """A table as a pandas DataFrame (nullable ints stay ints, strings are plain strings)."""

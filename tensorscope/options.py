@@ -54,6 +54,11 @@ class TraceOptions:
     chunk_rows: int = _opt(65536, "rows buffered per column chunk before it is frozen", type=int, metavar="N")
     spill_rows: int = _opt(2_000_000, "rows kept in memory before chunks spill to disk", type=int, metavar="N")
     spill_dir: Optional[str] = _opt(None, "directory for spilled chunks (default: a temporary directory)", type=str, metavar="DIR")
+    dataset: Optional[str] = _opt(None, "at the end of the trace, write every table of this rank into the multi-rank "
+                                        "parquet dataset DIR (DIR/<table>/run=<id>/rank=<r>/part-*.parquet)",
+                                  type=str, metavar="DIR")
+    sync_clocks: bool = _opt(False, "measure this rank's clock offset to rank 0 by ping-pong at the start and end "
+                                    "(collective: every rank must trace; needs torch.distributed)")
 
     def __post_init__(self):
         num = self.numerics
@@ -74,6 +79,14 @@ class TraceOptions:
         object.__setattr__(self, "expect", exp)
         if not (self.baseline_time >= 0 and self.baseline_memory >= 0):
             raise OptionsError("baseline_time and baseline_memory are fractions >= 0 (0.2 = +20%)")
+        if self.dataset is not None:
+            if not isinstance(self.dataset, (str, bytes)) and not hasattr(self.dataset, "__fspath__"):
+                raise OptionsError(f"dataset must be a directory path, not {type(self.dataset).__name__}")
+            import os
+
+            object.__setattr__(self, "dataset", os.fspath(self.dataset))
+            if not self.dataset:
+                raise OptionsError("dataset must be a directory path, not an empty string")
         if self.chunk_rows < 1 or self.spill_rows < self.chunk_rows:
             raise OptionsError("chunk_rows must be >= 1 and spill_rows >= chunk_rows")
 

@@ -297,6 +297,19 @@ DIFF = _schema("diff", [
     ("delta_bytes", _i64),
 ])
 
+COLLECTIVES = _schema("collectives", [
+    ("seq", _i64),                  # the c10d / _c10d_functional op's row in ops
+    ("op", _str),                   # c10d.allreduce_.default, _c10d_functional.all_reduce.default ...
+    ("pg_name", _str),              # process group name ("0" is the default group)
+    ("pg_size", _i64),              # ranks in the group
+    ("reduce_op", _str),            # SUM, MAX, AVG ... (null: not a reduction)
+    ("nbytes", _i64),               # bytes of the input tensors this rank contributes
+    ("start_ns", _i64),             # op call start, perf_counter_ns relative to the trace start
+    ("enqueue_ns", _i64),           # how long the op call took (enqueue, not completion)
+    ("done_ns", _i64),              # completion (Work future) relative to the trace start; null: unknown
+    ("coll_index", _i64),           # k-th collective on this process group in the trace (matches across ranks)
+])
+
 #: Every table a Trace carries, in display order. ``memory`` is derived.
 TABLES: Dict[str, pa.Schema] = {
     "ops": OPS,
@@ -311,6 +324,7 @@ TABLES: Dict[str, pa.Schema] = {
     "graphs": GRAPHS,
     "graph_nodes": GRAPH_NODES,
     "api": API,
+    "collectives": COLLECTIVES,
 }
 
 #: Columns a file of each table must have whatever its minor version: the ones that identify a
@@ -325,11 +339,63 @@ REQUIRED: Dict[str, tuple] = {
     "casts": ("seq", "op", "from_dtype", "to_dtype"),
     "layout_changes": ("seq", "op"),
     "memory": ("seq", "device", "live_bytes"),
+    "collectives": ("seq", "op"),
 }
 
 #: Tables recorded directly; the rest are derived by analyses from these.
-RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks", "graphs", "graph_nodes")
+RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks", "graphs", "graph_nodes", "collectives")
 DERIVED = ("casts", "layout_changes", "memory", "api")
+
+
+# -- multi-rank datasets (tensorscope.io.dataset) --------------------------------------
+# A dataset directory holds ``<table>/run=<run_id>/rank=<rank>/part-a<attempt>-<n>.parquet``.
+# ``run`` and ``rank`` are hive partition keys, never columns inside the files. Every table
+# of a Trace is written with its schema above plus these columns, which tell apart the
+# traces one rank wrote (a notebook run writes one per cell) and elastic restarts:
+DATASET_KEYS = [
+    ("attempt", _i64),              # TORCHELASTIC_RESTART_COUNT (0 without torchelastic)
+    ("trace_id", _i64),             # the trace within (run, rank, attempt): 0, 1, ... (= the ranks part number)
+]
+
+#: One row per trace a rank wrote (in ``<dataset>/ranks/run=…/rank=…/``).
+RANKS = _schema("ranks", [
+    ("attempt", _i64),
+    ("trace_id", _i64),
+    ("local_rank", _i64),
+    ("world_size", _i64),
+    ("rank_source", _str),          # where rank/world size came from: dist, torchrun, slurm, ompi, default
+    ("run_source", _str),           # where the run id came from: env, torchelastic, store, slurm, local
+    ("host", _str),
+    ("pid", _i64),
+    ("device", _str),               # cpu, cuda:0 ... (the rank's current device)
+    ("backend", _str),              # torch.distributed backend when initialised (gloo, nccl), else null
+    ("clock_synced", _bool),        # true when clock_offset_ns was measured by ping-pong with rank 0
+    ("clock_offset_ns", _i64),      # add to this rank's unix times to get rank 0's clock (0 unsynced)
+    ("clock_error_ns", _i64),       # bound on clock_offset_ns's error (half the best round trip); null unsynced
+    ("clock_offset_end_ns", _i64),  # the offset measured again at the end of the trace (drift); null if not
+    ("anchor_unix_ns", _i64),       # time.time_ns() at the trace start (start_ns == 0)
+    ("anchor_perf_ns", _i64),       # time.perf_counter_ns() at the same instant
+    ("start_unix_ns", _i64),        # trace start on rank 0's clock: anchor_unix_ns + clock_offset_ns
+    ("end_unix_ns", _i64),          # trace end on rank 0's clock
+    ("wall_ns", _i64),
+    ("n_ops", _i64),
+    ("n_collectives", _i64),
+    ("cell", _i64),                 # notebook cell number (headless notebook runs), else null
+    ("cell_source", _str),
+    ("tensorscope_version", _str),
+    ("torch_version", _str),
+    ("python_version", _str),
+    ("schema_version", _str),
+    ("metadata_json", _str),        # the trace's full metadata (options, device report, notes) as JSON
+])
+
+
+def dataset_schema(name: str) -> pa.Schema:
+    """The schema of table ``name`` inside a dataset: its Trace schema plus ``DATASET_KEYS``."""
+    if name == "ranks":
+        return RANKS
+    base = TABLES[name]
+    return pa.schema(list(base) + [pa.field(n, t, nullable=True) for n, t in DATASET_KEYS], metadata=base.metadata)
 
 
 def empty(name: str) -> pa.Table:

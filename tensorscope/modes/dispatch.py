@@ -45,7 +45,7 @@ NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_loc
 class OpInfo:
     """Per-OpOverload facts computed once: id, flags, FLOP formula."""
 
-    __slots__ = ("op_id", "flags", "flop", "flop_at_build")
+    __slots__ = ("op_id", "flags", "flop", "flop_at_build", "coll")
 
     def __init__(self, rec, func):
         self.op_id = rec.funcs(func)
@@ -72,6 +72,8 @@ class OpInfo:
         # (flop_counter's formulas tree-map their arguments: ~25 µs per call)
         self.flop_at_build = str(packet).split(".")[-1] in SHAPE_FLOP_OPS and packet in _FLOP_REGISTRY
         self.flop = None if self.flop_at_build else _FLOP_REGISTRY.get(packet)
+        # c10d / _c10d_functional ops also feed the collectives table (recording/collectives.py)
+        self.coll = getattr(func, "namespace", "") in ("c10d", "_c10d_functional")
 
 
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -356,6 +358,8 @@ class TracingDispatchMode(TorchDispatchMode):
             else:
                 flop = -1
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
+            if info.coll and s.collectives is not None:
+                s.collectives.observe(seq, func, args, kwargs, out, t0, t1)
             if screen is not None:
                 r = screen.post(seq, func, args, kwargs, outs, pre_state)
                 if r is not None:

@@ -460,6 +460,20 @@ def _ops_table(sess, ctx: _Ctx):
     return pa.Table.from_batches(batches, schema=S.OPS), None
 
 
+def decode_ops_from(sess, first_seq: int):
+    """Record batches of the ops rows from ``first_seq`` on, decoded now, while the trace may still
+    record (``dataset=`` writes spilled rows as parts). Rows decoded early lack what is only
+    resolved at the end (``cuda_ns``)."""
+    ctx = _Ctx(sess)
+    start = 0
+    for chunk in sess.rec.iter_op_chunks():
+        n = len(chunk["op"])
+        if start + n > first_seq:
+            b = ctx.decode(chunk, start)
+            yield b.slice(first_seq - start) if start < first_seq else b
+        start += n
+
+
 def _calls_table(sess, ctx: _Ctx):
     rec = sess.rec
     c = rec.calls
@@ -713,5 +727,7 @@ def build_trace(sess):
     except Exception as e:
         rec.tracer_error("leaks", e)
         tables["leaks"] = S.empty("leaks")
+    coll = getattr(sess, "collectives", None)   # recording/collectives.py
+    tables["collectives"] = coll.table(sess.t0) if coll is not None else S.empty("collectives")
     md = metadata(sess, ops.num_rows, notes)
     return Trace(tables, md, _spill_file=ops_file)

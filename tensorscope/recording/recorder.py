@@ -231,6 +231,7 @@ class Recorder:
         self.spilled_chunks: List[str] = []
         self.mem_chunks: List[Dict[str, np.ndarray]] = []
         self.mem_rows = 0
+        self.on_spill = None   # called after each spill (dataset=: decode the spilled rows into parts)
 
         self.funcs = Interner()                       # OpOverload -> id
         self.metas = TensorMetas()
@@ -289,6 +290,11 @@ class Recorder:
             self.n_spilled += len(chunk["op"][1])
         self.mem_chunks = []
         self.mem_rows = 0
+        if self.on_spill is not None:
+            try:
+                self.on_spill()
+            except Exception as e:   # never into user code
+                self.tracer_error("on_spill", e)
 
     def iter_op_chunks(self, columns=None):
         """Every op chunk in order as int64 columns (only ``columns`` when given), spilled ones

@@ -58,6 +58,16 @@ class Session:
         self.modules = ModuleTracker(self.rec)
         # seq - 1: the op running or last finished when the storage appeared or died
         self.tracker = StorageTracker(self.rec, lambda: self.seq - 1) if options.storages else None
+        # multi-rank: collectives table, rank identity / run id / clock (recording/collectives.py, ranks.py)
+        from .collectives import CollectiveProbe
+        from .ranks import DistContext
+
+        self.dist = DistContext(sync_clocks=options.sync_clocks)
+        self.collectives = CollectiveProbe(on_first=self._first_collective)
+        self.dataset_error: Optional[BaseException] = None
+        self._ds = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
+        if options.dataset:
+            self.rec.on_spill = self._spill_to_dataset
         self.capture = None
         self.screen = None
         self.shadow = None
@@ -162,6 +172,7 @@ class Session:
 
         opts = self.options
         _warm_up()
+        self.dist.capture()   # before any mode: a clock ping-pong here is seen by no one
         self._setup_probes()
         self._begin_cell_warnings()
         self._fmode = TracingFunctionMode(self)
@@ -179,7 +190,18 @@ class Session:
             self._restore()
             raise
         self.t0 = time.perf_counter_ns()
+        self.dist.set_anchor(self.t0)
         self.recording = True
+
+    def _first_collective(self):
+        """The process group exists now (the trace may have started before init_process_group)."""
+        was, self.recording = self.recording, False
+        try:
+            self.dist.capture()
+        except Exception as e:
+            self.rec.tracer_error("distributed capture", e)
+        finally:
+            self.recording = was
 
     def _setup_probes(self):
         opts = self.options
@@ -270,6 +292,10 @@ class Session:
         self._restore()
         if exc is not None:
             self._note_cell_exception(exc)
+        try:
+            self.dist.capture(end=True)
+        except Exception as e:
+            self.rec.tracer_error("distributed capture", e)
         from .build import build_trace
 
         try:
@@ -280,9 +306,52 @@ class Session:
             if self.tracker is not None:
                 self.tracker.close()
             self.rec.close()
+        self._write_dataset()
         _remember(self.trace, self.keep_history)
         _warn_tracer_bugs(self.trace)
         return self.trace
+
+    def _spill_to_dataset(self):
+        """The recorder spilled: write the spilled ops rows as parts now (readable while the trace
+        runs). Rank and run id are fixed for this trace from here on."""
+        from ..io.dataset import reserve_trace_id, write_table_parts
+        from .build import decode_ops_from
+
+        if self._ds is None:
+            ident = self.dist.resolve()
+            self._ds = {"ident": ident, "trace_id": reserve_trace_id(self.options.dataset, ident), "ops_written": 0}
+        ds = self._ds
+        was, self.recording = self.recording, False   # nothing here may be recorded
+        try:
+            for batch in decode_ops_from(self, ds["ops_written"]):
+                write_table_parts(self.options.dataset, "ops", ds["ident"], ds["trace_id"], pa_table(batch))
+                ds["ops_written"] += batch.num_rows
+        finally:
+            self.recording = was
+
+    def _write_dataset(self):
+        """``dataset=DIR``: this rank's tables into the multi-rank dataset (io/dataset.py)."""
+        try:
+            ident = self._ds["ident"] if self._ds is not None else self.dist.resolve()
+            self.trace.metadata["distributed"] = {**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
+                                                  "anchor_unix_ns": self.dist.anchor_unix_ns}
+            self.trace.metadata.setdefault("notes", []).extend(self.dist.notes)
+        except Exception as e:   # describing the rank must never break the trace
+            if not self.options.dataset:
+                return
+            self.dataset_error = e
+            return
+        if not self.options.dataset:
+            return
+        from ..io.dataset import write_trace
+
+        try:
+            early = self._ds or {}
+            where = write_trace(self.trace, self.options.dataset, ident=ident, dist=self.dist,
+                                trace_id=early.get("trace_id"), ops_written=early.get("ops_written", 0))
+            self.trace.metadata["dataset"] = where
+        except Exception as e:   # the trace is kept (tensorscope.last()); trace.__exit__ reports it
+            self.dataset_error = e
 
     def _note_cell_exception(self, exc: BaseException):
         """An exception that left the traced block: recorded once (modes may have seen it already)."""
@@ -404,6 +473,25 @@ def raise_for_guards(t, baseline=None):
         raise GuardError("tensorscope guard failed:\n" + "\n".join(f"  - {f}" for f in failures), t, failures)
 
 
+def pa_table(batch):
+    import pyarrow as pa
+
+    return pa.Table.from_batches([batch])
+
+
+def _report_dataset_error(e: BaseException, raise_: bool):
+    """A failed dataset write: ExportError after the block (the trace is kept: tensorscope.last()),
+    or a warning when the block already raised (the user's exception comes first)."""
+    from ..errors import ExportError
+
+    err = e if isinstance(e, ExportError) else ExportError(
+        f"could not write the trace into the dataset: {type(e).__name__}: {e} "
+        "(the trace is still in memory: tensorscope.last())")
+    if raise_:
+        raise err
+    warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+
+
 class trace:
     """Record every torch-level call and ATen op run inside the block.
 
@@ -433,8 +521,11 @@ class trace:
         return self
 
     def __exit__(self, et, ev, tb):
-        self._trace = self._session.stop(ev)
+        session = self._session
+        self._trace = session.stop(ev)
         self._session = None
+        if session.dataset_error is not None:
+            _report_dataset_error(session.dataset_error, raise_=ev is None)
         if ev is not None:
             from ..modes.frames import clean_traceback
 
