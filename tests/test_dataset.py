@@ -15,6 +15,12 @@ from tensorscope.errors import ExportError, OptionsError, TraceFormatError
 from test_distributed import check_layout
 
 
+def _same(a, b) -> bool:
+    """Equal values: dictionary columns compare by value (their dictionaries may be laid out differently
+    once a table went through parquet)."""
+    return S.plain_strings(a).equals(S.plain_strings(b))
+
+
 def _traced(root, **kw):
     with tensorscope.trace(dataset=str(root), leaks=False, **kw) as t:
         x = torch.randn(8, 8)
@@ -34,7 +40,7 @@ def test_one_process_writes_one_rank(tmp_path, monkeypatch):
     assert list(r["trace_id"]) == [0, 1] and set(r["rank"]) == {0} and set(r["rank_source"]) == {"default"}
     assert not r["clock_synced"].any()
     back = ds.trace(trace_id=1)
-    assert back.ops.equals(t2.ops) and back.calls.equals(t2.calls)
+    assert _same(back.ops, t2.ops) and _same(back.calls, t2.calls)
     assert back.metadata["torch_version"] == torch.__version__
     with pytest.raises(ValueError, match="trace_id"):
         ds.trace()
@@ -50,7 +56,7 @@ def test_all_null_columns_keep_their_types(tmp_path):
 
     ops = pa.table({"seq": pa.array([0, 1], pa.int64()), "cuda_ns": pa.nulls(2), "module": pa.nulls(2)})
     t = to_dataset_table("ops", ops, attempt=0, trace_id=0)
-    assert t.schema.field("cuda_ns").type == pa.int64() and t.schema.field("module").type == pa.string()
+    assert t.schema.field("cuda_ns").type == pa.int64() and t.schema.field("module").type == S.OPS.field("module").type
     assert t.schema.equals(S.dataset_schema("ops"))
 
 
@@ -119,8 +125,8 @@ def test_big_tables_roll_into_parts(tmp_path, monkeypatch):
     parts = sorted(os.listdir(root / "ops" / "run=run1" / "rank=0"))
     assert len(parts) == 1 + 2 and parts[0] == "part-a0-00000.parquet"   # 4 ops, then 6 ops in two parts
     ds = tensorscope.open_dataset(root)
-    assert ds.trace(trace_id=1).ops.equals(t2.result.ops)
-    assert ds.trace(trace_id=0).ops.equals(t.ops)
+    assert _same(ds.trace(trace_id=1).ops, t2.result.ops)
+    assert _same(ds.trace(trace_id=0).ops, t.ops)
 
 
 def test_spilled_rows_become_parts_while_the_trace_runs(tmp_path, monkeypatch):
@@ -140,5 +146,5 @@ def test_spilled_rows_become_parts_while_the_trace_runs(tmp_path, monkeypatch):
     ds = tensorscope.open_dataset(root)
     back = ds.trace()
     assert back.ops.num_rows == t.ops.num_rows == 62
-    assert back.ops.equals(t.ops)
-    assert back.calls.equals(t.calls)
+    assert _same(back.ops, t.ops)
+    assert _same(back.calls, t.calls)
