@@ -64,8 +64,11 @@ window.addEventListener('load', function () {
       }
     });
   });
-  document.querySelectorAll('.tensorscope-summary img').forEach(function (img) {
-    out.images.push({complete: img.complete, width: img.naturalWidth, data: img.src.slice(0, 5) === 'data:'});
+  // the summary's timeline and icicle are inline SVG: drawn, with a size, nothing to fetch
+  document.querySelectorAll('.tensorscope-summary svg').forEach(function (svg) {
+    var r = svg.getBoundingClientRect();
+    out.images.push({complete: svg.querySelectorAll('rect').length > 0, width: Math.round(r.width),
+                     data: !svg.querySelector('[href],[src]')});
   });
   performance.getEntriesByType('resource').forEach(function (e) { out.resources.push(e.name); });
   document.querySelectorAll('[src], [href]').forEach(function (el) {
