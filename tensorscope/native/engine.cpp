@@ -116,13 +116,14 @@ struct OpFacts {
   bool backend = false;      // has a kernel of its own for some backend (silu_backward)
   bool writes = false;       // in-place / out=: screens the written outputs
   bool no_screen = false;    // returns uninitialised memory
+  bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
   std::string name;          // "aten::add.Tensor"
 };
 
 struct Row {
   int32_t op, ins, outs, alias, module, node;
   int32_t flags;
-  int32_t n_stor;  // storage ids in the flat column for this row
+  int32_t args;    // interned argument encoding (FLOP formulas), -1 when not recorded
   int64_t call, seq_nr, start, dur;
 };
 
@@ -156,6 +157,7 @@ struct Pending {
   std::vector<uintptr_t> in_ptrs;
   std::vector<const c10::StorageImpl*> in_impls;   // tentative rows: resolved at commit
   std::vector<int64_t> in_nbytes;
+  std::vector<int64_t> args_enc;
   std::vector<const c10::TensorImpl*> held;   // inputs (not owned: the caller holds them while the op runs)
   uint64_t seq_peek = 0;
   int uncaught = 0;
@@ -221,6 +223,8 @@ struct Engine {
   std::vector<int64_t> meta_nbytes;
   SeqInterner tuples;
   SeqInterner aliases;
+  SeqInterner args;
+  std::unordered_map<std::string, bool> arg_ops;   // "aten::convolution" -> record arguments
   std::unordered_map<std::string, int32_t> node_ids;
   std::vector<std::string> node_names;
 
@@ -250,6 +254,7 @@ struct Engine {
     meta_nbytes.clear();
     tuples = SeqInterner();
     aliases = SeqInterner();
+    args = SeqInterner();
     node_ids.clear();
     node_names.clear();
     blocks.clear();
@@ -315,6 +320,7 @@ OpFacts* facts_for(const at::RecordFunction& fn) {
     }
   } catch (...) {
   }
+  f->want_args = g.arg_ops.count(opname->name) > 0;
   std::string base = opname->name.substr(opname->name.find("::") == std::string::npos ? 0 : opname->name.find("::") + 2);
   for (const char* const* u = kUninit; *u; ++u) {
     if (base == *u) f->no_screen = true;
@@ -435,14 +441,21 @@ int32_t storage_id(const c10::StorageImpl* si, uintptr_t ptr, int32_t meta, int6
   return sid;
 }
 
+// Tensors among an op's arguments, one level of lists deep. Wrapped numbers (a
+// Python scalar the arg parser turned into a 0-d tensor) are scalars to a
+// dispatch mode, so they are skipped here too.
+inline bool real_tensor(const at::Tensor& t) {
+  return t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number();
+}
+
 template <typename F>
 void for_each_tensor(const c10::IValue& v, F&& f) {
   if (v.isTensor()) {
     const auto& t = v.toTensor();
-    if (t.defined()) f(t);
+    if (real_tensor(t)) f(t);
   } else if (v.isList()) {
     for (const auto& e : v.toListRef()) {
-      if (e.isTensor() && e.toTensor().defined()) f(e.toTensor());
+      if (e.isTensor() && real_tensor(e.toTensor())) f(e.toTensor());
     }
   }
 }
@@ -558,6 +571,47 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   r.seq_nr = s.node ? s.node_seq : -1;
   p.seq_peek = at::sequence_number::peek();
   p.uncaught = std::uncaught_exceptions();
+  r.args = -1;
+  if (f->want_args) {
+    // tags: 0 tensor(meta) 1 none 2 bool 3 int 4 double(bits) 5 int list 6 other 7 tensor list
+    std::vector<int64_t> enc;
+    for (const auto& v : fn.inputs()) {
+      if (v.isTensor() && real_tensor(v.toTensor())) {
+        uintptr_t ptr;
+        const c10::StorageImpl* si;
+        int64_t nb;
+        enc.push_back(0);
+        enc.push_back(meta_of(v.toTensor(), &ptr, &si, &nb));
+      } else if (v.isNone() || (v.isTensor() && !v.toTensor().defined())) {
+        enc.push_back(1);
+      } else if (v.isBool()) {
+        enc.push_back(2);
+        enc.push_back(v.toBool());
+      } else if (v.isInt()) {
+        enc.push_back(3);
+        enc.push_back(v.toInt());
+      } else if (v.isDouble()) {
+        double dv = v.toDouble();
+        int64_t bits;
+        std::memcpy(&bits, &dv, 8);
+        enc.push_back(4);
+        enc.push_back(bits);
+      } else if (v.isIntList()) {
+        auto l = v.toIntVector();
+        enc.push_back(5);
+        enc.push_back(int64_t(l.size()));
+        enc.insert(enc.end(), l.begin(), l.end());
+      } else if (v.isBoolList()) {
+        auto l = v.toBoolList();
+        enc.push_back(8);
+        enc.push_back(int64_t(l.size()));
+        for (bool b : l) enc.push_back(b);
+      } else {
+        enc.push_back(6);
+      }
+    }
+    p.args_enc = std::move(enc);   // outputs are appended and the whole interned at commit
+  }
   for (const auto& v : fn.inputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       uintptr_t ptr;
@@ -775,7 +829,25 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   if (device_out) g.n_unscreened_device++;
   r.outs = g.tuples.get(out_metas, n_out);
   r.alias = g.aliases.get(alias, n_out);
-  r.n_stor = n_stor;
+  (void)n_stor;
+  if (p.facts->want_args) {
+    // outputs in schema order, undefined ones as None (conv backward's output_mask)
+    auto& enc = p.args_enc;
+    enc.push_back(9);
+    size_t k = 0;
+    for (const auto& v : outs) {
+      if (v.isTensor()) {
+        const auto& t = v.toTensor();
+        if (real_tensor(t) && k < n_out) {
+          enc.push_back(0);
+          enc.push_back(out_metas[k++]);
+        } else {
+          enc.push_back(1);
+        }
+      }
+    }
+    r.args = g.args.get(enc.data(), enc.size());
+  }
   if (screened_any && count > 0) {
     g.n_fired++;
     bool inputs_bad = p.pre_nonfinite;
@@ -847,7 +919,20 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
 PyObject* py_start(PyObject*, PyObject* args) {
   long long t0;
   int screen, storages, warnings;
-  if (!PyArg_ParseTuple(args, "Lppp", &t0, &screen, &storages, &warnings)) return nullptr;
+  PyObject* arg_ops = nullptr;
+  if (!PyArg_ParseTuple(args, "Lppp|O", &t0, &screen, &storages, &warnings, &arg_ops)) return nullptr;
+  std::unordered_map<std::string, bool> wanted;
+  if (arg_ops != nullptr && arg_ops != Py_None) {
+    PyObject* it = PyObject_GetIter(arg_ops);
+    if (it == nullptr) return nullptr;
+    while (PyObject* item = PyIter_Next(it)) {
+      const char* c = PyUnicode_AsUTF8(item);
+      if (c != nullptr) wanted.emplace(c, true);
+      Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return nullptr;
+  }
   if (g.active) {
     PyErr_SetString(PyExc_RuntimeError, "the native engine is already recording in this process");
     return nullptr;
@@ -860,6 +945,7 @@ PyObject* py_start(PyObject*, PyObject* args) {
     g.want_screen = screen;
     g.want_storages = storages;
     g.want_warnings = warnings;
+    g.arg_ops = std::move(wanted);
     g.cur_module = 0;
     g.cur_call = -1;
     g.owner_thread = std::hash<std::thread::id>()(std::this_thread::get_id());
@@ -1031,6 +1117,7 @@ PyObject* py_take(PyObject*, PyObject*) {
   put("meta_nbytes", bytes_of(g.meta_nbytes.data(), g.meta_nbytes.size() * 8));
   put("tuples", interner_out(g.tuples));
   put("aliases", interner_out(g.aliases));
+  put("args", interner_out(g.args));
   put("nodes", str_list(g.node_names));
   put("tensors", bytes_of(st.data(), st.size() * 8));
   put("nonfinite", bytes_of(nf.data(), nf.size() * 8));

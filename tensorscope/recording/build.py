@@ -596,6 +596,9 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         "tracer_errors": rec.n_tracer_errors,
         "tracer_error_messages": list(rec.tracer_errors),
         "native": native,
+        # which engine recorded the ops, and why (the summary shows the reason when it is the fallback)
+        "engine": getattr(sess, "engine_choice", None).name if getattr(sess, "engine_choice", None) else "python",
+        "engine_reason": getattr(sess, "engine_choice", None).reason if getattr(sess, "engine_choice", None) else "",
         "opaque_ops": sess.opaque_ops,
         # [precision integration] probe counters: non-finite screen, numerics shadow (skips and why)
         "nonfinite_screen": sess.screen.report() if getattr(sess, "screen", None) is not None else None,

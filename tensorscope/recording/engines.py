@@ -38,7 +38,7 @@ ENGINES = ("auto", "native", "python")
 
 #: numpy view of engine.cpp's ``Row`` (keep in sync; checked against ROW_SIZE at load)
 ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
-                      ("node", "<i4"), ("flags", "<i4"), ("n_stor", "<i4"), ("call", "<i8"), ("seq_nr", "<i8"),
+                      ("node", "<i4"), ("flags", "<i4"), ("args", "<i4"), ("call", "<i8"), ("seq_nr", "<i8"),
                       ("start", "<i8"), ("dur", "<i8")])
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
@@ -145,7 +145,8 @@ class NativeEngine:
 
     def start(self, sess):
         opts = sess.options
-        self.ext.start(sess.t0, bool(opts.nonfinite), bool(opts.storages), True)
+        self.ext.start(sess.t0, bool(opts.nonfinite), bool(opts.storages), True,
+                       _flop_op_names() if opts.flops else ())
         self.running = True
 
     def stop(self, sess):
@@ -212,6 +213,8 @@ class NativeEngine:
         of = op_flags[op] if n else np.zeros(0, np.int64)
         flags = (of & 0xFF) | (rows["flags"].astype(np.int64) & F_BACKWARD)
         flops = np.where((of >> 40) & 1, -2, -1).astype(np.int64)
+        if sess.options.flops and n:
+            _formula_flops(flops, op, rows, d, rec)
         chunk = {
             "op": op, "ins": rows["ins"].astype(np.int64), "outs": rows["outs"].astype(np.int64),
             "alias": rows["alias"].astype(np.int64), "module": rows["module"].astype(np.int64),
@@ -348,6 +351,88 @@ def _seqs(pair) -> List[tuple]:
     offs = np.frombuffer(pair[1], dtype=np.int64).tolist()
     vals = arena.tolist()
     return [tuple(vals[offs[i]:offs[i + 1]]) for i in range(len(offs) - 1)]
+
+
+_FLOP_NAMES: Optional[Tuple[str, ...]] = None
+
+
+def _flop_op_names() -> Tuple[str, ...]:
+    """'aten::convolution'... : ops whose FLOP formula needs their arguments (recorded natively)."""
+    global _FLOP_NAMES
+    if _FLOP_NAMES is None:
+        from ..modes.dispatch import _FLOP_REGISTRY, SHAPE_FLOP_OPS
+
+        names = []
+        for packet in _FLOP_REGISTRY:
+            q = getattr(packet, "_qualified_op_name", None)
+            if q and q.split("::")[-1] not in SHAPE_FLOP_OPS:
+                names.append(q)
+        _FLOP_NAMES = tuple(names)
+    return _FLOP_NAMES
+
+
+def _decode_args(enc, shapes):
+    """(arguments, outputs) with shapes for tensors, from engine.cpp's encoding."""
+    out, i = [], 0
+    outs = None
+    while i < len(enc):
+        tag = enc[i]
+        i += 1
+        if tag == 9:
+            outs, out = out, []   # the rest are the outputs
+        elif tag == 0:
+            out.append(shapes[enc[i]])
+            i += 1
+        elif tag == 1 or tag == 6:
+            out.append(None)
+        elif tag == 2:
+            out.append(bool(enc[i]))
+            i += 1
+        elif tag == 3:
+            out.append(int(enc[i]))
+            i += 1
+        elif tag == 4:
+            out.append(float(np.array([enc[i]], dtype=np.int64).view(np.float64)[0]))
+            i += 1
+        elif tag in (5, 8):
+            k = enc[i]
+            vals = enc[i + 1:i + 1 + k]
+            out.append([bool(v) for v in vals] if tag == 8 else list(vals))
+            i += 1 + k
+        else:
+            break
+    if outs is None:
+        return out, None
+    return outs, (out[0] if len(out) == 1 else tuple(out))
+
+
+def _formula_flops(flops, op, rows, d, rec):
+    """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
+    (op, arguments, outputs): the formulas take shapes, so the interned metas suffice."""
+    from ..modes.dispatch import _FLOP_REGISTRY
+
+    args = rows["args"]
+    todo = np.nonzero((args >= 0) & (flops == -1))[0]
+    if not len(todo):
+        return
+    encs = _seqs(d["args"])
+    shapes = rec.metas.shapes
+    tuples = rec.tuples.values
+    funcs = rec.funcs.values
+    keys = np.stack([op[todo], args[todo].astype(np.int64), rows["outs"][todo].astype(np.int64)], axis=1)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    vals = np.full(len(uniq), -1, dtype=np.int64)
+    for k, (o, a, outs) in enumerate(uniq.tolist()):
+        func = funcs[o]
+        f = _FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
+        if f is None:
+            continue
+        try:
+            a_, out_val = _decode_args(encs[a], shapes)
+            vals[k] = int(f(*a_, out_val=out_val))
+        except Exception:
+            vals[k] = -1
+    flops[todo] = vals[inv.reshape(-1)]
 
 
 def make_engine(choice: EngineChoice):

@@ -400,11 +400,16 @@ class NativeSession(Session):
         if seq is None:
             row = self._ext.take_error_seq()   # the row whose kernel threw, if an op threw
             if row is not None:
-                seq, op = row
+                seq, op = row[0], _op_str(row[1])
         eid = super().record_exception(e, seq=seq, call_id=call_id, op=op, info=info)
         if row is not None:
             self.rec.op_errors[seq] = eid
         return eid
+
+
+def _op_str(native_name: str) -> str:
+    """'aten::add.Tensor' -> 'aten.add.Tensor' (str(OpOverload))."""
+    return native_name.replace("::", ".", 1)
 
 
 def new_session(options: TraceOptions, **kw) -> Session:
