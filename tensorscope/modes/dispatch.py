@@ -236,7 +236,7 @@ class TracingDispatchMode(TorchDispatchMode):
                 s.last_exc_key = exc_key(e)
                 rec.op_errors[seq] = s.last_error_id
                 if ok:
-                    self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, (), 0, t0, t1)
+                    self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, (), -1, t0, t1)
                 else:
                     s.seq = seq   # keep seq dense: no row was written
             except Exception as e2:

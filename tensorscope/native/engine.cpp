@@ -29,6 +29,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
@@ -630,6 +631,19 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
       if (g.want_screen) p.held.push_back(t.unsafeGetTensorImpl());
     });
   }
+  if (g.want_screen) {
+    // a Python scalar NaN/Inf argument (masked_fill(m, -inf)): the op did not produce it
+    for (const auto& v : fn.inputs()) {
+      if (v.isDouble() && !std::isfinite(v.toDouble())) p.pre_nonfinite = true;
+      if (v.isComplexDouble()) {
+        auto c = v.toComplexDouble();
+        if (!std::isfinite(c.real()) || !std::isfinite(c.imag())) p.pre_nonfinite = true;
+      }
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number() &&
+          nonfinite_count(v.toTensor().unsafeGetTensorImpl()) > 0)
+        p.pre_nonfinite = true;
+    }
+  }
   if (g.want_screen && f->writes && !f->no_screen) {
     // in-place / out=: whether what the op overwrites was already non-finite
     for (const c10::TensorImpl* t : p.held) {
@@ -689,6 +703,12 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       std::lock_guard<std::mutex> lk(g.mu);
       push_node(s, fn.name(), fn.seqNr());
       s.frames.push_back(Frame{3, -1, nullptr, g.gen});
+      return nullptr;
+    }
+    // C++ that excluded the Python key (Tensor._make_subclass's detach, no_dispatch()) runs
+    // ops no dispatch mode can see: they are the binding's internals, not the program's ops
+    if (c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
+      s.frames.push_back(Frame{4, -1, nullptr, g.gen});
       return nullptr;
     }
     // inside a kept op: its children are hidden (unless it is a tentative CIA op)
@@ -1159,6 +1179,13 @@ PyObject* py_release(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// callable() with every RecordFunction callback off on this thread (ours and the
+// profiler's): tensorscope's own bookkeeping ops stay invisible to other tools
+PyObject* py_unobserved(PyObject*, PyObject* callable) {
+  at::RecordFunctionGuard off(false);
+  return PyObject_CallObject(callable, nullptr);
+}
+
 PyObject* py_active(PyObject*, PyObject*) {
   return PyBool_FromLong(g.active);
 }
@@ -1176,6 +1203,7 @@ PyMethodDef methods[] = {
     {"live_created", py_live_created, METH_NOARGS, "live storages the trace created"},
     {"release", py_release, METH_NOARGS, "free the buffers"},
     {"active", py_active, METH_NOARGS, "whether recording"},
+    {"unobserved", py_unobserved, METH_O, "call f() with RecordFunction off on this thread"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "tensorscope_engine", "tensorscope native recording engine", -1,

@@ -557,18 +557,39 @@ def _ipython_shell():
         return None
 
 
+_DEVICE: Optional[Dict[str, Any]] = None
+
+
+def _device_description() -> Dict[str, Any]:
+    """env() once per process, hidden from every mode and profiler (it runs a probe op)."""
+    global _DEVICE
+    if _DEVICE is not None:
+        return dict(_DEVICE)
+
+    def describe():
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from ..env import env
+
+        with _disable_current_modes():
+            return env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
+
+    try:
+        from .engines import unobserved
+
+        _DEVICE = unobserved(describe)
+    except Exception as e:
+        return {"error": str(e)}
+    return dict(_DEVICE)
+
+
 def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     import torch
 
     from .. import __version__
 
     rec = sess.rec
-    try:
-        from ..env import env
-
-        device = env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
-    except Exception as e:
-        device = {"error": str(e)}
+    device = _device_description()
     cap = sess.capture
     native = None
     try:

@@ -89,6 +89,17 @@ def select_engine(options) -> EngineChoice:
     return EngineChoice("native", reason, ext)
 
 
+def unobserved(fn):
+    """``fn()`` with RecordFunction off on this thread when the native engine is loaded (so neither
+    torch.profiler nor an observer sees tensorscope's own probe ops); else just ``fn()``."""
+    from ..native import _build
+
+    ext = _build._STATES[_build.ENGINE.kind].module
+    if ext is not None and hasattr(ext, "unobserved"):
+        return ext.unobserved(fn)
+    return fn()
+
+
 def engine_status() -> Dict[str, Any]:
     """``{'engine': 'native'|'python', 'reason': ...}`` for ``trace(engine='auto')`` now. Never compiles."""
     from ..native import FORCE_ENV, _build, forced_fallback
