@@ -175,33 +175,43 @@ def contexts():
     return ctx
 
 
-def time_ctx(make, run, reps):
+def time_ctx(make, run, reps, k):
     samples = []
     for _ in range(reps):
         gc.collect()
         t0 = time.perf_counter_ns()
         with make():
-            run()
+            for _ in range(k):
+                run()
         samples.append(time.perf_counter_ns() - t0)
     return statistics.median(samples)
 
 
 def bench_workload(name, run, n_ops, reps):
+    """Per-op cost as the slope between one and three runs inside one context (end to end:
+    entering, recording, leaving, building -- so the per-row part of building and of the
+    profiler's events() is in it), and the fixed cost per context as the intercept."""
     ctx = contexts()
     for make in ctx.values():   # warm-up: imports, caches, first-call costs
         with make():
             run()
-    res = {k: time_ctx(m, run, reps) / n_ops / 1e3 for k, m in ctx.items()}
+    res, fixed = {}, {}
+    for k, m in ctx.items():
+        t1 = time_ctx(m, run, reps, 1)
+        t3 = time_ctx(m, run, reps, 3)
+        per_op = max(t3 - t1, 0) / 2 / n_ops
+        res[k] = per_op / 1e3
+        fixed[k] = (t1 - per_op * n_ops) / 1e6
     eager = res["eager"]
     empty = res["empty dispatch mode"] - eager
     print(f"\n{name}: {n_ops} ops per run, median of {reps}")
-    print(f"{'context':34s} {'us/op':>9s} {'over eager':>11s} {'x empty-mode overhead':>22s}")
+    print(f"{'context':34s} {'us/op':>9s} {'over eager':>11s} {'x empty-mode overhead':>22s} {'fixed ms':>9s}")
     rows = {}
     for k, v in res.items():
         over = v - eager
         mult = over / empty if empty > 0 else float("nan")
-        rows[k] = {"us_per_op": v, "overhead_us": over, "x_empty": mult}
-        print(f"{k:34s} {v:9.2f} {over:11.2f} {mult if k != 'eager' else float('nan'):22.2f}")
+        rows[k] = {"us_per_op": v, "overhead_us": over, "x_empty": mult, "fixed_ms": fixed[k]}
+        print(f"{k:34s} {v:9.2f} {over:11.2f} {mult if k != 'eager' else float('nan'):22.2f} {fixed[k]:9.1f}")
     return rows
 
 
@@ -251,7 +261,7 @@ def big_trace(n_ops, engine="python"):
         t = sess.stop()
         t1 = time.perf_counter_ns()
     n = t.ops.num_rows
-    print(f"\n[{t.metadata['engine']}] {n} ops recorded: resident while recording {(r1 - r0) / n:.1f} B/op; "
+    print(f"[{t.metadata['engine']}] {n} ops recorded: resident while recording {(r1 - r0) / n:.1f} B/op; "
           f"stop + build tables {(t1 - t0) / 1e6:.0f} ms = {(t1 - t0) / n / 1e3:.2f} µs/op "
           f"({t.metadata.get('spilled_rows', 0)} rows spilled)")
     return {"n_ops": n, "rss_bytes_per_op": (r1 - r0) / n, "build_us_per_op": (t1 - t0) / n / 1e3}
@@ -262,8 +272,15 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
     ap.add_argument("--ops", type=int, default=1_000_000, help="ops in the big trace (0 to skip)")
     ap.add_argument("--json", help="also write the numbers here")
+    ap.add_argument("--big-only", choices=("native", "python"), help=argparse.SUPPRESS)
+    ap.add_argument("--only", help="run only these workloads (comma-separated: small,mlp,conv,transformer)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.big_only:
+        r = big_trace(a.ops, a.big_only)
+        print(json.dumps(r))
+        return 0
+    only = set(a.only.split(",")) if a.only else {"small", "mlp", "conv", "transformer"}
     reps = 3 if a.quick else 7
     out = {"torch": torch.__version__, "native": None}
     try:
@@ -273,18 +290,34 @@ def main(argv=None):
     except Exception:
         pass
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, native: {out['native']}")
-    run, n = small_ops(300 if a.quick else 1000)
-    out["small_ops"] = bench_workload("(a) small elementwise ops on 8x8", run, n, reps)
-    run, n = mlp(2 if a.quick else 10)
-    out["mlp"] = bench_workload("(b) MLP forward+backward (4x Linear(128)+ReLU, batch 16)", run, n, reps)
-    run, n = conv_net(1 if a.quick else 3)
-    out["conv_net"] = bench_workload("(c) conv net training step (3 conv+BN+ReLU, channels_last, SGD)", run, n, reps)
-    run, n = transformer(1 if a.quick else 3)
-    out["transformer"] = bench_workload("(d) 2 transformer blocks forward+backward (d=64, 4 heads, 4x32)",
-                                        run, n, reps)
+    if "small" in only:
+        run, n = small_ops(300 if a.quick else 1000)
+        out["small_ops"] = bench_workload("(a) small elementwise ops on 8x8", run, n, reps)
+    if "mlp" in only:
+        run, n = mlp(2 if a.quick else 10)
+        out["mlp"] = bench_workload("(b) MLP forward+backward (4x Linear(128)+ReLU, batch 16)", run, n, reps)
+    if "conv" in only:
+        run, n = conv_net(1 if a.quick else 3)
+        out["conv_net"] = bench_workload("(c) conv net training step (3 conv+BN+ReLU, channels_last, SGD)",
+                                         run, n, reps)
+    if "transformer" in only:
+        run, n = transformer(1 if a.quick else 3)
+        out["transformer"] = bench_workload("(d) 2 transformer blocks forward+backward (d=64, 4 heads, 4x32)",
+                                            run, n, reps)
     out["fixed_cost_ms"] = fixed_cost(reps)
     if a.ops:
-        out["big"] = {eng: big_trace(a.ops, eng) for eng in ("native", "python")}
+        # each engine in a fresh process: resident memory is not muddled by the other's freed pages
+        import subprocess
+
+        out["big"] = {}
+        for eng in ("native", "python"):
+            r = subprocess.run([sys.executable, __file__, "--big-only", eng, "--ops", str(a.ops)],
+                               capture_output=True, text=True)
+            print(r.stdout.strip() or r.stderr.strip()[-2000:])
+            try:
+                out["big"][eng] = json.loads(r.stdout.strip().splitlines()[-1])
+            except Exception:
+                out["big"][eng] = None
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
