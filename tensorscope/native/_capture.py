@@ -95,7 +95,7 @@ class NativeCapture:
     def call_end(self, token: Any) -> Optional[List[Dict[str, Any]]]:
         self._ext.call_end()
         eng = self.engine
-        out = eng.take_warnings() if eng is not None else []
+        out = eng.take_warnings() if (eng is not None and eng.ext.warnings_pending()) else []
         if token is None or token == -1:
             return out or None
         items = TAP.pop(token)

@@ -35,6 +35,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/Storage.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -179,7 +180,9 @@ struct RowWarningHandler final : c10::WarningHandler {
 
 struct ThreadState {
   std::vector<Frame> frames;
-  std::vector<Pending> pending;   // kept/tentative rows open on this thread (at most a few)
+  // kept/tentative rows open on this thread (at most a few), reused across ops: no allocation per op
+  std::vector<std::unique_ptr<Pending>> pool;
+  size_t npending = 0;
   std::vector<std::unique_ptr<RowWarningHandler>> handlers;
   int64_t node = 0;               // autograd node id of the innermost BACKWARD_FUNCTION (0: forward)
   int64_t node_seq = -1;
@@ -242,6 +245,7 @@ struct Engine {
   size_t young_rr = 0, old_rr = 0;
 
   std::vector<WarnRec> warnings;
+  std::atomic<size_t> n_warnings{0};   // warnings.size(), readable without the lock
   size_t warnings_taken = 0;
   std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> nonfinite;  // seq -> (count, produced)
   int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0;
@@ -269,6 +273,7 @@ struct Engine {
     old.clear();
     young_rr = old_rr = 0;
     warnings.clear();
+    n_warnings.store(0);
     warnings_taken = 0;
     nonfinite.clear();
     n_screened = n_fired = n_pre = n_unscreened_device = 0;
@@ -285,6 +290,7 @@ void RowWarningHandler::process(const c10::Warning& w) {
     eng->warnings.push_back(WarnRec{seq, w.msg(), loc.file ? loc.file : "", loc.function ? loc.function : "",
                                     int64_t(loc.line),
                                     std::holds_alternative<c10::DeprecationWarning>(w.type())});
+    eng->n_warnings.store(eng->warnings.size(), std::memory_order_release);
   } catch (...) {
   }
   if (prev != nullptr && prev != this) prev->process(w);
@@ -559,7 +565,18 @@ int64_t version_of(const c10::TensorImpl* impl) {
 
 // -- callbacks -------------------------------------------------------------------
 void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, int kind, int64_t t_start) {
-  Pending p;
+  if (s.pool.size() <= s.npending) s.pool.emplace_back(new Pending());
+  Pending& p = *s.pool[s.npending++];
+  p.in_metas.clear();
+  p.in_sids.clear();
+  p.in_ptrs.clear();
+  p.in_impls.clear();
+  p.in_nbytes.clear();
+  p.args_enc.clear();
+  p.held.clear();
+  p.pre_nonfinite = false;
+  p.handler_pushed = false;
+  p.prev_handler = nullptr;
   p.facts = f;
   Row& r = p.row;
   r.op = f->id;
@@ -611,7 +628,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
         enc.push_back(6);
       }
     }
-    p.args_enc = std::move(enc);   // outputs are appended and the whole interned at commit
+    p.args_enc.swap(enc);   // outputs are appended and the whole interned at commit
   }
   for (const auto& v : fn.inputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
@@ -659,22 +676,21 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
     }
   }
   r.start = t_start;
-  s.pending.push_back(std::move(p));
-  s.frames.push_back(Frame{kind, int64_t(s.pending.size() - 1), f, g.gen});
+  s.frames.push_back(Frame{kind, int64_t(s.npending - 1), f, g.gen});
   s.kept_depth++;
   // per-op warnings: a handler that records and chains to the current one
   if (g.want_warnings) {
-    size_t d = s.pending.size() - 1;
+    size_t d = s.npending - 1;
     while (s.handlers.size() <= d) s.handlers.emplace_back(new RowWarningHandler());
     RowWarningHandler& h = *s.handlers[d];
     h.eng = &g;
     h.seq = -1;   // set at commit; warnings before that carry the pending row's future seq
     h.prev = c10::WarningUtils::get_warning_handler();
     c10::WarningUtils::set_warning_handler(&h);
-    s.pending.back().prev_handler = h.prev;
-    s.pending.back().handler_pushed = true;
+    p.prev_handler = h.prev;
+    p.handler_pushed = true;
   }
-  s.pending.back().row.start = now_ns();   // after the probes: cpu_ns is the op's own time
+  p.row.start = now_ns();   // after the probes: cpu_ns is the op's own time
 }
 
 // under g.mu
@@ -744,14 +760,14 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     for (size_t i = s.frames.size(); i-- > 0;) {
       Frame& fr = s.frames[i];
       if (fr.kind == 2) {
-        Pending& p = s.pending[size_t(fr.row)];
+        Pending& p = *s.pool[size_t(fr.row)];
         if (p.handler_pushed) {
           c10::WarningUtils::set_warning_handler(p.prev_handler);
           p.handler_pushed = false;
         }
         fr.kind = 0;
         fr.row = -1;
-        s.pending.pop_back();   // it is always the last pending row
+        s.npending--;   // it is always the last pending row
         s.kept_depth--;
         break;
       }
@@ -921,8 +937,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
       return;
     }
     if (fr.kind != 1 && fr.kind != 2) return;
-    Pending p = std::move(s.pending[size_t(fr.row)]);
-    s.pending.pop_back();
+    Pending& p = *s.pool[size_t(fr.row)];
+    s.npending--;   // reused by the next row only after this one is committed
     s.kept_depth--;
     if (p.handler_pushed) c10::WarningUtils::set_warning_handler(p.prev_handler);
     if (fr.gen != g.gen || !g.active) return;
@@ -971,7 +987,7 @@ PyObject* py_start(PyObject*, PyObject* args) {
     g.owner_thread = std::hash<std::thread::id>()(std::this_thread::get_id());
     ThreadState& s = ts();
     s.frames.clear();
-    s.pending.clear();
+    s.npending = 0;
     s.node = 0;
     s.node_seq = -1;
     s.node_stack.clear();
@@ -1000,10 +1016,10 @@ PyObject* py_stop(PyObject*, PyObject*) {
     }
     ThreadState& s = ts();
     // restore any handler a row left pushed (an op still running when the trace stops)
-    for (size_t i = s.pending.size(); i-- > 0;) {
-      if (s.pending[i].handler_pushed) c10::WarningUtils::set_warning_handler(s.pending[i].prev_handler);
+    for (size_t i = s.npending; i-- > 0;) {
+      if (s.pool[i]->handler_pushed) c10::WarningUtils::set_warning_handler(s.pool[i]->prev_handler);
     }
-    s.pending.clear();
+    s.npending = 0;
     s.frames.clear();
     s.node_stack.clear();
     s.node = 0;
@@ -1060,6 +1076,7 @@ PyObject* interner_out(const SeqInterner& in) {
 
 // warnings recorded since the last call: [(seq, msg, file, line, function, deprecation)]
 PyObject* py_take_warnings(PyObject*, PyObject*) {
+  if (g.n_warnings.load(std::memory_order_acquire) == g.warnings_taken) Py_RETURN_NONE;   // per call: no lock
   std::lock_guard<std::mutex> lk(g.mu);
   size_t n = g.warnings.size() - g.warnings_taken;
   PyObject* l = PyList_New(Py_ssize_t(n));
@@ -1075,6 +1092,10 @@ PyObject* py_take_warnings(PyObject*, PyObject*) {
   }
   g.warnings_taken = g.warnings.size();
   return l;
+}
+
+PyObject* py_warnings_pending(PyObject*, PyObject*) {
+  return PyBool_FromLong(g.n_warnings.load(std::memory_order_acquire) != g.warnings_taken);
 }
 
 PyObject* py_warning_seen(PyObject*, PyObject* o) {
@@ -1199,6 +1220,7 @@ PyMethodDef methods[] = {
     {"take_error_seq", py_take_error_seq, METH_NOARGS, "(seq, op) of the last row whose kernel threw, once"},
     {"take_warnings", py_take_warnings, METH_NOARGS, "warnings recorded since the last call"},
     {"warning_seen", py_warning_seen, METH_O, "whether an op recorded this warning message"},
+    {"warnings_pending", py_warnings_pending, METH_NOARGS, "whether take_warnings() has something"},
     {"take", py_take, METH_NOARGS, "every column, as bytes"},
     {"live_created", py_live_created, METH_NOARGS, "live storages the trace created"},
     {"release", py_release, METH_NOARGS, "free the buffers"},

@@ -166,8 +166,11 @@ class NativeEngine:
             self.ext.stop()
 
     def take_warnings(self) -> List[Dict[str, Any]]:
+        raw = self.ext.take_warnings()
+        if not raw:
+            return []
         out = []
-        for seq, msg, file, line, func, dep in self.ext.take_warnings():
+        for seq, msg, file, line, func, dep in raw:
             out.append({"seq": seq if seq >= 0 else None, "message": msg,
                         "category": "DeprecationWarning" if dep else "UserWarning",
                         "cpp_file": file or None, "cpp_line": line if line > 0 else None,
