@@ -567,3 +567,49 @@ def test_leaks_and_storages_with_native_engine():
     assert any(r["free_seq"] is not None for r in tens)   # randn's storage died inside the trace
     assert t.leaks.num_rows == 1 and t.leaks.to_pylist()[0]["nbytes"] == 400
     keep.clear()
+
+
+# ---------------------------------------------------------------------------
+# op hooks (collectives): the same calls under both engines
+# ---------------------------------------------------------------------------
+def test_op_hook_receives_collectives_under_both_engines(tmp_path):
+    import torch.distributed as dist
+
+    from tensorscope.recording.engines import add_op_hook, remove_op_hook
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        got = {}
+        for eng in ("python", "native"):
+            seen = []
+
+            def hook(seq, op, inputs, outputs):
+                seen.append((seq, op, [type(i).__name__ for i in inputs],
+                             None if outputs is None else len(outputs)))
+
+            def bad_hook(seq, op, inputs, outputs):
+                raise ValueError("hook bug")
+
+            h = add_op_hook(("c10d",), hook)
+            h2 = add_op_hook("c10d", bad_hook)
+            try:
+                x = torch.ones(4)
+                with tensorscope.trace(engine=eng, leaks=False) as t:
+                    dist.all_reduce(x)
+                    x * 2
+            finally:
+                remove_op_hook(h)
+                remove_op_hook(h2)
+            assert torch.equal(x, torch.ones(4))
+            assert t.metadata["engine"] == eng
+            rows = {r["seq"]: r["op"] for r in t.ops.to_pylist()}
+            assert seen and all(rows[s] == op for s, op, _, _ in seen), (seen, rows)
+            assert t.metadata["tracer_errors"] == len(seen)   # the bad hook: counted, never raised
+            got[eng] = [s[1:] for s in seen]
+        assert got["python"] == got["native"]
+        assert any("ScriptObject" in types for _, types, _ in got["native"])   # the process group
+    finally:
+        dist.destroy_process_group()

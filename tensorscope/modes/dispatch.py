@@ -20,6 +20,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..recording.engines import schema_inputs
 from ..recording.session import exc_key
 from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
@@ -43,10 +44,11 @@ NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_loc
 class OpInfo:
     """Per-OpOverload facts computed once: id, flags, FLOP formula."""
 
-    __slots__ = ("op_id", "flags", "flop", "flop_at_build")
+    __slots__ = ("op_id", "flags", "flop", "flop_at_build", "hook")
 
-    def __init__(self, rec, func):
+    def __init__(self, rec, func, hook_namespaces=frozenset()):
         self.op_id = rec.funcs(func)
+        self.hook = bool(hook_namespaces) and getattr(func, "namespace", None) in hook_namespaces
         flags = 0
         schema = func._schema
         out_kw = False
@@ -190,7 +192,7 @@ class TracingDispatchMode(TorchDispatchMode):
         try:
             info = self._infos.get(func)
             if info is None:
-                info = self._infos[func] = OpInfo(rec, func)
+                info = self._infos[func] = OpInfo(rec, func, s.op_hooks.namespaces)
             module_id = s.modules.current
             call_id = s.current_call
             stor = rec.storages
@@ -237,6 +239,8 @@ class TracingDispatchMode(TorchDispatchMode):
                 rec.op_errors[seq] = s.last_error_id
                 if ok:
                     self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, (), -1, t0, t1)
+                    if info.hook:
+                        s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs), None)
                 else:
                     s.seq = seq   # keep seq dense: no row was written
             except Exception as e2:
@@ -277,6 +281,9 @@ class TracingDispatchMode(TorchDispatchMode):
             else:
                 flop = -1
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
+            if info.hook:
+                s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs),
+                           tuple(out) if type(out) is tuple or type(out) is list else (out,))
             if screen is not None:
                 r = screen.post(seq, func, args, kwargs, outs, pre_state)
                 if r is not None:

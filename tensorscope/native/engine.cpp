@@ -22,6 +22,7 @@
 // mutex (uncontended on the recording thread).
 
 #include <Python.h>
+#include <pybind11/pybind11.h>
 
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -46,6 +47,12 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+// Declared here instead of including torch/csrc/jit/python/pybind_utils.h (~25 CPU-s
+// of headers): IValue -> Python object, as torch's own bindings convert them.
+namespace torch::jit {
+pybind11::object toPyObject(c10::IValue ivalue);
+}  // namespace torch::jit
 
 namespace {
 
@@ -119,6 +126,7 @@ struct OpFacts {
   bool writes = false;       // in-place / out=: screens the written outputs
   bool no_screen = false;    // returns uninitialised memory
   bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
+  bool py_hook = false;      // the Python op hook wants it (c10d collectives)
   std::string name;          // "aten::add.Tensor"
 };
 
@@ -160,6 +168,7 @@ struct Pending {
   std::vector<const c10::StorageImpl*> in_impls;   // tentative rows: resolved at commit
   std::vector<int64_t> in_nbytes;
   std::vector<int64_t> args_enc;
+  PyObject* py_inputs = nullptr;   // op hook: the inputs as Python objects (owned)
   std::vector<const c10::TensorImpl*> held;   // inputs (not owned: the caller holds them while the op runs)
   uint64_t seq_peek = 0;
   int uncaught = 0;
@@ -229,6 +238,9 @@ struct Engine {
   SeqInterner aliases;
   SeqInterner args;
   std::unordered_map<std::string, bool> arg_ops;   // "aten::convolution" -> record arguments
+  std::unordered_map<std::string, bool> hook_ns;   // namespaces the Python op hook receives
+  PyObject* hook = nullptr;                        // hook(seq, name, inputs, outputs) (owned)
+  int64_t hook_errors = 0;
   std::unordered_map<std::string, int32_t> node_ids;
   std::vector<std::string> node_names;
 
@@ -328,6 +340,10 @@ OpFacts* facts_for(const at::RecordFunction& fn) {
   } catch (...) {
   }
   f->want_args = g.arg_ops.count(opname->name) > 0;
+  {
+    auto pos = opname->name.find("::");
+    f->py_hook = g.hook != nullptr && pos != std::string::npos && g.hook_ns.count(opname->name.substr(0, pos)) > 0;
+  }
   std::string base = opname->name.substr(opname->name.find("::") == std::string::npos ? 0 : opname->name.find("::") + 2);
   for (const char* const* u = kUninit; *u; ++u) {
     if (base == *u) f->no_screen = true;
@@ -574,6 +590,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   p.in_nbytes.clear();
   p.args_enc.clear();
   p.held.clear();
+  p.py_inputs = nullptr;
   p.pre_nonfinite = false;
   p.handler_pushed = false;
   p.prev_handler = nullptr;
@@ -710,6 +727,24 @@ void push_node(ThreadState& s, const char* name_c, int64_t sn) {
   s.node_seq = (sn < 0 || sn >= (int64_t(1) << 62)) ? -1 : sn;
 }
 
+// op hook: the inputs as Python objects, taken in the start callback (the only place they are valid)
+void hook_inputs(Pending& p, const at::RecordFunction& fn) {
+  PyGILState_STATE st = PyGILState_Ensure();
+  try {
+    auto ins = fn.inputs();
+    PyObject* l = PyList_New(Py_ssize_t(ins.size()));
+    for (size_t i = 0; i < ins.size(); ++i) {
+      PyList_SET_ITEM(l, Py_ssize_t(i), torch::jit::toPyObject(ins[i]).release().ptr());
+    }
+    p.py_inputs = l;
+  } catch (...) {
+    PyErr_Clear();
+    g.hook_errors++;
+  }
+  PyGILState_Release(st);
+  p.row.start = now_ns();
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (!g.active) return nullptr;
   try {
@@ -740,7 +775,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
         if (k == 3) break;
       }
     }
-    std::lock_guard<std::mutex> lk(g.mu);
+    std::unique_lock<std::mutex> lk(g.mu);
     const OpFacts* f = facts_for(fn);
     if (f == nullptr) {
       // autograd's evaluate_function event encloses the node's apply and the engine's
@@ -775,6 +810,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     }
     int64_t t = now_ns();
     open_row(s, fn, f, f->cia ? 2 : 1, t);
+    lk.unlock();
+    if (f->py_hook) hook_inputs(*s.pool[s.npending - 1], fn);   // after the lock: it takes the GIL
   } catch (...) {
   }
   return nullptr;
@@ -917,6 +954,50 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   }
 }
 
+void drop_py_inputs(Pending& p) {
+  if (p.py_inputs == nullptr) return;
+  PyGILState_STATE st = PyGILState_Ensure();
+  Py_CLEAR(p.py_inputs);
+  PyGILState_Release(st);
+}
+
+// hook(seq, "ns::op.overload", inputs, outputs): outputs None when the kernel threw.
+// Never raises into the op: a failing hook is counted (hook_errors) and cleared.
+void call_hook(Pending& p, const at::RecordFunction& fn, int64_t seq) {
+  PyGILState_STATE st = PyGILState_Ensure();
+  PyObject* outs = nullptr;
+  try {
+    if (p.row.flags & F_THREW) {
+      Py_INCREF(Py_None);
+      outs = Py_None;
+    } else {
+      const auto& o = fn.outputs();
+      outs = PyTuple_New(Py_ssize_t(o.size()));
+      for (size_t i = 0; i < o.size(); ++i) {
+        PyTuple_SET_ITEM(outs, Py_ssize_t(i), torch::jit::toPyObject(o[i]).release().ptr());
+      }
+    }
+    PyObject* hook = g.hook;
+    if (hook != nullptr) {
+      Py_INCREF(hook);
+      PyObject* r = PyObject_CallFunction(hook, "LsOO", (long long)seq, p.facts->name.c_str(), p.py_inputs, outs);
+      Py_DECREF(hook);
+      if (r == nullptr) {
+        PyErr_Clear();
+        g.hook_errors++;
+      } else {
+        Py_DECREF(r);
+      }
+    }
+  } catch (...) {
+    PyErr_Clear();
+    g.hook_errors++;
+  }
+  Py_XDECREF(outs);
+  Py_CLEAR(p.py_inputs);
+  PyGILState_Release(st);
+}
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
   int64_t t_end = now_ns();
   ThreadState* sp = tls;
@@ -941,10 +1022,21 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
     s.npending--;   // reused by the next row only after this one is committed
     s.kept_depth--;
     if (p.handler_pushed) c10::WarningUtils::set_warning_handler(p.prev_handler);
-    if (fr.gen != g.gen || !g.active) return;
-    if (fr.kind == 2 && !p.facts->backend) return;   // a childless composite eager ran as a decomposition
-    std::lock_guard<std::mutex> lk(g.mu);
-    commit(s, p, fn, t_end);
+    if (fr.gen != g.gen || !g.active) {
+      drop_py_inputs(p);
+      return;
+    }
+    if (fr.kind == 2 && !p.facts->backend) {   // a childless composite eager ran as a decomposition
+      drop_py_inputs(p);
+      return;
+    }
+    int64_t seq;
+    {
+      std::lock_guard<std::mutex> lk(g.mu);
+      commit(s, p, fn, t_end);
+      seq = g.n_rows - 1;
+    }
+    if (p.py_inputs != nullptr) call_hook(p, fn, seq);
   } catch (...) {
   }
 }
@@ -956,7 +1048,22 @@ PyObject* py_start(PyObject*, PyObject* args) {
   long long t0;
   int screen, storages, warnings;
   PyObject* arg_ops = nullptr;
-  if (!PyArg_ParseTuple(args, "Lppp|O", &t0, &screen, &storages, &warnings, &arg_ops)) return nullptr;
+  PyObject* hook = Py_None;
+  PyObject* hook_ns = Py_None;
+  if (!PyArg_ParseTuple(args, "Lppp|OOO", &t0, &screen, &storages, &warnings, &arg_ops, &hook, &hook_ns))
+    return nullptr;
+  std::unordered_map<std::string, bool> hns;
+  if (hook != Py_None && hook_ns != Py_None) {
+    PyObject* it = PyObject_GetIter(hook_ns);
+    if (it == nullptr) return nullptr;
+    while (PyObject* item = PyIter_Next(it)) {
+      const char* c = PyUnicode_AsUTF8(item);
+      if (c != nullptr) hns.emplace(c, true);
+      Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return nullptr;
+  }
   std::unordered_map<std::string, bool> wanted;
   if (arg_ops != nullptr && arg_ops != Py_None) {
     PyObject* it = PyObject_GetIter(arg_ops);
@@ -982,6 +1089,13 @@ PyObject* py_start(PyObject*, PyObject* args) {
     g.want_storages = storages;
     g.want_warnings = warnings;
     g.arg_ops = std::move(wanted);
+    g.hook_ns = std::move(hns);
+    Py_CLEAR(g.hook);
+    g.hook_errors = 0;
+    if (hook != Py_None && !g.hook_ns.empty()) {
+      Py_INCREF(hook);
+      g.hook = hook;
+    }
     g.cur_module = 0;
     g.cur_call = -1;
     g.owner_thread = std::hash<std::thread::id>()(std::this_thread::get_id());
@@ -1016,7 +1130,9 @@ PyObject* py_stop(PyObject*, PyObject*) {
     }
     ThreadState& s = ts();
     // restore any handler a row left pushed (an op still running when the trace stops)
+    Py_CLEAR(g.hook);
     for (size_t i = s.npending; i-- > 0;) {
+      Py_CLEAR(s.pool[i]->py_inputs);
       if (s.pool[i]->handler_pushed) c10::WarningUtils::set_warning_handler(s.pool[i]->prev_handler);
     }
     s.npending = 0;
@@ -1163,6 +1279,7 @@ PyObject* py_take(PyObject*, PyObject*) {
   put("tensors", bytes_of(st.data(), st.size() * 8));
   put("nonfinite", bytes_of(nf.data(), nf.size() * 8));
   put("other_thread_rows", PyLong_FromLongLong(g.other_thread_rows));
+  put("hook_errors", PyLong_FromLongLong(g.hook_errors));
   PyObject* screen = Py_BuildValue("{s:L,s:L,s:L,s:L}", "screened", (long long)g.n_screened, "fired",
                                    (long long)g.n_fired, "pre_screened", (long long)g.n_pre, "device_unscreened",
                                    (long long)g.n_unscreened_device);

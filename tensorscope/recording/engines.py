@@ -111,6 +111,69 @@ def engine_status() -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
+# op hooks: Python callbacks for the ops of chosen namespaces (collectives)
+# ---------------------------------------------------------------------------
+_OP_HOOKS: Dict[int, Tuple[frozenset, Any]] = {}
+_next_hook = [0]
+
+
+def add_op_hook(namespaces, fn) -> int:
+    """Call ``fn(seq, op, inputs, outputs)`` for every recorded op of ``namespaces`` (e.g.
+    ``("c10d", "_c10d_functional")``), under both engines, in traces started afterwards.
+
+    ``op`` is ``str(OpOverload)`` (``"c10d.allreduce_.default"``), ``inputs`` the op's
+    arguments in schema order as Python objects (tensors, ``torch.ScriptObject`` process
+    groups and reduce ops, lists, scalars), ``outputs`` a tuple, or None when the kernel
+    raised. It runs on the recording thread right after the op; an exception in it is
+    counted in ``metadata["tracer_errors"]``, never raised into the program. Keep no
+    reference to the tensors. Returns a handle for :func:`remove_op_hook`.
+    """
+    if isinstance(namespaces, str):
+        namespaces = (namespaces,)
+    _next_hook[0] += 1
+    _OP_HOOKS[_next_hook[0]] = (frozenset(namespaces), fn)
+    return _next_hook[0]
+
+
+def remove_op_hook(handle: int) -> None:
+    _OP_HOOKS.pop(handle, None)
+
+
+class OpHooks:
+    """The hooks of one trace (a snapshot taken at its start)."""
+
+    def __init__(self):
+        self.hooks = list(_OP_HOOKS.values())
+        self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
+        self.errors: List[str] = []
+
+    def __bool__(self):
+        return bool(self.hooks)
+
+    def __call__(self, seq, name, inputs, outputs):
+        name = name.replace("::", ".", 1)
+        ns = name.split(".", 1)[0]
+        for nss, fn in self.hooks:
+            if ns in nss:
+                try:
+                    fn(seq, name, inputs, outputs)
+                except Exception as e:   # a hook's bug never reaches the program
+                    if len(self.errors) < 20:
+                        self.errors.append(f"op hook {getattr(fn, '__name__', fn)!s} on {name}: {type(e).__name__}: {e}")
+
+
+def schema_inputs(func, args, kwargs) -> list:
+    """An op's arguments in schema order (kwarg-only ones from kwargs), as the native engine gives them."""
+    out = list(args)
+    try:
+        for a in func._schema.arguments[len(args):]:
+            out.append(kwargs.get(a.name, a.default_value) if kwargs else a.default_value)
+    except Exception:
+        out.extend((kwargs or {}).values())
+    return out
+
+
+# ---------------------------------------------------------------------------
 # the python engine
 # ---------------------------------------------------------------------------
 class PythonEngine:
@@ -156,8 +219,10 @@ class NativeEngine:
 
     def start(self, sess):
         opts = sess.options
+        hooks = sess.op_hooks
         self.ext.start(sess.t0, bool(opts.nonfinite), bool(opts.storages), True,
-                       _flop_op_names() if opts.flops else ())
+                       _flop_op_names() if opts.flops else (),
+                       hooks if hooks else None, tuple(hooks.namespaces) if hooks else None)
         self.running = True
 
     def stop(self, sess):
@@ -195,7 +260,7 @@ class NativeEngine:
         for name in d["ops"]:
             func = _resolve_op(name)
             try:
-                info = OpInfo(rec, func)
+                info = OpInfo(rec, func)   # schema flags only: the native engine calls the op hooks itself
                 flags_of.append(info.flags | ((1 << 40) if info.flop_at_build else 0))   # 1<<40: FLOPs at build
             except Exception:   # an op without a schema (its library is gone): no flags
                 if len(rec.funcs) == len(flags_of):
@@ -243,6 +308,8 @@ class NativeEngine:
             rec.chunk_start = n
         sess.opaque_ops = int(np.count_nonzero((rows["node"] == 0) & (rows["call"] < 0))) if n else 0
         self.other_thread_rows = int(d["other_thread_rows"])
+        for _ in range(int(d.get("hook_errors", 0))):
+            rec.tracer_error("op hook", RuntimeError("converting an op's arguments for the op hook failed"))
         # storages
         st = np.frombuffer(d["tensors"], dtype=np.int64).reshape(-1, 7)
         if sess.options.storages:

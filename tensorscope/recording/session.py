@@ -41,8 +41,11 @@ class Session:
         from ..tracking.storages import StorageTracker
         from .engines import EngineChoice, make_engine
 
+        from .engines import OpHooks
+
         self.engine_choice = engine or EngineChoice("python", "engine='python' was asked for")
         self.engine = make_engine(self.engine_choice)
+        self.op_hooks = OpHooks()
 
         self.options = options
         self.cell = cell
@@ -236,6 +239,8 @@ class Session:
                 self.rec.notes.append(
                     f"{len(others)} other Python thread(s) were running ({', '.join(th.name for th in others[:3])}): "
                     "ops they ran are not recorded (a trace records its own thread and autograd's workers)")
+            for msg in self.op_hooks.errors:
+                self.rec.tracer_error("op hook", RuntimeError(msg))
             self.trace = build_trace(self)
         finally:
             if self.tracker is not None:
