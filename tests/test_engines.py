@@ -613,3 +613,32 @@ def test_op_hook_receives_collectives_under_both_engines(tmp_path):
         assert any("ScriptObject" in types for _, types, _ in got["native"])   # the process group
     finally:
         dist.destroy_process_group()
+
+
+def test_two_threads_tracing_at_once():
+    # the native observer records one trace per process: a second, concurrent trace on another
+    # thread falls back to the python engine and says why; each records only its own thread
+    barrier = threading.Barrier(2, timeout=60)
+    results = {}
+
+    def work(name, n):
+        with tensorscope.trace(leaks=False) as t:
+            barrier.wait()
+            x = torch.randn(n)
+            for _ in range(5):
+                x = x.exp().log()
+            barrier.wait()
+        results[name] = t
+
+    th = threading.Thread(target=work, args=("b", 5))
+    th.start()
+    work("a", 3)
+    th.join()
+    engines = sorted(t.metadata["engine"] for t in results.values())
+    assert engines == ["native", "python"]
+    py = next(t for t in results.values() if t.metadata["engine"] == "python")
+    assert "another thread" in py.metadata["engine_reason"]
+    for name, n in (("a", 3), ("b", 5)):
+        ops = results[name].ops.to_pylist()
+        assert [r["op"] for r in ops] == ["aten.randn.default"] + ["aten.exp.default", "aten.log.default"] * 5
+        assert all(s == [n] for r in ops for s in r["out_shapes"])

@@ -327,6 +327,16 @@ class NativeEngine:
             rec.nonfinite[s_] = (c_, bool(p_))
         if sess.screen is not None:
             sess.screen = NativeScreen(d["screen"])
+            dev = int(d["screen"].get("device_unscreened", 0))
+            if dev:
+                rec.notes.append(f"{dev} op(s) with CUDA outputs were not screened for NaN/Inf: the native engine "
+                                 "screens CPU memory only (engine='python' screens on device)")
+        if sess.options.cuda_timing and any(str(v).startswith("cuda") for v in metas.devices):
+            rec.notes.append("per-op CUDA times (ops.cuda_ns) are recorded by the python engine only; "
+                             "use engine='python', or kernels=True for kernel times")
+        if n > sess.options.spill_rows:
+            rec.notes.append(f"{n} rows stayed in the native engine's memory (~70 bytes each): spill_rows applies "
+                             "to the python engine only")
         self.data = None
 
 
