@@ -642,3 +642,17 @@ def test_two_threads_tracing_at_once():
         ops = results[name].ops.to_pylist()
         assert [r["op"] for r in ops] == ["aten.randn.default"] + ["aten.exp.default", "aten.log.default"] * 5
         assert all(s == [n] for r in ops for s in r["out_shapes"])
+
+
+def test_torch_compile_internals_are_not_recorded():
+    # Dynamo runs ops of its own while it compiles (a dispatch mode is disabled then; the
+    # observer is paused through Dynamo's compile callbacks): both engines record the same ops
+    @torch.compile(backend="eager")
+    def f(x):
+        return (x.sin() * 2).relu()
+
+    x = torch.randn(8)
+    ref = f(x)
+    tp, tn, (pr, nr) = both(lambda: f(x))
+    assert torch.equal(f(x), ref)
+    assert [r["op"] for r in nr] == ["aten.sin.default", "aten.mul.Tensor", "aten.relu.default"]

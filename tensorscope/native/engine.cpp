@@ -241,6 +241,7 @@ struct Engine {
   std::unordered_map<std::string, bool> hook_ns;   // namespaces the Python op hook receives
   PyObject* hook = nullptr;                        // hook(seq, name, inputs, outputs) (owned)
   int64_t hook_errors = 0;
+  std::atomic<int> paused{0};   // >0 while torch.compile compiles (ops run then are hidden)
   std::unordered_map<std::string, int32_t> node_ids;
   std::vector<std::string> node_names;
 
@@ -756,6 +757,11 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       s.frames.push_back(Frame{3, -1, nullptr, g.gen});
       return nullptr;
     }
+    // torch.compile compiling: what Dynamo runs to compile is not the program's work
+    if (g.paused.load(std::memory_order_relaxed) > 0) {
+      s.frames.push_back(Frame{4, -1, nullptr, g.gen});
+      return nullptr;
+    }
     // C++ that excluded the Python key (Tensor._make_subclass's detach, no_dispatch()) runs
     // ops no dispatch mode can see: they are the binding's internals, not the program's ops
     if (c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
@@ -1098,6 +1104,7 @@ PyObject* py_start(PyObject*, PyObject* args) {
     }
     g.cur_module = 0;
     g.cur_call = -1;
+    g.paused.store(0);
     g.owner_thread = std::hash<std::thread::id>()(std::this_thread::get_id());
     ThreadState& s = ts();
     s.frames.clear();
@@ -1324,6 +1331,15 @@ PyObject* py_unobserved(PyObject*, PyObject* callable) {
   return PyObject_CallObject(callable, nullptr);
 }
 
+PyObject* py_pause(PyObject*, PyObject* o) {
+  if (PyObject_IsTrue(o)) {
+    g.paused.fetch_add(1);
+  } else if (g.paused.load() > 0) {
+    g.paused.fetch_sub(1);
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* py_active(PyObject*, PyObject*) {
   return PyBool_FromLong(g.active);
 }
@@ -1342,6 +1358,7 @@ PyMethodDef methods[] = {
     {"live_created", py_live_created, METH_NOARGS, "live storages the trace created"},
     {"release", py_release, METH_NOARGS, "free the buffers"},
     {"active", py_active, METH_NOARGS, "whether recording"},
+    {"pause", py_pause, METH_O, "pause(True)/pause(False): hide the ops run in between (torch.compile compiling)"},
     {"unobserved", py_unobserved, METH_O, "call f() with RecordFunction off on this thread"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -24,6 +24,7 @@ code for both engines.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from array import array
@@ -224,11 +225,40 @@ class NativeEngine:
                        _flop_op_names() if opts.flops else (),
                        hooks if hooks else None, tuple(hooks.namespaces) if hooks else None)
         self.running = True
+        self._compile_callbacks()
+
+    def _compile_callbacks(self):
+        """Hide what torch.compile runs while it compiles (Dynamo probes ops; a dispatch mode is
+        disabled then, the observer is not)."""
+        self._cb = None
+        dyn = sys.modules.get("torch._dynamo.callback")
+        if dyn is None:
+            try:
+                import torch._dynamo.callback as dyn
+            except Exception:
+                return
+        ext = self.ext
+        start = lambda *a, **k: ext.pause(True)  # noqa: E731
+        end = lambda *a, **k: ext.pause(False)  # noqa: E731
+        try:
+            dyn.callback_handler.register_start_callback(start)
+            dyn.callback_handler.register_end_callback(end)
+            self._cb = (dyn.callback_handler, start, end)
+        except Exception:
+            self._cb = None
 
     def stop(self, sess):
         if self.running:
             self.running = False
             self.ext.stop()
+            cb, self._cb = getattr(self, "_cb", None), None
+            if cb is not None:
+                handler, start, end = cb
+                try:
+                    handler.remove_start_callback(start)
+                    handler.remove_end_callback(end)
+                except Exception:
+                    pass
 
     def take_warnings(self) -> List[Dict[str, Any]]:
         raw = self.ext.take_warnings()
