@@ -660,3 +660,28 @@ def test_torch_compile_internals_are_not_recorded():
         t = _trace(eng, lambda: f(x))
         assert [r["op"] for r in t.ops.to_pylist()] == ["aten.sin.default", "aten.mul.Tensor", "aten.relu.default"]
     assert torch.equal(f(x), ref)
+
+
+def test_native_engine_on_unusual_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # nested/sparse prototype notices
+        with tensorscope.trace(engine="native") as t:
+            with FakeTensorMode():
+                a = torch.randn(4, 4)
+                (a @ a).relu()
+            torch.randn(3, device="meta") + 1
+            torch.randn(4, 4).to_sparse() * 2
+            torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]).sin()
+            with torch.inference_mode():
+                x = torch.ones(3)
+                x.add_(1).log_()
+            torch.randn(3, dtype=torch.complex64).exp()
+            torch.ones(5, dtype=torch.float16) * 1e5
+    assert t.metadata["tracer_errors"] == 0, t.metadata["tracer_error_messages"]
+    assert not any("CUDA" in n for n in t.metadata["notes"])   # meta tensors are not "device outputs"
+    rows = t.ops.to_pylist()
+    assert rows[-1]["op"] == "aten.mul.Tensor" and rows[-1]["nonfinite"] == 5   # fp16 overflow
+    assert "meta" in [d for r in rows for d in r["out_devices"]]
+    assert "non_strided" in [f for r in rows for f in r["out_formats"]]

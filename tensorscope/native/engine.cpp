@@ -529,7 +529,9 @@ int64_t nonfinite_count(const c10::TensorImpl* impl) {
   bool fl = st == c10::kFloat || st == c10::kDouble || st == c10::kHalf || st == c10::kBFloat16 ||
             st == c10::kComplexFloat || st == c10::kComplexDouble;
   if (!fl) return -1;
-  if (impl->device().type() != c10::DeviceType::CPU) return -2;   // device tensors: not screened here
+  auto dt = impl->device().type();
+  if (dt == c10::DeviceType::Meta) return -1;     // no data
+  if (dt != c10::DeviceType::CPU) return -2;      // device tensors: not screened here (counted, noted)
   int64_t nd = impl->dim();
   if (nd > 30) return -1;
   if (impl->numel() == 0) return 0;
