@@ -67,8 +67,12 @@ def _native_available():
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_native():
+    import os
+
     ok, reason = _native_available()
     if not ok:
+        if os.environ.get("TENSORSCOPE_REQUIRE_NATIVE") == "1" and "FORCE_FALLBACK" not in reason:
+            pytest.fail(f"TENSORSCOPE_REQUIRE_NATIVE=1 but the native engine is unavailable: {reason}")
         pytest.skip(f"native engine unavailable: {reason}")
 
 
