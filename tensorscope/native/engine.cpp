@@ -130,19 +130,20 @@ struct OpFacts {
   std::string name;          // "aten::add.Tensor"
 };
 
+// 56 bytes a row: ids that stay below 2**31 are int32; the rare argument encodings
+// (FLOP formulas) live in a sparse side column, not in every row.
 struct Row {
   int32_t op, ins, outs, alias, module, node;
   int32_t flags;
-  int32_t args;    // interned argument encoding (FLOP formulas), -1 when not recorded
-  int64_t call, seq_nr, start, dur;
+  int32_t call;
+  int64_t seq_nr, start, dur;
 };
 
 struct StorageRec {
   c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
   uintptr_t ptr;
-  int32_t meta;
-  int64_t nbytes, alloc_seq, free_seq, call;
-  int32_t module;
+  int64_t nbytes, alloc_seq, free_seq;
+  int32_t meta, module, call;
 };
 
 struct WarnRec {
@@ -168,6 +169,7 @@ struct Pending {
   std::vector<const c10::StorageImpl*> in_impls;   // tentative rows: resolved at commit
   std::vector<int64_t> in_nbytes;
   std::vector<int64_t> args_enc;
+  int32_t args_id = -1;
   PyObject* py_inputs = nullptr;   // op hook: the inputs as Python objects (owned)
   std::vector<const c10::TensorImpl*> held;   // inputs (not owned: the caller holds them while the op runs)
   uint64_t seq_peek = 0;
@@ -237,6 +239,7 @@ struct Engine {
   SeqInterner tuples;
   SeqInterner aliases;
   SeqInterner args;
+  std::vector<int64_t> row_args;   // (seq, interned argument encoding) for the rows that have one
   std::unordered_map<std::string, bool> arg_ops;   // "aten::convolution" -> record arguments
   std::unordered_map<std::string, bool> hook_ns;   // namespaces the Python op hook receives
   PyObject* hook = nullptr;                        // hook(seq, name, inputs, outputs) (owned)
@@ -273,6 +276,7 @@ struct Engine {
     tuples = SeqInterner();
     aliases = SeqInterner();
     args = SeqInterner();
+    row_args.clear();
     node_ids.clear();
     node_names.clear();
     blocks.clear();
@@ -457,7 +461,7 @@ int32_t storage_id(const c10::StorageImpl* si, uintptr_t ptr, int32_t meta, int6
   r.nbytes = nbytes;
   r.alloc_seq = alloc ? seq : -1;
   r.free_seq = -1;
-  r.call = g.cur_call;
+  r.call = int32_t(g.cur_call);
   r.module = int32_t(g.cur_module);
   g.storages.push_back(std::move(r));
   g.by_ptr[ptr] = sid;
@@ -631,7 +635,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   Row& r = p.row;
   r.op = f->id;
   r.module = int32_t(g.cur_module);
-  r.call = g.cur_call;
+  r.call = int32_t(g.cur_call);
   r.node = int32_t(s.node);
   r.flags = s.node ? int32_t(F_BACKWARD) : 0;
   if (std::hash<std::thread::id>()(std::this_thread::get_id()) != g.owner_thread)
@@ -639,7 +643,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   r.seq_nr = s.node ? s.node_seq : -1;
   p.seq_peek = at::sequence_number::peek();
   p.uncaught = std::uncaught_exceptions();
-  r.args = -1;
+  p.args_id = -1;
   if (f->want_args) {
     // tags: 0 tensor(meta) 1 none 2 bool 3 int 4 double(bits) 5 int list 6 other 7 tensor list
     std::vector<int64_t> enc;
@@ -957,7 +961,9 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
         }
       }
     }
-    r.args = g.args.get(enc.data(), enc.size());
+    p.args_id = g.args.get(enc.data(), enc.size());
+    g.row_args.push_back(seq);
+    g.row_args.push_back(p.args_id);
   }
   if (screened_any && count > 0) {
     g.n_fired++;
@@ -1314,6 +1320,7 @@ PyObject* py_take(PyObject*, PyObject*) {
   put("tuples", interner_out(g.tuples));
   put("aliases", interner_out(g.aliases));
   put("args", interner_out(g.args));
+  put("row_args", bytes_of(g.row_args.data(), g.row_args.size() * 8));
   put("nodes", str_list(g.node_names));
   put("tensors", bytes_of(st.data(), st.size() * 8));
   put("nonfinite", bytes_of(nf.data(), nf.size() * 8));

@@ -39,7 +39,7 @@ ENGINES = ("auto", "native", "python")
 
 #: numpy view of engine.cpp's ``Row`` (keep in sync; checked against ROW_SIZE at load)
 ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
-                      ("node", "<i4"), ("flags", "<i4"), ("args", "<i4"), ("call", "<i8"), ("seq_nr", "<i8"),
+                      ("node", "<i4"), ("flags", "<i4"), ("call", "<i4"), ("seq_nr", "<i8"),
                       ("start", "<i8"), ("dur", "<i8")])
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
@@ -327,7 +327,7 @@ class NativeEngine:
         chunk = {
             "op": op, "ins": rows["ins"].astype(np.int64), "outs": rows["outs"].astype(np.int64),
             "alias": rows["alias"].astype(np.int64), "module": rows["module"].astype(np.int64),
-            "call": rows["call"].copy(), "node": rows["node"].astype(np.int64), "seq_nr": rows["seq_nr"].copy(),
+            "call": rows["call"].astype(np.int64), "node": rows["node"].astype(np.int64), "seq_nr": rows["seq_nr"].copy(),
             "flags": flags, "flops": flops, "start": rows["start"].copy(), "dur": rows["dur"].copy(),
             "storages": np.frombuffer(d["storages"], dtype=np.int32).astype(np.int64),
         }
@@ -532,7 +532,10 @@ def _formula_flops(flops, op, rows, d, rec):
     (op, arguments, outputs): the formulas take shapes, so the interned metas suffice."""
     from ..modes.dispatch import _FLOP_REGISTRY
 
-    args = rows["args"]
+    args = np.full(len(rows), -1, dtype=np.int64)
+    ra = np.frombuffer(d["row_args"], dtype=np.int64).reshape(-1, 2)
+    if len(ra):
+        args[ra[:, 0]] = ra[:, 1]
     todo = np.nonzero((args >= 0) & (flops == -1))[0]
     if not len(todo):
         return
