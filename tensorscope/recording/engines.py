@@ -365,7 +365,7 @@ class NativeEngine:
             rec.notes.append("per-op CUDA times (ops.cuda_ns) are recorded by the python engine only; "
                              "use engine='python', or kernels=True for kernel times")
         if n > sess.options.spill_rows:
-            rec.notes.append(f"{n} rows stayed in the native engine's memory (~70 bytes each): spill_rows applies "
+            rec.notes.append(f"{n} rows stayed in the native engine's memory (~60-100 bytes each): spill_rows applies "
                              "to the python engine only")
         self.data = None
 
