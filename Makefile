@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
-	# compile the native hooks now (cached per torch/python/source) rather than in the first traced cell;
+	# compile the native hooks and recording engine now (cached per torch/python/source) rather than in the first traced cell;
 	# a failed build is not fatal: tensorscope then uses, and says it uses, the pure-Python fallback
 	-$(PY) -m tensorscope build-native
 	touch $@
@@ -25,8 +25,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
-	# the native seam again, with the pure-Python fallback forced (design: both implementations are tested)
-	TENSORSCOPE_FORCE_FALLBACK=1 $(PY) -m pytest -q tests/test_native.py tests/test_unchanged.py tests/test_trace_api.py
+	# the whole suite again with the fallback forced: python recording engine, pure-Python
+	# warning/error capture (design: both implementations are tested; ~6 min a pass)
+	TENSORSCOPE_FORCE_FALLBACK=1 $(PY) -m pytest -q tests
 
 bench: setup
 	$(PY) benchmarks/overhead.py

@@ -40,6 +40,9 @@ class TraceOptions:
     cuda_timing: bool = _opt(True, "time ops on CUDA tensors with event pairs, resolved once at the end")
     kernels: bool = _opt(False, "collect CUDA kernels from the profiler (Kineto/CUPTI)")
     native: bool = _opt(True, "use the native C++ warning/error hooks when they are built")
+    engine: str = _opt("auto", "recording engine: 'native' (C++ RecordFunction observer), 'python' (TorchDispatchMode), "
+                               "'auto' (native when it builds; TENSORSCOPE_FORCE_FALLBACK=1 forces python)",
+                       type=str, choices=("auto", "native", "python"), metavar="{auto,native,python}")
     cpp_errors: bool = _opt(False, "count every c10::Error constructed, including ones C++ swallows (slow)")
     expect: Tuple[str, ...] = _opt((), "cell guard: fail after the cell unless it holds (%s)" % ", ".join(EXPECTATIONS),
                                    type=str, choices=EXPECTATIONS, metavar="WHAT")
@@ -87,6 +90,8 @@ class TraceOptions:
             object.__setattr__(self, "dataset", os.fspath(self.dataset))
             if not self.dataset:
                 raise OptionsError("dataset must be a directory path, not an empty string")
+        if self.engine not in ("auto", "native", "python"):
+            raise OptionsError(f"engine must be 'auto', 'native' or 'python', not {self.engine!r}")
         if self.chunk_rows < 1 or self.spill_rows < self.chunk_rows:
             raise OptionsError("chunk_rows must be >= 1 and spill_rows >= chunk_rows")
 

@@ -19,7 +19,10 @@ def pytest_report_header(config):
         from tensorscope import native
 
         st = native.status()
+        eng = st.get("engine") or {}
         return [f"tensorscope native hooks: {st.get('state')} ({st.get('reason', '')})",
+                f"tensorscope recording engine: {'python (forced)' if st.get('forced_fallback') else eng.get('state')} "
+                f"({eng.get('reason', '')})",
                 f"TENSORSCOPE_FORCE_FALLBACK={os.environ.get('TENSORSCOPE_FORCE_FALLBACK', '')}"]
     except Exception as e:  # the native part reports itself; never break collection
         return [f"tensorscope native hooks: unavailable ({type(e).__name__}: {e})"]

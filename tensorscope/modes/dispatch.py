@@ -20,6 +20,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..recording.engines import schema_inputs
 from ..recording.session import exc_key
 from .frames import clean_traceback
 from .source import called_from_compiled_code
@@ -45,10 +46,11 @@ NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_loc
 class OpInfo:
     """Per-OpOverload facts computed once: id, flags, FLOP formula."""
 
-    __slots__ = ("op_id", "flags", "flop", "flop_at_build", "coll")
+    __slots__ = ("op_id", "flags", "flop", "flop_at_build", "hook")
 
-    def __init__(self, rec, func):
+    def __init__(self, rec, func, hook_namespaces=frozenset()):
         self.op_id = rec.funcs(func)
+        self.hook = bool(hook_namespaces) and getattr(func, "namespace", None) in hook_namespaces
         flags = 0
         schema = func._schema
         out_kw = False
@@ -72,8 +74,6 @@ class OpInfo:
         # (flop_counter's formulas tree-map their arguments: ~25 µs per call)
         self.flop_at_build = str(packet).split(".")[-1] in SHAPE_FLOP_OPS and packet in _FLOP_REGISTRY
         self.flop = None if self.flop_at_build else _FLOP_REGISTRY.get(packet)
-        # c10d / _c10d_functional ops also feed the collectives table (recording/collectives.py)
-        self.coll = getattr(func, "namespace", "") in ("c10d", "_c10d_functional")
 
 
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -265,7 +265,7 @@ class TracingDispatchMode(TorchDispatchMode):
         try:
             info = self._infos.get(func)
             if info is None:
-                info = self._infos[func] = OpInfo(rec, func)
+                info = self._infos[func] = OpInfo(rec, func, s.op_hooks.namespaces)
             module_id = s.modules.current
             call_id = s.current_call
             stor = rec.storages
@@ -315,7 +315,9 @@ class TracingDispatchMode(TorchDispatchMode):
                 s.last_exc_key = exc_key(e)
                 rec.op_errors[seq] = s.last_error_id
                 if ok:
-                    self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, (), 0, t0, t1)
+                    self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, (), -1, t0, t1)
+                    if info.hook:
+                        s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs), None)
                 else:
                     s.seq = seq   # keep seq dense: no row was written
             except Exception as e2:
@@ -358,8 +360,9 @@ class TracingDispatchMode(TorchDispatchMode):
             else:
                 flop = -1
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
-            if info.coll and s.collectives is not None:
-                s.collectives.observe(seq, func, args, kwargs, out, t0, t1)
+            if info.hook:
+                s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs),
+                           tuple(out) if type(out) is tuple or type(out) is list else (out,))
             if screen is not None:
                 r = screen.post(seq, func, args, kwargs, outs, pre_state)
                 if r is not None:

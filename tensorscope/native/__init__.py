@@ -63,6 +63,8 @@ def status() -> Dict[str, Any]:
         out["source_locations"] = bool(getattr(mod, "peek_ok", False))
         out["source_locations_reason"] = str(getattr(mod, "peek_reason", ""))
         out["cpp_stacktraces"] = bool(getattr(mod, "cpp_stacktraces", False))
+    eng = _build.lib_status(_build.ENGINE)
+    out["engine"] = {"state": eng["state"], "reason": eng["reason"], "path": eng.get("path")}
     out["forced_fallback"] = forced_fallback()
     if out["forced_fallback"]:
         out["available"] = out["state"]
@@ -176,6 +178,11 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
             st[k] = full[k]
     print(_describe(st))
     ok = st["state"] == "built"
+    # the recording engine: a failure is not fatal (traces then use the python engine, and say so)
+    _build.ensure(_build.ENGINE, wait=True, verbose=args.verbose, force=args.force)
+    est = _build.lib_status(_build.ENGINE)
+    print(f"native recording engine: {est['state']} ({est['reason']})")
+    ok = ok and est["state"] == "built"
     if args.test_ops:
         _build.ensure(_build.TEST_OPS, wait=True, verbose=args.verbose, force=args.force)
         tst = _build.lib_status(_build.TEST_OPS)

@@ -48,6 +48,7 @@ class LibSpec:
 
 HOOKS = LibSpec("hooks", "tensorscope_hooks", "hooks.cpp", True, "native C++ hooks")
 TEST_OPS = LibSpec("test_ops", "tensorscope_test_ops", "test_ops.cpp", False, "native test-op library")
+ENGINE = LibSpec("engine", "tensorscope_engine", "engine.cpp", True, "native recording engine")
 
 
 class _LibState:
@@ -62,7 +63,7 @@ class _LibState:
         self.thread: Optional[threading.Thread] = None
 
 
-_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), TEST_OPS.kind: _LibState()}
+_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), TEST_OPS.kind: _LibState(), ENGINE.kind: _LibState()}
 
 
 def _say(msg: str) -> None:

@@ -53,6 +53,8 @@ class NativeCapture:
     """Capture backed by the compiled hooks (see the module docstring)."""
 
     native = True
+    #: the native recording engine, when it records this trace: it captures C++ warnings per op itself
+    engine: Any = None
 
     def __init__(self, ext: Any, cpp_errors: bool = False, reason: str = "") -> None:
         self._ext = ext
@@ -92,15 +94,17 @@ class NativeCapture:
 
     def call_end(self, token: Any) -> Optional[List[Dict[str, Any]]]:
         self._ext.call_end()
+        eng = self.engine
+        out = eng.take_warnings() if (eng is not None and eng.ext.warnings_pending()) else []
         if token is None or token == -1:
-            return None
+            return out or None
         items = TAP.pop(token)
         if not items:
-            return None
-        out = []
+            return out or None
+        seen = eng.ext.warning_seen if eng is not None else None
         for it in items:
             w = shown_warning_dict(*it)
-            if w["cpp_file"] is not None and self._native_seen(w["message"]):
+            if w["cpp_file"] is not None and (self._native_seen(w["message"]) or (seen is not None and seen(w["message"]))):
                 continue  # the op that raised it already reported it, natively
             out.append(w)
         return out or None

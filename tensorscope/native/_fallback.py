@@ -195,12 +195,15 @@ class _WarningTap:
     def installed(self) -> bool:
         return getattr(warnings, "_showwarnmsg", None) is self._hook_fn
 
+    # Per thread: ``items`` (warnings seen while a call is open, in order) and ``depth``
+    # (open calls). A token is the length of ``items`` at push: pop(token) returns and drops
+    # everything after it. No allocation per call: push/pop run around every torch-level call.
     def _hook(self, msg) -> None:
         try:
-            stack = self._local.__dict__.get("stack")
-            if stack:
-                stack[-1].append((exc_text(msg.message) if isinstance(msg.message, BaseException) else str(msg.message),
-                                  msg.category, msg.filename, msg.lineno))
+            d = self._local.__dict__
+            if d.get("depth"):
+                d["items"].append((exc_text(msg.message) if isinstance(msg.message, BaseException) else str(msg.message),
+                                   msg.category, msg.filename, msg.lineno))
         except Exception:
             pass  # a tracer bug must never swallow the user's warning
         orig = self._orig
@@ -209,22 +212,31 @@ class _WarningTap:
         return orig(msg)
 
     def push(self) -> int:
-        stack = self._local.__dict__.get("stack")
-        if stack is None:
-            stack = self._local.stack = []
-        stack.append([])
-        return len(stack) - 1
+        d = self._local.__dict__
+        items = d.get("items")
+        if items is None:
+            items = d["items"] = []
+            d["depth"] = 0
+        d["depth"] += 1
+        return len(items)
 
     def pop(self, token: Any) -> List[tuple]:
-        stack = self._local.__dict__.get("stack")
-        if not stack or not isinstance(token, int) or token < 0 or token >= len(stack):
+        d = self._local.__dict__
+        items = d.get("items")
+        if items is None or not d.get("depth"):
             return []
-        items = [it for frame in stack[token:] for it in frame]
-        del stack[token:]
-        return items
+        d["depth"] -= 1
+        if not isinstance(token, int) or token < 0 or len(items) <= token:
+            if not d["depth"]:
+                items.clear()
+            return []
+        out = items[token:]
+        del items[token:]
+        return out
 
     def reset_thread(self) -> None:
-        self._local.__dict__.pop("stack", None)
+        self._local.__dict__.pop("items", None)
+        self._local.__dict__.pop("depth", None)
 
 
 TAP = _WarningTap()

@@ -642,18 +642,39 @@ def _ipython_shell():
         return None
 
 
+_DEVICE: Optional[Dict[str, Any]] = None
+
+
+def _device_description() -> Dict[str, Any]:
+    """env() once per process, hidden from every mode and profiler (it runs a probe op)."""
+    global _DEVICE
+    if _DEVICE is not None:
+        return dict(_DEVICE)
+
+    def describe():
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from .._env import env
+
+        with _disable_current_modes():
+            return env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
+
+    try:
+        from .engines import unobserved
+
+        _DEVICE = unobserved(describe)
+    except Exception as e:
+        return {"error": str(e)}
+    return dict(_DEVICE)
+
+
 def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     import torch
 
     from .. import __version__
 
     rec = sess.rec
-    try:
-        from .._env import env
-
-        device = env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
-    except Exception as e:
-        device = {"error": str(e)}
+    device = _device_description()
     cap = sess.capture
     native = None
     try:
@@ -681,6 +702,9 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         "tracer_errors": rec.n_tracer_errors,
         "tracer_error_messages": list(rec.tracer_errors),
         "native": native,
+        # which engine recorded the ops, and why (the summary shows the reason when it is the fallback)
+        "engine": getattr(sess, "engine_choice", None).name if getattr(sess, "engine_choice", None) else "python",
+        "engine_reason": getattr(sess, "engine_choice", None).reason if getattr(sess, "engine_choice", None) else "",
         "opaque_ops": sess.opaque_ops,
         # [precision integration] probe counters: non-finite screen, numerics shadow (skips and why)
         "nonfinite_screen": sess.screen.report() if getattr(sess, "screen", None) is not None else None,
@@ -728,6 +752,6 @@ def build_trace(sess):
         rec.tracer_error("leaks", e)
         tables["leaks"] = S.empty("leaks")
     coll = getattr(sess, "collectives", None)   # recording/collectives.py
-    tables["collectives"] = coll.table(sess.t0) if coll is not None else S.empty("collectives")
+    tables["collectives"] = coll.table(sess.t0, tables.get("ops")) if coll is not None else S.empty("collectives")
     md = metadata(sess, ops.num_rows, notes)
     return Trace(tables, md, _spill_file=ops_file)

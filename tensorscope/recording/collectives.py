@@ -79,10 +79,30 @@ def _pg_from_name(name: str):
         return None
 
 
+_OVERLOADS: Dict[str, Any] = {}
+
+
+def _overload(op):
+    """The OpOverload of ``op`` (an OpOverload already, or its name ``c10d.allreduce_.default``)."""
+    if not isinstance(op, str):
+        return op
+    found = _OVERLOADS.get(op)
+    if found is None and op not in _OVERLOADS:
+        try:
+            import torch
+
+            ns, name, overload = op.split(".")
+            found = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        except Exception:
+            found = None
+        _OVERLOADS[op] = found
+    return found
+
+
 def _input_bytes(op, args) -> int:
     """Bytes this rank contributes: the tensor arguments the op does not write (allgather_'s
     inputs, not its outputs); for in-place collectives (allreduce_, broadcast_) the written ones."""
-    schema = getattr(op, "_schema", None)
+    schema = getattr(_overload(op), "_schema", None)
     if schema is not None:
         read = written = 0
         for a, v in zip(schema.arguments, args):
@@ -115,7 +135,10 @@ class CollectiveProbe:
     def __len__(self):
         return len(self.rows)
 
-    def observe(self, seq: int, op, args, kwargs, outputs, start_perf_ns: int, end_perf_ns: int) -> None:
+    def observe(self, seq: int, op, args, kwargs, outputs, start_perf_ns: Optional[int] = None,
+                end_perf_ns: Optional[int] = None) -> None:
+        """One op of the trace (an OpOverload or its name; args in schema order). Without times, the
+        op's start and duration are taken from its ``ops`` row when the table is built."""
         name = self._names.get(op)
         if name is None and op not in self._names:
             name = self._names[op] = str(op) if is_collective(op) else None
@@ -155,7 +178,7 @@ class CollectiveProbe:
         self.counts[key] = k + 1
         i = len(self.rows)
         self.rows.append((seq, name, pg_name, pg_size, reduce_op, _input_bytes(op, args), start_perf_ns,
-                          end_perf_ns - start_perf_ns, k))
+                          None if start_perf_ns is None or end_perf_ns is None else end_perf_ns - start_perf_ns, k))
         self._watch(i, outputs)
         if i == 0 and self._on_first is not None:
             cb, self._on_first = self._on_first, None
@@ -182,10 +205,21 @@ class CollectiveProbe:
                     pass
                 return
 
-    def table(self, t0_perf_ns: int) -> pa.Table:
+    def table(self, t0_perf_ns: int, ops: Optional[pa.Table] = None) -> pa.Table:
+        """The collectives table; rows observed without times take start and duration from ``ops``."""
         from .. import schema as S
 
-        cols = list(zip(*self.rows)) if self.rows else [[] for _ in range(9)]
+        cols = [list(c) for c in zip(*self.rows)] if self.rows else [[] for _ in range(9)]
+        if ops is not None and any(s is None for s in cols[6]) and ops.num_rows:
+            seqs = ops.column("seq").to_pylist()
+            starts = ops.column("start_ns").to_pylist()
+            durs = ops.column("cpu_ns").to_pylist()
+            at = {q: i for i, q in enumerate(seqs)}
+            for r, q in enumerate(cols[0]):
+                i = at.get(q)
+                if cols[6][r] is None and i is not None and starts[i] is not None:
+                    cols[6][r] = starts[i] + t0_perf_ns
+                    cols[7][r] = durs[i]
         done = [self.done.get(i) for i in range(len(self.rows))]
         return pa.table({
             "seq": pa.array(cols[0], pa.int64()),
@@ -194,7 +228,7 @@ class CollectiveProbe:
             "pg_size": pa.array(cols[3], pa.int64()),
             "reduce_op": pa.array(cols[4], pa.string()),
             "nbytes": pa.array(cols[5], pa.int64()),
-            "start_ns": pa.array([s - t0_perf_ns for s in cols[6]], pa.int64()),
+            "start_ns": pa.array([None if s is None else s - t0_perf_ns for s in cols[6]], pa.int64()),
             "enqueue_ns": pa.array(cols[7], pa.int64()),
             "done_ns": pa.array([None if d is None else d - t0_perf_ns for d in done], pa.int64()),
             "coll_index": pa.array(cols[8], pa.int64()),

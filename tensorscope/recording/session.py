@@ -36,9 +36,16 @@ class Session:
     """Everything one trace needs while it records. Holds no tensor."""
 
     def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
-                 keep_history: bool = False):
+                 keep_history: bool = False, engine=None):
         from ..modes.modules import ModuleTracker
         from ..tracking.storages import StorageTracker
+        from .engines import EngineChoice, make_engine
+
+        from .engines import OpHooks
+
+        self.engine_choice = engine or EngineChoice("python", "engine='python' was asked for")
+        self.engine = make_engine(self.engine_choice)
+        self.op_hooks = OpHooks()
 
         self.options = options
         self.cell = cell
@@ -55,15 +62,17 @@ class Session:
         self.compiled_ops = 0   # of those, dispatched by torch.compile'd code
         self.last_exc_key = None   # (id, type, message) of the last recorded exception
         self.last_error_id = -1
-        self.modules = ModuleTracker(self.rec)
+        self.modules = self._module_tracker(ModuleTracker)
         # seq - 1: the op running or last finished when the storage appeared or died
-        self.tracker = StorageTracker(self.rec, lambda: self.seq - 1) if options.storages else None
+        self.tracker = self._storage_tracker(StorageTracker)
         # multi-rank: collectives table, rank identity / run id / clock (recording/collectives.py, ranks.py)
-        from .collectives import CollectiveProbe
+        from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, CollectiveProbe
         from .ranks import DistContext
 
         self.dist = DistContext(sync_clocks=options.sync_clocks)
         self.collectives = CollectiveProbe(on_first=self._first_collective)
+        # both engines hand c10d / _c10d_functional ops to the op hooks (engines.OpHooks)
+        self.op_hooks.add(COLLECTIVE_NAMESPACES, self._on_collective)
         self.dataset_error: Optional[BaseException] = None
         self._ds = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
         if options.dataset:
@@ -79,8 +88,13 @@ class Session:
         self.wall_ns = 0
         self.trace = None
         self._fmode = None
-        self._dmode = None
         self._entered = []
+
+    def _module_tracker(self, cls):
+        return cls(self.rec)
+
+    def _storage_tracker(self, cls):
+        return cls(self.rec, lambda: self.seq - 1) if self.options.storages else None
 
     # -- recording helpers used by the modes ----------------------------------
     def record_exception(self, e: BaseException, *, seq, call_id, op, info) -> int:
@@ -108,7 +122,9 @@ class Session:
             if src:
                 file, line = rec.sources.values[src]
         for w in ws:
-            wseq = seq if seq is not None else (self.seq - 1 if self.seq > 0 else None)
+            wseq = seq if seq is not None else w.get("seq")   # the native engine dates each warning itself
+            if wseq is None:
+                wseq = self.seq - 1 if self.seq > 0 else None
             wop = op
             if wop is None and wseq is not None and wseq >= 0:
                 wop = "?"   # resolved to the op name when the tables are built
@@ -167,7 +183,6 @@ class Session:
             raise TraceActiveError(
                 "a tensorscope trace is already recording on this thread; nested traces would record every op "
                 "twice. Exit the outer trace first (or use %tensorscope off).")
-        from ..modes.dispatch import TracingDispatchMode
         from ..modes.function import TracingFunctionMode
 
         opts = self.options
@@ -176,22 +191,26 @@ class Session:
         self._setup_probes()
         self._begin_cell_warnings()
         self._fmode = TracingFunctionMode(self)
-        self._dmode = TracingDispatchMode(self)
         _local.session = self
+        self.t0 = time.perf_counter_ns()
+        self.dist.set_anchor(self.t0)
         try:
             if opts.modules:
                 self.modules.install()
                 self._entered.append("modules")
             self._fmode.__enter__()
             self._entered.append("function")
-            self._dmode.__enter__()
-            self._entered.append("dispatch")
+            self.engine.start(self)
+            self._entered.append("engine")
         except BaseException:
             self._restore()
             raise
-        self.t0 = time.perf_counter_ns()
-        self.dist.set_anchor(self.t0)
         self.recording = True
+
+    def _on_collective(self, seq, op, inputs, outputs):
+        """Op hook: a c10d op just returned (outputs None when it raised); its start and duration
+        come from its ops row when the tables are built."""
+        self.collectives.observe(seq, op, inputs, None, outputs if outputs is not None else (), None, None)
 
     def _first_collective(self):
         """The process group exists now (the trace may have started before init_process_group)."""
@@ -212,7 +231,7 @@ class Session:
         except Exception as e:
             self.capture = None
             self.rec.notes.append(f"warning/error capture unavailable: {type(e).__name__}: {e}")
-        if opts.nonfinite:
+        if opts.nonfinite and self.engine.name == "python":
             try:
                 from ..modes.numerics import NonfiniteScreen
 
@@ -223,7 +242,9 @@ class Session:
             from ..modes.numerics import NumericsShadow
 
             self.shadow = NumericsShadow(mode=opts.numerics)
-        if opts.cuda_timing and torch.cuda.is_available():
+        if opts.nonfinite and self.engine.name == "native":
+            self.screen = True   # the native engine screens; replaced by its counters at finish
+        if opts.cuda_timing and torch.cuda.is_available() and self.engine.name == "python":
             try:
                 from ..timing.cuda import CudaOpTimer
 
@@ -251,9 +272,9 @@ class Session:
         """Undo modes and hooks, innermost first. Safe to call twice."""
         self.recording = False
         errors = []
-        if "dispatch" in self._entered:
+        if "engine" in self._entered:
             try:
-                _exit_mode(self._dmode, _get_current_dispatch_mode_stack)
+                self.engine.stop(self)
             except BaseException as e:
                 errors.append(e)
         if "function" in self._entered:
@@ -299,6 +320,19 @@ class Session:
         from .build import build_trace
 
         try:
+            try:
+                self.engine.finish(self)
+            except Exception as e:
+                self.rec.tracer_error("engine finish", e)
+                if self.screen is True:
+                    self.screen = None
+            others = [th for th in threading.enumerate() if th is not threading.current_thread() and not th.daemon]
+            if others:
+                self.rec.notes.append(
+                    f"{len(others)} other Python thread(s) were running ({', '.join(th.name for th in others[:3])}): "
+                    "ops they ran are not recorded (a trace records its own thread and autograd's workers)")
+            for msg in self.op_hooks.errors:
+                self.rec.tracer_error("op hook", RuntimeError(msg))
             self.trace = build_trace(self)
             _note_cell_files(self.trace, self.rec)
             self.trace.metadata["compiled_ops"] = self.compiled_ops
@@ -492,6 +526,89 @@ def _report_dataset_error(e: BaseException, raise_: bool):
     warnings.warn(str(err), RuntimeWarning, stacklevel=3)
 
 
+class NativeSession(Session):
+    """The recording context when the native engine observes the ops.
+
+    The function mode and the module hooks are the same code for both engines:
+    here the attributes they set (``current_call``, ``modules.current``) are
+    forwarded to the observer through C setters, and ``seq`` is the observer's
+    row count.
+    """
+
+    def __init__(self, options, **kw):
+        self._ext = kw["engine"].ext
+        self._call = -1
+        super().__init__(options, **kw)
+
+    @property
+    def seq(self) -> int:
+        return self._ext.seq()
+
+    @seq.setter
+    def seq(self, v):
+        pass   # the observer numbers its rows
+
+    @property
+    def current_call(self) -> int:
+        return self._call
+
+    @current_call.setter
+    def current_call(self, v):
+        self._call = v
+        self._ext.set_call(v)
+
+    def _module_tracker(self, cls):
+        ext = self._ext
+
+        class _Tracker(cls):
+            _cur = 0
+
+            @property
+            def current(self):
+                return self._cur
+
+            @current.setter
+            def current(self, v):
+                self._cur = v
+                ext.set_module(v)
+
+        return _Tracker(self.rec)
+
+    def _storage_tracker(self, cls):
+        return None   # the observer tracks storages natively; build reads them at finish
+
+    def _setup_probes(self):
+        super()._setup_probes()
+        cap = self.capture
+        if cap is not None and getattr(cap, "native", False):
+            cap.engine = self.engine   # call_end drains the observer's per-op warnings
+
+    def record_exception(self, e, *, seq, call_id, op, info):
+        row = None
+        if seq is None:
+            row = self._ext.take_error_seq()   # the row whose kernel threw, if an op threw
+            if row is not None:
+                seq, op = row[0], _op_str(row[1])
+        eid = super().record_exception(e, seq=seq, call_id=call_id, op=op, info=info)
+        if row is not None:
+            self.rec.op_errors[seq] = eid
+        return eid
+
+
+def _op_str(native_name: str) -> str:
+    """'aten::add.Tensor' -> 'aten.add.Tensor' (str(OpOverload))."""
+    return native_name.replace("::", ".", 1)
+
+
+def new_session(options: TraceOptions, **kw) -> Session:
+    """A Session recording with the engine ``options.engine`` selects."""
+    from .engines import select_engine
+
+    choice = select_engine(options)
+    cls = NativeSession if choice.name == "native" else Session
+    return cls(options, engine=choice, **kw)
+
+
 class trace:
     """Record every torch-level call and ATen op run inside the block.
 
@@ -514,8 +631,8 @@ class trace:
         self._trace = None
 
     def __enter__(self):
-        self._session = Session(self.options, cell=self._cell, cell_source=self._cell_source,
-                                keep_history=self._keep_history)
+        self._session = new_session(self.options, cell=self._cell, cell_source=self._cell_source,
+                                    keep_history=self._keep_history)
         self._session.deferred_kernels = self._deferred_kernels
         self._session.start()
         return self

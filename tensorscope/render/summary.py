@@ -93,6 +93,11 @@ def overview(t) -> Section:
     if nat:
         used = "native C++ hooks" if nat.get("used") else f"pure-Python fallback ({nat.get('reason') or nat.get('state')})"
         rows.append(("warning/error capture", used))
+    if md.get("engine"):
+        # the recording engine: one line, with the reason when it is the python fallback
+        eng = md["engine"]
+        rows.append(("recording engine", "native (C++ RecordFunction observer)" if eng == "native"
+                     else f"python engine (TorchDispatchMode): {md.get('engine_reason') or 'fallback'}"))
     if md.get("saved_to"):
         rows.append(("saved to", md["saved_to"]))
     notes = []

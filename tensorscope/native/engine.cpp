@@ -1,0 +1,1417 @@
+// tensorscope native recording engine: a RecordFunction observer that records
+// one row per ATen op a Python TorchDispatchMode would see, at C++ cost.
+//
+// Driven by tensorscope/recording/engines.py (NativeEngine). Per event:
+//   * start callback (inputs valid here): decide visibility, intern the op,
+//     the input metas (sizes, strides, dtype, device), storage ids; timestamp.
+//   * end callback (outputs valid here): timestamp first (so cpu_ns excludes
+//     the probes), then outputs, alias indexes, seq_nr claim, warnings, the
+//     non-finite screen.
+// Visibility (design.md section 9): a schema event is kept when no kept event
+// encloses it; a CompositeImplicitAutograd op is transparent once it has a
+// child (eager decomposed it) and dropped if it ends childless without a
+// backend kernel; string events (autograd::engine::evaluate_function...) are
+// transparent; BACKWARD_FUNCTION events name the autograd node and carry its
+// sequence number for every op inside.
+//
+// Rows never hold a tensor: ids, ints and interned metas only. Storages are
+// identified by data pointer and watched through a c10::weak_intrusive_ptr
+// (keeps the StorageImpl object, never its memory), so an address reused after
+// a free is a new storage. No Python object is touched on the hot path, so the
+// callbacks are safe on threads without the GIL; all shared state is behind one
+// mutex (uncontended on the recording thread).
+
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <ATen/SequenceNumber.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/record_function.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
+#include <torch/csrc/Storage.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+// Declared here instead of including torch/csrc/jit/python/pybind_utils.h (~25 CPU-s
+// of headers): IValue -> Python object, as torch's own bindings convert them.
+namespace torch::jit {
+pybind11::object toPyObject(c10::IValue ivalue);
+}  // namespace torch::jit
+
+namespace {
+
+constexpr int64_t F_BACKWARD = 8;
+constexpr int64_t F_THREW = 16;
+constexpr int64_t F_OTHER_THREAD = 32;
+
+inline int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+// ---------------------------------------------------------------------------
+// Interning of int64 sequences (metas, tuples of meta ids, alias tuples)
+// ---------------------------------------------------------------------------
+struct SeqInterner {
+  std::vector<int64_t> arena;     // concatenated values
+  std::vector<int64_t> offsets{0};
+  std::vector<int32_t> table;     // open addressing: id + 1, 0 = empty
+  std::vector<uint64_t> hashes;
+  size_t mask = 0;
+
+  SeqInterner() { rehash(1024); }
+
+  static uint64_t hash(const int64_t* v, size_t n) {
+    uint64_t h = 1469598103934665603ULL ^ n;
+    for (size_t i = 0; i < n; ++i) {
+      h ^= uint64_t(v[i]) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    }
+    return h ? h : 1;
+  }
+  size_t size() const { return offsets.size() - 1; }
+  void rehash(size_t cap) {
+    table.assign(cap, 0);
+    mask = cap - 1;
+    for (size_t id = 0; id < size(); ++id) {
+      size_t p = hashes[id] & mask;
+      while (table[p]) p = (p + 1) & mask;
+      table[p] = int32_t(id + 1);
+    }
+  }
+  int32_t get(const int64_t* v, size_t n) {
+    uint64_t h = hash(v, n);
+    size_t p = h & mask;
+    while (int32_t e = table[p]) {
+      size_t id = size_t(e - 1);
+      if (hashes[id] == h && size_t(offsets[id + 1] - offsets[id]) == n &&
+          std::memcmp(&arena[offsets[id]], v, n * sizeof(int64_t)) == 0) {
+        return int32_t(id);
+      }
+      p = (p + 1) & mask;
+    }
+    int32_t id = int32_t(size());
+    arena.insert(arena.end(), v, v + n);
+    offsets.push_back(int64_t(arena.size()));
+    hashes.push_back(h);
+    table[p] = id + 1;
+    if (size() * 2 > table.size()) rehash(table.size() * 2);
+    return id;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Per-op facts, computed once per schema
+// ---------------------------------------------------------------------------
+struct OpFacts {
+  int32_t id = -1;
+  bool cia = false;          // has a CompositeImplicitAutograd kernel
+  bool backend = false;      // has a kernel of its own for some backend (silu_backward)
+  bool writes = false;       // in-place / out=: screens the written outputs
+  bool no_screen = false;    // returns uninitialised memory
+  bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
+  bool py_hook = false;      // the Python op hook wants it (c10d collectives)
+  std::string name;          // "aten::add.Tensor"
+};
+
+// 56 bytes a row: ids that stay below 2**31 are int32; the rare argument encodings
+// (FLOP formulas) live in a sparse side column, not in every row.
+struct Row {
+  int32_t op, ins, outs, alias, module, node;
+  int32_t flags;
+  int32_t call;
+  int64_t seq_nr, start, dur;
+};
+
+struct StorageRec {
+  c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
+  uintptr_t ptr;
+  int64_t nbytes, alloc_seq, free_seq;
+  int32_t meta, module, call;
+};
+
+struct WarnRec {
+  int64_t seq;
+  std::string msg, file, function;
+  int64_t line;
+  bool deprecation;
+};
+
+struct Frame {
+  int kind;          // 0 transparent, 1 kept row, 2 tentative CIA, 3 backward node, 4 hidden (inside kept)
+  int64_t row;       // kept/tentative: index into pending rows
+  const OpFacts* facts;
+  uint64_t gen;
+};
+
+// A row under construction (kept or tentative): lives on the thread's stack.
+struct Pending {
+  Row row;
+  std::vector<int64_t> in_metas;
+  std::vector<int64_t> in_sids;
+  std::vector<uintptr_t> in_ptrs;
+  std::vector<const c10::StorageImpl*> in_impls;   // tentative rows: resolved at commit
+  std::vector<int64_t> in_nbytes;
+  std::vector<int64_t> args_enc;
+  int32_t args_id = -1;
+  PyObject* py_inputs = nullptr;   // op hook: the inputs as Python objects (owned)
+  std::vector<const c10::TensorImpl*> held;   // inputs (not owned: the caller holds them while the op runs)
+  uint64_t seq_peek = 0;
+  int uncaught = 0;
+  c10::WarningHandler* prev_handler = nullptr;
+  bool handler_pushed = false;
+  bool pre_nonfinite = false;
+  const OpFacts* facts = nullptr;
+};
+
+struct Engine;
+
+struct RowWarningHandler final : c10::WarningHandler {
+  Engine* eng = nullptr;
+  int64_t seq = -1;
+  c10::WarningHandler* prev = nullptr;
+  void process(const c10::Warning& w) override;
+};
+
+struct ThreadState {
+  std::vector<Frame> frames;
+  // kept/tentative rows open on this thread (at most a few), reused across ops: no allocation per op
+  std::vector<std::unique_ptr<Pending>> pool;
+  size_t npending = 0;
+  std::vector<std::unique_ptr<RowWarningHandler>> handlers;
+  int64_t node = 0;               // autograd node id of the innermost BACKWARD_FUNCTION (0: forward)
+  int64_t node_seq = -1;
+  std::vector<std::pair<int64_t, int64_t>> node_stack;
+  size_t kept_depth = 0;          // frames of kind 1/2 open
+};
+
+thread_local ThreadState* tls = nullptr;
+struct TlsOwner {
+  ThreadState* p = nullptr;
+  ~TlsOwner() {
+    delete p;
+    tls = nullptr;
+  }
+};
+thread_local TlsOwner tls_owner;
+inline ThreadState& ts() {
+  if (C10_UNLIKELY(tls == nullptr)) {
+    tls_owner.p = new ThreadState();
+    tls = tls_owner.p;
+  }
+  return *tls;
+}
+
+struct Engine {
+  std::mutex mu;
+  bool active = false;
+  uint64_t gen = 0;
+  at::CallbackHandle handle = 0;
+  int64_t t0 = 0;
+  uint64_t owner_thread = 0;
+  bool want_screen = false;
+  bool want_storages = true;
+  bool want_warnings = true;
+  // set from Python (the module hooks and the function mode)
+  int64_t cur_module = 0;
+  int64_t cur_call = -1;
+
+  std::unordered_map<const char*, OpFacts*> facts_by_name;   // schema name pointer -> facts
+  std::vector<OpFacts*> ops;
+  SeqInterner metas;      // [ndim, dtype, dev_type, dev_index, strided, sizes..., strides...]
+  std::vector<int64_t> meta_nbytes;
+  SeqInterner tuples;
+  SeqInterner aliases;
+  SeqInterner args;
+  std::vector<int64_t> row_args;   // (seq, interned argument encoding) for the rows that have one
+  std::unordered_map<std::string, bool> arg_ops;   // "aten::convolution" -> record arguments
+  std::unordered_map<std::string, bool> hook_ns;   // namespaces the Python op hook receives
+  PyObject* hook = nullptr;                        // hook(seq, name, inputs, outputs) (owned)
+  int64_t hook_errors = 0;
+  std::atomic<int> paused{0};   // >0 while torch.compile compiles (ops run then are hidden)
+  std::unordered_map<std::string, int32_t> node_ids;
+  std::vector<std::string> node_names;
+
+  std::vector<std::vector<Row>> blocks;
+  std::vector<std::vector<int32_t>> stor_blocks;
+  int64_t n_rows = 0;   // rows committed (= next seq)
+  int64_t last_error_seq = -1;
+  int64_t other_thread_rows = 0;
+
+  std::unordered_map<uintptr_t, int32_t> by_ptr;
+  std::vector<StorageRec> storages;
+  std::vector<int32_t> young;    // live storages first seen as outputs
+  std::vector<int32_t> old;      // live storages first seen as inputs
+  size_t young_rr = 0, old_rr = 0;
+
+  std::vector<WarnRec> warnings;
+  std::atomic<size_t> n_warnings{0};   // warnings.size(), readable without the lock
+  size_t warnings_taken = 0;
+  std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> nonfinite;  // seq -> (count, produced)
+  int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0;
+  std::unordered_map<const c10::TensorImpl*, std::pair<int64_t, bool>> memo;  // impl -> (version, finite)
+
+  void clear() {
+    facts_by_name.clear();
+    for (auto* f : ops) delete f;
+    ops.clear();
+    metas = SeqInterner();
+    meta_nbytes.clear();
+    tuples = SeqInterner();
+    aliases = SeqInterner();
+    args = SeqInterner();
+    row_args.clear();
+    node_ids.clear();
+    node_names.clear();
+    blocks.clear();
+    stor_blocks.clear();
+    n_rows = 0;
+    last_error_seq = -1;
+    other_thread_rows = 0;
+    by_ptr.clear();
+    storages.clear();
+    young.clear();
+    old.clear();
+    young_rr = old_rr = 0;
+    warnings.clear();
+    n_warnings.store(0);
+    warnings_taken = 0;
+    nonfinite.clear();
+    n_screened = n_fired = n_pre = n_unscreened_device = 0;
+    memo.clear();
+  }
+};
+
+Engine g;
+
+void RowWarningHandler::process(const c10::Warning& w) {
+  try {
+    const auto& loc = w.source_location();
+    std::lock_guard<std::mutex> lk(eng->mu);
+    eng->warnings.push_back(WarnRec{seq, w.msg(), loc.file ? loc.file : "", loc.function ? loc.function : "",
+                                    int64_t(loc.line),
+                                    std::holds_alternative<c10::DeprecationWarning>(w.type())});
+    eng->n_warnings.store(eng->warnings.size(), std::memory_order_release);
+  } catch (...) {
+  }
+  if (prev != nullptr && prev != this) prev->process(w);
+}
+
+// -- op facts (under the mutex) ----------------------------------------------
+const char* const kUninit[] = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                               "empty_permuted", "resize_", "resize_as_", "set_", "_resize_output_",
+                               "lift_fresh_copy", "_local_scalar_dense", nullptr};
+
+OpFacts* facts_for(const at::RecordFunction& fn) {
+  const char* key = fn.name();
+  auto it = g.facts_by_name.find(key);
+  if (it != g.facts_by_name.end()) return it->second;
+  auto opname = fn.operator_name();
+  if (!opname) return nullptr;   // a string event: transparent, never cached (its pointer is not stable)
+  auto* f = new OpFacts();
+  f->id = int32_t(g.ops.size());
+  f->name = opname->name + (opname->overload_name.empty() ? std::string(".default") : "." + opname->overload_name);
+  try {
+    auto h = c10::Dispatcher::singleton().findOp(*opname);
+    if (h) {
+      f->cia = h->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+      for (auto k : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::CompositeExplicitAutograd,
+                     c10::DispatchKey::CompositeExplicitAutogradNonFunctional, c10::DispatchKey::Meta}) {
+        if (h->hasKernelForDispatchKey(k)) f->backend = true;
+      }
+      if (h->hasSchema()) {
+        for (const auto& a : h->schema().arguments()) {
+          const auto* ai = a.alias_info();
+          if (ai != nullptr && ai->isWrite()) f->writes = true;
+        }
+      }
+    }
+  } catch (...) {
+  }
+  f->want_args = g.arg_ops.count(opname->name) > 0;
+  {
+    auto pos = opname->name.find("::");
+    f->py_hook = g.hook != nullptr && pos != std::string::npos && g.hook_ns.count(opname->name.substr(0, pos)) > 0;
+  }
+  std::string base = opname->name.substr(opname->name.find("::") == std::string::npos ? 0 : opname->name.find("::") + 2);
+  for (const char* const* u = kUninit; *u; ++u) {
+    if (base == *u) f->no_screen = true;
+  }
+  g.ops.push_back(f);
+  g.facts_by_name.emplace(key, f);
+  return f;
+}
+
+// -- tensors -------------------------------------------------------------------
+int32_t meta_of(const at::TensorBase& t, uintptr_t* ptr_out, const c10::StorageImpl** impl_out, int64_t* snbytes) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  int64_t key[64];
+  size_t n = 0;
+  bool strided = impl->layout() == c10::kStrided && !impl->is_nested();
+  bool sym = impl->has_symbolic_sizes_strides();
+  int64_t ndim = 0;
+  if (!impl->is_nested() && !sym) ndim = impl->dim();
+  if (ndim > 28) ndim = 0;
+  auto dev = impl->device();
+  key[n++] = ndim;
+  key[n++] = int64_t(impl->dtype().toScalarType());
+  key[n++] = int64_t(dev.type());
+  key[n++] = int64_t(dev.index());
+  key[n++] = (strided && !sym) ? 1 : 0;
+  if (ndim) {
+    auto sz = impl->sizes();
+    for (int64_t i = 0; i < ndim; ++i) key[n++] = sz[i];
+    if (strided) {
+      auto st = impl->strides();
+      for (int64_t i = 0; i < ndim; ++i) key[n++] = st[i];
+    }
+  }
+  size_t before = g.metas.size();
+  int32_t id = g.metas.get(key, n);
+  if (size_t(id) == before) {
+    int64_t numel = 1;
+    for (int64_t i = 0; i < ndim; ++i) numel *= key[5 + i];
+    g.meta_nbytes.push_back(numel * int64_t(impl->dtype().itemsize()));
+  }
+  *ptr_out = 0;
+  *impl_out = nullptr;
+  *snbytes = 0;
+  if (strided && !sym && impl->has_storage() && dev.type() != c10::DeviceType::Meta) {
+    try {
+      const c10::Storage& s = impl->unsafe_storage();
+      c10::StorageImpl* si = s.unsafeGetStorageImpl();
+      if (si != nullptr) {
+        *ptr_out = reinterpret_cast<uintptr_t>(si->data_ptr().get());
+        *impl_out = si;
+        *snbytes = int64_t(si->nbytes());
+      }
+    } catch (...) {
+    }
+  }
+  return id;
+}
+
+void mark_free(int32_t sid, int64_t seq) {
+  StorageRec& r = g.storages[size_t(sid)];
+  if (r.free_seq < 0) r.free_seq = seq;
+  auto it = g.by_ptr.find(r.ptr);
+  if (it != g.by_ptr.end() && it->second == sid) g.by_ptr.erase(it);
+  r.weak.reset();
+}
+
+void sweep_list(std::vector<int32_t>& lst, size_t& rr, size_t budget, int64_t seq) {
+  // checks up to `budget` entries (the newest first), drops the freed ones
+  size_t n = lst.size();
+  if (n == 0) return;
+  auto check = [&](size_t i) -> bool {
+    StorageRec& r = g.storages[size_t(lst[i])];
+    if (r.weak.expired()) {
+      mark_free(lst[i], seq);
+      lst[i] = lst.back();
+      lst.pop_back();
+      return true;
+    }
+    return false;
+  };
+  if (n <= budget) {
+    for (size_t i = lst.size(); i-- > 0;) check(i);
+    return;
+  }
+  size_t newest = budget / 2;
+  for (size_t k = 0; k < newest && !lst.empty(); ++k) {
+    size_t i = lst.size() - 1 - k;
+    if (i < lst.size()) check(i);
+  }
+  for (size_t k = 0; k < budget - newest && !lst.empty(); ++k) {
+    rr = (rr + 1) % lst.size();
+    check(rr);
+  }
+}
+
+int32_t storage_id(const c10::StorageImpl* si, uintptr_t ptr, int32_t meta, int64_t nbytes, bool alloc, int64_t seq) {
+  if (!g.want_storages || ptr == 0 || si == nullptr) return -1;
+  auto it = g.by_ptr.find(ptr);
+  if (it != g.by_ptr.end()) {
+    StorageRec& r = g.storages[size_t(it->second)];
+    if (!r.weak.expired()) return it->second;   // alive (also: another StorageImpl over the same buffer)
+    mark_free(it->second, seq - 1);           // the address was freed and reused
+  }
+  int32_t sid = int32_t(g.storages.size());
+  StorageRec r;
+  r.weak = c10::weak_intrusive_ptr<c10::StorageImpl>(
+      c10::intrusive_ptr<c10::StorageImpl>::unsafe_reclaim_from_nonowning(const_cast<c10::StorageImpl*>(si)));
+  r.ptr = ptr;
+  r.meta = meta;
+  r.nbytes = nbytes;
+  r.alloc_seq = alloc ? seq : -1;
+  r.free_seq = -1;
+  r.call = int32_t(g.cur_call);
+  r.module = int32_t(g.cur_module);
+  g.storages.push_back(std::move(r));
+  g.by_ptr[ptr] = sid;
+  (alloc ? g.young : g.old).push_back(sid);
+  return sid;
+}
+
+// Tensors among an op's arguments, one level of lists deep. Wrapped numbers (a
+// Python scalar the arg parser turned into a 0-d tensor) are scalars to a
+// dispatch mode, so they are skipped here too.
+inline bool real_tensor(const at::Tensor& t) {
+  return t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number();
+}
+
+template <typename F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    if (real_tensor(t)) f(t);
+  } else if (v.isList()) {
+    for (const auto& e : v.toListRef()) {
+      if (e.isTensor() && real_tensor(e.toTensor())) f(e.toTensor());
+    }
+  }
+}
+
+// -- non-finite screen -----------------------------------------------------------
+template <typename T>
+inline bool bad(T x) {
+  return !std::isfinite(static_cast<float>(x));
+}
+inline bool bad(float x) { return !std::isfinite(x); }
+inline bool bad(double x) { return !std::isfinite(x); }
+
+// Contiguous runs: an exponent-bits test on the raw integers, which the compiler
+// vectorises (std::isfinite on floats often is not, at -O2).
+inline int64_t count_run(const float* p, int64_t n) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(p);
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += (u[i] & 0x7f800000u) == 0x7f800000u;
+  return c;
+}
+inline int64_t count_run(const double* p, int64_t n) {
+  const uint64_t* u = reinterpret_cast<const uint64_t*>(p);
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += (u[i] & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+  return c;
+}
+inline int64_t count_run(const c10::Half* p, int64_t n) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += (u[i] & 0x7c00u) == 0x7c00u;
+  return c;
+}
+inline int64_t count_run(const c10::BFloat16* p, int64_t n) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += (u[i] & 0x7f80u) == 0x7f80u;
+  return c;
+}
+
+template <typename T>
+int64_t count_strided(const T* base, const int64_t* sz, const int64_t* st, int64_t nd) {
+  if (nd == 0) return bad(*base) ? 1 : 0;
+  // innermost dim in a tight loop; outer dims by an index vector
+  int64_t inner = sz[nd - 1], istr = st[nd - 1];
+  int64_t idx[32] = {0};
+  int64_t count = 0;
+  while (true) {
+    int64_t off = 0;
+    for (int64_t d = 0; d < nd - 1; ++d) off += idx[d] * st[d];
+    const T* p = base + off;
+    if (istr == 1) {
+      count += count_run(p, inner);
+    } else {
+      for (int64_t i = 0; i < inner; ++i) count += bad(p[i * istr]) ? 1 : 0;
+    }
+    int64_t d = nd - 2;
+    while (d >= 0) {
+      if (++idx[d] < sz[d]) break;
+      idx[d] = 0;
+      --d;
+    }
+    if (d < 0) break;
+  }
+  return count;
+}
+
+// -1: not screenable (not a plain float CPU tensor); else the number of NaN/Inf values
+int64_t nonfinite_count(const c10::TensorImpl* impl) {
+  if (impl->layout() != c10::kStrided || impl->is_nested() || impl->has_symbolic_sizes_strides()) return -1;
+  if (!impl->has_storage()) return -1;
+  auto st = impl->dtype().toScalarType();
+  bool fl = st == c10::kFloat || st == c10::kDouble || st == c10::kHalf || st == c10::kBFloat16 ||
+            st == c10::kComplexFloat || st == c10::kComplexDouble;
+  if (!fl) return -1;
+  auto dt = impl->device().type();
+  if (dt == c10::DeviceType::Meta) return -1;     // no data
+  if (dt != c10::DeviceType::CPU) return -2;      // device tensors: not screened here (counted, noted)
+  int64_t nd = impl->dim();
+  if (nd > 30) return -1;
+  if (impl->numel() == 0) return 0;
+  const c10::StorageImpl* si = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (si == nullptr || si->data_ptr().get() == nullptr) return -1;
+  const char* data = static_cast<const char*>(si->data_ptr().get());
+  int64_t off = impl->storage_offset();
+  int64_t sz[32], sd[32];
+  auto sizes = impl->sizes();
+  auto strides = impl->strides();
+  for (int64_t i = 0; i < nd; ++i) {
+    sz[i] = sizes[i];
+    sd[i] = strides[i];
+  }
+  if (impl->is_contiguous() && nd > 1) {   // one run over the whole buffer
+    sz[0] = impl->numel();
+    sd[0] = 1;
+    nd = 1;
+  }
+  switch (st) {
+    case c10::kFloat:
+      return count_strided(reinterpret_cast<const float*>(data) + off, sz, sd, nd);
+    case c10::kDouble:
+      return count_strided(reinterpret_cast<const double*>(data) + off, sz, sd, nd);
+    case c10::kHalf:
+      return count_strided(reinterpret_cast<const c10::Half*>(data) + off, sz, sd, nd);
+    case c10::kBFloat16:
+      return count_strided(reinterpret_cast<const c10::BFloat16*>(data) + off, sz, sd, nd);
+    case c10::kComplexFloat: {
+      // real and imaginary parts: a complex tensor is a float tensor with a trailing dim of 2
+      sz[nd] = 2;
+      sd[nd] = 1;
+      for (int64_t i = 0; i < nd; ++i) sd[i] *= 2;
+      return count_strided(reinterpret_cast<const float*>(data) + 2 * off, sz, sd, nd + 1) > 0 ? 1 : 0;
+    }
+    case c10::kComplexDouble: {
+      sz[nd] = 2;
+      sd[nd] = 1;
+      for (int64_t i = 0; i < nd; ++i) sd[i] *= 2;
+      return count_strided(reinterpret_cast<const double*>(data) + 2 * off, sz, sd, nd + 1) > 0 ? 1 : 0;
+    }
+    default:
+      return -1;
+  }
+}
+
+int64_t version_of(const c10::TensorImpl* impl) {
+  try {
+    if (const_cast<c10::TensorImpl*>(impl)->is_inference()) return -1;
+    return int64_t(impl->version_counter().current_version());
+  } catch (...) {
+    return -1;
+  }
+}
+
+// -- callbacks -------------------------------------------------------------------
+void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, int kind, int64_t t_start) {
+  if (s.pool.size() <= s.npending) s.pool.emplace_back(new Pending());
+  Pending& p = *s.pool[s.npending++];
+  p.in_metas.clear();
+  p.in_sids.clear();
+  p.in_ptrs.clear();
+  p.in_impls.clear();
+  p.in_nbytes.clear();
+  p.args_enc.clear();
+  p.held.clear();
+  p.py_inputs = nullptr;
+  p.pre_nonfinite = false;
+  p.handler_pushed = false;
+  p.prev_handler = nullptr;
+  p.facts = f;
+  Row& r = p.row;
+  r.op = f->id;
+  r.module = int32_t(g.cur_module);
+  r.call = int32_t(g.cur_call);
+  r.node = int32_t(s.node);
+  r.flags = s.node ? int32_t(F_BACKWARD) : 0;
+  if (std::hash<std::thread::id>()(std::this_thread::get_id()) != g.owner_thread)
+    r.flags |= int32_t(F_OTHER_THREAD);
+  r.seq_nr = s.node ? s.node_seq : -1;
+  p.seq_peek = at::sequence_number::peek();
+  p.uncaught = std::uncaught_exceptions();
+  p.args_id = -1;
+  if (f->want_args) {
+    // tags: 0 tensor(meta) 1 none 2 bool 3 int 4 double(bits) 5 int list 6 other 7 tensor list
+    std::vector<int64_t> enc;
+    for (const auto& v : fn.inputs()) {
+      if (v.isTensor() && real_tensor(v.toTensor())) {
+        uintptr_t ptr;
+        const c10::StorageImpl* si;
+        int64_t nb;
+        enc.push_back(0);
+        enc.push_back(meta_of(v.toTensor(), &ptr, &si, &nb));
+      } else if (v.isNone() || (v.isTensor() && !v.toTensor().defined())) {
+        enc.push_back(1);
+      } else if (v.isBool()) {
+        enc.push_back(2);
+        enc.push_back(v.toBool());
+      } else if (v.isInt()) {
+        enc.push_back(3);
+        enc.push_back(v.toInt());
+      } else if (v.isDouble()) {
+        double dv = v.toDouble();
+        int64_t bits;
+        std::memcpy(&bits, &dv, 8);
+        enc.push_back(4);
+        enc.push_back(bits);
+      } else if (v.isIntList()) {
+        auto l = v.toIntVector();
+        enc.push_back(5);
+        enc.push_back(int64_t(l.size()));
+        enc.insert(enc.end(), l.begin(), l.end());
+      } else if (v.isBoolList()) {
+        auto l = v.toBoolList();
+        enc.push_back(8);
+        enc.push_back(int64_t(l.size()));
+        for (bool b : l) enc.push_back(b);
+      } else {
+        enc.push_back(6);
+      }
+    }
+    p.args_enc.swap(enc);   // outputs are appended and the whole interned at commit
+  }
+  for (const auto& v : fn.inputs()) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      uintptr_t ptr;
+      const c10::StorageImpl* si;
+      int64_t nb;
+      int32_t m = meta_of(t, &ptr, &si, &nb);
+      p.in_metas.push_back(m);
+      p.in_ptrs.push_back(ptr);
+      // provisional storage id: the seq is only known when the row commits
+      // a tentative composite registers its inputs only if it turns out to be a row
+      p.in_sids.push_back(kind == 2 ? -1 : storage_id(si, ptr, m, nb, false, g.n_rows));
+      if (kind == 2) {
+        p.in_impls.push_back(si);
+        p.in_nbytes.push_back(nb);
+      }
+      if (g.want_screen) p.held.push_back(t.unsafeGetTensorImpl());
+    });
+  }
+  if (g.want_screen) {
+    // a Python scalar NaN/Inf argument (masked_fill(m, -inf)): the op did not produce it
+    for (const auto& v : fn.inputs()) {
+      if (v.isDouble() && !std::isfinite(v.toDouble())) p.pre_nonfinite = true;
+      if (v.isComplexDouble()) {
+        auto c = v.toComplexDouble();
+        if (!std::isfinite(c.real()) || !std::isfinite(c.imag())) p.pre_nonfinite = true;
+      }
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number() &&
+          nonfinite_count(v.toTensor().unsafeGetTensorImpl()) > 0)
+        p.pre_nonfinite = true;
+    }
+  }
+  if (g.want_screen && f->writes && !f->no_screen) {
+    // in-place / out=: whether what the op overwrites was already non-finite
+    for (const c10::TensorImpl* t : p.held) {
+      auto it = g.memo.find(t);
+      int64_t v = version_of(t);
+      if (it != g.memo.end() && v >= 0 && it->second.first == v) {
+        if (!it->second.second) p.pre_nonfinite = true;
+      } else {
+        int64_t c = nonfinite_count(t);
+        if (c >= 0) g.n_pre++;
+        if (c > 0) p.pre_nonfinite = true;
+      }
+    }
+  }
+  r.start = t_start;
+  s.frames.push_back(Frame{kind, int64_t(s.npending - 1), f, g.gen});
+  s.kept_depth++;
+  // per-op warnings: a handler that records and chains to the current one
+  if (g.want_warnings) {
+    size_t d = s.npending - 1;
+    while (s.handlers.size() <= d) s.handlers.emplace_back(new RowWarningHandler());
+    RowWarningHandler& h = *s.handlers[d];
+    h.eng = &g;
+    h.seq = -1;   // set at commit; warnings before that carry the pending row's future seq
+    h.prev = c10::WarningUtils::get_warning_handler();
+    c10::WarningUtils::set_warning_handler(&h);
+    p.prev_handler = h.prev;
+    p.handler_pushed = true;
+  }
+  p.row.start = now_ns();   // after the probes: cpu_ns is the op's own time
+}
+
+// under g.mu
+void push_node(ThreadState& s, const char* name_c, int64_t sn) {
+  std::string name = name_c ? name_c : "?";
+  auto it = g.node_ids.find(name);
+  int64_t nid;
+  if (it == g.node_ids.end()) {
+    nid = int64_t(g.node_names.size()) + 1;
+    g.node_ids.emplace(name, int32_t(nid));
+    g.node_names.push_back(name);
+  } else {
+    nid = it->second;
+  }
+  s.node_stack.emplace_back(s.node, s.node_seq);
+  s.node = nid;
+  s.node_seq = (sn < 0 || sn >= (int64_t(1) << 62)) ? -1 : sn;
+}
+
+// op hook: the inputs as Python objects, taken in the start callback (the only place they are valid)
+void hook_inputs(Pending& p, const at::RecordFunction& fn) {
+  PyGILState_STATE st = PyGILState_Ensure();
+  try {
+    auto ins = fn.inputs();
+    PyObject* l = PyList_New(Py_ssize_t(ins.size()));
+    for (size_t i = 0; i < ins.size(); ++i) {
+      PyList_SET_ITEM(l, Py_ssize_t(i), torch::jit::toPyObject(ins[i]).release().ptr());
+    }
+    p.py_inputs = l;
+  } catch (...) {
+    PyErr_Clear();
+    g.hook_errors++;
+  }
+  PyGILState_Release(st);
+  p.row.start = now_ns();
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  if (!g.active) return nullptr;
+  try {
+    ThreadState& s = ts();
+    auto scope = fn.scope();
+    if (scope == at::RecordScope::BACKWARD_FUNCTION) {
+      std::lock_guard<std::mutex> lk(g.mu);
+      push_node(s, fn.name(), fn.seqNr());
+      s.frames.push_back(Frame{3, -1, nullptr, g.gen});
+      return nullptr;
+    }
+    // torch.compile compiling: what Dynamo runs to compile is not the program's work
+    if (g.paused.load(std::memory_order_relaxed) > 0) {
+      s.frames.push_back(Frame{4, -1, nullptr, g.gen});
+      return nullptr;
+    }
+    // C++ that excluded the Python key (Tensor._make_subclass's detach, no_dispatch()) runs
+    // ops no dispatch mode can see: they are the binding's internals, not the program's ops
+    if (c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
+      s.frames.push_back(Frame{4, -1, nullptr, g.gen});
+      return nullptr;
+    }
+    // inside a kept op: its children are hidden (unless it is a tentative CIA op)
+    if (!s.frames.empty()) {
+      // find the innermost kept/tentative frame
+      for (size_t i = s.frames.size(); i-- > 0;) {
+        int k = s.frames[i].kind;
+        if (k == 1 || k == 4) {
+          s.frames.push_back(Frame{4, -1, nullptr, g.gen});
+          return nullptr;
+        }
+        if (k == 2) break;
+        if (k == 3) break;
+      }
+    }
+    std::unique_lock<std::mutex> lk(g.mu);
+    const OpFacts* f = facts_for(fn);
+    if (f == nullptr) {
+      // autograd's evaluate_function event encloses the node's apply and the engine's
+      // output validation (sum_to/view): ops there belong to the node, as a dispatch
+      // mode sees them (_current_autograd_node() is set for all of it)
+      const char* nm = fn.name();
+      static const char kEval[] = "autograd::engine::evaluate_function: ";
+      if (nm != nullptr && std::strncmp(nm, kEval, sizeof(kEval) - 1) == 0) {
+        push_node(s, nm + sizeof(kEval) - 1, fn.seqNr());
+        s.frames.push_back(Frame{3, -1, nullptr, g.gen});
+        return nullptr;
+      }
+      s.frames.push_back(Frame{0, -1, nullptr, g.gen});
+      return nullptr;
+    }
+    // a tentative CIA parent with a child: it decomposed, so it is transparent
+    for (size_t i = s.frames.size(); i-- > 0;) {
+      Frame& fr = s.frames[i];
+      if (fr.kind == 2) {
+        Pending& p = *s.pool[size_t(fr.row)];
+        if (p.handler_pushed) {
+          c10::WarningUtils::set_warning_handler(p.prev_handler);
+          p.handler_pushed = false;
+        }
+        fr.kind = 0;
+        fr.row = -1;
+        s.npending--;   // it is always the last pending row
+        s.kept_depth--;
+        break;
+      }
+      if (fr.kind == 3 || fr.kind == 1) break;
+    }
+    int64_t t = now_ns();
+    open_row(s, fn, f, f->cia ? 2 : 1, t);
+    lk.unlock();
+    if (f->py_hook) hook_inputs(*s.pool[s.npending - 1], fn);   // after the lock: it takes the GIL
+  } catch (...) {
+  }
+  return nullptr;
+}
+
+void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_end) {
+  // under g.mu
+  Row& r = p.row;
+  int64_t seq = g.n_rows;
+  r.dur = t_end - r.start;
+  r.start -= g.t0;
+  if (std::uncaught_exceptions() > p.uncaught) {
+    r.flags |= int32_t(F_THREW);
+    g.last_error_seq = seq;
+  }
+  // forward: the op claims the autograd node it created (the sequence number advanced)
+  if (!(r.flags & F_BACKWARD)) {
+    r.seq_nr = at::sequence_number::peek() > p.seq_peek ? int64_t(p.seq_peek) : -1;
+  }
+  // storage sweep: frees since the last row are dated to the row before this one
+  if (g.want_storages) {
+    sweep_list(g.young, g.young_rr, 32, seq - 1);
+    sweep_list(g.old, g.old_rr, 4, seq - 1);
+  }
+  if (g.blocks.empty() || g.blocks.back().size() == g.blocks.back().capacity()) {
+    g.blocks.emplace_back();
+    g.blocks.back().reserve(16384);
+    g.stor_blocks.emplace_back();
+    g.stor_blocks.back().reserve(16384 * 3);
+  }
+  auto& stor = g.stor_blocks.back();
+  int32_t n_stor = 0;
+  if (!p.in_impls.empty()) {
+    for (size_t i = 0; i < p.in_sids.size(); ++i) {
+      p.in_sids[i] = storage_id(p.in_impls[i], p.in_ptrs[i], int32_t(p.in_metas[i]), p.in_nbytes[i], false, seq);
+    }
+  }
+  for (size_t i = 0; i < p.in_sids.size(); ++i) {
+    stor.push_back(int32_t(p.in_sids[i]));
+    n_stor++;
+  }
+  r.ins = g.tuples.get(p.in_metas.data(), p.in_metas.size());
+  int64_t out_metas[64];
+  int64_t alias[64];
+  size_t n_out = 0;
+  int64_t count = 0;
+  bool screened_any = false;
+  bool device_out = false;
+  const auto& outs = fn.outputs();
+  for (const auto& v : outs) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (n_out >= 64) return;
+      uintptr_t ptr;
+      const c10::StorageImpl* si;
+      int64_t nb;
+      int32_t m = meta_of(t, &ptr, &si, &nb);
+      out_metas[n_out] = m;
+      int64_t a = -1;
+      if (ptr) {
+        for (size_t i = 0; i < p.in_ptrs.size(); ++i) {
+          if (p.in_ptrs[i] == ptr) {
+            a = int64_t(i);
+            break;
+          }
+        }
+      }
+      alias[n_out] = a;
+      stor.push_back(storage_id(si, ptr, m, nb, true, seq));
+      n_stor++;
+      n_out++;
+      if (g.want_screen && !p.facts->no_screen && (a < 0 || p.facts->writes)) {
+        int64_t c = nonfinite_count(t.unsafeGetTensorImpl());
+        if (c == -2) {
+          device_out = true;
+        } else if (c >= 0) {
+          screened_any = true;
+          g.n_screened++;
+          count += c;
+          int64_t ver = version_of(t.unsafeGetTensorImpl());
+          if (ver >= 0) {
+            if (g.memo.size() > 4096) g.memo.clear();
+            g.memo[t.unsafeGetTensorImpl()] = {ver, c == 0};
+          }
+        }
+      }
+    });
+  }
+  if (device_out) g.n_unscreened_device++;
+  r.outs = g.tuples.get(out_metas, n_out);
+  r.alias = g.aliases.get(alias, n_out);
+  (void)n_stor;
+  if (p.facts->want_args) {
+    // outputs in schema order, undefined ones as None (conv backward's output_mask)
+    auto& enc = p.args_enc;
+    enc.push_back(9);
+    size_t k = 0;
+    for (const auto& v : outs) {
+      if (v.isTensor()) {
+        const auto& t = v.toTensor();
+        if (real_tensor(t) && k < n_out) {
+          enc.push_back(0);
+          enc.push_back(out_metas[k++]);
+        } else {
+          enc.push_back(1);
+        }
+      }
+    }
+    p.args_id = g.args.get(enc.data(), enc.size());
+    g.row_args.push_back(seq);
+    g.row_args.push_back(p.args_id);
+  }
+  if (screened_any && count > 0) {
+    g.n_fired++;
+    bool inputs_bad = p.pre_nonfinite;
+    if (!inputs_bad) {
+      for (const c10::TensorImpl* t : p.held) {
+        bool written = false;
+        if (p.facts->writes) {
+          // the written target's before-state is pre_nonfinite
+          for (const auto& v : outs) {
+            for_each_tensor(v, [&](const at::Tensor& o) {
+              if (o.unsafeGetTensorImpl() == t) written = true;
+            });
+          }
+        }
+        if (written) continue;
+        if (nonfinite_count(t) > 0) {
+          inputs_bad = true;
+          break;
+        }
+      }
+    }
+    g.nonfinite.push_back({seq, {count, inputs_bad ? 0 : 1}});
+  }
+  if (r.flags & F_OTHER_THREAD) g.other_thread_rows++;
+  g.blocks.back().push_back(r);
+  g.n_rows = seq + 1;
+  // the row's warnings: they were recorded with seq -1 while it ran
+  for (size_t i = g.warnings.size(); i-- > g.warnings_taken;) {
+    if (g.warnings[i].seq != -1) break;
+    g.warnings[i].seq = seq;
+  }
+}
+
+void drop_py_inputs(Pending& p) {
+  if (p.py_inputs == nullptr) return;
+  PyGILState_STATE st = PyGILState_Ensure();
+  Py_CLEAR(p.py_inputs);
+  PyGILState_Release(st);
+}
+
+// hook(seq, "ns::op.overload", inputs, outputs): outputs None when the kernel threw.
+// Never raises into the op: a failing hook is counted (hook_errors) and cleared.
+void call_hook(Pending& p, const at::RecordFunction& fn, int64_t seq) {
+  PyGILState_STATE st = PyGILState_Ensure();
+  PyObject* outs = nullptr;
+  try {
+    if (p.row.flags & F_THREW) {
+      Py_INCREF(Py_None);
+      outs = Py_None;
+    } else {
+      const auto& o = fn.outputs();
+      outs = PyTuple_New(Py_ssize_t(o.size()));
+      for (size_t i = 0; i < o.size(); ++i) {
+        PyTuple_SET_ITEM(outs, Py_ssize_t(i), torch::jit::toPyObject(o[i]).release().ptr());
+      }
+    }
+    PyObject* hook = g.hook;
+    if (hook != nullptr) {
+      Py_INCREF(hook);
+      PyObject* r = PyObject_CallFunction(hook, "LsOO", (long long)seq, p.facts->name.c_str(), p.py_inputs, outs);
+      Py_DECREF(hook);
+      if (r == nullptr) {
+        PyErr_Clear();
+        g.hook_errors++;
+      } else {
+        Py_DECREF(r);
+      }
+    }
+  } catch (...) {
+    PyErr_Clear();
+    g.hook_errors++;
+  }
+  Py_XDECREF(outs);
+  Py_CLEAR(p.py_inputs);
+  PyGILState_Release(st);
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  int64_t t_end = now_ns();
+  ThreadState* sp = tls;
+  if (sp == nullptr || sp->frames.empty()) return;
+  ThreadState& s = *sp;
+  try {
+    Frame fr = s.frames.back();
+    s.frames.pop_back();
+    if (fr.kind == 3) {
+      if (!s.node_stack.empty()) {
+        int64_t inner = s.node, inner_seq = s.node_seq;
+        s.node = s.node_stack.back().first;
+        s.node_seq = s.node_stack.back().second;
+        s.node_stack.pop_back();
+        // evaluate_function carries no sequence number: take its node's
+        if (s.node == inner && s.node_seq < 0) s.node_seq = inner_seq;
+      }
+      return;
+    }
+    if (fr.kind != 1 && fr.kind != 2) return;
+    Pending& p = *s.pool[size_t(fr.row)];
+    s.npending--;   // reused by the next row only after this one is committed
+    s.kept_depth--;
+    if (p.handler_pushed) c10::WarningUtils::set_warning_handler(p.prev_handler);
+    if (fr.gen != g.gen || !g.active) {
+      drop_py_inputs(p);
+      return;
+    }
+    if (fr.kind == 2 && !p.facts->backend) {   // a childless composite eager ran as a decomposition
+      drop_py_inputs(p);
+      return;
+    }
+    int64_t seq;
+    {
+      std::lock_guard<std::mutex> lk(g.mu);
+      commit(s, p, fn, t_end);
+      seq = g.n_rows - 1;
+    }
+    if (p.py_inputs != nullptr) call_hook(p, fn, seq);
+  } catch (...) {
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Python API
+// ---------------------------------------------------------------------------
+PyObject* py_start(PyObject*, PyObject* args) {
+  long long t0;
+  int screen, storages, warnings;
+  PyObject* arg_ops = nullptr;
+  PyObject* hook = Py_None;
+  PyObject* hook_ns = Py_None;
+  if (!PyArg_ParseTuple(args, "Lppp|OOO", &t0, &screen, &storages, &warnings, &arg_ops, &hook, &hook_ns))
+    return nullptr;
+  std::unordered_map<std::string, bool> hns;
+  if (hook != Py_None && hook_ns != Py_None) {
+    PyObject* it = PyObject_GetIter(hook_ns);
+    if (it == nullptr) return nullptr;
+    while (PyObject* item = PyIter_Next(it)) {
+      const char* c = PyUnicode_AsUTF8(item);
+      if (c != nullptr) hns.emplace(c, true);
+      Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return nullptr;
+  }
+  std::unordered_map<std::string, bool> wanted;
+  if (arg_ops != nullptr && arg_ops != Py_None) {
+    PyObject* it = PyObject_GetIter(arg_ops);
+    if (it == nullptr) return nullptr;
+    while (PyObject* item = PyIter_Next(it)) {
+      const char* c = PyUnicode_AsUTF8(item);
+      if (c != nullptr) wanted.emplace(c, true);
+      Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return nullptr;
+  }
+  if (g.active) {
+    PyErr_SetString(PyExc_RuntimeError, "the native engine is already recording in this process");
+    return nullptr;
+  }
+  try {
+    std::lock_guard<std::mutex> lk(g.mu);
+    g.clear();
+    g.gen++;
+    g.t0 = t0;
+    g.want_screen = screen;
+    g.want_storages = storages;
+    g.want_warnings = warnings;
+    g.arg_ops = std::move(wanted);
+    g.hook_ns = std::move(hns);
+    Py_CLEAR(g.hook);
+    g.hook_errors = 0;
+    if (hook != Py_None && !g.hook_ns.empty()) {
+      Py_INCREF(hook);
+      g.hook = hook;
+    }
+    g.cur_module = 0;
+    g.cur_call = -1;
+    g.paused.store(0);
+    g.owner_thread = std::hash<std::thread::id>()(std::this_thread::get_id());
+    ThreadState& s = ts();
+    s.frames.clear();
+    s.npending = 0;
+    s.node = 0;
+    s.node_seq = -1;
+    s.node_stack.clear();
+    s.kept_depth = 0;
+    // thread-local: autograd's worker threads inherit it with the rest of the
+    // ThreadLocalState; other Python threads are not recorded (said in the summary)
+    g.handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&on_start, &on_end)
+            .needsInputs(true)
+            .needsOutputs(true)
+            .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+    g.active = true;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_stop(PyObject*, PyObject*) {
+  if (g.active) {
+    g.active = false;
+    try {
+      at::removeCallback(g.handle);
+    } catch (...) {
+    }
+    ThreadState& s = ts();
+    // restore any handler a row left pushed (an op still running when the trace stops)
+    Py_CLEAR(g.hook);
+    for (size_t i = s.npending; i-- > 0;) {
+      Py_CLEAR(s.pool[i]->py_inputs);
+      if (s.pool[i]->handler_pushed) c10::WarningUtils::set_warning_handler(s.pool[i]->prev_handler);
+    }
+    s.npending = 0;
+    s.frames.clear();
+    s.node_stack.clear();
+    s.node = 0;
+    s.kept_depth = 0;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_set_module(PyObject*, PyObject* o) {
+  g.cur_module = PyLong_AsLongLong(o);
+  Py_RETURN_NONE;
+}
+PyObject* py_set_call(PyObject*, PyObject* o) {
+  g.cur_call = PyLong_AsLongLong(o);
+  Py_RETURN_NONE;
+}
+PyObject* py_seq(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(g.n_rows);
+}
+PyObject* py_take_error_seq(PyObject*, PyObject*) {
+  std::lock_guard<std::mutex> lk(g.mu);
+  int64_t s = g.last_error_seq;
+  g.last_error_seq = -1;
+  if (s < 0) Py_RETURN_NONE;
+  const Row* r = nullptr;
+  int64_t base = 0;
+  for (auto& b : g.blocks) {
+    if (s < base + int64_t(b.size())) {
+      r = &b[size_t(s - base)];
+      break;
+    }
+    base += int64_t(b.size());
+  }
+  if (r == nullptr) Py_RETURN_NONE;
+  return Py_BuildValue("(Ls)", (long long)s, g.ops[size_t(r->op)]->name.c_str());
+}
+
+PyObject* bytes_of(const void* p, size_t n) {
+  return PyBytes_FromStringAndSize(static_cast<const char*>(p), Py_ssize_t(n));
+}
+
+PyObject* str_list(const std::vector<std::string>& v) {
+  PyObject* l = PyList_New(Py_ssize_t(v.size()));
+  for (size_t i = 0; i < v.size(); ++i) {
+    PyList_SET_ITEM(l, Py_ssize_t(i), PyUnicode_DecodeUTF8(v[i].data(), Py_ssize_t(v[i].size()), "replace"));
+  }
+  return l;
+}
+
+PyObject* interner_out(const SeqInterner& in) {
+  return Py_BuildValue("(NN)", bytes_of(in.arena.data(), in.arena.size() * 8),
+                       bytes_of(in.offsets.data(), in.offsets.size() * 8));
+}
+
+// warnings recorded since the last call: [(seq, msg, file, line, function, deprecation)]
+PyObject* py_take_warnings(PyObject*, PyObject*) {
+  if (g.n_warnings.load(std::memory_order_acquire) == g.warnings_taken) Py_RETURN_NONE;   // per call: no lock
+  std::lock_guard<std::mutex> lk(g.mu);
+  size_t n = g.warnings.size() - g.warnings_taken;
+  PyObject* l = PyList_New(Py_ssize_t(n));
+  for (size_t i = 0; i < n; ++i) {
+    const WarnRec& w = g.warnings[g.warnings_taken + i];
+    PyObject* t = Py_BuildValue("(LNNLNO)", (long long)w.seq,
+                                PyUnicode_DecodeUTF8(w.msg.data(), Py_ssize_t(w.msg.size()), "replace"),
+                                PyUnicode_DecodeUTF8(w.file.data(), Py_ssize_t(w.file.size()), "replace"),
+                                (long long)w.line,
+                                PyUnicode_DecodeUTF8(w.function.data(), Py_ssize_t(w.function.size()), "replace"),
+                                w.deprecation ? Py_True : Py_False);
+    PyList_SET_ITEM(l, Py_ssize_t(i), t);
+  }
+  g.warnings_taken = g.warnings.size();
+  return l;
+}
+
+PyObject* py_warnings_pending(PyObject*, PyObject*) {
+  return PyBool_FromLong(g.n_warnings.load(std::memory_order_acquire) != g.warnings_taken);
+}
+
+PyObject* py_warning_seen(PyObject*, PyObject* o) {
+  Py_ssize_t n;
+  const char* s = PyUnicode_AsUTF8AndSize(o, &n);
+  if (s == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lk(g.mu);
+  for (const auto& w : g.warnings) {
+    if (w.msg.size() == size_t(n) && std::memcmp(w.msg.data(), s, size_t(n)) == 0) Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
+}
+
+// Everything recorded, as bytes columns (numpy views them without a per-row object).
+PyObject* py_take(PyObject*, PyObject*) {
+  std::lock_guard<std::mutex> lk(g.mu);
+  // final sweep: every storage freed by now
+  int64_t last = g.n_rows - 1;
+  sweep_list(g.young, g.young_rr, size_t(-1) / 2, last);
+  sweep_list(g.old, g.old_rr, size_t(-1) / 2, last);
+  size_t n = size_t(g.n_rows);
+  std::vector<Row> rows;
+  rows.reserve(n);
+  std::vector<int32_t> stor;
+  for (size_t b = 0; b < g.blocks.size(); ++b) {
+    rows.insert(rows.end(), g.blocks[b].begin(), g.blocks[b].end());
+    stor.insert(stor.end(), g.stor_blocks[b].begin(), g.stor_blocks[b].end());
+  }
+  std::vector<std::string> names;
+  for (auto* f : g.ops) names.push_back(f->name);
+  size_t ns = g.storages.size();
+  std::vector<int64_t> st(ns * 7);
+  for (size_t i = 0; i < ns; ++i) {
+    const StorageRec& r = g.storages[i];
+    int64_t* o = &st[i * 7];
+    o[0] = r.meta;
+    o[1] = r.nbytes;
+    o[2] = r.alloc_seq;
+    o[3] = r.free_seq;
+    o[4] = r.module;
+    o[5] = r.call;
+    o[6] = int64_t(r.ptr);
+  }
+  std::vector<int64_t> nf;
+  for (auto& e : g.nonfinite) {
+    nf.push_back(e.first);
+    nf.push_back(e.second.first);
+    nf.push_back(e.second.second);
+  }
+  PyObject* d = PyDict_New();
+  auto put = [&](const char* k, PyObject* v) {
+    PyDict_SetItemString(d, k, v);
+    Py_DECREF(v);
+  };
+  put("rows", bytes_of(rows.data(), rows.size() * sizeof(Row)));
+  put("row_size", PyLong_FromSize_t(sizeof(Row)));
+  put("storages", bytes_of(stor.data(), stor.size() * 4));
+  put("ops", str_list(names));
+  put("metas", interner_out(g.metas));
+  put("meta_nbytes", bytes_of(g.meta_nbytes.data(), g.meta_nbytes.size() * 8));
+  put("tuples", interner_out(g.tuples));
+  put("aliases", interner_out(g.aliases));
+  put("args", interner_out(g.args));
+  put("row_args", bytes_of(g.row_args.data(), g.row_args.size() * 8));
+  put("nodes", str_list(g.node_names));
+  put("tensors", bytes_of(st.data(), st.size() * 8));
+  put("nonfinite", bytes_of(nf.data(), nf.size() * 8));
+  put("other_thread_rows", PyLong_FromLongLong(g.other_thread_rows));
+  put("hook_errors", PyLong_FromLongLong(g.hook_errors));
+  PyObject* screen = Py_BuildValue("{s:L,s:L,s:L,s:L}", "screened", (long long)g.n_screened, "fired",
+                                   (long long)g.n_fired, "pre_screened", (long long)g.n_pre, "device_unscreened",
+                                   (long long)g.n_unscreened_device);
+  put("screen", screen);
+  return d;
+}
+
+// (storage id, torch.UntypedStorage) of the storages the trace created that are alive now
+PyObject* py_live_created(PyObject*, PyObject*) {
+  std::vector<std::pair<int32_t, c10::intrusive_ptr<c10::StorageImpl>>> live;
+  {
+    std::lock_guard<std::mutex> lk(g.mu);
+    for (int32_t sid : g.young) {
+      auto strong = g.storages[size_t(sid)].weak.lock();
+      if (strong) live.emplace_back(sid, std::move(strong));
+    }
+  }
+  PyObject* l = PyList_New(0);
+  for (auto& e : live) {
+    PyObject* obj = THPStorage_Wrap(c10::Storage(std::move(e.second)));
+    if (obj == nullptr) {
+      PyErr_Clear();
+      continue;
+    }
+    PyObject* t = Py_BuildValue("(iN)", e.first, obj);
+    PyList_Append(l, t);
+    Py_DECREF(t);
+  }
+  return l;
+}
+
+PyObject* py_release(PyObject*, PyObject*) {
+  std::lock_guard<std::mutex> lk(g.mu);
+  if (!g.active) g.clear();
+  Py_RETURN_NONE;
+}
+
+// callable() with every RecordFunction callback off on this thread (ours and the
+// profiler's): tensorscope's own bookkeeping ops stay invisible to other tools
+PyObject* py_unobserved(PyObject*, PyObject* callable) {
+  at::RecordFunctionGuard off(false);
+  return PyObject_CallObject(callable, nullptr);
+}
+
+PyObject* py_pause(PyObject*, PyObject* o) {
+  if (PyObject_IsTrue(o)) {
+    g.paused.fetch_add(1);
+  } else if (g.paused.load() > 0) {
+    g.paused.fetch_sub(1);
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_active(PyObject*, PyObject*) {
+  return PyBool_FromLong(g.active);
+}
+
+PyMethodDef methods[] = {
+    {"start", py_start, METH_VARARGS, "start(t0_ns, screen, storages, warnings): install the observer on this thread"},
+    {"stop", py_stop, METH_NOARGS, "remove the observer"},
+    {"set_module", py_set_module, METH_O, "module id of the running code"},
+    {"set_call", py_set_call, METH_O, "call id of the running torch-level call (-1: none)"},
+    {"seq", py_seq, METH_NOARGS, "rows recorded so far (the next op's seq)"},
+    {"take_error_seq", py_take_error_seq, METH_NOARGS, "(seq, op) of the last row whose kernel threw, once"},
+    {"take_warnings", py_take_warnings, METH_NOARGS, "warnings recorded since the last call"},
+    {"warning_seen", py_warning_seen, METH_O, "whether an op recorded this warning message"},
+    {"warnings_pending", py_warnings_pending, METH_NOARGS, "whether take_warnings() has something"},
+    {"take", py_take, METH_NOARGS, "every column, as bytes"},
+    {"live_created", py_live_created, METH_NOARGS, "live storages the trace created"},
+    {"release", py_release, METH_NOARGS, "free the buffers"},
+    {"active", py_active, METH_NOARGS, "whether recording"},
+    {"pause", py_pause, METH_O, "pause(True)/pause(False): hide the ops run in between (torch.compile compiling)"},
+    {"unobserved", py_unobserved, METH_O, "call f() with RecordFunction off on this thread"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "tensorscope_engine", "tensorscope native recording engine", -1,
+                      methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_tensorscope_engine() {
+  PyObject* m = PyModule_Create(&moddef);
+  if (m == nullptr) return nullptr;
+  PyModule_AddIntConstant(m, "F_BACKWARD", F_BACKWARD);
+  PyModule_AddIntConstant(m, "F_THREW", F_THREW);
+  PyModule_AddIntConstant(m, "F_OTHER_THREAD", F_OTHER_THREAD);
+  PyModule_AddIntConstant(m, "ROW_SIZE", sizeof(Row));
+  return m;
+}

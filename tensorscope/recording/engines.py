@@ -1,0 +1,568 @@
+"""Recording engines: who observes the ATen ops of a trace.
+
+One seam, two implementations::
+
+    engine = select_engine(options)        # EngineChoice(name, reason, ext)
+    eng.start(session)                     # install the observer (after the function mode)
+    eng.stop(session)                      # remove it (before anything is built), idempotent
+    eng.finish(session)                    # hand the recorded columns to session.rec
+
+* ``python`` -- ``modes/dispatch.py``'s TorchDispatchMode appends rows to the
+  recorder as ops run. The fallback when nothing can be compiled, the engine
+  for ``numerics=`` (the shadow mode re-runs ops in Python), and the test
+  oracle.
+* ``native`` -- ``native/engine.cpp``: a thread-local RecordFunction observer
+  that keeps growable C++ column buffers (interned op ids, metas, tuples,
+  storage ids) and hands them over once, as bytes viewed by numpy, at the end.
+  No Python dispatch mode is on the stack, so the program sees plain eager.
+
+What both engines share is the recording context, the live ``Session``: the
+function mode and the module hooks set ``current_call`` / ``modules.current``
+and read ``seq``; with the native engine those attributes are forwarded to the
+observer through C setters (``NativeSession`` below), so the modes are the same
+code for both engines.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from array import array
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .recorder import F_BACKWARD, OPS_FIELDS
+
+ENGINES = ("auto", "native", "python")
+
+#: numpy view of engine.cpp's ``Row`` (keep in sync; checked against ROW_SIZE at load)
+ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
+                      ("node", "<i4"), ("flags", "<i4"), ("call", "<i4"), ("seq_nr", "<i8"),
+                      ("start", "<i8"), ("dur", "<i8")])
+
+#: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
+_SCALAR_TYPES = (
+    "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "complex32", "complex64",
+    "complex128", "bool", "qint8", "quint8", "qint32", "bfloat16", "quint4x2", "quint2x4", "bits1x8", "bits2x4",
+    "bits4x2", "bits8", "bits16", "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz",
+    "uint16", "uint32", "uint64", "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7", "float8_e8m0fnu", "float4_e2m1fn_x2",
+)
+#: c10::DeviceType values -> device type names (c10/core/DeviceType.h order)
+_DEVICE_TYPES = ("cpu", "cuda", "mkldnn", "opengl", "opencl", "ideep", "hip", "fpga", "maia", "xla", "vulkan",
+                 "metal", "xpu", "mps", "meta", "hpu", "ve", "lazy", "ipu", "mtia", "privateuseone")
+
+
+@dataclass
+class EngineChoice:
+    name: str                 # "native" / "python"
+    reason: str               # why (always set; shown in the summary when it is the fallback)
+    ext: Any = None           # the native extension module
+
+
+def _native_ext(wait: bool = True) -> Tuple[Any, str]:
+    from ..native import FORCE_ENV, _build, forced_fallback
+
+    if forced_fallback():
+        return None, f"{FORCE_ENV}=1 forces the python engine"
+    ext, reason = _build.ensure(_build.ENGINE, wait=wait)
+    if ext is not None and getattr(ext, "ROW_SIZE", None) != ROW_DTYPE.itemsize:
+        return None, f"native engine row layout mismatch ({getattr(ext, 'ROW_SIZE', None)} != {ROW_DTYPE.itemsize})"
+    return ext, reason
+
+
+def select_engine(options) -> EngineChoice:
+    """The engine a trace with ``options`` records with, and why."""
+    want = getattr(options, "engine", "auto") or "auto"
+    if want == "python":
+        return EngineChoice("python", "engine='python' was asked for")
+    if options.numerics:
+        return EngineChoice("python", "numerics= runs its shadow computations in the python engine's dispatch mode")
+    if threading.current_thread() is not threading.main_thread() and want == "auto":
+        pass   # a thread-local observer works on any thread
+    ext, reason = _native_ext(wait=True)
+    if ext is None:
+        return EngineChoice("python", f"native engine unavailable: {reason}")
+    if ext.active():
+        return EngineChoice("python", "the native engine is recording another trace in this process (another thread)")
+    return EngineChoice("native", reason, ext)
+
+
+def unobserved(fn):
+    """``fn()`` with RecordFunction off on this thread when the native engine is loaded (so neither
+    torch.profiler nor an observer sees tensorscope's own probe ops); else just ``fn()``."""
+    from ..native import _build
+
+    ext = _build._STATES[_build.ENGINE.kind].module
+    if ext is not None and hasattr(ext, "unobserved"):
+        return ext.unobserved(fn)
+    return fn()
+
+
+def engine_status() -> Dict[str, Any]:
+    """``{'engine': 'native'|'python', 'reason': ...}`` for ``trace(engine='auto')`` now. Never compiles."""
+    from ..native import FORCE_ENV, _build, forced_fallback
+
+    if forced_fallback():
+        return {"engine": "python", "reason": f"{FORCE_ENV}=1"}
+    st = _build.lib_status(_build.ENGINE)
+    return {"engine": "native" if st["state"] == "built" else "python", "reason": st["reason"]}
+
+
+# ---------------------------------------------------------------------------
+# op hooks: Python callbacks for the ops of chosen namespaces (collectives)
+# ---------------------------------------------------------------------------
+_OP_HOOKS: Dict[int, Tuple[frozenset, Any]] = {}
+_next_hook = [0]
+
+
+def add_op_hook(namespaces, fn) -> int:
+    """Call ``fn(seq, op, inputs, outputs)`` for every recorded op of ``namespaces`` (e.g.
+    ``("c10d", "_c10d_functional")``), under both engines, in traces started afterwards.
+
+    ``op`` is ``str(OpOverload)`` (``"c10d.allreduce_.default"``), ``inputs`` the op's
+    arguments in schema order as Python objects (tensors, ``torch.ScriptObject`` process
+    groups and reduce ops, lists, scalars), ``outputs`` a tuple, or None when the kernel
+    raised. It runs on the recording thread right after the op; an exception in it is
+    counted in ``metadata["tracer_errors"]``, never raised into the program. Keep no
+    reference to the tensors. Returns a handle for :func:`remove_op_hook`.
+    """
+    if isinstance(namespaces, str):
+        namespaces = (namespaces,)
+    _next_hook[0] += 1
+    _OP_HOOKS[_next_hook[0]] = (frozenset(namespaces), fn)
+    return _next_hook[0]
+
+
+def remove_op_hook(handle: int) -> None:
+    _OP_HOOKS.pop(handle, None)
+
+
+class OpHooks:
+    """The hooks of one trace (a snapshot taken at its start)."""
+
+    def __init__(self):
+        self.hooks = list(_OP_HOOKS.values())
+        self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
+        self.errors: List[str] = []
+
+    def __bool__(self):
+        return bool(self.hooks)
+
+    def add(self, namespaces, fn) -> None:
+        """A hook of this trace only (the session's own probes: the collectives table)."""
+        self.hooks.append((frozenset(namespaces), fn))
+        self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
+
+    def __call__(self, seq, name, inputs, outputs):
+        name = name.replace("::", ".", 1)
+        ns = name.split(".", 1)[0]
+        for nss, fn in self.hooks:
+            if ns in nss:
+                try:
+                    fn(seq, name, inputs, outputs)
+                except Exception as e:   # a hook's bug never reaches the program
+                    if len(self.errors) < 20:
+                        self.errors.append(f"op hook {getattr(fn, '__name__', fn)!s} on {name}: {type(e).__name__}: {e}")
+
+
+def schema_inputs(func, args, kwargs) -> list:
+    """An op's arguments in schema order (kwarg-only ones from kwargs), as the native engine gives them."""
+    out = list(args)
+    try:
+        for a in func._schema.arguments[len(args):]:
+            out.append(kwargs.get(a.name, a.default_value) if kwargs else a.default_value)
+    except Exception:
+        out.extend((kwargs or {}).values())
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the python engine
+# ---------------------------------------------------------------------------
+class PythonEngine:
+    name = "python"
+
+    def __init__(self, choice: EngineChoice):
+        self.choice = choice
+        self._mode = None
+
+    def start(self, sess):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # noqa: F401
+
+        from ..modes.dispatch import TracingDispatchMode
+
+        self._mode = TracingDispatchMode(sess)
+        self._mode.__enter__()
+
+    def stop(self, sess):
+        if self._mode is None:
+            return
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        from .session import _exit_mode
+
+        mode, self._mode = self._mode, None
+        _exit_mode(mode, _get_current_dispatch_mode_stack)
+
+    def finish(self, sess):
+        pass
+
+
+# ---------------------------------------------------------------------------
+# the native engine
+# ---------------------------------------------------------------------------
+class NativeEngine:
+    name = "native"
+
+    def __init__(self, choice: EngineChoice):
+        self.choice = choice
+        self.ext = choice.ext
+        self.running = False
+        self.data: Optional[Dict[str, Any]] = None
+
+    def start(self, sess):
+        opts = sess.options
+        hooks = sess.op_hooks
+        self.ext.start(sess.t0, bool(opts.nonfinite), bool(opts.storages), True,
+                       _flop_op_names() if opts.flops else (),
+                       hooks if hooks else None, tuple(hooks.namespaces) if hooks else None)
+        self.running = True
+        self._compile_callbacks()
+
+    def _compile_callbacks(self):
+        """Hide what torch.compile runs while it compiles (Dynamo probes ops; a dispatch mode is
+        disabled then, the observer is not)."""
+        self._cb = None
+        dyn = sys.modules.get("torch._dynamo.callback")
+        if dyn is None:
+            try:
+                import torch._dynamo.callback as dyn
+            except Exception:
+                return
+        ext = self.ext
+        start = lambda *a, **k: ext.pause(True)  # noqa: E731
+        end = lambda *a, **k: ext.pause(False)  # noqa: E731
+        try:
+            dyn.callback_handler.register_start_callback(start)
+            dyn.callback_handler.register_end_callback(end)
+            self._cb = (dyn.callback_handler, start, end)
+        except Exception:
+            self._cb = None
+
+    def stop(self, sess):
+        if self.running:
+            self.running = False
+            self.ext.stop()
+            cb, self._cb = getattr(self, "_cb", None), None
+            if cb is not None:
+                handler, start, end = cb
+                try:
+                    handler.remove_start_callback(start)
+                    handler.remove_end_callback(end)
+                except Exception:
+                    pass
+
+    def take_warnings(self) -> List[Dict[str, Any]]:
+        raw = self.ext.take_warnings()
+        if not raw:
+            return []
+        out = []
+        for seq, msg, file, line, func, dep in raw:
+            out.append({"seq": seq if seq >= 0 else None, "message": msg,
+                        "category": "DeprecationWarning" if dep else "UserWarning",
+                        "cpp_file": file or None, "cpp_line": line if line > 0 else None,
+                        "cpp_function": func or None, "native": True})
+        return out
+
+    def finish(self, sess):
+        """Move the native columns into ``sess.rec`` in the recorder's layout (build.py reads both alike)."""
+        import torch
+
+        ext = self.ext
+        d = ext.take()
+        rec = sess.rec
+        # warnings no call drained (ops outside any torch-level call, or after the last one)
+        rest = self.take_warnings()
+        if rest:
+            sess.record_warnings(rest, call_id=None, seq=None)
+        # ops: OpOverloads (str(), tags and schema flags), per distinct op
+        from ..modes.dispatch import OpInfo
+
+        flags_of = []
+        for name in d["ops"]:
+            func = _resolve_op(name)
+            try:
+                info = OpInfo(rec, func)   # schema flags only: the native engine calls the op hooks itself
+                flags_of.append(info.flags | ((1 << 40) if info.flop_at_build else 0))   # 1<<40: FLOPs at build
+            except Exception:   # an op without a schema (its library is gone): no flags
+                if len(rec.funcs) == len(flags_of):
+                    rec.funcs(func)
+                flags_of.append(0)
+        op_flags = np.array(flags_of or [0], dtype=np.int64)
+        # metas
+        arena = np.frombuffer(d["metas"][0], dtype=np.int64)
+        offs = np.frombuffer(d["metas"][1], dtype=np.int64)
+        metas = rec.metas
+        dt_objs = {}
+        for i in range(len(offs) - 1):
+            v = arena[offs[i]:offs[i + 1]].tolist()
+            ndim, st, dev_t, dev_i, strided = v[:5]
+            shape = tuple(v[5:5 + ndim])
+            stride = tuple(v[5 + ndim:5 + 2 * ndim]) if strided else None
+            dt = dt_objs.get(st)
+            if dt is None:
+                dt = dt_objs[st] = _dtype(torch, st)
+            dname = _DEVICE_TYPES[dev_t] if 0 <= dev_t < len(_DEVICE_TYPES) else f"device{dev_t}"
+            dev = dname if dev_i < 0 else f"{dname}:{dev_i}"
+            metas.add((i,), shape, stride, dt, dev)
+        rec.tuples.values = _seqs(d["tuples"])
+        rec.aliases.values = _seqs(d["aliases"])
+        rec.nodes.values = [None] + list(d["nodes"])
+        rows = np.frombuffer(d["rows"], dtype=ROW_DTYPE)
+        n = len(rows)
+        op = rows["op"].astype(np.int64)
+        of = op_flags[op] if n else np.zeros(0, np.int64)
+        flags = (of & 0xFF) | (rows["flags"].astype(np.int64) & F_BACKWARD)
+        flops = np.where((of >> 40) & 1, -2, -1).astype(np.int64)
+        if sess.options.flops and n:
+            _formula_flops(flops, op, rows, d, rec)
+        chunk = {
+            "op": op, "ins": rows["ins"].astype(np.int64), "outs": rows["outs"].astype(np.int64),
+            "alias": rows["alias"].astype(np.int64), "module": rows["module"].astype(np.int64),
+            "call": rows["call"].astype(np.int64), "node": rows["node"].astype(np.int64), "seq_nr": rows["seq_nr"].copy(),
+            "flags": flags, "flops": flops, "start": rows["start"].copy(), "dur": rows["dur"].copy(),
+            "storages": np.frombuffer(d["storages"], dtype=np.int32).astype(np.int64),
+        }
+        assert set(chunk) == set(OPS_FIELDS) | {"storages"}
+        if n:
+            rec.mem_chunks.append({k: (0, v) for k, v in chunk.items()})
+            rec.mem_rows += n
+            rec.chunk_start = n
+        sess.opaque_ops = int(np.count_nonzero((rows["node"] == 0) & (rows["call"] < 0))) if n else 0
+        self.other_thread_rows = int(d["other_thread_rows"])
+        for _ in range(int(d.get("hook_errors", 0))):
+            rec.tracer_error("op hook", RuntimeError("converting an op's arguments for the op hook failed"))
+        # storages
+        st = np.frombuffer(d["tensors"], dtype=np.int64).reshape(-1, 7)
+        if sess.options.storages:
+            cols = rec.tensors
+            cols.meta = array("i", st[:, 0].astype(np.int32).tobytes())
+            cols.nbytes = array("q", st[:, 1].tobytes())
+            cols.alloc_seq = array("q", st[:, 2].tobytes())
+            cols.free_seq = array("q", st[:, 3].tobytes())
+            cols.module = array("i", st[:, 4].astype(np.int32).tobytes())
+            cols.call = array("q", st[:, 5].tobytes())
+            sess.tracker = NativeStorages(ext, st[:, 6].tolist())
+        # non-finite screen
+        nf = np.frombuffer(d["nonfinite"], dtype=np.int64).reshape(-1, 3)
+        for s_, c_, p_ in nf.tolist():
+            rec.nonfinite[s_] = (c_, bool(p_))
+        if sess.screen is not None:
+            sess.screen = NativeScreen(d["screen"])
+            dev = int(d["screen"].get("device_unscreened", 0))
+            if dev:
+                rec.notes.append(f"{dev} op(s) with CUDA outputs were not screened for NaN/Inf: the native engine "
+                                 "screens CPU memory only (engine='python' screens on device)")
+        if sess.options.cuda_timing and any(str(v).startswith("cuda") for v in metas.devices):
+            rec.notes.append("per-op CUDA times (ops.cuda_ns) are recorded by the python engine only; "
+                             "use engine='python', or kernels=True for kernel times")
+        if n > sess.options.spill_rows:
+            rec.notes.append(f"{n} rows stayed in the native engine's memory (~60-100 bytes each): spill_rows applies "
+                             "to the python engine only")
+        self.data = None
+
+
+class NativeStorages:
+    """The storage view the leak finder reads (``ptrs``, ``live_created()``), from the native engine."""
+
+    def __init__(self, ext, ptrs: List[int]):
+        self._ext = ext
+        self.ptrs = ptrs
+        self._live = None
+
+    def live_created(self):
+        out = []
+        for sid, storage in self._ext.live_created():
+            try:
+                out.append((sid, weakref.ref(storage)))
+            except TypeError:
+                continue
+        return out
+
+    def close(self):
+        try:
+            self._ext.release()
+        except Exception:
+            pass
+
+
+class NativeScreen:
+    """The native non-finite screen's counters, with the python screen's op classification for build.py."""
+
+    def __init__(self, counters: Dict[str, int]):
+        from ..modes.numerics import NonfiniteScreen
+
+        self._cls = NonfiniteScreen()
+        self.counters = dict(counters)
+
+    def screens(self, func) -> bool:
+        try:
+            return self._cls.screens(func)
+        except Exception:
+            return False
+
+    def finish(self):
+        return {}
+
+    def report(self):
+        out = {k: int(v) for k, v in self.counters.items() if k != "device_unscreened" or v}
+        out["engine"] = "native"
+        return out
+
+
+class _UnknownOp:
+    """Stands for an op whose OpOverload cannot be looked up (its library is gone)."""
+
+    tags = ()
+    is_view = False
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __str__(self):
+        return self._name
+
+    def __repr__(self):
+        return self._name
+
+
+_OP_CACHE: Dict[str, Any] = {}
+
+
+def _resolve_op(name: str):
+    """'aten::add.Tensor' -> torch.ops.aten.add.Tensor (cached)."""
+    f = _OP_CACHE.get(name)
+    if f is not None:
+        return f
+    import torch
+
+    try:
+        ns, rest = name.split("::", 1)
+        base, ovl = rest.rsplit(".", 1) if "." in rest else (rest, "default")
+        f = getattr(getattr(getattr(torch.ops, ns), base), ovl)
+    except Exception:
+        f = _UnknownOp(name.replace("::", "."))
+    _OP_CACHE[name] = f
+    return f
+
+
+def _dtype(torch, st: int):
+    name = _SCALAR_TYPES[st] if 0 <= st < len(_SCALAR_TYPES) else None
+    dt = getattr(torch, name, None) if name else None
+    if dt is None:
+        class _D:
+            itemsize = 0
+
+            def __str__(self):
+                return f"scalar_type_{st}"
+        dt = _D()
+    return dt
+
+
+def _seqs(pair) -> List[tuple]:
+    arena = np.frombuffer(pair[0], dtype=np.int64)
+    offs = np.frombuffer(pair[1], dtype=np.int64).tolist()
+    vals = arena.tolist()
+    return [tuple(vals[offs[i]:offs[i + 1]]) for i in range(len(offs) - 1)]
+
+
+_FLOP_NAMES: Optional[Tuple[str, ...]] = None
+
+
+def _flop_op_names() -> Tuple[str, ...]:
+    """'aten::convolution'... : ops whose FLOP formula needs their arguments (recorded natively)."""
+    global _FLOP_NAMES
+    if _FLOP_NAMES is None:
+        from ..modes.dispatch import _FLOP_REGISTRY, SHAPE_FLOP_OPS
+
+        names = []
+        for packet in _FLOP_REGISTRY:
+            q = getattr(packet, "_qualified_op_name", None)
+            if q and q.split("::")[-1] not in SHAPE_FLOP_OPS:
+                names.append(q)
+        _FLOP_NAMES = tuple(names)
+    return _FLOP_NAMES
+
+
+def _decode_args(enc, shapes):
+    """(arguments, outputs) with shapes for tensors, from engine.cpp's encoding."""
+    out, i = [], 0
+    outs = None
+    while i < len(enc):
+        tag = enc[i]
+        i += 1
+        if tag == 9:
+            outs, out = out, []   # the rest are the outputs
+        elif tag == 0:
+            out.append(shapes[enc[i]])
+            i += 1
+        elif tag == 1 or tag == 6:
+            out.append(None)
+        elif tag == 2:
+            out.append(bool(enc[i]))
+            i += 1
+        elif tag == 3:
+            out.append(int(enc[i]))
+            i += 1
+        elif tag == 4:
+            out.append(float(np.array([enc[i]], dtype=np.int64).view(np.float64)[0]))
+            i += 1
+        elif tag in (5, 8):
+            k = enc[i]
+            vals = enc[i + 1:i + 1 + k]
+            out.append([bool(v) for v in vals] if tag == 8 else list(vals))
+            i += 1 + k
+        else:
+            break
+    if outs is None:
+        return out, None
+    return outs, (out[0] if len(out) == 1 else tuple(out))
+
+
+def _formula_flops(flops, op, rows, d, rec):
+    """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
+    (op, arguments, outputs): the formulas take shapes, so the interned metas suffice."""
+    from ..modes.dispatch import _FLOP_REGISTRY
+
+    args = np.full(len(rows), -1, dtype=np.int64)
+    ra = np.frombuffer(d["row_args"], dtype=np.int64).reshape(-1, 2)
+    if len(ra):
+        args[ra[:, 0]] = ra[:, 1]
+    todo = np.nonzero((args >= 0) & (flops == -1))[0]
+    if not len(todo):
+        return
+    encs = _seqs(d["args"])
+    shapes = rec.metas.shapes
+    tuples = rec.tuples.values
+    funcs = rec.funcs.values
+    keys = np.stack([op[todo], args[todo].astype(np.int64), rows["outs"][todo].astype(np.int64)], axis=1)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    vals = np.full(len(uniq), -1, dtype=np.int64)
+    for k, (o, a, outs) in enumerate(uniq.tolist()):
+        func = funcs[o]
+        f = _FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
+        if f is None:
+            continue
+        try:
+            a_, out_val = _decode_args(encs[a], shapes)
+            vals[k] = int(f(*a_, out_val=out_val))
+        except Exception:
+            vals[k] = -1
+    flops[todo] = vals[inv.reshape(-1)]
+
+
+def make_engine(choice: EngineChoice):
+    return NativeEngine(choice) if choice.name == "native" else PythonEngine(choice)
