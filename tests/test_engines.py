@@ -342,10 +342,6 @@ def test_custom_autograd_function():
 
     tp = _trace("python", run)
     tn = _trace("native", run)
-    old_rule = any(r["op"] == "aten.mul.Tensor" and r["phase"] == "forward" and r["seq_nr"] is not None
-                   for r in tp.ops.to_pylist())
-    if old_rule:
-        pytest.xfail("python engine still claims seq_nr for ops that created no node (difference 8)")
     compare(tp, tn)
     assert any(r["autograd_node"] == "CubeBackward" for r in tn.ops.to_pylist())
 

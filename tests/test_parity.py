@@ -378,7 +378,9 @@ def test_recorded_formats_of_gapped_and_overlapping_views(engine):
 
 def _small_trace():
     model, x = _make("channels_last_convnet")
-    with tensorscope.trace(leaks=False, chunk_rows=16) as t:   # many batches: one dictionary each
+    # many batches sharing one dictionary: the python engine freezes a chunk every chunk_rows rows
+    # (the native engine keeps its rows in one native buffer and builds one batch)
+    with tensorscope.trace(leaks=False, chunk_rows=16, engine="python") as t:
         model(x).sum().backward()
     return t
 

@@ -72,7 +72,12 @@ def test_well_behaved_subclass_substitutes():
     assert r.subclass.endswith("Good")
     assert "no divergence" in r.to_text()
     # both runs traced the same ops; the inputs were not modified
-    assert r.plain.ops.column("op").to_pylist() == r.wrapped.ops.column("op").to_pylist()
+    # (bookkeeping rows aside: the native engine also sees the aten.alias that re-wrapping each output
+    # as the subclass runs, a real eager op no dispatch mode can see; it is noise, as detach is)
+    def work(t):
+        return [r["op"] for r in t.ops.select(["op", "is_noise"]).to_pylist() if not r["is_noise"]]
+
+    assert work(r.plain) == work(r.wrapped)
     assert type(x) is torch.Tensor
 
 

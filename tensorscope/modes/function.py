@@ -45,6 +45,9 @@ DIRECT, RECORD, PASS, LAZY = 0, 1, 2, 3
 #: conversions that dispatch ops only sometimes (``repr`` of a large tensor summarises it with
 #: ops; of a small one, none): recorded like any call, the row dropped again when no op ran
 MAY_DISPATCH = frozenset({"__repr__", "__str__", "__format__", "__deepcopy__", "__contains__", "__array__"})
+#: tensor printing: torch runs it with every dispatch mode disabled (``_tensor_str._str``), so no
+#: engine records the ops it runs (the native one is paused for it, to agree with the python one)
+PRINTING = frozenset({"__repr__", "__str__"})
 
 _perf = time.perf_counter_ns
 try:
@@ -147,6 +150,9 @@ class TracingFunctionMode(TorchFunctionMode):
                 raise
         t0 = _perf()
         try:
+            if keep == LAZY and getattr(named, "__name__", None) in PRINTING:
+                with s.printing():
+                    return call_from(caller, func, args, kwargs)
             return call_from(caller, func, args, kwargs)   # warnings keep the user's location
         except BaseException as e:
             try:

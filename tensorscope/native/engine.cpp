@@ -199,6 +199,8 @@ struct ThreadState {
   int64_t node_seq = -1;
   std::vector<std::pair<int64_t, int64_t>> node_stack;
   size_t kept_depth = 0;          // frames of kind 1/2 open
+  uint64_t seq_mark = 0;          // autograd's sequence counter after this thread's last row
+  int64_t seq_mark_epoch = -1;    // the trace (g.gen) seq_mark belongs to
 };
 
 thread_local ThreadState* tls = nullptr;
@@ -224,6 +226,7 @@ struct Engine {
   uint64_t gen = 0;
   at::CallbackHandle handle = 0;
   int64_t t0 = 0;
+  uint64_t seq_at_start = 0;
   uint64_t owner_thread = 0;
   bool want_screen = false;
   bool want_storages = true;
@@ -869,10 +872,17 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
     r.flags |= int32_t(F_THREW);
     g.last_error_seq = seq;
   }
-  // forward: the op claims the autograd node it created (the sequence number advanced)
+  // forward: the op claims the newest autograd node when the sequence counter advanced since this
+  // thread's previous row (the python engine's rule: a node created between two ops, by a custom
+  // autograd.Function or torch.compile's CompiledFunction, belongs to the op that follows it)
+  const uint64_t now = at::sequence_number::peek();
+  const uint64_t mark = s.seq_mark_epoch == int64_t(g.gen) ? s.seq_mark
+                       : (r.flags & F_OTHER_THREAD) ? p.seq_peek : g.seq_at_start;
   if (!(r.flags & F_BACKWARD)) {
-    r.seq_nr = at::sequence_number::peek() > p.seq_peek ? int64_t(p.seq_peek) : -1;
+    r.seq_nr = now > mark ? int64_t(now - 1) : -1;
   }
+  s.seq_mark = now;
+  s.seq_mark_epoch = int64_t(g.gen);
   // storage sweep: frees since the last row are dated to the row before this one
   if (g.want_storages) {
     sweep_list(g.young, g.young_rr, 32, seq - 1);
@@ -1129,6 +1139,7 @@ PyObject* py_start(PyObject*, PyObject* args) {
     g.clear();
     g.gen++;
     g.t0 = t0;
+    g.seq_at_start = at::sequence_number::peek();   // the tracing thread's counter at the start
     g.want_screen = screen;
     g.want_storages = storages;
     g.want_warnings = warnings;

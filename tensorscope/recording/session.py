@@ -9,6 +9,7 @@ recording would attribute every op twice).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -92,6 +93,11 @@ class Session:
 
     def _module_tracker(self, cls):
         return cls(self.rec)
+
+    def printing(self):
+        """Around tensor printing (``repr``/``str``): torch disables dispatch modes for it, so the
+        python engine records none of its ops; the native engine pauses to agree."""
+        return contextlib.nullcontext()
 
     def _storage_tracker(self, cls):
         return cls(self.rec, lambda: self.seq - 1) if self.options.storages else None
@@ -576,6 +582,14 @@ class NativeSession(Session):
 
     def _storage_tracker(self, cls):
         return None   # the observer tracks storages natively; build reads them at finish
+
+    @contextlib.contextmanager
+    def printing(self):
+        self._ext.pause(True)
+        try:
+            yield
+        finally:
+            self._ext.pause(False)
 
     def _setup_probes(self):
         super()._setup_probes()

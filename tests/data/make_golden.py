@@ -34,6 +34,8 @@ def main() -> int:
     t.metadata["cell_source"] = "m(x).sum().backward()"
     if isinstance(t.metadata.get("native"), dict):
         t.metadata["native"].pop("path", None)   # a path on the machine that wrote it
+        if isinstance(t.metadata["native"].get("engine"), dict):
+            t.metadata["native"]["engine"].pop("path", None)
     t.save(out)
     print(f"wrote {out}: {t.ops.num_rows} ops")
     return 0

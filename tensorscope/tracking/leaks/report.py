@@ -6,7 +6,6 @@ data (a LEAKS table, groups, totals, notes); ``render.leaks`` draws it as text o
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -22,6 +21,7 @@ from .roots import _get_shell, _user_namespace
 from .rows import _Row, _fallback_rows, _merge_same_buffer, _rows_for, _rows_to_table
 from .search import _Search, _run_search
 from .unreached import _heap_tensors
+from ..._location import format_location
 
 
 # -- public: the whole-notebook report -----------------------------------------------------------
@@ -146,7 +146,7 @@ def _groups(rows: List[_Row]) -> List[LeakGroup]:
             if r.cell is not None:
                 cells[r.cell] = None
             if r.source_line is not None:
-                sources[f"{r.alloc_op or 'created'} at {os.path.basename(r.source_file or '?')}:{r.source_line}"] = None
+                sources[f"{r.alloc_op or 'created'} at {format_location(r.source_file or '?', r.source_line)}"] = None
             elif r.alloc_op:
                 sources[r.alloc_op] = None
         g.n_storages = len(rs)
