@@ -31,21 +31,12 @@ import pyarrow.parquet as pq
 
 from .. import schema as S
 from ..errors import ExportError, TraceFormatError
+from .parquet import _jsonable
 
 TMP_DIR = ".tensorscope-tmp"
 DATASET_TABLES = tuple(S.TABLES) + ("ranks",)
 PART_ROWS = 1_000_000   # rows per part file
 _PART = re.compile(r"^part-a(\d+)-(\d+)\.parquet$")
-
-
-def _jsonable(o):
-    if isinstance(o, dict):
-        return {str(k): _jsonable(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_jsonable(v) for v in o]
-    if isinstance(o, (str, int, float, bool)) or o is None:
-        return o
-    return str(o)
 
 
 def partition_dir(root: str, table: str, run_id: str, rank: int) -> str:
