@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+import tensorscope
 import tensorscope.tracking.leaks as L
 from tensorscope import schema as S
 from tensorscope.analyses.memory import memory_peak, memory_table
@@ -685,3 +686,27 @@ def test_summary_groups_a_containers_graphs_into_one_row_and_keeps_state_to_one_
     assert sec.notes == ["kept as model/optimizer state: 2.0 KiB in 2 storages"]
     only_state = leaks_section(make_trace(leaks=table("leaks", rows[-2:])))
     assert only_state.title == "still alive after the cell: no leaks" and not only_state.rows
+
+
+def test_a_live_fake_tensor_makes_the_leak_scans_warn_nothing():
+    # torch warns when a FakeTensor's storage is asked for its data pointer: the whole-heap scans
+    # must look at the storage's (meta) device first, or the user's program sees a warning it never caused
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        _FAKES.append(torch.randn(3))   # reachable from a global, as a notebook's would be
+    try:
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            tensorscope.find_leaks()
+            with tensorscope.trace() as t:
+                kept = torch.randn(4) * 2
+    finally:
+        _FAKES.clear()
+    assert kept.shape == (4,) and t.leaks.num_rows >= 1
+    assert not [w for w in ws if "FakeTensor" in str(w.message)], [str(w.message) for w in ws]
+
+
+_FAKES: list = []

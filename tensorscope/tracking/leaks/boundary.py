@@ -198,7 +198,7 @@ class BoundaryDiscovery:
         except Exception:
             return
         try:
-            if s.data_ptr() == 0 or s.device.type == "meta" or id(s) in _KNOWN:
+            if s.device.type == "meta" or s.data_ptr() == 0 or id(s) in _KNOWN:   # device first: fakes warn
                 return
             dev, dt, shape = _tensor_meta(t)
             if _register(s, dict(data_ptr=int(s.data_ptr()), nbytes=int(s.nbytes()), device=dev, dtype=dt,

@@ -227,7 +227,9 @@ class _Search:
             if not self.collect_all and key not in self.want:
                 return
             try:
-                if s.data_ptr() == 0:  # zero bytes, meta and fake storages: nothing to leak
+                # zero bytes, meta and fake storages: nothing to leak (device first: a fake
+                # tensor's meta storage warns when asked for its pointer)
+                if s.device.type == "meta" or s.data_ptr() == 0:
                     return
             except Exception:
                 return
@@ -257,8 +259,8 @@ class _Search:
             lst = self.found.get(key)
             if lst is None:
                 if self.collect_all or key in self.want:
-                    try:
-                        ptr = s.data_ptr()
+                    try:   # device first: a fake tensor's (meta) storage warns when asked for its pointer
+                        ptr = 0 if s.device.type == "meta" else s.data_ptr()
                     except Exception:
                         ptr = 0
                     if ptr:  # zero bytes, meta and fake storages have none: nothing to leak

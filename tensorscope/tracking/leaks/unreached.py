@@ -58,7 +58,8 @@ def _heap_tensors(keep, skip_ids: Optional[Dict[int, int]] = None) -> Tuple[Dict
         for t in ts:
             try:
                 s = t.untyped_storage()
-                if s.data_ptr() == 0 or s.device.type == "meta":
+                # device first: a fake tensor's (meta) storage warns when asked for its pointer
+                if s.device.type == "meta" or s.data_ptr() == 0:
                     continue
             except Exception:
                 continue
