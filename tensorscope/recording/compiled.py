@@ -556,8 +556,15 @@ def _note_unknown_regions(sess, calls: pa.Table, call_gid: np.ndarray):
     """Calls from Inductor-generated code whose compile this process never saw: say why there is no graph."""
     if calls.num_rows == 0:
         return
-    files = calls.column("source_file").to_pylist()
-    n = sum(1 for f, g in zip(files, call_gid) if g < 0 and f and _GENERATED.match(os.path.basename(f)))
+    # per distinct file, not per row (a long trace has millions of calls, a handful of files)
+    col = calls.column("source_file")
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not pa.types.is_dictionary(col.type):
+        col = col.dictionary_encode()
+    names = col.dictionary.to_pylist()
+    generated = np.array([bool(f) and bool(_GENERATED.match(os.path.basename(f))) for f in names] + [False])
+    codes = col.indices.fill_null(len(names)).to_numpy(zero_copy_only=False).astype(np.int64)
+    n = int(np.count_nonzero(generated[codes] & (call_gid < 0)))
     if n:
         sess.rec.notes.append(
             f"{n} torch-level call(s) came from torch.compile'd code compiled before any trace saw it, so its "
