@@ -529,7 +529,8 @@ def test_boundary_discovery_respects_a_user_freeze_and_a_gc_collect_in_the_cell(
     try:
         n = gc.get_freeze_count()
         d.pre_run_cell()
-        assert gc.get_freeze_count() == n
+        # not unfrozen, not re-frozen (a frozen object that dies meanwhile lowers the count a little)
+        assert n - 10 <= gc.get_freeze_count() <= n
         d.post_run_cell(_Res(1))
         assert gc.get_freeze_count() >= n - 10            # the user's freeze is not undone
     finally:
