@@ -79,18 +79,9 @@ def build_cost(n_ops, reps):
 
 
 def per_op(rounds, n_iter=1000):
-    x = torch.rand(8, 8) * 0.5
-    y = torch.rand(8, 8)
+    from overhead import small_ops   # the same small-op workload as benchmarks/overhead.py
 
-    def run():
-        z = y
-        for _ in range(n_iter):
-            z = x + z
-            z = z * x
-            z = z.relu()
-        return z
-
-    n = 3 * n_iter
+    run, n = small_ops(n_iter)
     ctx = {"eager": None, "trace(leaks=False)": dict(leaks=False), "trace()": {}}
     samples = {k: [] for k in ctx}
     for k, kw in ctx.items():   # warm-up

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from ..recording.session import exc_key
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
 from .frames import call_as_caller, call_from, caller_frame, clean_traceback, register_tracer_code
-from .source import user_frame_location
+from .source import user_location_from
 
 # torch-level functions that are pure metadata queries, not work: never recorded (and they
 # dispatch no op). Conversions that do dispatch ops (``__bool__`` -> ``is_nonzero``,
@@ -123,7 +123,7 @@ class TracingFunctionMode(TorchFunctionMode):
             if parent >= 0:
                 src = data[(parent - calls.base) * CALL_WIDTH + C_SRC]   # nested calls inherit the user line
             elif s.want_source:
-                src = rec.sources(user_frame_location(2))
+                src = rec.sources(user_location_from(caller))   # the walk starts where caller_frame stopped
             else:
                 src = 0
             if parent < 0 and s.options.modules:

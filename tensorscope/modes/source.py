@@ -42,6 +42,11 @@ def user_frame_location(depth: int = 2) -> Tuple[Optional[str], Optional[int]]:
         f = sys._getframe(depth)
     except ValueError:
         return None, None
+    return user_location_from(f)
+
+
+def user_location_from(f) -> Tuple[Optional[str], Optional[int]]:
+    """(filename, line) of the innermost user frame at or above frame ``f``."""
     while f is not None:
         code = f.f_code
         if not _is_internal(code):
