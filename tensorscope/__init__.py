@@ -13,8 +13,7 @@ In IPython/Jupyter: ``%load_ext tensorscope`` then ``%%tensorscope`` on a cell.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__ as __version__
 from .errors import (  # noqa: F401  (cheap: no torch)
     ExportError, GuardError, NativeBuildError, OptionsError, SchemaVersionError, TensorscopeError,
     TraceActiveError, TraceFormatError,

@@ -8,6 +8,8 @@ from typing import Any, Dict, List
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ._common import Displayable, fmt_bytes, fmt_ns
+
 
 def as_trace(x):
     """A Trace from a Trace, a finished ``trace()`` object, or a saved trace directory."""
@@ -47,7 +49,7 @@ def _label(t, default: str) -> str:
     return default
 
 
-class TraceDiff:
+class TraceDiff(Displayable):
     """``a`` → ``b``: ``table`` (one row per (section, key)), ``totals_a``/``totals_b``, text and HTML."""
 
     def __init__(self, table: pa.Table, totals_a: Dict[str, Any], totals_b: Dict[str, Any], label_a: str,
@@ -67,7 +69,6 @@ class TraceDiff:
     def regressions(self, time: float = 0.2, memory: float = 0.1) -> List[str]:
         """Baseline-guard failures (see ``analyses.diff.regressions``), as sentences."""
         from .analyses.diff import regressions
-        from .render.summary import fmt_bytes, fmt_ns
 
         out = []
         for r in regressions(self.totals_a, self.totals_b, time=time, memory=memory):
@@ -89,12 +90,6 @@ class TraceDiff:
         from .render.diff import diff_html
 
         return diff_html(self, limit)
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        return {"text/plain": self.to_text(), "text/html": self.to_html()}
-
-    def __str__(self):
-        return self.to_text()
 
     def __repr__(self):
         return f"<TraceDiff {self.label_a} → {self.label_b}: {self.changed().num_rows} changes>"

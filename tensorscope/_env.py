@@ -9,7 +9,7 @@ A CPU-only machine gets the CPU half and ``gpus == []``.
 
 ``env(init_cuda=True) -> EnvReport``. ``EnvReport.to_dict()`` is JSON-able
 (the trace metadata stores it under ``"device"``); ``_repr_mimebundle_``
-gives escaped HTML and text/plain; ``str()`` is the text.
+gives escaped HTML and text/plain (drawn by render/env.py); ``str()`` is the text.
 
 Side effects: reading GPU properties initialises CUDA (a context per
 device). ``env(init_cuda=False)`` — what the trace builder uses for metadata
@@ -20,12 +20,13 @@ never creates a CUDA context the user did not ask for.
 from __future__ import annotations
 
 import dataclasses
-import html
 import os
 import platform
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ._common import Displayable
 
 __all__ = ["env", "EnvReport", "GpuInfo", "arch_support"]
 
@@ -85,16 +86,12 @@ class GpuInfo:
     code_arch: Optional[str]        # the arch-list entry used (sm_80, compute_90)
     bf16: Optional[bool]
 
-    def describe(self) -> str:
-        mem = f"{self.total_memory / 2**30:.1f} GiB" if self.total_memory else "? GiB"
-        how = {"sass": f"native code ({self.code_arch})",
-               "ptx": f"PTX JIT from {self.code_arch} (no machine code for {self.capability}: first calls compile)",
-               "none": f"NO kernels for {self.capability} in this build"}.get(self.code, self.code)
-        return f"cuda:{self.index} {self.name}, {self.capability}, {self.sm_count} SMs, {mem}; {how}"
-
 
 @dataclass
-class EnvReport:
+class EnvReport(Displayable):
+    """What the numbers of a trace were measured on (data; render/env.py draws it)."""
+
+
     python: str
     platform: str
     torch: str
@@ -130,56 +127,15 @@ class EnvReport:
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def lines(self) -> List[Tuple[str, str]]:
-        def yn(v):
-            return "?" if v is None else ("yes" if v else "no")
+    def to_text(self) -> str:
+        from .render.env import env_text
 
-        rows = [
-            ("python", f"{self.python} on {self.platform}"),
-            ("torch", f"{self.torch}" + (f" (git {self.torch_git[:10]})" if self.torch_git else "")
-             + (" debug build" if self.debug_build else "")),
-        ]
-        if self.cuda_runtime or self.hip:
-            rows.append(("CUDA build", f"CUDA {self.cuda_runtime}" if self.cuda_runtime else f"HIP {self.hip}"))
-            rows.append(("cuDNN", str(self.cudnn) if self.cudnn is not None else "-"))
-            rows.append(("arch list", " ".join(self.arch_list) or "-"))
-        else:
-            rows.append(("CUDA build", "none (CPU-only torch build)"))
-        rows.append(("CUDA devices", f"{self.device_count} visible" + ("" if self.cuda_available else " (CUDA unavailable)")))
-        for g in self.gpus:
-            rows.append((f"cuda:{g.index}", g.describe() + (f"; bf16 {yn(g.bf16)}" if g.bf16 is not None else "")))
-        if self.device_count and not self.gpus:
-            rows.append(("GPU details", self.gpu_details))
-        if self.cuda_runtime or self.device_count:
-            rows.append(("TF32", f"matmul {yn(self.tf32_matmul)}, cuDNN {yn(self.tf32_cudnn)}"))
-            rows.append(("cuDNN flags", f"enabled {yn(self.cudnn_enabled)}, benchmark {yn(self.cudnn_benchmark)}, "
-                                        f"deterministic {yn(self.cudnn_deterministic)}"))
-        prec = ", ".join(f"{k}={v}" for k, v in self.fp32_precision.items() if v is not None)
-        rows.append(("float32 matmul precision", f"{self.float32_matmul_precision}" + (f" ({prec})" if prec else "")))
-        rows.append(("default dtype", self.default_dtype))
-        rows.append(("deterministic algorithms", yn(self.deterministic_algorithms)))
-        rows.append(("CPU", f"{self.cpu_count} cores, capability {self.cpu_capability or '?'}, "
-                            f"bf16 native {yn(self.cpu_bf16)}, oneDNN {yn(self.mkldnn)}, OpenMP {yn(self.openmp)}"))
-        rows.append(("threads", f"intra-op {self.num_threads}, inter-op {self.num_interop_threads}"))
-        for n in self.notes:
-            rows.append(("note", n))
-        return rows
+        return env_text(self)
 
-    def __str__(self) -> str:
-        rows = self.lines()
-        w = max(len(k) for k, _ in rows)
-        return "tensorscope env\n" + "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
+    def to_html(self) -> str:
+        from .render.env import env_html
 
-    def _repr_html_(self) -> str:
-        e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
-        body = "".join(f'<tr><td style="padding:1px 8px;font-weight:600;vertical-align:top">{e(k)}</td>'
-                       f'<td style="padding:1px 8px">{e(v)}</td></tr>' for k, v in self.lines())
-        return ('<div class="tensorscope-env" style="font-family:system-ui,sans-serif;font-size:12px">'
-                '<div style="font-weight:600;margin-bottom:2px">tensorscope env</div>'
-                f'<table style="border-collapse:collapse">{body}</table></div>')
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        return {"text/plain": str(self), "text/html": self._repr_html_()}
+        return env_html(self)
 
 
 def _try(fn, default=None):

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from typing import Dict, Iterable, Mapping, Optional
+
+from ._common import ipython_shell
 
 _IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-[0-9a-f]+>$")
 
 
 def live_cell_files() -> Dict[str, int]:
     """The running IPython's cell file → execution count map ({} outside IPython)."""
-    if "IPython" not in sys.modules:
+    shell = ipython_shell()
+    if shell is None:
         return {}
     try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
         m = getattr(getattr(shell, "compile", None), "_filename_map", None)
         return dict(m) if m else {}
     except Exception:

@@ -25,13 +25,13 @@ divergence: kind, phase, op, the call, plain vs subclass value, the user line),
 from __future__ import annotations
 
 import difflib
-import html
-import os
 from typing import Any, Callable, Dict, List, Optional
 
 import pyarrow as pa
 
 from . import schema as S
+from ._common import Displayable
+from .errors import TensorscopeError
 
 _OP_FIELDS = (
     ("out_shapes", "shape"), ("out_dtypes", "dtype"), ("out_formats", "layout"), ("in_formats", "input_layout"),
@@ -39,8 +39,8 @@ _OP_FIELDS = (
 )
 
 
-class SubstitutionReport:
-    """Where ``fn`` on the subclass diverged from ``fn`` on plain tensors."""
+class SubstitutionReport(Displayable):
+    """Where ``fn`` on the subclass diverged from ``fn`` on plain tensors (data; render/substitution.py draws it)."""
 
     def __init__(self, table: pa.Table, plain, wrapped, subclass: Optional[str], fn_name: str):
         self.table = table
@@ -59,64 +59,18 @@ class SubstitutionReport:
             out[k] = out.get(k, 0) + 1
         return out
 
-    def _rows(self, limit: int = 40):
-        return self.table.slice(0, limit).to_pylist()
-
-    def _headline(self) -> str:
-        who = self.subclass or "the subclass"
-        if self.ok:
-            return f"{who} substitutes for torch.Tensor in {self.fn_name}: no divergence"
-        c = ", ".join(f"{n} {k}" for k, n in sorted(self.counts().items(), key=lambda kv: -kv[1]))
-        return f"{who} does not substitute for torch.Tensor in {self.fn_name}: {self.table.num_rows} divergence(s) ({c})"
-
     def to_text(self) -> str:
-        lines = [self._headline()]
-        for r in self._rows():
-            where = _where(r)
-            lines.append(f"  - {r['kind']}: {r['op'] or ''}{' in ' + r['call'] if r['call'] else ''}"
-                         f"{' [' + r['phase'] + ']' if r['phase'] else ''}: plain {r['plain']} → subclass {r['wrapped']}"
-                         f"{' (' + where + ')' if where else ''}{' — ' + r['detail'] if r['detail'] else ''}")
-        if self.table.num_rows > 40:
-            lines.append(f"  … {self.table.num_rows - 40} more in report.table")
-        return "\n".join(lines)
+        from .render.substitution import substitution_text
+
+        return substitution_text(self)
 
     def to_html(self) -> str:
-        e = _e
-        color = "#1a7f37" if self.ok else "#b42318"
-        parts = ['<div class="tensorscope-substitution" style="font-family:system-ui,sans-serif;font-size:12px">',
-                 f'<div style="font-weight:600;color:{color}">{e(self._headline())}</div>']
-        if not self.ok:
-            heads = ("kind", "phase", "op", "call", "plain", "subclass", "where", "detail")
-            parts.append('<table style="border-collapse:collapse"><tr>'
-                         + "".join(f'<th style="text-align:left;padding:1px 8px">{e(h)}</th>' for h in heads) + "</tr>")
-            for r in self._rows():
-                cells = (r["kind"], r["phase"], r["op"], r["call"], r["plain"], r["wrapped"], _where(r), r["detail"])
-                parts.append("<tr>" + "".join(f'<td style="text-align:left;padding:1px 8px;vertical-align:top">'
-                                              f'{e(c)}</td>' for c in cells) + "</tr>")
-            parts.append("</table>")
-            if self.table.num_rows > 40:
-                parts.append(f"<div>… {self.table.num_rows - 40} more in report.table</div>")
-        parts.append("</div>")
-        return "".join(parts)
+        from .render.substitution import substitution_html
 
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        return {"text/plain": self.to_text(), "text/html": self.to_html()}
-
-    def __str__(self):
-        return self.to_text()
+        return substitution_html(self)
 
     def __repr__(self):
         return f"<SubstitutionReport ok={self.ok} divergences={self.table.num_rows}>"
-
-
-def _e(s) -> str:
-    return html.escape("" if s is None else str(s), quote=True)
-
-
-def _where(r) -> str:
-    if not r.get("source_file"):
-        return ""
-    return f"{os.path.basename(r['source_file'])}:{r['source_line']}"
 
 
 # -- running ---------------------------------------------------------------------------------------------------
@@ -145,15 +99,15 @@ def _copy_args(args, kwargs, wrap=None):
 
 
 def _run(fn, args, kwargs, trace_options):
-    import tensorscope
+    from .recording.session import trace
 
     out = exc = None
-    tr = tensorscope.trace(**trace_options)
+    tr = trace(**trace_options)
     try:
         with tr:
             out = fn(*args, **kwargs)
     except Exception as e:   # the user's exception is a result here; tensorscope's own bugs are not
-        if isinstance(e, tensorscope.TensorscopeError):
+        if isinstance(e, TensorscopeError):
             raise
         exc = e
     return tr.result, out, exc

@@ -602,28 +602,34 @@ def test_no_compiler(tmp_path, monkeypatch):
     assert mod is None and "no C++ compiler" in reason
 
 
-def test_background_build_does_not_block(tmp_path, monkeypatch):
-    """While a background build runs, a capture uses the fallback instead of waiting."""
+def test_build_in_another_thread_does_not_block(monkeypatch):
+    """While another thread compiles the hooks, a capture uses the fallback instead of waiting."""
     st = _build._LibState()
     monkeypatch.setitem(_build._STATES, "hooks", st)
     monkeypatch.delenv(tn.FORCE_ENV, raising=False)
-    release = threading.Event()
-    real_load = _build._load
+    started, release = threading.Event(), threading.Event()
 
     def slow_load(spec, state, **kw):
+        state.state, state.reason = "building", "compiling"
+        started.set()
         release.wait(30)
-        real_load(spec, state, **kw)
+        state.state, state.reason = "failed", "test: never built"
 
     monkeypatch.setattr(_build, "_load", slow_load)
-    assert tn.build_in_background()["state"] == "building"
-    c = tn.open_capture(native=True)
+    builder = threading.Thread(target=_build.ensure, args=(_build.HOOKS,), kwargs={"announce": False}, daemon=True)
+    builder.start()
+    assert started.wait(30)
     try:
-        assert c.native is False and "background" in c.reason
+        assert tn.status()["state"] == "building"
+        c = tn.open_capture(native=True)
+        try:
+            assert c.native is False and "still compiling" in c.reason
+        finally:
+            c.close()
     finally:
-        c.close()
-    release.set()
-    st.thread.join(60)
-    assert tn.status()["state"] == "built"
+        release.set()
+        builder.join(60)
+    assert not builder.is_alive() and st.state == "failed"
 
 
 # ---------------------------------------------------------------------------

@@ -53,12 +53,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .layout import _NoGC, call_names, itemsize, numel, short_name, take_rows
+from .._common import COMPLEX_BITS, COPY_INTO_OPS, FLOAT_BITS, INT_BITS, NoGC, itemsize
+from .layout import call_names, numel, short_name, take_rows
 
 #: ops that materialise a conversion of their (first) input
 CAST_OPS = frozenset({"_to_copy", "to", "type_as", "_autocast_to_reduced_precision", "_autocast_to_full_precision",
                       "_to_dense"})
-COPY_OPS = frozenset({"copy_", "copy", "_copy_from", "_copy_from_and_resize"})
 #: non-pointwise ops that promote their inputs like TensorIterator does
 PROMOTING_OPS = frozenset({"cat", "stack", "concat", "concatenate", "hstack", "vstack", "dstack", "column_stack",
                            "lerp", "addcmul", "addcdiv"})
@@ -72,21 +72,15 @@ _COLS = ("seq", "op", "tags", "phase", "fwd_seq", "call_id", "module", "source_f
          "in_dtypes", "in_storages", "out_shapes", "out_dtypes", "out_storages", "out_alias", "is_view", "inplace",
          "overload", "nonfinite", "nonfinite_produced")
 
-_FLOAT = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64,
-          "float8_e4m3fn": 8, "float8_e5m2": 8, "float8_e4m3fnuz": 8, "float8_e5m2fnuz": 8, "float8_e8m0fnu": 8}
-_COMPLEX = {"complex32": 32, "complex64": 64, "complex128": 128}
-_INT = {"uint8": (8, False), "int8": (8, True), "int16": (16, True), "int32": (32, True), "int64": (64, True),
-        "uint16": (16, False), "uint32": (32, False), "uint64": (64, False)}
-
 
 def _category(dt: str) -> int:
     if dt == "bool":
         return 0
-    if dt in _INT:
+    if dt in INT_BITS:
         return 1
-    if dt in _FLOAT:
+    if dt in FLOAT_BITS:
         return 2
-    if dt in _COMPLEX:
+    if dt in COMPLEX_BITS:
         return 3
     return -1
 
@@ -107,16 +101,16 @@ def direction(src: str, dst: str) -> str:
     if cs == 0:
         return "up"
     if cs == 1 and cd == 1:
-        (ws, ss), (wd, sd) = _INT[src], _INT[dst]
+        (ws, ss), (wd, sd) = INT_BITS[src], INT_BITS[dst]
         if wd < ws or (wd == ws and ss != sd):
             return "int_narrowing" if wd < ws else "same_width"
         if not sd and ss:   # signed -> wider unsigned: negatives wrap
             return "int_narrowing"
         return "up"
     if cs == 2 and cd == 3:
-        return "up" if 2 * _FLOAT[src] <= _COMPLEX[dst] else "down"
-    ws = _FLOAT.get(src) or _COMPLEX.get(src) or 0
-    wd = _FLOAT.get(dst) or _COMPLEX.get(dst) or 0
+        return "up" if 2 * FLOAT_BITS[src] <= COMPLEX_BITS[dst] else "down"
+    ws = FLOAT_BITS.get(src) or COMPLEX_BITS.get(src) or 0
+    wd = FLOAT_BITS.get(dst) or COMPLEX_BITS.get(dst) or 0
     if wd > ws:
         return "up"
     if wd < ws:
@@ -151,17 +145,17 @@ def promote(a: Optional[str], b: Optional[str]) -> Optional[str]:
     if ca == 2:
         if {a, b} == {"float16", "bfloat16"}:
             return "float32"
-        return a if _FLOAT.get(a, 0) >= _FLOAT.get(b, 0) else b
+        return a if FLOAT_BITS.get(a, 0) >= FLOAT_BITS.get(b, 0) else b
     if ca == 3:
-        return a if _COMPLEX[a] >= _COMPLEX[b] else b
+        return a if COMPLEX_BITS[a] >= COMPLEX_BITS[b] else b
     if ca == 1:
-        (wa, sa), (wb, sb) = _INT[a], _INT[b]
+        (wa, sa), (wb, sb) = INT_BITS[a], INT_BITS[b]
         if sa == sb:
             return a if wa >= wb else b
         s_, u = (a, b) if sa else (b, a)
-        if _INT[s_][0] > _INT[u][0]:
+        if INT_BITS[s_][0] > INT_BITS[u][0]:
             return s_
-        return {8: "int16", 16: "int32", 32: "int64"}.get(_INT[u][0], "int64")
+        return {8: "int16", 16: "int32", 32: "int64"}.get(INT_BITS[u][0], "int64")
     return a
 
 
@@ -231,7 +225,7 @@ def _analyse_uncached(ops: pa.Table, calls: pa.Table):
 
     # candidates: rows with more than one distinct dtype among inputs and outputs
     idx = _mixed_dtype_rows(ops)
-    with _NoGC():
+    with NoGC():
         return _cast_rows(take_rows(ops, idx, _COLS), names, autocast)
 
 
@@ -300,7 +294,7 @@ def _cast_rows(rows, names, autocast):
             emit(r, in_dt[0], out_dt[0], kind, numel(out_sh[0]) if out_sh else 0, produced,
                  in_st[0] if in_st else None, out_st[0] if out_st else None)
             continue
-        if name in COPY_OPS:
+        if name in COPY_INTO_OPS:
             if len(in_dt) < 2 or in_dt[0] == in_dt[1]:
                 continue
             dst, src = in_dt[0], in_dt[1]

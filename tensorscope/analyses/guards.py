@@ -29,6 +29,8 @@ from typing import Dict, List, Optional
 
 import pyarrow.compute as pc
 
+from .._common import fmt_bytes
+
 CL = ("channels_last", "channels_last_3d")
 _MAX_LISTED = 5
 
@@ -41,12 +43,6 @@ def _where(r: dict) -> str:
     if r.get("module"):
         parts.append(f"module {r['module']}")
     return ", ".join(parts) if parts else "location unknown"
-
-
-def _bytes(n) -> str:
-    from ..render.summary import fmt_bytes
-
-    return fmt_bytes(n)
 
 
 def group_rows(rows: List[dict], key) -> List[list]:
@@ -76,7 +72,7 @@ def _listing(groups) -> str:
             continue
         call = f" in {r['call']}()" if r.get("call") else ""
         lines.append(f"    {r['op']}{call}: {r.get('from_format')} -> {r.get('to_format')}, "
-                     f"{n}x, {_bytes(nb)} ({_where(r)})")
+                     f"{n}x, {fmt_bytes(nb)} ({_where(r)})")
     return "\n".join(lines)
 
 
@@ -88,7 +84,7 @@ def _check_channels_last(t) -> Optional[str]:
         groups = _grouped(rows, ("op", "call", "source_file", "source_line", "module"))
         total = sum(r.get("bytes") or 0 for r in rows)
         return (f"expect channels_last: {len(rows)} op(s) returned a channels_last input in another format "
-                f"({_bytes(total)} written that way; later convolutions then run on the wrong layout):\n"
+                f"({fmt_bytes(total)} written that way; later convolutions then run on the wrong layout):\n"
                 + _listing(groups))
     ops = t.ops
     if ops.num_rows == 0:
@@ -140,9 +136,9 @@ def _check_hidden_copies(t) -> Optional[str]:
         if r == "more":
             lines.append(f"    … and {n} more place(s)")
         else:
-            lines.append(f"    {r.get('reason') or r['op']}; {n}x, {_bytes(nb)} ({_where(r)})")
+            lines.append(f"    {r.get('reason') or r['op']}; {n}x, {fmt_bytes(nb)} ({_where(r)})")
     total = sum(r.get("bytes") or 0 for r in rows)
-    return f"expect no_hidden_copies: {len(rows)} hidden cop(ies), {_bytes(total)}:\n" + "\n".join(lines)
+    return f"expect no_hidden_copies: {len(rows)} hidden cop(ies), {fmt_bytes(total)}:\n" + "\n".join(lines)
 
 
 def _check_leaks(t) -> Optional[str]:
@@ -157,11 +153,11 @@ def _check_leaks(t) -> Optional[str]:
     for r in rows[:_MAX_LISTED]:
         holder = r.get("holder") or "unknown holder"
         fix = f"; fix: {r['fix']}" if r.get("fix") else ""
-        lines.append(f"    {_bytes(r.get('nbytes'))} {r.get('dtype')} {tuple(r.get('shape') or ())} "
+        lines.append(f"    {fmt_bytes(r.get('nbytes'))} {r.get('dtype')} {tuple(r.get('shape') or ())} "
                      f"from {r.get('alloc_op') or '?'} (line {r.get('source_line')}), held by {holder}{fix}")
     if len(rows) > _MAX_LISTED:
         lines.append(f"    … and {len(rows) - _MAX_LISTED} more")
-    return f"expect no_leaks: {len(rows)} storage(s) created by the cell are still alive ({_bytes(total)}):\n" \
+    return f"expect no_leaks: {len(rows)} storage(s) created by the cell are still alive ({fmt_bytes(total)}):\n" \
         + "\n".join(lines)
 
 

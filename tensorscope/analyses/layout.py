@@ -34,7 +34,6 @@ written in the new layout) and the input's logical size for non-dense inputs
 """
 from __future__ import annotations
 
-import gc
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -42,6 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from .._common import NoGC, itemsize
 from ..modes.meta import non_dense_kind  # noqa: F401  (one definition of the labels; re-exported)
 
 CL_FORMATS = frozenset({"channels_last", "channels_last_3d"})
@@ -70,18 +70,6 @@ _NOT_COMPUTE = _TEMPLATE_OPS | RESHAPE_FAMILY | frozenset({
 _COLS = ("seq", "op", "tags", "call_id", "module", "source_file", "source_line", "in_shapes", "in_strides",
          "in_dtypes", "in_formats", "in_ambiguous", "in_storages", "out_shapes", "out_strides", "out_dtypes",
          "out_formats", "out_ambiguous", "out_storages", "out_alias", "is_view", "inplace", "hidden_copy")
-
-_ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "complex32": 4,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
-    "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1, "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1,
-}
-
-
-def itemsize(dtype: Optional[str]) -> int:
-    return _ITEMSIZE.get(dtype or "", 0)
-
 
 def numel(shape: Sequence[int]) -> int:
     n = 1
@@ -127,26 +115,13 @@ def call_names(calls: pa.Table) -> Dict[int, str]:
     return {i: n for i, n in zip(ids, names) if i is not None}
 
 
-class _NoGC:
-    """Collections paused while many small lists are built: torch keeps ~166k objects
-    tracked, and gen-2 passes triggered by the conversion cost 3-4x the conversion."""
-
-    def __enter__(self):
-        self.was = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc):
-        if self.was:
-            gc.enable()
-
-
 def take_rows(ops: pa.Table, idx: np.ndarray, cols=_COLS) -> List[dict]:
     """Rows ``idx`` of ``ops`` as dicts of the columns ``cols`` (column-wise: several times faster)."""
     if len(idx) == 0:
         return []
     have = [c for c in cols if c in ops.column_names]
     sub = ops.select(have).take(pa.array(idx, pa.int64()))
-    with _NoGC():
+    with NoGC():
         values = [sub.column(c).to_pylist() for c in have]
         return [dict(zip(have, v)) for v in zip(*values)]
 
@@ -282,7 +257,7 @@ def layout_changes(ops: pa.Table, calls: pa.Table) -> pa.Table:
     nxt_idx = hid_idx + 1
     nxt_idx = nxt_idx[nxt_idx < ops.num_rows]
     want = np.unique(np.concatenate([fmt_idx, hid_idx, nd_idx, nxt_idx]))
-    with _NoGC():
+    with NoGC():
         return _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx)
 
 

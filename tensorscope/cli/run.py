@@ -113,7 +113,7 @@ def run_notebook(path: str, out: str, flags: List[str], kernel=None, timeout=Non
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    from ..recording.ranks import _local_run_id
+    from ..recording.ranks import local_run_id
 
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
@@ -121,7 +121,7 @@ def run_notebook(path: str, out: str, flags: List[str], kernel=None, timeout=Non
     magic = "%tensorscope on " + " ".join(shlex.quote(f) for f in flags + ["--dataset", out])
     extra = ["--IPKernelApp.exec_lines=%load_ext tensorscope", "--IPKernelApp.exec_lines=" + magic]
     env_before = os.environ.get("TENSORSCOPE_RUN_ID")
-    os.environ.setdefault("TENSORSCOPE_RUN_ID", _local_run_id())   # every cell's trace: one run
+    os.environ.setdefault("TENSORSCOPE_RUN_ID", local_run_id())   # every cell's trace: one run
     resources = {"metadata": {"path": os.path.dirname(os.path.abspath(path))}}
     if kernel is None:
         from jupyter_client.manager import KernelManager

@@ -23,13 +23,13 @@ from .controller import Controller, get_controller  # noqa: F401
 
 
 def load_ipython_extension(ipython):
-    from .magics import TensorscopeMagics
+    from .magics import TensorscopeMagics, parse_cell_args
 
     ctl = get_controller(ipython)
     if ctl.installed:
         return
     ipython.register_magics(TensorscopeMagics(ipython, ctl))
-    ctl.install()
+    ctl.install(parse_cell_args)
 
 
 def unload_ipython_extension(ipython):

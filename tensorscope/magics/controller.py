@@ -12,7 +12,7 @@ import itertools
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 _CELL_RE = re.compile(r"^\s*%%tensorscope(?:\s+(?P<args>.*))?$")
 _controllers: Dict[int, "Controller"] = {}
@@ -54,9 +54,13 @@ class Controller:
         self._cell_token = None   # (raw cell key, token) of the %%tensorscope cell being transformed
         self._exc_hook = None    # (custom_exceptions, CustomTB) saved while a traced cell runs
         self._ast = _Injector(self)
+        self._parse: Optional[Callable[[str], CellRequest]] = None
 
     # -- install -------------------------------------------------------------
-    def install(self):
+    def install(self, parse: Callable[[str], CellRequest]):
+        """Hook into the shell; ``parse`` turns a ``%%tensorscope`` line's options into a request
+        (magics.parse_cell_args: the magic declares the options, so it is handed down, not imported)."""
+        self._parse = parse
         sh = self.shell
         sh.input_transformers_cleanup.insert(0, self.transform_lines)
         sh.ast_transformers.append(self._ast)
@@ -90,10 +94,10 @@ class Controller:
         argline = (m.group("args") or "").strip()
         if argline.endswith("?"):
             return lines          # %%tensorscope? is help: IPython handles it
-        from .magics import parse_cell_args
-
+        if self._parse is None:
+            return lines
         try:
-            req = parse_cell_args(argline)
+            req = self._parse(argline)
         except BaseException:
             return lines          # the real cell magic reports the usage error, runs nothing
         req.token = next(self._tokens)
@@ -222,20 +226,24 @@ class Controller:
         req, self.finished = self.finished, None
         if req is None or req.result is None:
             return
-        t = req.result
-        if req.save:
-            try:
-                path = t.save(req.save)
-                t.metadata["saved_to"] = path
-            except Exception as e:
-                print(f"tensorscope: {e}", file=sys.stderr)
-        if not req.quiet:
-            try:
-                from IPython.display import display
+        deliver(req.result, save=req.save, quiet=req.quiet)
 
-                display(t)
-            except Exception as e:
-                print(f"tensorscope: could not display the summary: {e}", file=sys.stderr)
+
+def deliver(t, save: Optional[str], quiet: bool) -> None:
+    """The end of a traced cell, whichever way it ran: save the trace (``--save``), then display it
+    (unless ``--quiet``). A failure of either is reported on stderr and never hides the cell's result."""
+    if save:
+        try:
+            t.metadata["saved_to"] = t.save(save)
+        except Exception as e:
+            print(f"tensorscope: {e}", file=sys.stderr)
+    if not quiet:
+        try:
+            from IPython.display import display
+
+            display(t)
+        except Exception as e:
+            print(f"tensorscope: could not display the summary: {e}", file=sys.stderr)
 
 
 class _Injector(ast.NodeTransformer):

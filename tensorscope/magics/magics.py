@@ -6,7 +6,6 @@ Options come from ``TraceOptions`` (one declaration) plus the magic's own
 from __future__ import annotations
 
 import shlex
-import sys
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -14,7 +13,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .. import options as O
 from ..errors import TensorscopeError
-from .controller import CellRequest
+from .controller import CellRequest, deliver
 
 MAGIC_ONLY = [
     (("-o", "--output"), dict(dest="output", metavar="VAR", default=None,
@@ -98,15 +97,7 @@ class TensorscopeMagics(Magics):
         t = cm.result
         if args.output:
             self.shell.user_ns[args.output] = t
-        if args.save:
-            try:
-                t.metadata["saved_to"] = t.save(args.save)
-            except Exception as e:
-                print(f"tensorscope: {e}", file=sys.stderr)
-        if not args.quiet:
-            from IPython.display import display
-
-            display(t)
+        deliver(t, save=args.save, quiet=args.quiet)
 
     @line_magic("tensorscope")
     def tensorscope_line(self, line):

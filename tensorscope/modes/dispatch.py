@@ -20,9 +20,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..recording.engines import schema_inputs
-from ..recording.session import exc_key
-from .frames import clean_traceback
+from .frames import clean_traceback, exc_key, register_tracer_code
 from .source import called_from_compiled_code
 from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
@@ -33,14 +31,23 @@ _current_node = torch._C._current_autograd_node
 _get_seq_nr = torch._C._autograd._get_sequence_nr
 
 try:
-    from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
+    from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
 except Exception:  # older torch
-    _FLOP_REGISTRY = {}
+    FLOP_REGISTRY = {}
 
 #: ops whose FLOPs build.py computes from input shapes (same formulas as torch.utils.flop_counter)
 SHAPE_FLOP_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
-NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_local_scalar_dense"})
+
+def schema_inputs(func, args, kwargs) -> list:
+    """An op's arguments in schema order (kwarg-only ones from kwargs), as the native engine gives them."""
+    out = list(args)
+    try:
+        for a in func._schema.arguments[len(args):]:
+            out.append(kwargs.get(a.name, a.default_value) if kwargs else a.default_value)
+    except Exception:
+        out.extend((kwargs or {}).values())
+    return out
 
 
 class OpInfo:
@@ -72,8 +79,8 @@ class OpInfo:
         packet = func.overloadpacket
         # matmul FLOPs depend on input shapes only: counted when the tables are built
         # (flop_counter's formulas tree-map their arguments: ~25 µs per call)
-        self.flop_at_build = str(packet).split(".")[-1] in SHAPE_FLOP_OPS and packet in _FLOP_REGISTRY
-        self.flop = None if self.flop_at_build else _FLOP_REGISTRY.get(packet)
+        self.flop_at_build = str(packet).split(".")[-1] in SHAPE_FLOP_OPS and packet in FLOP_REGISTRY
+        self.flop = None if self.flop_at_build else FLOP_REGISTRY.get(packet)
 
 
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -406,3 +413,7 @@ class TracingDispatchMode(TorchDispatchMode):
                              t0 - s.t0, t1 - t0))
         if seq + 1 - rec.chunk_start >= rec.chunk_rows:
             rec.end_chunk()
+
+
+# the mode's frames are the tracer's (each mode registers its own handler: frames.py imports no mode)
+register_tracer_code(TracingDispatchMode.__dict__.get("__torch_dispatch__"))

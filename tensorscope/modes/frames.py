@@ -40,7 +40,6 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _WRAPPER_FILES = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORCH_DIR, "_dynamo", "eval_frame.py"))
 _OPS_FILE = os.path.join(_TORCH_DIR, "_ops.py")
 _HTF_CODE = getattr(getattr(torch.overrides, "handle_torch_function", None), "__code__", None)
-_registered_defaults = False
 
 
 def register_tracer_code(*fns) -> None:
@@ -51,17 +50,6 @@ def register_tracer_code(*fns) -> None:
         code = getattr(fn, "__code__", None)
         if code is not None:
             _TRACER_CODES.add(code)
-
-
-def _register_defaults() -> None:
-    global _registered_defaults
-    _registered_defaults = True
-    try:   # the python engine's dispatch mode (imported lazily: it may never be used)
-        from .dispatch import TracingDispatchMode
-
-        register_tracer_code(TracingDispatchMode.__dict__.get("__torch_dispatch__"))
-    except Exception:
-        pass
 
 
 # ---------------------------------------------------------------------------
@@ -168,8 +156,6 @@ def _introduced(tb) -> int:
 
 def clean_traceback(exc: BaseException) -> BaseException:
     """Remove the tracer's entries from ``exc``'s traceback (and its cause/context chain), in place."""
-    if not _registered_defaults:
-        _register_defaults()
     seen = set()
     e = exc
     todo = [exc]
@@ -222,3 +208,13 @@ def _clean_one(exc: BaseException) -> None:
     if kept:
         kept[-1].tb_next = None
     exc.__traceback__ = kept[0] if kept else None
+
+
+def exc_key(e: BaseException):
+    """Identity of an exception without a reference to it (which would keep its frames and
+    tensors alive). CPython reuses the id of a freed exception, so type and message join it."""
+    try:
+        msg = str(e)
+    except Exception:
+        msg = None
+    return (id(e), type(e), msg)

@@ -19,9 +19,8 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..recording.session import exc_key
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
-from .frames import call_as_caller, call_from, caller_frame, clean_traceback, register_tracer_code
+from .frames import call_as_caller, call_from, caller_frame, clean_traceback, exc_key, register_tracer_code
 from .source import user_location_from
 
 # torch-level functions that are pure metadata queries, not work: never recorded (and they

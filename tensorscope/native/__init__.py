@@ -24,7 +24,7 @@ The hooks (hooks.cpp) are compiled on first use with
 ``torch.utils.cpp_extension.load`` into a cache keyed on the torch version,
 Python version and source hash (``$TENSORSCOPE_CACHE`` or
 ``~/.cache/tensorscope/native``); ``python -m tensorscope build-native``
-compiles ahead of time, :func:`build_in_background` from ``%load_ext``.
+compiles ahead of time.
 ``TENSORSCOPE_FORCE_FALLBACK=1`` forces the fallback so the whole test suite
 can run against both implementations.
 
@@ -34,12 +34,12 @@ tool chain, and builds nothing.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _build
 
 __all__ = [
-    "open_capture", "status", "build", "build_in_background", "build_native_main",
+    "open_capture", "status", "build", "build_native_main", "engine", "loaded_engine", "engine_status",
     "forced_fallback", "load_test_ops", "FORCE_ENV",
 ]
 
@@ -83,14 +83,20 @@ def build(verbose: bool = False, force: bool = False) -> Dict[str, Any]:
     return status()
 
 
-def build_in_background() -> Dict[str, Any]:
-    """Start compiling/loading the hooks in a daemon thread (for ``%load_ext``).
+def engine(wait: bool = True) -> Tuple[Any, str]:
+    """(the native recording engine's extension module or None, reason); builds it on first use
+    (``wait=False`` never blocks on a build in progress). Does not look at :data:`FORCE_ENV`."""
+    return _build.ensure(_build.ENGINE, wait=wait)
 
-    A capture opened while it runs uses the fallback rather than waiting.
-    """
-    if not forced_fallback():
-        _build.ensure_in_background(_build.HOOKS)
-    return status()
+
+def loaded_engine() -> Any:
+    """The native recording engine's module if this process has loaded it, else None. Never compiles."""
+    return _build._STATES[_build.ENGINE.kind].module
+
+
+def engine_status() -> Dict[str, Any]:
+    """The engine library's build state (``state``, ``reason``, ``path`` …). Never compiles."""
+    return _build.lib_status(_build.ENGINE)
 
 
 def _hooks(wait: bool = True):
@@ -104,15 +110,15 @@ def open_capture(native: bool = True, cpp_errors: bool = False):
     """A capture for one trace: native when asked for and available, else the fallback.
 
     The first native capture of a process compiles the hooks if no cached
-    build exists (one line on stderr says so), unless a background build is
-    under way, in which case this capture uses the fallback instead of waiting.
+    build exists (one line on stderr says so), unless another thread is compiling
+    them, in which case this capture uses the fallback instead of waiting.
     """
     from ._fallback import FallbackCapture
 
     if not native:
         return FallbackCapture(reason="native=False", cpp_errors=cpp_errors)
     ext, reason = _hooks(wait=False)
-    if ext is None and "background" not in reason and not forced_fallback():
+    if ext is None and "still compiling" not in reason and not forced_fallback():
         ext, reason = _hooks(wait=True)
     if ext is None:
         return FallbackCapture(reason=reason, cpp_errors=cpp_errors)

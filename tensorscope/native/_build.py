@@ -60,7 +60,6 @@ class _LibState:
         self.path: Optional[str] = None
         self.seconds: Optional[float] = None
         self.compiled = False        # compiled in this process (vs loaded from the cache)
-        self.thread: Optional[threading.Thread] = None
 
 
 _STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), TEST_OPS.kind: _LibState(), ENGINE.kind: _LibState()}
@@ -343,9 +342,9 @@ def ensure(spec: LibSpec, *, wait: bool = True, verbose: bool = False, force: bo
     if st.state == "built" and not force:
         return st.module, st.reason
     if not wait and st.state == "building":
-        return None, f"{spec.what} still compiling in the background"
+        return None, f"{spec.what} still compiling in another thread"
     if not st.lock.acquire(blocking=wait):
-        return None, f"{spec.what} still compiling in the background"
+        return None, f"{spec.what} still compiling in another thread"
     try:
         if force and st.state == "built" and spec.python_module:
             # A module cannot be replaced in a running process: rebuild the
@@ -362,26 +361,6 @@ def ensure(spec: LibSpec, *, wait: bool = True, verbose: bool = False, force: bo
     finally:
         st.lock.release()
     return (st.module, st.reason) if st.state == "built" else (None, st.reason)
-
-
-def ensure_in_background(spec: LibSpec) -> None:
-    st = _STATES[spec.kind]
-    with st.lock:
-        if st.state in ("built", "failed") or (st.thread is not None and st.thread.is_alive()):
-            return
-        st.state, st.reason = "building", f"{spec.what} compiling in the background"
-
-        def run() -> None:
-            with st.lock:
-                try:
-                    _load(spec, st)
-                except BaseException as e:  # never let a build thread die silently
-                    st.state, st.reason = "failed", f"background build crashed: {type(e).__name__}: {e}"
-
-        # Starting while holding the lock: the thread takes it right after,
-        # so a foreground ensure(wait=False) sees "building" meanwhile.
-        st.thread = threading.Thread(target=run, name="tensorscope-native-build", daemon=True)
-        st.thread.start()
 
 
 def lib_status(spec: LibSpec) -> Dict[str, Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
@@ -26,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from .._common import COPYING_OPS, INEXACT_DTYPES, NOISE_OPS, ipython_shell
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
@@ -34,10 +34,6 @@ EXPECT_FREE_CALLS = frozenset({
     "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "expand", "expand_as", "view", "__matmul__",
     "movedim", "swapaxes", "bmm", "mm", "tensordot", "ravel", "T", "mT",
 })
-COPY_OPS = frozenset({"clone", "reshape", "flatten", "contiguous", "reshape_as", "_to_copy", "ravel"})
-NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_local_scalar_dense"})
-_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
-                           "float8_e4m3fnuz", "float8_e5m2fnuz", "complex64", "complex128", "complex32"})
 
 
 class _Dict:
@@ -127,7 +123,7 @@ def _tuple_dicts(rec):
     stride_len = np.array([len(st) for st in strides] or [0], dtype=np.int64)
     stride_flat = np.array([d for st in strides for d in st], dtype=np.int64)
     meta_nbytes = np.array(m.nbytes or [0], dtype=np.int64)
-    meta_float = np.array([d in _FLOAT_DTYPES for d in m.dtypes] or [False], dtype=bool)
+    meta_float = np.array([d in INEXACT_DTYPES for d in m.dtypes] or [False], dtype=bool)
     nbytes = np.array([int(meta_nbytes[list(t)].sum()) if t else 0 for t in tuples] or [0], dtype=np.int64)
     has_float = np.array([bool(meta_float[list(t)].any()) if t else False for t in tuples] or [False], dtype=bool)
     return dict(tup_len=tup_len, tup_flat=tup_flat, tup_start=tup_start,
@@ -239,7 +235,7 @@ class _Ctx:
         func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
         self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
         short = self.ops["short"]
-        self.copy_op = np.array([s in COPY_OPS for s in short] or [False], dtype=bool)
+        self.copy_op = np.array([s in COPYING_OPS for s in short] or [False], dtype=bool)
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
         self.cell = sess.cell
         screen = sess.screen
@@ -627,19 +623,7 @@ def _leaks_table(sess, tensors):
             storage_id=sid, ref=ref, data_ptr=sess.tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
             dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"], alloc_op=row["alloc_op"],
             cell=row["cell"], source_file=row["source_file"], source_line=row["source_line"]))
-    shell = _ipython_shell()
-    return leak_table(records, shell=shell)
-
-
-def _ipython_shell():
-    if "IPython" not in sys.modules:
-        return None
-    try:
-        from IPython import get_ipython
-
-        return get_ipython()
-    except Exception:
-        return None
+    return leak_table(records, shell=ipython_shell())
 
 
 _DEVICE: Optional[Dict[str, Any]] = None
@@ -671,7 +655,7 @@ def _device_description() -> Dict[str, Any]:
 def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     import torch
 
-    from .. import __version__
+    from .._version import __version__
 
     rec = sess.rec
     device = _device_description()

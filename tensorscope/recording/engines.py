@@ -63,11 +63,11 @@ class EngineChoice:
 
 
 def _native_ext(wait: bool = True) -> Tuple[Any, str]:
-    from ..native import FORCE_ENV, _build, forced_fallback
+    from ..native import FORCE_ENV, engine, forced_fallback
 
     if forced_fallback():
         return None, f"{FORCE_ENV}=1 forces the python engine"
-    ext, reason = _build.ensure(_build.ENGINE, wait=wait)
+    ext, reason = engine(wait=wait)
     if ext is not None and getattr(ext, "ROW_SIZE", None) != ROW_DTYPE.itemsize:
         return None, f"native engine row layout mismatch ({getattr(ext, 'ROW_SIZE', None)} != {ROW_DTYPE.itemsize})"
     return ext, reason
@@ -93,9 +93,9 @@ def select_engine(options) -> EngineChoice:
 def unobserved(fn):
     """``fn()`` with RecordFunction off on this thread when the native engine is loaded (so neither
     torch.profiler nor an observer sees tensorscope's own probe ops); else just ``fn()``."""
-    from ..native import _build
+    from ..native import loaded_engine
 
-    ext = _build._STATES[_build.ENGINE.kind].module
+    ext = loaded_engine()
     if ext is not None and hasattr(ext, "unobserved"):
         return ext.unobserved(fn)
     return fn()
@@ -103,11 +103,11 @@ def unobserved(fn):
 
 def engine_status() -> Dict[str, Any]:
     """``{'engine': 'native'|'python', 'reason': ...}`` for ``trace(engine='auto')`` now. Never compiles."""
-    from ..native import FORCE_ENV, _build, forced_fallback
+    from ..native import FORCE_ENV, engine_status as lib_status, forced_fallback
 
     if forced_fallback():
         return {"engine": "python", "reason": f"{FORCE_ENV}=1"}
-    st = _build.lib_status(_build.ENGINE)
+    st = lib_status()
     return {"engine": "native" if st["state"] == "built" else "python", "reason": st["reason"]}
 
 
@@ -168,15 +168,20 @@ class OpHooks:
                         self.errors.append(f"op hook {getattr(fn, '__name__', fn)!s} on {name}: {type(e).__name__}: {e}")
 
 
-def schema_inputs(func, args, kwargs) -> list:
-    """An op's arguments in schema order (kwarg-only ones from kwargs), as the native engine gives them."""
-    out = list(args)
-    try:
-        for a in func._schema.arguments[len(args):]:
-            out.append(kwargs.get(a.name, a.default_value) if kwargs else a.default_value)
-    except Exception:
-        out.extend((kwargs or {}).values())
-    return out
+def exit_mode(mode, stack_fn):
+    """Pop ``mode``, also when user code left other modes above it (they are re-pushed)."""
+    stack = stack_fn()
+    if not any(m is mode for m in stack):
+        return
+    above = []
+    if stack and stack[-1] is not mode:
+        while stack_fn() and stack_fn()[-1] is not mode:
+            top = stack_fn()[-1]
+            top.__exit__(None, None, None)
+            above.append(top)
+    mode.__exit__(None, None, None)
+    for m in reversed(above):
+        m.__enter__()
 
 
 # ---------------------------------------------------------------------------
@@ -202,10 +207,8 @@ class PythonEngine:
             return
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-        from .session import _exit_mode
-
         mode, self._mode = self._mode, None
-        _exit_mode(mode, _get_current_dispatch_mode_stack)
+        exit_mode(mode, _get_current_dispatch_mode_stack)
 
     def finish(self, sess):
         pass
@@ -486,10 +489,10 @@ def _flop_op_names() -> Tuple[str, ...]:
     """'aten::convolution'... : ops whose FLOP formula needs their arguments (recorded natively)."""
     global _FLOP_NAMES
     if _FLOP_NAMES is None:
-        from ..modes.dispatch import _FLOP_REGISTRY, SHAPE_FLOP_OPS
+        from ..modes.dispatch import FLOP_REGISTRY, SHAPE_FLOP_OPS
 
         names = []
-        for packet in _FLOP_REGISTRY:
+        for packet in FLOP_REGISTRY:
             q = getattr(packet, "_qualified_op_name", None)
             if q and q.split("::")[-1] not in SHAPE_FLOP_OPS:
                 names.append(q)
@@ -535,7 +538,7 @@ def _decode_args(enc, shapes):
 def _formula_flops(flops, op, rows, d, rec):
     """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
     (op, arguments, outputs): the formulas take shapes, so the interned metas suffice."""
-    from ..modes.dispatch import _FLOP_REGISTRY
+    from ..modes.dispatch import FLOP_REGISTRY
 
     args = np.full(len(rows), -1, dtype=np.int64)
     ra = np.frombuffer(d["row_args"], dtype=np.int64).reshape(-1, 2)
@@ -553,7 +556,7 @@ def _formula_flops(flops, op, rows, d, rec):
     vals = np.full(len(uniq), -1, dtype=np.int64)
     for k, (o, a, outs) in enumerate(uniq.tolist()):
         func = funcs[o]
-        f = _FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
+        f = FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
         if f is None:
             continue
         try:

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any, List, Optional
 
+from .._common import fmt_bytes
+
 _last = None
 _history: List[Any] = []
 _sizes: List[int] = []
@@ -81,21 +83,13 @@ def _evict():
         _say_dropped(old, nb, "traces" if len(_history) >= _HISTORY_MAX else "bytes")
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _say_dropped(t, nbytes: int, why: str) -> None:
     md = getattr(t, "metadata", None) or {}
     cell = md.get("cell")
     what = f"the trace of cell [{cell}]" if cell is not None else "the oldest trace"
-    limit = (f"{_HISTORY_MAX} traces" if why == "traces" else f"{_fmt_bytes(_HISTORY_MAX_BYTES)} of traces")
+    limit = (f"{_HISTORY_MAX} traces" if why == "traces" else f"{fmt_bytes(_HISTORY_MAX_BYTES)} of traces")
     saved = md.get("saved_to")
     again = (f"it was saved: tensorscope.load({saved!r}) reads it back" if saved
              else "--save PATH keeps a trace on disk")
-    print(f"tensorscope: history() keeps at most {limit}: dropped {what} ({_fmt_bytes(nbytes)}); {again}",
+    print(f"tensorscope: history() keeps at most {limit}: dropped {what} ({fmt_bytes(nbytes)}); {again}",
           file=sys.stderr)

@@ -77,7 +77,7 @@ def attempt() -> int:
         return 0
 
 
-def _local_run_id() -> str:
+def local_run_id() -> str:
     global _process_run_id
     if _process_run_id is None:
         _process_run_id = "r" + uuid.uuid4().hex[:16]
@@ -146,7 +146,7 @@ class DistContext:
             from torch.distributed.distributed_c10d import _get_default_store
 
             store = _get_default_store()
-            got = store.compare_set(_STORE_KEY, "", _local_run_id())
+            got = store.compare_set(_STORE_KEY, "", local_run_id())
             self.run_id = sanitize_run_id(got.decode() if isinstance(got, bytes) else got)
             self.run_source = "store"
         except Exception as e:
@@ -172,7 +172,7 @@ class DistContext:
                 self.run_id = sanitize_run_id(f"slurm{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_STEP_ID', '0')}")
                 self.run_source = "slurm"
             else:
-                self.run_id, self.run_source = _local_run_id(), "local"
+                self.run_id, self.run_source = local_run_id(), "local"
         return {**self.identity, "run_id": self.run_id, "run_source": self.run_source, "attempt": attempt(),
                 "host": socket.gethostname(), "pid": os.getpid(), "device": _device(), "backend": self.backend}
 

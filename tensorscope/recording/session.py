@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..errors import TraceActiveError
+from ..modes.frames import exc_key
 from ..options import TraceOptions
 from .history import _remember
 from .recorder import C_SRC, Recorder
@@ -287,7 +288,9 @@ class Session:
             try:
                 from torch.overrides import _get_current_function_mode_stack
 
-                _exit_mode(self._fmode, _get_current_function_mode_stack)
+                from .engines import exit_mode
+
+                exit_mode(self._fmode, _get_current_function_mode_stack)
             except BaseException as e:
                 errors.append(e)
         if "modules" in self._entered:
@@ -429,22 +432,6 @@ def _warm_up():
         pass
 
 
-def _exit_mode(mode, stack_fn):
-    """Pop ``mode``, also when user code left other modes above it (they are re-pushed)."""
-    stack = stack_fn()
-    if not any(m is mode for m in stack):
-        return
-    above = []
-    if stack and stack[-1] is not mode:
-        while stack_fn() and stack_fn()[-1] is not mode:
-            top = stack_fn()[-1]
-            top.__exit__(None, None, None)
-            above.append(top)
-    mode.__exit__(None, None, None)
-    for m in reversed(above):
-        m.__enter__()
-
-
 def _note_cell_files(t, rec):
     """Which source files are notebook cells, and their numbers (``Cell In[3], line 11``)."""
     try:
@@ -463,16 +450,6 @@ def _looks_internal(filename: str) -> bool:
     from ..modes.source import _is_internal_file
 
     return _is_internal_file(filename)
-
-
-def exc_key(e: BaseException):
-    """Identity of an exception without a reference to it (which would keep its frames and
-    tensors alive). CPython reuses the id of a freed exception, so type and message join it."""
-    try:
-        msg = str(e)
-    except Exception:
-        msg = None
-    return (id(e), type(e), msg)
 
 
 def _first_line_message(e: BaseException) -> str:

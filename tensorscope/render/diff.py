@@ -1,7 +1,8 @@
 """Text and HTML of a ``TraceDiff``: the totals side by side, then the biggest changes first (escaped)."""
 from __future__ import annotations
 
-from .summary import _e, fmt_bytes, fmt_ns
+from .._common import esc as _e, fmt_bytes, fmt_ns
+from .html import BOX_STYLE, TITLE_STYLE, html_table
 
 
 def _pct(a, b) -> str:
@@ -68,23 +69,13 @@ def diff_text(d, limit: int = 25) -> str:
 
 
 def diff_html(d, limit: int = 25) -> str:
-    th = '<th style="text-align:left;padding:1px 8px">'
-    td = '<td style="text-align:left;padding:1px 8px;vertical-align:top">'
-    parts = ['<div class="tensorscope-diff" style="font-family:system-ui,sans-serif;font-size:12px">',
-             f'<div style="font-weight:600">tensorscope diff: {_e(d.label_a)} → {_e(d.label_b)}</div>',
-             '<table style="border-collapse:collapse"><tr>'
-             + "".join(th + _e(h) + "</th>" for h in ("", d.label_a, d.label_b, "change")) + "</tr>"]
-    for r in total_rows(d):
-        parts.append("<tr>" + "".join(td + _e(c) + "</td>" for c in r) + "</tr>")
-    parts.append("</table>")
+    parts = [f'<div class="tensorscope-diff" style="{BOX_STYLE}">',
+             f'<div style="{TITLE_STYLE}">tensorscope diff: {_e(d.label_a)} → {_e(d.label_b)}</div>',
+             html_table(("", d.label_a, d.label_b, "change"), total_rows(d))]
     ch = change_rows(d, limit)
     if ch:
-        parts.append('<div style="margin-top:4px;font-weight:600">biggest changes</div>'
-                     '<table style="border-collapse:collapse"><tr>' + "".join(th + _e(h) + "</th>" for h in _HEAD)
-                     + "</tr>")
-        for r in ch:
-            parts.append("<tr>" + "".join(td + _e(c) + "</td>" for c in r) + "</tr>")
-        parts.append("</table>")
+        parts.append(f'<div style="{TITLE_STYLE}">biggest changes</div>')
+        parts.append(html_table(_HEAD, ch))
     n = d.changed().num_rows
     if n > limit:
         parts.append(f"<div>… {n - limit} more in .table</div>")

@@ -2,12 +2,13 @@
 
 ``tracking.leaks.report.LeakReport`` is data (a LEAKS table, holder groups, totals per
 device, notes); this module only draws it. The HTML uses the summary's self-styled
-tables (``render.summary.html_table``), so it reads the same in JupyterLab, the classic
+tables (``render.html.html_table``), so it reads the same in JupyterLab, the classic
 Notebook, nbconvert's export and a bare page; every string is escaped.
 """
 from __future__ import annotations
 
-from .summary import BOX_STYLE, NOTE_STYLE, _e, fmt_bytes, html_table
+from .._common import esc as _e, fmt_bytes
+from .html import BOX_STYLE, NOTE_STYLE, html_table
 
 
 def _created(g) -> str:

@@ -10,7 +10,8 @@ import html
 from typing import Optional
 
 from ..analyses import ranks as A
-from .summary import Section, Summary, fmt_bytes, fmt_ns
+from .._common import fmt_bytes, fmt_ns
+from .section import Section, Summary
 
 
 def dataset_summary(ds, run: Optional[str] = None, max_rows: int = 20) -> Summary:

@@ -10,10 +10,10 @@ from typing import Optional
 
 import pyarrow.compute as pc
 
-from .summary import Section, fmt_ns, register_section
+from .._common import fmt_ns
+from .section import Section
 
 
-@register_section
 def api_section(t) -> Optional[Section]:
     from ..analyses.api import surprising
 

@@ -14,7 +14,8 @@ from typing import Dict, Optional
 
 import pyarrow.compute as pc
 
-from .summary import Section, fmt_ns, register_section
+from .._common import fmt_ns
+from .section import Section
 
 
 def _first_line(s: Optional[str], n: int = 160) -> str:
@@ -24,7 +25,6 @@ def _first_line(s: Optional[str], n: int = 160) -> str:
     return line if len(line) <= n else line[: n - 1] + "…"
 
 
-@register_section
 def compiled_section(t) -> Optional[Section]:
     graphs = t.graphs
     if graphs.num_rows == 0:

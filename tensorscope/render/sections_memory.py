@@ -13,12 +13,12 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from .summary import Section, fmt_bytes, register_section
+from .._common import fmt_bytes
+from .section import Section
 
 _TOP = 10
 
 
-@register_section
 def memory_section(t) -> Optional[Section]:
     from ..analyses.memory import memory_peak
 
@@ -73,7 +73,6 @@ def _holder_text(kind, holder, items) -> str:
     return f"{holder} → grad_fn …"
 
 
-@register_section
 def leaks_section(t) -> Optional[Section]:
     lk = t.leaks
     if lk.num_rows == 0:

@@ -1,7 +1,7 @@
 """Summary sections "layout" and "precision": what moved data between layouts, what changed dtype.
 
-Both are functions ``trace -> Section | None`` registered in the summary's
-``SECTIONS`` registry; they only read tables (``layout_changes``, ``casts``,
+Both are functions ``trace -> Section | None`` listed in the summary's
+``SECTIONS``; they only read tables (``layout_changes``, ``casts``,
 ``ops``) and metadata, and return None when there is nothing to say, so a
 clean cell shows no empty boxes.
 
@@ -18,10 +18,10 @@ from typing import List, Optional
 
 import pyarrow.compute as pc
 
+from .._common import NoGC, fmt_bytes
 from .._location import format_location, trace_cells
 from ..analyses.guards import group_rows
-from ..analyses.layout import _NoGC
-from .summary import Section, fmt_bytes, register_section
+from .section import Section
 
 _TOP = 12
 _KIND_LABEL = {"format_change": "format change", "hidden_copy": "hidden copy", "non_dense_input": "non-dense input"}
@@ -46,7 +46,7 @@ def layout_section(t) -> Optional[Section]:
     lc = t.layout_changes
     if lc.num_rows == 0:
         return None
-    with _NoGC():
+    with NoGC():
         rows = lc.to_pylist()
     groups = _group(rows, lambda r: (r["kind"], r["op"], r.get("call"), r.get("from_format"), r.get("to_format"),
                                      r.get("source_file"), r.get("source_line"), r.get("module")))
@@ -81,7 +81,7 @@ def precision_section(t) -> Optional[Section]:
     # -- casts by kind and direction
     cs = t.casts
     if cs.num_rows:
-        with _NoGC():
+        with NoGC():
             crow = cs.to_pylist()
         key = lambda r: (r["kind"], r["direction"], r["from_dtype"], r["to_dtype"])
         groups = _group(crow, key)
@@ -159,7 +159,3 @@ def precision_section(t) -> Optional[Section]:
     if not rows and notes == ["non-finite screen off"]:
         return None
     return Section("precision", rows, ("what", "detail", "count", "bytes / error", "where"), notes)
-
-
-register_section(layout_section)
-register_section(precision_section)

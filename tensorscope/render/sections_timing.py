@@ -13,10 +13,10 @@ from typing import Optional
 
 import pyarrow.compute as pc
 
-from .summary import Section, fmt_ns, register_section
+from .._common import fmt_ns
+from .section import Section
 
 
-@register_section
 def timing_section(t) -> Optional[Section]:
     ops = t.ops
     kernels = t.kernels
@@ -53,7 +53,6 @@ def timing_section(t) -> Optional[Section]:
     return Section("timeline", rows, None, notes, svg=svg)
 
 
-@register_section
 def icicle_section(t) -> Optional[Section]:
     """Where the time went: module → torch call → ATen op, width = CPU time (HTML only)."""
     if t.ops.num_rows == 0:

@@ -12,11 +12,12 @@ so); the icicle drops nodes narrower than a pixel.
 """
 from __future__ import annotations
 
-import html
 import os
 from typing import Dict, List, Optional, Tuple
 
 import pyarrow.compute as pc
+
+from .._common import esc as _e, fmt_ns as _fmt_ns
 
 #: one place for the colours of the views, with the legend text of each
 COLORS: Dict[str, Tuple[str, str]] = {
@@ -30,16 +31,6 @@ COLORS: Dict[str, Tuple[str, str]] = {
     "noop": ("#d9d9d9", "ops outside any torch-level call"),
 }
 _FONT = 'font-family="system-ui,sans-serif" font-size="10"'
-
-
-def _e(s) -> str:
-    return html.escape("" if s is None else str(s), quote=True)
-
-
-def _fmt_ns(n) -> str:
-    from .summary import fmt_ns
-
-    return fmt_ns(n)
 
 
 def _legend(keys: List[str], x: float, y: float, width: float) -> Tuple[str, float]:

@@ -14,6 +14,7 @@ import types
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
+from ..._common import fmt_bytes
 from .classify import _PY313, _TENSOR, _isa, _live_frame_locals, _running_frames, _types
 from .roots import _HIDDEN_UNDERS, _NEXT_CELL, _Root
 from .search import _Search
@@ -490,7 +491,7 @@ def _fix_path(st: _PathState, kind: str, view) -> Tuple[str, int]:
             return f"{e}.close()  (a suspended generator keeps its locals)", gp
     if view is not None and full is not None:
         vb, sb = view
-        return (f"{full} = {full}.clone()  (a {_fmt_bytes(vb)} view pins the whole {_fmt_bytes(sb)} storage; "
+        return (f"{full} = {full}.clone()  (a {fmt_bytes(vb)} view pins the whole {fmt_bytes(sb)} storage; "
                 f"or del {full})"), last
     if full is not None and last > 0:
         if st.last_kind in ("key", "index", "attr"):
@@ -499,15 +500,6 @@ def _fix_path(st: _PathState, kind: str, view) -> Tuple[str, int]:
             g, tensor_e = marks["grad"]
             return f"{tensor_e}.grad = None", last
     return root.fix, 0
-
-
-def _fmt_bytes(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _split_fix(fix: str) -> List[str]:

@@ -21,6 +21,7 @@ from .roots import _get_shell, _user_namespace
 from .rows import _Row, _fallback_rows, _merge_same_buffer, _rows_for, _rows_to_table
 from .search import _Search, _run_search
 from .unreached import _heap_tensors
+from ..._common import Displayable
 from ..._location import format_location
 
 
@@ -40,7 +41,7 @@ class LeakGroup:
     growth_bytes: Optional[int] = None   # bytes per cell while the holder grows across traced cells
 
 
-class LeakReport:
+class LeakReport(Displayable):
     """The live tensor storages of the notebook, grouped by holder; tensor-free and displayable.
 
     ``table`` is the LEAKS-schema table (one row per storage, largest first); ``groups`` the
@@ -75,9 +76,6 @@ class LeakReport:
         from ...render.leaks import report_html
 
         return report_html(self, max_groups)
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        return {"text/plain": self.to_text(), "text/html": self.to_html()}
 
     def __repr__(self):
         return self.to_text()

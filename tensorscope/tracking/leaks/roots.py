@@ -14,6 +14,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+from ..._common import ipython_shell
 from .classify import _is_library_file, _live_frame_locals, _user_modules
 
 
@@ -38,15 +39,7 @@ _HIDDEN_SKIP = frozenset(("In", "Out", "_ih", "_oh", "_dh", "get_ipython", "exit
 
 
 def _get_shell(shell):
-    if shell is not None:
-        return shell
-    ip_mod = sys.modules.get("IPython")
-    if ip_mod is None:
-        return None
-    try:
-        return ip_mod.get_ipython()
-    except Exception:
-        return None
+    return shell if shell is not None else ipython_shell()
 
 
 def _user_namespace(shell, user_ns):

@@ -11,10 +11,11 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import pyarrow as pa
 
 from ... import schema as S
+from ..._common import fmt_bytes
 from . import growth as _growth
 from .classify import _DEV_STR, _DTYPE_STR, _GcPaused, _TENSOR, _dev_str, _tensor_meta, _types
 from .known import _KNOWN, _meta_from_known, remember
-from .paths import STATE_KINDS, _Describer, _Steps, _fmt_bytes, _merge_fixes
+from .paths import STATE_KINDS, _Describer, _Steps, _merge_fixes
 from .roots import _get_shell, _user_namespace
 from .search import _Search, _run_search
 from .unreached import _classify_groups, _heap_tensors
@@ -218,7 +219,7 @@ def _bulk_rows(search: _Search, desc: "_Describer", p: int, keys: List[int], key
         if expr is None:
             fix = rfix
         elif vb * 2 < sb:
-            fix = (f"{expr} = {expr}.clone()  (a {_fmt_bytes(vb)} view pins the whole {_fmt_bytes(sb)} storage; "
+            fix = (f"{expr} = {expr}.clone()  (a {fmt_bytes(vb)} view pins the whole {fmt_bytes(sb)} storage; "
                    f"or del {expr})")
         else:
             fix = f"del {expr}"

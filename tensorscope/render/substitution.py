@@ -1,0 +1,50 @@
+"""``check_substitution``'s report as text and as HTML (the report is data: substitution.py)."""
+from __future__ import annotations
+
+import os
+
+from .._common import esc
+from .html import BOX_STYLE, html_table
+
+#: divergences listed before "… N more in report.table"
+LIMIT = 40
+
+
+def _where(r) -> str:
+    if not r.get("source_file"):
+        return ""
+    return f"{os.path.basename(r['source_file'])}:{r['source_line']}"
+
+
+def headline(rep) -> str:
+    who = rep.subclass or "the subclass"
+    if rep.ok:
+        return f"{who} substitutes for torch.Tensor in {rep.fn_name}: no divergence"
+    c = ", ".join(f"{n} {k}" for k, n in sorted(rep.counts().items(), key=lambda kv: -kv[1]))
+    return f"{who} does not substitute for torch.Tensor in {rep.fn_name}: {rep.table.num_rows} divergence(s) ({c})"
+
+
+def substitution_text(rep) -> str:
+    lines = [headline(rep)]
+    for r in rep.table.slice(0, LIMIT).to_pylist():
+        where = _where(r)
+        lines.append(f"  - {r['kind']}: {r['op'] or ''}{' in ' + r['call'] if r['call'] else ''}"
+                     f"{' [' + r['phase'] + ']' if r['phase'] else ''}: plain {r['plain']} → subclass {r['wrapped']}"
+                     f"{' (' + where + ')' if where else ''}{' — ' + r['detail'] if r['detail'] else ''}")
+    if rep.table.num_rows > LIMIT:
+        lines.append(f"  … {rep.table.num_rows - LIMIT} more in report.table")
+    return "\n".join(lines)
+
+
+def substitution_html(rep) -> str:
+    color = "#1a7f37" if rep.ok else "#b42318"
+    parts = [f'<div class="tensorscope-substitution" style="{BOX_STYLE}">',
+             f'<div style="font-weight:600;color:{color}">{esc(headline(rep))}</div>']
+    if not rep.ok:
+        rows = [(r["kind"], r["phase"], r["op"], r["call"], r["plain"], r["wrapped"], _where(r), r["detail"])
+                for r in rep.table.slice(0, LIMIT).to_pylist()]
+        parts.append(html_table(("kind", "phase", "op", "call", "plain", "subclass", "where", "detail"), rows))
+        if rep.table.num_rows > LIMIT:
+            parts.append(f"<div>… {rep.table.num_rows - LIMIT} more in report.table</div>")
+    parts.append("</div>")
+    return "".join(parts)
