@@ -1,0 +1,135 @@
+"""The layer order of docs/architecture.md, checked on every import of the package.
+
+The graph is read with ``ast`` by tools/architecture.py (module-level and function-level
+imports alike); these tests fail on an upward import, an import cycle or a private name
+reached from another package, naming the file, line and statement, and when the picture in
+docs/architecture.md no longer matches the code.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("tensorscope_architecture", ROOT / "tools" / "architecture.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses resolve their module while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+A = _load_tool()
+
+
+def test_no_upward_import_no_cycle_no_foreign_private_name():
+    bad = A.violations()
+    assert bad == [], "layering broken (see docs/architecture.md, tools/architecture.py):\n" + "\n".join(bad)
+
+
+def test_docs_picture_is_generated_from_the_code():
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = A.docs_block(text)
+    assert block is not None, "docs/architecture.md lost its generated layer picture markers"
+    assert block == A.picture(), "docs/architecture.md is stale: run `python tools/architecture.py --write`"
+
+
+def test_every_exception_is_still_needed():
+    """An allowance nobody uses any more is removed, so the lists only shrink."""
+    imps = A.imports()
+    edges = {(i.importer, i.imported) for i in imps}
+    for key in A.ALLOWED_UP:
+        assert key in edges, f"ALLOWED_UP entry {key} matches no import: remove it"
+    private = {(i.importer, A._private(i, A.PACKAGE)) for i in imps}
+    for key in A.KNOWN_PRIVATE:
+        assert key in private, f"KNOWN_PRIVATE entry {key} matches no import: remove it"
+
+
+def test_every_module_has_a_layer():
+    for m in A.modules():
+        assert A.layer_of(m) >= 0, m
+
+
+def test_import_graph_sees_lazy_relative_and_submodule_imports():
+    """The reader the checks rely on: an import inside a function counts and is marked lazy, a
+    relative ``from .. import sub`` resolves to the submodule."""
+    by = {(i.importer, i.imported, i.name): i for i in A.imports()}
+    top = by[("tensorscope.render.summary", "tensorscope.render.sections_api", "sections_api")]
+    assert not top.lazy and top.written == "from . import sections_api"
+    lazy = by[("tensorscope._trace", "tensorscope.render.summary", "summarize")]
+    assert lazy.lazy and lazy.path == "tensorscope/_trace.py"
+
+
+def _write(root: pathlib.Path, files: dict) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text), encoding="utf-8")
+
+
+LAYERS = (("low", ("pkg.errors", "pkg._common"), ""), ("mid", ("pkg.analyses",), ""),
+          ("high", ("pkg", "pkg.render"), ""))
+
+
+def test_checker_names_the_upward_import_the_cycle_and_the_private_name(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/errors.py": """\
+            def f():
+                from .render import draw   # upward, lazy
+            """,
+        "pkg/_common.py": "",
+        "pkg/analyses/__init__.py": "",
+        "pkg/analyses/a.py": "from . import b\n",
+        "pkg/analyses/b.py": """\
+            def g():
+                from .a import x
+            """,
+        "pkg/render/__init__.py": "from ..analyses.a import _hidden\ndef draw(): pass\n",
+    })
+    bad = A.violations(tmp_path, "pkg", LAYERS, allowed_up={}, known_private={})
+    text = "\n".join(bad)
+    assert "pkg/errors.py:2: from .render import draw (in a function): upward import, layer low imports layer high" \
+        in text
+    assert any(v.startswith("import cycle between pkg.analyses.a, pkg.analyses.b") for v in bad)
+    assert "pkg/analyses/a.py:1: from . import b" in text and "pkg/analyses/b.py:2: from .a import x" in text
+    assert "pkg/render/__init__.py:1: from ..analyses.a import _hidden: private pkg.analyses.a._hidden" in text
+    assert len(bad) == 3, bad
+
+
+def test_an_allowed_upward_import_is_neither_a_violation_nor_a_cycle(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "from . import render\n",
+        "pkg/errors.py": "def f():\n    from .render import draw\n",
+        "pkg/_common.py": "import pkg.errors\n",
+        "pkg/analyses/__init__.py": "from .._common import g\n",
+        "pkg/render/__init__.py": "from ..analyses import f\ndef draw(): pass\n",
+    })
+    bad = A.violations(tmp_path, "pkg", LAYERS, allowed_up={}, known_private={})
+    assert bad[0] == "pkg/errors.py:2: from .render import draw (in a function): upward import, layer low imports layer high"
+    assert len(bad) == 2 and bad[1].startswith("import cycle between pkg._common, pkg.analyses, pkg.errors, pkg.render")
+    assert A.violations(tmp_path, "pkg", LAYERS, allowed_up={("pkg.errors", "pkg.render"): "why"},
+                        known_private={}) == []
+
+
+def test_a_module_outside_every_layer_is_reported(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/errors.py": "", "pkg/stray.py": ""})
+    layers = (("low", ("pkg.errors",), ""),)
+    assert A.violations(tmp_path, "pkg", layers, allowed_up={}, known_private={}) == [
+        "pkg/__init__.py: module pkg is in no layer (add it to LAYERS)",
+        "pkg/stray.py: module pkg.stray is in no layer (add it to LAYERS)"]
+
+
+@pytest.mark.parametrize("module,layer", [
+    ("tensorscope.modes.meta", "foundation"), ("tensorscope.modes.dispatch", "observers"),
+    ("tensorscope.recording.recorder", "buffers"), ("tensorscope.recording.session", "recording"),
+    ("tensorscope.io.sql", "analyses"), ("tensorscope.io.parquet", "io"), ("tensorscope", "frontends"),
+])
+def test_longest_prefix_decides_the_layer(module, layer):
+    assert A.LAYERS[A.layer_of(module)][0] == layer
