@@ -84,7 +84,6 @@ def test_checker_names_the_upward_import_the_cycle_and_the_private_name(tmp_path
             def f():
                 from .render import draw   # upward, lazy
             """,
-        "pkg/_common.py": "",
         "pkg/analyses/__init__.py": "",
         "pkg/analyses/a.py": "from . import b\n",
         "pkg/analyses/b.py": """\
@@ -92,6 +91,7 @@ def test_checker_names_the_upward_import_the_cycle_and_the_private_name(tmp_path
                 from .a import x
             """,
         "pkg/render/__init__.py": "from ..analyses.a import _hidden\ndef draw(): pass\n",
+        "pkg/_common.py": "import importlib\ndef h():\n    importlib.import_module('pkg.render')\n",
     })
     bad = A.violations(tmp_path, "pkg", LAYERS, allowed_up={}, known_private={})
     text = "\n".join(bad)
@@ -100,7 +100,8 @@ def test_checker_names_the_upward_import_the_cycle_and_the_private_name(tmp_path
     assert any(v.startswith("import cycle between pkg.analyses.a, pkg.analyses.b") for v in bad)
     assert "pkg/analyses/a.py:1: from . import b" in text and "pkg/analyses/b.py:2: from .a import x" in text
     assert "pkg/render/__init__.py:1: from ..analyses.a import _hidden: private pkg.analyses.a._hidden" in text
-    assert len(bad) == 3, bad
+    assert "pkg/_common.py:3: import_module('pkg.render') (in a function): upward import" in text
+    assert len(bad) == 4, bad
 
 
 def test_an_allowed_upward_import_is_neither_a_violation_nor_a_cycle(tmp_path):

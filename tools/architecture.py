@@ -5,8 +5,8 @@
     python tools/architecture.py --write    # regenerate the picture inside docs/architecture.md
     python tools/architecture.py --edges    # every import between layers, with file and line
 
-Every ``import``/``from … import`` of a tensorscope module counts, at module level and inside
-functions alike (a function-level import still makes one module depend on another; it only
+Every ``import``/``from … import`` of a tensorscope module counts (and ``import_module`` /
+``__import__`` of a literal name), at module level and inside functions alike (a function-level import still makes one module depend on another; it only
 moves *when* the dependency is paid). A module belongs to the layer of the longest prefix
 listed in ``LAYERS`` that names it. Rules:
 
@@ -136,10 +136,28 @@ def imports(root: pathlib.Path = ROOT, package: str = PACKAGE) -> List[Import]:
                         written = f"from {'.' * child.level}{child.module or ''} import {a.name}"
                         out.append(Import(mod, sub if sub in mods else target, a.name, rel, child.lineno, lazy,
                                           written))
+                elif isinstance(child, ast.Call) and _dynamic_target(child, package):
+                    target = _dynamic_target(child, package)
+                    out.append(Import(mod, target if target in mods else target.rpartition(".")[0], None, rel,
+                                      child.lineno, lazy, f"import_module({target!r})"))
                 visit(child, inner)
 
         visit(tree, False)
     return out
+
+
+def _dynamic_target(call: ast.Call, package: str) -> Optional[str]:
+    """``importlib.import_module("tensorscope.x")`` / ``__import__("tensorscope.x")`` with a literal
+    name: an import all the same (a string must not hide a dependency from the check)."""
+    f = call.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    if name not in ("import_module", "__import__") or not call.args:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) \
+            and (arg.value == package or arg.value.startswith(package + ".")):
+        return arg.value
+    return None
 
 
 def layer_of(module: str, layers=LAYERS) -> int:
