@@ -119,11 +119,12 @@ def test_an_allowed_upward_import_is_neither_a_violation_nor_a_cycle(tmp_path):
                         known_private={}) == []
 
 
-def test_a_module_outside_every_layer_is_reported(tmp_path):
-    _write(tmp_path, {"pkg/__init__.py": "", "pkg/errors.py": "", "pkg/stray.py": ""})
-    layers = (("low", ("pkg.errors",), ""),)
+def test_a_new_top_level_module_must_be_given_a_layer(tmp_path):
+    """The bare package name places only its __init__: a new module beside it is reported, not
+    silently put on top (where every import of it from below would read as a violation)."""
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/errors.py": "", "pkg/stray.py": "", "pkg/sub/__init__.py": ""})
+    layers = (("low", ("pkg.errors", "pkg.sub"), ""), ("high", ("pkg",), ""))
     assert A.violations(tmp_path, "pkg", layers, allowed_up={}, known_private={}) == [
-        "pkg/__init__.py: module pkg is in no layer (add it to LAYERS)",
         "pkg/stray.py: module pkg.stray is in no layer (add it to LAYERS)"]
 
 

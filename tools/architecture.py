@@ -32,7 +32,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "tensorscope"
 
-#: bottom first: (name, module prefixes, role). The longest matching prefix decides.
+#: bottom first: (name, module prefixes, role). The longest matching prefix decides; the bare
+#: package name matches only its ``__init__`` (a new top-level module must be given a layer here).
 LAYERS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
     ("foundation", ("tensorscope.errors", "tensorscope._version", "tensorscope._common", "tensorscope._location",
                     "tensorscope.schema", "tensorscope.options", "tensorscope.modes.meta"),
@@ -164,7 +165,9 @@ def layer_of(module: str, layers=LAYERS) -> int:
     best, best_len = -1, -1
     for i, (_, prefixes, _) in enumerate(layers):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
+            # the package itself names only its __init__: a new top-level module gets a layer on purpose
+            inside = "." in p and module.startswith(p + ".")
+            if (module == p or inside) and len(p) > best_len:
                 best, best_len = i, len(p)
     return best
 
