@@ -343,7 +343,7 @@ def _group(mods: Sequence[str], package: str, paths: Dict[str, pathlib.Path]) ->
         elif len(tails) == 1:
             parts.append(f"{head.replace('.', '/')}/{tails[0]}")
         else:
-            parts.append(f"{head.replace('.', '/')}/{{{','.join(tails)}}}")
+            parts.append(f"{head.replace('.', '/')}/{{{', '.join(tails)}}}")
     return ", ".join(parts)
 
 
