@@ -54,33 +54,33 @@ NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_loc
 
 
 # -- formatters -----------------------------------------------------------------------------------
-def fmt_bytes(n) -> str:
+def fmt_bytes(n: Optional[float]) -> str:
     """``384.0 KiB``; ``-`` for None."""
     if n is None:
         return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"   # not reached: the loop returns at TiB
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024:
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.1f} TiB"
 
 
-def fmt_ns(n) -> str:
+def fmt_ns(n: Optional[float]) -> str:
     """``1.50 ms``; ``-`` for None."""
     if n is None:
         return "-"
-    n = float(n)
-    if n < 1e3:
-        return f"{n:.0f} ns"
-    if n < 1e6:
-        return f"{n / 1e3:.1f} µs"
-    if n < 1e9:
-        return f"{n / 1e6:.2f} ms"
-    return f"{n / 1e9:.2f} s"
+    v = float(n)
+    if v < 1e3:
+        return f"{v:.0f} ns"
+    if v < 1e6:
+        return f"{v / 1e3:.1f} µs"
+    if v < 1e9:
+        return f"{v / 1e6:.2f} ms"
+    return f"{v / 1e9:.2f} s"
 
 
-def esc(s) -> str:
+def esc(s: object) -> str:
     """HTML-escaped text of any value (None is empty): every string that reaches HTML goes through it."""
     return html.escape("" if s is None else str(s), quote=True)
 
@@ -102,11 +102,11 @@ class NoGC:
     """Collections paused while many small lists are built: torch keeps ~166k objects
     tracked, and gen-2 passes triggered by the conversion cost 3-4x the conversion."""
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self.was = gc.isenabled()
         gc.disable()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         if self.was:
             gc.enable()
 
@@ -122,7 +122,7 @@ class Displayable:
     def to_html(self) -> str:
         raise NotImplementedError
 
-    def _repr_mimebundle_(self, include=None, exclude=None):
+    def _repr_mimebundle_(self, include: object = None, exclude: object = None) -> Dict[str, str]:
         return {"text/plain": self.to_text(), "text/html": self.to_html()}
 
     def __str__(self) -> str:

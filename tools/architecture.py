@@ -32,9 +32,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "tensorscope"
 
+Layers = Tuple[Tuple[str, Tuple[str, ...], str], ...]
+
 #: bottom first: (name, module prefixes, role). The longest matching prefix decides; the bare
 #: package name matches only its ``__init__`` (a new top-level module must be given a layer here).
-LAYERS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
+LAYERS: Layers = (
     ("foundation", ("tensorscope.errors", "tensorscope._version", "tensorscope._common", "tensorscope._location",
                     "tensorscope.schema", "tensorscope.options", "tensorscope.modes.meta"),
      "errors, the version, shared tables and formatters, locations, Arrow schemas, options; "
@@ -137,10 +139,11 @@ def imports(root: pathlib.Path = ROOT, package: str = PACKAGE) -> List[Import]:
                         written = f"from {'.' * child.level}{child.module or ''} import {a.name}"
                         out.append(Import(mod, sub if sub in mods else target, a.name, rel, child.lineno, lazy,
                                           written))
-                elif isinstance(child, ast.Call) and _dynamic_target(child, package):
-                    target = _dynamic_target(child, package)
-                    out.append(Import(mod, target if target in mods else target.rpartition(".")[0], None, rel,
-                                      child.lineno, lazy, f"import_module({target!r})"))
+                elif isinstance(child, ast.Call):
+                    dyn = _dynamic_target(child, package)
+                    if dyn is not None:
+                        out.append(Import(mod, dyn if dyn in mods else dyn.rpartition(".")[0], None, rel,
+                                          child.lineno, lazy, f"import_module({dyn!r})"))
                 visit(child, inner)
 
         visit(tree, False)
@@ -161,7 +164,7 @@ def _dynamic_target(call: ast.Call, package: str) -> Optional[str]:
     return None
 
 
-def layer_of(module: str, layers=LAYERS) -> int:
+def layer_of(module: str, layers: Layers = LAYERS) -> int:
     best, best_len = -1, -1
     for i, (_, prefixes, _) in enumerate(layers):
         for p in prefixes:
@@ -244,7 +247,7 @@ def _cycles(edges: Iterable[Tuple[str, str]]) -> List[List[str]]:
     return out
 
 
-def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers=LAYERS,
+def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = LAYERS,
                allowed_up: Optional[Dict[Tuple[str, str], str]] = None,
                known_private: Optional[Dict[Tuple[str, str], str]] = None) -> List[str]:
     """Every broken rule, one line each naming the import (file:line) that breaks it."""
@@ -285,7 +288,7 @@ def _short(module: str, package: str = PACKAGE) -> str:
     return module[len(package) + 1:] if module.startswith(package + ".") else module
 
 
-def picture(root: pathlib.Path = ROOT, package: str = PACKAGE, layers=LAYERS) -> str:
+def picture(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = LAYERS) -> str:
     """The layer diagram, top layer first: modules of each layer and the layers it imports."""
     mods = modules(root, package)
     names = [n for n, _, _ in layers]
