@@ -202,15 +202,9 @@ def _exc_op(t) -> Optional[str]:
 
 
 def _exc_location(e):
-    from .modes.source import _is_internal
+    from .modes.source import user_traceback_location
 
-    f = line = None
-    tb = e.__traceback__ if e is not None else None
-    while tb is not None:
-        if not _is_internal(tb.tb_frame.f_code):
-            f, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
-        tb = tb.tb_next
-    return f, line
+    return user_traceback_location(e.__traceback__ if e is not None else None)
 
 
 def _op_rows(t) -> List[Dict[str, Any]]:

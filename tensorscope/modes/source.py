@@ -93,3 +93,14 @@ def called_from_compiled_code(depth: int = 2, limit: int = 24) -> bool:
         f = f.f_back
         limit -= 1
     return False
+
+
+def user_traceback_location(tb) -> Tuple[Optional[str], Optional[int]]:
+    """(filename, line) of the innermost traceback entry outside torch and tensorscope: where the
+    user's code raised; (None, None) when every entry is internal."""
+    file = line = None
+    while tb is not None:
+        if not _is_internal(tb.tb_frame.f_code):
+            file, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+        tb = tb.tb_next
+    return file, line

@@ -400,15 +400,9 @@ class Session:
         """An exception that left the traced block: recorded once (modes may have seen it already)."""
         if self.last_exc_key == exc_key(exc):
             return
-        file = line = None
-        tb = exc.__traceback__
-        # the innermost frame outside torch/tensorscope: where the user's code raised
-        from ..modes.source import _is_internal
+        from ..modes.source import user_traceback_location
 
-        while tb is not None:
-            if not _is_internal(tb.tb_frame.f_code):
-                file, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
-            tb = tb.tb_next
+        file, line = user_traceback_location(exc.__traceback__)
         self.last_error_id = self.rec.add_error(
             kind="exception", py_type=type(exc).__name__, cpp_type=None, message=_first_line_message(exc),
             cpp_file=None, cpp_line=None, cpp_function=None, seq=None, call_id=None, op=None,
