@@ -112,39 +112,43 @@ def imports(root: pathlib.Path = ROOT, package: str = PACKAGE) -> List[Import]:
     mods = modules(root, package)
     out: List[Import] = []
     for mod, path in mods.items():
-        is_pkg = path.name == "__init__.py"
-        rel = str(path.relative_to(root))
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
+        out.extend(_imports_in(mod, path, root, mods, package))
+    return out
 
-        def visit(node: ast.AST, lazy: bool) -> None:
-            for child in ast.iter_child_nodes(node):
-                inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                if isinstance(child, ast.Import):
-                    for a in child.names:
-                        if a.name == package or a.name.startswith(package + "."):
-                            out.append(Import(mod, a.name, None, rel, child.lineno, lazy, f"import {a.name}"))
-                elif isinstance(child, ast.ImportFrom):
-                    if child.level:
-                        base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                        base = base[:len(base) - (child.level - 1)]
-                        target = ".".join(base + ([child.module] if child.module else []))
-                    else:
-                        target = child.module or ""
-                    if target != package and not target.startswith(package + "."):
-                        continue
+
+def _imports_in(mod: str, path: pathlib.Path, root: pathlib.Path, mods: Dict[str, pathlib.Path],
+                package: str) -> List[Import]:
+    is_pkg = path.name == "__init__.py"
+    rel = str(path.relative_to(root))
+    out: List[Import] = []
+    todo: List[Tuple[ast.AST, bool]] = [(ast.parse(path.read_text(encoding="utf-8"), filename=rel), False)]
+    while todo:
+        node, lazy = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                for a in child.names:
+                    if a.name == package or a.name.startswith(package + "."):
+                        out.append(Import(mod, a.name, None, rel, child.lineno, lazy, f"import {a.name}"))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[:len(base) - (child.level - 1)]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if target == package or target.startswith(package + "."):
                     for a in child.names:
                         sub = f"{target}.{a.name}"
                         written = f"from {'.' * child.level}{child.module or ''} import {a.name}"
                         out.append(Import(mod, sub if sub in mods else target, a.name, rel, child.lineno, lazy,
                                           written))
-                elif isinstance(child, ast.Call):
-                    dyn = _dynamic_target(child, package)
-                    if dyn is not None:
-                        out.append(Import(mod, dyn if dyn in mods else dyn.rpartition(".")[0], None, rel,
-                                          child.lineno, lazy, f"import_module({dyn!r})"))
-                visit(child, inner)
-
-        visit(tree, False)
+            elif isinstance(child, ast.Call):
+                dyn = _dynamic_target(child, package)
+                if dyn is not None:
+                    out.append(Import(mod, dyn if dyn in mods else dyn.rpartition(".")[0], None, rel,
+                                      child.lineno, lazy, f"import_module({dyn!r})"))
+            todo.append((child, lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))))
+    out.sort(key=lambda i: (i.line, i.imported, i.name or ""))
     return out
 
 
