@@ -57,14 +57,43 @@ def test_every_module_has_a_layer():
         assert A.layer_of(m) >= 0, m
 
 
-def test_import_graph_sees_lazy_relative_and_submodule_imports():
-    """The reader the checks rely on: an import inside a function counts and is marked lazy, a
-    relative ``from .. import sub`` resolves to the submodule."""
-    by = {(i.importer, i.imported, i.name): i for i in A.imports()}
-    top = by[("tensorscope.render.summary", "tensorscope.render.sections_api", "sections_api")]
-    assert not top.lazy and top.written == "from . import sections_api"
-    lazy = by[("tensorscope._trace", "tensorscope.render.summary", "summarize")]
-    assert lazy.lazy and lazy.path == "tensorscope/_trace.py"
+def test_the_summary_lists_its_sections_by_import_not_by_side_effect():
+    by = {(i.importer, i.imported): i for i in A.imports()}
+    for name in ("api", "compiled", "memory", "precision", "timing"):
+        imp = by[("tensorscope.render.summary", f"tensorscope.render.sections_{name}")]
+        assert not imp.lazy and imp.written == f"from . import sections_{name}"
+
+
+def test_import_reader_sees_every_form_of_import(tmp_path):
+    """The reader the checks rely on: relative and absolute, module level and in functions (lazy),
+    ``from pkg import submodule`` (the submodule), a name from a module (the module), a literal
+    ``import_module``; other packages' imports are not the graph's."""
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a/__init__.py": "",
+        "pkg/a/sub.py": "X = 1\n",
+        "pkg/b.py": """\
+            import os
+            import pkg.a
+            from .a import sub
+            from .a.sub import X
+            class K:
+                from . import a as _a
+            def f():
+                from .. import anything_outside
+                import importlib
+                return importlib.import_module("pkg.a.sub"), lambda: __import__("pkg")
+            """,
+    })
+    got = [(i.imported, i.name, i.line, i.lazy, i.written) for i in A.imports(tmp_path, "pkg")]
+    assert got == [
+        ("pkg.a", None, 2, False, "import pkg.a"),
+        ("pkg.a.sub", "sub", 3, False, "from .a import sub"),
+        ("pkg.a.sub", "X", 4, False, "from .a.sub import X"),
+        ("pkg.a", "a", 6, False, "from . import a"),     # a class body runs at import
+        ("pkg", None, 10, True, "import_module('pkg')"),
+        ("pkg.a.sub", None, 10, True, "import_module('pkg.a.sub')"),
+    ]
 
 
 def _write(root: pathlib.Path, files: dict) -> None:
