@@ -63,7 +63,7 @@ def status() -> Dict[str, Any]:
         out["source_locations"] = bool(getattr(mod, "peek_ok", False))
         out["source_locations_reason"] = str(getattr(mod, "peek_reason", ""))
         out["cpp_stacktraces"] = bool(getattr(mod, "cpp_stacktraces", False))
-    eng = _build.lib_status(_build.ENGINE)
+    eng = engine_status()
     out["engine"] = {"state": eng["state"], "reason": eng["reason"], "path": eng.get("path")}
     out["forced_fallback"] = forced_fallback()
     if out["forced_fallback"]:
