@@ -57,6 +57,32 @@ def test_every_module_has_a_layer():
         assert A.layer_of(m) >= 0, m
 
 
+def test_a_type_checking_import_is_a_name_for_the_checker_not_a_dependency(tmp_path):
+    """``if TYPE_CHECKING:`` never runs: a renderer may annotate its argument with a type from above
+    (no layer rule, no cycle); its ``else`` runs and counts."""
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/errors.py": "",
+        "pkg/_common.py": "",
+        "pkg/analyses/__init__.py": """\
+            from typing import TYPE_CHECKING
+            import typing
+            if TYPE_CHECKING:
+                from ..render import Drawn
+            if typing.TYPE_CHECKING:
+                import pkg.render
+            else:
+                from .. import render
+            """,
+        "pkg/render/__init__.py": "from ..analyses import x\n",
+    })
+    imps = [(i.written, i.typing_only) for i in A.imports(tmp_path, "pkg") if i.importer == "pkg.analyses"]
+    assert imps == [("from ..render import Drawn", True), ("import pkg.render", True), ("from .. import render", False)]
+    bad = A.violations(tmp_path, "pkg", LAYERS, allowed_up={}, known_private={})
+    assert len(bad) == 2 and bad[0].startswith("pkg/analyses/__init__.py:8: from .. import render: upward import")
+    assert bad[1].startswith("import cycle between pkg.analyses, pkg.render:")
+
+
 def test_the_summary_lists_its_sections_by_import_not_by_side_effect():
     by = {(i.importer, i.imported): i for i in A.imports()}
     for name in ("api", "compiled", "memory", "precision", "timing"):

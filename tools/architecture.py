@@ -13,6 +13,8 @@ listed in ``LAYERS`` that names it. Rules:
 1. an import goes to the same layer or one below (``ALLOWED_UP`` lists the few exceptions,
    each with its reason);
 2. the import graph has no cycle (the ``ALLOWED_UP`` edges left out);
+   imports under ``if TYPE_CHECKING:`` never run: they name a type for the checker (a renderer
+   annotating its argument as a ``Trace``) and are left out of rules 1 and 2;
 3. a private name (``_x``) or a private module (``pkg._x``) is imported only inside its own
    package; the private modules of the package root (``_trace``, ``_env``, ...) are package
    internals open to all of tensorscope (``KNOWN_PRIVATE`` lists what is still to fix).
@@ -38,7 +40,7 @@ Layers = Tuple[Tuple[str, Tuple[str, ...], str], ...]
 #: package name matches only its ``__init__`` (a new top-level module must be given a layer here).
 LAYERS: Layers = (
     ("foundation", ("tensorscope.errors", "tensorscope._version", "tensorscope._common", "tensorscope._location",
-                    "tensorscope.schema", "tensorscope.options", "tensorscope.modes.meta"),
+                    "tensorscope.schema", "tensorscope.options", "tensorscope.metadata", "tensorscope.modes.meta"),
      "errors, the version, shared tables and formatters, locations, Arrow schemas, options; "
      "modes/meta.py is pure (shape, stride) arithmetic (no torch) shared by the modes and the analyses"),
     ("native", ("tensorscope.native",),
@@ -91,9 +93,11 @@ class Import:
     line: int
     lazy: bool             # inside a function
     written: str           # the statement as written, one name: "from ..native import _build"
+    typing_only: bool = False   # under ``if TYPE_CHECKING:``: never runs
 
     def where(self) -> str:
-        return f"{self.path}:{self.line}: {self.written}{' (in a function)' if self.lazy else ''}"
+        how = " (type checking only)" if self.typing_only else " (in a function)" if self.lazy else ""
+        return f"{self.path}:{self.line}: {self.written}{how}"
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -121,14 +125,17 @@ def _imports_in(mod: str, path: pathlib.Path, root: pathlib.Path, mods: Dict[str
     is_pkg = path.name == "__init__.py"
     rel = str(path.relative_to(root))
     out: List[Import] = []
-    todo: List[Tuple[ast.AST, bool]] = [(ast.parse(path.read_text(encoding="utf-8"), filename=rel), False)]
+    todo: List[Tuple[ast.AST, bool, bool]] = [(ast.parse(path.read_text(encoding="utf-8"), filename=rel), False,
+                                                False)]
     while todo:
-        node, lazy = todo.pop()
+        node, lazy, typing_only = todo.pop()
+        checked_body = node.body if isinstance(node, ast.If) and _is_type_checking(node.test) else []
         for child in ast.iter_child_nodes(node):
+            only = typing_only or any(child is s for s in checked_body)
             if isinstance(child, ast.Import):
                 for a in child.names:
                     if a.name == package or a.name.startswith(package + "."):
-                        out.append(Import(mod, a.name, None, rel, child.lineno, lazy, f"import {a.name}"))
+                        out.append(Import(mod, a.name, None, rel, child.lineno, lazy, f"import {a.name}", only))
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = mod.split(".") if is_pkg else mod.split(".")[:-1]
@@ -141,15 +148,21 @@ def _imports_in(mod: str, path: pathlib.Path, root: pathlib.Path, mods: Dict[str
                         sub = f"{target}.{a.name}"
                         written = f"from {'.' * child.level}{child.module or ''} import {a.name}"
                         out.append(Import(mod, sub if sub in mods else target, a.name, rel, child.lineno, lazy,
-                                          written))
+                                          written, only))
             elif isinstance(child, ast.Call):
                 dyn = _dynamic_target(child, package)
                 if dyn is not None:
                     out.append(Import(mod, dyn if dyn in mods else dyn.rpartition(".")[0], None, rel,
-                                      child.lineno, lazy, f"import_module({dyn!r})"))
-            todo.append((child, lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))))
+                                      child.lineno, lazy, f"import_module({dyn!r})", only))
+            todo.append((child, lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)), only))
     out.sort(key=lambda i: (i.line, i.imported, i.name or ""))
     return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``if TYPE_CHECKING:`` / ``if typing.TYPE_CHECKING:`` (its body never runs; an ``else`` does)."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _dynamic_target(call: ast.Call, package: str) -> Optional[str]:
@@ -267,7 +280,7 @@ def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers
     kept: List[Tuple[str, str]] = []
     for imp in imps:
         a, b = layer_of(imp.importer, layers), layer_of(imp.imported, layers)
-        allowed = (imp.importer, imp.imported) in allowed_up
+        allowed = (imp.importer, imp.imported) in allowed_up or imp.typing_only
         if b > a and not allowed and a >= 0:
             out.append(f"{imp.where()}: upward import, layer {names[a]} imports layer {names[b]}")
         if not allowed:
@@ -300,6 +313,8 @@ def picture(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = 
     uses: Dict[int, Set[int]] = {}
     ups: Dict[int, Set[str]] = {}
     for imp in imports(root, package):
+        if imp.typing_only:
+            continue
         a, b = layer_of(imp.importer, layers), layer_of(imp.imported, layers)
         if b > a:
             ups.setdefault(a, set()).add(f"{_short(imp.importer, package)} -> {_short(imp.imported, package)}")
