@@ -9,6 +9,9 @@ Layout (design.md §10), read unchanged by DuckDB, pyarrow.dataset, polars and S
   one rank and attempt: a headless notebook run writes one per cell) are columns.
 * ``ranks`` has one row per trace a rank wrote: identity, host, pid, device,
   clock anchor and offset to rank 0, versions and the trace's metadata as JSON.
+* Every part carries the trace's ``TraceMetadata`` as JSON under the
+  ``b"tensorscope"`` key of its key-value metadata (parts of ``ops`` written while
+  the trace still records carry what is known then: versions, options, cell).
 * Every part is written with the table's canonical schema (``schema.dataset_schema``:
   a cast before writing, so a rank with no collectives or an all-null column
   writes the same types as the others), zstd, under a dot-prefixed temporary
@@ -31,7 +34,7 @@ import pyarrow.parquet as pq
 
 from .. import schema as S
 from ..errors import ExportError, TraceFormatError
-from .parquet import _jsonable
+from ..metadata import PARQUET_KEY, PARQUET_VERSION_KEY, TraceMetadata
 
 TMP_DIR = ".tensorscope-tmp"
 DATASET_TABLES = tuple(S.TABLES) + ("ranks",)
@@ -56,14 +59,17 @@ def _next_part(dirpath: str, attempt: int) -> int:
 
 
 def write_part(root: str, table: str, run_id: str, rank: int, attempt: int, data: pa.Table,
-               n: Optional[int] = None) -> str:
-    """Write one part atomically (temp file, then a link that never overwrites). Returns its path."""
+               n: Optional[int] = None, metadata: Optional[TraceMetadata] = None) -> str:
+    """Write one part atomically (temp file, then a link that never overwrites). Returns its path.
+    ``metadata``: the trace's, stored under ``b"tensorscope"`` in the part's key-value metadata."""
     d = partition_dir(root, table, run_id, rank)
     tmpd = os.path.join(root, TMP_DIR)
     os.makedirs(d, exist_ok=True)
     os.makedirs(tmpd, exist_ok=True)
     tmp = os.path.join(tmpd, f".{table}-{uuid.uuid4().hex}.parquet")
-    md = {**(data.schema.metadata or {}), b"tensorscope_schema_version": S.SCHEMA_VERSION.encode()}
+    md = {**(data.schema.metadata or {}), PARQUET_VERSION_KEY: S.SCHEMA_VERSION.encode()}
+    if metadata is not None:
+        md[PARQUET_KEY] = metadata.to_json().encode()
     # zstd level 1: half the write time of the default level for ~10% larger files (measured on ops)
     pq.write_table(data.replace_schema_metadata(md), tmp, compression="zstd", compression_level=1)
     try:
@@ -123,7 +129,7 @@ def ranks_row(trace, ident: Dict[str, Any], dist, trace_id: int) -> pa.Table:
         "cell": md.get("cell"), "cell_source": md.get("cell_source"),
         "tensorscope_version": md.get("tensorscope_version"), "torch_version": md.get("torch_version"),
         "python_version": md.get("python_version"), "schema_version": S.SCHEMA_VERSION,
-        "metadata_json": json.dumps(_jsonable(md)),
+        "metadata_json": md.to_json() if isinstance(md, TraceMetadata) else json.dumps(md),
     }
     return pa.Table.from_pylist([row], schema=S.RANKS)
 
@@ -134,16 +140,18 @@ def reserve_trace_id(root, ident: Dict[str, Any]) -> int:
     return _next_part(partition_dir(root, "ranks", ident["run_id"], int(ident["rank"])), int(ident["attempt"]))
 
 
-def write_table_parts(root, name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table) -> List[str]:
+def write_table_parts(root, name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table,
+                      metadata: Optional[TraceMetadata] = None) -> List[str]:
     """``table`` (a Trace table ``name``) as parts of at most PART_ROWS rows; an empty table writes
-    one empty part with the full schema."""
+    one empty part with the full schema. ``metadata``: the trace's (see ``write_part``)."""
     root = _check_root(root)
     run_id, rank, attempt = ident["run_id"], int(ident["rank"]), int(ident["attempt"])
     out = []
     try:
         for off in range(0, max(table.num_rows, 1), PART_ROWS):
             out.append(write_part(root, name, run_id, rank, attempt,
-                                  to_dataset_table(name, table.slice(off, PART_ROWS), attempt, trace_id)))
+                                  to_dataset_table(name, table.slice(off, PART_ROWS), attempt, trace_id),
+                                  metadata=metadata))
     except OSError as e:
         raise ExportError(f"cannot write the dataset to {root!r}: {e.strerror or e} "
                           "(the trace is still in memory: tensorscope.last())") from e
@@ -170,10 +178,10 @@ def write_trace(trace, root, *, ident: Dict[str, Any], dist=None, trace_id: Opti
                     continue
             # big tables roll into parts of PART_ROWS rows (a spilled ops table is memory-mapped:
             # slicing it streams it)
-            parts += write_table_parts(root, name, ident, trace_id, table)
+            parts += write_table_parts(root, name, ident, trace_id, table, metadata=trace.metadata)
         # the ranks row last: a trace with a ranks row is complete
         parts.append(write_part(root, "ranks", run_id, rank, attempt, ranks_row(trace, ident, dist, trace_id),
-                                n=trace_id))
+                                n=trace_id, metadata=trace.metadata))
     except OSError as e:
         raise ExportError(f"cannot write the dataset to {root!r}: {e.strerror or e} "
                           "(the trace is still in memory: tensorscope.last())") from e
@@ -331,15 +339,18 @@ class Dataset:
                 t = t.sort_by("seq")
             tables[name] = S.conform(name, t)
         md_rows = self._con.execute(f"SELECT metadata_json FROM ranks WHERE {cond}", params).fetchall()
-        md = {}
+        where = f"{self.root!r} (ranks.metadata_json of run {run!r}, rank {int(rank)})"
+        md: Dict[str, Any] = {}
         if md_rows and md_rows[0][0]:
             try:
                 md = json.loads(md_rows[0][0])
             except ValueError:
                 md = {"notes": ["metadata_json of this trace is not valid JSON"]}
+        if not isinstance(md, dict):
+            raise TraceFormatError(f"{where}: trace metadata must be a JSON object")
         md["dataset"] = {"root": self.root, "run": run, "rank": int(rank), "attempt": int(attempt),
                          "trace_id": int(trace_id)}
-        return Trace(tables, md)
+        return Trace(tables, TraceMetadata.from_dict(md, where=where))
 
     # -- views -------------------------------------------------------------------
     def to_perfetto(self, path, run: Optional[str] = None) -> str:

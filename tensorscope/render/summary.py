@@ -338,17 +338,31 @@ def html_table(header: Optional[Sequence[str]], rows: Sequence[Sequence[Any]]) -
     return "".join(parts)
 
 
-def summarize(t) -> Summary:
+def summarize(t, display=None) -> Summary:
+    """Every section of ``t``; ``display`` (a ``DisplayOptions``, defaults when None) reaches the
+    sections that take a ``display`` keyword (how a result is shown is never part of the trace)."""
+    from ..options import DisplayOptions
+
+    display = display if display is not None else DisplayOptions()
     _load_section_modules()
     out = []
     for fn in list(SECTIONS):
         try:
-            sec = fn(t)
+            sec = fn(t, display=display) if _takes_display(fn) else fn(t)
         except Exception as e:  # a broken section must not hide the others
             sec = Section(getattr(fn, "__name__", "section"), [], None, [f"could not render: {type(e).__name__}: {e}"])
         if sec is not None:
             out.append(sec)
     return Summary(out)
+
+
+def _takes_display(fn: Callable) -> bool:
+    import inspect
+
+    try:
+        return "display" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 _SECTION_MODULES = ("tensorscope.render.sections_precision", "tensorscope.render.sections_memory",
