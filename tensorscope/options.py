@@ -51,9 +51,9 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _check_types(obj: object) -> None:
+def _check_types(obj: Any) -> None:
     """Every declared field has a value of its declared kind (a clear error, not a late failure)."""
-    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+    for f in dataclasses.fields(obj):
         kind = f.metadata.get("type", "no-flag")
         v = getattr(obj, f.name)
         if kind is None and not isinstance(v, bool):
@@ -159,7 +159,8 @@ class TraceOptions:
         an older version that is a display option now, or an option of a newer minor version) are
         ignored; a known name with a bad value is an ``OptionsError``."""
         names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: (tuple(v) if k == "expect" and isinstance(v, list) else v) for k, v in d.items() if k in names}
+        kw: Dict[str, Any] = {k: (tuple(v) if k == "expect" and isinstance(v, list) else v)
+                              for k, v in d.items() if k in names}
         return cls(**kw)
 
     def replace(self, **changes: Any) -> "TraceOptions":

@@ -27,7 +27,7 @@ import json
 import os
 import re
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -36,6 +36,10 @@ from .. import schema as S
 from ..errors import ExportError, TraceFormatError
 from ..metadata import PARQUET_KEY, PARQUET_VERSION_KEY, TraceMetadata
 
+if TYPE_CHECKING:
+    from .._trace import Trace
+
+PathLike = Union[str, "os.PathLike[str]"]
 TMP_DIR = ".tensorscope-tmp"
 DATASET_TABLES = tuple(S.TABLES) + ("ranks",)
 PART_ROWS = 1_000_000   # rows per part file
@@ -101,7 +105,7 @@ def to_dataset_table(name: str, table: pa.Table, attempt: int, trace_id: int) ->
     return pa.Table.from_arrays(cols, schema=S.dataset_schema(name))
 
 
-def _check_root(root: str) -> str:
+def _check_root(root: "PathLike") -> str:
     root = os.path.abspath(os.fspath(root))
     if os.path.exists(root) and not os.path.isdir(root):
         raise ExportError(f"cannot write the dataset to {root!r}: a file with that name exists "
@@ -109,7 +113,7 @@ def _check_root(root: str) -> str:
     return root
 
 
-def ranks_row(trace, ident: Dict[str, Any], dist, trace_id: int) -> pa.Table:
+def ranks_row(trace: "Trace", ident: Dict[str, Any], dist: Any, trace_id: int) -> pa.Table:
     md = trace.metadata
     clock = getattr(dist, "clock", None)
     clock_end = getattr(dist, "clock_end", None)
@@ -134,13 +138,13 @@ def ranks_row(trace, ident: Dict[str, Any], dist, trace_id: int) -> pa.Table:
     return pa.Table.from_pylist([row], schema=S.RANKS)
 
 
-def reserve_trace_id(root, ident: Dict[str, Any]) -> int:
+def reserve_trace_id(root: "PathLike", ident: Dict[str, Any]) -> int:
     """The trace_id of this rank's next trace (its ranks part number), fixed before any part is written."""
     root = _check_root(root)
     return _next_part(partition_dir(root, "ranks", ident["run_id"], int(ident["rank"])), int(ident["attempt"]))
 
 
-def write_table_parts(root, name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table,
+def write_table_parts(root: "PathLike", name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table,
                       metadata: Optional[TraceMetadata] = None) -> List[str]:
     """``table`` (a Trace table ``name``) as parts of at most PART_ROWS rows; an empty table writes
     one empty part with the full schema. ``metadata``: the trace's (see ``write_part``)."""
@@ -158,7 +162,7 @@ def write_table_parts(root, name: str, ident: Dict[str, Any], trace_id: int, tab
     return out
 
 
-def write_trace(trace, root, *, ident: Dict[str, Any], dist=None, trace_id: Optional[int] = None,
+def write_trace(trace: "Trace", root: "PathLike", *, ident: Dict[str, Any], dist: Any = None, trace_id: Optional[int] = None,
                 ops_written: int = 0) -> Dict[str, Any]:
     """Write every table of ``trace`` (this rank) into dataset ``root``. Returns where it went.
 
@@ -212,7 +216,7 @@ def _has_parts(root: str, table: str) -> bool:
     return False
 
 
-def open_dataset(root) -> "Dataset":
+def open_dataset(root: "PathLike") -> "Dataset":
     """Open a dataset written with ``trace(dataset=root)`` / ``python -m tensorscope run --out root``."""
     return Dataset(root)
 
@@ -221,7 +225,7 @@ class Dataset:
     """All runs and ranks of a dataset directory. ``.sql()`` sees one DuckDB view per table
     (``ops``, ``collectives``, ``ranks``…) over every run and rank, with ``run`` and ``rank`` columns."""
 
-    def __init__(self, root):
+    def __init__(self, root: "PathLike") -> None:
         import duckdb
 
         self.root = os.path.abspath(os.fspath(root))
@@ -247,40 +251,39 @@ class Dataset:
             if v is not None:
                 check_version(v, self.root)
 
-    def close(self):
+    def close(self) -> None:
         self._con.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Dataset":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
-        return False
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         r = self.ranks
         return (f"<tensorscope.Dataset {self.root!r}: {len(self.runs)} run(s), "
                 f"{r['rank'].nunique() if len(r) else 0} rank(s), {len(r)} trace(s)>")
 
     # -- queries ---------------------------------------------------------------
-    def sql(self, query: str, *, arrow: bool = False):
+    def sql(self, query: str, *, arrow: bool = False) -> Any:
         """DuckDB SQL over the views; a pandas DataFrame, or a pyarrow.Table with ``arrow=True``."""
         if arrow:
             return self._arrow(query)
         return self._con.sql(query).df()
 
-    def _arrow(self, query: str, params=None) -> pa.Table:
+    def _arrow(self, query: str, params: Optional[List[Any]] = None) -> pa.Table:
         rel = self._con.sql(query, params=params)
         fetch = getattr(rel, "to_arrow_table", None) or rel.arrow
         return fetch()
 
-    def df(self, table: str = "ops"):
+    def df(self, table: str = "ops") -> Any:
         if table not in DATASET_TABLES:
             raise KeyError(f"no table {table!r}; tables: {', '.join(DATASET_TABLES)}")
         return self.sql(f"SELECT * FROM {table}")
 
     @property
-    def ranks(self):
+    def ranks(self) -> Any:
         """The ranks table (one row per trace a rank wrote) as a DataFrame, ordered by run, rank, trace."""
         return self.sql("SELECT run, rank, * EXCLUDE (run, rank) FROM ranks "
                         "ORDER BY start_unix_ns, run, rank, attempt, trace_id")
@@ -306,7 +309,7 @@ class Dataset:
         return run
 
     def trace(self, rank: int = 0, run: Optional[str] = None, *, trace_id: Optional[int] = None,
-              attempt: Optional[int] = None):
+              attempt: Optional[int] = None) -> "Trace":
         """One rank's ``Trace`` (the latest attempt; pass ``trace_id=`` when the rank wrote several)."""
         from .._trace import Trace
 
@@ -353,19 +356,19 @@ class Dataset:
         return Trace(tables, TraceMetadata.from_dict(md, where=where))
 
     # -- views -------------------------------------------------------------------
-    def to_perfetto(self, path, run: Optional[str] = None) -> str:
+    def to_perfetto(self, path: "PathLike", run: Optional[str] = None) -> str:
         """All ranks of one run on one timeline (rank 0's clock), a process per rank."""
         from ..render.perfetto_ranks import write_dataset_perfetto
 
         return write_dataset_perfetto(self, path, self._pick_run(run) if run is not None or len(self.runs) <= 1
                                       else self.runs[-1])
 
-    def summary(self, run: Optional[str] = None):
+    def summary(self, run: Optional[str] = None) -> Any:
         """Per-rank step time, compute vs communication, collective skew and stragglers, differing ops."""
         from ..render.ranks import dataset_summary
 
         return dataset_summary(self, run)
 
-    def _repr_mimebundle_(self, include=None, exclude=None):
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Dict[str, str]:
         s = self.summary()
         return {"text/plain": s.to_text(), "text/html": s.to_html()}

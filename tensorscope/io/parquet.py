@@ -131,7 +131,7 @@ def _read_table(path: str, name: str) -> Optional[pa.Table]:
 def _string_like(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
         t = t.value_type
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
 
 
 def _compatible(found: pa.DataType, want: pa.DataType) -> bool:
@@ -143,12 +143,12 @@ def _compatible(found: pa.DataType, want: pa.DataType) -> bool:
     if _string_like(want):
         return _string_like(found)
     if pa.types.is_signed_integer(want):
-        return pa.types.is_signed_integer(found) and found.bit_width <= want.bit_width
+        return bool(pa.types.is_signed_integer(found) and found.bit_width <= want.bit_width)
     if pa.types.is_floating(want):
-        return pa.types.is_floating(found) and found.bit_width <= want.bit_width
+        return bool(pa.types.is_floating(found) and found.bit_width <= want.bit_width)
     if pa.types.is_list(want) or pa.types.is_large_list(want):
-        return (pa.types.is_list(found) or pa.types.is_large_list(found)) and _compatible(found.value_type,
-                                                                                          want.value_type)
+        return bool(pa.types.is_list(found) or pa.types.is_large_list(found)) and _compatible(found.value_type,
+                                                                                              want.value_type)
     return False
 
 
