@@ -128,6 +128,7 @@ def test_metadata_is_typed_and_round_trips_through_json_and_load(tmp_path):
     assert back.metadata.replace(saved_to=None, tables=None) == t.metadata.replace(saved_to=None, tables=None)
     on_disk = json.load(open(os.path.join(path, "metadata.json")))
     assert on_disk["options"]["modules"] is False and on_disk["tables"]["ops"] == t.ops.num_rows
+    assert on_disk["saved_to"] is None and back.metadata.saved_to == path   # where it is now, never written
 
 
 def test_every_parquet_file_carries_the_metadata_for_pyarrow_and_duckdb(tmp_path):

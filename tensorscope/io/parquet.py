@@ -57,7 +57,8 @@ def save(trace: "Trace", path: PathLike) -> str:
         raise ExportError(f"cannot save trace to {path!r}: {e.strerror or e} (the trace is still in memory)") from e
     try:
         tables = {name: trace.table(name) for name in S.TABLES}
-        md = trace.metadata.replace(format=FORMAT, schema_version=S.SCHEMA_VERSION, saved_to=path,
+        # saved_to is where a Trace in memory was saved or loaded from: not written (the directory may move)
+        md = trace.metadata.replace(format=FORMAT, schema_version=S.SCHEMA_VERSION, saved_to=None,
                                     tables={name: t.num_rows for name, t in tables.items()})
         for name, table in tables.items():
             table = table.replace_schema_metadata(kv_metadata(table.schema.metadata, md))
