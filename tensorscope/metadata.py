@@ -19,7 +19,7 @@ major schema version is a ``SchemaVersionError``, anything else wrong a
 """
 from __future__ import annotations
 
-import copy
+import collections.abc
 import dataclasses
 import json
 import types
@@ -38,9 +38,12 @@ PARQUET_KEY = b"tensorscope"
 PARQUET_VERSION_KEY = b"tensorscope_schema_version"
 
 
+_MAP = collections.abc.Mapping   # for isinstance: typing.Mapping's check is ~10x slower
+
+
 def jsonable(o: Any) -> Any:
     """``o`` as plain JSON values (mappings as dicts, sequences as lists, anything else as its str)."""
-    if isinstance(o, Mapping):
+    if isinstance(o, _MAP):
         return {str(k): jsonable(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
         return [jsonable(v) for v in o]
@@ -51,7 +54,7 @@ def jsonable(o: Any) -> Any:
 
 def _freeze(o: Any) -> Any:
     """A read-only copy of a JSON value: dicts become mapping proxies, lists tuples."""
-    if isinstance(o, Mapping):
+    if isinstance(o, _MAP):
         return types.MappingProxyType({str(k): _freeze(v) for k, v in o.items()})
     if isinstance(o, (list, tuple)):
         return tuple(_freeze(v) for v in o)
@@ -91,11 +94,11 @@ def _opt_str(v: Any) -> bool:
 
 
 def _opt_map(v: Any) -> bool:
-    return v is None or isinstance(v, Mapping)
+    return v is None or isinstance(v, _MAP)
 
 
 def _map(v: Any) -> bool:
-    return isinstance(v, Mapping)
+    return isinstance(v, _MAP)
 
 
 def _strs(v: Any) -> bool:
@@ -103,7 +106,7 @@ def _strs(v: Any) -> bool:
 
 
 def _row_counts(v: Any) -> bool:
-    return v is None or (isinstance(v, Mapping) and all(isinstance(k, str) and _int(n) for k, n in v.items()))
+    return v is None or (isinstance(v, _MAP) and all(isinstance(k, str) and _int(n) for k, n in v.items()))
 
 
 def _f(default: Any, check: _Check, doc: str) -> Any:
@@ -155,31 +158,12 @@ class TraceMetadata(Mapping[str, Any]):
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "trace metadata",
                   require_format: bool = False) -> "TraceMetadata":
         """Validate a metadata document (``options`` may be a dict or a ``TraceOptions``)."""
-        if not isinstance(d, Mapping):
+        if not isinstance(d, _MAP):
             raise TraceFormatError(f"{where}: trace metadata must be a JSON object, not {type(d).__name__}")
         if require_format and d.get("format") != FORMAT:
             raise TraceFormatError(f"{where} is not tensorscope trace metadata (format {d.get('format')!r})")
         check_version(d.get("schema_version", "0.0"), where)
-        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
-        kw: Dict[str, Any] = {}
-        extra: Dict[str, Any] = dict(d.get("extra") or {}) if isinstance(d.get("extra"), Mapping) else {}
-        for k, v in d.items():
-            if k == "extra":
-                continue
-            f = known.get(k)
-            if f is None:
-                extra[str(k)] = v
-                continue
-            if k == "options":
-                kw[k] = _options(v, where)
-                continue
-            if f.default is None and v is None:
-                kw[k] = None
-                continue
-            if not f.metadata["check"](v):
-                raise TraceFormatError(f"{where}: metadata field {k!r} has a value of the wrong kind: "
-                                       f"{_short(v)} ({f.metadata['doc']})")
-            kw[k] = _freeze(v)
+        kw, extra = _validated(d, where)
         kw["extra"] = _freeze(jsonable(extra))
         return cls(**kw)
 
@@ -192,8 +176,14 @@ class TraceMetadata(Mapping[str, Any]):
         return cls.from_dict(d, where=where, require_format=True)
 
     def replace(self, **changes: Any) -> "TraceMetadata":
-        """A validated copy with ``changes`` (for tensorscope's own use while it builds or saves a trace)."""
-        return type(self).from_dict({**self._fields(), **changes}, where="trace metadata")
+        """A copy with ``changes`` validated (for tensorscope's own use while it builds or saves a
+        trace); names this version does not know go to ``extra``."""
+        if "schema_version" in changes:
+            check_version(changes["schema_version"], "trace metadata")
+        kw, extra = _validated(changes, "trace metadata")
+        if extra:
+            kw["extra"] = _freeze(jsonable({**self.extra, **extra}))
+        return dataclasses.replace(self, **kw)
 
     # -- output ----------------------------------------------------------------------
     def _fields(self) -> Dict[str, Any]:
@@ -220,7 +210,7 @@ class TraceMetadata(Mapping[str, Any]):
             v = getattr(self, key)
             return v.to_dict() if isinstance(v, TraceOptions) else jsonable(v)
         if key in self.extra:
-            return copy.deepcopy(jsonable(self.extra[key]))
+            return jsonable(self.extra[key])   # a fresh copy
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[str]:
@@ -240,14 +230,37 @@ class TraceMetadata(Mapping[str, Any]):
                 f"cell={self.cell!r}, options={self.options.changed()!r})")
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(TraceMetadata) if f.name != "extra"}
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TraceMetadata))
 _FIELD_SET = frozenset(_FIELD_NAMES)
+
+
+def _validated(d: Mapping[str, Any], where: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The known fields of ``d`` checked and frozen, and the unknown ones (for ``extra``)."""
+    kw: Dict[str, Any] = {}
+    extra: Dict[str, Any] = dict(d["extra"]) if isinstance(d.get("extra"), _MAP) else {}
+    for k, v in d.items():
+        if k == "extra":
+            continue
+        f = _FIELDS.get(k)
+        if f is None:
+            extra[str(k)] = v
+        elif k == "options":
+            kw[k] = _options(v, where)
+        elif v is None and f.default is None:
+            kw[k] = None
+        elif not f.metadata["check"](v):
+            raise TraceFormatError(f"{where}: metadata field {k!r} has a value of the wrong kind: "
+                                   f"{_short(v)} ({f.metadata['doc']})")
+        else:
+            kw[k] = _freeze(v)
+    return kw, extra
 
 
 def _options(v: Any, where: str) -> TraceOptions:
     if isinstance(v, TraceOptions):
         return v.for_record()
-    if not isinstance(v, Mapping):
+    if not isinstance(v, _MAP):
         raise TraceFormatError(f"{where}: metadata field 'options' must be an object, not {_short(v)}")
     try:
         return TraceOptions.from_dict(v)

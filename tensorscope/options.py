@@ -249,6 +249,31 @@ def _refuse_unknown(kwargs: Mapping[str, Any], classes: Sequence[Type[Any]]) -> 
         raise OptionsError(f"unknown trace option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
 
 
+def resolve(options: Optional[TraceOptions] = None, display: Optional[DisplayOptions] = None,
+            keywords: Optional[Mapping[str, Any]] = None) -> Tuple[TraceOptions, DisplayOptions]:
+    """What ``trace(options, display=..., **keywords)`` records and shows by: the objects given,
+    with the keywords replacing their fields. Objects already built are used as they are (they
+    validated themselves once); an unknown keyword is an ``OptionsError``."""
+    if options is not None and not isinstance(options, TraceOptions):
+        raise OptionsError(f"trace() takes a TraceOptions (or keywords), not {type(options).__name__}")
+    if display is not None and not isinstance(display, DisplayOptions):
+        raise OptionsError(f"display must be a DisplayOptions, not {type(display).__name__}")
+    keywords = keywords or {}
+    _refuse_unknown(keywords, OPTION_CLASSES)
+    trace_names = {f.name for f in dataclasses.fields(TraceOptions)}
+    trace_kw = {k: v for k, v in keywords.items() if k in trace_names}
+    display_kw = {k: v for k, v in keywords.items() if k not in trace_names}
+    if options is None:
+        opts = TraceOptions(**trace_kw)
+    else:
+        opts = dataclasses.replace(options, **trace_kw) if trace_kw else options
+    if display is None:
+        disp = DisplayOptions(**display_kw)
+    else:
+        disp = dataclasses.replace(display, **display_kw) if display_kw else display
+    return opts, disp
+
+
 def split_keywords(kwargs: Mapping[str, Any]) -> Tuple[TraceOptions, DisplayOptions]:
     """``trace(**keywords)``: trace options and display options, each validated; unknown names refused."""
     _refuse_unknown(kwargs, OPTION_CLASSES)

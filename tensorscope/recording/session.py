@@ -21,13 +21,12 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from ..errors import OptionsError, TraceActiveError
-from ..options import DisplayOptions, RunContext, TraceOptions, split_keywords
+from ..errors import TraceActiveError
+from ..options import DisplayOptions, RunContext, TraceOptions, resolve
 from .history import _remember
 from .recorder import C_SRC, Recorder
 
 _local = threading.local()
-_TRACE_FIELDS = frozenset(f.name for f in dataclasses.fields(TraceOptions))
 _warned_tracer_bug = False
 
 
@@ -648,8 +647,9 @@ class trace:
     """Record every torch-level call and ATen op run inside the block.
 
     ``with tensorscope.trace() as t: ...`` — after the block ``t`` is the
-    finished, immutable ``tensorscope.Trace`` (attribute access is
-    forwarded to it). Options are keyword-only, see ``TraceOptions``.
+    finished, read-only ``tensorscope.Trace`` (attribute access is
+    forwarded to it). ``trace(TraceOptions(...), **keywords)``: the options
+    object, keywords, or both (see ``options.py``).
     """
 
     def __init__(self, options: Optional[TraceOptions] = None, *, context: Optional[RunContext] = None,
@@ -658,13 +658,7 @@ class trace:
         ``context``: the ``RunContext`` (cell, source, origin), not an option; ``display``: the
         ``DisplayOptions`` this object's own display uses (``numerics_threshold=`` as a keyword
         works too). An unknown keyword is an ``OptionsError`` before anything runs."""
-        if options is not None and not isinstance(options, TraceOptions):
-            raise OptionsError(f"trace() takes a TraceOptions (or keywords), not {type(options).__name__}")
-        opts, disp = split_keywords(keywords)
-        if options is not None:
-            opts = options.replace(**{k: v for k, v in keywords.items() if k in _TRACE_FIELDS})
-        if display is not None:
-            disp = dataclasses.replace(display, **{k: v for k, v in keywords.items() if k not in _TRACE_FIELDS})
+        opts, disp = resolve(options, display, keywords)
         if opts.baseline is not None:
             from .._diff import as_trace
 
