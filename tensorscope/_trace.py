@@ -48,6 +48,10 @@ def _derive(name: str, tables: Dict[str, pa.Table]) -> pa.Table:
 class Trace:
     """One recording. ``t.ops``, ``t.calls``… are ``pyarrow.Table``s (empty, right schema, when nothing)."""
 
+    _tables: Dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
+    _metadata: TraceMetadata
+    _plot: Any
+
     def __init__(self, tables: Dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
                  _spill_file: Optional[str] = None):
         tabs: Dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)

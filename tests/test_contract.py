@@ -325,3 +325,20 @@ def test_magic_options_round_trip_to_the_files_and_back(tmp_path):
             ("always_on", False)
     finally:
         k.close()
+
+
+def test_parts_written_while_the_trace_records_carry_what_is_known_then(tmp_path):
+    root = tmp_path / "ds"
+    # the python engine spills rows to parts while it records (the native engine writes at the end)
+    with tensorscope.trace(dataset=str(root), leaks=False, modules=False, chunk_rows=8, spill_rows=16,
+                           engine="python") as t:
+        x = torch.zeros(4)
+        for _ in range(60):
+            x = x + 1
+    ops_parts = sorted(os.path.join(d, f) for d, _, fs in os.walk(root / "ops") for f in fs if f.endswith(".parquet"))
+    assert len(ops_parts) > 1                               # spilled parts, then the rest at the end
+    kvs = [json.loads(pq.read_schema(p).metadata[PARQUET_KEY]) for p in ops_parts]
+    assert all(md["options"]["modules"] is False and md["options"]["spill_rows"] == 16 for md in kvs)
+    early = [md for md in kvs if md["n_ops"] == 0]
+    assert early and all("written while the trace was recording" in md["notes"][0] for md in early)
+    assert any(md["n_ops"] == t.ops.num_rows for md in kvs)   # the final parts: the whole metadata
