@@ -148,7 +148,8 @@ class TraceMetadata(Mapping[str, Any]):
     notes: Tuple[str, ...] = _f((), _strs, "what the trace could not see, and why")
     distributed: Optional[Mapping[str, Any]] = _f(None, _opt_map, "rank identity, run id and clock offsets")
     dataset: Optional[Mapping[str, Any]] = _f(None, _opt_map, "where dataset= wrote the trace (or it was read from)")
-    saved_to: Optional[str] = _f(None, _opt_str, "the directory the trace was last saved to or loaded from (not written to files)")
+    saved_to: Optional[str] = _f(None, _opt_str,
+                                 "the directory the trace was last saved to or loaded from (not written to files)")
     tables: Optional[Mapping[str, int]] = _f(None, _row_counts, "rows per table, when saved")
     #: keys this version does not know, kept as they were
     extra: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}), compare=True)

@@ -200,7 +200,8 @@ def baseline_label(b: Any) -> str:
 class DisplayOptions:
     """How a trace is shown (summary, HTML): never recorded, so a saved trace renders with any of them."""
 
-    numerics_threshold: float = _opt(1e-2, "relative error above which the summary lists an op", type=float, metavar="X")
+    numerics_threshold: float = _opt(1e-2, "relative error above which the summary lists an op", type=float,
+                                     metavar="X")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -274,17 +275,9 @@ def resolve(options: Optional[TraceOptions] = None, display: Optional[DisplayOpt
     return opts, disp
 
 
-def split_keywords(kwargs: Mapping[str, Any]) -> Tuple[TraceOptions, DisplayOptions]:
-    """``trace(**keywords)``: trace options and display options, each validated; unknown names refused."""
-    _refuse_unknown(kwargs, OPTION_CLASSES)
-    display_names = {f.name for f in dataclasses.fields(DisplayOptions)}
-    return (TraceOptions(**{k: v for k, v in kwargs.items() if k not in display_names}),
-            DisplayOptions(**{k: v for k, v in kwargs.items() if k in display_names}))
-
-
-def fields() -> List["dataclasses.Field[Any]"]:
-    """Every flag-bearing field: the trace options, then the display options."""
-    return [f for cls in OPTION_CLASSES for f in dataclasses.fields(cls)]
+def fields(classes: Sequence[Type[Any]] = OPTION_CLASSES) -> List["dataclasses.Field[Any]"]:
+    """Every flag-bearing field of ``classes``: the trace options, then the display options."""
+    return [f for cls in classes for f in dataclasses.fields(cls)]
 
 
 def cli_flag(f: "dataclasses.Field[Any]") -> Tuple[str, ...]:
@@ -295,10 +288,11 @@ def cli_flag(f: "dataclasses.Field[Any]") -> Tuple[str, ...]:
     return (f"--{name}",)
 
 
-def argparse_arguments() -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
+def argparse_arguments(classes: Sequence[Type[Any]] = OPTION_CLASSES
+                       ) -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
     """(flags, kwargs) pairs for ``argparse.add_argument`` / ``magic_arguments.argument``."""
     out: List[Tuple[Tuple[str, ...], Dict[str, Any]]] = []
-    for f in fields():
+    for f in fields(classes):
         md = f.metadata
         flags = cli_flag(f)
         help_ = md["help"]
@@ -321,8 +315,9 @@ def argparse_arguments() -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
     return out
 
 
-def add_to_parser(parser: argparse.ArgumentParser) -> None:
-    for flags, kw in argparse_arguments():
+def add_to_parser(parser: argparse.ArgumentParser, classes: Sequence[Type[Any]] = OPTION_CLASSES) -> None:
+    """The flags of ``classes`` (all options; ``(DisplayOptions,)`` for commands that only show a trace)."""
+    for flags, kw in argparse_arguments(classes):
         parser.add_argument(*flags, **kw)
 
 
@@ -338,7 +333,7 @@ def parse_namespace(ns: argparse.Namespace, **overrides: Any) -> Tuple[TraceOpti
             continue
         given[f.name] = tuple(v) if f.name == "expect" else v
     given.update(overrides)
-    return split_keywords(given)
+    return resolve(None, None, given)
 
 
 def to_flags(options: TraceOptions, display: Optional[DisplayOptions] = None, *,

@@ -113,6 +113,20 @@ def test_display_options_change_the_summary_not_the_trace(tmp_path):
         strict.count("numerics error")
 
 
+def test_cli_summary_takes_the_display_options(tmp_path):
+    with tensorscope.trace(numerics=True, leaks=False) as t:
+        torch.randn(4096).half().cumsum(0)                # a small, finite error
+    path = t.save(tmp_path / "n")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tensorscope", "summary", path, *a],
+                                    capture_output=True, text=True, timeout=300)
+    strict, loose, bad = run("--numerics-threshold", "0"), run("--numerics-threshold", "1e300"), run(
+        "--numerics-threshold", "-1")
+    assert strict.returncode == loose.returncode == 0, strict.stderr + loose.stderr
+    assert "numerics error | aten.cumsum.default" in strict.stdout
+    assert "numerics error" not in loose.stdout and "above rel. error 1e+300" in loose.stdout
+    assert bad.returncode == 2 and "numerics_threshold must be >= 0" in bad.stderr
+
+
 # -- TraceMetadata: typed, JSON, and in every parquet file ----------------------------------------
 
 def test_metadata_is_typed_and_round_trips_through_json_and_load(tmp_path):

@@ -18,7 +18,7 @@ import runpy
 import shlex
 import sys
 import traceback
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from .. import options as O
 
@@ -37,13 +37,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _trace_options(ns: argparse.Namespace) -> O.TraceOptions:
-    """The command line's trace options, parsed once (bad ones fail here, before anything runs)."""
+def _options(ns: argparse.Namespace) -> Tuple[O.TraceOptions, O.DisplayOptions]:
+    """The command line's options, parsed once (bad ones fail here, before anything runs)."""
     given = getattr(ns, "dataset", None)
     if given and os.path.abspath(given) != os.path.abspath(ns.out):
         raise SystemExit("tensorscope run: give the dataset once (--out DIR)")
-    opts, _display = O.parse_namespace(ns, dataset=ns.out)   # a headless run displays nothing
-    return opts
+    return O.parse_namespace(ns, dataset=ns.out)
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -51,9 +50,9 @@ def main(ns: argparse.Namespace) -> int:
     if not os.path.isfile(target):
         print(f"tensorscope run: no such file: {target!r}", file=sys.stderr)
         return 2
-    opts = _trace_options(ns)   # an OptionsError: reported by __main__ (exit status 2), nothing ran
-    if target.endswith(".ipynb"):
-        return run_notebook(target, ns.out, O.to_flags(opts, skip=("dataset",)), kernel=ns.kernel,
+    opts, display = _options(ns)   # an OptionsError: reported by __main__ (exit status 2), nothing ran
+    if target.endswith(".ipynb"):   # the kernel parses the same flags again, from %tensorscope on
+        return run_notebook(target, ns.out, O.to_flags(opts, display, skip=("dataset",)), kernel=ns.kernel,
                             timeout=ns.timeout)
     return run_script(target, list(ns.args), opts)
 

@@ -38,7 +38,7 @@ class Session:
     """Everything one trace needs while it records. Holds no tensor."""
 
     def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
-                 keep_history: bool = False, engine=None):
+                 keep_history: bool = False, origin: str = "api", engine=None):
         from ..modes.modules import ModuleTracker
         from ..tracking.storages import StorageTracker
         from .engines import EngineChoice, make_engine
@@ -53,7 +53,7 @@ class Session:
         self.cell = cell
         self.cell_source = cell_source
         self.keep_history = keep_history
-        self.origin = "api"   # RunContext.origin
+        self.origin = origin   # RunContext.origin
         self.rec = Recorder(options.chunk_rows, options.spill_rows, options.spill_dir)
         self.seq = 0
         self.recording = False
@@ -672,8 +672,7 @@ class trace:
     def __enter__(self):
         ctx = self.context
         self._session = new_session(self.options, cell=ctx.cell, cell_source=ctx.cell_source,
-                                    keep_history=ctx.keep_history)
-        self._session.origin = ctx.origin
+                                    keep_history=ctx.keep_history, origin=ctx.origin)
         self._session.deferred_kernels = ctx.deferred_kernels
         self._session.start()
         return self
