@@ -20,6 +20,7 @@ major schema version is a ``SchemaVersionError``, anything else wrong a
 from __future__ import annotations
 
 import collections.abc
+import copy
 import dataclasses
 import json
 import types
@@ -154,19 +155,28 @@ class TraceMetadata(Mapping[str, Any]):
     #: keys this version does not know, kept as they were
     extra: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}), compare=True)
 
+    def __post_init__(self) -> None:
+        # every way in (from_dict, replace, the constructor itself) is checked and frozen here
+        for name in _FIELDS:
+            _set_checked(self, name, getattr(self, name))
+        _set_checked(self, "extra", self.extra)
+
     # -- construction ----------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "trace metadata",
                   require_format: bool = False) -> "TraceMetadata":
-        """Validate a metadata document (``options`` may be a dict or a ``TraceOptions``)."""
+        """Validate a metadata document (``options`` may be a dict or a ``TraceOptions``); errors
+        name ``where``. Keys this version does not know go to ``extra``."""
         if not isinstance(d, _MAP):
             raise TraceFormatError(f"{where}: trace metadata must be a JSON object, not {type(d).__name__}")
         if require_format and d.get("format") != FORMAT:
             raise TraceFormatError(f"{where} is not tensorscope trace metadata (format {d.get('format')!r})")
         check_version(d.get("schema_version", "0.0"), where)
-        kw, extra = _validated(d, where)
-        kw["extra"] = _freeze(jsonable(extra))
-        return cls(**kw)
+        kw, extra = _split(d, where)
+        try:
+            return cls(**kw, extra=extra)
+        except TraceFormatError as e:
+            raise TraceFormatError(f"{where}: {e}") from None
 
     @classmethod
     def from_json(cls, text: str, *, where: str) -> "TraceMetadata":
@@ -177,19 +187,20 @@ class TraceMetadata(Mapping[str, Any]):
         return cls.from_dict(d, where=where, require_format=True)
 
     def replace(self, **changes: Any) -> "TraceMetadata":
-        """A copy with ``changes`` validated (for tensorscope's own use while it builds or saves a
-        trace); names this version does not know go to ``extra``."""
+        """A validated copy with ``changes`` (for tensorscope's own use while it builds or saves a
+        trace); names this version does not know go to ``extra``. Only the changes are checked:
+        the rest was checked and frozen when this one was made."""
         if "schema_version" in changes:
             check_version(changes["schema_version"], "trace metadata")
-        kw, extra = _validated(changes, "trace metadata")
+        kw, extra = _split(changes, "trace metadata")
         if extra:
-            kw["extra"] = _freeze(jsonable({**self.extra, **extra}))
-        return dataclasses.replace(self, **kw)
+            kw["extra"] = {**self.extra, **extra}
+        out = copy.copy(self)
+        for name, v in kw.items():
+            _set_checked(out, name, v)
+        return out
 
     # -- output ----------------------------------------------------------------------
-    def _fields(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (plain dicts and lists; unknown keys of ``extra`` at the top level again)."""
         out: Dict[str, Any] = {}
@@ -236,31 +247,42 @@ _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TraceMetadata))
 _FIELD_SET = frozenset(_FIELD_NAMES)
 
 
-def _validated(d: Mapping[str, Any], where: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """The known fields of ``d`` checked and frozen, and the unknown ones (for ``extra``)."""
+def _set_checked(md: "TraceMetadata", name: str, v: Any) -> None:
+    """Check ``v`` against field ``name``'s declaration and set it, frozen (``TraceFormatError`` if wrong)."""
+    if name == "extra":
+        if not isinstance(v, _MAP):
+            raise TraceFormatError(f"metadata field 'extra' must be a mapping, not {_short(v)}")
+        v = _freeze(jsonable(v))
+    elif name == "options":
+        if not isinstance(v, TraceOptions):
+            raise TraceFormatError(f"metadata field 'options' must be a TraceOptions, not {_short(v)}")
+        v = v.for_record()
+    elif not (v is None and _FIELDS[name].default is None):
+        f = _FIELDS[name]
+        if not f.metadata["check"](v):
+            raise TraceFormatError(f"metadata field {name!r} has a value of the wrong kind: {_short(v)} "
+                                   f"({f.metadata['doc']})")
+        v = _freeze(v)
+    object.__setattr__(md, name, v)
+
+
+def _split(d: Mapping[str, Any], where: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The known fields of ``d`` (options parsed into a ``TraceOptions``), and the unknown ones."""
     kw: Dict[str, Any] = {}
     extra: Dict[str, Any] = dict(d["extra"]) if isinstance(d.get("extra"), _MAP) else {}
     for k, v in d.items():
         if k == "extra":
             continue
-        f = _FIELDS.get(k)
-        if f is None:
+        if k not in _FIELDS:
             extra[str(k)] = v
-        elif k == "options":
-            kw[k] = _options(v, where)
-        elif v is None and f.default is None:
-            kw[k] = None
-        elif not f.metadata["check"](v):
-            raise TraceFormatError(f"{where}: metadata field {k!r} has a value of the wrong kind: "
-                                   f"{_short(v)} ({f.metadata['doc']})")
         else:
-            kw[k] = _freeze(v)
+            kw[k] = _options(v, where) if k == "options" else v
     return kw, extra
 
 
 def _options(v: Any, where: str) -> TraceOptions:
     if isinstance(v, TraceOptions):
-        return v.for_record()
+        return v
     if not isinstance(v, _MAP):
         raise TraceFormatError(f"{where}: metadata field 'options' must be an object, not {_short(v)}")
     try:

@@ -190,7 +190,7 @@ class TraceOptions:
 def baseline_label(b: Any) -> str:
     """What a trace records of the baseline it was compared with: where it was saved, or its repr."""
     if isinstance(b, (str, os.PathLike)):
-        return os.fspath(b) if isinstance(os.fspath(b), str) else repr(b)
+        return os.fsdecode(b)
     md = getattr(b, "metadata", None)
     saved = md.get("saved_to") if isinstance(md, Mapping) else None
     return str(saved) if saved else repr(b)
@@ -238,6 +238,9 @@ class RunContext:
             raise OptionsError(f"cell_source must be a string or None, not {type(self.cell_source).__name__}")
         if self.origin not in ORIGINS:
             raise OptionsError(f"origin must be one of {', '.join(ORIGINS)}, not {self.origin!r}")
+        for name in ("keep_history", "deferred_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionsError(f"{name} must be True or False, not {getattr(self, name)!r}")
 
 
 OPTION_CLASSES: Tuple[Type[Any], ...] = (TraceOptions, DisplayOptions)

@@ -269,6 +269,22 @@ def test_a_finished_trace_cannot_be_changed_by_callers(tmp_path):
             target.metadata.device["x"] = 1           # nested mappings are read-only too
 
 
+def test_metadata_is_checked_and_frozen_however_it_is_made():
+    with pytest.raises(TraceFormatError, match="field 'n_ops' has a value of the wrong kind"):
+        TraceMetadata(n_ops="many")
+    with pytest.raises(TraceFormatError, match="'options' must be a TraceOptions"):
+        TraceMetadata(options={"modules": False})
+    mine = {"rank": 1, "hosts": ["a"]}
+    md = TraceMetadata(distributed=mine)
+    mine["rank"] = 2
+    mine["hosts"].append("b")                       # the caller's dict is not the metadata's
+    assert md.distributed == {"rank": 1, "hosts": ("a",)}
+    with pytest.raises(TraceFormatError, match="field 'notes'"):
+        md.replace(notes="one string")              # replace() checks what it changes
+    assert md.replace(n_ops=3).n_ops == 3 and md.n_ops == 0
+    assert md.replace(future_key={"a": 1})["future_key"] == {"a": 1} and "future_key" not in md
+
+
 def test_metadata_keeps_the_mapping_api_of_earlier_versions():
     md = _small().metadata
     assert md["engine"] == md.get("engine") == md.engine

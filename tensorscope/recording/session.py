@@ -384,7 +384,7 @@ class Session:
                              python_version=platform.python_version(), options=self.options.for_record(),
                              cell=self.cell, cell_source=self.cell_source, origin=self.origin,
                              engine=self.engine_choice.name, engine_reason=self.engine_choice.reason,
-                             distributed=TraceMetadata.from_dict({"distributed": ident}).distributed,
+                             distributed=dict(ident),
                              notes=("written while the trace was recording: counts and notes are in the ranks "
                                     "row's metadata_json",))
 
