@@ -516,8 +516,8 @@ def _warn_tracer_bugs(t):
 
 def raise_for_guards(t, baseline=None):
     """Cell guards (``expect=``, ``max_casts=``, ``baseline=``): raise GuardError after the block, trace kept."""
-    opts = t.metadata.get("options", {})
-    if not (opts.get("expect") or opts.get("max_casts") is not None or baseline is not None):
+    opts = t.metadata.options
+    if not (opts.expect or opts.max_casts is not None or baseline is not None):
         return
     from ..analyses.guards import check_guards
     from ..errors import GuardError
@@ -526,8 +526,7 @@ def raise_for_guards(t, baseline=None):
     if baseline is not None:
         from .._diff import diff
 
-        found = diff(baseline, t).regressions(time=opts.get("baseline_time", 0.2),
-                                              memory=opts.get("baseline_memory", 0.1))
+        found = diff(baseline, t).regressions(time=opts.baseline_time, memory=opts.baseline_memory)
         failures += [f"{f} against the baseline (tensorscope.diff(baseline, trace) shows where)" for f in found]
     if failures:
         raise GuardError("tensorscope guard failed:\n" + "\n".join(f"  - {f}" for f in failures), t, failures)
