@@ -112,7 +112,7 @@ def _read_table(path: str, name: str) -> Optional[pa.Table]:
     if v is not None:
         check_version(v.decode("utf-8", "replace"), repr(file))
     kv = md.get(PARQUET_KEY)
-    if kv is not None:   # written since schema 1.3: must be valid trace metadata too
+    if kv is not None:   # the trace metadata every file carries (files of older versions have none)
         try:
             text = kv.decode("utf-8")
         except UnicodeDecodeError:
