@@ -63,7 +63,7 @@ def _next_part(dirpath: str, attempt: int) -> int:
 
 
 def write_part(root: str, table: str, run_id: str, rank: int, attempt: int, data: pa.Table,
-               n: Optional[int] = None, metadata: Optional[TraceMetadata] = None) -> str:
+               n: Optional[int] = None, metadata: Union[TraceMetadata, bytes, None] = None) -> str:
     """Write one part atomically (temp file, then a link that never overwrites). Returns its path.
     ``metadata``: the trace's, stored under ``b"tensorscope"`` in the part's key-value metadata."""
     d = partition_dir(root, table, run_id, rank)
@@ -73,7 +73,7 @@ def write_part(root: str, table: str, run_id: str, rank: int, attempt: int, data
     tmp = os.path.join(tmpd, f".{table}-{uuid.uuid4().hex}.parquet")
     md = {**(data.schema.metadata or {}), PARQUET_VERSION_KEY: S.SCHEMA_VERSION.encode()}
     if metadata is not None:
-        md[PARQUET_KEY] = metadata.to_json().encode()
+        md[PARQUET_KEY] = _kv_json(metadata)
     # zstd level 1: half the write time of the default level for ~10% larger files (measured on ops)
     pq.write_table(data.replace_schema_metadata(md), tmp, compression="zstd", compression_level=1)
     try:
@@ -95,6 +95,11 @@ def write_part(root: str, table: str, run_id: str, rank: int, attempt: int, data
         if os.path.exists(tmp):
             os.unlink(tmp)
     return final
+
+
+def _kv_json(md: Union[TraceMetadata, bytes]) -> bytes:
+    """The ``b"tensorscope"`` value: a trace's metadata as JSON (encoded once by whoever writes many parts)."""
+    return md if isinstance(md, bytes) else md.to_json().encode()
 
 
 def to_dataset_table(name: str, table: pa.Table, attempt: int, trace_id: int) -> pa.Table:
@@ -145,17 +150,18 @@ def reserve_trace_id(root: "PathLike", ident: Dict[str, Any]) -> int:
 
 
 def write_table_parts(root: "PathLike", name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table,
-                      metadata: Optional[TraceMetadata] = None) -> List[str]:
+                      metadata: Union[TraceMetadata, bytes, None] = None) -> List[str]:
     """``table`` (a Trace table ``name``) as parts of at most PART_ROWS rows; an empty table writes
     one empty part with the full schema. ``metadata``: the trace's (see ``write_part``)."""
     root = _check_root(root)
     run_id, rank, attempt = ident["run_id"], int(ident["rank"]), int(ident["attempt"])
+    kv = _kv_json(metadata) if metadata is not None else None
     out = []
     try:
         for off in range(0, max(table.num_rows, 1), PART_ROWS):
             out.append(write_part(root, name, run_id, rank, attempt,
                                   to_dataset_table(name, table.slice(off, PART_ROWS), attempt, trace_id),
-                                  metadata=metadata))
+                                  metadata=kv))
     except OSError as e:
         raise ExportError(f"cannot write the dataset to {root!r}: {e.strerror or e} "
                           "(the trace is still in memory: tensorscope.last())") from e
@@ -170,6 +176,7 @@ def write_trace(trace: "Trace", root: "PathLike", *, ident: Dict[str, Any], dist
     written while it recorded (the spill path); only the rest is written now."""
     root = _check_root(root)
     run_id, rank, attempt = ident["run_id"], int(ident["rank"]), int(ident["attempt"])
+    kv = _kv_json(trace.metadata)
     try:
         if trace_id is None:
             trace_id = _next_part(partition_dir(root, "ranks", run_id, rank), attempt)
@@ -182,10 +189,10 @@ def write_trace(trace: "Trace", root: "PathLike", *, ident: Dict[str, Any], dist
                     continue
             # big tables roll into parts of PART_ROWS rows (a spilled ops table is memory-mapped:
             # slicing it streams it)
-            parts += write_table_parts(root, name, ident, trace_id, table, metadata=trace.metadata)
+            parts += write_table_parts(root, name, ident, trace_id, table, metadata=kv)
         # the ranks row last: a trace with a ranks row is complete
         parts.append(write_part(root, "ranks", run_id, rank, attempt, ranks_row(trace, ident, dist, trace_id),
-                                n=trace_id, metadata=trace.metadata))
+                                n=trace_id, metadata=kv))
     except OSError as e:
         raise ExportError(f"cannot write the dataset to {root!r}: {e.strerror or e} "
                           "(the trace is still in memory: tensorscope.last())") from e

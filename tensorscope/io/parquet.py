@@ -34,10 +34,12 @@ __all__ = ["FORMAT", "METADATA_FILE", "check_version", "check_columns", "load", 
            "kv_metadata"]
 
 
-def kv_metadata(schema_metadata: Optional[Dict[bytes, bytes]], md: TraceMetadata) -> Dict[bytes, bytes]:
-    """A table's key-value metadata with the trace metadata added (``b"tensorscope"``, as JSON)."""
+def kv_metadata(schema_metadata: Optional[Dict[bytes, bytes]], md: TraceMetadata,
+                md_json: Optional[bytes] = None) -> Dict[bytes, bytes]:
+    """A table's key-value metadata with the trace metadata added (``b"tensorscope"``, as JSON;
+    ``md_json``: that JSON already encoded, when one trace writes many files)."""
     return {**(schema_metadata or {}), PARQUET_VERSION_KEY: md.schema_version.encode(),
-            PARQUET_KEY: md.to_json().encode()}
+            PARQUET_KEY: md_json if md_json is not None else md.to_json().encode()}
 
 
 def save(trace: "Trace", path: PathLike) -> str:
@@ -60,8 +62,9 @@ def save(trace: "Trace", path: PathLike) -> str:
         # saved_to is where a Trace in memory was saved or loaded from: not written (the directory may move)
         md = trace.metadata.replace(format=FORMAT, schema_version=S.SCHEMA_VERSION, saved_to=None,
                                     tables={name: t.num_rows for name, t in tables.items()})
+        md_json = md.to_json().encode()
         for name, table in tables.items():
-            table = table.replace_schema_metadata(kv_metadata(table.schema.metadata, md))
+            table = table.replace_schema_metadata(kv_metadata(table.schema.metadata, md, md_json))
             pq.write_table(table, os.path.join(tmp, f"{name}.parquet"), compression="zstd")
         with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
             f.write(md.to_json(indent=1))
