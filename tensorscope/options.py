@@ -148,12 +148,6 @@ class TraceOptions:
             raise OptionsError("chunk_rows must be >= 1 and spill_rows >= chunk_rows")
 
     @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "TraceOptions":
-        """Keywords of ``trace()``: an unknown name is an ``OptionsError`` listing the known ones."""
-        _refuse_unknown(kwargs, (cls,))
-        return cls(**kwargs)
-
-    @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TraceOptions":
         """The options stored in a trace's metadata. Names this version does not know (a setting of
         an older version that is a display option now, or an option of a newer minor version) are
@@ -207,11 +201,6 @@ class DisplayOptions:
         _check_types(self)
         if self.numerics_threshold < 0:
             raise OptionsError(f"numerics_threshold must be >= 0, not {self.numerics_threshold!r}")
-
-    @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "DisplayOptions":
-        _refuse_unknown(kwargs, (cls,))
-        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
