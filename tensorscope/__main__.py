@@ -14,6 +14,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("summary", help="print the summary of a saved trace")
     s.add_argument("path")
+    from .options import DisplayOptions, add_to_parser
+
+    add_to_parser(s, (DisplayOptions,))
     e = sub.add_parser("export", help="export a saved trace")
     e.add_argument("path")
     e.add_argument("--perfetto", metavar="OUT", required=True, help="write Chrome/Perfetto trace-event JSON here")
@@ -81,7 +84,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         t = load(args.path)
         if args.cmd == "summary":
-            print(t.summary().to_text())
+            from .options import parse_namespace
+
+            print(t.summary(parse_namespace(args)[1]).to_text())
         elif args.cmd == "export":
             print(t.to_perfetto(args.perfetto))
         elif args.cmd == "sql":

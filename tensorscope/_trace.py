@@ -1,20 +1,25 @@
 """Trace: the immutable, tensor-free result of a recording (or of ``load()``).
 
-Recorded tables are given at construction; derived tables (``casts``,
-``layout_changes``, ``memory``) are computed on first access by the pure
-functions in ``analyses/`` and cached. Nothing here refers to a tensor, so a
-Trace sitting in ``Out`` keeps no memory alive.
+Recorded tables and the ``TraceMetadata`` are given at construction; derived
+tables (``casts``, ``layout_changes``, ``memory``) are computed on first access
+by the pure functions in ``analyses/`` and cached. Callers cannot change a Trace:
+its attributes cannot be assigned, its tables are Arrow (immutable) and its
+metadata is frozen. Only tensorscope amends the metadata, through ``_amend``,
+while it finishes a trace (the session adding what it learns after the tables
+are built) and when the trace is saved (``saved_to``). Nothing here refers to a
+tensor, so a Trace sitting in ``Out`` keeps no memory alive.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 import pyarrow as pa
 
 from . import schema as S
+from .metadata import TraceMetadata
 
 
 def _derive(name: str, tables: Dict[str, pa.Table]) -> pa.Table:
@@ -43,14 +48,21 @@ def _derive(name: str, tables: Dict[str, pa.Table]) -> pa.Table:
 class Trace:
     """One recording. ``t.ops``, ``t.calls``… are ``pyarrow.Table``s (empty, right schema, when nothing)."""
 
-    def __init__(self, tables: Dict[str, pa.Table], metadata: Dict[str, Any], *, _spill_file: Optional[str] = None):
-        self._tables: Dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
-                                        for name in S.RECORDED}
+    _tables: Dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
+    _metadata: TraceMetadata
+    _plot: Any
+
+    def __init__(self, tables: Dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
+                 _spill_file: Optional[str] = None):
+        tabs: Dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
+                                for name in S.RECORDED}
         for name in S.DERIVED:
             if tables.get(name) is not None:
-                self._tables[name] = tables[name]
-        self.metadata = metadata
-        self._plot = None
+                tabs[name] = tables[name]
+        md = metadata if isinstance(metadata, TraceMetadata) else TraceMetadata.from_dict(metadata)
+        object.__setattr__(self, "_tables", tabs)
+        object.__setattr__(self, "_metadata", md)
+        object.__setattr__(self, "_plot", None)
         if _spill_file:
             # ops were decoded to a memory-mapped file: remove it when the Trace goes
             weakref.finalize(self, shutil.rmtree, os.path.dirname(_spill_file), True)
@@ -66,8 +78,26 @@ class Trace:
             # a deferred table (always-on CUDA kernels, harvested across cells): resolve once
             t, notes = t.resolve()
             self._tables[name] = t
-            self.metadata.setdefault("notes", []).extend(notes)
+            if notes:
+                self._amend(notes=self._metadata.notes + tuple(notes))
         return t
+
+    # -- metadata ------------------------------------------------------------------
+    @property
+    def metadata(self) -> TraceMetadata:
+        """The trace's ``TraceMetadata``: typed attributes (``t.metadata.options.modules``) and a
+        read-only mapping of its JSON form (``t.metadata["options"]["modules"]``)."""
+        return self._metadata
+
+    def _amend(self, **changes: Any) -> None:
+        """tensorscope's own path to the metadata of a trace it is finishing or saving (validated)."""
+        object.__setattr__(self, "_metadata", self._metadata.replace(**changes))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a Trace is read-only: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a Trace is read-only: cannot delete {name!r}")
 
     @property
     def tables(self) -> Dict[str, pa.Table]:
@@ -107,7 +137,9 @@ class Trace:
         """Write a directory: one parquet file per table (zstd) and ``metadata.json``. Returns the path."""
         from .io.parquet import save
 
-        return save(self, path)
+        where = save(self, path)
+        self._amend(saved_to=where)
+        return where
 
     def to_perfetto(self, path) -> str:
         """Chrome/Perfetto trace-event JSON (opens in ui.perfetto.dev and chrome://tracing)."""
@@ -121,15 +153,17 @@ class Trace:
         if self._plot is None:
             from .render.plots import PlotAccessor
 
-            self._plot = PlotAccessor(self)
+            object.__setattr__(self, "_plot", PlotAccessor(self))
         return self._plot
 
     # -- display -------------------------------------------------------------
-    def summary(self):
-        """A Summary (sections of rows) — what the notebook shows after a traced cell."""
+    def summary(self, display=None):
+        """A Summary (sections of rows) — what the notebook shows after a traced cell.
+
+        ``display``: a ``DisplayOptions`` (how to show it, e.g. ``numerics_threshold``); the defaults when None."""
         from .render.summary import summarize
 
-        return summarize(self)
+        return summarize(self, display)
 
     def __repr__(self):
         md = self.metadata

@@ -1,31 +1,72 @@
-"""Trace options, declared once.
+"""Trace options, display options and the run context: declared once, parsed once.
 
-``TraceOptions`` is the single declaration: ``trace(**options)`` validates
-against it, the ``%%tensorscope`` magic builds its ``magic_arguments`` from it
-(so ``%%tensorscope?`` is complete), and the CLI reuses the same parser.
-Each field's metadata carries its help text and, for booleans, whether the
-command-line flag turns it on (``--numerics``) or off (``--no-nonfinite``).
+Three frozen dataclasses, three concerns:
+
+* ``TraceOptions``: what to record. ``trace(options)`` (or ``trace(**keywords)``)
+  takes it; it is stored, typed, in every trace's ``TraceMetadata``.
+* ``DisplayOptions``: how a result is shown (``numerics_threshold``). The
+  renderers take it; a recorded trace never depends on it.
+* ``RunContext``: where a trace ran (cell number, cell source, origin) and how
+  the caller keeps it: not an option, never parsed from flags.
+
+The ``%%tensorscope`` magic builds its ``magic_arguments`` from the first two
+(so ``%%tensorscope?`` is complete) and the CLI reuses the same declarations;
+``parse_namespace`` turns the parsed flags into the typed objects in one step,
+validating once. Each field's metadata carries its help text and, for booleans,
+whether the command-line flag turns it on (``--numerics``) or off (``--no-nonfinite``).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from .errors import OptionsError
 
 #: Values accepted by ``expect=`` (cell guards).
 EXPECTATIONS = ("channels_last", "no_nonfinite", "no_hidden_copies", "no_leaks")
+NUMERICS = ("off", "fp32", "fp64")
+ENGINES = ("auto", "native", "python")
+#: Where a trace can come from (``RunContext.origin``).
+ORIGINS = ("api", "magic", "always_on", "cli")
+#: Option names older traces stored among their trace options that are display settings now:
+#: ignored when such a trace is loaded.
+LEGACY_OPTIONS = frozenset({"numerics_threshold"})
 
 
-def _opt(default, help, flag=None, type=None, choices=None, metavar=None):
-    return field(default=default, metadata={"help": help, "flag": flag, "type": type, "choices": choices, "metavar": metavar})
+def _opt(default: Any, help: str, *, type: Optional[Type[Any]] = None, choices: Optional[Sequence[str]] = None,
+         metavar: Optional[str] = None) -> Any:
+    """A field with its command-line declaration. ``type=None`` means a boolean switch."""
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices, "metavar": metavar})
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_types(obj: Any) -> None:
+    """Every declared field has a value of its declared kind (a clear error, not a late failure)."""
+    for f in dataclasses.fields(obj):
+        kind = f.metadata.get("type", "no-flag")
+        v = getattr(obj, f.name)
+        if kind is None and not isinstance(v, bool):
+            raise OptionsError(f"{f.name} must be True or False, not {v!r}")
+        if kind is int and not (_is_int(v) or (v is None and f.default is None)):
+            raise OptionsError(f"{f.name} must be an integer, not {v!r}")
+        if kind is float and not (_is_number(v) and math.isfinite(v)):
+            raise OptionsError(f"{f.name} must be a finite number, not {v!r}")
 
 
 @dataclass(frozen=True)
 class TraceOptions:
-    """Everything ``tensorscope.trace()`` accepts. All keyword-only."""
+    """Everything ``tensorscope.trace()`` records by. Build it with keywords; it validates itself."""
 
     modules: bool = _opt(True, "record the nn.Module path of each op (read from the call stack, no hooks)")
     source: bool = _opt(True, "record the user source line of each torch-level call")
@@ -33,20 +74,23 @@ class TraceOptions:
     storages: bool = _opt(True, "track storages by weak reference (tensors table, leaks, memory)")
     leaks: bool = _opt(True, "report, after the trace, the storages it created that are still alive and who holds them")
     nonfinite: bool = _opt(True, "screen floating outputs for NaN/Inf (CPU: per op; CUDA: on-device flags read once at the end)")
-    numerics: Any = _opt(False, "shadow-compute ops in higher precision and record the error; values: fp32 (16-bit ops "
-                         "in float32, what a bare --numerics means), fp64 (float32 ops in float64), off (the default)",
-                         type=str, choices=("off", "fp32", "fp64"), metavar="{fp32,fp64,off}")
-    numerics_threshold: float = _opt(1e-2, "relative error above which the summary lists an op", type=float, metavar="X")
+    #: False, "fp32" or "fp64" once validated (True means "fp32"; "off" and None mean False).
+    numerics: Union[bool, str] = _opt(False, "shadow-compute ops in higher precision and record the error; values: fp32 "
+                                      "(16-bit ops in float32, what a bare --numerics means), fp64 (float32 ops in "
+                                      "float64), off (the default)",
+                                      type=str, choices=NUMERICS, metavar="{fp32,fp64,off}")
     cuda_timing: bool = _opt(True, "time ops on CUDA tensors with event pairs, resolved once at the end")
     kernels: bool = _opt(False, "collect CUDA kernels from the profiler (Kineto/CUPTI)")
     native: bool = _opt(True, "use the native C++ warning/error hooks when they are built")
     engine: str = _opt("auto", "recording engine: 'native' (C++ RecordFunction observer), 'python' (TorchDispatchMode), "
                                "'auto' (native when it builds; TENSORSCOPE_FORCE_FALLBACK=1 forces python)",
-                       type=str, choices=("auto", "native", "python"), metavar="{auto,native,python}")
+                       type=str, choices=ENGINES, metavar="{auto,native,python}")
     cpp_errors: bool = _opt(False, "count every c10::Error constructed, including ones C++ swallows (slow)")
     expect: Tuple[str, ...] = _opt((), "cell guard: fail after the cell unless it holds (%s)" % ", ".join(EXPECTATIONS),
                                    type=str, choices=EXPECTATIONS, metavar="WHAT")
     max_casts: Optional[int] = _opt(None, "cell guard: fail when more than N casts ran", type=int, metavar="N")
+    #: A Trace, a saved trace directory, or (in the magic, before it is resolved) a variable name or
+    #: history index. In a trace's metadata: the baseline's label (where it was saved, or its repr).
     baseline: Any = _opt(None, "cell guard: fail when CPU time in ops or peak memory regress against this run "
                                "(a Trace or saved directory; in the magic a variable, history index or path)",
                          type=str, metavar="VAR")
@@ -56,78 +100,191 @@ class TraceOptions:
                                   type=float, metavar="FRAC")
     chunk_rows: int = _opt(65536, "rows buffered per column chunk before it is frozen", type=int, metavar="N")
     spill_rows: int = _opt(2_000_000, "rows kept in memory before chunks spill to disk", type=int, metavar="N")
-    spill_dir: Optional[str] = _opt(None, "directory for spilled chunks (default: a temporary directory)", type=str, metavar="DIR")
+    spill_dir: Optional[str] = _opt(None, "directory for spilled chunks (default: a temporary directory)", type=str,
+                                    metavar="DIR")
     dataset: Optional[str] = _opt(None, "at the end of the trace, write every table of this rank into the multi-rank "
                                         "parquet dataset DIR (DIR/<table>/run=<id>/rank=<r>/part-*.parquet)",
                                   type=str, metavar="DIR")
     sync_clocks: bool = _opt(False, "measure this rank's clock offset to rank 0 by ping-pong at the start and end "
                                     "(collective: every rank must trace; needs torch.distributed)")
 
-    def __post_init__(self):
-        num = self.numerics
-        if num in (True,):
+    def __post_init__(self) -> None:
+        num: Any = self.numerics
+        if num is True:
             num = "fp32"
         elif num in (False, None, "off", ""):
             num = False
         if num not in (False, "fp32", "fp64"):
             raise OptionsError(f"numerics must be False, 'fp32' or 'fp64', not {self.numerics!r}")
         object.__setattr__(self, "numerics", num)
-        exp = self.expect
+        exp: Any = self.expect
         if isinstance(exp, str):
             exp = (exp,)
-        exp = tuple(exp or ())
+        if not isinstance(exp, (tuple, list)):
+            raise OptionsError(f"expect must be one of {', '.join(EXPECTATIONS)} or a sequence of them, not {exp!r}")
+        exp = tuple(exp)
         for e in exp:
             if e not in EXPECTATIONS:
                 raise OptionsError(f"unknown expectation {e!r}; choose from {', '.join(EXPECTATIONS)}")
         object.__setattr__(self, "expect", exp)
+        for name in ("spill_dir", "dataset"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, (str, os.PathLike)):
+                raise OptionsError(f"{name} must be a directory path, not {type(v).__name__}")
+            v = os.fspath(v)
+            if not isinstance(v, str) or not v:
+                raise OptionsError(f"{name} must be a directory path, not {v!r}")
+            object.__setattr__(self, name, v)
+        _check_types(self)
+        if self.engine not in ENGINES:
+            raise OptionsError(f"engine must be 'auto', 'native' or 'python', not {self.engine!r}")
         if not (self.baseline_time >= 0 and self.baseline_memory >= 0):
             raise OptionsError("baseline_time and baseline_memory are fractions >= 0 (0.2 = +20%)")
-        if self.dataset is not None:
-            if not isinstance(self.dataset, (str, bytes)) and not hasattr(self.dataset, "__fspath__"):
-                raise OptionsError(f"dataset must be a directory path, not {type(self.dataset).__name__}")
-            import os
-
-            object.__setattr__(self, "dataset", os.fspath(self.dataset))
-            if not self.dataset:
-                raise OptionsError("dataset must be a directory path, not an empty string")
-        if self.engine not in ("auto", "native", "python"):
-            raise OptionsError(f"engine must be 'auto', 'native' or 'python', not {self.engine!r}")
+        if self.max_casts is not None and self.max_casts < 0:
+            raise OptionsError(f"max_casts must be >= 0, not {self.max_casts}")
         if self.chunk_rows < 1 or self.spill_rows < self.chunk_rows:
             raise OptionsError("chunk_rows must be >= 1 and spill_rows >= chunk_rows")
 
     @classmethod
-    def from_kwargs(cls, kwargs: Dict[str, Any]) -> "TraceOptions":
+    def from_dict(cls, d: Mapping[str, Any]) -> "TraceOptions":
+        """The options stored in a trace's metadata. Names this version does not know (a setting of
+        an older version that is a display option now, or an option of a newer minor version) are
+        ignored; a known name with a bad value is an ``OptionsError``."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise OptionsError(f"unknown trace option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        return cls(**kwargs)
+        kw: Dict[str, Any] = {k: (tuple(v) if k == "expect" and isinstance(v, list) else v)
+                              for k, v in d.items() if k in names}
+        return cls(**kw)
+
+    def replace(self, **changes: Any) -> "TraceOptions":
+        """A copy with ``changes`` (validated, unknown names refused)."""
+        _refuse_unknown(changes, (type(self),))
+        return dataclasses.replace(self, **changes)
+
+    def changed(self) -> Dict[str, Any]:
+        """The options that differ from their defaults."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    def for_record(self) -> "TraceOptions":
+        """These options as a trace records them: a baseline Trace becomes its label, so the trace's
+        metadata never keeps another trace alive."""
+        b = self.baseline
+        if b is None or isinstance(b, str):
+            return self
+        return dataclasses.replace(self, baseline=baseline_label(b))
 
     def to_dict(self) -> Dict[str, Any]:
-        out = {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(self)
-               for v in [getattr(self, f.name)]}
-        b = out.get("baseline")
-        if b is not None and not isinstance(b, str):   # never keep the baseline Trace alive through metadata
-            out["baseline"] = str((getattr(b, "metadata", None) or {}).get("saved_to") or repr(b))
-        return out
+        """JSON-ready: tuples as lists, a baseline Trace as its label."""
+        rec = self.for_record()
+        return {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(rec)
+                for v in [getattr(rec, f.name)]}
 
 
-def fields() -> List[dataclasses.Field]:
-    return list(dataclasses.fields(TraceOptions))
+def baseline_label(b: Any) -> str:
+    """What a trace records of the baseline it was compared with: where it was saved, or its repr."""
+    if isinstance(b, (str, os.PathLike)):
+        return os.fsdecode(b)
+    md = getattr(b, "metadata", None)
+    saved = md.get("saved_to") if isinstance(md, Mapping) else None
+    return str(saved) if saved else repr(b)
 
 
-def cli_flag(f: dataclasses.Field) -> Tuple[str, ...]:
+@dataclass(frozen=True)
+class DisplayOptions:
+    """How a trace is shown (summary, HTML): never recorded, so a saved trace renders with any of them."""
+
+    numerics_threshold: float = _opt(1e-2, "relative error above which the summary lists an op", type=float,
+                                     metavar="X")
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.numerics_threshold < 0:
+            raise OptionsError(f"numerics_threshold must be >= 0, not {self.numerics_threshold!r}")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Where and how a trace runs; given to ``trace(context=...)`` beside the options.
+
+    ``cell``/``cell_source``: the IPython cell (execution count and text) or None;
+    ``origin``: ``api`` (``trace()`` in user code), ``magic`` (``%%tensorscope``),
+    ``always_on`` (``%tensorscope on``), ``cli`` (``python -m tensorscope run``);
+    ``keep_history``: the trace joins ``tensorscope.history()``; ``deferred_kernels``:
+    CUDA kernels are linked at the next harvest (always-on cells share one profiler).
+    """
+
+    cell: Optional[int] = None
+    cell_source: Optional[str] = None
+    origin: str = "api"
+    keep_history: bool = False
+    deferred_kernels: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cell is not None and not _is_int(self.cell):
+            raise OptionsError(f"cell must be an integer or None, not {self.cell!r}")
+        if self.cell_source is not None and not isinstance(self.cell_source, str):
+            raise OptionsError(f"cell_source must be a string or None, not {type(self.cell_source).__name__}")
+        if self.origin not in ORIGINS:
+            raise OptionsError(f"origin must be one of {', '.join(ORIGINS)}, not {self.origin!r}")
+        for name in ("keep_history", "deferred_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionsError(f"{name} must be True or False, not {getattr(self, name)!r}")
+
+
+OPTION_CLASSES: Tuple[Type[Any], ...] = (TraceOptions, DisplayOptions)
+
+
+def _refuse_unknown(kwargs: Mapping[str, Any], classes: Sequence[Type[Any]]) -> None:
+    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise OptionsError(f"unknown trace option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+
+
+def resolve(options: Optional[TraceOptions] = None, display: Optional[DisplayOptions] = None,
+            keywords: Optional[Mapping[str, Any]] = None) -> Tuple[TraceOptions, DisplayOptions]:
+    """What ``trace(options, display=..., **keywords)`` records and shows by: the objects given,
+    with the keywords replacing their fields. Objects already built are used as they are (they
+    validated themselves once); an unknown keyword is an ``OptionsError``."""
+    if options is not None and not isinstance(options, TraceOptions):
+        raise OptionsError(f"trace() takes a TraceOptions (or keywords), not {type(options).__name__}")
+    if display is not None and not isinstance(display, DisplayOptions):
+        raise OptionsError(f"display must be a DisplayOptions, not {type(display).__name__}")
+    keywords = keywords or {}
+    _refuse_unknown(keywords, OPTION_CLASSES)
+    trace_names = {f.name for f in dataclasses.fields(TraceOptions)}
+    trace_kw = {k: v for k, v in keywords.items() if k in trace_names}
+    display_kw = {k: v for k, v in keywords.items() if k not in trace_names}
+    if options is None:
+        opts = TraceOptions(**trace_kw)
+    else:
+        opts = dataclasses.replace(options, **trace_kw) if trace_kw else options
+    if display is None:
+        disp = DisplayOptions(**display_kw)
+    else:
+        disp = dataclasses.replace(display, **display_kw) if display_kw else display
+    return opts, disp
+
+
+def fields(classes: Sequence[Type[Any]] = OPTION_CLASSES) -> List["dataclasses.Field[Any]"]:
+    """Every flag-bearing field of ``classes``: the trace options, then the display options."""
+    return [f for cls in classes for f in dataclasses.fields(cls)]
+
+
+def cli_flag(f: "dataclasses.Field[Any]") -> Tuple[str, ...]:
     """The command-line spelling of an option: booleans on by default get ``--no-x``."""
     name = f.name.replace("_", "-")
-    if f.type in ("bool", bool) and f.default is True:
+    if f.metadata.get("type") is None and f.default is True:
         return (f"--no-{name}",)
     return (f"--{name}",)
 
 
-def argparse_arguments() -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
+def argparse_arguments(classes: Sequence[Type[Any]] = OPTION_CLASSES
+                       ) -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
     """(flags, kwargs) pairs for ``argparse.add_argument`` / ``magic_arguments.argument``."""
-    out = []
-    for f in fields():
+    out: List[Tuple[Tuple[str, ...], Dict[str, Any]]] = []
+    for f in fields(classes):
         md = f.metadata
         flags = cli_flag(f)
         help_ = md["help"]
@@ -135,10 +292,7 @@ def argparse_arguments() -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
             help_ = "don't " + help_
         kw: Dict[str, Any] = {"dest": f.name, "help": help_}
         if md.get("type") is None:  # boolean switch
-            if f.default is True:
-                kw.update(action="store_const", const=False, default=None)
-            else:
-                kw.update(action="store_const", const=True, default=None)
+            kw.update(action="store_const", const=f.default is not True, default=None)
         elif f.name == "expect":
             kw.update(action="append", type=str, choices=md["choices"], default=None, metavar=md["metavar"])
         else:
@@ -153,19 +307,45 @@ def argparse_arguments() -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
     return out
 
 
-def add_to_parser(parser: argparse.ArgumentParser) -> None:
-    for flags, kw in argparse_arguments():
+def add_to_parser(parser: argparse.ArgumentParser, classes: Sequence[Type[Any]] = OPTION_CLASSES) -> None:
+    """The flags of ``classes`` (all options; ``(DisplayOptions,)`` for commands that only show a trace)."""
+    for flags, kw in argparse_arguments(classes):
         parser.add_argument(*flags, **kw)
 
 
-def from_namespace(ns: argparse.Namespace) -> Dict[str, Any]:
-    """The options a parsed namespace sets explicitly (unset ones keep defaults)."""
-    out = {}
+def parse_namespace(ns: argparse.Namespace, **overrides: Any) -> Tuple[TraceOptions, DisplayOptions]:
+    """The typed options of parsed flags (unset ones keep their defaults), validated once.
+
+    ``overrides`` replace trace options (the CLI's ``--out`` is the dataset).
+    Raises ``OptionsError`` on a bad value."""
+    given: Dict[str, Any] = {}
     for f in fields():
         v = getattr(ns, f.name, None)
         if v is None:
             continue
-        if f.name == "expect":
-            v = tuple(v)
-        out[f.name] = v
+        given[f.name] = tuple(v) if f.name == "expect" else v
+    given.update(overrides)
+    return resolve(None, None, given)
+
+
+def to_flags(options: TraceOptions, display: Optional[DisplayOptions] = None, *,
+             skip: Sequence[str] = ()) -> List[str]:
+    """The command-line flags that reproduce ``options`` (and ``display``): the inverse of
+    ``parse_namespace`` for every option that differs from its default."""
+    out: List[str] = []
+    for obj in (options, display or DisplayOptions()):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if f.name in skip or v == f.default:
+                continue
+            flag = cli_flag(f)[0]
+            if f.metadata.get("type") is None:
+                out.append(flag)
+            elif f.name == "expect":
+                for x in v:
+                    out += [flag, str(x)]
+            elif f.name == "baseline":
+                out += [flag, baseline_label(v)]
+            else:
+                out += [flag, str(v)]
     return out

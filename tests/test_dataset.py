@@ -63,7 +63,8 @@ def test_all_null_columns_keep_their_types(tmp_path):
 def test_sql_df_and_summary_escape(tmp_path, monkeypatch):
     monkeypatch.setenv("TENSORSCOPE_RUN_ID", "run1")
     root = tmp_path / "ds"
-    with tensorscope.trace(dataset=str(root), leaks=False, _cell=3, _cell_source="<script>alert(1)</script>"):
+    with tensorscope.trace(dataset=str(root), leaks=False,
+                           context=tensorscope.RunContext(cell=3, cell_source="<script>alert(1)</script>")):
         torch.ones(3).add(1)
     ds = tensorscope.open_dataset(root)
     assert int(ds.sql("SELECT count(*) AS n FROM ops")["n"][0]) == len(ds.df("ops")) >= 1

@@ -74,7 +74,7 @@ def test_env_is_callable_in_a_fresh_process_after_a_trace(tmp_path):
 
 
 def _trace_with_history(rows: int):
-    with tensorscope.trace(leaks=False, _keep_history=True) as t:
+    with tensorscope.trace(leaks=False, context=tensorscope.RunContext(keep_history=True)) as t:
         x = torch.zeros(1)
         for _ in range(rows):
             x = x + 1
@@ -94,7 +94,7 @@ def clean_history():
 def test_history_is_bounded_in_bytes_and_a_dropped_saved_trace_loads_back(tmp_path, capsys, clean_history):
     first = _trace_with_history(50)
     path = first.save(tmp_path / "first")
-    first.metadata["saved_to"] = path
+    assert first.metadata["saved_to"] == path        # the trace remembers where it was saved
     size = H.trace_nbytes(first)
     assert size > 0
     H.set_history_limits(max_traces=64, max_bytes=int(size * 2.5))

@@ -18,7 +18,7 @@ import runpy
 import shlex
 import sys
 import traceback
-from typing import List
+from typing import List, Optional, Tuple
 
 from .. import options as O
 
@@ -37,39 +37,37 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _trace_options(ns) -> dict:
-    opts = O.from_namespace(ns)
-    if opts.get("dataset") and os.path.abspath(opts["dataset"]) != os.path.abspath(ns.out):
+def _options(ns: argparse.Namespace) -> Tuple[O.TraceOptions, O.DisplayOptions]:
+    """The command line's options, parsed once (bad ones fail here, before anything runs)."""
+    given = getattr(ns, "dataset", None)
+    if given and os.path.abspath(given) != os.path.abspath(ns.out):
         raise SystemExit("tensorscope run: give the dataset once (--out DIR)")
-    opts["dataset"] = ns.out
-    return opts
+    return O.parse_namespace(ns, dataset=ns.out)
 
 
-def main(ns) -> int:
+def main(ns: argparse.Namespace) -> int:
     target = ns.target
     if not os.path.isfile(target):
         print(f"tensorscope run: no such file: {target!r}", file=sys.stderr)
         return 2
-    opts = _trace_options(ns)
-    from ..options import TraceOptions
-
-    TraceOptions.from_kwargs(opts)   # bad options fail here, before anything runs
-    if target.endswith(".ipynb"):
-        return run_notebook(target, ns.out, _flags(ns), kernel=ns.kernel, timeout=ns.timeout)
+    opts, display = _options(ns)   # an OptionsError: reported by __main__ (exit status 2), nothing ran
+    if target.endswith(".ipynb"):   # the kernel parses the same flags again, from %tensorscope on
+        return run_notebook(target, ns.out, O.to_flags(opts, display, skip=("dataset",)), kernel=ns.kernel,
+                            timeout=ns.timeout)
     return run_script(target, list(ns.args), opts)
 
 
-def run_script(path: str, args: List[str], opts: dict) -> int:
+def run_script(path: str, args: List[str], opts: O.TraceOptions) -> int:
     from ..recording.session import trace
 
     path = os.path.abspath(path)
-    old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
+    old_argv = sys.argv
     sys.argv = [path] + args
     sys.path.insert(0, os.path.dirname(path))
     code = 0
     failure = None
     try:
-        with trace(**opts):
+        with trace(opts, context=O.RunContext(origin="cli")):
             try:
                 runpy.run_path(path, run_name="__main__")
             except SystemExit as e:   # the script's own exit: its status is ours, the trace is kept
@@ -91,24 +89,8 @@ def run_script(path: str, args: List[str], opts: dict) -> int:
     return code
 
 
-def _flags(ns) -> List[str]:
-    """The trace options as ``%tensorscope on`` flags (the same declarations parse them)."""
-    out = []
-    for flags, kw in O.argparse_arguments():
-        v = getattr(ns, kw["dest"], None)
-        if v is None or kw["dest"] == "dataset":
-            continue
-        if kw.get("action") == "store_const":
-            out.append(flags[0])
-        elif kw.get("action") == "append":
-            for x in v:
-                out += [flags[0], str(x)]
-        else:
-            out += [flags[0], str(v)]
-    return out
-
-
-def run_notebook(path: str, out: str, flags: List[str], kernel=None, timeout=None) -> int:
+def run_notebook(path: str, out: str, flags: List[str], kernel: Optional[str] = None,
+                 timeout: Optional[float] = None) -> int:
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError

@@ -9,6 +9,9 @@ Layout (design.md §10), read unchanged by DuckDB, pyarrow.dataset, polars and S
   one rank and attempt: a headless notebook run writes one per cell) are columns.
 * ``ranks`` has one row per trace a rank wrote: identity, host, pid, device,
   clock anchor and offset to rank 0, versions and the trace's metadata as JSON.
+* Every part carries the trace's ``TraceMetadata`` as JSON under the
+  ``b"tensorscope"`` key of its key-value metadata (parts of ``ops`` written while
+  the trace still records carry what is known then: versions, options, cell).
 * Every part is written with the table's canonical schema (``schema.dataset_schema``:
   a cast before writing, so a rank with no collectives or an all-null column
   writes the same types as the others), zstd, under a dot-prefixed temporary
@@ -24,15 +27,19 @@ import json
 import os
 import re
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import schema as S
 from ..errors import ExportError, TraceFormatError
-from .parquet import _jsonable
+from ..metadata import PARQUET_KEY, PARQUET_VERSION_KEY, TraceMetadata
 
+if TYPE_CHECKING:
+    from .._trace import Trace
+
+PathLike = Union[str, "os.PathLike[str]"]
 TMP_DIR = ".tensorscope-tmp"
 DATASET_TABLES = tuple(S.TABLES) + ("ranks",)
 PART_ROWS = 1_000_000   # rows per part file
@@ -56,14 +63,17 @@ def _next_part(dirpath: str, attempt: int) -> int:
 
 
 def write_part(root: str, table: str, run_id: str, rank: int, attempt: int, data: pa.Table,
-               n: Optional[int] = None) -> str:
-    """Write one part atomically (temp file, then a link that never overwrites). Returns its path."""
+               n: Optional[int] = None, metadata: Union[TraceMetadata, bytes, None] = None) -> str:
+    """Write one part atomically (temp file, then a link that never overwrites). Returns its path.
+    ``metadata``: the trace's, stored under ``b"tensorscope"`` in the part's key-value metadata."""
     d = partition_dir(root, table, run_id, rank)
     tmpd = os.path.join(root, TMP_DIR)
     os.makedirs(d, exist_ok=True)
     os.makedirs(tmpd, exist_ok=True)
     tmp = os.path.join(tmpd, f".{table}-{uuid.uuid4().hex}.parquet")
-    md = {**(data.schema.metadata or {}), b"tensorscope_schema_version": S.SCHEMA_VERSION.encode()}
+    md = {**(data.schema.metadata or {}), PARQUET_VERSION_KEY: S.SCHEMA_VERSION.encode()}
+    if metadata is not None:
+        md[PARQUET_KEY] = _kv_json(metadata)
     # zstd level 1: half the write time of the default level for ~10% larger files (measured on ops)
     pq.write_table(data.replace_schema_metadata(md), tmp, compression="zstd", compression_level=1)
     try:
@@ -87,6 +97,11 @@ def write_part(root: str, table: str, run_id: str, rank: int, attempt: int, data
     return final
 
 
+def _kv_json(md: Union[TraceMetadata, bytes]) -> bytes:
+    """The ``b"tensorscope"`` value: a trace's metadata as JSON (encoded once by whoever writes many parts)."""
+    return md if isinstance(md, bytes) else md.to_json().encode()
+
+
 def to_dataset_table(name: str, table: pa.Table, attempt: int, trace_id: int) -> pa.Table:
     """``table`` in the canonical dataset schema of ``name`` (cast, keys appended)."""
     t = S.conform(name, table)
@@ -95,7 +110,7 @@ def to_dataset_table(name: str, table: pa.Table, attempt: int, trace_id: int) ->
     return pa.Table.from_arrays(cols, schema=S.dataset_schema(name))
 
 
-def _check_root(root: str) -> str:
+def _check_root(root: "PathLike") -> str:
     root = os.path.abspath(os.fspath(root))
     if os.path.exists(root) and not os.path.isdir(root):
         raise ExportError(f"cannot write the dataset to {root!r}: a file with that name exists "
@@ -103,7 +118,7 @@ def _check_root(root: str) -> str:
     return root
 
 
-def ranks_row(trace, ident: Dict[str, Any], dist, trace_id: int) -> pa.Table:
+def ranks_row(trace: "Trace", ident: Dict[str, Any], dist: Any, trace_id: int) -> pa.Table:
     md = trace.metadata
     clock = getattr(dist, "clock", None)
     clock_end = getattr(dist, "clock_end", None)
@@ -123,34 +138,37 @@ def ranks_row(trace, ident: Dict[str, Any], dist, trace_id: int) -> pa.Table:
         "cell": md.get("cell"), "cell_source": md.get("cell_source"),
         "tensorscope_version": md.get("tensorscope_version"), "torch_version": md.get("torch_version"),
         "python_version": md.get("python_version"), "schema_version": S.SCHEMA_VERSION,
-        "metadata_json": json.dumps(_jsonable(md)),
+        "metadata_json": md.to_json() if isinstance(md, TraceMetadata) else json.dumps(md),
     }
     return pa.Table.from_pylist([row], schema=S.RANKS)
 
 
-def reserve_trace_id(root, ident: Dict[str, Any]) -> int:
+def reserve_trace_id(root: "PathLike", ident: Dict[str, Any]) -> int:
     """The trace_id of this rank's next trace (its ranks part number), fixed before any part is written."""
     root = _check_root(root)
     return _next_part(partition_dir(root, "ranks", ident["run_id"], int(ident["rank"])), int(ident["attempt"]))
 
 
-def write_table_parts(root, name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table) -> List[str]:
+def write_table_parts(root: "PathLike", name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table,
+                      metadata: Union[TraceMetadata, bytes, None] = None) -> List[str]:
     """``table`` (a Trace table ``name``) as parts of at most PART_ROWS rows; an empty table writes
-    one empty part with the full schema."""
+    one empty part with the full schema. ``metadata``: the trace's (see ``write_part``)."""
     root = _check_root(root)
     run_id, rank, attempt = ident["run_id"], int(ident["rank"]), int(ident["attempt"])
+    kv = _kv_json(metadata) if metadata is not None else None
     out = []
     try:
         for off in range(0, max(table.num_rows, 1), PART_ROWS):
             out.append(write_part(root, name, run_id, rank, attempt,
-                                  to_dataset_table(name, table.slice(off, PART_ROWS), attempt, trace_id)))
+                                  to_dataset_table(name, table.slice(off, PART_ROWS), attempt, trace_id),
+                                  metadata=kv))
     except OSError as e:
         raise ExportError(f"cannot write the dataset to {root!r}: {e.strerror or e} "
                           "(the trace is still in memory: tensorscope.last())") from e
     return out
 
 
-def write_trace(trace, root, *, ident: Dict[str, Any], dist=None, trace_id: Optional[int] = None,
+def write_trace(trace: "Trace", root: "PathLike", *, ident: Dict[str, Any], dist: Any = None, trace_id: Optional[int] = None,
                 ops_written: int = 0) -> Dict[str, Any]:
     """Write every table of ``trace`` (this rank) into dataset ``root``. Returns where it went.
 
@@ -158,6 +176,7 @@ def write_trace(trace, root, *, ident: Dict[str, Any], dist=None, trace_id: Opti
     written while it recorded (the spill path); only the rest is written now."""
     root = _check_root(root)
     run_id, rank, attempt = ident["run_id"], int(ident["rank"]), int(ident["attempt"])
+    kv = _kv_json(trace.metadata)
     try:
         if trace_id is None:
             trace_id = _next_part(partition_dir(root, "ranks", run_id, rank), attempt)
@@ -170,10 +189,10 @@ def write_trace(trace, root, *, ident: Dict[str, Any], dist=None, trace_id: Opti
                     continue
             # big tables roll into parts of PART_ROWS rows (a spilled ops table is memory-mapped:
             # slicing it streams it)
-            parts += write_table_parts(root, name, ident, trace_id, table)
+            parts += write_table_parts(root, name, ident, trace_id, table, metadata=kv)
         # the ranks row last: a trace with a ranks row is complete
         parts.append(write_part(root, "ranks", run_id, rank, attempt, ranks_row(trace, ident, dist, trace_id),
-                                n=trace_id))
+                                n=trace_id, metadata=kv))
     except OSError as e:
         raise ExportError(f"cannot write the dataset to {root!r}: {e.strerror or e} "
                           "(the trace is still in memory: tensorscope.last())") from e
@@ -204,7 +223,7 @@ def _has_parts(root: str, table: str) -> bool:
     return False
 
 
-def open_dataset(root) -> "Dataset":
+def open_dataset(root: "PathLike") -> "Dataset":
     """Open a dataset written with ``trace(dataset=root)`` / ``python -m tensorscope run --out root``."""
     return Dataset(root)
 
@@ -213,7 +232,7 @@ class Dataset:
     """All runs and ranks of a dataset directory. ``.sql()`` sees one DuckDB view per table
     (``ops``, ``collectives``, ``ranks``…) over every run and rank, with ``run`` and ``rank`` columns."""
 
-    def __init__(self, root):
+    def __init__(self, root: "PathLike") -> None:
         import duckdb
 
         self.root = os.path.abspath(os.fspath(root))
@@ -239,40 +258,39 @@ class Dataset:
             if v is not None:
                 check_version(v, self.root)
 
-    def close(self):
+    def close(self) -> None:
         self._con.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Dataset":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
-        return False
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         r = self.ranks
         return (f"<tensorscope.Dataset {self.root!r}: {len(self.runs)} run(s), "
                 f"{r['rank'].nunique() if len(r) else 0} rank(s), {len(r)} trace(s)>")
 
     # -- queries ---------------------------------------------------------------
-    def sql(self, query: str, *, arrow: bool = False):
+    def sql(self, query: str, *, arrow: bool = False) -> Any:
         """DuckDB SQL over the views; a pandas DataFrame, or a pyarrow.Table with ``arrow=True``."""
         if arrow:
             return self._arrow(query)
         return self._con.sql(query).df()
 
-    def _arrow(self, query: str, params=None) -> pa.Table:
+    def _arrow(self, query: str, params: Optional[List[Any]] = None) -> pa.Table:
         rel = self._con.sql(query, params=params)
         fetch = getattr(rel, "to_arrow_table", None) or rel.arrow
         return fetch()
 
-    def df(self, table: str = "ops"):
+    def df(self, table: str = "ops") -> Any:
         if table not in DATASET_TABLES:
             raise KeyError(f"no table {table!r}; tables: {', '.join(DATASET_TABLES)}")
         return self.sql(f"SELECT * FROM {table}")
 
     @property
-    def ranks(self):
+    def ranks(self) -> Any:
         """The ranks table (one row per trace a rank wrote) as a DataFrame, ordered by run, rank, trace."""
         return self.sql("SELECT run, rank, * EXCLUDE (run, rank) FROM ranks "
                         "ORDER BY start_unix_ns, run, rank, attempt, trace_id")
@@ -298,7 +316,7 @@ class Dataset:
         return run
 
     def trace(self, rank: int = 0, run: Optional[str] = None, *, trace_id: Optional[int] = None,
-              attempt: Optional[int] = None):
+              attempt: Optional[int] = None) -> "Trace":
         """One rank's ``Trace`` (the latest attempt; pass ``trace_id=`` when the rank wrote several)."""
         from .._trace import Trace
 
@@ -331,30 +349,33 @@ class Dataset:
                 t = t.sort_by("seq")
             tables[name] = S.conform(name, t)
         md_rows = self._con.execute(f"SELECT metadata_json FROM ranks WHERE {cond}", params).fetchall()
-        md = {}
+        where = f"{self.root!r} (ranks.metadata_json of run {run!r}, rank {int(rank)})"
+        md: Dict[str, Any] = {}
         if md_rows and md_rows[0][0]:
             try:
                 md = json.loads(md_rows[0][0])
             except ValueError:
                 md = {"notes": ["metadata_json of this trace is not valid JSON"]}
+        if not isinstance(md, dict):
+            raise TraceFormatError(f"{where}: trace metadata must be a JSON object")
         md["dataset"] = {"root": self.root, "run": run, "rank": int(rank), "attempt": int(attempt),
                          "trace_id": int(trace_id)}
-        return Trace(tables, md)
+        return Trace(tables, TraceMetadata.from_dict(md, where=where))
 
     # -- views -------------------------------------------------------------------
-    def to_perfetto(self, path, run: Optional[str] = None) -> str:
+    def to_perfetto(self, path: "PathLike", run: Optional[str] = None) -> str:
         """All ranks of one run on one timeline (rank 0's clock), a process per rank."""
         from ..render.perfetto_ranks import write_dataset_perfetto
 
         return write_dataset_perfetto(self, path, self._pick_run(run) if run is not None or len(self.runs) <= 1
                                       else self.runs[-1])
 
-    def summary(self, run: Optional[str] = None):
+    def summary(self, run: Optional[str] = None) -> Any:
         """Per-rank step time, compute vs communication, collective skew and stragglers, differing ops."""
         from ..render.ranks import dataset_summary
 
         return dataset_summary(self, run)
 
-    def _repr_mimebundle_(self, include=None, exclude=None):
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Dict[str, str]:
         s = self.summary()
         return {"text/plain": s.to_text(), "text/html": s.to_html()}

@@ -1,40 +1,50 @@
 """Save a Trace to a directory of parquet files and load it back — no pickle anywhere.
 
 Layout: ``<dir>/<table>.parquet`` (zstd) for every table and ``<dir>/metadata.json``
-(schema version, versions, device, options, cell source). Loading an untrusted
-directory never runs code: JSON and parquet only, extension types refused, every
-table conformed to the current schema. A newer *major* schema version is refused
+(the trace's ``TraceMetadata`` as JSON: schema version, versions, device, engine,
+options, cell source...). The same JSON sits under the ``b"tensorscope"`` key of
+every parquet file's key-value metadata, so a reader given one file (DuckDB's
+``parquet_kv_metadata``, pyarrow's ``schema.metadata``, Spark) knows the options
+the trace was recorded with. Loading an untrusted directory never runs code: JSON
+and parquet only, extension types refused, every table conformed to the current
+schema and the metadata re-validated. A newer *major* schema version is refused
 with a clear message; an older one loads (missing nullable columns become nulls).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import schema as S
-from ..errors import ExportError, SchemaVersionError, TraceFormatError
+from ..errors import ExportError, TraceFormatError
+from ..metadata import FORMAT, PARQUET_KEY, PARQUET_VERSION_KEY, TraceMetadata, check_version
+from ..metadata import jsonable as _jsonable  # noqa: F401  (the name earlier versions exported)
+
+if TYPE_CHECKING:
+    from .._trace import Trace
 
 METADATA_FILE = "metadata.json"
-FORMAT = "tensorscope-trace"
+PathLike = Union[str, "os.PathLike[str]"]
+__all__ = ["FORMAT", "METADATA_FILE", "check_version", "check_columns", "load", "read_metadata", "save",
+           "kv_metadata"]
 
 
-def _jsonable(o):
-    if isinstance(o, dict):
-        return {str(k): _jsonable(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_jsonable(v) for v in o]
-    if isinstance(o, (str, int, float, bool)) or o is None:
-        return o
-    return str(o)
+def kv_metadata(schema_metadata: Optional[Dict[bytes, bytes]], md: TraceMetadata,
+                md_json: Optional[bytes] = None) -> Dict[bytes, bytes]:
+    """A table's key-value metadata with the trace metadata added (``b"tensorscope"``, as JSON;
+    ``md_json``: that JSON already encoded, when one trace writes many files)."""
+    return {**(schema_metadata or {}), PARQUET_VERSION_KEY: md.schema_version.encode(),
+            PARQUET_KEY: md_json if md_json is not None else md.to_json().encode()}
 
 
-def save(trace, path) -> str:
+def save(trace: "Trace", path: PathLike) -> str:
+    """Write ``trace`` to the directory ``path`` (replaced atomically when it is a trace). Returns its
+    absolute path. The trace's own ``saved_to`` is set by ``Trace.save``."""
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path) or "."
     if os.path.exists(path) and not os.path.isdir(path):
@@ -48,17 +58,16 @@ def save(trace, path) -> str:
     except OSError as e:
         raise ExportError(f"cannot save trace to {path!r}: {e.strerror or e} (the trace is still in memory)") from e
     try:
-        for name in S.TABLES:
-            table = trace.table(name)
-            table = table.replace_schema_metadata({**(table.schema.metadata or {}),
-                                                   b"tensorscope_schema_version": S.SCHEMA_VERSION.encode()})
+        tables = {name: trace.table(name) for name in S.TABLES}
+        # saved_to is where a Trace in memory was saved or loaded from: not written (the directory may move)
+        md = trace.metadata.replace(format=FORMAT, schema_version=S.SCHEMA_VERSION, saved_to=None,
+                                    tables={name: t.num_rows for name, t in tables.items()})
+        md_json = md.to_json().encode()
+        for name, table in tables.items():
+            table = table.replace_schema_metadata(kv_metadata(table.schema.metadata, md, md_json))
             pq.write_table(table, os.path.join(tmp, f"{name}.parquet"), compression="zstd")
-        md = dict(trace.metadata)
-        md["format"] = FORMAT
-        md["schema_version"] = S.SCHEMA_VERSION
-        md["tables"] = {name: trace.table(name).num_rows for name in S.TABLES}
         with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
-            json.dump(_jsonable(md), f, indent=1)
+            f.write(md.to_json(indent=1))
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -71,33 +80,22 @@ def save(trace, path) -> str:
     return path
 
 
-def read_metadata(path) -> Dict[str, Any]:
+def read_metadata(path: PathLike) -> TraceMetadata:
+    """The validated ``TraceMetadata`` of a saved trace directory (``TraceFormatError`` naming the
+    file when it is missing, not JSON or not tensorscope's; ``SchemaVersionError`` when newer)."""
     path = os.fspath(path)
     mfile = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(mfile):
         raise TraceFormatError(f"{path!r} is not a tensorscope trace directory (no {METADATA_FILE})")
     try:
         with open(mfile, encoding="utf-8") as f:
-            md = json.load(f)
-    except (OSError, ValueError) as e:
-        raise TraceFormatError(f"{mfile!r} is not valid JSON: {e}") from e
-    if not isinstance(md, dict) or md.get("format") != FORMAT:
-        raise TraceFormatError(f"{mfile!r} is not tensorscope trace metadata")
-    return md
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceFormatError(f"{mfile!r} cannot be read: {e}") from e
+    return TraceMetadata.from_json(text, where=repr(mfile))
 
 
-def check_version(version: str, where: str):
-    try:
-        major, minor = S.parse_version(version)
-    except (TypeError, ValueError):
-        raise TraceFormatError(f"{where}: unreadable schema version {version!r}")
-    if major > S.SCHEMA_MAJOR:
-        raise SchemaVersionError(
-            f"{where} was written with tensorscope schema version {version}, newer than this tensorscope "
-            f"understands (schema {S.SCHEMA_VERSION}); upgrade tensorscope to read it")
-
-
-def _read_table(path: str, name: str) -> pa.Table:
+def _read_table(path: str, name: str) -> Optional[pa.Table]:
     file = os.path.join(path, f"{name}.parquet")
     if not os.path.isfile(file):
         if name in S.DERIVED:
@@ -113,9 +111,16 @@ def _read_table(path: str, name: str) -> pa.Table:
         if isinstance(field.type, pa.ExtensionType) or isinstance(field.type, pa.BaseExtensionType):
             raise TraceFormatError(f"{file!r}: column {field.name!r} has an extension type; refusing to load it")
     md = schema.metadata or {}
-    v = md.get(b"tensorscope_schema_version")
+    v = md.get(PARQUET_VERSION_KEY)
     if v is not None:
-        check_version(v.decode(), file)
+        check_version(v.decode("utf-8", "replace"), repr(file))
+    kv = md.get(PARQUET_KEY)
+    if kv is not None:   # the trace metadata every file carries (files of older versions have none)
+        try:
+            text = kv.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TraceFormatError(f"{file!r}: its {PARQUET_KEY!r} key-value metadata is not UTF-8") from None
+        TraceMetadata.from_json(text, where=f"{file!r} ({PARQUET_KEY!r} key-value metadata)")
     check_columns(name, schema, file)
     try:
         table = pq.read_table(file)
@@ -130,7 +135,7 @@ def _read_table(path: str, name: str) -> pa.Table:
 def _string_like(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
         t = t.value_type
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
 
 
 def _compatible(found: pa.DataType, want: pa.DataType) -> bool:
@@ -142,12 +147,12 @@ def _compatible(found: pa.DataType, want: pa.DataType) -> bool:
     if _string_like(want):
         return _string_like(found)
     if pa.types.is_signed_integer(want):
-        return pa.types.is_signed_integer(found) and found.bit_width <= want.bit_width
+        return bool(pa.types.is_signed_integer(found) and found.bit_width <= want.bit_width)
     if pa.types.is_floating(want):
-        return pa.types.is_floating(found) and found.bit_width <= want.bit_width
+        return bool(pa.types.is_floating(found) and found.bit_width <= want.bit_width)
     if pa.types.is_list(want) or pa.types.is_large_list(want):
-        return (pa.types.is_list(found) or pa.types.is_large_list(found)) and _compatible(found.value_type,
-                                                                                          want.value_type)
+        return bool(pa.types.is_list(found) or pa.types.is_large_list(found)) and _compatible(found.value_type,
+                                                                                              want.value_type)
     return False
 
 
@@ -170,12 +175,11 @@ def check_columns(name: str, schema: pa.Schema, file: str) -> None:
         raise TraceFormatError(f"{file!r} is not a tensorscope {name} table: " + "; ".join(problems))
 
 
-def load(path):
-    """Load a trace directory written by ``Trace.save``."""
+def load(path: PathLike) -> "Trace":
+    """Load a trace directory written by ``Trace.save`` (its metadata and every table validated)."""
     from .._trace import Trace
 
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
-    check_version(md.get("schema_version", "0.0"), path)
     tables = {name: _read_table(path, name) for name in S.TABLES}
-    return Trace({k: v for k, v in tables.items() if v is not None}, md)
+    return Trace({k: v for k, v in tables.items() if v is not None}, md.replace(saved_to=path))

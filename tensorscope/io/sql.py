@@ -6,11 +6,16 @@ for queries that do not use them.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
 from .. import schema as S
 
+if TYPE_CHECKING:
+    from .._trace import Trace
 
-def run_sql(trace, query: str, *, arrow: bool = False):
+
+def run_sql(trace: "Trace", query: str, *, arrow: bool = False) -> Any:
+    """``query`` over ``trace``'s tables: a pandas DataFrame, or a pyarrow.Table with ``arrow=True``."""
     try:
         import duckdb
     except ImportError as e:

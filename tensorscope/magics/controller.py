@@ -14,20 +14,26 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
+from ..options import DisplayOptions, RunContext, TraceOptions
+
 _CELL_RE = re.compile(r"^\s*%%tensorscope(?:\s+(?P<args>.*))?$")
 _controllers: Dict[int, "Controller"] = {}
 
 
 @dataclass
 class CellRequest:
+    """One traced cell: its options, parsed once from the magic's line, and what to do after it."""
+
     token: int
-    options: Dict[str, Any]
+    options: TraceOptions = field(default_factory=TraceOptions)
+    display: DisplayOptions = field(default_factory=DisplayOptions)
     output: Optional[str] = None
     save: Optional[str] = None
     quiet: bool = False
     cell_source: str = ""
     keep_history: bool = True
     deferred_kernels: bool = False
+    origin: str = "magic"   # or "always_on" (RunContext.origin)
     trace_cm: Any = None
     result: Any = None
     error: Optional[BaseException] = field(default=None, repr=False)
@@ -49,7 +55,7 @@ class Controller:
         self.pending: Dict[int, CellRequest] = {}
         self.active: Optional[CellRequest] = None
         self.finished: Optional[CellRequest] = None
-        self.always_on: Optional[Dict[str, Any]] = None   # options of %tensorscope on, or None
+        self.always_on: Optional[CellRequest] = None   # the parsed line of %tensorscope on, or None
         self._armed = False   # set by pre_run_cell: the next AST transform is the cell's own (not %timeit's)
         self._cell_token = None   # (raw cell key, token) of the %%tensorscope cell being transformed
         self._exc_hook = None    # (custom_exceptions, CustomTB) saved while a traced cell runs
@@ -121,16 +127,18 @@ class Controller:
         self._stop_active(None)   # a trace left by an interrupted cell ends here
         from ..recording.session import trace
 
-        if isinstance(req.options.get("baseline"), str):   # --baseline VAR: resolved now, before the cell runs
+        opts = req.options
+        if isinstance(opts.baseline, str):   # --baseline VAR: resolved now, before the cell runs
             from .diff import resolve_trace
 
-            req.options = dict(req.options, baseline=resolve_trace(req.options["baseline"], self.shell.user_ns))
+            opts = opts.replace(baseline=resolve_trace(opts.baseline, self.shell.user_ns))
 
         cell = getattr(self, "_cell_count", None)
         if cell is None:
             cell = getattr(self.shell, "execution_count", None)
-        req.trace_cm = trace(**req.options, _cell=cell, _cell_source=req.cell_source, _keep_history=req.keep_history,
-                             _deferred_kernels=req.deferred_kernels)
+        ctx = RunContext(cell=cell, cell_source=req.cell_source, keep_history=req.keep_history,
+                         deferred_kernels=req.deferred_kernels, origin=req.origin)
+        req.trace_cm = trace(opts, context=ctx, display=req.display)
         self.active = req
         self._hook_exceptions()
         req.trace_cm.__enter__()
@@ -226,22 +234,23 @@ class Controller:
         req, self.finished = self.finished, None
         if req is None or req.result is None:
             return
-        deliver(req.result, save=req.save, quiet=req.quiet)
+        deliver(req.result, save=req.save, quiet=req.quiet, display=req.display)
 
 
-def deliver(t, save: Optional[str], quiet: bool) -> None:
-    """The end of a traced cell, whichever way it ran: save the trace (``--save``), then display it
-    (unless ``--quiet``). A failure of either is reported on stderr and never hides the cell's result."""
+def deliver(t, save: Optional[str], quiet: bool, display: Optional[DisplayOptions] = None) -> None:
+    """The end of a traced cell, whichever way it ran: save the trace (``--save``), then display its
+    summary with the cell's display options (unless ``--quiet``). A failure of either is reported on
+    stderr and never hides the cell's result."""
     if save:
         try:
-            t.metadata["saved_to"] = t.save(save)
+            t.save(save)
         except Exception as e:
             print(f"tensorscope: {e}", file=sys.stderr)
     if not quiet:
         try:
-            from IPython.display import display
+            from IPython.display import display as show
 
-            display(t)
+            show(t.summary(display))
         except Exception as e:
             print(f"tensorscope: could not display the summary: {e}", file=sys.stderr)
 
@@ -263,8 +272,9 @@ class _Injector(ast.NodeTransformer):
             body.insert(0, _at_line(_call_stmt("begin", token), 1))
         if token is None and armed and self.ctl.always_on is not None and body and not _only_tensorscope_magic(body):
             token = next(self.ctl._tokens)
-            req = CellRequest(token=token, options=dict(self.ctl.always_on), quiet=True, deferred_kernels=True,
-                              cell_source=getattr(self.ctl, "_raw_cell", ""))
+            on = self.ctl.always_on
+            req = CellRequest(token=token, options=on.options, display=on.display, quiet=True, deferred_kernels=True,
+                              origin="always_on", cell_source=getattr(self.ctl, "_raw_cell", ""))
             self.ctl.pending[token] = req
             body.insert(0, ast.copy_location(_call_stmt("begin", token), body[0]))
         if token is None:

@@ -1,7 +1,9 @@
 """The ``%%tensorscope`` cell magic and the ``%tensorscope`` line magic.
 
-Options come from ``TraceOptions`` (one declaration) plus the magic's own
-``-o/--output``, ``--save`` and ``--quiet``, so ``%%tensorscope?`` lists them all.
+Options come from ``TraceOptions`` and ``DisplayOptions`` (one declaration) plus
+the magic's own ``-o/--output``, ``--save`` and ``--quiet``, so ``%%tensorscope?``
+lists them all. The flags are parsed once, into those typed objects, when the cell
+is read; the cell's number and source travel beside them as a ``RunContext``.
 """
 from __future__ import annotations
 
@@ -35,17 +37,16 @@ def _with_options(func):
 
 def _parse(func, argline: str):
     args = parse_argstring(func, argline)
-    opts = O.from_namespace(args)
     try:
-        O.TraceOptions.from_kwargs(opts)   # validate now: a bad value runs nothing
-    except Exception as e:
+        opts, display = O.parse_namespace(args)   # validated now: a bad value runs nothing
+    except TensorscopeError as e:
         raise UsageError(str(e)) from None
-    return args, opts
+    return args, opts, display
 
 
 def parse_cell_args(argline: str) -> CellRequest:
-    args, opts = _parse(TensorscopeMagics.tensorscope_cell, argline)
-    return CellRequest(token=0, options=opts, output=args.output, save=args.save, quiet=args.quiet)
+    args, opts, display = _parse(TensorscopeMagics.tensorscope_cell, argline)
+    return CellRequest(token=0, options=opts, display=display, output=args.output, save=args.save, quiet=args.quiet)
 
 
 LINE_HELP = """%tensorscope SUBCOMMAND
@@ -83,21 +84,23 @@ class TensorscopeMagics(Magics):
         # Reached only when the input transformer did not take the cell (options
         # that fail to parse raise UsageError here and nothing runs), or when the
         # magic is called programmatically: then run the body as a nested cell.
-        args, opts = _parse(TensorscopeMagics.tensorscope_cell, line)
+        args, opts, display_opts = _parse(TensorscopeMagics.tensorscope_cell, line)
         from ..recording.session import trace
 
-        if opts.get("baseline") is not None:
+        if opts.baseline is not None:
             from .diff import resolve_trace
 
-            opts["baseline"] = resolve_trace(opts["baseline"], self.shell.user_ns)
+            opts = opts.replace(baseline=resolve_trace(opts.baseline, self.shell.user_ns))
 
-        cm = trace(**opts, _cell=getattr(self.shell, "execution_count", None), _cell_source=cell, _keep_history=True)
+        ctx = O.RunContext(cell=getattr(self.shell, "execution_count", None), cell_source=cell, origin="magic",
+                           keep_history=True)
+        cm = trace(opts, context=ctx, display=display_opts)
         with cm:
             self.shell.run_cell(cell, store_history=False)
         t = cm.result
         if args.output:
             self.shell.user_ns[args.output] = t
-        deliver(t, save=args.save, quiet=args.quiet)
+        deliver(t, save=args.save, quiet=args.quiet, display=display_opts)
 
     @line_magic("tensorscope")
     def tensorscope_line(self, line):
@@ -124,13 +127,12 @@ class TensorscopeMagics(Magics):
                 path = t.save(parts[1])
             except TensorscopeError as e:   # one line, as --save reports it: no internal traceback
                 raise UsageError(f"tensorscope: {e}") from None
-            t.metadata["saved_to"] = path
             print(f"tensorscope: saved to {path}")
             return None
         if cmd == "on":
             req = parse_cell_args(rest)
-            self.ctl.always_on = dict(req.options)
-            if req.options.get("kernels"):
+            self.ctl.always_on = req
+            if req.options.kernels:
                 # one Kineto session for every cell (restarting per cell drifts and drops GPU events)
                 from ..timing.kernels import KernelCollector
 
@@ -139,7 +141,7 @@ class TensorscopeMagics(Magics):
             return None
         if cmd == "off":
             was = self.ctl.always_on is not None
-            kernels = was and self.ctl.always_on.get("kernels")
+            kernels = was and self.ctl.always_on.options.kernels
             self.ctl.always_on = None
             if kernels:
                 from ..timing.kernels import KernelCollector

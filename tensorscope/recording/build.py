@@ -676,7 +676,7 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         "platform": platform.platform(),
         "created_unix_ns": time.time_ns(),
         "device": device,
-        "options": sess.options.to_dict(),
+        "options": sess.options,   # the TraceOptions itself: TraceMetadata keeps it typed
         "cell": sess.cell,
         "cell_source": sess.cell_source,
         "wall_ns": sess.wall_ns,

@@ -10,6 +10,7 @@ recording would attribute every op twice).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -22,7 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..errors import TraceActiveError
 from ..modes.frames import exc_key
-from ..options import TraceOptions
+from ..options import DisplayOptions, RunContext, TraceOptions, resolve
 from .history import _remember
 from .recorder import C_SRC, Recorder
 
@@ -38,7 +39,7 @@ class Session:
     """Everything one trace needs while it records. Holds no tensor."""
 
     def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
-                 keep_history: bool = False, engine=None):
+                 keep_history: bool = False, origin: str = "api", engine=None):
         from ..modes.modules import ModuleTracker
         from ..tracking.storages import StorageTracker
         from .engines import EngineChoice, make_engine
@@ -53,6 +54,7 @@ class Session:
         self.cell = cell
         self.cell_source = cell_source
         self.keep_history = keep_history
+        self.origin = origin   # RunContext.origin
         self.rec = Recorder(options.chunk_rows, options.spill_rows, options.spill_dir)
         self.seq = 0
         self.recording = False
@@ -344,7 +346,7 @@ class Session:
                 self.rec.tracer_error("op hook", RuntimeError(msg))
             self.trace = build_trace(self)
             _note_cell_files(self.trace, self.rec)
-            self.trace.metadata["compiled_ops"] = self.compiled_ops
+            self.trace._amend(compiled_ops=self.compiled_ops, origin=self.origin)
         finally:
             if self.tracker is not None:
                 self.tracker.close()
@@ -362,23 +364,41 @@ class Session:
 
         if self._ds is None:
             ident = self.dist.resolve()
-            self._ds = {"ident": ident, "trace_id": reserve_trace_id(self.options.dataset, ident), "ops_written": 0}
+            self._ds = {"ident": ident, "trace_id": reserve_trace_id(self.options.dataset, ident), "ops_written": 0,
+                        "metadata": self._early_metadata(ident)}
         ds = self._ds
         was, self.recording = self.recording, False   # nothing here may be recorded
         try:
             for batch in decode_ops_from(self, ds["ops_written"]):
-                write_table_parts(self.options.dataset, "ops", ds["ident"], ds["trace_id"], pa_table(batch))
+                write_table_parts(self.options.dataset, "ops", ds["ident"], ds["trace_id"], pa_table(batch),
+                                  metadata=ds["metadata"])
                 ds["ops_written"] += batch.num_rows
         finally:
             self.recording = was
+
+    def _early_metadata(self, ident):
+        """What the trace's metadata holds before the trace ends (for parts written while it records)."""
+        import platform
+
+        from .._version import __version__
+        from ..metadata import TraceMetadata
+
+        return TraceMetadata(tensorscope_version=__version__, torch_version=torch.__version__,
+                             python_version=platform.python_version(), options=self.options.for_record(),
+                             cell=self.cell, cell_source=self.cell_source, origin=self.origin,
+                             engine=self.engine_choice.name, engine_reason=self.engine_choice.reason,
+                             distributed=dict(ident),
+                             notes=("written while the trace was recording: counts and notes are in the ranks "
+                                    "row's metadata_json",))
 
     def _write_dataset(self):
         """``dataset=DIR``: this rank's tables into the multi-rank dataset (io/dataset.py)."""
         try:
             ident = self._ds["ident"] if self._ds is not None else self.dist.resolve()
-            self.trace.metadata["distributed"] = {**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
-                                                  "anchor_unix_ns": self.dist.anchor_unix_ns}
-            self.trace.metadata.setdefault("notes", []).extend(self.dist.notes)
+            md = self.trace.metadata
+            self.trace._amend(distributed={**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
+                                           "anchor_unix_ns": self.dist.anchor_unix_ns},
+                              notes=md.notes + tuple(self.dist.notes))
         except Exception as e:   # describing the rank must never break the trace
             if not self.options.dataset:
                 return
@@ -392,7 +412,7 @@ class Session:
             early = self._ds or {}
             where = write_trace(self.trace, self.options.dataset, ident=ident, dist=self.dist,
                                 trace_id=early.get("trace_id"), ops_written=early.get("ops_written", 0))
-            self.trace.metadata["dataset"] = where
+            self.trace._amend(dataset=where)
         except Exception as e:   # the trace is kept (tensorscope.last()); trace.__exit__ reports it
             self.dataset_error = e
 
@@ -435,7 +455,7 @@ def _note_cell_files(t, rec):
         files += [r.get("source_file") for r in rec.errors]
         cells = cell_files_for(files)
         if cells:
-            t.metadata["cell_files"] = cells
+            t._amend(cell_files=cells)
     except Exception as e:
         rec.tracer_error("cell files", e)
 
@@ -467,8 +487,8 @@ def _warn_tracer_bugs(t):
 
 def raise_for_guards(t, baseline=None):
     """Cell guards (``expect=``, ``max_casts=``, ``baseline=``): raise GuardError after the block, trace kept."""
-    opts = t.metadata.get("options", {})
-    if not (opts.get("expect") or opts.get("max_casts") is not None or baseline is not None):
+    opts = t.metadata.options
+    if not (opts.expect or opts.max_casts is not None or baseline is not None):
         return
     from ..analyses.guards import check_guards
     from ..errors import GuardError
@@ -477,8 +497,7 @@ def raise_for_guards(t, baseline=None):
     if baseline is not None:
         from .._diff import diff
 
-        found = diff(baseline, t).regressions(time=opts.get("baseline_time", 0.2),
-                                              memory=opts.get("baseline_memory", 0.1))
+        found = diff(baseline, t).regressions(time=opts.baseline_time, memory=opts.baseline_memory)
         failures += [f"{f} against the baseline (tensorscope.diff(baseline, trace) shows where)" for f in found]
     if failures:
         raise GuardError("tensorscope guard failed:\n" + "\n".join(f"  - {f}" for f in failures), t, failures)
@@ -598,27 +617,33 @@ class trace:
     """Record every torch-level call and ATen op run inside the block.
 
     ``with tensorscope.trace() as t: ...`` — after the block ``t`` is the
-    finished, immutable ``tensorscope.Trace`` (attribute access is
-    forwarded to it). Options are keyword-only, see ``TraceOptions``.
+    finished, read-only ``tensorscope.Trace`` (attribute access is
+    forwarded to it). ``trace(TraceOptions(...), **keywords)``: the options
+    object, keywords, or both (see ``options.py``).
     """
 
-    def __init__(self, **options):
-        self._cell = options.pop("_cell", None)
-        self._cell_source = options.pop("_cell_source", None)
-        self._keep_history = options.pop("_keep_history", False)
-        self._deferred_kernels = options.pop("_deferred_kernels", False)
-        if options.get("baseline") is not None:
+    def __init__(self, options: Optional[TraceOptions] = None, *, context: Optional[RunContext] = None,
+                 display: Optional[DisplayOptions] = None, **keywords: Any):
+        """``options``: a ``TraceOptions`` (keywords, when given too, replace its fields);
+        ``context``: the ``RunContext`` (cell, source, origin), not an option; ``display``: the
+        ``DisplayOptions`` this object's own display uses (``numerics_threshold=`` as a keyword
+        works too). An unknown keyword is an ``OptionsError`` before anything runs."""
+        opts, disp = resolve(options, display, keywords)
+        if opts.baseline is not None:
             from .._diff import as_trace
 
-            options["baseline"] = as_trace(options["baseline"])   # a bad baseline fails before anything runs
-        self.options = TraceOptions.from_kwargs(options)
+            opts = dataclasses.replace(opts, baseline=as_trace(opts.baseline))   # a bad baseline fails before anything runs
+        self.options = opts
+        self.display = disp
+        self.context = context if context is not None else RunContext()
         self._session: Optional[Session] = None
         self._trace = None
 
     def __enter__(self):
-        self._session = new_session(self.options, cell=self._cell, cell_source=self._cell_source,
-                                    keep_history=self._keep_history)
-        self._session.deferred_kernels = self._deferred_kernels
+        ctx = self.context
+        self._session = new_session(self.options, cell=ctx.cell, cell_source=ctx.cell_source,
+                                    keep_history=ctx.keep_history, origin=ctx.origin)
+        self._session.deferred_kernels = ctx.deferred_kernels
         self._session.start()
         return self
 
@@ -654,5 +679,9 @@ class trace:
     def __repr__(self):
         return repr(self._trace) if self._trace is not None else "<tensorscope.trace (recording)>"
 
+    def summary(self, display: Optional[DisplayOptions] = None):
+        """The finished trace's summary, shown with ``display`` (default: this trace()'s display options)."""
+        return self.result.summary(display if display is not None else self.display)
+
     def _repr_mimebundle_(self, include=None, exclude=None):
-        return self.result._repr_mimebundle_(include, exclude)
+        return self.summary()._repr_mimebundle_(include, exclude)

@@ -74,7 +74,7 @@ def layout_section(t) -> Optional[Section]:
     return Section("layout", out, ("kind", "op", "call", "change", "count", "bytes", "where", "detail"), notes)
 
 
-def precision_section(t) -> Optional[Section]:
+def precision_section(t, display=None) -> Optional[Section]:
     cells = trace_cells(t)
     rows: List[tuple] = []
     notes: List[str] = []
@@ -135,7 +135,7 @@ def precision_section(t) -> Optional[Section]:
     md = t.metadata or {}
     opts = md.get("options") or {}
     if opts.get("numerics"):
-        thr = float(opts.get("numerics_threshold") or 1e-2)
+        thr = display.numerics_threshold if display is not None else 1e-2   # a DisplayOptions
         col = ops.column("num_rel_err")
         if col.null_count < ops.num_rows:
             over = ops.filter(pc.fill_null(pc.greater(col, thr), False))

@@ -7,7 +7,7 @@ never hides the others.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import pyarrow.compute as pc
 
@@ -179,13 +179,27 @@ SECTIONS: Tuple[Callable[..., Optional[Section]], ...] = (
 )
 
 
-def summarize(t) -> Summary:
+def summarize(t, display=None) -> Summary:
+    """Every section of ``t``; ``display`` (a ``DisplayOptions``, defaults when None) reaches the
+    sections that take a ``display`` keyword (how a result is shown is never part of the trace)."""
+    from ..options import DisplayOptions
+
+    display = display if display is not None else DisplayOptions()
     out = []
     for fn in SECTIONS:
         try:
-            sec = fn(t)
+            sec = fn(t, display=display) if _takes_display(fn) else fn(t)
         except Exception as e:  # a broken section must not hide the others
             sec = Section(getattr(fn, "__name__", "section"), [], None, [f"could not render: {type(e).__name__}: {e}"])
         if sec is not None:
             out.append(sec)
     return Summary(out)
+
+
+def _takes_display(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        return "display" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

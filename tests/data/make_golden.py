@@ -31,11 +31,13 @@ def main() -> int:
     ns = {"torch": torch, "tensorscope": tensorscope}
     exec(compile(PROGRAM, "<golden>", "exec"), ns)
     t = ns["t"]
-    t.metadata["cell_source"] = "m(x).sum().backward()"
-    if isinstance(t.metadata.get("native"), dict):
-        t.metadata["native"].pop("path", None)   # a path on the machine that wrote it
-        if isinstance(t.metadata["native"].get("engine"), dict):
-            t.metadata["native"]["engine"].pop("path", None)
+    md = t.metadata.to_dict()
+    md["cell_source"] = "m(x).sum().backward()"
+    if isinstance(md.get("native"), dict):
+        md["native"].pop("path", None)   # a path on the machine that wrote it
+        if isinstance(md["native"].get("engine"), dict):
+            md["native"]["engine"].pop("path", None)
+    t = tensorscope.Trace({name: t.table(name) for name in S.RECORDED}, md)   # a Trace is read-only: a new one
     t.save(out)
     print(f"wrote {out}: {t.ops.num_rows} ops")
     return 0
