@@ -23,7 +23,6 @@ import dataclasses
 import html
 import os
 import platform
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -205,8 +204,8 @@ def _gpu_infos(torch, count: int, arch_list: List[str], notes: List[str]) -> Lis
         elif cap[0] > 0:
             bf16 = False     # emulated at best: no bf16 tensor cores before sm_80
         out.append(GpuInfo(index=i, name=str(p.name), capability=f"sm_{cap[0]}{cap[1]}",
-                           sm_count=_try(lambda: int(p.multi_processor_count)),
-                           total_memory=_try(lambda: int(p.total_memory)), code=code, code_arch=code_arch, bf16=bf16))
+                           sm_count=_try(lambda p=p: int(p.multi_processor_count)),
+                           total_memory=_try(lambda p=p: int(p.total_memory)), code=code, code_arch=code_arch, bf16=bf16))
         if code == "ptx":
             notes.append(f"cuda:{i} ({out[-1].capability}) runs this torch build through PTX JIT: the first call of "
                          "each kernel compiles it, so early timings include compilation")

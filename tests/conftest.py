@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-import torch
 from torch.nn.modules import module as _mod
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
@@ -85,7 +84,6 @@ class Kernel:
 
 def _kernel_cmd_supported() -> bool:
     try:
-        import inspect
 
         return "kernel_cmd" in KernelManager.class_traits()
     except Exception:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -98,62 +97,3 @@ def traced(cap, substitute=None, function=True):
             stack.enter_context(MiniFunction(cap, log))
         stack.enter_context(MiniDispatch(cap, log, substitute))
         yield log
-
-
-class _PlainMode(TorchDispatchMode):
-    """The dispatch-mode skeleton of MiniDispatch without the capture calls."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            pass
-
-
-class _CaptureMode(TorchDispatchMode):
-    """The same skeleton with op_begin/op_end, as a tracer calls them."""
-
-    def __init__(self, cap):
-        super().__init__()
-        self.op_begin, self.op_end = cap.op_begin, cap.op_end
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.op_begin()
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self.op_end()
-
-
-def per_op_ns(cap, n: int = 20000, repeats: int = 3, block: int = 500) -> Dict[str, float]:
-    """Per-op time of a small op inside a real TorchDispatchMode, without and with op_begin/op_end.
-
-    ``n`` ops per variant per repeat, run as alternating blocks of ``block``
-    ops in this thread's CPU time (the machine is shared; wall time would
-    mostly measure the neighbours). The overhead is the median of the paired
-    block differences, robust against the noise that dwarfs a sub-microsecond
-    effect when whole runs are compared.
-    """
-    import statistics
-
-    x = torch.ones(4)
-    neg = torch.neg
-    plain, with_cap = _PlainMode(), _CaptureMode(cap)
-
-    def run(mode, k) -> float:
-        with mode:
-            t0 = time.thread_time_ns()
-            for _ in range(k):
-                neg(x)
-            return (time.thread_time_ns() - t0) / k
-
-    run(plain, block), run(with_cap, block)  # warm up
-    bare, capd, diffs = [], [], []
-    for _ in range(max(1, repeats * n // block)):
-        b = run(plain, block)
-        c = run(with_cap, block)
-        bare.append(b)
-        capd.append(c)
-        diffs.append(c - b)
-    return {"bare_ns": statistics.median(bare), "capture_ns": statistics.median(capd),
-            "overhead_ns": statistics.median(diffs)}

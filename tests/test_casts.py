@@ -1,7 +1,6 @@
 """casts: explicit, promotion, implicit downcast, autocast, copies; directions and round trips."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import tensorscope
@@ -208,8 +207,10 @@ def test_inference_mode_gives_the_same_casts():
         body()
     with torch.inference_mode(), tensorscope.trace() as i:
         body()
-    key = lambda t: [(r["kind"], r["from_dtype"], r["to_dtype"], r["numel"], r["call"], r["round_trip"])
-                     for r in t.casts.to_pylist()]
+    def key(t):
+        return [(r["kind"], r["from_dtype"], r["to_dtype"], r["numel"], r["call"], r["round_trip"])
+                for r in t.casts.to_pylist()]
+
     assert key(g) == key(i)
     assert len(key(g)) == 2 + 1 + 1 + 3
 
@@ -217,7 +218,9 @@ def test_inference_mode_gives_the_same_casts():
 def test_direction_and_promotion_helpers_match_torch():
     dts = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
            torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
-    name = lambda d: str(d).replace("torch.", "")
+    def name(d):
+        return str(d).replace("torch.", "")
+
     for a in dts:
         for b in dts:
             assert promote(name(a), name(b)) == name(torch.promote_types(a, b)), (a, b)

@@ -55,7 +55,7 @@ def check_layout(root):
             continue
         assert table in DATASET_TABLES, table
         schemas = []
-        for dirpath, dirnames, files in os.walk(tdir):
+        for dirpath, _dirnames, files in os.walk(tdir):
             rel = os.path.relpath(dirpath, tdir).split(os.sep)
             for f in files:
                 assert len(rel) == 2 and rel[0].startswith("run=") and rel[1].startswith("rank="), dirpath

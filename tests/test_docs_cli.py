@@ -37,7 +37,9 @@ def test_cli_summary_sql_export(tmp_path):
     with tensorscope.trace() as t:
         torch.randn(4, 4).relu().sum()
     path = t.save(tmp_path / "run")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "tensorscope", *a], capture_output=True, text=True)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "tensorscope", *a], capture_output=True, text=True)
+
     r = run("summary", path)
     assert r.returncode == 0 and "aten.relu.default" in r.stdout
     r = run("sql", path, "select count(*) as n from ops")

@@ -586,7 +586,7 @@ def test_op_hook_receives_collectives_under_both_engines(tmp_path):
         for eng in ("python", "native"):
             seen = []
 
-            def hook(seq, op, inputs, outputs):
+            def hook(seq, op, inputs, outputs, seen=seen):
                 seen.append((seq, op, [type(i).__name__ for i in inputs],
                              None if outputs is None else len(outputs)))
 

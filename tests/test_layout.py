@@ -1,7 +1,6 @@
 """layout_changes: memory-format changes, hidden copies and non-dense inputs, on real traces."""
 from __future__ import annotations
 
-import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F

@@ -32,7 +32,7 @@ def test_traced_cell_displays_last_expression_and_summary(k, tmp_path):
     assert k.value("t is tensorscope.last()") is True
     assert k.value("t.ops.column('op').to_pylist()[:2]") == ["aten.mm.default", "aten.relu.default"]
     assert k.value("t.ops.column('source_line').to_pylist()[:2]") == [2, 3]   # line numbers are the cell's
-    assert k.value(f"t.metadata['cell']") == r.execution_count
+    assert k.value("t.metadata['cell']") == r.execution_count
     assert k.value(f"tensorscope.load({str(save)!r}).ops.num_rows == t.ops.num_rows") is True
     # no mode is left behind once the cell finished
     assert k.value("__import__('torch').utils._python_dispatch._get_current_dispatch_mode_stack()") == []

@@ -24,7 +24,7 @@ from tensorscope.native import _build
 from tensorscope.native._capture import NativeCapture
 from tensorscope.native._fallback import TAP, FallbackCapture, split_triggered
 
-from native_helpers import TEST_OPS_CPP, cpp_line_of, per_op_ns, traced
+from native_helpers import TEST_OPS_CPP, cpp_line_of, traced
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -551,16 +551,16 @@ def test_build_cache_reused(ext):
     meta = _build.cached(_build.HOOKS)
     assert meta is not None and meta["seconds"] > 0
     code = textwrap.dedent("""
-        import json, time, torch
+        import json, torch
         from tensorscope.native import _build
-        t = time.perf_counter(); mod, reason = _build.ensure(_build.HOOKS); dt = time.perf_counter() - t
-        print(json.dumps({"ok": mod is not None, "s": dt, "compiled": _build._STATES["hooks"].compiled, "reason": reason}))
+        mod, reason = _build.ensure(_build.HOOKS)
+        print(json.dumps({"ok": mod is not None, "compiled": _build._STATES["hooks"].compiled, "reason": reason}))
     """)
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["ok"] and not r["compiled"] and "cache" in r["reason"]
-    assert r["s"] < 0.5 and r["s"] < meta["seconds"] / 10, (r, meta)
+    # loaded from the cache, not compiled (how long a load takes is measured nowhere in tests)
+    assert r["ok"] and not r["compiled"] and "cache" in r["reason"], (r, meta)
     assert "tensorscope:" not in out.stderr   # no build message when nothing is built
 
 

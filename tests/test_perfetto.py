@@ -5,13 +5,11 @@ import gzip
 import json
 import os
 
-import pyarrow as pa
 import pytest
 import torch
 
 from synthetic import make_trace, table
 import tensorscope
-from tensorscope import schema as S
 from tensorscope.errors import ExportError
 from tensorscope.render.perfetto import CPU_PID, GPU_PID_BASE, trace_events, validate_trace_events, write_perfetto
 

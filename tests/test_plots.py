@@ -7,16 +7,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import pyarrow as pa  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from matplotlib.collections import PolyCollection  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import pytest
+import torch
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
 
 from synthetic import make_trace, table
-import tensorscope  # noqa: E402
-from tensorscope import schema as S  # noqa: E402
-from tensorscope.render.plots import PlotAccessor, timeline_png  # noqa: E402
+import tensorscope
+from tensorscope.render.plots import PlotAccessor, timeline_png
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -213,7 +213,7 @@ def test_cuda_nothing_recorded_while_capturing_a_graph_and_begin_never_raises():
 def test_cuda_events_are_recycled_across_resolves_and_bounded():
     cu = FakeCuda()
     timer = cu.timer(max_pending=3)
-    for rnd in range(3):
+    for _round in range(3):
         for seq in range(5):
             timer.end(timer.begin_for(seq, [FakeTensor(0)]))
         timer.resolve()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import sys
 import types
 import weakref
 

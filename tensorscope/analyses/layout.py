@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from ..modes.meta import non_dense_kind  # noqa: F401  (one definition of the labels; re-exported)
+from ..modes.meta import non_dense_kind  # one definition of the labels; re-exported
 
 CL_FORMATS = frozenset({"channels_last", "channels_last_3d"})
 #: dense labels (the recorder writes "strided"; design.md also names "dense_permuted"); traces before

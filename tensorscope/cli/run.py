@@ -63,7 +63,7 @@ def run_script(path: str, args: List[str], opts: dict) -> int:
     from ..recording.session import trace
 
     path = os.path.abspath(path)
-    old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
+    old_argv = sys.argv
     sys.argv = [path] + args
     sys.path.insert(0, os.path.dirname(path))
     code = 0

@@ -89,8 +89,8 @@ def read_metadata(path) -> Dict[str, Any]:
 def check_version(version: str, where: str):
     try:
         major, minor = S.parse_version(version)
-    except (TypeError, ValueError):
-        raise TraceFormatError(f"{where}: unreadable schema version {version!r}")
+    except (TypeError, ValueError) as e:
+        raise TraceFormatError(f"{where}: unreadable schema version {version!r}") from e
     if major > S.SCHEMA_MAJOR:
         raise SchemaVersionError(
             f"{where} was written with tensorscope schema version {version}, newer than this tensorscope "

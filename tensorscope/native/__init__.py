@@ -34,7 +34,7 @@ tool chain, and builds nothing.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence
 
 from . import _build
 

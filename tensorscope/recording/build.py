@@ -583,7 +583,7 @@ def _errors_table(sess, ctx: _Ctx):
                 continue
             index[key] = len(folded)
         folded.append(r)
-    for i, r in enumerate(folded):
+    for r in folded:
         r.setdefault("count", 1)
     # error ids are positions in the recorded list; keep them stable for ops/calls links
     return pa.Table.from_pylist(folded, schema=S.ERRORS)

@@ -10,15 +10,12 @@ recording would attribute every op twice).
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..errors import TraceActiveError
 from ..options import TraceOptions
@@ -423,7 +420,7 @@ def _warm_up():
         return
     _warmed = True
     try:
-        import torch._dynamo  # noqa: F401  (every mode's __torch_dispatch__ runs under a dynamo-disable wrapper)
+        import torch._dynamo  # every mode's __torch_dispatch__ runs under a dynamo-disable wrapper
         import torch.utils.flop_counter  # noqa: F401
     except Exception:
         pass

@@ -136,7 +136,7 @@ def trace_events(trace) -> Dict[str, Any]:
     stack: List[int] = []
     clamped = 0
     events: List[Tuple[Tuple, Dict[str, Any]]] = []
-    for s, e, order, p in slices:
+    for s, e, _order, p in slices:
         while stack and s >= stack[-1]:
             stack.pop()
         if stack and e > stack[-1]:

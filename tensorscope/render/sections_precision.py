@@ -83,7 +83,9 @@ def precision_section(t) -> Optional[Section]:
     if cs.num_rows:
         with _NoGC():
             crow = cs.to_pylist()
-        key = lambda r: (r["kind"], r["direction"], r["from_dtype"], r["to_dtype"])
+        def key(r):
+            return (r["kind"], r["direction"], r["from_dtype"], r["to_dtype"])
+
         groups = _group(crow, key)
         groups.sort(key=lambda e: (-e[1], -e[2]))
         places = {}

@@ -126,7 +126,6 @@ def top_ops(t, k: int = 10) -> Optional[Section]:
     ops = t.ops
     if ops.num_rows == 0:
         return None
-    import pyarrow as pa
 
     work = ops.filter(pc.invert(ops.column("is_noise")))
     if work.num_rows == 0:

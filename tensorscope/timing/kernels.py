@@ -61,7 +61,6 @@ sampled in the tightest of a few brackets, is the offset.
 from __future__ import annotations
 
 import bisect
-import json
 import re
 import threading
 import time

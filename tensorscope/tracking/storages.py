@@ -16,7 +16,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
 
 
 @dataclass(frozen=True)
