@@ -594,7 +594,7 @@ def _kernels_table(sess, ops):
         return S.empty("kernels"), []
     try:
         if sess.deferred_kernels and sess.kernels.available:
-            from .timing.kernels import _cuda_devices_of
+            from ..timing.kernels import _cuda_devices_of
 
             pending = sess.kernels.end_window_deferred(sess.t0, ops, _cuda_devices_of(ops))
             if pending is not None:
