@@ -236,11 +236,14 @@ def env(init_cuda: bool = True) -> EnvReport:
         details = "none"
     cudnn_ver = _try(torch.backends.cudnn.version) if (cuda_rt or hip) else None
 
-    fp32 = {}
+    fp32: Dict[str, Optional[str]] = {}
+    # the per-backend fp32_precision settings are newer than some supported torch versions (_try
+    # guards them) and torch's stubs do not declare the cudnn/mkldnn sub-modules
     for key, getter in (("matmul", lambda: torch.backends.cuda.matmul.fp32_precision),
-                        ("cudnn_conv", lambda: torch.backends.cudnn.conv.fp32_precision),
-                        ("cudnn_rnn", lambda: torch.backends.cudnn.rnn.fp32_precision),
-                        ("mkldnn_matmul", lambda: torch.backends.mkldnn.matmul.fp32_precision)):
+                        ("cudnn_conv", lambda: torch.backends.cudnn.conv.fp32_precision),  # type: ignore[attr-defined]
+                        ("cudnn_rnn", lambda: torch.backends.cudnn.rnn.fp32_precision),  # type: ignore[attr-defined]
+                        ("mkldnn_matmul",
+                         lambda: torch.backends.mkldnn.matmul.fp32_precision)):  # type: ignore[attr-defined]
         v = _try(getter)
         if v is not None:
             fp32[key] = str(v)

@@ -212,6 +212,8 @@ def _import_built(spec: LibSpec, so: str):
 
     loader = importlib.machinery.ExtensionFileLoader(spec.name, so)
     mspec = importlib.util.spec_from_file_location(spec.name, so, loader=loader)
+    if mspec is None:
+        raise ImportError(f"cannot load {so}")
     mod = importlib.util.module_from_spec(mspec)
     loader.exec_module(mod)
     return mod

@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 import warnings
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
@@ -21,6 +21,9 @@ from ..errors import TraceActiveError
 from ..options import TraceOptions
 from .history import _remember
 from .recorder import C_SRC, Recorder
+
+if TYPE_CHECKING:
+    from .._trace import Trace
 
 _local = threading.local()
 _warned_tracer_bug = False
@@ -84,9 +87,9 @@ class Session:
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.t0 = 0
         self.wall_ns = 0
-        self.trace = None
+        self.trace: Optional[Trace] = None
         self._fmode = None
-        self._entered = []
+        self._entered: List[str] = []
 
     def _module_tracker(self, cls):
         return cls(self.rec)
@@ -304,8 +307,8 @@ class Session:
                 self.capture.close()
             except Exception as e:
                 errors.append(e)
-        for e in errors:
-            self.rec.tracer_error("restore", e)
+        for err in errors:
+            self.rec.tracer_error("restore", err)
 
     def stop(self, exc: Optional[BaseException] = None):
         """Stop recording, restore global state, build and return the Trace."""
