@@ -1,6 +1,8 @@
 """The exception hierarchy: every error tensorscope raises is a TensorscopeError."""
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 
 class TensorscopeError(Exception):
     """Base class of all tensorscope errors."""
@@ -32,7 +34,7 @@ class GuardError(TensorscopeError, AssertionError):
     The cell ran to completion and its trace is kept in ``.trace``.
     """
 
-    def __init__(self, message: str, trace=None, failures=()):
+    def __init__(self, message: str, trace: Any = None, failures: Iterable[Any] = ()) -> None:
         super().__init__(message)
         self.trace = trace
         self.failures = list(failures)
