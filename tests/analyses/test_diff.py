@@ -114,7 +114,7 @@ def test_bad_baseline_fails_before_running():
 
 @pytest.mark.kernel
 def test_magics_diff_and_baseline(tmp_path):
-    from kernel_utils import Kernel
+    from tests.helpers.kernel_utils import Kernel
 
     k = Kernel(cwd=str(tmp_path))
     try:

@@ -9,9 +9,8 @@ import sys
 import pytest
 
 import tensorscope
+from tests.helpers import ROOT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def _cli(*args, timeout=240, env=None):
@@ -112,7 +111,7 @@ def test_install_kernel_loads_the_extension(tmp_path):
 
 @pytest.mark.kernel
 def test_cell_magic_dataset_flag(tmp_path):
-    from kernel_utils import Kernel
+    from tests.helpers.kernel_utils import Kernel
 
     k = Kernel(cwd=str(tmp_path), env={"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                        "TENSORSCOPE_RUN_ID": "nb1"})

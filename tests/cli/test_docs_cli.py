@@ -11,8 +11,8 @@ import torch
 import tensorscope
 from tensorscope import options as O
 from tensorscope import schema as S
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 
 

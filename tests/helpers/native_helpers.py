@@ -1,4 +1,4 @@
-"""Helpers for tests/test_native.py: minimal modes that drive a native Capture.
+"""Helpers for tests/native/test_native.py: minimal modes that drive a native Capture.
 
 The modes here are deliberately small stand-ins for tensorscope's own: a
 TorchDispatchMode calling ``op_begin``/``op_end`` around every ATen op, and a
@@ -18,8 +18,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-TEST_OPS_CPP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "tensorscope", "native", "test_ops.cpp")
+from tests.helpers import TESTS
+
+#: the test-op library's source: tests only, so it lives here and not in the package (nor the wheel)
+TEST_OPS_CPP = os.path.join(TESTS, "native", "test_ops.cpp")
 
 
 def cpp_line_of(text: str, path: str = TEST_OPS_CPP) -> int:

@@ -12,7 +12,7 @@ import tensorscope
 from tensorscope import schema as S
 from tensorscope.errors import ExportError, OptionsError, TraceFormatError
 
-from test_distributed import check_layout
+from tests.helpers.datasets import check_layout
 
 
 def _same(a, b) -> bool:

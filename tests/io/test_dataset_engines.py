@@ -11,8 +11,6 @@ import torch
 
 import tensorscope
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):

@@ -13,6 +13,7 @@ import torch
 
 import tensorscope
 from tensorscope import schema as S
+from tests.helpers import TESTS
 
 
 def _traced():
@@ -182,7 +183,7 @@ def test_spill_keeps_memory_bounded_and_results_identical(tmp_path):
 
 
 def test_golden_file_of_each_released_schema_version_loads():
-    golden = os.path.join(os.path.dirname(__file__), "data")
+    golden = os.path.join(TESTS, "data")
     dirs = sorted(d for d in os.listdir(golden) if d.startswith("golden-schema-"))
     assert dirs, "a golden trace per released schema version lives in tests/data"
     for d in dirs:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kernel_utils import Kernel
+from tests.helpers.kernel_utils import Kernel
 
 pytestmark = pytest.mark.kernel
 

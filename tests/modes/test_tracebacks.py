@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from kernel_utils import Kernel
+from tests.helpers.kernel_utils import Kernel
 
 pytestmark = pytest.mark.kernel
 

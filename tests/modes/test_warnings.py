@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_utils import Kernel
+from tests.helpers.kernel_utils import Kernel
 
 pytestmark = pytest.mark.kernel
 

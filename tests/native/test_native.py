@@ -2,7 +2,7 @@
 
 Every behavioural test runs against both implementations (the compiled hooks
 and the pure-Python fallback) inside minimal modes of its own
-(tests/native_helpers.py). The native part is compiled for real: the first
+(tests/helpers/native_helpers.py). The native part is compiled for real: the first
 test session on a machine compiles hooks.cpp and test_ops.cpp (~15-40 s each)
 into the cache, later sessions load them in about a millisecond.
 """
@@ -24,10 +24,9 @@ from tensorscope.native import _build
 from tensorscope.native._capture import NativeCapture
 from tensorscope.native._fallback import TAP, FallbackCapture, split_triggered
 
-from native_helpers import TEST_OPS_CPP, cpp_line_of, traced
+from tests.helpers import ROOT
+from tests.helpers.native_helpers import TEST_OPS_CPP, cpp_line_of, traced
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 PY = sys.executable
 
 
@@ -48,7 +47,7 @@ def ext():
 @pytest.fixture(scope="session")
 def T():
     _skip_without_toolchain()
-    return tn.load_test_ops()
+    return tn.load_test_ops(TEST_OPS_CPP)
 
 
 @pytest.fixture(params=["native", "fallback"])
@@ -568,7 +567,7 @@ def test_build_key_tracks_source():
     a = _build.build_key(_build.HOOKS, b"int a;")
     b = _build.build_key(_build.HOOKS, b"int b;")
     assert a != b and len(a) == 16 and a == _build.build_key(_build.HOOKS, b"int a;")
-    assert _build.build_key(_build.TEST_OPS, b"int a;") != a
+    assert _build.build_key(_build.test_ops_spec(TEST_OPS_CPP), b"int a;") != a
 
 
 def test_build_failure_is_reported_and_remembered(tmp_path, monkeypatch, capfd):
@@ -645,8 +644,8 @@ def test_cpp_stacktraces_env_subprocess(ext, T):
         import torch, tensorscope.native as tn
         from tensorscope.native._capture import NativeCapture
         from tensorscope.native._fallback import FallbackCapture
-        from native_helpers import traced
-        T = tn.load_test_ops()
+        from tests.helpers.native_helpers import TEST_OPS_CPP, traced
+        T = tn.load_test_ops(TEST_OPS_CPP)
         mod, _ = tn._build.ensure(tn._build.HOOKS)
         out = {}
         for name, make in (("fallback", FallbackCapture), ("native", lambda: NativeCapture(mod, cpp_errors=True))):
@@ -663,7 +662,7 @@ def test_cpp_stacktraces_env_subprocess(ext, T):
     """)
     env = dict(os.environ, TORCH_SHOW_CPP_STACKTRACES="1", TORCH_DISABLE_ADDR2LINE="1")
     env.pop(tn.FORCE_ENV, None)
-    out = subprocess.run([PY, "-c", code, HERE], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
+    out = subprocess.run([PY, "-c", code, ROOT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     line = cpp_line_of('"tensorscope_test: c10::IndexError raised')

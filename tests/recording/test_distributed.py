@@ -5,23 +5,19 @@ Each run is bounded by a timeout. One spawn run feeds most checks (module fixtur
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
 
-import pyarrow.parquet as pq
 import pytest
 
 import tensorscope
-from tensorscope import schema as S
-from tensorscope.io.dataset import DATASET_TABLES
+from tests.helpers import ROOT
+from tests.helpers.datasets import check_layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 WORKERS = os.path.join(HERE, "dist", "workers.py")
 TRAIN = os.path.join(HERE, "dist", "train.py")
-PART = re.compile(r"^part-a\d+-\d+\.parquet$")
 
 pytestmark = pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="torch.distributed missing")
 
@@ -43,26 +39,6 @@ def _env():
 def _run(args, timeout=300):
     r = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     return r
-
-
-def check_layout(root):
-    """Only part-*.parquet under <table>/run=<id>/rank=<r>/, and one schema per table across ranks."""
-    for table in os.listdir(root):
-        if table.startswith("."):
-            continue
-        tdir = os.path.join(root, table)
-        if not os.path.isdir(tdir):
-            continue
-        assert table in DATASET_TABLES, table
-        schemas = []
-        for dirpath, _dirnames, files in os.walk(tdir):
-            rel = os.path.relpath(dirpath, tdir).split(os.sep)
-            for f in files:
-                assert len(rel) == 2 and rel[0].startswith("run=") and rel[1].startswith("rank="), dirpath
-                assert PART.match(f), os.path.join(dirpath, f)
-                schemas.append(pq.read_schema(os.path.join(dirpath, f)).remove_metadata())
-        want = S.dataset_schema(table).remove_metadata()
-        assert schemas and all(s.equals(want) for s in schemas), table
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,7 @@ import pytest
 import torch
 
 import tensorscope
+from tests.helpers.native_helpers import TEST_OPS_CPP
 
 def _native_available():
     from tensorscope.recording.engines import _native_ext
@@ -305,7 +306,7 @@ def test_kernel_that_raises():
 def test_cpp_warnings_per_op():
     from tensorscope import native
 
-    ops = native.load_test_ops()
+    ops = native.load_test_ops(TEST_OPS_CPP)
 
     def run():
         x = torch.randn(3)

@@ -24,9 +24,10 @@ import time
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = pytest.mark.kernel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CELLS = [
     "%load_ext tensorscope\nimport torch\ntorch.manual_seed(0)\n"

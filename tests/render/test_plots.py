@@ -12,7 +12,7 @@ import torch
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
-from synthetic import make_trace, table
+from tests.helpers.synthetic import make_trace, table
 import tensorscope
 from tensorscope.render.plots import PlotAccessor, timeline_png
 

@@ -11,8 +11,7 @@ import torch
 import tensorscope
 from tensorscope.render.summary import modules_section
 from tensorscope.render.svg import COLORS, icicle_svg, icicle_tree, timeline_svg
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 
 class Net(torch.nn.Module):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_utils import Kernel
+from tests.helpers.kernel_utils import Kernel
 from tensorscope.tracking.leaks import fix_code
 
 pytestmark = pytest.mark.kernel
