@@ -1,4 +1,4 @@
-"""A DDP training script for ``torchrun ... -m tensorscope run --out DIR tests/dist/train.py``.
+"""A DDP training script for ``torchrun ... -m tensorscope run --out DIR tests/recording/dist/train.py``.
 
 On the first attempt (TORCHELASTIC_RESTART_COUNT=0) with ``--fail-once``, rank 1 exits
 with status 3 after its step, so torchrun restarts the group: attempt 1 must write new

@@ -1,7 +1,7 @@
-"""Multi-process workers for tests/test_distributed.py: real processes, gloo, loopback only.
+"""Multi-process workers for tests/recording/test_distributed.py: real processes, gloo, loopback only.
 
-    python tests/dist/workers.py spawn ROOT PORT   # mp.spawn, 2 ranks: DDP step, direct + functional collectives
-    python tests/dist/workers.py kill ROOT PORT    # rank 1 is SIGKILLed mid-trace; rank 0 writes its parts
+    python tests/recording/dist/workers.py spawn ROOT PORT   # mp.spawn, 2 ranks: DDP step, direct + functional collectives
+    python tests/recording/dist/workers.py kill ROOT PORT    # rank 1 is SIGKILLed mid-trace; rank 0 writes its parts
 """
 import os
 import signal
