@@ -50,6 +50,7 @@ why (every one is normalised by a helper below, nothing else is):
 """
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
@@ -581,6 +582,7 @@ def test_op_hook_receives_collectives_under_both_engines(tmp_path):
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     store = dist.FileStore(str(tmp_path / "store"), 1)
+    excepthook = sys.excepthook   # init_process_group installs its own, for good
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         got = {}
@@ -616,6 +618,7 @@ def test_op_hook_receives_collectives_under_both_engines(tmp_path):
         assert any("ScriptObject" in types for _, types, _ in got["native"])   # the process group
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def test_two_threads_tracing_at_once():
