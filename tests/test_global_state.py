@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 
 import pytest
@@ -58,6 +59,14 @@ def test_leak_discovery_left_enabled_is_caught_and_disabled():
     assert boundary.discovery() is None
 
 
+def test_a_replaced_main_module_is_caught_and_put_back():
+    state = GlobalState.take()
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = type(sys)("__main__")
+    assert state.restore() == ["sys.modules['__main__']"]
+    assert sys.modules["__main__"] is main
+
+
 def test_grad_mode_and_default_dtype_are_caught_and_restored():
     state = GlobalState.take()
     torch.set_grad_enabled(False)
@@ -84,8 +93,10 @@ def test_the_ipython_singleton_and_its_builtins_are_put_back():
 
     before = InteractiveShell._instance
     state = GlobalState.take()
+    main = sys.modules["__main__"]
     InteractiveShell.instance()
     assert InteractiveShell.initialized()
     assert state.restore() == []
     assert InteractiveShell._instance is before
+    assert sys.modules["__main__"] is main          # the shell's namespace no longer reachable from there
     assert before is not None or not hasattr(builtins, "__IPYTHON__")

@@ -129,11 +129,44 @@ def _ipython_instance() -> Any:
 
 
 def _put_ipython(saved: Any, now: Any) -> None:
+    import atexit
+
     from IPython.core.interactiveshell import InteractiveShell
 
     if now is not None:
-        type(now).clear_instance()
+        # what IPython does at exit, now: atexit keeps every shell alive, and with it its namespace
+        # (the tensors of its cells, which the next test's leak report would list)
+        try:
+            now.atexit_operations()      # resets the namespace, closes the history database
+        finally:
+            atexit.unregister(now.atexit_operations)
+            now.cleanup()                # sys.modules["__main__"] and the sys attributes it replaced
+            type(now).clear_instance()
     InteractiveShell._instance = saved
+
+
+def _main_module() -> Any:
+    return sys.modules.get("__main__")
+
+
+def _put_main_module(saved: Any, now: Any) -> None:
+    sys.modules["__main__"] = saved
+
+
+_SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
+
+
+def _sys_last() -> Tuple[Any, ...]:
+    return tuple(getattr(sys, k, None) for k in _SYS_LAST)
+
+
+def _put_sys_last(saved: Tuple[Any, ...], now: Any) -> None:
+    for k, v in zip(_SYS_LAST, saved):
+        if v is None:
+            if hasattr(sys, k):
+                delattr(sys, k)
+        else:
+            setattr(sys, k, v)
 
 
 def _builtins() -> Dict[str, Any]:
@@ -186,6 +219,8 @@ def pieces() -> List[Piece]:
         Piece("history limits", lambda: (_history._HISTORY_MAX, _history._HISTORY_MAX_BYTES),
               lambda s, n: (setattr(_history, "_HISTORY_MAX", s[0]), setattr(_history, "_HISTORY_MAX_BYTES", s[1])),
               True),
+        # an error shown by a shell: its traceback's frames hold the cell's tensors
+        Piece("sys.last_traceback and friends", _sys_last, _put_sys_last, True),
         Piece("casts cache", lambda: _casts._last, lambda s, n: setattr(_casts, "_last", s), True),
         _contents("leak registry", _known._KNOWN),
         _contents("leak growth streaks", _growth._STREAKS),
@@ -193,6 +228,9 @@ def pieces() -> List[Piece]:
         Piece("shared kernel collector", lambda: KernelCollector._shared, _put_collector, True),
         Piece(_IPYTHON, _ipython_instance, _put_ipython, True),
         Piece("builtins (IPython adds its own)", _builtins, _put_builtins, True),
+        # a shell makes its user namespace sys.modules["__main__"]: left there, the tensors of its cells
+        # stay reachable (and show up in the next test's leak report) after the shell is gone
+        Piece("sys.modules['__main__']", _main_module, _put_main_module, False, excused_by=_IPYTHON),
         _contents("magic controllers", _controller._controllers),
     ]
 
