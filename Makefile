@@ -1,17 +1,17 @@
-# The two commands: `make demo` and `make test`. Each sets everything up from a
-# machine that has nothing but Python.
+# The commands: `make demo`, `make test`, `make lint` and `make typecheck`. Each sets
+# everything up from a machine that has nothing but Python.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned here, in the install step, so pip never pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test,dev]" "$(TORCH_PIN)"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	# compile the native hooks and recording engine now (cached per torch/python/source) rather than in the first traced cell;
 	# a failed build is not fatal: tensorscope then uses, and says it uses, the pure-Python fallback
@@ -28,6 +28,14 @@ test: setup
 	# the whole suite again with the fallback forced: python recording engine, pure-Python
 	# warning/error capture (design: both implementations are tested; ~6 min a pass)
 	TENSORSCOPE_FORCE_FALLBACK=1 $(PY) -m pytest -q tests
+
+# ruff (pyflakes, bugbear, isort; pyproject.toml [tool.ruff]) over everything that is Python
+lint: setup
+	$(PY) -m ruff check tensorscope tests benchmarks examples
+
+# mypy (pyproject.toml [tool.mypy]): strict on the leaf packages, the rest clean without strict
+typecheck: setup
+	$(PY) -m mypy
 
 bench: setup
 	$(PY) benchmarks/overhead.py

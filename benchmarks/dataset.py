@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 import tensorscope
@@ -78,7 +77,6 @@ def record(n_ops, root):
 
 
 def write_cost(t, root):
-    ident = {"run_id": "bench", "rank": 0, "attempt": 0}
     t0 = time.perf_counter()
     write_part(root, "ops", "bench", 0, 0, to_dataset_table("ops", t.ops, 0, 0))
     dt = time.perf_counter() - t0

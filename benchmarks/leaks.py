@@ -99,7 +99,7 @@ def trace_leak_step(n=5):
 
     lib = types.ModuleType("biglib")
     lib.state = [{"k": [i, str(i)]} for i in range(300_000)]
-    lib.funcs = [(lambda i: (lambda x: x + i))(i) for i in range(20_000)]
+    lib.funcs = [(lambda k: (lambda x: x + k))(i) for i in range(20_000)]
     lib.classes = [type(f"C{i}", (), {"a": i}) for i in range(5_000)]
     sys.modules["biglib"] = lib
     times = []

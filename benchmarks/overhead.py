@@ -221,7 +221,7 @@ def fixed_cost(reps):
     out = {}
     for eng in ("native", "python"):
         for leaks in (False, True):
-            def make():
+            def make(eng=eng, leaks=leaks):
                 return tensorscope.trace(engine=eng, leaks=leaks)
             with make():
                 x + x

@@ -84,7 +84,7 @@ def per_op(rounds, n_iter=1000):
     run, n = small_ops(n_iter)
     ctx = {"eager": None, "trace(leaks=False)": dict(leaks=False), "trace()": {}}
     samples = {k: [] for k in ctx}
-    for k, kw in ctx.items():   # warm-up
+    for kw in ctx.values():   # warm-up
         if kw is None:
             run()
         else:

@@ -38,7 +38,7 @@ def _split_run(argv: List[str]):
     """``run [options] target [script args]``: everything after the target belongs to the script
     (argparse would otherwise take a script's ``--out`` or ``-o`` for ours)."""
     for i, a in enumerate(argv[1:], 1):
-        if a.endswith((".py", ".ipynb")) and not argv[i - 1] in ("--out", "-o", "--dataset", "--spill-dir", "--kernel"):
+        if a.endswith((".py", ".ipynb")) and argv[i - 1] not in ("--out", "-o", "--dataset", "--spill-dir", "--kernel"):
             return argv[:i + 1], argv[i + 1:]
     return argv, []
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -161,8 +160,8 @@ def _gpu_infos(torch, count: int, arch_list: List[str], notes: List[str]) -> Lis
         elif cap[0] > 0:
             bf16 = False     # emulated at best: no bf16 tensor cores before sm_80
         out.append(GpuInfo(index=i, name=str(p.name), capability=f"sm_{cap[0]}{cap[1]}",
-                           sm_count=_try(lambda: int(p.multi_processor_count)),
-                           total_memory=_try(lambda: int(p.total_memory)), code=code, code_arch=code_arch, bf16=bf16))
+                           sm_count=_try(lambda p=p: int(p.multi_processor_count)),
+                           total_memory=_try(lambda p=p: int(p.total_memory)), code=code, code_arch=code_arch, bf16=bf16))
         if code == "ptx":
             notes.append(f"cuda:{i} ({out[-1].capability}) runs this torch build through PTX JIT: the first call of "
                          "each kernel compiles it, so early timings include compilation")
@@ -193,11 +192,14 @@ def env(init_cuda: bool = True) -> EnvReport:
         details = "none"
     cudnn_ver = _try(torch.backends.cudnn.version) if (cuda_rt or hip) else None
 
-    fp32 = {}
+    fp32: Dict[str, Optional[str]] = {}
+    # the per-backend fp32_precision settings are newer than some supported torch versions (_try
+    # guards them) and torch's stubs do not declare the cudnn/mkldnn sub-modules
     for key, getter in (("matmul", lambda: torch.backends.cuda.matmul.fp32_precision),
-                        ("cudnn_conv", lambda: torch.backends.cudnn.conv.fp32_precision),
-                        ("cudnn_rnn", lambda: torch.backends.cudnn.rnn.fp32_precision),
-                        ("mkldnn_matmul", lambda: torch.backends.mkldnn.matmul.fp32_precision)):
+                        ("cudnn_conv", lambda: torch.backends.cudnn.conv.fp32_precision),  # type: ignore[attr-defined]
+                        ("cudnn_rnn", lambda: torch.backends.cudnn.rnn.fp32_precision),  # type: ignore[attr-defined]
+                        ("mkldnn_matmul",
+                         lambda: torch.backends.mkldnn.matmul.fp32_precision)):  # type: ignore[attr-defined]
         v = _try(getter)
         if v is not None:
             fp32[key] = str(v)

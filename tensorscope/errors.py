@@ -34,7 +34,7 @@ class GuardError(TensorscopeError, AssertionError):
     The cell ran to completion and its trace is kept in ``.trace``.
     """
 
-    def __init__(self, message: str, trace: Any = None, failures: Iterable[str] = ()) -> None:
+    def __init__(self, message: str, trace: Any = None, failures: Iterable[Any] = ()) -> None:
         super().__init__(message)
         self.trace = trace
         self.failures = list(failures)

@@ -19,7 +19,7 @@ Files of 1.1 and earlier hold plain strings; ``conform`` casts them.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, Iterable, Tuple
 
 import pyarrow as pa
 
@@ -42,7 +42,7 @@ _dstr = pa.dictionary(pa.int32(), pa.string())
 _dstrs = pa.list_(_dstr)
 
 
-def _schema(name: str, fields) -> pa.Schema:
+def _schema(name: str, fields: Iterable[Tuple[str, Any]]) -> pa.Schema:
     return pa.schema([pa.field(n, t, nullable=True) for n, t in fields], metadata={b"tensorscope_table": name.encode()})
 
 
@@ -329,7 +329,7 @@ TABLES: Dict[str, pa.Schema] = {
 
 #: Columns a file of each table must have whatever its minor version: the ones that identify a
 #: row. A file without them is not that table (``load`` refuses it rather than fill them with nulls).
-REQUIRED: Dict[str, tuple] = {
+REQUIRED: Dict[str, Tuple[str, ...]] = {
     "ops": ("seq", "op"),
     "calls": ("call_id", "name"),
     "tensors": ("storage_id", "nbytes"),
@@ -423,7 +423,7 @@ def conform(name: str, table: pa.Table) -> pa.Table:
     return unify_dictionaries(pa.Table.from_arrays(cols, schema=schema))
 
 
-def _dictionaries(chunk):
+def _dictionaries(chunk: Any) -> Any:
     if pa.types.is_dictionary(chunk.type):
         return chunk.dictionary
     if pa.types.is_list(chunk.type) and pa.types.is_dictionary(chunk.type.value_type):
@@ -466,6 +466,6 @@ def plain_strings(table: pa.Table) -> pa.Table:
     return table if schema.equals(table.schema) else table.cast(schema)
 
 
-def parse_version(v: str):
+def parse_version(v: str) -> Tuple[int, int]:
     major, _, minor = str(v).partition(".")
     return int(major), int(minor or 0)

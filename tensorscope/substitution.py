@@ -180,7 +180,9 @@ def _row(kind, *, phase=None, op=None, call=None, plain=None, wrapped=None, sour
 def _compare_exceptions(pe, we, rows, pt=None, wt=None):
     if pe is None and we is None:
         return
-    fmt = (lambda e: None if e is None else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    def fmt(e):
+        return None if e is None else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
     if pe is None or we is None or type(pe) is not type(we) or str(pe) != str(we):
         loc = _exc_location(we if we is not None else pe)
         rows.append(_row("exception", op=_exc_op(wt if we is not None else pt), plain=fmt(pe) or "returned",

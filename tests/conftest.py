@@ -1,17 +1,16 @@
-"""Shared fixtures: every test leaves torch's global state as it found it."""
+"""Shared fixtures: every test leaves the process as it found it (tests/helpers/state.py lists what that means)."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-import torch
-from torch.nn.modules import module as _mod
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+import torch._dynamo  # noqa: F401  (see below)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from tests.helpers.state import GlobalState
+
+# A library the first trace imports registers its own warning filter on import (torch._dynamo
+# pulls in sympy, whose filter is "once" for its deprecations): imported here, before any test,
+# so that the guard below sees what a test changed, not what an import order did.
 
 
 def pytest_report_header(config):
@@ -28,35 +27,11 @@ def pytest_report_header(config):
         return [f"tensorscope native hooks: unavailable ({type(e).__name__}: {e})"]
 
 
-def _global_hooks():
-    return (dict(_mod._global_forward_pre_hooks), dict(_mod._global_forward_hooks),
-            dict(getattr(_mod, "_global_forward_hooks_always_called", {})))
-
-
 @pytest.fixture(autouse=True)
 def _restore_global_state():
-    hooks = _global_hooks()
-    dstack = list(_get_current_dispatch_mode_stack())
-    fstack = list(_get_current_function_mode_stack())
+    """Puts back every piece of process-wide state after the test, and fails a test that changed one it
+    must not (a mode left on the stack, a hook, a warning filter, frozen objects, ...)."""
+    state = GlobalState.take()
     yield
-    from tensorscope.recording import session
-
-    leaked = []
-    if session.active_session() is not None:
-        leaked.append("an active tensorscope session")
-        session.active_session()._restore()
-    if list(_get_current_dispatch_mode_stack()) != dstack:
-        leaked.append(f"dispatch modes {_get_current_dispatch_mode_stack()}")
-        while len(_get_current_dispatch_mode_stack()) > len(dstack):
-            _get_current_dispatch_mode_stack()[-1].__exit__(None, None, None)
-    if list(_get_current_function_mode_stack()) != fstack:
-        leaked.append(f"function modes {_get_current_function_mode_stack()}")
-        while len(_get_current_function_mode_stack()) > len(fstack):
-            _get_current_function_mode_stack()[-1].__exit__(None, None, None)
-    if _global_hooks() != hooks:
-        leaked.append("global module hooks")
-        for d, saved in zip((_mod._global_forward_pre_hooks, _mod._global_forward_hooks,
-                             getattr(_mod, "_global_forward_hooks_always_called", {})), hooks):
-            d.clear()
-            d.update(saved)
+    leaked = state.restore()
     assert not leaked, f"test left global state behind: {leaked}"

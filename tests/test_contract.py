@@ -117,8 +117,9 @@ def test_cli_summary_takes_the_display_options(tmp_path):
     with tensorscope.trace(numerics=True, leaks=False) as t:
         torch.randn(4096).half().cumsum(0)                # a small, finite error
     path = t.save(tmp_path / "n")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "tensorscope", "summary", path, *a],
-                                    capture_output=True, text=True, timeout=300)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "tensorscope", "summary", path, *a],
+                              capture_output=True, text=True, timeout=300)
     strict, loose, bad = run("--numerics-threshold", "0"), run("--numerics-threshold", "1e300"), run(
         "--numerics-threshold", "-1")
     assert strict.returncode == loose.returncode == 0, strict.stderr + loose.stderr
@@ -320,7 +321,7 @@ def test_cli_run_records_its_options_and_origin(tmp_path):
 
 @pytest.mark.kernel
 def test_magic_options_round_trip_to_the_files_and_back(tmp_path):
-    from kernel_utils import Kernel
+    from tests.helpers.kernel_utils import Kernel
 
     k = Kernel(cwd=str(tmp_path))
     try:

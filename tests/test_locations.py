@@ -5,7 +5,7 @@ import pytest
 
 from tensorscope._location import cell_number, format_location
 
-from kernel_utils import Kernel
+from tests.helpers.kernel_utils import Kernel
 
 
 def test_format_location_without_a_notebook():

@@ -500,7 +500,7 @@ def test_perfetto_and_analyses_on_dictionary_columns(tmp_path):
 
 @pytest.mark.kernel
 def test_notebook_forward_in_one_cell_backward_in_the_next(tmp_path):
-    from kernel_utils import Kernel
+    from tests.helpers.kernel_utils import Kernel
 
     k = Kernel(cwd=str(tmp_path))
     try:

@@ -117,7 +117,7 @@ def test_history_is_bounded_in_bytes_and_a_dropped_saved_trace_loads_back(tmp_pa
 
 @pytest.mark.kernel
 def test_line_magic_save_fails_in_one_line(tmp_path):
-    from kernel_utils import Kernel
+    from tests.helpers.kernel_utils import Kernel
 
     k = Kernel(cwd=str(tmp_path))
     try:

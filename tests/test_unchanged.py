@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import sys
 import types
 import weakref
 
@@ -72,7 +71,7 @@ def test_outputs_bitwise_identical(name):
 
 def test_linalg_composites_match_an_empty_mode():
     # design.md §3: any dispatch mode reroutes these; compare the python engine against an empty
-    # mode (the native engine has no mode on the stack: tests/test_engines.py compares it with eager)
+    # mode (the native engine has no mode on the stack: tests/recording/test_engines.py compares it with eager)
     torch.manual_seed(0)
     a = torch.randn(6, 6)
     with EmptyMode():
@@ -233,7 +232,7 @@ def test_tracer_bug_never_reaches_user_code(monkeypatch):
         import tensorscope.recording.session as S
 
         monkeypatch.setattr(S, "_warned_tracer_bug", False)
-        with tensorscope.trace(engine="python") as t:   # the native engine's twin: tests/test_engines.py
+        with tensorscope.trace(engine="python") as t:   # the native engine's twin: tests/recording/test_engines.py
             y = x * 2
     assert torch.equal(y, x * 2)
     assert t.metadata["tracer_errors"] >= 1

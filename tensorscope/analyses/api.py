@@ -15,7 +15,7 @@ look: hidden copies, many ops per call, non-core ops.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +36,7 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     call_ids = calls.column("call_id").to_numpy()
     pos = {int(c): i for i, c in enumerate(call_ids)}
     # per API: calls, calls that dispatched nothing
-    per_api: Dict[str, Dict] = {}
+    per_api: Dict[str, Dict[str, Any]] = {}
     direct = np.zeros(len(qual), np.int64)
     if ops.num_rows:
         oc = ops.column("call_id").fill_null(-1).to_numpy()
@@ -50,7 +50,7 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
         total = n_ops_col[i] if n_ops_col is not None and n_ops_col[i] >= 0 else direct[i]
         if total == 0 and direct[i] == 0:
             a["no_op"] += 1
-    rows: List[Dict] = []
+    rows: List[Dict[str, Any]] = []
     seen_api = set()
     if ops.num_rows:
         sel = np.nonzero(ok)[0]
@@ -83,14 +83,14 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=S.API) if rows else S.empty("api")
 
 
-def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> List[Dict]:
+def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> List[Dict[str, Any]]:
     """APIs whose expansion is worth a look, most surprising first.
 
     Reasons: hidden copies under it; more than ``min_ops_per_call`` ATen ops per
     call; non-core ATen ops. ``backward`` (the whole autograd graph) and bookkeeping
     ops (``detach``, ``alias``…) are left out.
     """
-    by: Dict[str, Dict] = {}
+    by: Dict[str, Dict[str, Any]] = {}
     for r in api.to_pylist():
         a = by.setdefault(r["qualname"], dict(api=r["qualname"], n_calls=r["n_calls"], no_op=r["no_op_calls"],
                                                ops=[], per_call=0.0, hidden=0, non_core=[], cpu_ns=0))

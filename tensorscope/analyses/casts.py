@@ -46,7 +46,7 @@ own verdict (an fp32 -> fp16 cast of 70000 produces inf), null when unscreened.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -159,7 +159,7 @@ def promote(a: Optional[str], b: Optional[str]) -> Optional[str]:
     return a
 
 
-def computation_dtype(dtypes: List[str], shapes: List[list]) -> Optional[str]:
+def computation_dtype(dtypes: List[str], shapes: List[List[int]]) -> Optional[str]:
     """TensorIterator's common dtype (c10 ResultTypeState): a 0-dim tensor only lifts the category."""
     dim_res = zero_res = None
     for dt, sh in zip(dtypes, shapes):
@@ -193,15 +193,15 @@ def casts(ops: pa.Table, calls: pa.Table) -> pa.Table:
 
 def round_trip_pairs(ops: pa.Table, calls: pa.Table) -> int:
     """Number of a -> b -> a pairs (casts that undo an earlier cast of the same data)."""
-    return _analyse(ops, calls)[1]
+    return int(_analyse(ops, calls)[1])
 
 
 # the last analysis, keyed by the identity of its input tables (held weakly): the summary
 # and the guards ask for the pair count right after the table was derived
-_last: Optional[tuple] = None
+_last: Optional[Tuple[Callable[[], Any], Callable[[], Any], pa.Table, int]] = None
 
 
-def _analyse(ops: pa.Table, calls: pa.Table):
+def _analyse(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
     global _last
     if _last is not None and _last[0]() is ops and _last[1]() is calls:
         return _last[2], _last[3]
@@ -213,7 +213,7 @@ def _analyse(ops: pa.Table, calls: pa.Table):
     return res
 
 
-def _analyse_uncached(ops: pa.Table, calls: pa.Table):
+def _analyse_uncached(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
     if ops is None or ops.num_rows == 0:
         return S.empty("casts"), 0
     names = call_names(calls)
@@ -229,8 +229,9 @@ def _analyse_uncached(ops: pa.Table, calls: pa.Table):
         return _cast_rows(take_rows(ops, idx, _COLS), names, autocast)
 
 
-def _cast_rows(rows, names, autocast):
-    out: Dict[str, list] = {f.name: [] for f in S.CASTS}
+def _cast_rows(rows: List[Dict[str, Any]], names: Dict[int, str],
+               autocast: Any) -> Tuple[pa.Table, int]:
+    out: Dict[str, List[Any]] = {f.name: [] for f in S.CASTS}
     #: kind of each forward materialised cast by seq (backward casts inherit it)
     fwd_kind: Dict[int, str] = {}
     #: output storage of a materialised cast -> (row index in out, from_dtype, to_dtype)
@@ -238,7 +239,8 @@ def _cast_rows(rows, names, autocast):
     round_trip: List[bool] = []
     pairs = [0]
 
-    def emit(r, frm, to, kind, n, produced=None, src_storage=None, dst_storage=None):
+    def emit(r: Dict[str, Any], frm: str, to: str, kind: str, n: int, produced: Optional[bool] = None,
+             src_storage: Optional[int] = None, dst_storage: Optional[int] = None) -> None:
         cid = r.get("call_id")
         k = len(out["seq"])
         out["seq"].append(r["seq"])
@@ -285,7 +287,8 @@ def _cast_rows(rows, names, autocast):
             if alias and alias[0] is not None and alias[0] >= 0:
                 continue   # an aliasing aten.to: no conversion happened
             if r.get("phase") == "backward":
-                kind = fwd_kind.get(r.get("fwd_seq"), "explicit")
+                fwd = r.get("fwd_seq")
+                kind = fwd_kind.get(fwd, "explicit") if fwd is not None else "explicit"
             elif cid in autocast and call not in USER_CAST_CALLS:
                 kind = "autocast"
             else:

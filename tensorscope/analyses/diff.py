@@ -17,7 +17,7 @@ device's peak live bytes grow by more than ``memory`` (and at least
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -32,7 +32,7 @@ TIME_SHIFT = 0.2
 MIN_SHIFT_NS = 50_000
 
 
-def _group(t: pa.Table, keys: List[str], sums: List[str]) -> Dict[Tuple, Dict[str, int]]:
+def _group(t: pa.Table, keys: List[str], sums: List[str]) -> Dict[Tuple[Any, ...], Dict[str, int]]:
     if t.num_rows == 0:
         return {}
     aggs = [(keys[0], "count")] + [(c, "sum") for c in sums]
@@ -59,13 +59,13 @@ def _hidden(w: pa.Table) -> pa.Table:
     return w.filter(pc.fill_null(w.column("hidden_copy"), False)) if w.num_rows else w
 
 
-def _peak(t) -> Dict[str, int]:
+def _peak(t: Any) -> Dict[str, int]:
     from .memory import memory_peak
 
     return {d: int(p["peak_bytes"]) for d, p in memory_peak(t.memory, t.ops).items()}
 
 
-def totals(t) -> Dict[str, Any]:
+def totals(t: Any) -> Dict[str, Any]:
     """Cell-level numbers of one Trace."""
     work = _ops_work(t.ops)
     leaks = t.leaks
@@ -82,7 +82,11 @@ def totals(t) -> Dict[str, Any]:
     )
 
 
-def _rows(section, ga, gb, keycols, label):
+_Groups = Dict[Tuple[Any, ...], Dict[str, int]]
+
+
+def _rows(section: str, ga: _Groups, gb: _Groups, keycols: List[str],
+          label: Callable[[Dict[str, Any]], Optional[str]]) -> List[Dict[str, Any]]:
     rows = []
     for key in set(ga) | set(gb):
         a, b = ga.get(key), gb.get(key)
@@ -100,7 +104,7 @@ def _rows(section, ga, gb, keycols, label):
     return rows
 
 
-def _timing(na, nb) -> str:
+def _timing(na: Optional[int], nb: Optional[int]) -> str:
     """Same count and bytes: "slower"/"faster" when the time moved by TIME_SHIFT and MIN_SHIFT_NS, else "same"."""
     if na is None or nb is None:
         return "same"
@@ -110,7 +114,7 @@ def _timing(na, nb) -> str:
     return "same"
 
 
-def compare(a, b) -> Tuple[pa.Table, Dict[str, Any], Dict[str, Any]]:
+def compare(a: Any, b: Any) -> Tuple[pa.Table, Dict[str, Any], Dict[str, Any]]:
     """(changes table, totals of a, totals of b) for two Traces (see the module docstring)."""
     rows: List[Dict[str, Any]] = []
     wa, wb = _ops_work(a.ops), _ops_work(b.ops)

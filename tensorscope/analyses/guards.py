@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter, OrderedDict
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import pyarrow.compute as pc
 
@@ -35,7 +35,7 @@ CL = ("channels_last", "channels_last_3d")
 _MAX_LISTED = 5
 
 
-def _where(r: dict) -> str:
+def _where(r: Dict[str, Any]) -> str:
     parts = []
     f, line = r.get("source_file"), r.get("source_line")
     if f is not None or line is not None:
@@ -45,9 +45,9 @@ def _where(r: dict) -> str:
     return ", ".join(parts) if parts else "location unknown"
 
 
-def group_rows(rows: List[dict], key) -> List[list]:
+def group_rows(rows: List[Dict[str, Any]], key: Callable[[Dict[str, Any]], Hashable]) -> List[List[Any]]:
     """[[first row, count, total bytes]] grouped by ``key(row)``, in order of first appearance."""
-    groups: "OrderedDict[tuple, list]" = OrderedDict()
+    groups: "OrderedDict[Hashable, List[Any]]" = OrderedDict()
     for r in rows:
         k = key(r)
         g = groups.get(k)
@@ -59,12 +59,13 @@ def group_rows(rows: List[dict], key) -> List[list]:
     return list(groups.values())
 
 
-def _grouped(rows: List[dict], key_fields, limit=_MAX_LISTED) -> List[tuple]:
+def _grouped(rows: List[Dict[str, Any]], key_fields: Sequence[str],
+             limit: int = _MAX_LISTED) -> List[Tuple[Any, ...]]:
     groups = group_rows(rows, lambda r: tuple(r.get(f) for f in key_fields))
     return [tuple(v) for v in groups[:limit]] + ([("more", len(groups) - limit, 0)] if len(groups) > limit else [])
 
 
-def _listing(groups) -> str:
+def _listing(groups: List[Tuple[Any, ...]]) -> str:
     lines = []
     for r, n, nb in groups:
         if r == "more":
@@ -76,7 +77,7 @@ def _listing(groups) -> str:
     return "\n".join(lines)
 
 
-def _check_channels_last(t) -> Optional[str]:
+def _check_channels_last(t: Any) -> Optional[str]:
     lc = t.layout_changes
     rows = [r for r in lc.to_pylist() if r["kind"] == "format_change" and r["from_format"] in CL
             and r["to_format"] not in CL]
@@ -105,7 +106,7 @@ def _check_channels_last(t) -> Optional[str]:
     return None
 
 
-def _check_nonfinite(t) -> Optional[str]:
+def _check_nonfinite(t: Any) -> Optional[str]:
     ops = t.ops
     if ops.num_rows == 0:
         return None
@@ -126,7 +127,7 @@ def _check_nonfinite(t) -> Optional[str]:
             f"{len(rows) - len(produced)} propagated); {head}")
 
 
-def _check_hidden_copies(t) -> Optional[str]:
+def _check_hidden_copies(t: Any) -> Optional[str]:
     rows = [r for r in t.layout_changes.to_pylist() if r["kind"] == "hidden_copy"]
     if not rows:
         return None
@@ -141,7 +142,7 @@ def _check_hidden_copies(t) -> Optional[str]:
     return f"expect no_hidden_copies: {len(rows)} hidden cop(ies), {fmt_bytes(total)}:\n" + "\n".join(lines)
 
 
-def _check_leaks(t) -> Optional[str]:
+def _check_leaks(t: Any) -> Optional[str]:
     lk = t.leaks
     if lk.num_rows == 0:
         return None
@@ -161,7 +162,7 @@ def _check_leaks(t) -> Optional[str]:
         + "\n".join(lines)
 
 
-def _check_max_casts(t, limit: int) -> Optional[str]:
+def _check_max_casts(t: Any, limit: int) -> Optional[str]:
     cs = t.casts
     n = cs.num_rows
     if n <= limit:
@@ -190,9 +191,9 @@ _CHECKS = {
 }
 
 
-def check_guards(trace) -> List[str]:
+def check_guards(trace: Any) -> List[str]:
     """Failures of the guards in ``trace.metadata['options']`` (empty list: all hold)."""
-    opts: Dict = (trace.metadata or {}).get("options") or {}
+    opts: Dict[str, Any] = (trace.metadata or {}).get("options") or {}
     failures: List[str] = []
     for e in opts.get("expect") or ():
         fn = _CHECKS.get(e)

@@ -34,7 +34,7 @@ written in the new layout) and the input's logical size for non-dense inputs
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import NoGC, itemsize
-from ..modes.meta import non_dense_kind  # noqa: F401  (one definition of the labels; re-exported)
+from ..modes.meta import non_dense_kind
 
 CL_FORMATS = frozenset({"channels_last", "channels_last_3d"})
 #: dense labels (the recorder writes "strided"; design.md also names "dense_permuted"); traces before
@@ -84,7 +84,7 @@ def short_name(op: str) -> str:
     return parts[1] if len(parts) > 1 else op
 
 
-def rows_with_any(col, values) -> np.ndarray:
+def rows_with_any(col: Any, values: Iterable[str]) -> np.ndarray:
     """Row indices whose list column contains any of ``values`` (vectorised)."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
@@ -99,7 +99,7 @@ def rows_with_any(col, values) -> np.ndarray:
     return np.unique(parents[hit]).astype(np.int64)
 
 
-def true_rows(col) -> np.ndarray:
+def true_rows(col: Any) -> np.ndarray:
     arr = pc.fill_null(col, False)
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
@@ -115,7 +115,7 @@ def call_names(calls: pa.Table) -> Dict[int, str]:
     return {i: n for i, n in zip(ids, names) if i is not None}
 
 
-def take_rows(ops: pa.Table, idx: np.ndarray, cols=_COLS) -> List[dict]:
+def take_rows(ops: pa.Table, idx: np.ndarray, cols: Sequence[str] = _COLS) -> List[Dict[str, Any]]:
     """Rows ``idx`` of ``ops`` as dicts of the columns ``cols`` (column-wise: several times faster)."""
     if len(idx) == 0:
         return []
@@ -126,7 +126,7 @@ def take_rows(ops: pa.Table, idx: np.ndarray, cols=_COLS) -> List[dict]:
         return [dict(zip(have, v)) for v in zip(*values)]
 
 
-def count_in(col, values, flags=None) -> np.ndarray:
+def count_in(col: Any, values: Iterable[str], flags: Any = None) -> np.ndarray:
     """Per row: how many elements of a list column are in ``values`` (and, with ``flags``, a
     parallel list<bool> column, whose flag is false)."""
     if isinstance(col, pa.ChunkedArray):
@@ -149,16 +149,16 @@ def count_in(col, values, flags=None) -> np.ndarray:
     return np.bincount(parents[hit], minlength=n).astype(np.int64)
 
 
-def _fmt_tuple(v) -> str:
+def _fmt_tuple(v: Optional[Iterable[Any]]) -> str:
     v = list(v or [])
     return "(" + ", ".join(str(x) for x in v) + ("," if len(v) == 1 else "") + ")"
 
 
-def _comparable(fmt, amb) -> bool:
+def _comparable(fmt: Optional[str], amb: Any) -> bool:
     return fmt in DENSE_FORMATS and not amb
 
 
-def _format_change(r) -> Optional[Tuple[str, str, int]]:
+def _format_change(r: Dict[str, Any]) -> Optional[Tuple[str, str, int]]:
     """(from_format, to_format, bytes) when the op changed a memory format, else None."""
     name = short_name(r["op"])
     reshape_copy = name in RESHAPE_FAMILY
@@ -198,7 +198,7 @@ def _format_change(r) -> Optional[Tuple[str, str, int]]:
     return None
 
 
-def _out_bytes(r, j) -> int:
+def _out_bytes(r: Dict[str, Any], j: int) -> int:
     sh = (r.get("out_shapes") or [])
     dt = (r.get("out_dtypes") or [])
     if j >= len(sh):
@@ -206,7 +206,7 @@ def _out_bytes(r, j) -> int:
     return numel(sh[j]) * itemsize(dt[j] if j < len(dt) else None)
 
 
-def _in_bytes(r, i) -> int:
+def _in_bytes(r: Dict[str, Any], i: int) -> int:
     sh = (r.get("in_shapes") or [])
     dt = (r.get("in_dtypes") or [])
     if i >= len(sh):
@@ -214,17 +214,19 @@ def _in_bytes(r, i) -> int:
     return numel(sh[i]) * itemsize(dt[i] if i < len(dt) else None)
 
 
-def _copy_target(r, nxt) -> Optional[list]:
+def _copy_target(r: Dict[str, Any], nxt: Optional[Dict[str, Any]]) -> Optional[List[int]]:
     """The shape the user asked for: the ``_unsafe_view`` right after a clone, else the copy's output."""
     if nxt is not None and short_name(nxt["op"]) == "_unsafe_view" and nxt.get("call_id") == r.get("call_id"):
         st_out = (r.get("out_storages") or [None])[0]
         st_in = (nxt.get("in_storages") or [None])[0]
         if st_out is not None and st_out == st_in and st_out >= 0:
-            return (nxt.get("out_shapes") or [None])[0]
-    return (r.get("out_shapes") or [None])[0]
+            shape: Optional[List[int]] = (nxt.get("out_shapes") or [None])[0]
+            return shape
+    shape = (r.get("out_shapes") or [None])[0]
+    return shape
 
 
-def _hidden_reason(r, call: Optional[str], target) -> str:
+def _hidden_reason(r: Dict[str, Any], call: Optional[str], target: Optional[List[int]]) -> str:
     sh = (r.get("in_shapes") or [[]])[0]
     st = (r.get("in_strides") or [[]])[0]
     fmt = (r.get("in_formats") or ["?"])[0]
@@ -261,13 +263,15 @@ def layout_changes(ops: pa.Table, calls: pa.Table) -> pa.Table:
         return _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx)
 
 
-def _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx) -> pa.Table:
+def _layout_rows(ops: pa.Table, names: Dict[int, str], want: np.ndarray, fmt_idx: np.ndarray,
+                 hid_idx: np.ndarray, nd_idx: np.ndarray) -> pa.Table:
     rows = dict(zip(want.tolist(), take_rows(ops, want)))
     fmt_set, hid_set, nd_set = set(fmt_idx.tolist()), set(hid_idx.tolist()), set(nd_idx.tolist())
 
-    out: Dict[str, list] = {f.name: [] for f in S.LAYOUT_CHANGES}
+    out: Dict[str, List[Any]] = {f.name: [] for f in S.LAYOUT_CHANGES}
 
-    def emit(r, kind, frm, to, reason, nbytes):
+    def emit(r: Dict[str, Any], kind: str, frm: Optional[str], to: Optional[str], reason: str,
+             nbytes: int) -> None:
         cid = r.get("call_id")
         out["seq"].append(r["seq"])
         out["op"].append(r["op"])
@@ -308,7 +312,7 @@ def _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx) -> pa.Table:
     return pa.Table.from_pydict(out, schema=S.LAYOUT_CHANGES)
 
 
-def _non_dense_input(r):
+def _non_dense_input(r: Dict[str, Any]) -> Optional[Tuple[int, str, str, int]]:
     name = short_name(r["op"])
     if r.get("is_view") or name in _NOT_COMPUTE or name.startswith("_foreach_"):
         return None

@@ -14,7 +14,7 @@ an overflow, 0/0, log(0)...) or ``propagated`` (from the cell's inputs or a prod
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -41,7 +41,7 @@ def _short(op: str) -> str:
     return parts[1] if len(parts) >= 2 else op
 
 
-def nonfinite_verdicts(ops: pa.Table) -> List[Dict]:
+def nonfinite_verdicts(ops: pa.Table) -> List[Dict[str, Any]]:
     """One dict per op whose outputs held NaN/Inf, in seq order: seq, op, nonfinite, verdict,
     module, source_file, source_line."""
     if ops.num_rows == 0 or "nonfinite" not in ops.column_names or ops.column("nonfinite").null_count == ops.num_rows:

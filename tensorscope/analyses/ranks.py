@@ -23,7 +23,7 @@ import pyarrow as pa
 COMM_NAMESPACES = ("c10d", "_c10d_functional")
 
 
-def _query(sql: str, **tables) -> pa.Table:
+def _query(sql: str, **tables: pa.Table) -> pa.Table:
     import duckdb
 
     con = duckdb.connect(database=":memory:")

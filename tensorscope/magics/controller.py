@@ -117,7 +117,8 @@ class Controller:
         self._cell_token = (_cell_key(lines), req.token)
         return ["# " + lines[0].strip() + "\n"] + lines[1:]
 
-    transform_lines.has_side_effects = True   # IPython's check_complete must not create requests
+    # IPython's check_complete must not create requests (IPython reads this attribute of a transform)
+    transform_lines.has_side_effects = True  # type: ignore[attr-defined]
 
     # -- step 2: runtime calls from the cell ------------------------------------
     def begin(self, token: int):
@@ -308,8 +309,9 @@ def _at_line(node, line: int):
     """Put the injected nodes (those without a location) at ``line``; the user's own keep theirs."""
     for n in ast.walk(node):
         if "lineno" in n._attributes and getattr(n, "lineno", None) is None:
-            n.lineno = n.end_lineno = line
-            n.col_offset = n.end_col_offset = 0
+            located: Any = n   # any node class that has a location (``_attributes`` says so)
+            located.lineno = located.end_lineno = line
+            located.col_offset = located.end_col_offset = 0
     return node
 
 

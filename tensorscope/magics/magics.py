@@ -72,7 +72,7 @@ class TensorscopeMagics(Magics):
         self.ctl = controller
 
     @_with_options
-    @cell_magic("tensorscope")
+    @cell_magic("tensorscope")  # type: ignore[arg-type]  # IPython types the result as decorator | function
     def tensorscope_cell(self, line, cell):
         """Trace the cell: every torch-level call and ATen op, as Arrow tables.
 
@@ -102,7 +102,7 @@ class TensorscopeMagics(Magics):
             self.shell.user_ns[args.output] = t
         deliver(t, save=args.save, quiet=args.quiet, display=display_opts)
 
-    @line_magic("tensorscope")
+    @line_magic("tensorscope")  # type: ignore[arg-type]  # IPython types the result as decorator | function
     def tensorscope_line(self, line):
         """%tensorscope last | save PATH | on [OPTIONS] | off | history | leaks | diff A B | env | help"""
         parts = shlex.split(line)

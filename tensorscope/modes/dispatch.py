@@ -89,7 +89,7 @@ _key_for_device = getattr(torch._C, "_dispatch_key_for_device", None)
 
 #: OpOverload -> {device type: decompose?} for ops with a CompositeImplicitAutograd kernel;
 #: None for every other op (the common case: one dict lookup per op)
-_COMPOSITE = {}
+_COMPOSITE: dict = {}
 
 
 def _is_composite(func) -> bool:

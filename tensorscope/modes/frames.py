@@ -31,7 +31,8 @@ from __future__ import annotations
 import os
 import sys
 from types import FunctionType
-from typing import Dict, Set
+from types import FrameType
+from typing import Dict, List, Optional, Set
 
 import torch
 
@@ -89,8 +90,8 @@ def trampoline_for(caller) -> FunctionType:
 def caller_frame(depth: int):
     """The frame that called the torch function whose mode handler is ``depth`` frames above the
     caller of this function (past handle_torch_function and the function that called it)."""
-    caller = _getframe(depth + 1)
-    if caller.f_code is _HTF_CODE:   # a Python-level torch function handed itself to the mode
+    caller: Optional[FrameType] = _getframe(depth + 1)
+    if caller is not None and caller.f_code is _HTF_CODE:   # a Python-level torch function handed itself to the mode
         back = caller.f_back
         caller = back.f_back if back is not None else None
     return caller
@@ -157,8 +158,8 @@ def _introduced(tb) -> int:
 def clean_traceback(exc: BaseException) -> BaseException:
     """Remove the tracer's entries from ``exc``'s traceback (and its cause/context chain), in place."""
     seen = set()
-    e = exc
-    todo = [exc]
+    e: Optional[BaseException] = exc
+    todo: List[Optional[BaseException]] = [exc]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

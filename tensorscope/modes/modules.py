@@ -50,7 +50,7 @@ def _is_artifact(m) -> bool:
 try:
     from torch.fx import GraphModule as _GraphModule
 except Exception:  # pragma: no cover
-    _GraphModule = None
+    _GraphModule = None  # type: ignore[assignment,misc]  # torch without torch.fx
 
 
 _MOD_CODE = _WRAPPED_CODE or _IMPL_CODE   # one frame per module call (Module.__call__)

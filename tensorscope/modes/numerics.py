@@ -196,8 +196,8 @@ def screen_finite(t: Tensor) -> bool:
         lo, hi = torch.aminmax(t)
         return _isfinite(lo.item()) and _isfinite(hi.item())
     if dt.is_complex:
-        v = t.sum().item()
-        return _isfinite(v.real) and _isfinite(v.imag)
+        c = complex(t.sum().item())
+        return _isfinite(c.real) and _isfinite(c.imag)
     if dt.itemsize == 1:   # float8: no sum kernel; rare enough to widen
         t = t.float()
     return _isfinite(t.sum().item())
@@ -266,11 +266,11 @@ class NonfiniteScreen:
             if not info.inplace:
                 # out=: the old contents are not an input, unless the out tensor is also passed as one
                 others = tensor_args(args, kwargs, skip_kw=info.write_kw)
-                ptrs = {t.data_ptr() for t in others if isinstance(t, Tensor)}
-                written = [t for t in written if t.data_ptr() in ptrs]
+                read = {t.data_ptr() for t in others if isinstance(t, Tensor)}
+                written = [t for t in written if t.data_ptr() in read]
                 if not written:
                     return None
-            ptrs = []
+            ptrs: List[int] = []
             bad = False
             cuda_refs = []
             for t in written:
@@ -385,7 +385,7 @@ class NonfiniteScreen:
     def _inputs_nonfinite(self, info, args, kwargs, state) -> bool:
         if _scalar_nonfinite(args, kwargs):
             return True
-        written_ptrs = frozenset()
+        written_ptrs: frozenset = frozenset()
         if state is not None:
             if state[0]:
                 return True
@@ -560,8 +560,8 @@ class NumericsShadow:
 
     def _kind(self, func) -> Optional[str]:
         """None: shadow it; "" skip silently (nothing to compare); else the reason it is skipped."""
-        k = self._kinds.get(func, 0)
-        if k != 0:
+        k = self._kinds.get(func, "?")   # "?": not seen yet (None and "" are verdicts)
+        if k != "?":
             return k
         name = _op_name(func)
         tags = getattr(func, "tags", ()) or ()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -64,18 +65,21 @@ _compiled: Dict[object, Optional[bool]] = {}
 
 
 def _compiled_verdict(code) -> Optional[bool]:
-    r = _compiled.get(code, 0)
-    if r == 0:
-        f = code.co_filename
-        if f.startswith(_DISABLE_WRAPPERS) or f.startswith(_OUR_DIR):
-            r = None                      # the modes and torch's wrappers around them: look further out
-        elif f.startswith(_COMPILED_DIRS) or "torchinductor" in f or f.startswith("<eval_with_key"):
-            r = True                      # a compiled graph (inductor, AOT autograd, an fx GraphModule)
-        elif not _is_internal(code):
-            r = False                     # user code reached first: called directly (torch.ops, C++)
-        else:
-            r = None
-        _compiled[code] = r
+    try:
+        return _compiled[code]   # one lookup on a hit (a cached False is a hit too)
+    except KeyError:
+        pass
+    f = code.co_filename
+    r: Optional[bool]
+    if f.startswith(_DISABLE_WRAPPERS) or f.startswith(_OUR_DIR):
+        r = None                      # the modes and torch's wrappers around them: look further out
+    elif f.startswith(_COMPILED_DIRS) or "torchinductor" in f or f.startswith("<eval_with_key"):
+        r = True                      # a compiled graph (inductor, AOT autograd, an fx GraphModule)
+    elif not _is_internal(code):
+        r = False                     # user code reached first: called directly (torch.ops, C++)
+    else:
+        r = None
+    _compiled[code] = r
     return r
 
 
@@ -83,7 +87,7 @@ def called_from_compiled_code(depth: int = 2, limit: int = 24) -> bool:
     """Whether an op that ran outside any torch-level call was dispatched by torch.compile'd code
     (the innermost classifying frame is a compiled graph's), not by user code calling ops directly."""
     try:
-        f = sys._getframe(depth)
+        f: Optional[FrameType] = sys._getframe(depth)
     except ValueError:
         return False
     while f is not None and limit > 0:

@@ -34,7 +34,7 @@ tool chain, and builds nothing.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from . import _build
 
@@ -127,17 +127,18 @@ def open_capture(native: bool = True, cpp_errors: bool = False):
     return NativeCapture(ext, cpp_errors=cpp_errors, reason=reason)
 
 
-def load_test_ops():
-    """Compile/load the ``tensorscope_test`` op library; ``torch.ops.tensorscope_test``.
+def load_test_ops(source: str):
+    """Compile/load the ``tensorscope_test`` op library from ``source``; ``torch.ops.tensorscope_test``.
 
-    For tests only: it registers ops that throw every c10 error kind and emit
-    every warning kind. Raises ``NativeBuildError`` when it cannot be built.
+    For tests only: the source is the test suite's tests/native/test_ops.cpp (not shipped in the
+    package); it registers ops that throw every c10 error kind and emit every warning kind. Raises
+    ``NativeBuildError`` when it cannot be built.
     """
     import torch
 
     from ..errors import NativeBuildError
 
-    lib, reason = _build.ensure(_build.TEST_OPS, wait=True)
+    lib, reason = _build.ensure(_build.test_ops_spec(source), wait=True)
     if lib is None:
         raise NativeBuildError(f"test-op library unavailable: {reason}")
     return torch.ops.tensorscope_test
@@ -154,7 +155,7 @@ def _describe(st: Dict[str, Any]) -> str:
 
 
 def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m tensorscope build-native [--force] [--verbose] [--test-ops] [--status]``.
+    """``python -m tensorscope build-native [--force] [--verbose] [--test-ops CPP] [--status]``.
 
     Returns 0 when the hooks (and, with ``--test-ops``, the test library) are
     built, 1 otherwise.
@@ -165,7 +166,8 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
                                 description="Compile tensorscope's native C++ hooks into the cache ahead of time.")
     p.add_argument("--force", action="store_true", help="recompile even if a cached build (or failure) exists")
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
-    p.add_argument("--test-ops", action="store_true", help="also build the test-op library used by the test suite")
+    p.add_argument("--test-ops", metavar="CPP", help="also build the test-op library used by the test suite "
+                                                     "from CPP (tests/native/test_ops.cpp in a checkout)")
     p.add_argument("--status", action="store_true", help="only report the state; build nothing")
     p.add_argument("--cache-dir", action="store_true", help="print the cache directory and exit")
     args = p.parse_args(list(argv) if argv is not None else None)
@@ -190,8 +192,9 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"native recording engine: {est['state']} ({est['reason']})")
     ok = ok and est["state"] == "built"
     if args.test_ops:
-        _build.ensure(_build.TEST_OPS, wait=True, verbose=args.verbose, force=args.force)
-        tst = _build.lib_status(_build.TEST_OPS)
+        spec = _build.test_ops_spec(args.test_ops)
+        _build.ensure(spec, wait=True, verbose=args.verbose, force=args.force)
+        tst = _build.lib_status(spec)
         print(f"test-op library: {tst['state']} ({tst['reason']})")
         ok = ok and tst["state"] == "built"
     if forced_fallback():

@@ -41,14 +41,19 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 class LibSpec:
     kind: str            # "hooks" / "test_ops": the cache directory's prefix
     name: str            # extension (and PyInit_) name
-    source: str          # file in this package
+    source: str          # file in this package, or an absolute path
     python_module: bool  # False: a TORCH_LIBRARY .so loaded with torch.ops.load_library
     what: str            # for messages
 
 
 HOOKS = LibSpec("hooks", "tensorscope_hooks", "hooks.cpp", True, "native C++ hooks")
-TEST_OPS = LibSpec("test_ops", "tensorscope_test_ops", "test_ops.cpp", False, "native test-op library")
 ENGINE = LibSpec("engine", "tensorscope_engine", "engine.cpp", True, "native recording engine")
+
+
+def test_ops_spec(source: str) -> LibSpec:
+    """The test-op library built from ``source``: the test suite's tests/native/test_ops.cpp (it is
+    not part of the package, nor of the wheel)."""
+    return LibSpec("test_ops", "tensorscope_test_ops", os.path.abspath(source), False, "native test-op library")
 
 
 class _LibState:
@@ -62,7 +67,7 @@ class _LibState:
         self.compiled = False        # compiled in this process (vs loaded from the cache)
 
 
-_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), TEST_OPS.kind: _LibState(), ENGINE.kind: _LibState()}
+_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), "test_ops": _LibState(), ENGINE.kind: _LibState()}
 
 
 def _say(msg: str) -> None:
@@ -86,7 +91,7 @@ def cache_root() -> str:
 
 
 def source_path(spec: LibSpec) -> str:
-    return os.path.join(_HERE, spec.source)
+    return os.path.join(_HERE, spec.source)   # an absolute source stays what it is
 
 
 def build_key(spec: LibSpec, source_text: Optional[bytes] = None) -> str:
@@ -211,6 +216,8 @@ def _import_built(spec: LibSpec, so: str):
 
     loader = importlib.machinery.ExtensionFileLoader(spec.name, so)
     mspec = importlib.util.spec_from_file_location(spec.name, so, loader=loader)
+    if mspec is None:
+        raise ImportError(f"cannot load {so}")
     mod = importlib.util.module_from_spec(mspec)
     loader.exec_module(mod)
     return mod

@@ -185,9 +185,8 @@ class NativeCapture:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self.close()
-        return False
 
 
 def _closed_noop() -> None:

@@ -175,7 +175,7 @@ class _WarningTap:
                 if orig is None:
                     return False
                 self._orig = orig
-                warnings._showwarnmsg = self._hook_fn
+                warnings._showwarnmsg = self._hook_fn  # type: ignore[attr-defined]  # private; see above
             self._users += 1
             return True
 
@@ -187,7 +187,7 @@ class _WarningTap:
             if self._users == 0:
                 self.reset_thread()  # an interrupted call may have left frames
                 if getattr(warnings, "_showwarnmsg", None) is self._hook_fn:
-                    warnings._showwarnmsg = self._orig
+                    warnings._showwarnmsg = self._orig  # type: ignore[attr-defined]
             # If someone wrapped the hook meanwhile it stays in their chain,
             # inert (no collectors) and passing everything through.
 
@@ -208,7 +208,7 @@ class _WarningTap:
             pass  # a tracer bug must never swallow the user's warning
         orig = self._orig
         if orig is None:
-            orig = warnings._showwarnmsg_impl
+            orig = warnings._showwarnmsg_impl  # type: ignore[attr-defined]
         return orig(msg)
 
     def push(self) -> int:
@@ -300,6 +300,5 @@ class FallbackCapture:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self.close()
-        return False

@@ -445,7 +445,7 @@ def _ops_table(sess, ctx: _Ctx):
             writer.write_batch(b)
         else:
             batches.append(b)
-    if writer is not None:
+    if writer is not None and sink is not None:
         writer.close()
         sink.close()
         with pa.memory_map(path) as src:
@@ -513,10 +513,10 @@ def _qualname(f) -> str:
     q = getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or str(f)
     if q.startswith("TensorBase.") or q.startswith("_TensorBase."):
         return "Tensor." + q.split(".", 1)[1]
-    mod = getattr(f, "__module__", None)
-    if mod in (None, "torch._C._VariableFunctions", "torch._C._nn", "torch._C._linalg", "torch._C._fft", "torch._C._special"):
+    mod: Optional[str] = getattr(f, "__module__", None)
+    if mod is None or mod in ( "torch._C._VariableFunctions", "torch._C._nn", "torch._C._linalg", "torch._C._fft", "torch._C._special"):
         mod = {"torch._C._nn": "torch.nn.functional", "torch._C._linalg": "torch.linalg", "torch._C._fft": "torch.fft",
-               "torch._C._special": "torch.special"}.get(mod, "torch")
+               "torch._C._special": "torch.special"}.get(mod or "", "torch")
     if mod == "torch._tensor":
         mod = "torch"
         if not q.startswith("Tensor."):
@@ -579,7 +579,7 @@ def _errors_table(sess, ctx: _Ctx):
                 continue
             index[key] = len(folded)
         folded.append(r)
-    for i, r in enumerate(folded):
+    for r in folded:
         r.setdefault("count", 1)
     # error ids are positions in the recorded list; keep them stable for ops/calls links
     return pa.Table.from_pylist(folded, schema=S.ERRORS)
@@ -590,9 +590,9 @@ def _kernels_table(sess, ops):
         return S.empty("kernels"), []
     try:
         if sess.deferred_kernels and sess.kernels.available:
-            from .timing.kernels import _cuda_devices_of
+            from ..timing.kernels import cuda_devices_of
 
-            pending = sess.kernels.end_window_deferred(sess.t0, ops, _cuda_devices_of(ops))
+            pending = sess.kernels.end_window_deferred(sess.t0, ops, cuda_devices_of(ops))
             if pending is not None:
                 return pending, []   # the Trace resolves it when the table is first read
         return sess.kernels.end_window(sess, ops)
@@ -660,6 +660,7 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     rec = sess.rec
     device = _device_description()
     cap = sess.capture
+    engine = getattr(sess, "engine_choice", None)
     native = None
     try:
         from .. import native as _native
@@ -687,8 +688,8 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         "tracer_error_messages": list(rec.tracer_errors),
         "native": native,
         # which engine recorded the ops, and why (the summary shows the reason when it is the fallback)
-        "engine": getattr(sess, "engine_choice", None).name if getattr(sess, "engine_choice", None) else "python",
-        "engine_reason": getattr(sess, "engine_choice", None).reason if getattr(sess, "engine_choice", None) else "",
+        "engine": engine.name if engine is not None else "python",
+        "engine_reason": engine.reason if engine is not None else "",
         "opaque_ops": sess.opaque_ops,
         # [precision integration] probe counters: non-finite screen, numerics shadow (skips and why)
         "nonfinite_screen": sess.screen.report() if getattr(sess, "screen", None) is not None else None,

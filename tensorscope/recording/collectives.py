@@ -74,7 +74,7 @@ def _pg_from_name(name: str):
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(name)
+        return _resolve_process_group(name)  # type: ignore[arg-type]  # GroupName is a str NewType
     except Exception:
         return None
 
@@ -146,7 +146,8 @@ class CollectiveProbe:
             return
         import torch
 
-        pg_name = reduce_op = None
+        pg_name: Optional[str] = None
+        reduce_op: Optional[str] = None
         pg_size = None
         short = name.split(".")[1] if "." in name else name
         args = tuple(args) + tuple((kwargs or {}).values())

@@ -464,7 +464,7 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
             if g.get("code_md5"):
                 by_md5[g["code_md5"]] = gid
     # files that ran and were compiled before this trace: pull their compile from the registry
-    files = set()
+    files: set = set()
     if n_calls:
         files.update(f for f in calls.column("source_file").unique().to_pylist() if f)
     if n_ops:
@@ -525,7 +525,7 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
     if n_calls:
         call_gid[:] = gid_of(calls.column("source_file"))
         parent = calls.column("parent_id").fill_null(-1).to_numpy()
-        for i in np.nonzero((call_gid < 0) & (parent >= 0))[0]:   # nested in a linked call: same region
+        for i in np.nonzero((call_gid < 0) & (parent >= 0))[0].tolist():   # nested in a linked call: same region
             if call_gid[parent[i]] >= 0:                            # (parents precede their children)
                 call_gid[i] = call_gid[parent[i]]
     if n_ops:

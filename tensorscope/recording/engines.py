@@ -549,12 +549,11 @@ def _formula_flops(flops, op, rows, d, rec):
         return
     encs = _seqs(d["args"])
     shapes = rec.metas.shapes
-    tuples = rec.tuples.values
     funcs = rec.funcs.values
     keys = np.stack([op[todo], args[todo].astype(np.int64), rows["outs"][todo].astype(np.int64)], axis=1)
     uniq, inv = np.unique(keys, axis=0, return_inverse=True)
     vals = np.full(len(uniq), -1, dtype=np.int64)
-    for k, (o, a, outs) in enumerate(uniq.tolist()):
+    for k, (o, a, _outs) in enumerate(uniq.tolist()):
         func = funcs[o]
         f = FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
         if f is None:

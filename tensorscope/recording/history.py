@@ -15,7 +15,8 @@ from typing import Any, List, Optional
 
 from .._common import fmt_bytes
 
-_last = None
+# Traces are typed Any here: the recording layer sits below the Trace class (tensorscope._trace)
+_last: Any = None
 _history: List[Any] = []
 _sizes: List[int] = []
 _HISTORY_MAX = 64
@@ -31,7 +32,7 @@ def _env_bytes() -> int:
 _HISTORY_MAX_BYTES = _env_bytes()
 
 
-def last():
+def last() -> Any:
     """The most recent Trace of this process (``%%tensorscope`` and ``trace()`` set it)."""
     return _last
 
@@ -57,7 +58,7 @@ def set_history_limits(max_traces: Optional[int] = None, max_bytes: Optional[int
     _evict()
 
 
-def trace_nbytes(t) -> int:
+def trace_nbytes(t: Any) -> int:
     """Bytes of the tables a Trace holds (Arrow buffers; a spilled, memory-mapped ops table counts too)."""
     total = 0
     for tab in getattr(t, "_tables", {}).values():
@@ -68,7 +69,7 @@ def trace_nbytes(t) -> int:
     return total
 
 
-def _remember(t, keep_history: bool):
+def _remember(t: Any, keep_history: bool) -> None:
     global _last
     _last = t
     if keep_history:
@@ -77,13 +78,13 @@ def _remember(t, keep_history: bool):
         _evict()
 
 
-def _evict():
+def _evict() -> None:
     while len(_history) > 1 and (len(_history) > _HISTORY_MAX or sum(_sizes) > _HISTORY_MAX_BYTES):
         old, nb = _history.pop(0), _sizes.pop(0)
         _say_dropped(old, nb, "traces" if len(_history) >= _HISTORY_MAX else "bytes")
 
 
-def _say_dropped(t, nbytes: int, why: str) -> None:
+def _say_dropped(t: Any, nbytes: int, why: str) -> None:
     md = getattr(t, "metadata", None) or {}
     cell = md.get("cell")
     what = f"the trace of cell [{cell}]" if cell is not None else "the oldest trace"

@@ -29,7 +29,7 @@ import socket
 import time
 import uuid
 from datetime import timedelta
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _process_run_id: Optional[str] = None
@@ -107,7 +107,7 @@ class DistContext:
         self.sync_timeout_s = sync_timeout_s
         self.clock: Optional[Tuple[int, int]] = None       # (offset_ns, error_ns) at the start
         self.clock_end: Optional[Tuple[int, int]] = None
-        self.notes = []
+        self.notes: List[str] = []
         self.anchor_unix_ns = 0
         self.anchor_perf_ns = 0
 
@@ -229,6 +229,7 @@ def ping_pong(dist, rounds: int = 16, timeout_s: float = 10.0) -> Tuple[int, int
                         rtt = t2 - t1
                         if best is None or rtt < best[1]:
                             best = ((t1 + t2) // 2 - int(buf[0]), rtt)
+                    assert best is not None   # rounds >= 1
                     buf[0], buf[1] = best[0], best[1] // 2 + 1
                     wait(dist.isend(buf, dst=r, group=group))
                 return 0, 0

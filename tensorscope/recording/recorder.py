@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from array import array
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -231,7 +231,7 @@ class Recorder:
         self.spilled_chunks: List[str] = []
         self.mem_chunks: List[Dict[str, np.ndarray]] = []
         self.mem_rows = 0
-        self.on_spill = None   # called after each spill (dataset=: decode the spilled rows into parts)
+        self.on_spill: Optional[Callable[[], None]] = None   # called after each spill (dataset=: decode the spilled rows into parts)
 
         self.funcs = Interner()                       # OpOverload -> id
         self.metas = TensorMetas()

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import sys
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..errors import TraceActiveError
 from ..modes.frames import exc_key
 from ..options import DisplayOptions, RunContext, TraceOptions, resolve
 from .history import _remember
 from .recorder import C_SRC, Recorder
+
+if TYPE_CHECKING:
+    from .._trace import Trace
 
 _local = threading.local()
 _warned_tracer_bug = False
@@ -90,9 +90,9 @@ class Session:
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.t0 = 0
         self.wall_ns = 0
-        self.trace = None
+        self.trace: Optional[Trace] = None
         self._fmode = None
-        self._entered = []
+        self._entered: List[str] = []
 
     def _module_tracker(self, cls):
         return cls(self.rec)
@@ -312,8 +312,8 @@ class Session:
                 self.capture.close()
             except Exception as e:
                 errors.append(e)
-        for e in errors:
-            self.rec.tracer_error("restore", e)
+        for err in errors:
+            self.rec.tracer_error("restore", err)
 
     def stop(self, exc: Optional[BaseException] = None):
         """Stop recording, restore global state, build and return the Trace."""
@@ -440,7 +440,7 @@ def _warm_up():
         return
     _warmed = True
     try:
-        import torch._dynamo  # noqa: F401  (every mode's __torch_dispatch__ runs under a dynamo-disable wrapper)
+        import torch._dynamo  # every mode's __torch_dispatch__ runs under a dynamo-disable wrapper
         import torch.utils.flop_counter  # noqa: F401
     except Exception:
         pass

@@ -136,7 +136,7 @@ def trace_events(trace) -> Dict[str, Any]:
     stack: List[int] = []
     clamped = 0
     events: List[Tuple[Tuple, Dict[str, Any]]] = []
-    for s, e, order, p in slices:
+    for s, e, _order, p in slices:
         while stack and s >= stack[-1]:
             stack.pop()
         if stack and e > stack[-1]:
@@ -306,14 +306,14 @@ def validate_trace_events(doc) -> List[str]:
             if stack and e > stack[-1] + eps:
                 probs.append(f"track {key}: slice [{s}, {e}] overlaps its parent ending at {stack[-1]}")
             stack.append(e)
-    for fid, s in flows_s.items():
+    for fid, fs in flows_s.items():
         f = flows_f.get(fid)
         if f is None:
             probs.append(f"flow {fid}: start without finish")
             continue
-        own = tracks.get((s["pid"], s.get("tid")), [])
-        if not any(a - eps <= s["ts"] <= b + eps for a, b in own):
-            probs.append(f"flow {fid}: start at {s['ts']} is inside no slice of its track")
+        own = tracks.get((fs["pid"], fs.get("tid")), [])
+        if not any(a - eps <= fs["ts"] <= b + eps for a, b in own):
+            probs.append(f"flow {fid}: start at {fs['ts']} is inside no slice of its track")
         dst = tracks.get((f["pid"], f.get("tid")), [])
         if not any(abs(a - f["ts"]) <= eps for a, _ in dst):
             probs.append(f"flow {fid}: finish at {f['ts']} binds to no slice start")

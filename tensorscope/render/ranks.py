@@ -55,7 +55,7 @@ def dataset_summary(ds, run: Optional[str] = None, max_rows: int = 20) -> Summar
         for r in worst:
             sec.rows.append((r["run"], r["pg_name"], r["coll_index"], r["op"], fmt_bytes(r["nbytes"]), r["n_ranks"],
                              fmt_ns(r["skew_ns"]), r["straggler_rank"], r["first_rank"]))
-        counts = {}
+        counts: dict = {}
         for r in sk:
             if r["n_ranks"] > 1:
                 counts[r["straggler_rank"]] = counts.get(r["straggler_rank"], 0) + 1

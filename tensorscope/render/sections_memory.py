@@ -81,7 +81,7 @@ def leaks_section(t) -> Optional[Section]:
     from .leaks import state_line
 
     cells = trace_cells(t)
-    groups = {}
+    groups: dict = {}
     state_bytes = n_state = 0
     for r in lk.to_pylist():
         if r.get("expected"):   # model/optimizer state: one line, not a leak
@@ -110,7 +110,7 @@ def leaks_section(t) -> Optional[Section]:
     for (kind, holder), g in list(groups.items()):
         m = _ELEMENT.match(holder) if kind == "global" else None
         into = groups.get(("autograd_graph", m.group(1))) if m else None
-        if into is not None:
+        if into is not None and m is not None:
             del groups[(kind, holder)]
             into["n"] += g["n"]
             into["bytes"] += g["bytes"]

@@ -57,7 +57,7 @@ def layout_section(t) -> Optional[Section]:
         out.append((_KIND_LABEL.get(r["kind"], r["kind"]), r["op"], r.get("call") or "",
                     f"{r.get('from_format')} → {r.get('to_format')}", str(n), fmt_bytes(nb), _where(r, cells), detail))
     notes = []
-    tot = {}
+    tot: dict = {}
     for r in rows:
         c = tot.setdefault(r["kind"], [0, 0])
         c[0] += 1
@@ -83,10 +83,12 @@ def precision_section(t, display=None) -> Optional[Section]:
     if cs.num_rows:
         with NoGC():
             crow = cs.to_pylist()
-        key = lambda r: (r["kind"], r["direction"], r["from_dtype"], r["to_dtype"])
+        def key(r):
+            return (r["kind"], r["direction"], r["from_dtype"], r["to_dtype"])
+
         groups = _group(crow, key)
         groups.sort(key=lambda e: (-e[1], -e[2]))
-        places = {}
+        places: dict = {}
         for x in crow:
             places.setdefault(key(x), OrderedDict()).setdefault(
                 (x.get("source_file"), x.get("source_line"), x.get("module")), x)

@@ -64,7 +64,8 @@ def _shape_txt(shapes) -> str:
 
 def _merge(bars, scale: float, min_px: float = 2.0):
     """Marks under ``min_px`` wide merged per ``min_px`` column and colour; wider marks kept as they are."""
-    out, buckets = [], {}
+    out: list = []
+    buckets: dict = {}
     for start, dur, key, title in bars:
         if dur * scale >= min_px:
             out.append((start, dur, key, title))

@@ -61,7 +61,6 @@ sampled in the tightest of a few brackets, is the offset.
 from __future__ import annotations
 
 import bisect
-import json
 import re
 import threading
 import time
@@ -183,6 +182,7 @@ class ClockMap:
             b = time.perf_counter_ns()
             if best is None or b - a < best[0]:
                 best = (b - a, w, (a + b) // 2)
+        assert best is not None
         return cls([(best[1], best[2], best[0])], t0_ns)
 
     def __call__(self, kineto_ns: int) -> int:
@@ -272,9 +272,9 @@ def link_kernels(kernel_events: Sequence[KernelRecord], op_windows, launch_event
     """
     conv = clock or (lambda k: k)
     ops = OpWindows.from_ops(op_windows)
-    by_corr = {}
-    for ln in launch_events:
-        by_corr.setdefault(ln.correlation_id, ln)
+    by_corr: dict = {}
+    for launch in launch_events:
+        by_corr.setdefault(launch.correlation_id, launch)
     cpu_by_corr = None
     counts = _check_counts()
 
@@ -284,7 +284,7 @@ def link_kernels(kernel_events: Sequence[KernelRecord], op_windows, launch_event
         if c[1] is None:
             c[1] = name
 
-    rows = {f: [] for f in ("seq", "name", "device", "stream", "start_ns", "dur_ns", "grid", "block", "correlation_id")}
+    rows: Dict[str, list] = {f: [] for f in ("seq", "name", "device", "stream", "start_ns", "dur_ns", "grid", "block", "correlation_id")}
     for k in kernel_events:
         start, end = k.start_ns, k.end_ns
         launch_t = None
@@ -368,8 +368,8 @@ class KinetoBackend:
         self.cuda = cuda
         self.cpu = cpu
         self.running = False
-        self._cfg = None
-        self._acts = None
+        self._cfg: Any = None    # torch's ProfilerConfig and activity set, while running
+        self._acts: Any = None
 
     def start(self) -> None:
         import torch
@@ -444,7 +444,7 @@ class _Window:
         self.begin_name = f"{MARKER}#{k}:begin"
         self.end_name = f"{MARKER}#{k}:end"
         self.begin_perf = begin_perf
-        self.end_perf = None
+        self.end_perf: Optional[List[Tuple[int, int]]] = None
         self.events: Optional[ProfilerEvents] = None
         self.result = None
 
@@ -460,7 +460,7 @@ class PendingKernels:
         self._c = collector
         self._w = win
         self._t0 = t0_ns
-        self._ops = op_windows
+        self._ops: Optional[OpWindows] = op_windows
         self._result: Optional[Tuple[pa.Table, List[str]]] = None
 
     @property
@@ -471,6 +471,7 @@ class PendingKernels:
         if self._result is None:
             if self._w.events is None:
                 self._c.flush()
+            assert self._ops is not None   # dropped only once the result is kept
             self._result = self._c._link_window(self._w, self._t0, self._ops)
             self._ops = None
         return self._result
@@ -513,7 +514,7 @@ class KernelCollector:
 
     def start(self) -> None:
         """Start the Kineto session if it is not running (idempotent)."""
-        if not self.available or self.running:
+        if not self.available or self.running or self._backend is None:
             return
         self._backend.start()
 
@@ -556,7 +557,7 @@ class KernelCollector:
         """Builder entry point: ``(kernels table, notes)`` for the trace of ``sess``, harvested now."""
         if not self.available:
             return S.empty("kernels"), [self.reason or "kernel collection unavailable"]
-        pending = self.end_window_deferred(getattr(sess, "t0", 0), ops, _cuda_devices_of(ops))
+        pending = self.end_window_deferred(getattr(sess, "t0", 0), ops, cuda_devices_of(ops))
         if pending is None:
             return S.empty("kernels"), ["kernel collection: no window was open for this trace"]
         return pending.resolve()
@@ -640,7 +641,7 @@ class KernelCollector:
         return table, notes + warns
 
 
-def _cuda_devices_of(ops) -> List[int]:
+def cuda_devices_of(ops) -> List[int]:
     """CUDA device indexes named in an ops table's device columns (so only those are synchronised)."""
     out = set()
     if isinstance(ops, pa.Table) and ops.num_rows:

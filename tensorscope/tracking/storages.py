@@ -16,7 +16,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,8 @@ class StorageTracker:
         sid = len(self.ptrs)
         cols = self.cols
         try:
-            ref = weakref.ref(storage, lambda _r, sid=sid: self._freed(sid))
+            # mypy cannot type a lambda whose argument is bound by a default
+            ref = weakref.ref(storage, lambda _r, sid=sid: self._freed(sid))  # type: ignore[misc]
         except TypeError:
             return -1
         self.by_ptr[ptr] = sid

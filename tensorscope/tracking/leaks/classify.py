@@ -202,9 +202,10 @@ def _other_threads_frames() -> Set[int]:
         import threading
 
         me = threading.get_ident()
-        for tid, f in sys._current_frames().items():
+        for tid, top in sys._current_frames().items():
             if tid == me:
                 continue
+            f: Optional[types.FrameType] = top
             while f is not None:
                 out.add(id(f))
                 f = f.f_back
@@ -215,7 +216,7 @@ def _other_threads_frames() -> Set[int]:
 
 def _running_frames() -> Set[Any]:
     out = set()
-    f = sys._getframe(0)
+    f: Optional[types.FrameType] = sys._getframe(0)
     while f is not None:
         out.add(f)
         f = f.f_back

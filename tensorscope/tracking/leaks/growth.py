@@ -68,6 +68,7 @@ def observe(rows: List, storage_of: Callable[[Any], Any] = lambda r: None) -> No
         if r.expected or not r.root_label:
             continue
         items = elements.get(r.root_label)
+        per: Optional[int]
         if items is not None and len(items) >= MIN_STEPS:   # a loop in this cell: bytes per step
             per = gained[r.root_label] // len(items)
         else:

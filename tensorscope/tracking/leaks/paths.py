@@ -43,7 +43,7 @@ class _Labeler:
     def __init__(self, search: _Search):
         self.s = search
         self.cache: Dict[int, Dict[int, Tuple[str, str]]] = {}
-        self.describer = None
+        self.describer: Optional[_Describer] = None
         self._keying: Set[int] = set()
 
     def label(self, j: int) -> Tuple[str, str]:
@@ -81,7 +81,7 @@ class _Labeler:
                 is_closure = gp is not None and type(gp) is types.FunctionType and gp.__closure__ is o
                 for n, v in enumerate(o):
                     if is_closure:
-                        names = gp.__code__.co_freevars
+                        names = gp.__code__.co_freevars  # type: ignore[union-attr]  # is_closure: gp is a function
                         m.setdefault(id(v), ("closure", names[n] if n < len(names) else str(n)))
                     else:
                         m.setdefault(id(v), ("index", str(n)))
@@ -207,13 +207,13 @@ class _PathState:
         self.expr = root.expr
         self.flags: frozenset = frozenset()
         self.marks: Dict[str, tuple] = {}
-        self.first_kind = None
-        self.last_kind = None
+        self.first_kind: Optional[str] = None
+        self.last_kind: Optional[str] = None
         self.nsteps = 0
         self.text = root.label
         self.run: Tuple[str, ...] = ()
         self.inst = False          # the last raw step entered an instance's __dict__
-        self.moddict = None        # (what, expr, pos, parent) while a Module's _parameters/_buffers/_modules waits for its key
+        self.moddict: Optional[tuple] = None        # (what, expr, pos, parent) while a Module's _parameters/_buffers/_modules waits for its key
 
     def copy(self) -> "_PathState":
         n = _PathState.__new__(_PathState)
@@ -506,7 +506,9 @@ def _split_fix(fix: str) -> List[str]:
     """``a; b  (advice; more); c`` → the ``; ``-separated parts outside parentheses and quotes."""
     if "; " not in fix:
         return [fix] if fix else []
-    parts, depth, quote, cur = [], 0, None, []
+    parts: List[str] = []
+    cur: List[str] = []
+    depth, quote = 0, None
     i, n = 0, len(fix)
     while i < n:
         ch = fix[i]

@@ -195,10 +195,10 @@ def _find_leaks(min_bytes, device, shell, user_ns, max_nodes, frames) -> LeakRep
         # Python tensors no root reaches (cycles, library state), and known storages no root reaches
         unreached, tensors = _heap_tensors(lambda k: k not in reached, search.idx)
         search.clear()
-        for k, s in want.items():
-            if k not in reached:
-                unreached.setdefault(k, s)
-        s = None
+        for key, st in want.items():
+            if key not in reached:
+                unreached.setdefault(key, st)
+        st = None
         rows += _fallback_rows(unreached, tensors, {}, {id(want)})
         rows = [r for r in _merge_same_buffer(rows) if r.nbytes >= min_bytes
                 and (device is None or _device_match(r.device, device))]

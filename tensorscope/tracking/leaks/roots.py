@@ -61,9 +61,9 @@ _USER_PSEUDO_FILES = ("<ipython-input-", "<string>", "<stdin>", "<console>")
 
 def _stack_frames() -> List[types.FrameType]:
     """Running user frames above us (function frames only: a module frame's locals are globals)."""
-    out = []
+    out: List[types.FrameType] = []
     try:
-        f = sys._getframe(1)
+        f: Optional[types.FrameType] = sys._getframe(1)
     except ValueError:
         return out
     ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep

@@ -41,7 +41,7 @@ class _Row:
         g = meta.get
         self.storage_id = g("storage_id")
         self.nbytes = g("nbytes", 0)
-        self.device = g("device")
+        self.device: str = meta["device"]   # every row's meta names its device
         self.dtype = g("dtype")
         self.shape = g("shape")
         self.alloc_seq = g("alloc_seq")

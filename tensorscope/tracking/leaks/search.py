@@ -224,7 +224,7 @@ class _Search:
         key = id(s)
         lst = self.found.get(key)
         if lst is None:
-            if not self.collect_all and key not in self.want:
+            if not self.collect_all and key not in (self.want or ()):
                 return
             try:
                 # zero bytes, meta and fake storages: nothing to leak (device first: a fake

@@ -1,0 +1,201 @@
+"""The summary and the leak report in a real browser: headless Chromium renders an executed notebook.
+
+A notebook (a traced training step that leaves a leak, and ``%tensorscope leaks``) is executed
+through nbclient in a real kernel and exported with nbconvert twice: the ``lab`` template (which
+carries JupyterLab's own CSS, ``.jp-RenderedHTMLCommon td {text-align: right}``) and the
+``classic`` one (the Notebook's ``.rendered_html td``); a third, bare page holds the same outputs
+with no stylesheet. Chromium loads each with the network unreachable and a probe script that
+writes its findings into the DOM (``--dump-dom``): every cell of our tables computes the alignment
+our HTML declares (text left, numbers right) and the same on the three pages, no number wraps
+at a narrow width, the inline timeline image loads, and nothing was fetched. One screenshot of
+the JupyterLab-styled page per run is kept under ``runs/browser/`` and its path printed.
+
+Needs Debian's ``chromium`` package (``.ci/run`` installs it when it runs as root) and nbconvert;
+skips with the reason otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.kernel
+
+
+CELLS = [
+    "%load_ext tensorscope\nimport torch\ntorch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.ReLU(), torch.nn.Linear(384, 10))\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\nx = torch.randn(256, 64)\nkept = []",
+    "%%tensorscope\nopt.zero_grad()\nloss = model(x).pow(2).mean()\nloss.backward()\nopt.step()\n"
+    "kept.append(model(x).pow(2).mean())   # a loss with its graph: a leak",
+    "%tensorscope leaks --min-bytes 1000",
+]
+
+PROBE = r"""
+<script>
+window.addEventListener('load', function () {
+  var NUM = /^[-+\u2212]?\d[\d,._]*(\s?(B|KiB|MiB|GiB|TiB|ns|\u00b5s|us|ms|s|%|x|\/cell|\/step))?$/;
+  var out = {tables: 0, cells: 0, numbers: 0, right: 0, aligns: [], misaligned: [], wrapped: [],
+             images: [], resources: [], external: []};
+  document.querySelectorAll('.tensorscope-summary table, .tensorscope-leaks table').forEach(function (tb) {
+    out.tables++;
+    tb.querySelectorAll('td, th').forEach(function (c) {
+      var text = c.textContent.trim();
+      var got = getComputedStyle(c).textAlign;
+      var want = c.style.textAlign || 'left';
+      if (got === 'start') got = 'left';
+      out.cells++;
+      out.aligns.push(got);
+      if (got === 'right') out.right++;
+      if (got !== want) out.misaligned.push(text.slice(0, 40) + ': ' + got + ' (declared ' + want + ')');
+      if (c.tagName === 'TD' && NUM.test(text)) {
+        out.numbers++;
+        var r = document.createRange();
+        r.selectNodeContents(c);
+        var tops = {};
+        Array.prototype.forEach.call(r.getClientRects(), function (b) { tops[Math.round(b.top)] = 1; });
+        if (Object.keys(tops).length > 1) out.wrapped.push(text);
+      }
+    });
+  });
+  // the summary's timeline and icicle are inline SVG: drawn, with a size, nothing to fetch
+  document.querySelectorAll('.tensorscope-summary svg').forEach(function (svg) {
+    var r = svg.getBoundingClientRect();
+    out.images.push({complete: svg.querySelectorAll('rect').length > 0, width: Math.round(r.width),
+                     data: !svg.querySelector('[href],[src]')});
+  });
+  performance.getEntriesByType('resource').forEach(function (e) { out.resources.push(e.name); });
+  document.querySelectorAll('[src], [href]').forEach(function (el) {
+    var u = el.getAttribute('src') || el.getAttribute('href') || '';
+    if (/^(https?:)?\/\//i.test(u)) out.external.push(el.tagName + ' ' + u);
+  });
+  var pre = document.createElement('pre');
+  pre.id = 'tensorscope-probe';
+  pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>
+"""
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+CHROMIUM = _chromium()
+
+# the network is unreachable for the browser: a fetch cannot succeed, and the probe sees any attempt
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--disable-extensions", "--host-resolver-rules=MAP * ~NOTFOUND",
+                "--proxy-server=127.0.0.1:9", "--virtual-time-budget=10000"]
+
+
+def _chrome(args, timeout=120):
+    r = subprocess.run([CHROMIUM, *CHROME_FLAGS, *args], capture_output=True, text=True, timeout=timeout)
+    return r
+
+
+def _probe(page: str, width: int):
+    r = _chrome([f"--window-size={width},2000", "--dump-dom", "file://" + page])
+    m = re.search(r'<pre id="tensorscope-probe">(.*?)</pre>', r.stdout, re.S)
+    assert m, f"the probe did not run in {page}: rc={r.returncode} {r.stderr[-2000:]}"
+    import html
+
+    return json.loads(html.unescape(m.group(1)))
+
+
+def _strip_template_fetches(page: str) -> str:
+    """nbconvert's templates load require.js, MathJax and mermaid from a CDN: theirs, not ours (our
+    outputs hold no script, which the fixture checks). Drop those so the probe's 'nothing fetched'
+    speaks for the notebook's outputs."""
+    page = re.sub(r"<script[^>]*\bsrc=[\"']https?://[^>]*>\s*</script>", "", page, flags=re.I)
+    page = re.sub(r"<script[^>]*>(?:(?!</script>).)*https?://(?:(?!</script>).)*</script>", "", page, flags=re.I | re.S)
+    return re.sub(r"<link[^>]*\bhref=[\"']https?://[^>]*>", "", page, flags=re.I)
+
+
+def _with_probe(page: str) -> str:
+    i = page.rfind("</body>")
+    return page[:i] + PROBE + page[i:]
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory):
+    if CHROMIUM is None:
+        pytest.skip("no Chromium on this machine (Debian: apt-get install chromium; .ci/run does it as root)")
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nbconvert = pytest.importorskip("nbconvert", reason="nbconvert is in the test extra")
+    out = tmp_path_factory.mktemp("browser")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in CELLS]
+    env = dict(os.environ, MPLBACKEND="Agg")
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(out)}})
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        client.execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    htmls = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
+             if o.get("output_type") in ("display_data", "execute_result") and "text/html" in o.get("data", {})]
+    assert any("tensorscope-summary" in h for h in htmls) and any("tensorscope-leaks" in h for h in htmls)
+    # our HTML itself references nothing outside itself
+    for h in htmls:
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", h, re.I), h[:300]
+        assert "<script" not in h.lower() and "<link" not in h.lower() and "@import" not in h
+    result = {}
+    for template in ("lab", "classic"):
+        exporter = nbconvert.HTMLExporter(template_name=template)
+        body, _res = exporter.from_notebook_node(nb)
+        if template == "lab":
+            assert ".jp-RenderedHTMLCommon td" in body       # JupyterLab's own CSS is on the page
+        else:
+            assert ".rendered_html td" in body
+        p = out / f"{template}.html"
+        p.write_text(_with_probe(_strip_template_fetches(body)), encoding="utf-8")
+        result[template] = str(p)
+    bare = out / "bare.html"
+    bare.write_text(_with_probe("<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>"
+                                + "\n".join(htmls) + "</body></html>"), encoding="utf-8")
+    result["bare"] = str(bare)
+    return result
+
+
+@pytest.mark.parametrize("width", [1400, 760])
+def test_tables_read_the_same_in_jupyterlab_classic_notebook_and_a_bare_page(pages, width):
+    probes = {name: _probe(path, width) for name, path in pages.items()}
+    for name, p in probes.items():
+        assert p["tables"] >= 3 and p["cells"] > 20, (name, p["tables"], p["cells"])
+        assert p["misaligned"] == [], (name, p["misaligned"][:10])
+        assert p["numbers"] >= 5 and p["right"] >= 5, (name, p["numbers"], p["right"])
+        assert p["wrapped"] == [], (name, width, p["wrapped"])
+        assert p["images"] and all(i["complete"] and i["width"] > 0 and i["data"] for i in p["images"]), \
+            (name, p["images"])
+        assert p["resources"] == [], (name, p["resources"])
+        assert p["external"] == [], (name, p["external"])
+    assert probes["lab"]["aligns"] == probes["classic"]["aligns"] == probes["bare"]["aligns"]
+
+
+def test_a_screenshot_of_the_jupyterlab_styled_page_is_kept_per_run(pages, capsys):
+    d = os.path.join(ROOT, "runs", "browser")
+    os.makedirs(d, exist_ok=True)
+    shot = os.path.join(d, f"summary-jupyterlab-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png")
+    r = _chrome(["--window-size=1280,2200", f"--screenshot={shot}", "file://" + pages["lab"]])
+    assert r.returncode == 0 and os.path.getsize(shot) > 10_000, r.stderr[-2000:]
+    with open(shot, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with capsys.disabled():
+        print(f"\nbrowser screenshot: {shot}")
