@@ -12,12 +12,14 @@ from __future__ import annotations
 import gc
 import types
 from array import array
+from itertools import compress, repeat
+from operator import attrgetter, not_
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .classify import (
     _CLASS, _DEFER, _FRAME, _FUNC, _GEN, _GENERIC, _NDARRAY, _NODE, _PLAIN_UNTRACKED, _PYNODE, _SKIP, _STORAGE,
     _T, _TB, _TENSOR, _classify, _is_user_class, _live_frame_locals, _node_name, _other_threads_frames,
-    _running_frames, _saved_names, _types, _untracked_interest, _user_modules,
+    _running_frames, _saved_names, _types, _untracked_interest, _untracked_interest_type, _user_modules,
 )
 from .roots import _Root, _collect_roots
 
@@ -28,6 +30,7 @@ class _Search:
 
     MAX_NODES_DEFAULT = 20_000_000
     BIG_CONTAINER = 1000
+    BULK = 64   # containers with more children than this are enqueued with C-level passes (map/compress)
 
     def __init__(self, root_objs: List[Any], roots: List[_Root], want: Optional[Dict[int, Any]],
                  collect_all: bool, user_modnames: Set[str], max_nodes: int = MAX_NODES_DEFAULT):
@@ -49,6 +52,7 @@ class _Search:
         self.errors = 0
         self._deferred_objs: List[int] = []
         self._deferred_edges: List[Tuple[int, Any, Tuple[str, str]]] = []
+        self._runs: Dict[int, int] = {}          # first node -> end of a run of plain torch.Tensor nodes
         # with targets only (a trace's leak table), stop once each has a holder
         self.n_want = len(want) if (want and not collect_all) else 0
         self.complete = False
@@ -74,6 +78,8 @@ class _Search:
         big = self.BIG_CONTAINER if self.n_want else 0
         plain = _PLAIN_UNTRACKED
         expanded: Set[int] = set()
+        bulk = self.BULK
+        runs = self._runs
         i = 0
         while True:
             while i < len(order):
@@ -90,6 +96,20 @@ class _Search:
                         self._deferred_objs.append(i)
                         i += 1
                         continue
+                    if len(kids) > bulk and self._enqueue_many(i, kids):
+                        if len(order) > max_nodes:
+                            self.truncated = True
+                            return
+                        i += 1
+                        continue
+                elif h == _TENSOR and i in runs:
+                    # a list of 100k tensors: one C-level pass per attribute instead of a call per tensor
+                    end = runs.pop(i)
+                    self._tensors(i, end)
+                    if self.n_want and not self.complete and len(self.found) >= self.n_want:
+                        self.complete = True
+                    i = end
+                    continue
                 elif h == _SKIP:
                     i += 1
                     continue
@@ -151,6 +171,94 @@ class _Search:
             for parent, child, label in edges:
                 self._enqueue(parent, child, label)
             edges.clear()
+
+    def _enqueue_many(self, i: int, kids: List[Any]) -> bool:
+        """Enqueue a big container's children with C-level passes; False (nothing done) when some
+        child was met before or appears twice, which the per-child loop handles (cross roots)."""
+        tracked = list(map(gc.is_tracked, kids))
+        if tracked.count(True) != len(kids):
+            # untracked children: ints and strings are never holders; numpy arrays (untracked) are
+            plain = _PLAIN_UNTRACKED
+            for tp in set(map(type, compress(kids, map(not_, tracked)))):
+                if tp not in plain:
+                    if _untracked_interest_type(tp):
+                        return False
+                    plain.add(tp)
+            kids = list(compress(kids, tracked))
+        n = len(kids)
+        if not n:
+            return True
+        idx = self.idx
+        ids = list(map(id, kids))
+        if list(map(idx.get, ids)).count(None) != n or len(set(ids)) != n:
+            return False
+        order = self.order
+        start = len(order)
+        order.extend(kids)
+        idx.update(zip(ids, range(start, start + n)))
+        self.par.extend(repeat(i, n))
+        self.own.extend(repeat(self.own[i], n))
+        tensor = _T().Tensor
+        if set(map(type, kids)) == {tensor}:
+            self._runs[start] = start + n
+        return True
+
+    def _tensors(self, a: int, b: int) -> None:
+        """``_tensor`` for the nodes ``a:b``, all plain ``torch.Tensor`` s, in bulk: a tensor with
+        anything to follow (a ``__dict__``, hooks, a graph, ``.grad``, ``._base``) gets the
+        per-tensor treatment in order; the rest only have their storage recorded."""
+        ts = self.order[a:b]
+        tensor = _T().Tensor
+        try:
+            if any(map(attrgetter("is_meta"), ts)):
+                raise TypeError("meta tensors: per tensor")
+            # one list for all referents: a tensor with nothing but its class has nothing to follow
+            refs = gc.get_referents(*ts)
+            plain_refs = refs.count(tensor) == len(refs)
+            del refs
+            rg = list(map(attrgetter("requires_grad"), ts))
+            anyrg = True in rg
+            # .grad of a tensor that requires grad may warn (a non-leaf): those are per tensor anyway
+            grads = [None if r else t.grad for t, r in zip(ts, rg)] if anyrg else list(map(attrgetter("grad"), ts))
+            bases = list(map(attrgetter("_base"), ts))
+            if not plain_refs:
+                busy = range(a, b)
+            elif anyrg or grads.count(None) != len(grads) or bases.count(None) != len(bases):
+                busy = [a + k for k, (r, g, base) in enumerate(zip(rg, grads, bases))
+                        if r or g is not None or base is not None]
+            else:
+                busy = ()
+            del grads, bases, rg
+            storages = list(map(tensor.untyped_storage, ts))
+        except Exception:
+            for k in range(a, b):
+                self._tensor(self.order[k], k)
+            return
+        found, want, collect_all, keep = self.found, self.want, self.collect_all, self.storages
+        keys = list(map(id, storages))
+        sel = range(a, b)
+        if not collect_all:
+            hit = list(map(want.__contains__, keys)) if want else [False] * len(keys)
+            if True in hit:
+                sel = list(compress(sel, hit))
+                keys = list(compress(keys, hit))
+                storages = list(compress(storages, hit))
+            else:
+                sel, keys, storages = (), (), ()
+        if sel:
+            ptrs = list(map(_T().UntypedStorage.data_ptr, storages))
+            for k, key, s, ptr in zip(sel, keys, storages, ptrs):
+                lst = found.get(key)
+                if lst is None:
+                    if ptr:  # zero bytes: nothing to leak
+                        found[key] = [k]
+                        keep[key] = s
+                elif len(lst) < 8:
+                    lst.append(k)
+        del storages
+        order = self.order
+        for k in busy:
+            self._tensor_edges(order[k], k)
 
     def _enqueue(self, parent: int, child, label: Optional[Tuple[str, str]]):
         kid = id(child)
@@ -269,6 +377,22 @@ class _Search:
             elif len(lst) < 8:
                 lst.append(i)
             del s
+        self._tensor_grad_edges(t, i)
+        return ()
+
+    def _tensor_edges(self, t, i):
+        """What ``_tensor`` follows besides the storage, in the same order."""
+        for k in gc.get_referents(t):
+            h = _types.get(type(k))
+            if h is None:
+                h = _classify(type(k))
+            if h == _NODE or h == _PYNODE:
+                self._deferred_edges.append((i, k, ("grad_fn", _node_name(k))))
+            elif gc.is_tracked(k) or h == _NDARRAY:
+                self._enqueue(i, k, None)
+        self._tensor_grad_edges(t, i)
+
+    def _tensor_grad_edges(self, t, i):
         try:
             if t.requires_grad:
                 gf = t.grad_fn
@@ -291,7 +415,6 @@ class _Search:
                 self._deferred_edges.append((i, b, ("base", "_base")))
         except Exception:
             self.errors += 1
-        return ()
 
     def _tensor_parts(self, t, i):
         """Tensors without a plain storage: sparse layouts and wrapper subclasses."""
@@ -351,6 +474,7 @@ class _Search:
         self.synth.clear()
         self._deferred_edges.clear()
         self._deferred_objs.clear()
+        self._runs.clear()
         self.want = None
 
 
