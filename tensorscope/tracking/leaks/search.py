@@ -173,8 +173,9 @@ class _Search:
             edges.clear()
 
     def _enqueue_many(self, i: int, kids: List[Any]) -> bool:
-        """Enqueue a big container's children with C-level passes; False (nothing done) when some
-        child was met before or appears twice, which the per-child loop handles (cross roots)."""
+        """Enqueue a big container's children with C-level passes (as the per-child loop would: a
+        child met before only notes this root as another holder). False (nothing done) when some
+        untracked child needs a look (a numpy array)."""
         tracked = list(map(gc.is_tracked, kids))
         if tracked.count(True) != len(kids):
             # untracked children: ints and strings are never holders; numpy arrays (untracked) are
@@ -190,8 +191,33 @@ class _Search:
             return True
         idx = self.idx
         ids = list(map(id, kids))
-        if list(map(idx.get, ids)).count(None) != n or len(set(ids)) != n:
-            return False
+        js = list(map(idx.get, ids))
+        if js.count(None) != n or len(set(ids)) != n:
+            # some met before (another root: note it, as the per-child loop does) or listed twice
+            # (once is enough): the rest still go in one pass
+            oi, own, cross = self.own[i], self.own, self.cross
+            keep = [j is None for j in js]
+            for j in compress(js, map(not_, keep)):
+                if own[j] != oi and j != i:
+                    c = cross.get(j)
+                    if c is None:
+                        cross[j] = {oi}
+                    else:
+                        c.add(oi)
+            if len(set(ids)) != len(ids):
+                seen: Set[int] = set()
+                for k, (x, new) in enumerate(zip(ids, keep)):
+                    if new:
+                        if x in seen:
+                            keep[k] = False
+                        else:
+                            seen.add(x)
+            kids = list(compress(kids, keep))
+            ids = list(compress(ids, keep))
+            n = len(kids)
+            if not n:
+                return True
+        del js
         order = self.order
         start = len(order)
         order.extend(kids)
@@ -247,6 +273,11 @@ class _Search:
                 sel, keys, storages = (), (), ()
         if sel:
             ptrs = list(map(_T().UntypedStorage.data_ptr, storages))
+            if 0 not in ptrs and len(set(keys)) == len(keys) and not any(map(found.__contains__, keys)):
+                # one tensor per storage, none met before (a list of 100k tensors): two dict updates
+                found.update(zip(keys, map(list, zip(sel))))
+                keep.update(zip(keys, storages))
+                sel = ()
             for k, key, s, ptr in zip(sel, keys, storages, ptrs):
                 lst = found.get(key)
                 if lst is None:

@@ -47,8 +47,9 @@ def _heap_tensors(keep, skip_ids: Optional[Dict[int, int]] = None) -> Tuple[Dict
     objs = gc.get_objects()
     try:
         ts = list(compress(objs, map(tset.__contains__, map(type, objs))))
-        if skip_ids:
-            ts = [o for o in ts if id(o) not in skip_ids]   # the search saw those
+        if skip_ids and ts:   # the search saw those (set arithmetic: usually all of them)
+            unseen = set(map(id, ts)).difference(skip_ids)
+            ts = list(compress(ts, map(unseen.__contains__, map(id, ts)))) if unseen else []
     finally:
         objs.clear()
         del objs
