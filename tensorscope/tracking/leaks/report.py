@@ -18,7 +18,7 @@ from .classify import _GcPaused
 from .known import _KNOWN
 from .paths import _merge_fixes
 from .roots import _get_shell, _user_namespace
-from .rows import _RowSet, _fallback_rows, _merge_same_buffer, _rows_for, _rows_to_table
+from .rows import _RowSet, _fallback_rows, _int_array, _merge_same_buffer, _rows_for, _rows_to_table
 from .search import _Search, _run_search
 from .unreached import _heap_tensors
 from ..._location import format_location
@@ -94,8 +94,8 @@ def _totals(rows: _RowSet) -> Dict[str, int]:
     if not n:
         return out
     devs = c["device"]
-    ptr = np.fromiter((p or 0 for p in c["data_ptr"]), dtype=np.uint64, count=n)
-    nb = np.fromiter((b or 0 for b in c["nbytes"]), dtype=np.uint64, count=n)
+    ptr = _int_array(c["data_ptr"], np.uint64)
+    nb = _int_array(c["nbytes"], np.uint64)
     dev_of = {d: k for k, d in enumerate(dict.fromkeys(devs))}
     code = np.fromiter(map(dev_of.__getitem__, devs), dtype=np.int64, count=n)
     for dev, k in dev_of.items():
@@ -127,7 +127,7 @@ def _groups(rows: _RowSet) -> List[LeakGroup]:
     n = len(rows)
     if not n:
         return []
-    nb0 = np.fromiter((b or 0 for b in c["nbytes"]), dtype=np.int64, count=n)
+    nb0 = _int_array(c["nbytes"])
     perm = np.argsort(-nb0, kind="stable").tolist()   # largest first; ties keep discovery order
 
     def take(f):
@@ -235,7 +235,7 @@ def _find_leaks(min_bytes, device, shell, user_ns, max_nodes, frames) -> LeakRep
             notes.append(f"{search.errors} objects could not be inspected")
         rows, reached = _rows_for(search, {})
         # Python tensors no root reaches (cycles, library state), and known storages no root reaches
-        unreached, tensors = _heap_tensors(lambda k: k not in reached, search.idx)
+        unreached, tensors = _heap_tensors(lambda k: k not in reached, search.idx, search.n_tensors)
         search.clear()
         for k, s in want.items():
             if k not in reached:

@@ -6,7 +6,7 @@ unreached classified by ``unreached``, storages over one buffer merged, largest 
 """
 from __future__ import annotations
 
-from itertools import compress, repeat
+from itertools import chain, compress, groupby, repeat
 from operator import attrgetter, itemgetter
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -190,21 +190,13 @@ def _rows_for(search: _Search, key_meta: Dict[int, dict]) -> Tuple[_RowSet, Set[
     desc = _Describer(search)
     rows = _RowSet()
     try:
-        generic, by_parent = _by_parent(search)
-        order, par, cross = search.order, search.par, search.cross
-        nested: Dict[int, List[Tuple[int, List[int]]]] = {}
-        for p, keys in by_parent:
-            if len(keys) >= 16 and _bulk_rows(search, desc, p, keys, key_meta, rows):
-                continue
-            gp = par[p]
-            if len(keys) < 16 and gp >= 0 and p not in cross and type(order[p]) in _NESTABLE:
-                nested.setdefault(gp, []).append((p, keys))   # a list of (x, y) pairs: by grandparent
-            else:
+        generic, direct, nested = _by_parent(search)
+        for p, keys in direct:
+            if not _bulk_rows(search, desc, p, keys, key_meta, rows):
                 generic.extend(keys)
-        for gp, items in nested.items():
-            if len(items) < 16 or not _bulk_nested(search, desc, gp, items, key_meta, rows):
-                for _p, keys in items:
-                    generic.extend(keys)
+        for gp, parents, keys, kowner in nested:
+            if not _bulk_nested(search, desc, gp, parents, keys, kowner, key_meta, rows):
+                generic.extend(keys)
         for key in generic:
             rows.add(_row_generic(search, desc, key, key_meta))
     finally:
@@ -212,16 +204,23 @@ def _rows_for(search: _Search, key_meta: Dict[int, dict]) -> Tuple[_RowSet, Set[
     return rows, set(search.found)
 
 
-def _by_parent(search: _Search) -> Tuple[List[int], List[Tuple[int, List[int]]]]:
-    """(storages that need their own path, [(parent node, storages)]): a storage held by one tensor,
-    whose node no other root reaches, goes with the siblings of that tensor (parents in order of
-    first appearance, storages in discovery order), in C-level passes over ``found``."""
+#: a container with at least this many tensors (or small containers of tensors) gets bulk rows
+_BULK_MIN = 16
+
+
+def _by_parent(search: _Search):
+    """``(generic, direct, nested)``: the storages that need a path of their own; ``[(parent node,
+    storages)]`` for tensors side by side in one container (a list of 100k tensors); and
+    ``[(grandparent node, parent nodes, storages, index of each storage's parent)]`` for tensors in
+    many small tuples, lists or dicts of one container (a dataset of (x, y) pairs). Only a storage
+    held by one tensor, whose node no other root reaches, is grouped. In C-level passes over
+    ``found``; groups in order of first appearance, storages in discovery order."""
     import numpy as np
 
-    found, par, cross = search.found, search.par, search.cross
+    found, par, cross, order = search.found, search.par, search.cross, search.order
     keys = list(found)
     if not keys:
-        return [], []
+        return [], [], []
     nodes = list(found.values())
     firsts = list(map(itemgetter(0), nodes))
     pars = np.fromiter(map(par.__getitem__, firsts), dtype=np.int64, count=len(keys))
@@ -232,14 +231,51 @@ def _by_parent(search: _Search) -> Tuple[List[int], List[Tuple[int, List[int]]]]
     generic = list(compress(keys, (~ok).tolist()))
     pos = np.flatnonzero(ok)
     if not len(pos):
-        return generic, []
-    pos = pos[np.argsort(pars[pos], kind="stable")]
-    sp = pars[pos]
-    starts = np.flatnonzero(np.concatenate(([True], sp[1:] != sp[:-1])))
-    ends = np.append(starts[1:], len(pos))
-    groups = sorted(zip(pos[starts].tolist(), sp[starts].tolist(), starts.tolist(), ends.tolist()))
+        return generic, [], []
     get = keys.__getitem__
-    return generic, [(p, list(map(get, pos[a:b].tolist()))) for _first, p, a, b in groups]
+    uniq, inv, counts = np.unique(pars[pos], return_inverse=True, return_counts=True)
+    many = counts[inv] >= _BULK_MIN
+    direct = []
+    if many.any():
+        dpos = pos[many]
+        dpos = dpos[np.argsort(pars[dpos], kind="stable")]
+        sp = pars[dpos]
+        starts = np.flatnonzero(np.concatenate(([True], sp[1:] != sp[:-1])))
+        ends = np.append(starts[1:], len(dpos))
+        for _first, p, a, b in sorted(zip(dpos[starts].tolist(), sp[starts].tolist(), starts.tolist(),
+                                          ends.tolist())):
+            direct.append((p, list(map(get, dpos[a:b].tolist()))))
+    few = pos[~many]
+    if not len(few):
+        return generic, direct, []
+    # small containers: by grandparent, when the container is a plain tuple/list/dict no other root reaches
+    fp = pars[few]
+    cand = np.unique(fp).tolist()
+    nestable = np.fromiter(map(_NESTABLE.__contains__, map(type, map(order.__getitem__, cand))), dtype=bool,
+                           count=len(cand))
+    if cross:
+        nestable &= ~np.fromiter(map(cross.__contains__, cand), dtype=bool, count=len(cand))
+    gps = np.fromiter(map(par.__getitem__, cand), dtype=np.int64, count=len(cand))
+    nestable &= gps >= 0
+    cand_np = np.array(cand, dtype=np.int64)
+    at = np.searchsorted(cand_np, fp)
+    kn = nestable[at]
+    generic.extend(map(get, few[~kn].tolist()))
+    few, fp, kgp = few[kn], fp[kn], gps[at[kn]]
+    nested = []
+    if len(few):
+        o = np.lexsort((few, fp, kgp))
+        few, fp, kgp = few[o], fp[o], kgp[o]
+        starts = np.flatnonzero(np.concatenate(([True], kgp[1:] != kgp[:-1])))
+        ends = np.append(starts[1:], len(few))
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            ps_, kowner = np.unique(fp[a:b], return_inverse=True)
+            ks = list(map(get, few[a:b].tolist()))
+            if len(ps_) < _BULK_MIN:
+                generic.extend(ks)
+                continue
+            nested.append((int(kgp[a]), ps_.tolist(), ks, kowner.tolist()))
+    return generic, direct, nested
 
 
 def _row_generic(search: _Search, desc: "_Describer", key: int, key_meta: Dict[int, dict]) -> "_Row":
@@ -342,42 +378,52 @@ def _bulk_rows(search: _Search, desc: "_Describer", p: int, keys: List[int], key
 #: small containers whose items a nested bulk row names by position: ``pairs[3][0]``
 _SMALL_SEQ = (tuple, list)
 #: small containers a nested bulk row looks through
-_NESTABLE = (tuple, list, dict)
+_NESTABLE = frozenset((tuple, list, dict))
 
 
-def _bulk_nested(search: _Search, desc: "_Describer", gp: int, items: List[Tuple[int, List[int]]], key_meta,
-                 rows: _RowSet) -> bool:
-    """Tensors in many small plain containers of one global container (a dataset as a list of
-    ``(x, y)`` tuples, a list of ``{'x': x, 'y': y}`` dicts): ``data[3][0]``, without a path per
-    tensor. False (nothing added) when some path needs the general rules."""
+def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int], keys: List[int],
+                 kowner: List[int], key_meta, rows: _RowSet) -> bool:
+    """Tensors in many small plain containers (``parents``) of one global container (a dataset as a
+    list of ``(x, y)`` tuples, a list of ``{'x': x, 'y': y}`` dicts): ``data[3][0]``, without a path
+    per tensor. ``kowner[k]`` indexes the parent of ``keys[k]``. False (nothing added) when some
+    path needs the general rules."""
     ps = _plain_top(desc, gp)
     if ps is None:
         return False
-    order, found = search.order, search.found
-    psteps = _child_steps(search, desc, gp, [order[p] for p, _ks in items])
+    order = search.order
+    pobjs = list(map(order.__getitem__, parents))
+    psteps = _child_steps(search, desc, gp, pobjs)
     if psteps is None:
         return False
-    keys: List[int] = []
-    steps: List[str] = []
-    for (p, ks), pst in zip(items, psteps):
-        o = order[p]
-        ts = [order[found[key][0]] for key in ks]
-        if type(o) in _SMALL_SEQ:
-            ids = list(map(id, o))
-            try:
-                steps.extend([f"{pst}[{ids.index(id(t))}]" for t in ts])
-            except ValueError:
-                return False
-        else:
-            cs = _child_steps(search, desc, p, ts)
-            if cs is None:
-                return False
-            steps.extend([pst + c for c in cs])
-        keys.extend(ks)
-        del o, ts
     ts = _tensors_of(search, keys)
     if ts is None:
         return False
+    if all(type(o) in _SMALL_SEQ for o in pobjs):
+        # all tuples and lists: each item's position from one flat (container, item) -> index map
+        lens = list(map(len, pobjs))
+        owners = list(chain.from_iterable(map(repeat, range(len(pobjs)), lens)))
+        item_ids = list(map(id, chain.from_iterable(pobjs)))
+        pos = list(chain.from_iterable(map(range, lens)))
+        where = dict(zip(zip(reversed(owners), reversed(item_ids)), reversed(pos)))   # first occurrence
+        del pobjs, owners, item_ids, pos
+        at = list(map(where.get, zip(kowner, map(id, ts))))
+        del where
+        if None in at:
+            return False
+        steps = [f"{psteps[o]}[{n}]" for o, n in zip(kowner, at)]
+        del at
+        return _emit_plain(search, ps, keys, ts, steps, key_meta, rows)
+    del pobjs
+    steps = []
+    k = 0
+    for o, grp in groupby(kowner):   # keys come grouped by parent
+        n = len(list(grp))
+        mine = ts[k:k + n]
+        cs = _child_steps(search, desc, parents[o], mine)
+        if cs is None:
+            return False
+        steps.extend([psteps[o] + c for c in cs])
+        k += n
     return _emit_plain(search, ps, keys, ts, steps, key_meta, rows)
 
 
@@ -403,7 +449,9 @@ def _emit_plain(search: _Search, ps, keys: List[int], ts: List[Any], steps: List
         fixes = [rfix] * len(steps)
     else:
         fixes = list(map(("del " + base_expr).__add__, steps))
-        for n in [n for n, (vb, sb) in enumerate(zip(vbs, sbs)) if vb * 2 < sb]:
+        import numpy as np
+
+        for n in np.flatnonzero(np.array(vbs, dtype=np.int64) * 2 < np.array(sbs, dtype=np.int64)).tolist():
             expr = base_expr + steps[n]
             fixes[n] = (f"{expr} = {expr}.clone()  (a {_fmt_bytes(vbs[n])} view pins the whole "
                         f"{_fmt_bytes(sbs[n])} storage; or del {expr})")
@@ -418,7 +466,7 @@ def _emit_plain(search: _Search, ps, keys: List[int], ts: List[Any], steps: List
     dts = list(map(dtype_str.__getitem__, dts))
     dvs = list(map(dev_str.__getitem__, dvs))
     # storages a trace or discovery recorded carry their creation site: the general row for those
-    recorded = [n for n, key in enumerate(keys) if key in key_meta or key in _KNOWN]
+    recorded = sorted({n for d in (key_meta, _KNOWN) if d for n in compress(range(len(keys)), map(d.__contains__, keys))})
     if recorded:
         for n in recorded:
             rows.add(_make_row(search, keys[n], ss[n], key_meta.get(keys[n]), holders[n], "global", fixes[n],
@@ -461,6 +509,16 @@ def _fallback_rows(storages: Dict[int, Any], tensors: Dict[int, List[Any]], key_
     return rows
 
 
+def _int_array(col: list, dtype=None):
+    """A numpy array of an integer column, None read as 0."""
+    import numpy as np
+
+    dtype = dtype or np.int64
+    if None in col:
+        return np.fromiter((v or 0 for v in col), dtype=dtype, count=len(col))
+    return np.fromiter(col, dtype=dtype, count=len(col))
+
+
 # -- public: the per-trace leak table ------------------------------------------------------------
 def _rows_to_table(rows: _RowSet) -> pa.Table:
     """The LEAKS table, largest first (stable: ties keep discovery order)."""
@@ -468,7 +526,7 @@ def _rows_to_table(rows: _RowSet) -> pa.Table:
 
     c = rows.cols
     n = len(rows)
-    nb = np.fromiter((0 if v is None else v for v in c["nbytes"]), dtype=np.int64, count=n)
+    nb = _int_array(c["nbytes"])
     perm = pa.array(np.argsort(-nb, kind="stable"))
     cols = [pa.array(c[f.name], type=f.type) for f in S.LEAKS]
     return pa.Table.from_arrays(cols, schema=S.LEAKS).take(perm)
@@ -484,7 +542,7 @@ def _merge_same_buffer(rows: _RowSet) -> None:
     n = len(rows)
     if n < 2:
         return
-    ptr = np.fromiter((v or 0 for v in c["data_ptr"]), dtype=np.uint64, count=n)
+    ptr = _int_array(c["data_ptr"], np.uint64)
     o = np.argsort(ptr, kind="stable")
     sp = ptr[o]
     same = (sp[1:] == sp[:-1]) & (sp[1:] != 0)
@@ -557,7 +615,7 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
         rows, reached = _rows_for(search, key_meta)
         missing = {k for k in want if k not in reached}
         if missing:
-            unreached, tensors = _heap_tensors(missing.__contains__, search.idx)
+            unreached, tensors = _heap_tensors(missing.__contains__, search.idx, search.n_tensors)
         search.clear()
         if missing:
             for k in missing:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import types
 from array import array
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter, not_
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -50,9 +50,9 @@ class _Search:
         self.max_nodes = max_nodes
         self.truncated = False
         self.errors = 0
+        self.n_tensors = 0                      # tensor nodes visited
         self._deferred_objs: List[int] = []
         self._deferred_edges: List[Tuple[int, Any, Tuple[str, str]]] = []
-        self._runs: Dict[int, int] = {}          # first node -> end of a run of plain torch.Tensor nodes
         # with targets only (a trace's leak table), stop once each has a holder
         self.n_want = len(want) if (want and not collect_all) else 0
         self.complete = False
@@ -79,7 +79,7 @@ class _Search:
         plain = _PLAIN_UNTRACKED
         expanded: Set[int] = set()
         bulk = self.BULK
-        runs = self._runs
+        tensor = _T().Tensor
         i = 0
         while True:
             while i < len(order):
@@ -88,6 +88,18 @@ class _Search:
                 h = tcache.get(tp)
                 if h is None:
                     h = classify(tp)
+                if h == _GENERIC and not big:
+                    # plain containers side by side (the 50k tuples of a dataset): one pass for all
+                    end = i + 1
+                    n_order = len(order)
+                    while end < n_order and tcache.get(type(order[end])) == _GENERIC:
+                        end += 1
+                    if end - i >= 32 and self._enqueue_run(i, end):
+                        if len(order) > max_nodes:
+                            self.truncated = True
+                            return
+                        i = end
+                        continue
                 if h == _GENERIC:
                     kids = get_referents(o)
                     if big and len(kids) > big and i not in expanded:
@@ -102,12 +114,23 @@ class _Search:
                             return
                         i += 1
                         continue
-                elif h == _TENSOR and i in runs:
-                    # a list of 100k tensors: one C-level pass per attribute instead of a call per tensor
-                    end = runs.pop(i)
-                    self._tensors(i, end)
+                elif h == _TENSOR and tp is tensor:
+                    # plain tensors side by side in the queue (a list of 100k tensors, the items of
+                    # 50k (x, y) pairs): one C-level pass per attribute instead of a call per tensor
+                    end = i + 1
+                    n_order = len(order)
+                    while end < n_order and type(order[end]) is tensor:
+                        end += 1
+                    if end - i < 16:
+                        for k in range(i, end):
+                            self._tensor_guarded(order[k], k)
+                    else:
+                        self._tensors(i, end)
                     if self.n_want and not self.complete and len(self.found) >= self.n_want:
                         self.complete = True
+                    if len(order) > max_nodes:
+                        self.truncated = True
+                        return
                     i = end
                     continue
                 elif h == _SKIP:
@@ -172,9 +195,10 @@ class _Search:
                 self._enqueue(parent, child, label)
             edges.clear()
 
-    def _enqueue_many(self, i: int, kids: List[Any]) -> bool:
-        """Enqueue a big container's children with C-level passes (as the per-child loop would: a
-        child met before only notes this root as another holder). False (nothing done) when some
+    def _enqueue_many(self, i: int, kids: List[Any], pars: Optional[List[int]] = None) -> bool:
+        """Enqueue children with C-level passes, as the per-child loop would: a child met before (or
+        listed twice) only notes this root as another holder. ``kids`` are node ``i`` 's children, or,
+        with ``pars`` (the parent of each), those of several nodes. False (nothing done) when some
         untracked child needs a look (a numpy array)."""
         tracked = list(map(gc.is_tracked, kids))
         if tracked.count(True) != len(kids):
@@ -186,34 +210,45 @@ class _Search:
                         return False
                     plain.add(tp)
             kids = list(compress(kids, tracked))
+            if pars is not None:
+                pars = list(compress(pars, tracked))
+        del tracked
         n = len(kids)
         if not n:
             return True
-        idx = self.idx
+        idx, own = self.idx, self.own
         ids = list(map(id, kids))
         js = list(map(idx.get, ids))
+        dup_of: Dict[int, int] = {}
         if js.count(None) != n or len(set(ids)) != n:
-            # some met before (another root: note it, as the per-child loop does) or listed twice
-            # (once is enough): the rest still go in one pass
-            oi, own, cross = self.own[i], self.own, self.cross
+            cross = self.cross
             keep = [j is None for j in js]
-            for j in compress(js, map(not_, keep)):
-                if own[j] != oi and j != i:
+            for k in compress(range(n), map(not_, keep)):   # met before: another root holds it too
+                j, pk = js[k], (i if pars is None else pars[k])
+                if own[j] != own[pk] and j != pk:
                     c = cross.get(j)
                     if c is None:
-                        cross[j] = {oi}
+                        cross[j] = {own[pk]}
                     else:
-                        c.add(oi)
-            if len(set(ids)) != len(ids):
-                seen: Set[int] = set()
+                        c.add(own[pk])
+            if len(set(ids)) != n:   # listed twice: the first is the node, a later one another holder
+                first: Dict[int, int] = {}
                 for k, (x, new) in enumerate(zip(ids, keep)):
                     if new:
-                        if x in seen:
-                            keep[k] = False
+                        f = first.get(x)
+                        if f is None:
+                            first[x] = k
                         else:
-                            seen.add(x)
+                            keep[k] = False
+                            if pars is not None:
+                                dup_of[k] = f
+            if dup_of:
+                dup_pars = {k: pars[k] for k in dup_of}
             kids = list(compress(kids, keep))
             ids = list(compress(ids, keep))
+            if pars is not None:
+                kept_at = list(compress(range(n), keep))
+                pars = list(compress(pars, keep))
             n = len(kids)
             if not n:
                 return True
@@ -222,12 +257,28 @@ class _Search:
         start = len(order)
         order.extend(kids)
         idx.update(zip(ids, range(start, start + n)))
-        self.par.extend(repeat(i, n))
-        self.own.extend(repeat(self.own[i], n))
-        tensor = _T().Tensor
-        if set(map(type, kids)) == {tensor}:
-            self._runs[start] = start + n
+        if pars is None:
+            self.par.extend(repeat(i, n))
+            own.extend(repeat(own[i], n))
+        else:
+            self.par.extend(pars)
+            own.extend(list(map(own.__getitem__, pars)))
+            if dup_of:
+                node_of = {k: start + m for m, k in enumerate(kept_at)}
+                for k, f in dup_of.items():
+                    j, pk = node_of[f], dup_pars[k]
+                    if own[j] != own[pk]:
+                        self.cross.setdefault(j, set()).add(own[pk])
         return True
+
+    def _enqueue_run(self, a: int, b: int) -> bool:
+        """The children of nodes ``a:b`` (plain containers side by side in the queue: 50k (x, y) pairs,
+        45k small dicts) in one pass: ``get_referents`` per node at C level, one ``_enqueue_many``."""
+        refs = list(map(gc.get_referents, self.order[a:b]))
+        lens = list(map(len, refs))
+        kids = list(chain.from_iterable(refs))
+        del refs
+        return self._enqueue_many(-1, kids, list(chain.from_iterable(map(repeat, range(a, b), lens))))
 
     def _tensors(self, a: int, b: int) -> None:
         """``_tensor`` for the nodes ``a:b``, all plain ``torch.Tensor`` s, in bulk: a tensor with
@@ -258,8 +309,9 @@ class _Search:
             storages = list(map(tensor.untyped_storage, ts))
         except Exception:
             for k in range(a, b):
-                self._tensor(self.order[k], k)
+                self._tensor_guarded(self.order[k], k)
             return
+        self.n_tensors += b - a
         found, want, collect_all, keep = self.found, self.want, self.collect_all, self.storages
         keys = list(map(id, storages))
         sel = range(a, b)
@@ -289,7 +341,16 @@ class _Search:
         del storages
         order = self.order
         for k in busy:
-            self._tensor_edges(order[k], k)
+            try:
+                self._tensor_edges(order[k], k)
+            except Exception:
+                self.errors += 1
+
+    def _tensor_guarded(self, t, i):
+        try:
+            self._tensor(t, i)
+        except Exception:
+            self.errors += 1
 
     def _enqueue(self, parent: int, child, label: Optional[Tuple[str, str]]):
         kid = id(child)
@@ -378,6 +439,7 @@ class _Search:
             lst.append(node)
 
     def _tensor(self, t, i):
+        self.n_tensors += 1
         # __dict__, hooks, subclass state first: njt._values reads better than njt._base
         for k in gc.get_referents(t):
             h = _types.get(type(k))
@@ -505,7 +567,6 @@ class _Search:
         self.synth.clear()
         self._deferred_edges.clear()
         self._deferred_objs.clear()
-        self._runs.clear()
         self.want = None
 
 
