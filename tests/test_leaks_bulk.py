@@ -48,6 +48,8 @@ pairs[1] = (pairs[0][0], torch.zeros(2))    # one tensor in two pairs
 named = {f"k{i}": torch.full((5,), float(i)) for i in range(40)}
 records = [{"x": torch.zeros(9), "y": torch.ones(1)} for _ in range(30)]
 small = [torch.zeros(11) for _ in range(5)]
+arrays = [np.zeros(3, dtype=np.float32) for _ in range(100)]   # untracked children worth a look
+wrapped = [(a, torch.from_numpy(a), i) for i, a in enumerate(arrays)]
 """
 
 
@@ -58,7 +60,8 @@ def _notebook() -> dict:
 
 
 def _no_bulk(monkeypatch):
-    monkeypatch.setattr(SE._Search, "BULK", 10 ** 12)
+    for name in ("BULK", "RUN", "TENSOR_RUN"):
+        monkeypatch.setattr(SE._Search, name, 10 ** 12)
     monkeypatch.setattr(R, "_bulk_rows", lambda *a, **k: False)
     monkeypatch.setattr(R, "_bulk_nested", lambda *a, **k: False)
 
@@ -116,8 +119,17 @@ def test_find_leaks_bulk_path_is_used(monkeypatch):
         return orig_tensors(self, a, b)
 
     monkeypatch.setattr(SE._Search, "_tensors", tensors)
+    for name in ("_enqueue_many", "_enqueue_run"):
+        orig_m = getattr(SE._Search, name)
+
+        def counted_m(self, *a, _orig=orig_m, _key=name, **k):
+            calls[_key] = calls.get(_key, 0) + 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(SE._Search, name, counted_m)
     L.find_leaks(user_ns=ns, frames=False)
     assert calls["rows"] >= 2 and calls["nested"] >= 2 and calls["tensors"] >= 150
+    assert calls["_enqueue_run"] >= 1 and calls["_enqueue_many"] >= 3
 
 
 def test_leak_table_bulk_and_per_tensor_paths_agree(monkeypatch):

@@ -13,7 +13,7 @@ import gc
 import types
 from array import array
 from itertools import chain, compress, repeat
-from operator import attrgetter, not_
+from operator import attrgetter, not_, or_
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .classify import (
@@ -31,6 +31,8 @@ class _Search:
     MAX_NODES_DEFAULT = 20_000_000
     BIG_CONTAINER = 1000
     BULK = 64   # containers with more children than this are enqueued with C-level passes (map/compress)
+    RUN = 32    # this many plain containers side by side in the queue are expanded in one pass
+    TENSOR_RUN = 16   # this many plain tensors side by side are visited in one pass
 
     def __init__(self, root_objs: List[Any], roots: List[_Root], want: Optional[Dict[int, Any]],
                  collect_all: bool, user_modnames: Set[str], max_nodes: int = MAX_NODES_DEFAULT):
@@ -80,6 +82,8 @@ class _Search:
         expanded: Set[int] = set()
         bulk = self.BULK
         tensor = _T().Tensor
+        no_run = 0
+        run_min, tensor_run_min = self.RUN, self.TENSOR_RUN
         i = 0
         while True:
             while i < len(order):
@@ -88,18 +92,20 @@ class _Search:
                 h = tcache.get(tp)
                 if h is None:
                     h = classify(tp)
-                if h == _GENERIC and not big:
+                if h == _GENERIC and not big and i >= no_run:
                     # plain containers side by side (the 50k tuples of a dataset): one pass for all
                     end = i + 1
                     n_order = len(order)
                     while end < n_order and tcache.get(type(order[end])) == _GENERIC:
                         end += 1
-                    if end - i >= 32 and self._enqueue_run(i, end):
+                    if end - i >= run_min:
+                        self._enqueue_run(i, end)
                         if len(order) > max_nodes:
                             self.truncated = True
                             return
                         i = end
                         continue
+                    no_run = end   # a short run: its other members need not look ahead again
                 if h == _GENERIC:
                     kids = get_referents(o)
                     if big and len(kids) > big and i not in expanded:
@@ -108,7 +114,8 @@ class _Search:
                         self._deferred_objs.append(i)
                         i += 1
                         continue
-                    if len(kids) > bulk and self._enqueue_many(i, kids):
+                    if len(kids) > bulk:
+                        self._enqueue_many(i, kids)
                         if len(order) > max_nodes:
                             self.truncated = True
                             return
@@ -121,7 +128,7 @@ class _Search:
                     n_order = len(order)
                     while end < n_order and type(order[end]) is tensor:
                         end += 1
-                    if end - i < 16:
+                    if end - i < tensor_run_min:
                         for k in range(i, end):
                             self._tensor_guarded(order[k], k)
                     else:
@@ -195,27 +202,30 @@ class _Search:
                 self._enqueue(parent, child, label)
             edges.clear()
 
-    def _enqueue_many(self, i: int, kids: List[Any], pars: Optional[List[int]] = None) -> bool:
+    def _enqueue_many(self, i: int, kids: List[Any], pars: Optional[List[int]] = None) -> None:
         """Enqueue children with C-level passes, as the per-child loop would: a child met before (or
         listed twice) only notes this root as another holder. ``kids`` are node ``i`` 's children, or,
-        with ``pars`` (the parent of each), those of several nodes. False (nothing done) when some
-        untracked child needs a look (a numpy array)."""
+        with ``pars`` (the parent of each), those of several nodes."""
         tracked = list(map(gc.is_tracked, kids))
         if tracked.count(True) != len(kids):
             # untracked children: ints and strings are never holders; numpy arrays (untracked) are
             plain = _PLAIN_UNTRACKED
+            wanted = set()
             for tp in set(map(type, compress(kids, map(not_, tracked)))):
                 if tp not in plain:
                     if _untracked_interest_type(tp):
-                        return False
-                    plain.add(tp)
+                        wanted.add(tp)
+                    else:
+                        plain.add(tp)
+            if wanted:
+                tracked = list(map(or_, tracked, map(wanted.__contains__, map(type, kids))))
             kids = list(compress(kids, tracked))
             if pars is not None:
                 pars = list(compress(pars, tracked))
         del tracked
         n = len(kids)
         if not n:
-            return True
+            return
         idx, own = self.idx, self.own
         ids = list(map(id, kids))
         js = list(map(idx.get, ids))
@@ -251,7 +261,7 @@ class _Search:
                 pars = list(compress(pars, keep))
             n = len(kids)
             if not n:
-                return True
+                return
         del js
         order = self.order
         start = len(order)
@@ -269,16 +279,15 @@ class _Search:
                     j, pk = node_of[f], dup_pars[k]
                     if own[j] != own[pk]:
                         self.cross.setdefault(j, set()).add(own[pk])
-        return True
 
-    def _enqueue_run(self, a: int, b: int) -> bool:
+    def _enqueue_run(self, a: int, b: int) -> None:
         """The children of nodes ``a:b`` (plain containers side by side in the queue: 50k (x, y) pairs,
         45k small dicts) in one pass: ``get_referents`` per node at C level, one ``_enqueue_many``."""
         refs = list(map(gc.get_referents, self.order[a:b]))
         lens = list(map(len, refs))
         kids = list(chain.from_iterable(refs))
         del refs
-        return self._enqueue_many(-1, kids, list(chain.from_iterable(map(repeat, range(a, b), lens))))
+        self._enqueue_many(-1, kids, list(chain.from_iterable(map(repeat, range(a, b), lens))))
 
     def _tensors(self, a: int, b: int) -> None:
         """``_tensor`` for the nodes ``a:b``, all plain ``torch.Tensor`` s, in bulk: a tensor with
