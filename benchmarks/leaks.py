@@ -168,7 +168,8 @@ def magic_leaks_100k(n=3):
     print(f"%tensorscope leaks, IPython shell, model + optimizer live, 100k live tensors "
           f"(wall and CPU, best of {n}):")
     for label, make in [
-        ("features = [torch.randn(16) for _ in range(100_000)]", "features = [torch.randn(16) for _ in range(100_000)]"),
+        ("features = [torch.randn(16) for _ in range(100_000)]",
+         "features = [torch.randn(16) for _ in range(100_000)]"),
         ("data = [(x, y) ...] (50k pairs of tensors)",
          "data = [(torch.randn(16), torch.tensor(i % 10)) for i in range(50_000)]"),
     ]:

@@ -466,7 +466,8 @@ def _emit_plain(search: _Search, ps, keys: List[int], ts: List[Any], steps: List
     dts = list(map(dtype_str.__getitem__, dts))
     dvs = list(map(dev_str.__getitem__, dvs))
     # storages a trace or discovery recorded carry their creation site: the general row for those
-    recorded = sorted({n for d in (key_meta, _KNOWN) if d for n in compress(range(len(keys)), map(d.__contains__, keys))})
+    recorded = sorted({n for d in (key_meta, _KNOWN) if d
+                       for n in compress(range(len(keys)), map(d.__contains__, keys))})
     if recorded:
         for n in recorded:
             rows.add(_make_row(search, keys[n], ss[n], key_meta.get(keys[n]), holders[n], "global", fixes[n],
@@ -525,7 +526,6 @@ def _rows_to_table(rows: _RowSet) -> pa.Table:
     import numpy as np
 
     c = rows.cols
-    n = len(rows)
     nb = _int_array(c["nbytes"])
     perm = pa.array(np.argsort(-nb, kind="stable"))
     cols = [pa.array(c[f.name], type=f.type) for f in S.LEAKS]
