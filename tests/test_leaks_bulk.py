@@ -175,3 +175,31 @@ def test_many_tensors_one_group_with_the_container_fix(n):
     holders = set(rep.table.column("holder").to_pylist())
     assert {f"global xs[{n - 1}]", f"global ys[{n - 1}][1]"} <= holders
     assert np.array_equal(np.sort(rep.table.column("nbytes").to_numpy())[::-1], rep.table.column("nbytes").to_numpy())
+
+
+def test_the_bulk_paths_run_no_torch_function_a_users_mode_could_see():
+    """Comparing a list of tensors with ``count``/``in`` runs ``Tensor.__eq__``: an op, slow, and seen by
+    a user's mode. The bulk paths compare by identity."""
+    from torch.overrides import TorchFunctionMode
+
+    class Spy(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    ns = {"__name__": "__main__", "base": torch.zeros(400)}
+    ns["views"] = [ns["base"][i * 4:(i + 1) * 4] for i in range(100)]
+    ns["ws"] = [torch.zeros(2, requires_grad=True) for _ in range(50)]
+    for w in ns["ws"]:
+        w.grad = torch.ones(2)
+    ns["pairs"] = [(torch.zeros(1), torch.zeros(2)) for _ in range(50)]
+    ns["grads"] = [w.grad for w in ns["ws"]]
+    with Spy() as spy:
+        rep = L.find_leaks(user_ns=ns, frames=False)
+    assert [n for n in spy.seen if n in ("__eq__", "__ne__", "__bool__", "eq", "ne")] == []
+    holders = set(rep.table.column("holder").to_pylist())
+    assert "global pairs[49][1]" in holders and any(h.startswith("global base") for h in holders)

@@ -16,7 +16,7 @@ from ... import schema as S
 from . import growth as _growth
 from .classify import _DEV_STR, _DTYPE_STR, _T, _GcPaused, _TENSOR, _dev_str, _tensor_meta, _types
 from .known import _KNOWN, _meta_from_known, remember
-from .paths import STATE_KINDS, _Describer, _Steps, _fmt_bytes, _merge_fixes
+from .paths import STATE_KINDS, _Describer, _Steps, _fmt_bytes, _merge_fixes, _short_repr
 from .roots import _get_shell, _user_namespace
 from .search import _Search, _run_search
 from .unreached import _classify_groups, _heap_tensors
@@ -413,6 +413,23 @@ def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int
         steps = [f"{psteps[o]}[{n}]" for o, n in zip(kowner, at)]
         del at
         return _emit_plain(search, ps, keys, ts, steps, key_meta, rows)
+    if all(type(o) is dict for o in pobjs):
+        # all dicts with string keys (records): the same, the step being the key's text
+        dkeys = list(chain.from_iterable(map(dict.keys, pobjs)))
+        if set(map(type, dkeys)) <= {str}:
+            lens = list(map(len, pobjs))
+            owners = list(chain.from_iterable(map(repeat, range(len(pobjs)), lens)))
+            val_ids = list(map(id, chain.from_iterable(map(dict.values, pobjs))))
+            where = dict(zip(zip(reversed(owners), reversed(val_ids)), range(len(val_ids) - 1, -1, -1)))
+            texts = [f"[{t}]" for t in map(_short_repr, dkeys)]
+            del pobjs, owners, val_ids, dkeys
+            at = list(map(where.get, zip(kowner, map(id, ts))))
+            del where
+            if None in at:
+                return False
+            steps = [psteps[o] + texts[n] for o, n in zip(kowner, at)]
+            del at, texts
+            return _emit_plain(search, ps, keys, ts, steps, key_meta, rows)
     del pobjs
     steps = []
     k = 0

@@ -13,7 +13,7 @@ import gc
 import types
 from array import array
 from itertools import chain, compress, repeat
-from operator import attrgetter, not_, or_
+from operator import attrgetter, is_, not_, or_
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .classify import (
@@ -300,7 +300,8 @@ class _Search:
                 raise TypeError("meta tensors: per tensor")
             # one list for all referents: a tensor with nothing but its class has nothing to follow
             refs = gc.get_referents(*ts)
-            plain_refs = refs.count(tensor) == len(refs)
+            # by identity: list.count and `in` compare with ==, which a tensor answers with an op
+            plain_refs = all(map(is_, refs, repeat(tensor)))
             del refs
             rg = list(map(attrgetter("requires_grad"), ts))
             anyrg = True in rg
@@ -309,7 +310,7 @@ class _Search:
             bases = list(map(attrgetter("_base"), ts))
             if not plain_refs:
                 busy = range(a, b)
-            elif anyrg or grads.count(None) != len(grads) or bases.count(None) != len(bases):
+            elif anyrg or not all(map(is_, grads, repeat(None))) or not all(map(is_, bases, repeat(None))):
                 busy = [a + k for k, (r, g, base) in enumerate(zip(rg, grads, bases))
                         if r or g is not None or base is not None]
             else:
