@@ -203,3 +203,15 @@ def test_the_bulk_paths_run_no_torch_function_a_users_mode_could_see():
     assert [n for n in spy.seen if n in ("__eq__", "__ne__", "__bool__", "eq", "ne")] == []
     holders = set(rep.table.column("holder").to_pylist())
     assert "global pairs[49][1]" in holders and any(h.startswith("global base") for h in holders)
+
+
+def test_leak_table_of_nothing_alive_is_empty_and_keeps_growth_consistent():
+    growth.reset()
+    t = torch.zeros(3)
+    s = t.untyped_storage()
+    rec = LiveStorage(0, weakref.ref(s), s.data_ptr(), s.nbytes(), "cpu", "float32", (3,), 0, "aten.zeros.default",
+                      1, "cell.py", 1)
+    del s, t
+    assert L.leak_table([rec], user_ns={}, frames=False).num_rows == 0
+    assert L.leak_table([], user_ns={}, frames=False).num_rows == 0
+    assert growth.per_cell("global t") is None

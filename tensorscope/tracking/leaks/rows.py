@@ -626,7 +626,7 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
                                  source_file=rec.source_file, source_line=rec.source_line, data_ptr=ptr)
             del s
         if not want:
-            _growth.observe([])
+            _growth.observe(_RowSet())
             return S.empty("leaks")
         search = _run_search(shell, ns, want, False, frames=frames)
         rows, reached = _rows_for(search, key_meta)
