@@ -49,6 +49,12 @@ def caught_twice():
     return out, float(x.sum())
 
 
+#: a debugger or coverage tool owns sys.settrace: tensorscope then leaves the caught traceback as it is
+needs_no_tracer = pytest.mark.skipif(sys.gettrace() is not None, reason="a trace function is installed "
+                                     "(debugger, coverage): the caught-exception watch stays off")
+
+
+@needs_no_tracer
 @pytest.mark.parametrize("fn", [caught_here, caught_above, caught_twice])
 def test_caught_inside_the_block_formats_as_untraced(fn):
     untraced = fn()
@@ -60,6 +66,7 @@ def test_caught_inside_the_block_formats_as_untraced(fn):
     assert sys.gettrace() is None          # the one-shot watch is gone
 
 
+@needs_no_tracer
 def test_the_frames_are_the_untraced_ones():
     (_text, names) = caught_here()
     assert names == ["caught_here", "softmax"]
@@ -77,6 +84,7 @@ def test_without_the_watch_the_entries_would_show(monkeypatch):
     assert names == ["caught_here", "softmax", "handle_torch_function", "softmax"]
 
 
+@needs_no_tracer
 def test_uncaught_in_the_block_still_leaves_it_clean():
     def f():
         with tensorscope.trace(leaks=False):
@@ -89,6 +97,7 @@ def test_uncaught_in_the_block_still_leaves_it_clean():
     assert sys.gettrace() is None
 
 
+@needs_no_tracer
 def test_a_users_trace_function_is_left_alone():
     """A debugger or coverage tool owns sys.settrace: no watch is armed, its tracer stays, and the
     caught traceback keeps the two entries (the outer layers still clean what leaves the block)."""
@@ -110,6 +119,7 @@ def test_a_users_trace_function_is_left_alone():
     assert names == ["caught_here", "softmax", "handle_torch_function", "softmax"]
 
 
+@needs_no_tracer
 def test_the_watched_frame_gets_its_trace_settings_back():
     seen = {}
 
@@ -128,6 +138,7 @@ def test_the_watched_frame_gets_its_trace_settings_back():
     assert untraced.f_trace is None and sys.gettrace() is None
 
 
+@needs_no_tracer
 @pytest.mark.kernel
 def test_caught_inside_a_traced_cell_formats_as_untraced(tmp_path):
     """In a real kernel: the same cell untraced and under ``%%tensorscope``, caught in the cell."""

@@ -231,6 +231,10 @@ class _CaughtCleaner:
 
 
 _watches = threading.local()   # per thread, as sys.settrace is
+try:
+    _is_compiling = torch.compiler.is_compiling
+except AttributeError:  # torch < 2.3
+    _is_compiling = lambda: False  # noqa: E731
 
 
 def clean_when_caught(depth: int) -> None:
@@ -240,6 +244,8 @@ def clean_when_caught(depth: int) -> None:
     call, frames untraced code never has; watch the user's frame that called ``F.softmax`` and unlink
     those entries when the exception arrives there, before an ``except`` there sees them."""
     try:
+        if _is_compiling():   # Dynamo tracing the handler: no frames to watch
+            return
         htf = _getframe(depth + 1)
         if htf.f_code is not _HTF_CODE or sys.gettrace() is not None:
             return
