@@ -401,12 +401,17 @@ def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int
     if all(type(o) in _SMALL_SEQ for o in pobjs):
         # all tuples and lists: each item's position from one flat (container, item) -> index map
         lens = list(map(len, pobjs))
-        owners = list(chain.from_iterable(map(repeat, range(len(pobjs)), lens)))
         item_ids = list(map(id, chain.from_iterable(pobjs)))
         pos = list(chain.from_iterable(map(range, lens)))
-        where = dict(zip(zip(reversed(owners), reversed(item_ids)), reversed(pos)))   # first occurrence
-        del pobjs, owners, item_ids, pos
-        at = list(map(where.get, zip(kowner, map(id, ts))))
+        where = dict(zip(reversed(item_ids), reversed(pos)))   # first occurrence
+        if len(where) == len(item_ids):   # every item in one place (the usual dataset): by id alone
+            del pobjs, item_ids, pos
+            at = list(map(where.get, map(id, ts)))
+        else:   # an item in several containers: by (container, item)
+            owners = list(chain.from_iterable(map(repeat, range(len(pobjs)), lens)))
+            where = dict(zip(zip(reversed(owners), reversed(item_ids)), reversed(pos)))
+            del pobjs, owners, item_ids, pos
+            at = list(map(where.get, zip(kowner, map(id, ts))))
         del where
         if None in at:
             return False

@@ -230,38 +230,54 @@ class _Search:
         ids = list(map(id, kids))
         js = list(map(idx.get, ids))
         dup_of: Dict[int, int] = {}
-        if js.count(None) != n or len(set(ids)) != n:
-            cross = self.cross
-            keep = [j is None for j in js]
-            for k in compress(range(n), map(not_, keep)):   # met before: another root holds it too
-                j, pk = js[k], (i if pars is None else pars[k])
-                if own[j] != own[pk] and j != pk:
-                    c = cross.get(j)
-                    if c is None:
-                        cross[j] = {own[pk]}
-                    else:
-                        c.add(own[pk])
-            if len(set(ids)) != n:   # listed twice: the first is the node, a later one another holder
-                first: Dict[int, int] = {}
-                for k, (x, new) in enumerate(zip(ids, keep)):
-                    if new:
-                        f = first.get(x)
-                        if f is None:
-                            first[x] = k
-                        else:
-                            keep[k] = False
-                            if pars is not None:
-                                dup_of[k] = f
-            if dup_of:
-                dup_pars = {k: pars[k] for k in dup_of}
-            kids = list(compress(kids, keep))
-            ids = list(compress(ids, keep))
-            if pars is not None:
-                kept_at = list(compress(range(n), keep))
-                pars = list(compress(pars, keep))
-            n = len(kids)
-            if not n:
+        start = len(self.order)
+        if js.count(None) == n:
+            # none met before: register them all; the index grew by n unless one is listed twice
+            before = len(idx)
+            idx.update(zip(ids, range(start, start + n)))
+            if len(idx) - before == n:
+                self.order.extend(kids)
+                if pars is None:
+                    self.par.extend(repeat(i, n))
+                    own.extend(repeat(own[i], n))
+                else:
+                    self.par.extend(pars)
+                    own.extend(list(map(own.__getitem__, pars)))
                 return
+            for x in ids:   # undo, and take the careful way below
+                idx.pop(x, None)
+        # some met before (another root holds them too) or listed twice (the first is the node)
+        cross = self.cross
+        keep = [j is None for j in js]
+        for k in compress(range(n), map(not_, keep)):   # met before: another root holds it too
+            j, pk = js[k], (i if pars is None else pars[k])
+            if own[j] != own[pk] and j != pk:
+                c = cross.get(j)
+                if c is None:
+                    cross[j] = {own[pk]}
+                else:
+                    c.add(own[pk])
+        if len(set(ids)) != n:   # listed twice: the first is the node, a later one another holder
+            first: Dict[int, int] = {}
+            for k, (x, new) in enumerate(zip(ids, keep)):
+                if new:
+                    f = first.get(x)
+                    if f is None:
+                        first[x] = k
+                    else:
+                        keep[k] = False
+                        if pars is not None:
+                            dup_of[k] = f
+        if dup_of:
+            dup_pars = {k: pars[k] for k in dup_of}
+        kids = list(compress(kids, keep))
+        ids = list(compress(ids, keep))
+        if pars is not None:
+            kept_at = list(compress(range(n), keep))
+            pars = list(compress(pars, keep))
+        n = len(kids)
+        if not n:
+            return
         del js
         order = self.order
         start = len(order)
@@ -335,11 +351,17 @@ class _Search:
                 sel, keys, storages = (), (), ()
         if sel:
             ptrs = list(map(_T().UntypedStorage.data_ptr, storages))
-            if 0 not in ptrs and len(set(keys)) == len(keys) and not any(map(found.__contains__, keys)):
-                # one tensor per storage, none met before (a list of 100k tensors): two dict updates
+            if 0 not in ptrs and not any(map(found.__contains__, keys)):
+                # one tensor per storage, none met before (a list of 100k tensors): two dict updates,
+                # undone when the storages were not all distinct (views: the careful loop below)
+                before = len(found)
                 found.update(zip(keys, map(list, zip(sel))))
-                keep.update(zip(keys, storages))
-                sel = ()
+                if len(found) - before == len(keys):
+                    keep.update(zip(keys, storages))
+                    sel = ()
+                else:
+                    for key in keys:
+                        found.pop(key, None)
             for k, key, s, ptr in zip(sel, keys, storages, ptrs):
                 lst = found.get(key)
                 if lst is None:
