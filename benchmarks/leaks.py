@@ -1,8 +1,9 @@
 """Leak-report cost: the end-of-trace leak step in a notebook, find_leaks on a ~300k-object heap, with 100k
 live tensors, with 1M extra objects, and the per-cell cost of always-on cell-boundary discovery (tracing off).
 
-Run: ``.venv/bin/python benchmarks/leaks.py [trace|find|all]`` (``trace``: only the end-of-trace step;
-``find``: everything else). Prints best-of-N wall times. A reference loop
+Run: ``.venv/bin/python benchmarks/leaks.py [trace|magic|find|all]`` (``trace``: only the end-of-trace
+step; ``magic``: only ``%tensorscope leaks`` with 100k live tensors in an IPython shell; ``find``: the
+rest). Prints best-of-N wall times (and CPU times for the magic). A reference loop
 (1M dict stores) is timed alongside, so numbers from a loaded or slow machine can be scaled.
 
 The end-of-trace step is measured in an in-process IPython shell (``%%tensorscope`` cells) with a
@@ -146,14 +147,63 @@ def trace_leak_step(n=5):
     print()
 
 
+def magic_leaks_100k(n=3):
+    """``%tensorscope leaks`` in an IPython shell whose namespace holds 100k live tensors (next to a
+    model, its optimizer and a library-sized heap): as a flat list, and as a dataset of (x, y) pairs."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+
+    def cell(src):
+        r = sh.run_cell(src, silent=True)
+        if not r.success:
+            raise RuntimeError(f"benchmark cell failed: {r.error_in_exec or r.error_before_exec}")
+        return r.result
+
+    cell("%load_ext tensorscope")
+    cell("import torch\n"
+         "model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())])\n"
+         "opt = torch.optim.Adam(model.parameters())\nmodel(torch.randn(4, 256)).sum().backward(); opt.step()\n"
+         "notes = [{'k': [i, str(i)]} for i in range(45_000)]")
+    print(f"%tensorscope leaks, IPython shell, model + optimizer live, 100k live tensors "
+          f"(wall and CPU, best of {n}):")
+    for label, make in [
+        ("features = [torch.randn(16) for _ in range(100_000)]",
+         "features = [torch.randn(16) for _ in range(100_000)]"),
+        ("data = [(x, y) ...] (50k pairs of tensors)",
+         "data = [(torch.randn(16), torch.tensor(i % 10)) for i in range(50_000)]"),
+    ]:
+        cell(make)
+        walls, cpus = [], []
+        rep = None
+        for _ in range(n):
+            t0, c0 = time.perf_counter(), time.process_time()
+            cell("_leaks = %tensorscope leaks")
+            rep = sh.user_ns["_leaks"]
+            rep.to_html()
+            rep.to_text()
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+        print(f"  {label:<56} {min(walls) * 1e3:8.0f} ms   CPU {min(cpus) * 1e3:6.0f} ms   "
+              f"{len(rep):,} storages in {len(rep.groups)} holders, heap {len(gc.get_objects()):,}")
+        del rep
+        cell("del features, _leaks" if make.startswith("features") else "del data, _leaks")
+    cell("del model, opt, notes")
+    print()
+
+
 def main(argv=None):
     what = (argv if argv is not None else sys.argv[1:]) or ["all"]
     print(f"reference: 1M dict stores in {reference() * 1e3:.0f} ms (about 60-80 ms on an idle modern core)")
-    if what[0] not in ("trace", "find", "all"):
-        raise SystemExit("usage: benchmarks/leaks.py [trace|find|all]")
+    if what[0] not in ("trace", "magic", "find", "all"):
+        raise SystemExit("usage: benchmarks/leaks.py [trace|magic|find|all]")
     if what[0] in ("trace", "all"):
         trace_leak_step()
         if what[0] == "trace":
+            return
+    if what[0] in ("magic", "all"):
+        magic_leaks_100k()
+        if what[0] == "magic":
             return
     g = globals()
     g["filler"] = [{"k": [i, str(i)]} for i in range(45_000)]   # with torch imported: ~300k gc objects

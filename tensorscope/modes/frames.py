@@ -25,11 +25,28 @@ can see: a mode sees only the entries below its own frame, so the entries
 above it (``handle_torch_function``, the duplicated caller) are removed by an
 outer layer: ``trace.__exit__`` or, in a traced notebook cell, the
 controller's exception hook before IPython displays the traceback.
+
+An exception the user catches *inside* the traced block reaches their ``except``
+before any outer layer runs, and the two entries above the mode are only
+created as it unwinds through those frames, after the mode re-raised.
+:func:`clean_when_caught` covers that case: the mode calls it on its error path
+when ``handle_torch_function`` called it, and it watches the user's frame (the
+one that called the Python-level torch function) for the moment the exception
+arrives there, through a one-shot trace function (``sys.settrace`` with
+``f_trace`` on that frame only, no line events anywhere else): the ``exception``
+event in that frame comes after the two entries exist and before an ``except``
+clause runs, and the entries are unlinked then. The watch ends at that event,
+or at the first line or return of the user's frame if the exception never
+arrives. It is not armed when a trace function is already installed (a
+debugger, coverage): that tool sees the frames untouched, and the user's
+``except`` sees the two extra entries, which the outer layers still remove
+from anything that leaves the block.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from types import FunctionType
 from types import FrameType
 from typing import Dict, List, Optional, Set
@@ -155,6 +172,85 @@ def _introduced(tb) -> int:
     return 0
 
 
+class _CaughtCleaner:
+    """The one-shot watch of :func:`clean_when_caught` on one user frame (see the module docstring)."""
+
+    __slots__ = ("frame", "saved", "done")
+
+    def __init__(self, frame):
+        self.frame = frame
+        self.saved = (frame.f_trace, frame.f_trace_lines, frame.f_trace_opcodes)
+        self.done = False
+
+    def arm(self) -> None:
+        f = self.frame
+        f.f_trace = self.local
+        f.f_trace_lines = True    # a line in the user's frame: the exception did not come (nothing to do)
+        f.f_trace_opcodes = False
+        sys.settrace(self.global_)
+
+    def global_(self, frame, event, arg):
+        return None   # frames called meanwhile (a context manager's __exit__) are not traced
+
+    def local(self, frame, event, arg):
+        if frame is not self.frame or self.done:
+            return None
+        if event == "exception":
+            try:
+                tb = arg[2]   # the user frame's own entry first, then the entries the exception unwound
+                if tb is not None and tb.tb_next is not None:
+                    _relink(tb.tb_next, tb)
+            except Exception:   # never let cleaning replace the user's exception
+                pass
+        self.disarm()
+        return None
+
+    def disarm(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        f = self.frame
+        self.frame = None
+        try:
+            if sys.gettrace() == self.global_:
+                sys.settrace(None)
+            f.f_trace, f.f_trace_lines, f.f_trace_opcodes = self.saved
+        except Exception:
+            pass
+
+
+_watches = threading.local()   # per thread, as sys.settrace is
+try:
+    _is_compiling = torch.compiler.is_compiling
+except AttributeError:  # torch < 2.3
+    _is_compiling = lambda: False  # noqa: E731
+
+
+def clean_when_caught(depth: int) -> None:
+    """Called by a mode handler (``depth`` frames above the caller of this function) while an exception
+    leaves it. When ``handle_torch_function`` called the handler (``F.softmax`` handed itself to the
+    mode), the exception will unwind through ``handle_torch_function`` and the first ``F.softmax``
+    call, frames untraced code never has; watch the user's frame that called ``F.softmax`` and unlink
+    those entries when the exception arrives there, before an ``except`` there sees them."""
+    try:
+        if _is_compiling():   # Dynamo tracing the handler: no frames to watch
+            return
+        htf = _getframe(depth + 1)
+        if htf.f_code is not _HTF_CODE or sys.gettrace() is not None:
+            return
+        dispatch = htf.f_back
+        user = dispatch.f_back if dispatch is not None else None
+        if user is None:
+            return
+        old = getattr(_watches, "w", None)
+        if old is not None:
+            old.disarm()   # a watch never outlives the next error of this thread's modes
+        _watches.w = w = _CaughtCleaner(user)
+        w.arm()
+    except Exception:
+        pass
+
+
 def clean_traceback(exc: BaseException) -> BaseException:
     """Remove the tracer's entries from ``exc``'s traceback (and its cause/context chain), in place."""
     seen = set()
@@ -175,16 +271,23 @@ def clean_traceback(exc: BaseException) -> BaseException:
 
 
 def _clean_one(exc: BaseException) -> None:
+    head = _relink(exc.__traceback__)
+    if head is not exc.__traceback__:
+        exc.__traceback__ = head
+
+
+def _relink(tb, before=None):
+    """Unlink the tracer's entries from the chain starting at ``tb`` (``before``: the entry linking to
+    it, relinked too); returns the new first entry."""
     entries = []
-    tb = exc.__traceback__
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
     if not entries:
-        return
+        return None
     kinds = [_introduced(t) for t in entries]
     if not any(kinds):
-        return
+        return entries[0]
     drop = [k != 0 for k in kinds]
     n = len(entries)
     for i, k in enumerate(kinds):
@@ -208,7 +311,9 @@ def _clean_one(exc: BaseException) -> None:
         a.tb_next = b
     if kept:
         kept[-1].tb_next = None
-    exc.__traceback__ = kept[0] if kept else None
+    if before is not None:
+        before.tb_next = kept[0] if kept else None
+    return kept[0] if kept else None
 
 
 def exc_key(e: BaseException):

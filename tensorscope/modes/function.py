@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
-from .frames import call_as_caller, call_from, caller_frame, clean_traceback, exc_key, register_tracer_code
+from .frames import call_as_caller, call_from, caller_frame, clean_traceback, clean_when_caught, exc_key, register_tracer_code
 from .source import user_location_from
 
 # torch-level functions that are pure metadata queries, not work: never recorded (and they
@@ -107,6 +107,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 return func(*args, **kwargs)
             except BaseException as e:
                 clean_traceback(e)   # this frame never existed untraced; bare raise adds none
+                clean_when_caught(1)   # and the two above it, should the user catch it in the block
                 raise
         rec = s.rec
         calls = rec.calls
@@ -146,6 +147,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 return func(*args, **kwargs)
             except BaseException as e6:
                 clean_traceback(e6)
+                clean_when_caught(1)
                 raise
         t0 = _perf()
         try:
@@ -165,6 +167,7 @@ class TracingFunctionMode(TorchFunctionMode):
             except Exception as e2:
                 rec.tracer_error("function mode (error)", e2)
             clean_traceback(e)
+            clean_when_caught(1)
             raise
         finally:
             t1 = _perf()

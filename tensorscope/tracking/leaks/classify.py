@@ -107,9 +107,13 @@ _PLAIN_BASE = frozenset(_PLAIN_UNTRACKED)
 
 
 def _untracked_interest(obj) -> bool:
-    h = _types.get(type(obj))
+    return _untracked_interest_type(type(obj))
+
+
+def _untracked_interest_type(tp: type) -> bool:
+    h = _types.get(tp)
     if h is None:
-        h = _classify(type(obj))
+        h = _classify(tp)
     return h == _NDARRAY
 
 

@@ -31,29 +31,32 @@ MIN_STEPS = 3
 _INDEX = re.compile(r"\[(\d+)\]")
 
 
-def observe(rows: List, storage_of: Callable[[Any], Any] = lambda r: None) -> None:
-    """Mark ``rows`` (one trace's leak rows, ``_Row``) growing where their holder grows, and remember
-    this trace's storages (weakly) for the next one. ``storage_of(row)`` is the row's live storage.
-    State (``expected``) rows never grow."""
+def observe(rows, storage_of: Callable[[int], Any] = lambda ptr: None) -> None:
+    """Mark ``rows`` (one trace's leak rows, a ``rows._RowSet``) growing where their holder grows, and
+    remember this trace's storages (weakly) for the next one. ``storage_of(data_ptr)`` is the row's
+    live storage. State (``expected``) rows never grow."""
+    c = rows.cols
+    expected, roots, nbytes, kinds, holders, ptrs = (c["expected"], c["root_label"], c["nbytes"], c["holder_kind"],
+                                                     c["holder"], c["data_ptr"])
     gained: Dict[str, int] = {}
     elements: Dict[str, set] = {}
     new_refs: Dict[str, List[Any]] = {}
-    for r in rows:
-        if r.expected or not r.root_label:
+    for i in range(len(rows)):
+        root = roots[i]
+        if expected[i] or not root:
             continue
-        root = r.root_label
-        gained[root] = gained.get(root, 0) + (r.nbytes or 0)
-        s = storage_of(r)
+        gained[root] = gained.get(root, 0) + (nbytes[i] or 0)
+        s = storage_of(ptrs[i])
         if s is not None:
             try:
                 new_refs.setdefault(root, []).append(weakref.ref(s))
             except TypeError:
                 pass
         del s
-        if r.holder_kind == "autograd_graph":
-            i = _element(r.holder, root)
-            if i is not None:
-                elements.setdefault(root, set()).add(i)
+        if kinds[i] == "autograd_graph":
+            k = _element(holders[i], root)
+            if k is not None:
+                elements.setdefault(root, set()).add(k)
     old_streaks, old_held = dict(_STREAKS), dict(_HELD)
     _STREAKS.clear()
     _HELD.clear()
@@ -64,17 +67,19 @@ def observe(rows: List, storage_of: Callable[[Any], Any] = lambda r: None) -> No
         n, total = old_streaks.get(root, (0, 0)) if kept else (0, 0)
         _STREAKS[root] = (n + 1, total + nb)
         _HELD[root] = (kept + new_refs.get(root, []))[-_MAX_REFS:]
-    for r in rows:
-        if r.expected or not r.root_label:
+    growing, per_row = c["growing"], c["growth_bytes_per_cell"]
+    for i in range(len(rows)):
+        root = roots[i]
+        if expected[i] or not root:
             continue
-        items = elements.get(r.root_label)
+        items = elements.get(root)
         per: Optional[int]
         if items is not None and len(items) >= MIN_STEPS:   # a loop in this cell: bytes per step
-            per = gained[r.root_label] // len(items)
+            per = gained[root] // len(items)
         else:
-            per = per_cell(r.root_label)
+            per = per_cell(root)
         if per is not None:
-            r.growing, r.growth_bytes_per_cell = True, int(per)
+            growing[i], per_row[i] = True, int(per)
 
 
 def per_cell(root_label: str) -> Optional[int]:

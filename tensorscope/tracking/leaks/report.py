@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import pyarrow as pa
 
@@ -18,7 +18,7 @@ from .classify import _GcPaused
 from .known import _KNOWN
 from .paths import _merge_fixes
 from .roots import _get_shell, _user_namespace
-from .rows import _Row, _fallback_rows, _merge_same_buffer, _rows_for, _rows_to_table
+from .rows import _RowSet, _fallback_rows, _int_array, _merge_same_buffer, _rows_for, _rows_to_table
 from .search import _Search, _run_search
 from .unreached import _heap_tensors
 from ..._common import Displayable
@@ -81,77 +81,117 @@ class LeakReport(Displayable):
         return self.to_text()
 
 
-def _totals(rows: List[_Row]) -> Dict[str, int]:
+def _totals(rows: _RowSet) -> Dict[str, int]:
     """Live bytes per device, each byte once: intervals of overlapping buffers are merged (vectorised:
     after sorting by start, each interval adds what reaches past the furthest end before it)."""
     import numpy as np
 
-    by_dev: Dict[str, Tuple[List[int], List[int]]] = {}
+    c = rows.cols
+    n = len(rows)
     out: Dict[str, int] = {}
-    for r in rows:
-        if r.data_ptr:
-            st = by_dev.get(r.device)
-            if st is None:
-                st = by_dev[r.device] = ([], [])
-            st[0].append(r.data_ptr)
-            st[1].append(r.nbytes)
-        else:
-            out[r.device] = out.get(r.device, 0) + r.nbytes
-    for dev, (starts, sizes) in by_dev.items():
-        s0 = np.array(starts, dtype=np.uint64)
-        e0 = s0 + np.array(sizes, dtype=np.uint64)
-        order = np.lexsort((e0, s0))
-        s0, e0 = s0[order], e0[order]
-        reach = np.maximum.accumulate(e0)
-        prev = np.concatenate(([np.uint64(0)], reach[:-1]))
-        lo = np.maximum(s0, prev)
-        total = int(np.where(e0 > lo, e0 - np.minimum(lo, e0), np.uint64(0)).sum())
-        out[dev] = out.get(dev, 0) + total
+    if not n:
+        return out
+    devs = c["device"]
+    ptr = _int_array(c["data_ptr"], np.uint64)
+    nb = _int_array(c["nbytes"], np.uint64)
+    dev_of = {d: k for k, d in enumerate(dict.fromkeys(devs))}
+    code = np.fromiter(map(dev_of.__getitem__, devs), dtype=np.int64, count=n)
+    for dev, k in dev_of.items():
+        mine = code == k
+        unplaced = mine & (ptr == 0)   # no address: counted as is
+        total = int(nb[unplaced].sum())
+        placed = mine & (ptr != 0)
+        if placed.any():
+            s0 = ptr[placed]
+            e0 = s0 + nb[placed]
+            order = np.lexsort((e0, s0))
+            s0, e0 = s0[order], e0[order]
+            reach = np.maximum.accumulate(e0)
+            prev = np.concatenate(([np.uint64(0)], reach[:-1]))
+            lo = np.maximum(s0, prev)
+            total += int(np.where(e0 > lo, e0 - np.minimum(lo, e0), np.uint64(0)).sum())
+        out[dev] = total
     return out
 
 
-def _groups(rows: List[_Row]) -> List[LeakGroup]:
-    """One group per (kind, root): a list of losses with all its graphs is one holder."""
-    by: Dict[Tuple[str, str], List[_Row]] = {}
-    for r in rows:
-        by.setdefault((r.holder_kind, r.root_label), []).append(r)
+def _groups(rows: _RowSet) -> List[LeakGroup]:
+    """One group per (kind, root), largest first: a list of losses with all its graphs is one holder.
+
+    Rows are grouped first (codes per group, numpy sums) and only each group's distinct fixes, cells
+    and creation sites are formatted: 100k rows of one list cost a few C-level passes."""
+    import numpy as np
+
+    c = rows.cols
+    n = len(rows)
+    if not n:
+        return []
+    nb0 = _int_array(c["nbytes"])
+    perm = np.argsort(-nb0, kind="stable").tolist()   # largest first; ties keep discovery order
+
+    def take(f):
+        return list(map(c[f].__getitem__, perm))
+
+    kinds, labels = take("holder_kind"), take("root_label")
+    keys = list(zip(kinds, labels))
+    code_of = {k: g for g, k in enumerate(dict.fromkeys(keys))}
+    codes = list(map(code_of.__getitem__, keys))
+    del keys
+    ng = len(code_of)
+    codes_np = np.array(codes, dtype=np.int64)
+    nbs = nb0[perm]
+    sums = np.zeros(ng, dtype=np.int64)
+    np.add.at(sums, codes_np, nbs)
+    counts = np.bincount(codes_np, minlength=ng)
+    first = np.full(ng, n, dtype=np.int64)
+    np.minimum.at(first, codes_np, np.arange(n, dtype=np.int64))
+    devs = take("device")
+    dev_of = {d: k for k, d in enumerate(dict.fromkeys(devs))}
+    nd = len(dev_of)
+    cell_code = codes_np * nd + np.fromiter(map(dev_of.__getitem__, devs), dtype=np.int64, count=n)
+    by_dev = np.zeros(ng * nd, dtype=np.int64)
+    np.add.at(by_dev, cell_code, nbs)
+    by_dev = by_dev.reshape(ng, nd)
+    on_dev = np.bincount(cell_code, minlength=ng * nd).reshape(ng, nd) > 0
+    del cell_code
+    dev_names = list(dev_of)
+    # each group's rows (largest first), for its distinct fixes: one fix for all, or the first few
+    by_code = np.argsort(codes_np, kind="stable")
+    bounds = np.searchsorted(codes_np[by_code], np.arange(ng + 1))
+    fix_col = c["fix"]
+    cells: List[Dict[int, None]] = [{} for _ in range(ng)]
+    if c["cell"].count(None) != n:   # storages nobody recorded have none: skip the pass
+        for g, cell in dict.fromkeys(zip(codes, take("cell"))):
+            if cell is not None:
+                cells[g][cell] = None
+    sources: List[Dict[str, None]] = [{} for _ in range(ng)]
+    if c["alloc_op"].count(None) != n or c["source_line"].count(None) != n:
+        for g, op, f, line in dict.fromkeys(zip(codes, take("alloc_op"), take("source_file"), take("source_line"))):
+            if line is not None:
+                sources[g][f"{op or 'created'} at {format_location(f or '?', line)}"] = None
+            elif op:
+                sources[g][op] = None
+    holder_col, root_fix_col = c["holder"], c["root_fix"]
     groups = []
-    for (kind, root_label), rs in by.items():
-        fixes = list(dict.fromkeys(r.fix for r in rs))
-        if len(fixes) == 1:
-            fix = fixes[0]
+    for (kind, root_label), g in code_of.items():
+        i0 = perm[int(first[g])]
+        fl = list(map(fix_col.__getitem__, map(perm.__getitem__, by_code[bounds[g]:bounds[g + 1]].tolist())))
+        if fl.count(fl[0]) == len(fl):
+            fix = fl[0]
         elif kind == "global":
-            fix = rs[0].root_fix  # del losses[0], del losses[1] ... → del losses
-        elif len(fixes) <= 3:
-            fix = _merge_fixes(fixes)
+            fix = root_fix_col[i0]  # del losses[0], del losses[1] ... → del losses
         else:
-            fix = _merge_fixes(fixes[:3]) + f"; … ({len(fixes) - 3} more, see .table)"
+            fs = list(dict.fromkeys(fl))
+            fix = _merge_fixes(fs) if len(fs) <= 3 else _merge_fixes(fs[:3]) + f"; … ({len(fs) - 3} more, see .table)"
+        del fl
         holder = root_label
         if kind == "autograd_graph":
             holder += " (autograd graphs)"
-        elif len(rs) == 1:
-            holder = rs[0].holder
-        g = LeakGroup(holder=holder, holder_kind=kind, fix=fix, n_storages=0, nbytes=0, by_device={}, cells=[],
-                      sources=[], growth_bytes=_growth.per_cell(root_label))
-        cells: Dict[int, None] = {}
-        sources: Dict[str, None] = {}
-        by_device = g.by_device
-        nbytes = 0
-        for r in rs:
-            nb = r.nbytes
-            nbytes += nb
-            by_device[r.device] = by_device.get(r.device, 0) + nb
-            if r.cell is not None:
-                cells[r.cell] = None
-            if r.source_line is not None:
-                sources[f"{r.alloc_op or 'created'} at {format_location(r.source_file or '?', r.source_line)}"] = None
-            elif r.alloc_op:
-                sources[r.alloc_op] = None
-        g.n_storages = len(rs)
-        g.nbytes = nbytes
-        g.cells = sorted(cells)
-        g.sources = list(sources)
-        groups.append(g)
+        elif counts[g] == 1:
+            holder = holder_col[i0]
+        groups.append(LeakGroup(
+            holder=holder, holder_kind=kind, fix=fix, n_storages=int(counts[g]), nbytes=int(sums[g]),
+            by_device={dev_names[d]: int(by_dev[g, d]) for d in np.flatnonzero(on_dev[g]).tolist()},
+            cells=sorted(cells[g]), sources=list(sources[g]), growth_bytes=_growth.per_cell(root_label)))
     groups.sort(key=lambda g: -g.nbytes)
     return groups
 
@@ -193,17 +233,21 @@ def _find_leaks(min_bytes, device, shell, user_ns, max_nodes, frames) -> LeakRep
             notes.append(f"{search.errors} objects could not be inspected")
         rows, reached = _rows_for(search, {})
         # Python tensors no root reaches (cycles, library state), and known storages no root reaches
-        unreached, tensors = _heap_tensors(lambda k: k not in reached, search.idx)
+        unreached, tensors = _heap_tensors(lambda k: k not in reached, search.idx, search.n_tensors)
         search.clear()
-        for key, st in want.items():
-            if key not in reached:
-                unreached.setdefault(key, st)
-        st = None
-        rows += _fallback_rows(unreached, tensors, {}, {id(want)})
-        rows = [r for r in _merge_same_buffer(rows) if r.nbytes >= min_bytes
-                and (device is None or _device_match(r.device, device))]
+        for k, s in want.items():
+            if k not in reached:
+                unreached.setdefault(k, s)
+        s = None
+        for r in _fallback_rows(unreached, tensors, {}, {id(want)}):
+            rows.add(r)
+        _merge_same_buffer(rows)
+        if min_bytes > 0 or device is not None:
+            c = rows.cols
+            rows.select([(nb or 0) >= min_bytes and (device is None or _device_match(d, device))
+                         for nb, d in zip(c["nbytes"], c["device"])])
         table = _rows_to_table(rows)
-        groups = _groups(sorted(rows, key=lambda r: -r.nbytes))
+        groups = _groups(rows)
         totals = _totals(rows)
         if _boundary.discovery() is None and not any(k.traced for k in _KNOWN.values()):
             notes.append("no trace or cell-boundary discovery saw these tensors being made: creating cell/op unknown "

@@ -12,12 +12,14 @@ from __future__ import annotations
 import gc
 import types
 from array import array
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, not_, or_
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .classify import (
     _CLASS, _DEFER, _FRAME, _FUNC, _GEN, _GENERIC, _NDARRAY, _NODE, _PLAIN_UNTRACKED, _PYNODE, _SKIP, _STORAGE,
     _T, _TB, _TENSOR, _classify, _is_user_class, _live_frame_locals, _node_name, _other_threads_frames,
-    _running_frames, _saved_names, _types, _untracked_interest, _user_modules,
+    _running_frames, _saved_names, _types, _untracked_interest, _untracked_interest_type, _user_modules,
 )
 from .roots import _Root, _collect_roots
 
@@ -28,6 +30,9 @@ class _Search:
 
     MAX_NODES_DEFAULT = 20_000_000
     BIG_CONTAINER = 1000
+    BULK = 64   # containers with more children than this are enqueued with C-level passes (map/compress)
+    RUN = 32    # this many plain containers side by side in the queue are expanded in one pass
+    TENSOR_RUN = 16   # this many plain tensors side by side are visited in one pass
 
     def __init__(self, root_objs: List[Any], roots: List[_Root], want: Optional[Dict[int, Any]],
                  collect_all: bool, user_modnames: Set[str], max_nodes: int = MAX_NODES_DEFAULT):
@@ -47,6 +52,7 @@ class _Search:
         self.max_nodes = max_nodes
         self.truncated = False
         self.errors = 0
+        self.n_tensors = 0                      # tensor nodes visited
         self._deferred_objs: List[int] = []
         self._deferred_edges: List[Tuple[int, Any, Tuple[str, str]]] = []
         # with targets only (a trace's leak table), stop once each has a holder
@@ -74,6 +80,10 @@ class _Search:
         big = self.BIG_CONTAINER if self.n_want else 0
         plain = _PLAIN_UNTRACKED
         expanded: Set[int] = set()
+        bulk = self.BULK
+        tensor = _T().Tensor
+        no_run = 0
+        run_min, tensor_run_min = self.RUN, self.TENSOR_RUN
         i = 0
         while True:
             while i < len(order):
@@ -82,6 +92,20 @@ class _Search:
                 h = tcache.get(tp)
                 if h is None:
                     h = classify(tp)
+                if h == _GENERIC and not big and i >= no_run:
+                    # plain containers side by side (the 50k tuples of a dataset): one pass for all
+                    end = i + 1
+                    n_order = len(order)
+                    while end < n_order and tcache.get(type(order[end])) == _GENERIC:
+                        end += 1
+                    if end - i >= run_min:
+                        self._enqueue_run(i, end)
+                        if len(order) > max_nodes:
+                            self.truncated = True
+                            return
+                        i = end
+                        continue
+                    no_run = end   # a short run: its other members need not look ahead again
                 if h == _GENERIC:
                     kids = get_referents(o)
                     if big and len(kids) > big and i not in expanded:
@@ -90,6 +114,32 @@ class _Search:
                         self._deferred_objs.append(i)
                         i += 1
                         continue
+                    if len(kids) > bulk:
+                        self._enqueue_many(i, kids)
+                        if len(order) > max_nodes:
+                            self.truncated = True
+                            return
+                        i += 1
+                        continue
+                elif h == _TENSOR and tp is tensor:
+                    # plain tensors side by side in the queue (a list of 100k tensors, the items of
+                    # 50k (x, y) pairs): one C-level pass per attribute instead of a call per tensor
+                    end = i + 1
+                    n_order = len(order)
+                    while end < n_order and type(order[end]) is tensor:
+                        end += 1
+                    if end - i < tensor_run_min:
+                        for k in range(i, end):
+                            self._tensor_guarded(order[k], k)
+                    else:
+                        self._tensors(i, end)
+                    if self.n_want and not self.complete and len(self.found) >= self.n_want:
+                        self.complete = True
+                    if len(order) > max_nodes:
+                        self.truncated = True
+                        return
+                    i = end
+                    continue
                 elif h == _SKIP:
                     i += 1
                     continue
@@ -151,6 +201,188 @@ class _Search:
             for parent, child, label in edges:
                 self._enqueue(parent, child, label)
             edges.clear()
+
+    def _enqueue_many(self, i: int, kids: List[Any], pars: Optional[List[int]] = None) -> None:
+        """Enqueue children with C-level passes, as the per-child loop would: a child met before (or
+        listed twice) only notes this root as another holder. ``kids`` are node ``i`` 's children, or,
+        with ``pars`` (the parent of each), those of several nodes."""
+        tracked = list(map(gc.is_tracked, kids))
+        if tracked.count(True) != len(kids):
+            # untracked children: ints and strings are never holders; numpy arrays (untracked) are
+            plain = _PLAIN_UNTRACKED
+            wanted = set()
+            for tp in set(map(type, compress(kids, map(not_, tracked)))):
+                if tp not in plain:
+                    if _untracked_interest_type(tp):
+                        wanted.add(tp)
+                    else:
+                        plain.add(tp)
+            if wanted:
+                tracked = list(map(or_, tracked, map(wanted.__contains__, map(type, kids))))
+            kids = list(compress(kids, tracked))
+            if pars is not None:
+                pars = list(compress(pars, tracked))
+        del tracked
+        n = len(kids)
+        if not n:
+            return
+        idx, own = self.idx, self.own
+        ids = list(map(id, kids))
+        js = list(map(idx.get, ids))
+        dup_of: Dict[int, int] = {}
+        start = len(self.order)
+        if js.count(None) == n:
+            # none met before: register them all; the index grew by n unless one is listed twice
+            before = len(idx)
+            idx.update(zip(ids, range(start, start + n)))
+            if len(idx) - before == n:
+                self.order.extend(kids)
+                if pars is None:
+                    self.par.extend(repeat(i, n))
+                    own.extend(repeat(own[i], n))
+                else:
+                    self.par.extend(pars)
+                    own.extend(list(map(own.__getitem__, pars)))
+                return
+            for x in ids:   # undo, and take the careful way below
+                idx.pop(x, None)
+        # some met before (another root holds them too) or listed twice (the first is the node)
+        cross = self.cross
+        keep = [j is None for j in js]
+        for k in compress(range(n), map(not_, keep)):   # met before: another root holds it too
+            j, pk = js[k], (i if pars is None else pars[k])
+            if own[j] != own[pk] and j != pk:
+                c = cross.get(j)
+                if c is None:
+                    cross[j] = {own[pk]}
+                else:
+                    c.add(own[pk])
+        if len(set(ids)) != n:   # listed twice: the first is the node, a later one another holder
+            first: Dict[int, int] = {}
+            for k, (x, new) in enumerate(zip(ids, keep)):
+                if new:
+                    f = first.get(x)
+                    if f is None:
+                        first[x] = k
+                    else:
+                        keep[k] = False
+                        if pars is not None:
+                            dup_of[k] = f
+        if dup_of:
+            dup_pars = {k: pars[k] for k in dup_of}
+        kids = list(compress(kids, keep))
+        ids = list(compress(ids, keep))
+        if pars is not None:
+            kept_at = list(compress(range(n), keep))
+            pars = list(compress(pars, keep))
+        n = len(kids)
+        if not n:
+            return
+        del js
+        order = self.order
+        start = len(order)
+        order.extend(kids)
+        idx.update(zip(ids, range(start, start + n)))
+        if pars is None:
+            self.par.extend(repeat(i, n))
+            own.extend(repeat(own[i], n))
+        else:
+            self.par.extend(pars)
+            own.extend(list(map(own.__getitem__, pars)))
+            if dup_of:
+                node_of = {k: start + m for m, k in enumerate(kept_at)}
+                for k, f in dup_of.items():
+                    j, pk = node_of[f], dup_pars[k]
+                    if own[j] != own[pk]:
+                        self.cross.setdefault(j, set()).add(own[pk])
+
+    def _enqueue_run(self, a: int, b: int) -> None:
+        """The children of nodes ``a:b`` (plain containers side by side in the queue: 50k (x, y) pairs,
+        45k small dicts) in one pass: ``get_referents`` per node at C level, one ``_enqueue_many``."""
+        refs = list(map(gc.get_referents, self.order[a:b]))
+        lens = list(map(len, refs))
+        kids = list(chain.from_iterable(refs))
+        del refs
+        self._enqueue_many(-1, kids, list(chain.from_iterable(map(repeat, range(a, b), lens))))
+
+    def _tensors(self, a: int, b: int) -> None:
+        """``_tensor`` for the nodes ``a:b``, all plain ``torch.Tensor`` s, in bulk: a tensor with
+        anything to follow (a ``__dict__``, hooks, a graph, ``.grad``, ``._base``) gets the
+        per-tensor treatment in order; the rest only have their storage recorded."""
+        ts = self.order[a:b]
+        tensor = _T().Tensor
+        try:
+            if any(map(attrgetter("is_meta"), ts)):
+                raise TypeError("meta tensors: per tensor")
+            # one list for all referents: a tensor with nothing but its class has nothing to follow
+            refs = gc.get_referents(*ts)
+            # by identity: list.count and `in` compare with ==, which a tensor answers with an op
+            plain_refs = all(map(is_, refs, repeat(tensor)))
+            del refs
+            rg = list(map(attrgetter("requires_grad"), ts))
+            anyrg = True in rg
+            # .grad of a tensor that requires grad may warn (a non-leaf): those are per tensor anyway
+            grads = [None if r else t.grad for t, r in zip(ts, rg)] if anyrg else list(map(attrgetter("grad"), ts))
+            bases = list(map(attrgetter("_base"), ts))
+            if not plain_refs:
+                busy = range(a, b)
+            elif anyrg or not all(map(is_, grads, repeat(None))) or not all(map(is_, bases, repeat(None))):
+                busy = [a + k for k, (r, g, base) in enumerate(zip(rg, grads, bases))
+                        if r or g is not None or base is not None]
+            else:
+                busy = ()
+            del grads, bases, rg
+            storages = list(map(tensor.untyped_storage, ts))
+        except Exception:
+            for k in range(a, b):
+                self._tensor_guarded(self.order[k], k)
+            return
+        self.n_tensors += b - a
+        found, want, collect_all, keep = self.found, self.want, self.collect_all, self.storages
+        keys = list(map(id, storages))
+        sel = range(a, b)
+        if not collect_all:
+            hit = list(map(want.__contains__, keys)) if want else [False] * len(keys)
+            if True in hit:
+                sel = list(compress(sel, hit))
+                keys = list(compress(keys, hit))
+                storages = list(compress(storages, hit))
+            else:
+                sel, keys, storages = (), (), ()
+        if sel:
+            ptrs = list(map(_T().UntypedStorage.data_ptr, storages))
+            if 0 not in ptrs and not any(map(found.__contains__, keys)):
+                # one tensor per storage, none met before (a list of 100k tensors): two dict updates,
+                # undone when the storages were not all distinct (views: the careful loop below)
+                before = len(found)
+                found.update(zip(keys, map(list, zip(sel))))
+                if len(found) - before == len(keys):
+                    keep.update(zip(keys, storages))
+                    sel = ()
+                else:
+                    for key in keys:
+                        found.pop(key, None)
+            for k, key, s, ptr in zip(sel, keys, storages, ptrs):
+                lst = found.get(key)
+                if lst is None:
+                    if ptr:  # zero bytes: nothing to leak
+                        found[key] = [k]
+                        keep[key] = s
+                elif len(lst) < 8:
+                    lst.append(k)
+        del storages
+        order = self.order
+        for k in busy:
+            try:
+                self._tensor_edges(order[k], k)
+            except Exception:
+                self.errors += 1
+
+    def _tensor_guarded(self, t, i):
+        try:
+            self._tensor(t, i)
+        except Exception:
+            self.errors += 1
 
     def _enqueue(self, parent: int, child, label: Optional[Tuple[str, str]]):
         kid = id(child)
@@ -239,6 +471,7 @@ class _Search:
             lst.append(node)
 
     def _tensor(self, t, i):
+        self.n_tensors += 1
         # __dict__, hooks, subclass state first: njt._values reads better than njt._base
         for k in gc.get_referents(t):
             h = _types.get(type(k))
@@ -269,6 +502,22 @@ class _Search:
             elif len(lst) < 8:
                 lst.append(i)
             del s
+        self._tensor_grad_edges(t, i)
+        return ()
+
+    def _tensor_edges(self, t, i):
+        """What ``_tensor`` follows besides the storage, in the same order."""
+        for k in gc.get_referents(t):
+            h = _types.get(type(k))
+            if h is None:
+                h = _classify(type(k))
+            if h == _NODE or h == _PYNODE:
+                self._deferred_edges.append((i, k, ("grad_fn", _node_name(k))))
+            elif gc.is_tracked(k) or h == _NDARRAY:
+                self._enqueue(i, k, None)
+        self._tensor_grad_edges(t, i)
+
+    def _tensor_grad_edges(self, t, i):
         try:
             if t.requires_grad:
                 gf = t.grad_fn
@@ -291,7 +540,6 @@ class _Search:
                 self._deferred_edges.append((i, b, ("base", "_base")))
         except Exception:
             self.errors += 1
-        return ()
 
     def _tensor_parts(self, t, i):
         """Tensors without a plain storage: sparse layouts and wrapper subclasses."""

@@ -35,11 +35,14 @@ def _tensor_types() -> Set[type]:
     return out
 
 
-def _heap_tensors(keep, skip_ids: Optional[Dict[int, int]] = None) -> Tuple[Dict[int, Any], Dict[int, List[Any]]]:
+def _heap_tensors(keep, skip_ids: Optional[Dict[int, int]] = None,
+                  n_skip: Optional[int] = None) -> Tuple[Dict[int, Any], Dict[int, List[Any]]]:
     """Storages and Python tensors in the whole gc heap, by ``id(storage)``, for keys ``keep(key)`` accepts.
 
     One ``gc.get_objects()`` pass, filtered at C speed (``compress``/``map``): the tensor types are
     ``torch.Tensor`` and its live subclasses (every class keeps its subclasses), not a type scan.
+    Tensors in ``skip_ids`` (the search's nodes) are left out; ``n_skip``, the number of tensors
+    among them, spares that filter when the heap has no other tensor.
     """
     from itertools import compress
 
@@ -47,8 +50,11 @@ def _heap_tensors(keep, skip_ids: Optional[Dict[int, int]] = None) -> Tuple[Dict
     objs = gc.get_objects()
     try:
         ts = list(compress(objs, map(tset.__contains__, map(type, objs))))
-        if skip_ids:
-            ts = [o for o in ts if id(o) not in skip_ids]   # the search saw those
+        if n_skip is not None and n_skip == len(ts):
+            ts = []   # the search saw every tensor of the heap (its tensors are distinct heap objects)
+        elif skip_ids and ts:   # the search saw those (set arithmetic: usually all of them)
+            unseen = set(map(id, ts)).difference(skip_ids)
+            ts = list(compress(ts, map(unseen.__contains__, map(id, ts)))) if unseen else []
     finally:
         objs.clear()
         del objs
