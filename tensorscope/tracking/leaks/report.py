@@ -150,7 +150,7 @@ def _groups(rows: _RowSet) -> List[LeakGroup]:
     cell_code = codes_np * nd + np.fromiter(map(dev_of.__getitem__, devs), dtype=np.int64, count=n)
     by_dev = np.zeros(ng * nd, dtype=np.int64)
     np.add.at(by_dev, cell_code, nbs)
-    by_dev = by_dev.reshape(ng, nd)
+    by_dev = by_dev.reshape(ng, nd)  # type: ignore[assignment]  # (ng*nd,) -> (ng, nd): numpy's shape-typed stubs
     on_dev = np.bincount(cell_code, minlength=ng * nd).reshape(ng, nd) > 0
     del cell_code
     dev_names = list(dev_of)
@@ -235,10 +235,10 @@ def _find_leaks(min_bytes, device, shell, user_ns, max_nodes, frames) -> LeakRep
         # Python tensors no root reaches (cycles, library state), and known storages no root reaches
         unreached, tensors = _heap_tensors(lambda k: k not in reached, search.idx, search.n_tensors)
         search.clear()
-        for k, s in want.items():
-            if k not in reached:
-                unreached.setdefault(k, s)
-        s = None
+        for key, st in want.items():
+            if key not in reached:
+                unreached.setdefault(key, st)
+        st = None
         for r in _fallback_rows(unreached, tensors, {}, {id(want)}):
             rows.add(r)
         _merge_same_buffer(rows)

@@ -345,7 +345,7 @@ def _child_steps(search: _Search, desc: "_Describer", p: int, objs: List[Any]) -
     if m is None:
         desc.lab.label(search.idx[id(objs[0])])
         m = desc.lab.cache.get(p) or {}
-    labs = list(map(m.get, map(id, objs)))
+    labs: List[Any] = list(map(m.get, map(id, objs)))
     if None in labs or not {lab[0] for lab in labs} <= {"index", "key"}:
         return None
     return [f"[{lab[1]}]" for lab in labs]
@@ -404,10 +404,10 @@ def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int
         lens = list(map(len, pobjs))
         item_ids = list(map(id, chain.from_iterable(pobjs)))
         pos = list(chain.from_iterable(map(range, lens)))
-        where = dict(zip(reversed(item_ids), reversed(pos)))   # first occurrence
+        where: Dict[Any, int] = dict(zip(reversed(item_ids), reversed(pos)))   # first occurrence
         if len(where) == len(item_ids):   # every item in one place (the usual dataset): by id alone
             del pobjs, item_ids, pos
-            at = list(map(where.get, map(id, ts)))
+            at: List[Any] = list(map(where.get, map(id, ts)))
         else:   # an item in several containers: by (container, item)
             owners = list(chain.from_iterable(map(repeat, range(len(pobjs)), lens)))
             where = dict(zip(zip(reversed(owners), reversed(item_ids)), reversed(pos)))
@@ -426,15 +426,15 @@ def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int
             lens = list(map(len, pobjs))
             owners = list(chain.from_iterable(map(repeat, range(len(pobjs)), lens)))
             val_ids = list(map(id, chain.from_iterable(map(dict.values, pobjs))))
-            where = dict(zip(zip(reversed(owners), reversed(val_ids)), range(len(val_ids) - 1, -1, -1)))
+            where2: Dict[Any, int] = dict(zip(zip(reversed(owners), reversed(val_ids)), range(len(val_ids) - 1, -1, -1)))
             texts = [f"[{t}]" for t in map(_short_repr, dkeys)]
             del pobjs, owners, val_ids, dkeys
-            at = list(map(where.get, zip(kowner, map(id, ts))))
-            del where
-            if None in at:
+            at2: List[Any] = list(map(where2.get, zip(kowner, map(id, ts))))
+            del where2
+            if None in at2:
                 return False
-            steps = [psteps[o] + texts[n] for o, n in zip(kowner, at)]
-            del at, texts
+            steps = [psteps[o] + texts[n] for o, n in zip(kowner, at2)]
+            del at2, texts
             return _emit_plain(search, ps, keys, ts, steps, key_meta, rows)
     del pobjs
     steps = []

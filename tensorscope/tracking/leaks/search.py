@@ -14,7 +14,7 @@ import types
 from array import array
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, not_, or_
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 from .classify import (
     _CLASS, _DEFER, _FRAME, _FUNC, _GEN, _GENERIC, _NDARRAY, _NODE, _PLAIN_UNTRACKED, _PYNODE, _SKIP, _STORAGE,
@@ -250,7 +250,7 @@ class _Search:
         cross = self.cross
         keep = [j is None for j in js]
         for k in compress(range(n), map(not_, keep)):   # met before: another root holds it too
-            j, pk = js[k], (i if pars is None else pars[k])
+            j, pk = cast(int, js[k]), (i if pars is None else pars[k])
             if own[j] != own[pk] and j != pk:
                 c = cross.get(j)
                 if c is None:
@@ -269,7 +269,7 @@ class _Search:
                         if pars is not None:
                             dup_of[k] = f
         if dup_of:
-            dup_pars = {k: pars[k] for k in dup_of}
+            dup_pars = {k: cast(List[int], pars)[k] for k in dup_of}
         kids = list(compress(kids, keep))
         ids = list(compress(ids, keep))
         if pars is not None:
@@ -325,22 +325,22 @@ class _Search:
             grads = [None if r else t.grad for t, r in zip(ts, rg)] if anyrg else list(map(attrgetter("grad"), ts))
             bases = list(map(attrgetter("_base"), ts))
             if not plain_refs:
-                busy = range(a, b)
+                busy: Sequence[int] = range(a, b)
             elif anyrg or not all(map(is_, grads, repeat(None))) or not all(map(is_, bases, repeat(None))):
                 busy = [a + k for k, (r, g, base) in enumerate(zip(rg, grads, bases))
                         if r or g is not None or base is not None]
             else:
                 busy = ()
             del grads, bases, rg
-            storages = list(map(tensor.untyped_storage, ts))
+            storages: Sequence[Any] = list(map(tensor.untyped_storage, ts))
         except Exception:
             for k in range(a, b):
                 self._tensor_guarded(self.order[k], k)
             return
         self.n_tensors += b - a
         found, want, collect_all, keep = self.found, self.want, self.collect_all, self.storages
-        keys = list(map(id, storages))
-        sel = range(a, b)
+        keys: Sequence[int] = list(map(id, storages))
+        sel: Sequence[int] = range(a, b)
         if not collect_all:
             hit = list(map(want.__contains__, keys)) if want else [False] * len(keys)
             if True in hit:
