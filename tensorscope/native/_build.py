@@ -49,6 +49,8 @@ class LibSpec:
 HOOKS = LibSpec("hooks", "tensorscope_hooks", "hooks.cpp", True, "native C++ hooks")
 TEST_OPS = LibSpec("test_ops", "tensorscope_test_ops", "test_ops.cpp", False, "native test-op library")
 ENGINE = LibSpec("engine", "tensorscope_engine", "engine.cpp", True, "native recording engine")
+#: the function mode's hot path (Python C API only; used with the native engine)
+FMODE = LibSpec("fmode", "tensorscope_fmode", "fmode.cpp", True, "native function mode")
 
 
 class _LibState:
@@ -63,7 +65,8 @@ class _LibState:
         self.thread: Optional[threading.Thread] = None
 
 
-_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), TEST_OPS.kind: _LibState(), ENGINE.kind: _LibState()}
+_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), TEST_OPS.kind: _LibState(), ENGINE.kind: _LibState(),
+                                 FMODE.kind: _LibState()}
 
 
 def _say(msg: str) -> None:

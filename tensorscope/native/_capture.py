@@ -101,13 +101,8 @@ class NativeCapture:
         items = TAP.pop(token)
         if not items:
             return out or None
-        seen = eng.ext.warning_seen if eng is not None else None
-        for it in items:
-            w = shown_warning_dict(*it)
-            if w["cpp_file"] is not None and (self._native_seen(w["message"]) or (seen is not None and seen(w["message"]))):
-                continue  # the op that raised it already reported it, natively
-            out.append(w)
-        return out or None
+        return merge_call_warnings(out, items, self._native_seen,
+                                   eng.ext.warning_seen if eng is not None else None) or None
 
     def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
         if not isinstance(exc, BaseException):
@@ -188,6 +183,19 @@ class NativeCapture:
     def __exit__(self, *exc) -> bool:
         self.close()
         return False
+
+
+def merge_call_warnings(out: List[Dict[str, Any]], items, *seen_fns) -> List[Dict[str, Any]]:
+    """A call's warnings: the ones ops recorded natively (``out``) plus the ones the Python tap saw
+    (``items``), minus the tap's copies of C++ warnings an op already reported natively
+    (``seen_fns``: message -> bool, None skipped)."""
+    seen = [f for f in seen_fns if f is not None]
+    for it in items:
+        w = shown_warning_dict(*it)
+        if w["cpp_file"] is not None and any(f(w["message"]) for f in seen):
+            continue  # the op that raised it already reported it, natively
+        out.append(w)
+    return out
 
 
 def _closed_noop() -> None:

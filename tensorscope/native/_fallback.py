@@ -167,6 +167,9 @@ class _WarningTap:
         self._orig = None
         self._local = threading.local()
         self._hook_fn = self._hook  # one bound method, so `is` identifies it
+        #: called (no arguments) after each warning collected: the native function mode counts them
+        #: in C, so a call that saw none costs nothing here (see take_last)
+        self.notify = None
 
     def acquire(self) -> bool:
         with self._lock:
@@ -204,6 +207,9 @@ class _WarningTap:
             if d.get("depth"):
                 d["items"].append((exc_text(msg.message) if isinstance(msg.message, BaseException) else str(msg.message),
                                    msg.category, msg.filename, msg.lineno))
+                notify = self.notify
+                if notify is not None:
+                    notify()
         except Exception:
             pass  # a tracer bug must never swallow the user's warning
         orig = self._orig
@@ -232,6 +238,16 @@ class _WarningTap:
             return []
         out = items[token:]
         del items[token:]
+        return out
+
+    def take_last(self, n: int) -> List[tuple]:
+        """Remove and return the last ``n`` warnings collected on this thread (the native function
+        mode's per-call share: it counted them through ``notify``)."""
+        items = self._local.__dict__.get("items")
+        if not items or n <= 0:
+            return []
+        out = items[-n:]
+        del items[-n:]
         return out
 
     def reset_thread(self) -> None:
