@@ -222,16 +222,22 @@ register_tracer_code(TracingFunctionMode.__torch_function__)
 CALL_DTYPE = np.dtype([("func", "<i4"), ("module", "<i4"), ("src", "<i4"), ("autocast", "<i4"), ("parent", "<i4"),
                        ("error", "<i4"), ("n_ops", "<i4"), ("pad", "<i4"), ("first_seq", "<i8"), ("start", "<i8"),
                        ("dur", "<i8")])
+#: set to 1 to run the native engine's function mode in Python (TracingFunctionMode), e.g. to compare
+PY_FUNCTION_MODE_ENV = "TENSORSCOPE_PY_FUNCTION_MODE"
 #: kinds as native/fmode.cpp numbers them (PRINTING: a LAZY conversion that prints a tensor)
 _C_PRINTING = 4
 
 
 def native_function_mode_ext():
     """(the compiled function mode or None, reason). Never used with the python engine."""
+    import os
+
     from ..native import FORCE_ENV, _build, forced_fallback
 
     if forced_fallback():
         return None, f"{FORCE_ENV}=1"
+    if os.environ.get(PY_FUNCTION_MODE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return None, f"{PY_FUNCTION_MODE_ENV}=1"
     ext, reason = _build.ensure(_build.FMODE, wait=True)
     if ext is not None and getattr(ext, "ROW_SIZE", None) != CALL_DTYPE.itemsize:
         return None, f"native function mode row layout mismatch ({getattr(ext, 'ROW_SIZE', None)} != {CALL_DTYPE.itemsize})"
