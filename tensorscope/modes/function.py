@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from ..native._capture import merge_call_warnings
 from ..native._fallback import TAP
 from ..recording.session import exc_key
-from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore, pack
+from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore
 from . import source as _source
 from .frames import _HTF_CODE, call_as_caller, call_from, caller_frame, clean_traceback, register_tracer_code, trampoline_for
 from .modules import _MOD_CODE, _GraphModule
@@ -245,24 +245,32 @@ def native_function_mode_ext():
 
 
 class _LiveCalls(CallStore):
-    """``rec.calls`` while the native function mode records: rows live in C until it hands them over."""
+    """``rec.calls`` while the native function mode records: the rows live in C until it hands them
+    over, then in one int64 matrix (no per-row Python work either way)."""
 
     def __init__(self, fm):
         super().__init__(CALL_FIELDS)
         self._fm = fm
+        self._matrix: Optional[np.ndarray] = None
 
     def field(self, call_id: int, k: int) -> int:
-        fm = self._fm
-        if fm is not None:
-            v = fm.field(call_id, k)
+        if self._fm is not None:
+            v = self._fm.field(call_id, k)
             return 0 if v is None else v
+        if self._matrix is not None:
+            return int(self._matrix[call_id, k])
         return super().field(call_id, k)
+
+    def full_matrix(self) -> np.ndarray:
+        return self._matrix if self._matrix is not None else super().full_matrix()
 
     def handover(self, raw: bytes, n: int) -> None:
         rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)
+        m = np.empty((n, len(self.fields)), dtype=np.int64)
+        for i, name in enumerate(self.fields):
+            m[:, i] = rows[name]
+        self._matrix = m
         self._fm = None
-        if n:
-            self.frozen = [{name: pack(rows[name].astype(np.int64)) for name in self.fields}]
         self.base = n
 
 
