@@ -40,7 +40,7 @@
 #include <unordered_map>
 #include <vector>
 
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && !defined(TS_NO_FAST_FRAMES)
 #define TS_FAST_FRAMES 1
 #define Py_BUILD_CORE 1
 #include <internal/pycore_frame.h>
