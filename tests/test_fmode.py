@@ -231,3 +231,37 @@ def test_keyboard_interrupt_in_a_helper_reaches_the_program(monkeypatch):
     with tensorscope.trace(engine="native", leaks=False) as t:   # everything was restored
         x + 1    # noqa: B018
     assert t.calls.num_rows == 1
+
+
+def test_many_calls_are_packed_and_decode_to_the_same_rows(monkeypatch):
+    # > 2 blocks of 16384 calls: full blocks are packed column by column while recording
+    from tensorscope.native import _build
+
+    x = torch.ones(2)
+
+    def many():
+        z = x
+        for i in range(40000):
+            z = z + 1 if i % 7 else z.mul(1.0)
+        return z
+
+    stats = {}
+
+    def run(py):
+        if py:
+            monkeypatch.setenv(PY_FUNCTION_MODE_ENV, "1")
+        else:
+            monkeypatch.delenv(PY_FUNCTION_MODE_ENV, raising=False)
+        with tensorscope.trace(engine="native", leaks=False, storages=False, nonfinite=False) as t:
+            many()
+            if not py:
+                stats.update(_build._STATES["fmode"].module.stats())
+        return t
+
+    tc, tp = run(False), run(True)
+    assert stats["calls"] == 40000 and stats["packed_blocks"] == 2
+    assert stats["row_bytes"] / stats["calls"] < 40   # vs 56 bytes a live row
+    times = ("start_ns", "dur_ns", "cpu_ns")
+    assert _rows(tc.calls, times) == _rows(tp.calls, times)
+    starts = tc.calls.column("start_ns").to_pylist()
+    assert starts == sorted(starts) and tc.calls.column("dur_ns").to_pylist()[20000] >= 0

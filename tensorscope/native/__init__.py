@@ -65,6 +65,8 @@ def status() -> Dict[str, Any]:
         out["cpp_stacktraces"] = bool(getattr(mod, "cpp_stacktraces", False))
     eng = _build.lib_status(_build.ENGINE)
     out["engine"] = {"state": eng["state"], "reason": eng["reason"], "path": eng.get("path")}
+    fm = _build.lib_status(_build.FMODE)
+    out["function_mode"] = {"state": fm["state"], "reason": fm["reason"], "path": fm.get("path")}
     out["forced_fallback"] = forced_fallback()
     if out["forced_fallback"]:
         out["available"] = out["state"]
@@ -183,6 +185,11 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
     est = _build.lib_status(_build.ENGINE)
     print(f"native recording engine: {est['state']} ({est['reason']})")
     ok = ok and est["state"] == "built"
+    # the native engine's function mode (modes/function.py falls back to the Python one without it)
+    _build.ensure(_build.FMODE, wait=True, verbose=args.verbose, force=args.force)
+    fst = _build.lib_status(_build.FMODE)
+    print(f"native function mode: {fst['state']} ({fst['reason']})")
+    ok = ok and fst["state"] == "built"
     if args.test_ops:
         _build.ensure(_build.TEST_OPS, wait=True, verbose=args.verbose, force=args.force)
         tst = _build.lib_status(_build.TEST_OPS)

@@ -88,6 +88,113 @@ struct KeyHash {
   }
 };
 
+// A block of kBlock rows: live rows while calls in it may still change, then packed column by column
+// (each field minus its minimum in the narrowest of 0/1/2/4/8 bytes: a constant field such as
+// parent or error costs nothing), like recorder.py packs the Python calls chunks.
+constexpr int kFields = 11;   // CallRow's members in order, pad included
+struct Block {
+  CallRow* rows = nullptr;
+  int64_t base[kFields] = {};
+  uint8_t width[kFields] = {};
+  uint8_t* data[kFields] = {};
+};
+
+inline int64_t get_field(const CallRow& r, int k) {
+  switch (k) {
+    case 0: return r.func;
+    case 1: return r.module;
+    case 2: return r.src;
+    case 3: return r.autocast;
+    case 4: return r.parent;
+    case 5: return r.error;
+    case 6: return r.n_ops;
+    case 7: return r.pad;
+    case 8: return r.first_seq;
+    case 9: return r.start;
+    default: return r.dur;
+  }
+}
+
+inline void set_field(CallRow& r, int k, int64_t v) {
+  switch (k) {
+    case 0: r.func = int32_t(v); break;
+    case 1: r.module = int32_t(v); break;
+    case 2: r.src = int32_t(v); break;
+    case 3: r.autocast = int32_t(v); break;
+    case 4: r.parent = int32_t(v); break;
+    case 5: r.error = int32_t(v); break;
+    case 6: r.n_ops = int32_t(v); break;
+    case 7: r.pad = int32_t(v); break;
+    case 8: r.first_seq = v; break;
+    case 9: r.start = v; break;
+    default: r.dur = v; break;
+  }
+}
+
+inline int64_t packed_field(const Block& b, int k, int64_t j) {
+  const uint8_t* d = b.data[k];
+  uint64_t v = 0;
+  switch (b.width[k]) {
+    case 0: break;
+    case 1: v = d[j]; break;
+    case 2: { uint16_t x; memcpy(&x, d + 2 * j, 2); v = x; break; }
+    case 4: { uint32_t x; memcpy(&x, d + 4 * j, 4); v = x; break; }
+    default: { uint64_t x; memcpy(&x, d + 8 * j, 8); v = x; break; }
+  }
+  return b.base[k] + int64_t(v);
+}
+
+bool pack_block(Block& b) {
+  if (b.rows == nullptr) return true;
+  uint8_t* data[kFields] = {};
+  int64_t base[kFields];
+  uint8_t width[kFields];
+  for (int k = 0; k < kFields; ++k) {
+    int64_t lo = get_field(b.rows[0], k), hi = lo;
+    for (int64_t j = 1; j < kBlock; ++j) {
+      int64_t v = get_field(b.rows[j], k);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    uint64_t span = uint64_t(hi) - uint64_t(lo);
+    uint8_t w = span == 0 ? 0 : span <= 0xFF ? 1 : span <= 0xFFFF ? 2 : span <= 0xFFFFFFFFull ? 4 : 8;
+    base[k] = w == 8 ? 0 : lo;
+    width[k] = w;
+    if (w == 0) continue;
+    data[k] = static_cast<uint8_t*>(PyMem_RawMalloc(size_t(kBlock) * w));
+    if (data[k] == nullptr) {   // no memory to pack: keep the rows as they are
+      for (int i = 0; i < k; ++i) PyMem_RawFree(data[i]);
+      return false;
+    }
+    for (int64_t j = 0; j < kBlock; ++j) {
+      uint64_t v = uint64_t(get_field(b.rows[j], k)) - uint64_t(base[k]);
+      switch (w) {
+        case 1: data[k][j] = uint8_t(v); break;
+        case 2: { uint16_t x = uint16_t(v); memcpy(data[k] + 2 * j, &x, 2); break; }
+        case 4: { uint32_t x = uint32_t(v); memcpy(data[k] + 4 * j, &x, 4); break; }
+        default: memcpy(data[k] + 8 * j, &v, 8); break;
+      }
+    }
+  }
+  for (int k = 0; k < kFields; ++k) {
+    b.base[k] = base[k];
+    b.width[k] = width[k];
+    b.data[k] = data[k];
+  }
+  PyMem_RawFree(b.rows);
+  b.rows = nullptr;
+  return true;
+}
+
+void free_block(Block& b) {
+  PyMem_RawFree(b.rows);
+  b.rows = nullptr;
+  for (int k = 0; k < kFields; ++k) {
+    PyMem_RawFree(b.data[k]);
+    b.data[k] = nullptr;
+  }
+}
+
 struct State {
   bool active = false;
   bool recording = false;
@@ -121,7 +228,8 @@ struct State {
   std::unordered_map<std::pair<const void*, const void*>, ModEntry, KeyHash> mod_cache;
   std::unordered_map<std::pair<const void*, const void*>, PyObject*, KeyHash> tramp_cache;  // owned fns
   // rows
-  std::vector<CallRow*> blocks;
+  std::vector<struct Block> blocks;
+  size_t packed_upto = 0;           // blocks below this index are packed
   int64_t n_calls = 0;
   std::vector<int32_t> stack;       // open recorded calls
   int32_t cur_mid = 0;              // module id of the innermost outermost call (ModuleTracker.current)
@@ -134,16 +242,31 @@ struct State {
 State S;
 thread_local int64_t tls_py_warnings = 0;   // Python warnings the tap collected on this thread
 
+// A live row (the running calls' rows, and the current block's, are never packed).
 CallRow& row(int64_t cid) {
-  return S.blocks[size_t(cid >> kBlockBits)][cid & (kBlock - 1)];
+  return S.blocks[size_t(cid >> kBlockBits)].rows[cid & (kBlock - 1)];
+}
+
+// One field of any row, live or packed.
+int64_t any_field(int64_t cid, int k) {
+  const Block& b = S.blocks[size_t(cid >> kBlockBits)];
+  int64_t j = cid & (kBlock - 1);
+  return b.rows != nullptr ? get_field(b.rows[j], k) : packed_field(b, k, j);
 }
 
 CallRow* new_row(int64_t cid) {
   size_t b = size_t(cid >> kBlockBits);
   if (b >= S.blocks.size()) {
-    CallRow* blk = static_cast<CallRow*>(PyMem_RawMalloc(sizeof(CallRow) * kBlock));
-    if (blk == nullptr) return nullptr;
+    Block blk;
+    blk.rows = static_cast<CallRow*>(PyMem_RawMalloc(sizeof(CallRow) * kBlock));
+    if (blk.rows == nullptr) return nullptr;
     S.blocks.push_back(blk);
+    // pack the full blocks no running call points into (rows of running calls still change)
+    int64_t open = S.stack.empty() ? cid : int64_t(S.stack.front());
+    while (S.packed_upto + 1 < S.blocks.size() && int64_t(S.packed_upto + 1) * kBlock <= open) {
+      if (!pack_block(S.blocks[S.packed_upto])) break;
+      S.packed_upto++;
+    }
   }
   return &row(cid);
 }
@@ -163,8 +286,9 @@ void clear_caches() {
 }
 
 void free_rows() {
-  for (CallRow* b : S.blocks) PyMem_RawFree(b);
+  for (Block& b : S.blocks) free_block(b);
   S.blocks.clear();
+  S.packed_upto = 0;
   S.n_calls = 0;
   S.stack.clear();
 }
@@ -769,7 +893,15 @@ PyObject* py_take(PyObject*, PyObject*) {
   char* p = PyBytes_AS_STRING(out);
   for (int64_t done = 0; done < n;) {
     int64_t k = std::min(kBlock, n - done);
-    memcpy(p + done * sizeof(CallRow), S.blocks[size_t(done >> kBlockBits)], size_t(k) * sizeof(CallRow));
+    const Block& b = S.blocks[size_t(done >> kBlockBits)];
+    if (b.rows != nullptr) {
+      memcpy(p + done * sizeof(CallRow), b.rows, size_t(k) * sizeof(CallRow));
+    } else {
+      CallRow* out = reinterpret_cast<CallRow*>(p) + done;
+      for (int64_t j = 0; j < k; ++j) {
+        for (int f = 0; f < kFields; ++f) set_field(out[j], f, packed_field(b, f, j));
+      }
+    }
     done += k;
   }
   free_rows();
@@ -800,21 +932,9 @@ PyObject* py_field(PyObject*, PyObject* args) {
   int k;
   if (!PyArg_ParseTuple(args, "Li", &cid, &k)) return nullptr;
   if (cid < 0 || cid >= S.n_calls) Py_RETURN_NONE;
-  const CallRow& r = row(cid);
-  long long v;
-  switch (k) {
-    case 0: v = r.func; break;
-    case 1: v = r.module; break;
-    case 2: v = r.src; break;
-    case 3: v = r.first_seq; break;
-    case 4: v = r.n_ops; break;
-    case 5: v = r.autocast; break;
-    case 6: v = r.parent; break;
-    case 7: v = r.error; break;
-    case 8: v = r.start; break;
-    case 9: v = r.dur; break;
-    default: Py_RETURN_NONE;
-  }
+  static const int kOrder[10] = {0, 1, 2, 8, 6, 3, 4, 5, 9, 10};   // CALL_FIELDS -> CallRow members
+  if (k < 0 || k >= 10) Py_RETURN_NONE;
+  long long v = any_field(cid, kOrder[k]);
   return PyLong_FromLongLong(v);
 }
 
@@ -833,9 +953,18 @@ PyObject* py_active(PyObject*, PyObject*) {
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:L,s:n,s:n,s:n,s:L}", "calls", (long long)S.n_calls, "src_cache", Py_ssize_t(S.src_cache.size()),
+  long long bytes = 0;
+  for (const Block& b : S.blocks) {
+    if (b.rows != nullptr) {
+      bytes += (long long)(sizeof(CallRow) * kBlock);
+    } else {
+      for (int k = 0; k < kFields; ++k) bytes += (long long)(b.width[k]) * kBlock;
+    }
+  }
+  return Py_BuildValue("{s:L,s:n,s:n,s:n,s:L,s:n,s:L}", "calls", (long long)S.n_calls, "src_cache", Py_ssize_t(S.src_cache.size()),
                        "module_cache", Py_ssize_t(S.mod_cache.size()), "trampolines", Py_ssize_t(S.tramp_cache.size()),
-                       "tracer_errors", (long long)S.tracer_errors);
+                       "tracer_errors", (long long)S.tracer_errors, "packed_blocks", Py_ssize_t(S.packed_upto),
+                       "row_bytes", bytes);
 }
 
 // torch checks ``mode.__torch_function__.__self__ is mode`` (python_arg_parser.cpp dispatch_on_mode):
