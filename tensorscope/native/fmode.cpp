@@ -624,6 +624,7 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
     depth = 2;
   }
   PyObject* tramp = (htf && caller != nullptr) ? trampoline(caller, depth) : nullptr;
+  Py_XINCREF(tramp);   // the cache may be cleared before the call returns
 #else
   PyObject* tramp = nullptr;
   bool htf = false;
@@ -647,11 +648,11 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
       }
     }
   }
+#endif
   struct TrampRef {
     PyObject* p;
     ~TrampRef() { Py_XDECREF(p); }
   } tramp_ref{tramp};
-#endif
 
   if (kind == PASS) return call_through(tramp, func, args, kwargs);   // a getter's warning: at the user's line
 
