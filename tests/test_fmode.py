@@ -265,3 +265,36 @@ def test_many_calls_are_packed_and_decode_to_the_same_rows(monkeypatch):
     assert _rows(tc.calls, times) == _rows(tp.calls, times)
     starts = tc.calls.column("start_ns").to_pylist()
     assert starts == sorted(starts) and tc.calls.column("dur_ns").to_pylist()[20000] >= 0
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+def test_compiled_code_stays_compiled_under_the_c_mode(monkeypatch):
+    # Dynamo must see the class's Python handler (a plain call), not the C builtin: the instance
+    # attribute is hidden while it compiles. Otherwise the compiled function runs eagerly, every
+    # torch function recorded as a call.
+    import shutil
+
+    if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        pytest.skip("Inductor on CPU needs a C++ compiler")
+    from torch._dynamo.utils import counters
+
+    def f(x):
+        return torch.relu(x @ x.T).sum() + F.softmax(x, dim=1).sum()
+
+    x = torch.randn(4, 4)
+    seen = {}
+    for py in (False, True):
+        if py:
+            monkeypatch.setenv(PY_FUNCTION_MODE_ENV, "1")
+        else:
+            monkeypatch.delenv(PY_FUNCTION_MODE_ENV, raising=False)
+        torch._dynamo.reset()
+        counters.clear()
+        cf = torch.compile(f, dynamic=False)
+        with tensorscope.trace(engine="native", leaks=False) as t:
+            cf(x)
+        seen[py] = (t.calls.column("name").to_pylist(), t.ops.num_rows, dict(counters["graph_break"]))
+    torch._dynamo.reset()
+    assert seen[False] == seen[True]
+    names, n_ops, breaks = seen[False]
+    assert not breaks and "relu" not in names and "softmax" not in names
