@@ -144,6 +144,17 @@ inline int64_t packed_field(const Block& b, int k, int64_t j) {
   return b.base[k] + int64_t(v);
 }
 
+// The live buffer of the block packed last, kept for the next block: a fresh 900 kB allocation
+// would be mmap'ed and page-faulted in again every 16k calls.
+CallRow* g_spare = nullptr;
+void spare_rows(CallRow* rows) {
+  if (g_spare == nullptr) {
+    g_spare = rows;
+  } else {
+    PyMem_RawFree(rows);
+  }
+}
+
 bool pack_block(Block& b) {
   if (b.rows == nullptr) return true;
   uint8_t* data[kFields] = {};
@@ -181,7 +192,7 @@ bool pack_block(Block& b) {
     b.width[k] = width[k];
     b.data[k] = data[k];
   }
-  PyMem_RawFree(b.rows);
+  spare_rows(b.rows);
   b.rows = nullptr;
   return true;
 }
@@ -258,7 +269,8 @@ CallRow* new_row(int64_t cid) {
   size_t b = size_t(cid >> kBlockBits);
   if (b >= S.blocks.size()) {
     Block blk;
-    blk.rows = static_cast<CallRow*>(PyMem_RawMalloc(sizeof(CallRow) * kBlock));
+    blk.rows = g_spare != nullptr ? g_spare : static_cast<CallRow*>(PyMem_RawMalloc(sizeof(CallRow) * kBlock));
+    g_spare = nullptr;
     if (blk.rows == nullptr) return nullptr;
     S.blocks.push_back(blk);
     // pack the full blocks no running call points into (rows of running calls still change)
@@ -287,6 +299,8 @@ void clear_caches() {
 
 void free_rows() {
   for (Block& b : S.blocks) free_block(b);
+  PyMem_RawFree(g_spare);
+  g_spare = nullptr;
   S.blocks.clear();
   S.packed_upto = 0;
   S.n_calls = 0;
@@ -712,7 +726,7 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
   r->n_ops = 0;
   r->pad = 0;
   r->first_seq = *S.eng->n_rows;
-  r->start = now_ns() - S.t0;
+  r->start = 0;   // set right before the call (one clock read for start and duration)
   r->dur = 0;
   S.n_calls = cid + 1;
   S.stack.push_back(int32_t(cid));
@@ -733,6 +747,8 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
     Py_XDECREF(x);
   }
   int64_t t0 = now_ns();
+  r = &row(cid);
+  r->start = t0 - S.t0;
   PyObject* result = call_through(tramp, func, args, kwargs);
   int64_t t1 = now_ns();
 
