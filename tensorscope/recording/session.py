@@ -591,6 +591,8 @@ class NativeSession(Session):
         from ..modes.function import NativeFunctionMode, native_function_mode_ext
 
         fm, reason = native_function_mode_ext()
+        if fm is not None and not hasattr(self._ext, "fmode_state"):
+            fm, reason = None, "the native engine exports no state for it (fmode_state)"
         if fm is None or fm.active():
             self.rec.notes.append(f"the function mode runs in Python: {reason if fm is None else 'another trace uses the native one'}")
             return super()._function_mode()
