@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import tensorscope
-from tensorscope.modes.function import PY_FUNCTION_MODE_ENV, NativeFunctionMode, native_function_mode_ext
+from tensorscope.modes.function import CALL_DTYPE, NativeFunctionMode
+from tensorscope.native import PY_FUNCTION_MODE_ENV, function_mode
 
 
 def _available():
@@ -28,7 +29,7 @@ def _available():
         from tensorscope.recording.engines import _native_ext
 
         ext, _ = _native_ext(wait=True)
-        fm, _ = native_function_mode_ext()
+        fm, _ = function_mode(CALL_DTYPE.itemsize)
         return ext is not None and fm is not None
     except Exception:
         return False
@@ -73,7 +74,7 @@ def workload():
     other(x)
     z = x.T @ x                 # a getter recorded as a call
     repr(torch.ones(3))         # printing: no ops recorded, the row dropped
-    s = str(z)                  # noqa: F841
+    str(z)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a = torch.mm(x, x.T)
     a.float().add_(1)
@@ -296,5 +297,5 @@ def test_compiled_code_stays_compiled_under_the_c_mode(monkeypatch):
         seen[py] = (t.calls.column("name").to_pylist(), t.ops.num_rows, dict(counters["graph_break"]))
     torch._dynamo.reset()
     assert seen[False] == seen[True]
-    names, n_ops, breaks = seen[False]
+    names, _n_ops, breaks = seen[False]
     assert not breaks and "relu" not in names and "softmax" not in names

@@ -22,8 +22,6 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..native._capture import merge_call_warnings
-from ..native._fallback import TAP
 from ..recording.session import exc_key
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore
 from . import source as _source
@@ -222,26 +220,8 @@ register_tracer_code(TracingFunctionMode.__torch_function__)
 CALL_DTYPE = np.dtype([("func", "<i4"), ("module", "<i4"), ("src", "<i4"), ("autocast", "<i4"), ("parent", "<i4"),
                        ("error", "<i4"), ("n_ops", "<i4"), ("pad", "<i4"), ("first_seq", "<i8"), ("start", "<i8"),
                        ("dur", "<i8")])
-#: set to 1 to run the native engine's function mode in Python (TracingFunctionMode), e.g. to compare
-PY_FUNCTION_MODE_ENV = "TENSORSCOPE_PY_FUNCTION_MODE"
 #: kinds as native/fmode.cpp numbers them (PRINTING: a LAZY conversion that prints a tensor)
 _C_PRINTING = 4
-
-
-def native_function_mode_ext():
-    """(the compiled function mode or None, reason). Never used with the python engine."""
-    import os
-
-    from ..native import FORCE_ENV, _build, forced_fallback
-
-    if forced_fallback():
-        return None, f"{FORCE_ENV}=1"
-    if os.environ.get(PY_FUNCTION_MODE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
-        return None, f"{PY_FUNCTION_MODE_ENV}=1"
-    ext, reason = _build.ensure(_build.FMODE, wait=True)
-    if ext is not None and getattr(ext, "ROW_SIZE", None) != CALL_DTYPE.itemsize:
-        return None, f"native function mode row layout mismatch ({getattr(ext, 'ROW_SIZE', None)} != {CALL_DTYPE.itemsize})"
-    return ext, reason
 
 
 class _LiveCalls(CallStore):
@@ -322,7 +302,8 @@ class NativeFunctionMode(TorchFunctionMode):
         self._fm.configure(self, s.engine.ext.fmode_state, s.t0, bool(s.want_source), bool(s.options.modules))
         try:
             self._compile_callbacks(True)
-            TAP.notify = self._fm.warning
+            if s.capture is not None:
+                s.capture.count_call_warnings(self._fm.warning)
             return super().__enter__()
         except BaseException:
             self.finish()
@@ -339,8 +320,8 @@ class NativeFunctionMode(TorchFunctionMode):
         if self._closed:
             return
         self._closed = True
-        if TAP.notify is self._fm.warning:
-            TAP.notify = None
+        if self.s.capture is not None:
+            self.s.capture.count_call_warnings(None)
         self._compile_callbacks(False)
         raw, n = self._fm.take()
         self._rec.calls.handover(raw, n)
@@ -394,11 +375,11 @@ class NativeFunctionMode(TorchFunctionMode):
 
     def _on_warnings(self, cid, n_tap) -> int:
         s = self.s
-        eng = s.engine
-        out = eng.take_warnings() if eng.ext.warnings_pending() else []
-        items = TAP.take_last(n_tap) if n_tap > 0 else []
         cap = s.capture
-        ws = merge_call_warnings(out, items, getattr(cap, "_native_seen", None), eng.ext.warning_seen)
+        if cap is not None:
+            ws = cap.take_call_warnings(n_tap, s.engine)
+        else:   # no capture: the engine's per-op warnings only
+            ws = s.engine.take_warnings() if s.engine.ext.warnings_pending() else []
         if ws:
             s.record_warnings(ws, call_id=cid, seq=None)
         return len(ws)

@@ -104,6 +104,12 @@ class NativeCapture:
         return merge_call_warnings(out, items, self._native_seen,
                                    eng.ext.warning_seen if eng is not None else None) or None
 
+    def count_call_warnings(self, fn: Any) -> None:
+        count_call_warnings(fn)
+
+    def take_call_warnings(self, n_tap: int, engine: Any = None) -> List[Dict[str, Any]]:
+        return take_call_warnings(n_tap, engine, self._native_seen)
+
     def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
         if not isinstance(exc, BaseException):
             return None
@@ -196,6 +202,23 @@ def merge_call_warnings(out: List[Dict[str, Any]], items, *seen_fns) -> List[Dic
             continue  # the op that raised it already reported it, natively
         out.append(w)
     return out
+
+
+def count_call_warnings(fn: Any) -> None:
+    """Have the warning tap call ``fn()`` after each warning it collects (None: stop, if still ``fn``'s)."""
+    if fn is not None:
+        TAP.notify = fn
+    elif TAP.notify is not None:
+        TAP.notify = None
+
+
+def take_call_warnings(n_tap: int, engine: Any = None, native_seen: Any = None) -> List[Dict[str, Any]]:
+    """The warnings of a call that just returned: the recording engine's pending per-op ones plus
+    the last ``n_tap`` the tap collected on this thread (those it counted during the call)."""
+    ext = getattr(engine, "ext", None)
+    out = engine.take_warnings() if (ext is not None and ext.warnings_pending()) else []
+    items = TAP.take_last(n_tap) if n_tap > 0 else []
+    return merge_call_warnings(out, items, native_seen, getattr(ext, "warning_seen", None))
 
 
 def _closed_noop() -> None:

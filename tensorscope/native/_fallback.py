@@ -295,6 +295,16 @@ class FallbackCapture:
             return None
         return [shown_warning_dict(*it) for it in items]
 
+    def count_call_warnings(self, fn: Any) -> None:
+        from ._capture import count_call_warnings
+
+        count_call_warnings(fn)
+
+    def take_call_warnings(self, n_tap: int, engine: Any = None) -> List[Dict[str, Any]]:
+        from ._capture import take_call_warnings
+
+        return take_call_warnings(n_tap, engine)
+
     def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
         if not isinstance(exc, BaseException):
             return None

@@ -588,9 +588,10 @@ class NativeSession(Session):
 
     # -- the function mode in C (modes/function.py NativeFunctionMode; fnmode) ----------------------
     def _function_mode(self):
-        from ..modes.function import NativeFunctionMode, native_function_mode_ext
+        from .. import native
+        from ..modes.function import CALL_DTYPE, NativeFunctionMode
 
-        fm, reason = native_function_mode_ext()
+        fm, reason = native.function_mode(CALL_DTYPE.itemsize)
         if fm is not None and not hasattr(self._ext, "fmode_state"):
             fm, reason = None, "the native engine exports no state for it (fmode_state)"
         if fm is None or fm.active():
