@@ -14,13 +14,19 @@ without the frames tracing added.
 """
 from __future__ import annotations
 
+import sys
 import time
+from typing import Optional
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_WIDTH
-from .frames import call_as_caller, call_from, caller_frame, clean_traceback, clean_when_caught, exc_key, register_tracer_code
+from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore
+from . import source as _source
+from .frames import (_HTF_CODE, call_as_caller, call_from, caller_frame, clean_traceback, clean_when_caught, exc_key,
+                     register_tracer_code, trampoline_for)
+from .modules import _MOD_CODE, _GraphModule
 from .source import user_location_from
 
 # torch-level functions that are pure metadata queries, not work: never recorded (and they
@@ -208,3 +214,186 @@ def _drop_if_empty(rec, calls, cid) -> None:
 
 
 register_tracer_code(TracingFunctionMode.__torch_function__)
+
+
+# ---------------------------------------------------------------------------
+# the native function mode: the hot path above, in C (native/fmode.cpp)
+# ---------------------------------------------------------------------------
+#: a calls row as native/fmode.cpp's ``CallRow`` lays it out (checked against ROW_SIZE at load)
+CALL_DTYPE = np.dtype([("func", "<i4"), ("module", "<i4"), ("src", "<i4"), ("autocast", "<i4"), ("parent", "<i4"),
+                       ("error", "<i4"), ("n_ops", "<i4"), ("pad", "<i4"), ("first_seq", "<i8"), ("start", "<i8"),
+                       ("dur", "<i8")])
+#: kinds as native/fmode.cpp numbers them (PRINTING: a LAZY conversion that prints a tensor)
+_C_PRINTING = 4
+
+
+class _LiveCalls(CallStore):
+    """``rec.calls`` while the native function mode records: the rows live in C until it hands them
+    over, then in one int64 matrix (no per-row Python work either way)."""
+
+    def __init__(self, fm):
+        super().__init__(CALL_FIELDS)
+        self._fm = fm
+        self._matrix: Optional[np.ndarray] = None
+
+    def field(self, call_id: int, k: int) -> int:
+        if self._fm is not None:
+            v = self._fm.field(call_id, k)
+            return 0 if v is None else v
+        if self._matrix is not None:
+            return int(self._matrix[call_id, k])
+        return super().field(call_id, k)
+
+    def full_matrix(self) -> np.ndarray:
+        return self._matrix if self._matrix is not None else super().full_matrix()
+
+    def handover(self, raw: bytes, n: int) -> None:
+        rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)
+        m = np.empty((n, len(self.fields)), dtype=np.int64)
+        for i, name in enumerate(self.fields):
+            m[:, i] = rows[name]
+        self._matrix = m
+        self._fm = None
+        self.base = n
+
+
+class NativeFunctionMode(TorchFunctionMode):
+    """The function mode of the native engine: ``__torch_function__`` is ``fm.torch_function``, a C
+    builtin set on the instance (torch looks the attribute up on the mode object), so a traced call
+    adds no Python frame. It produces the same ``calls`` rows as :class:`TracingFunctionMode` (the
+    oracle: tests/test_fmode.py compares them); the ``c_*`` members are what the C code calls on a
+    cache miss or a rare path. The class-level ``__torch_function__`` is what Dynamo sees while it
+    compiles (the instance attribute is hidden then): a plain call, so compiled code stays compiled.
+    """
+
+    def __init__(self, session, fm):
+        super().__init__()
+        self.s = session
+        self._fm = fm
+        rec = session.rec
+        self._rec = rec
+        self._closed = False
+        # what the C code calls (looked up once, at configure)
+        self.c_classify = self._classify
+        self.c_user_src = lambda f: rec.sources(user_location_from(f))
+        self.c_module_at = session.modules.at
+        self.c_autocast = lambda: rec.autocasts(autocast_state())
+        self.c_on_error = self._on_error
+        self.c_on_warnings = self._on_warnings
+        self.c_tracer_error = rec.tracer_error
+        self.c_trampoline_for = trampoline_for
+        self.c_printing = session.engine.ext.pause
+        self.c_internal = _source._internal
+        self.c_is_internal = _source._is_internal
+        self.c_any_autocast = _any_autocast if _any_autocast is not None else (lambda: True)
+        self.c_htf_code = _HTF_CODE if _HTF_CODE is not None else object()
+        self.c_mod_code = _MOD_CODE if _MOD_CODE is not None else object()
+        self.c_cacheable = _plain_modules
+        rec.calls = _LiveCalls(fm)
+        self._bound = fm.bind(self)
+        self.__torch_function__ = self._bound   # the instance attribute torch calls (its __self__ is the mode)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if _is_compiling():   # Dynamo traces this (the instance attribute is hidden while it compiles)
+            return func(*args, **kwargs)
+        return self._fm.torch_function(func, types, args, kwargs)
+
+    def __enter__(self):
+        s = self.s
+        self._fm.configure(self, s.engine.ext.fmode_state, s.t0, bool(s.want_source), bool(s.options.modules))
+        try:
+            self._compile_callbacks(True)
+            if s.capture is not None:
+                s.capture.count_call_warnings(self._fm.warning)
+            return super().__enter__()
+        except BaseException:
+            self.finish()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.finish()
+
+    def finish(self) -> None:
+        """Stop recording and move the rows into ``rec.calls`` (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.s.capture is not None:
+            self.s.capture.count_call_warnings(None)
+        self._compile_callbacks(False)
+        raw, n = self._fm.take()
+        self._rec.calls.handover(raw, n)
+        self._rec.n_calls = n
+
+    # -- torch.compile: Dynamo must see the Python handler, not the C builtin ---------------------
+    def _compile_callbacks(self, on: bool) -> None:
+        dyn = sys.modules.get("torch._dynamo.callback")
+        if on:
+            self._cb = None
+            if dyn is None:
+                return
+            hide = lambda *a, **k: self.__dict__.pop("__torch_function__", None)  # noqa: E731
+            show = lambda *a, **k: self.__dict__.__setitem__("__torch_function__", self._bound)  # noqa: E731
+            try:
+                dyn.callback_handler.register_start_callback(hide)
+                dyn.callback_handler.register_end_callback(show)
+                self._cb = (dyn.callback_handler, hide, show)
+            except Exception:
+                self._cb = None
+            return
+        cb, self._cb = getattr(self, "_cb", None), None
+        if cb is not None:
+            handler, hide, show = cb
+            try:
+                handler.remove_start_callback(hide)
+                handler.remove_end_callback(show)
+            except Exception:
+                pass
+
+    # -- what the C code calls -------------------------------------------------------------------
+    def _classify(self, func) -> int:
+        kind, named = _classify(func)
+        if kind == LAZY and getattr(named, "__name__", None) in PRINTING:
+            kind = _C_PRINTING
+        fid = self._rec.call_funcs(named) if kind != DIRECT else 0
+        return kind | (fid << 3)
+
+    def _on_error(self, cid, e, _htf) -> Optional[int]:
+        s = self.s
+        try:
+            if s.last_exc_key == exc_key(e):
+                return s.last_error_id
+            cap = s.capture
+            s.last_error_id = s.record_exception(
+                e, seq=None, call_id=cid, op=None, info=cap.error_info(e) if cap is not None else None)
+            s.last_exc_key = exc_key(e)
+            return s.last_error_id
+        finally:
+            clean_traceback(e)   # the trampoline's entries (Python-level torch functions) go
+
+    def _on_warnings(self, cid, n_tap) -> int:
+        s = self.s
+        cap = s.capture
+        if cap is not None:
+            ws = cap.take_call_warnings(n_tap, s.engine)
+        else:   # no capture: the engine's per-op warnings only
+            ws = s.engine.take_warnings() if s.engine.ext.warnings_pending() else []
+        if ws:
+            s.record_warnings(ws, call_id=cid, seq=None)
+        return len(ws)
+
+
+def _plain_modules(inner, outer) -> bool:
+    """Whether the module path of a call between these two module calls depends on them alone."""
+    for m in (inner, outer):
+        if type(m).__name__ == "OptimizedModule" or (_GraphModule is not None and isinstance(m, _GraphModule)):
+            return False
+    return True
+
+
+register_tracer_code(NativeFunctionMode.__torch_function__)

@@ -6,6 +6,8 @@ The tracer's modes talk to this package only through :func:`open_capture`::
     cap.native                      # True: compiled hooks; False: pure-Python fallback
     cap.op_begin(); ...; ws = cap.op_end()      # around every ATen op (in a finally)
     tok = cap.call_begin(func); ...; ws = cap.call_end(tok)   # around each outermost torch-level call
+    cap.count_call_warnings(fn)     # fn() after each Python warning collected (the C function mode's counter)
+    ws = cap.take_call_warnings(n, engine)   # a call's warnings: its n tap items + the engine's pending ones
     cap.error_info(exc)             # {cpp_type, message, cpp_file, cpp_line, cpp_function, native, py_type}
     cap.swallowed_count()           # c10 errors constructed but never surfaced (cpp_errors=True), else None
     cap.close()                     # restores every handler / fetcher / hook it installed
@@ -40,7 +42,7 @@ from . import _build
 
 __all__ = [
     "open_capture", "status", "build", "build_native_main", "engine", "loaded_engine", "engine_status",
-    "forced_fallback", "load_test_ops", "FORCE_ENV",
+    "forced_fallback", "load_test_ops", "FORCE_ENV", "function_mode", "PY_FUNCTION_MODE_ENV",
 ]
 
 #: Set to 1 to force the pure-Python fallback (read at every call, not at import).
@@ -65,6 +67,8 @@ def status() -> Dict[str, Any]:
         out["cpp_stacktraces"] = bool(getattr(mod, "cpp_stacktraces", False))
     eng = engine_status()
     out["engine"] = {"state": eng["state"], "reason": eng["reason"], "path": eng.get("path")}
+    fm = _build.lib_status(_build.FMODE)
+    out["function_mode"] = {"state": fm["state"], "reason": fm["reason"], "path": fm.get("path")}
     out["forced_fallback"] = forced_fallback()
     if out["forced_fallback"]:
         out["available"] = out["state"]
@@ -125,6 +129,25 @@ def open_capture(native: bool = True, cpp_errors: bool = False):
     from ._capture import NativeCapture
 
     return NativeCapture(ext, cpp_errors=cpp_errors, reason=reason)
+
+
+#: set to 1 to run the native engine's function mode in Python (modes/function.py TracingFunctionMode)
+PY_FUNCTION_MODE_ENV = "TENSORSCOPE_PY_FUNCTION_MODE"
+
+
+def function_mode(row_size: int):
+    """(the compiled function mode (fmode.cpp) or None, reason); compiles it on first use.
+
+    ``row_size``: the caller's idea of a calls row (its numpy dtype's itemsize), checked here.
+    """
+    if forced_fallback():
+        return None, f"{FORCE_ENV}=1"
+    if os.environ.get(PY_FUNCTION_MODE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return None, f"{PY_FUNCTION_MODE_ENV}=1"
+    ext, reason = _build.ensure(_build.FMODE, wait=True)
+    if ext is not None and getattr(ext, "ROW_SIZE", None) != row_size:
+        return None, f"native function mode row layout mismatch ({getattr(ext, 'ROW_SIZE', None)} != {row_size})"
+    return ext, reason
 
 
 def load_test_ops(source: str):
@@ -191,6 +214,11 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
     est = _build.lib_status(_build.ENGINE)
     print(f"native recording engine: {est['state']} ({est['reason']})")
     ok = ok and est["state"] == "built"
+    # the native engine's function mode (modes/function.py falls back to the Python one without it)
+    _build.ensure(_build.FMODE, wait=True, verbose=args.verbose, force=args.force)
+    fst = _build.lib_status(_build.FMODE)
+    print(f"native function mode: {fst['state']} ({fst['reason']})")
+    ok = ok and fst["state"] == "built"
     if args.test_ops:
         spec = _build.test_ops_spec(args.test_ops)
         _build.ensure(spec, wait=True, verbose=args.verbose, force=args.force)

@@ -48,6 +48,8 @@ class LibSpec:
 
 HOOKS = LibSpec("hooks", "tensorscope_hooks", "hooks.cpp", True, "native C++ hooks")
 ENGINE = LibSpec("engine", "tensorscope_engine", "engine.cpp", True, "native recording engine")
+#: the function mode's hot path (Python C API only; used with the native engine)
+FMODE = LibSpec("fmode", "tensorscope_fmode", "fmode.cpp", True, "native function mode")
 
 
 def test_ops_spec(source: str) -> LibSpec:
@@ -67,7 +69,8 @@ class _LibState:
         self.compiled = False        # compiled in this process (vs loaded from the cache)
 
 
-_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), "test_ops": _LibState(), ENGINE.kind: _LibState()}
+_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), "test_ops": _LibState(), ENGINE.kind: _LibState(),
+                                 FMODE.kind: _LibState()}
 
 
 def _say(msg: str) -> None:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import types
 from typing import Any, Dict, List, Optional
 
-from ._fallback import TAP, exc_text, fallback_error_info, py_type_name, raised_in_c, shown_warning_dict
+from ._fallback import (TAP, count_call_warnings, exc_text, fallback_error_info, merge_call_warnings, py_type_name,
+                        raised_in_c, take_call_warnings)
 
 _MAX_CACHED_ERRORS = 16
 #: Callables implemented in C: torch.add, Tensor.add_, Tensor.shape.__get__ ...
@@ -101,13 +102,14 @@ class NativeCapture:
         items = TAP.pop(token)
         if not items:
             return out or None
-        seen = eng.ext.warning_seen if eng is not None else None
-        for it in items:
-            w = shown_warning_dict(*it)
-            if w["cpp_file"] is not None and (self._native_seen(w["message"]) or (seen is not None and seen(w["message"]))):
-                continue  # the op that raised it already reported it, natively
-            out.append(w)
-        return out or None
+        return merge_call_warnings(out, items, self._native_seen,
+                                   eng.ext.warning_seen if eng is not None else None) or None
+
+    def count_call_warnings(self, fn: Any) -> None:
+        count_call_warnings(fn)
+
+    def take_call_warnings(self, n_tap: int, engine: Any = None) -> List[Dict[str, Any]]:
+        return take_call_warnings(n_tap, engine, self._native_seen)
 
     def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
         if not isinstance(exc, BaseException):

@@ -167,6 +167,9 @@ class _WarningTap:
         self._orig = None
         self._local = threading.local()
         self._hook_fn = self._hook  # one bound method, so `is` identifies it
+        #: called (no arguments) after each warning collected: the native function mode counts them
+        #: in C, so a call that saw none costs nothing here (see take_last)
+        self.notify = None
 
     def acquire(self) -> bool:
         with self._lock:
@@ -204,6 +207,9 @@ class _WarningTap:
             if d.get("depth"):
                 d["items"].append((exc_text(msg.message) if isinstance(msg.message, BaseException) else str(msg.message),
                                    msg.category, msg.filename, msg.lineno))
+                notify = self.notify
+                if notify is not None:
+                    notify()
         except Exception:
             pass  # a tracer bug must never swallow the user's warning
         orig = self._orig
@@ -232,6 +238,16 @@ class _WarningTap:
             return []
         out = items[token:]
         del items[token:]
+        return out
+
+    def take_last(self, n: int) -> List[tuple]:
+        """Remove and return the last ``n`` warnings collected on this thread (the native function
+        mode's per-call share: it counted them through ``notify``)."""
+        items = self._local.__dict__.get("items")
+        if not items or n <= 0:
+            return []
+        out = items[-n:]
+        del items[-n:]
         return out
 
     def reset_thread(self) -> None:
@@ -279,6 +295,12 @@ class FallbackCapture:
             return None
         return [shown_warning_dict(*it) for it in items]
 
+    def count_call_warnings(self, fn: Any) -> None:
+        count_call_warnings(fn)
+
+    def take_call_warnings(self, n_tap: int, engine: Any = None) -> List[Dict[str, Any]]:
+        return take_call_warnings(n_tap, engine)
+
     def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
         if not isinstance(exc, BaseException):
             return None
@@ -302,3 +324,33 @@ class FallbackCapture:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def merge_call_warnings(out: List[Dict[str, Any]], items, *seen_fns) -> List[Dict[str, Any]]:
+    """A call's warnings: the ones ops recorded natively (``out``) plus the ones the Python tap saw
+    (``items``), minus the tap's copies of C++ warnings an op already reported natively
+    (``seen_fns``: message -> bool, None skipped)."""
+    seen = [f for f in seen_fns if f is not None]
+    for it in items:
+        w = shown_warning_dict(*it)
+        if w["cpp_file"] is not None and any(f(w["message"]) for f in seen):
+            continue  # the op that raised it already reported it, natively
+        out.append(w)
+    return out
+
+
+def count_call_warnings(fn: Any) -> None:
+    """Have the warning tap call ``fn()`` after each warning it collects (None: stop, if still ``fn``'s)."""
+    if fn is not None:
+        TAP.notify = fn
+    elif TAP.notify is not None:
+        TAP.notify = None
+
+
+def take_call_warnings(n_tap: int, engine: Any = None, native_seen: Any = None) -> List[Dict[str, Any]]:
+    """The warnings of a call that just returned: the recording engine's pending per-op ones plus
+    the last ``n_tap`` the tap collected on this thread (those it counted during the call)."""
+    ext = getattr(engine, "ext", None)
+    out = engine.take_warnings() if (ext is not None and ext.warnings_pending()) else []
+    items = TAP.take_last(n_tap) if n_tap > 0 else []
+    return merge_call_warnings(out, items, native_seen, getattr(ext, "warning_seen", None))

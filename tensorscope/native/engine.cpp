@@ -1394,6 +1394,24 @@ PyObject* py_active(PyObject*, PyObject*) {
   return PyBool_FromLong(g.active);
 }
 
+// ---------------------------------------------------------------------------
+// function mode (owner: fnmode): the state native/fmode.cpp reads and writes per torch-level call,
+// exported once as a capsule so the C function mode sets the call/module ids and reads seq without
+// a Python round trip. Keep in sync with EngineShared in fmode.cpp (bump abi on any change).
+// ---------------------------------------------------------------------------
+int fmode_warnings_pending() {
+  return g.n_warnings.load(std::memory_order_acquire) != g.warnings_taken;
+}
+struct FmodeShared {
+  int abi;
+  int64_t* cur_call;
+  int64_t* cur_module;
+  int64_t* n_rows;
+  int (*warnings_pending)();
+};
+FmodeShared fmode_shared{1, &g.cur_call, &g.cur_module, &g.n_rows, &fmode_warnings_pending};
+// --- end of the function mode section ---------------------------------------
+
 PyMethodDef methods[] = {
     {"start", py_start, METH_VARARGS, "start(t0_ns, screen, storages, warnings): install the observer on this thread"},
     {"stop", py_stop, METH_NOARGS, "remove the observer"},
@@ -1424,5 +1442,6 @@ PyMODINIT_FUNC PyInit_tensorscope_engine() {
   PyModule_AddIntConstant(m, "F_THREW", F_THREW);
   PyModule_AddIntConstant(m, "F_OTHER_THREAD", F_OTHER_THREAD);
   PyModule_AddIntConstant(m, "ROW_SIZE", sizeof(Row));
+  PyModule_AddObject(m, "fmode_state", PyCapsule_New(&fmode_shared, "tensorscope_engine.fmode_state", nullptr));  // fnmode
   return m;
 }

@@ -97,6 +97,11 @@ class Session:
     def _module_tracker(self, cls):
         return cls(self.rec)
 
+    def _function_mode(self):
+        from ..modes.function import TracingFunctionMode
+
+        return TracingFunctionMode(self)
+
     def printing(self):
         """Around tensor printing (``repr``/``str``): torch disables dispatch modes for it, so the
         python engine records none of its ops; the native engine pauses to agree."""
@@ -192,14 +197,12 @@ class Session:
             raise TraceActiveError(
                 "a tensorscope trace is already recording on this thread; nested traces would record every op "
                 "twice. Exit the outer trace first (or use %tensorscope off).")
-        from ..modes.function import TracingFunctionMode
-
         opts = self.options
         _warm_up()
         self.dist.capture()   # before any mode: a clock ping-pong here is seen by no one
         self._setup_probes()
         self._begin_cell_warnings()
-        self._fmode = TracingFunctionMode(self)
+        self._fmode = self._function_mode()
         _local.session = self
         self.t0 = time.perf_counter_ns()
         self.dist.set_anchor(self.t0)
@@ -572,6 +575,40 @@ class NativeSession(Session):
 
     def _storage_tracker(self, cls):
         return None   # the observer tracks storages natively; build reads them at finish
+
+    # -- the function mode in C (modes/function.py NativeFunctionMode; fnmode) ----------------------
+    def _function_mode(self):
+        from .. import native
+        from ..modes.function import CALL_DTYPE, NativeFunctionMode
+
+        fm, reason = native.function_mode(CALL_DTYPE.itemsize)
+        if fm is not None and not hasattr(self._ext, "fmode_state"):
+            fm, reason = None, "the native engine exports no state for it (fmode_state)"
+        if fm is None or fm.active():
+            self.rec.notes.append(f"the function mode runs in Python: {reason if fm is None else 'another trace uses the native one'}")
+            return super()._function_mode()
+        self._fm_ext = fm
+        return NativeFunctionMode(self, fm)
+
+    @property
+    def recording(self) -> bool:
+        return self.__dict__.get("_recording", False)
+
+    @recording.setter
+    def recording(self, v):
+        self.__dict__["_recording"] = v
+        fm = self.__dict__.get("_fm_ext")
+        if fm is not None:
+            fm.set_recording(bool(v))
+
+    def _restore(self):
+        super()._restore()
+        finish = getattr(self._fmode, "finish", None)
+        if finish is not None:   # the native function mode hands its calls rows over (idempotent)
+            try:
+                finish()
+            except Exception as e:
+                self.rec.tracer_error("restore", e)
 
     @contextlib.contextmanager
     def printing(self):
