@@ -375,6 +375,8 @@ class NativeFunctionMode(TorchFunctionMode):
             return s.last_error_id
         finally:
             clean_traceback(e)   # the trampoline's entries (Python-level torch functions) go
+            if _htf:   # handle_torch_function called us (no frame of ours between): watch the user's
+                clean_when_caught(1)   # frame, so an except in the block sees the untraced traceback
 
     def _on_warnings(self, cid, n_tap) -> int:
         s = self.s
