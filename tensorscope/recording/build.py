@@ -23,7 +23,6 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .. import schema as S
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
@@ -65,7 +64,7 @@ class _Dict:
         null = c < 0
         if null_mask is not None:
             null |= null_mask
-        indices = pa.array(c, pa.int32(), mask=null) if null.any() else pa.array(c, pa.int32())
+        indices = _nullable(c, null, pa.int32())
         # codes index the dictionary by construction: skip the O(n) bounds validation
         return pa.DictionaryArray.from_arrays(indices, self.dictionary, safe=False)
 
@@ -110,6 +109,52 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
     return off
 
 
+def _native_gather():
+    """engine.cpp's ``gather`` when the native engine is loaded in this process (never compiles
+    or loads it: a python-engine trace in a process without it uses numpy)."""
+    try:
+        from ..native import _build, forced_fallback
+
+        if forced_fallback():
+            return None
+        return getattr(_build._STATES[_build.ENGINE.kind].module, "gather", None)
+    except Exception:
+        return None
+
+
+def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat: np.ndarray):
+    """List rows as Arrow buffers: ``(offsets, values)`` where row ``i`` is
+    ``flat[starts[k]:starts[k] + lens[k]]`` with ``k = ids[i]`` (``k = i`` when ``ids`` is None).
+
+    ``offsets`` is int32 (``rows + 1`` entries), ``values`` has ``flat``'s dtype. One pass in C
+    when the native engine is loaded (engine.cpp ``gather``), else numpy segment gathers; both
+    give the same arrays (tests/test_tables_build.py).
+    """
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    lens = np.ascontiguousarray(lens, dtype=np.int64)
+    flat = np.ascontiguousarray(flat)
+    if ids is not None and ids.dtype not in (np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    native = _native_gather()
+    if native is not None:
+        off, vals = native(None if ids is None else np.ascontiguousarray(ids), starts, lens, flat, flat.itemsize)
+        return np.frombuffer(off, dtype=np.int32), np.frombuffer(vals, dtype=flat.dtype)
+    if ids is not None:
+        starts, lens = starts[ids], lens[ids]
+    offsets = _offsets(lens)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise OverflowError("gather: more than 2**31 list items in one column chunk")
+    return offsets.astype(np.int32), flat[_segments(starts, lens, offsets)]
+
+
+def _list(offsets: np.ndarray, values) -> pa.ListArray:
+    """A ListArray over int32 ``offsets`` (as ``gather`` makes them: valid by construction)."""
+    if not isinstance(values, pa.Array):
+        values = pa.array(values)
+    return pa.Array.from_buffers(pa.list_(values.type), len(offsets) - 1, [None, pa.py_buffer(offsets)],
+                                 children=[values])
+
+
 def _tuple_dicts(rec):
     """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays.
 
@@ -142,25 +187,16 @@ def _tuple_dicts(rec):
 
 def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
     """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
-    returns the rows' offsets (tensors per row, cumulated) as numpy and as an Arrow array."""
-    n1 = t["tup_len"][tuple_ids]
-    offsets = _offsets(n1)
-    off1 = pa.array(offsets, pa.int32())
-    metas = t["tup_flat"][_segments(t["tup_start"][tuple_ids], n1, offsets)]
-    pos = off2 = None
+    returns the rows' offsets (tensors per row, cumulated) as numpy."""
+    off1, metas = gather(tuple_ids, t["tup_start"], t["tup_len"], t["tup_flat"])
     for key, name in (("shape", "shapes"), ("stride", "strides")):
         lens, starts, flat = t[key]
-        if pos is None or not t["same_layout"]:
-            n2 = lens[metas]
-            o2 = _offsets(n2)
-            off2 = pa.array(o2, pa.int32())
-            pos = _segments(starts[metas], n2, o2)
-        inner = pa.ListArray.from_arrays(off2, pa.array(flat[pos], pa.int64()))
-        cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, inner)
+        off2, vals = gather(metas, starts, lens, flat)
+        cols[f"{side}_{name}"] = _list(off1, _list(off2, pa.array(vals, pa.int64())))
     for name in ("dtypes", "devices", "formats"):
-        cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, t[name].take(metas))
-    cols[f"{side}_ambiguous"] = pa.ListArray.from_arrays(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
-    return offsets, off1
+        cols[f"{side}_{name}"] = _list(off1, t[name].take(metas))
+    cols[f"{side}_ambiguous"] = _list(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
+    return off1
 
 
 def _matmul_flops(name: str, shapes) -> int:
@@ -176,19 +212,24 @@ def _matmul_flops(name: str, shapes) -> int:
     return -1
 
 
+_NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
+
+
 def _nullable(values: np.ndarray, null_mask: np.ndarray, typ=pa.int64()):
-    return pa.array(values, typ, mask=null_mask)
-
-
-def _take(dict_array, idx: np.ndarray, null_mask: Optional[np.ndarray] = None):
-    # int32 indices: ~40% faster takes than int64 (dictionaries are interned, far below 2**31)
-    idx = np.asarray(idx, dtype=np.int32)
-    indices = pa.array(idx, pa.int32(), mask=null_mask) if null_mask is not None else pa.array(idx, pa.int32())
-    return pc.take(dict_array, indices)
+    """``values`` as an Arrow array of ``typ``, null where ``null_mask``: the validity bitmap is
+    packed by numpy and the values buffer shared (``pa.array(mask=)`` converts row by row and
+    imports pandas on first use)."""
+    values = np.ascontiguousarray(values, dtype=_NP_OF[typ])
+    nulls = int(np.count_nonzero(null_mask))
+    if nulls == 0:
+        return pa.array(values, typ)
+    valid = np.packbits(~null_mask, bitorder="little")
+    data = np.packbits(values, bitorder="little") if typ == pa.bool_() else values
+    return pa.Array.from_buffers(typ, len(values), [pa.py_buffer(valid), pa.py_buffer(data)], null_count=nulls)
 
 
 class _ListDict:
-    """A list column's interned values as flat numpy segments: rows expand by segment gather.
+    """A list column's interned values as flat numpy segments: rows expand by ``gather``.
 
     Values are ints (``value_type``) or, with ``value_type=None``, strings kept as a ``_Dict``.
     """
@@ -199,19 +240,21 @@ class _ListDict:
         flat = [x for v in lists for x in v]
         if value_type is None:
             self.strings = _Dict(flat)   # flat position == id in the _Dict
+            self.pos = np.arange(len(flat), dtype=np.int64)
         else:
             self.strings = None
-            self.flat = np.array(flat, dtype=value_type.to_pandas_dtype())
+            self.flat = np.array(flat, dtype=_NUMPY_TYPES[value_type])
             self.value_type = value_type
 
     def take(self, idx: np.ndarray):
-        n = self.lens[idx]
-        o = _offsets(n)
-        pos = _segments(self.starts[idx], n, o)
-        off = pa.array(o, pa.int32())
         if self.strings is not None:
-            return pa.ListArray.from_arrays(off, self.strings.take(pos))
-        return pa.ListArray.from_arrays(off, pa.array(self.flat[pos], self.value_type))
+            off, pos = gather(idx, self.starts, self.lens, self.pos)
+            return _list(off, self.strings.take(pos))
+        off, vals = gather(idx, self.starts, self.lens, self.flat)
+        return _list(off, pa.array(vals, self.value_type))
+
+
+_NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
 
 
 class _Ctx:
@@ -243,6 +286,10 @@ class _Ctx:
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
         self.cell = sess.cell
         screen = sess.screen
+        if screen is True:   # the native engine screens; its counters replace this at finish
+            from .engines import NativeScreen
+
+            screen = NativeScreen({})
         self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
                                      for f in rec.funcs.values] or [False], dtype=bool)
         self._global_pass(rec)
@@ -315,19 +362,18 @@ class _Ctx:
         cols["module"] = self.modules.take(module)
         cols["source_file"] = self.src_files.take(src_idx)
         cols["source_line"] = self._lines(src_idx)
-        in_off, in_off_pa = _list_columns(t, ins, "in", cols)
-        out_off, out_off_pa = _list_columns(t, outs, "out", cols)
+        in_off = _list_columns(t, ins, "in", cols).astype(np.int64)
+        out_off = _list_columns(t, outs, "out", cols).astype(np.int64)
         # storages: per row n_in then n_out ids, row after row (row i starts at in_off[i] + out_off[i])
         stor = chunk["storages"]
-        n_in = np.diff(in_off)
-        n_out = np.diff(out_off)
-        in_pos = np.repeat(out_off[:-1], n_in) + np.arange(in_off[-1])
-        out_pos = np.repeat(in_off[1:], n_out) + np.arange(out_off[-1])
         total = in_off[-1] + out_off[-1]
         if len(stor) < total:  # defensive: a truncated chunk never misaligns rows
-            stor = np.concatenate([stor, np.full(total - len(stor), -1, np.int64)])
-        cols["in_storages"] = pa.ListArray.from_arrays(in_off_pa, pa.array(stor[in_pos], pa.int64()))
-        cols["out_storages"] = pa.ListArray.from_arrays(out_off_pa, pa.array(stor[out_pos], pa.int64()))
+            stor = np.concatenate([stor, np.full(total - len(stor), -1, stor.dtype)])
+        row_start = in_off[:-1] + out_off[:-1]
+        for key, starts, lens in (("in_storages", row_start, np.diff(in_off)),
+                                  ("out_storages", row_start + np.diff(in_off), np.diff(out_off))):
+            off, vals = gather(None, starts, lens, stor)
+            cols[key] = _list(off, pa.array(vals, pa.int64()))
         cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
         cols["is_view"] = pa.array(is_view)
@@ -355,7 +401,7 @@ class _Ctx:
                     prod[s - start] = bool(produced)
                     prod_null[s - start] = False
             cols["nonfinite"] = _nullable(nf.astype(np.int64), nf < 0)
-            cols["nonfinite_produced"] = pa.array(prod, pa.bool_(), mask=prod_null)
+            cols["nonfinite_produced"] = _nullable(prod, prod_null, pa.bool_())
         else:
             cols["nonfinite"] = pa.nulls(n, pa.int64())
             cols["nonfinite_produced"] = pa.nulls(n, pa.bool_())
@@ -366,8 +412,8 @@ class _Ctx:
                 if start <= s < start + n:
                     rel[s - start] = r
                     mx[s - start] = m
-            cols["num_rel_err"] = pa.array(rel, pa.float64(), mask=np.isnan(rel))
-            cols["num_max_abs_err"] = pa.array(mx, pa.float64(), mask=np.isnan(mx))
+            cols["num_rel_err"] = _nullable(rel, np.isnan(rel), pa.float64())
+            cols["num_max_abs_err"] = _nullable(mx, np.isnan(mx), pa.float64())
         else:
             cols["num_rel_err"] = pa.nulls(n, pa.float64())
             cols["num_max_abs_err"] = pa.nulls(n, pa.float64())
@@ -407,7 +453,7 @@ class _Ctx:
             if start <= s < start + n:
                 vals[s - start] = v
                 mask[s - start] = False
-        return pa.array(vals, pa.int64(), mask=mask)
+        return _nullable(vals, mask)
 
     def _hidden_copy(self, op, ins, outs, alias, call, n):
         if n == 0 or not len(self.call_free):
@@ -541,7 +587,6 @@ def _tensors_table(sess, ctx: _Ctx):
     call = np.frombuffer(c.call, dtype=np.int64)
     devs = ctx.tup["devices"]
     dts = ctx.tup["dtypes"]
-    shapes = pa.array([list(s) for s in m.shapes], S._i64s)
     src_idx = np.zeros(n, dtype=np.int64)
     ok = call >= 0
     if len(ctx.call_src):
@@ -551,7 +596,7 @@ def _tensors_table(sess, ctx: _Ctx):
     cols = dict(
         storage_id=pa.array(np.arange(n, dtype=np.int64)),
         nbytes=pa.array(np.frombuffer(c.nbytes, dtype=np.int64)),
-        device=devs.take(meta), dtype=dts.take(meta), shape=_take(shapes, meta),
+        device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
         alloc_seq=_nullable(alloc, alloc < 0),
         alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
         pa.nulls(n, S.TENSORS.field("alloc_op").type),
@@ -562,6 +607,12 @@ def _tensors_table(sess, ctx: _Ctx):
         source_line=ctx._lines(src_idx),
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
+
+
+def _shape_rows(shape, metas):
+    lens, starts, flat = shape
+    off, vals = gather(metas, starts, lens, flat)
+    return off, pa.array(vals, pa.int64())
 
 
 def _errors_table(sess, ctx: _Ctx):
