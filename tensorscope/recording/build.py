@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import schema as S
-from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, unpack
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -257,6 +257,19 @@ class _ListDict:
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
 
 
+def _call_columns(rec) -> Dict[str, np.ndarray]:
+    """The calls rows as contiguous int64 columns: each frozen chunk's packed column unpacked and
+    concatenated with the live rows' (a column-wise read; stacking rows into one matrix and
+    slicing strided columns from it cost several times more)."""
+    c = rec.calls
+    live = c.matrix()
+    out = {}
+    for i, name in enumerate(c.fields):
+        parts = [unpack(ch[name]) for ch in c.frozen] + [live[:, i]]
+        out[name] = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+    return out
+
+
 class _Ctx:
     """Dictionaries and global per-op arrays shared by every chunk's decode."""
 
@@ -271,14 +284,14 @@ class _Ctx:
         self.modules = _Dict(rec.modules.values)
         self.nodes = _Dict(rec.nodes.values)
         n_calls = rec.n_calls
-        self.call_matrix = rec.calls.full_matrix()
-        call_src = self.call_matrix[:, rec.calls.fields.index("src")].copy()
+        self.call_cols = _call_columns(rec)
+        call_src = self.call_cols["src"]
         src_vals = rec.sources.values
         self.src_files = _Dict([None if v is None else v[0] for v in src_vals])
         self.src_lines = np.array([-1 if v is None or v[1] is None else v[1] for v in src_vals] or [-1], dtype=np.int64)
         self.call_src = call_src
         func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
-        call_func = self.call_matrix[:n_calls, rec.calls.fields.index("func")]
+        call_func = self.call_cols["func"][:n_calls]
         func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
         self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
         short = self.ops["short"]
@@ -526,8 +539,7 @@ def _calls_table(sess, ctx: _Ctx):
     n = rec.n_calls
     if n == 0:
         return S.empty("calls")
-    m = ctx.call_matrix
-    a = {k: m[:n, i] for i, k in enumerate(c.fields)}
+    a = {k: v[:n] for k, v in ctx.call_cols.items()}
     funcs = rec.call_funcs.values
     names = _Dict([getattr(f, "__name__", str(f)) for f in funcs])
     qual = _Dict([_qualname(f) for f in funcs])
