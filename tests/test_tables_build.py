@@ -153,3 +153,48 @@ def test_dataset_parts_roll_while_the_trace_runs(tmp_path, monkeypatch, engine):
     assert back.ops.num_rows == t.ops.num_rows == 62   # ones, 60 adds, sum
     assert back.ops.column("op").to_pylist() == t.ops.column("op").to_pylist()
     assert back.ops.column("out_storages").to_pylist() == t.ops.column("out_storages").to_pylist()
+
+
+def _global_links(chunks):
+    """The reference: one pass over the whole trace (first forward row per sequence number)."""
+    cat = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+    first = {}
+    for i, (node, sn) in enumerate(zip(cat["node"].tolist(), cat["seq_nr"].tolist())):
+        if node == 0 and sn >= 0:
+            first.setdefault(sn, i)
+    fwd = np.full(len(cat["op"]), -1)
+    module, call = cat["module"].copy(), cat["call"].copy()
+    for i, (node, sn) in enumerate(zip(cat["node"].tolist(), cat["seq_nr"].tolist())):
+        if node != 0 and sn in first:
+            fwd[i] = first[sn]
+            module[i], call[i] = cat["module"][first[sn]], cat["call"][first[sn]]
+    return fwd, module, call
+
+
+@pytest.mark.parametrize("increasing", [True, False])
+def test_links_built_chunk_by_chunk_match_one_global_pass(increasing):
+    rng = np.random.default_rng(3)
+    n, size = 3000, 128
+    node = (rng.random(n) < 0.4).astype(np.int64) * rng.integers(1, 5, n)
+    seq_nr = np.full(n, -1, np.int64)
+    claimed = []
+    for i in range(n):   # a backward row reuses a number a forward row claimed before it
+        if node[i] == 0:
+            seq_nr[i] = i if increasing else rng.integers(-1, 200)   # not increasing: threads, restarts
+            if seq_nr[i] >= 0:
+                claimed.append(seq_nr[i])
+        elif claimed and rng.random() < 0.8:
+            seq_nr[i] = claimed[rng.integers(0, len(claimed))]
+    cols = {"op": np.zeros(n, np.int64), "node": node, "seq_nr": seq_nr.astype(np.int64),
+            "module": rng.integers(0, 9, n), "call": rng.integers(-1, 500, n)}
+    chunks = [{k: v[i:i + size] for k, v in cols.items()} for i in range(0, n, size)]
+    links = build._Links()
+    got = [[], [], []]
+    for i, c in enumerate(chunks):
+        links.extend(c, i * size)
+        links.extend(c, i * size)   # a chunk decoded twice (dataset part, then the final build) adds nothing
+        for acc, part in zip(got, links.resolve(c)):
+            acc.append(part)
+    ref = _global_links(chunks)
+    for g, r in zip(got, ref):
+        assert np.concatenate(g).tolist() == r.tolist()

@@ -270,6 +270,84 @@ def _call_columns(rec) -> Dict[str, np.ndarray]:
     return out
 
 
+class _Links:
+    """Backward rows to forward rows, built incrementally as chunks are decoded in order.
+
+    A backward row (``node != 0``) whose autograd sequence number was claimed by a forward row
+    links to the first such row (``fwd_seq``) and inherits its module and call (its source
+    line). The index holds one entry per forward row with a sequence number: sorted keys and
+    the first row's seq, module and call, in arrays that grow by doubling (sequence numbers
+    mostly increase, so a chunk's new keys append). Kept on the recorder: ``dataset=`` decodes
+    spilled chunks while the trace runs and the final build decodes them again, and neither
+    re-reads the whole trace for it (the old global pass did, per spill).
+    """
+
+    def __init__(self):
+        self.n_seen = 0          # rows of the trace added so far
+        self.size = 0
+        self.keys = np.zeros(1024, np.int64)
+        self.vals = np.zeros((1024, 3), np.int64)   # first seq, module, call
+
+    def extend(self, chunk, start: int):
+        n = len(chunk["op"])
+        if start + n <= self.n_seen:
+            return
+        lo = max(self.n_seen - start, 0)
+        seq_nr = np.asarray(chunk["seq_nr"][lo:], dtype=np.int64)
+        fwd = np.nonzero((np.asarray(chunk["node"][lo:]) == 0) & (seq_nr >= 0))[0]
+        self.n_seen = start + n
+        if not len(fwd):
+            return
+        keys, first = np.unique(seq_nr[fwd], return_index=True)
+        rows = fwd[first]
+        vals = np.stack([rows + start + lo, np.asarray(chunk["module"][lo:])[rows],
+                         np.asarray(chunk["call"][lo:])[rows]], axis=1)
+        if self.size:   # keep the first row of a key seen before
+            pos = np.minimum(np.searchsorted(self.keys[:self.size], keys), self.size - 1)
+            new = self.keys[:self.size][pos] != keys
+            keys, vals = keys[new], vals[new]
+            if not len(keys):
+                return
+        if self.size and keys[0] <= self.keys[self.size - 1]:   # rare: not increasing, merge
+            k = np.concatenate([self.keys[:self.size], keys])
+            v = np.concatenate([self.vals[:self.size], vals])
+            order = np.argsort(k, kind="stable")
+            self.keys, self.vals, self.size = k[order], v[order], len(k)
+            return
+        need = self.size + len(keys)
+        if need > len(self.keys):
+            cap = max(need, 2 * len(self.keys))
+            self.keys = np.resize(self.keys, cap)
+            self.vals = np.resize(self.vals, (cap, 3))
+        self.keys[self.size:need] = keys
+        self.vals[self.size:need] = vals
+        self.size = need
+
+    def resolve(self, chunk):
+        """(fwd_seq, module, call) of the chunk's rows: forward rows keep their own module/call."""
+        module = np.asarray(chunk["module"], dtype=np.int64).copy()
+        call = np.asarray(chunk["call"], dtype=np.int64).copy()
+        fwd_seq = np.full(len(module), -1, dtype=np.int64)
+        seq_nr = np.asarray(chunk["seq_nr"], dtype=np.int64)
+        bwd = np.nonzero((np.asarray(chunk["node"]) != 0) & (seq_nr >= 0))[0]
+        if len(bwd) and self.size:
+            keys = self.keys[:self.size]
+            pos = np.minimum(np.searchsorted(keys, seq_nr[bwd]), self.size - 1)
+            hit = keys[pos] == seq_nr[bwd]
+            rows, v = bwd[hit], self.vals[pos[hit]]
+            fwd_seq[rows] = v[:, 0]
+            module[rows] = v[:, 1]
+            call[rows] = v[:, 2]
+        return fwd_seq, module, call
+
+
+def _links(rec) -> _Links:
+    links = getattr(rec, "links", None)
+    if links is None:
+        links = rec.links = _Links()
+    return links
+
+
 class _Ctx:
     """Dictionaries and global per-op arrays shared by every chunk's decode."""
 
@@ -305,39 +383,17 @@ class _Ctx:
             screen = NativeScreen({})
         self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
                                      for f in rec.funcs.values] or [False], dtype=bool)
-        self._global_pass(rec)
+        self._g = None
+        self.links = _links(rec)
 
-    def _global_pass(self, rec):
-        # seq_nr, node, module, call, op for every row: links backward ops to forward ones
-        parts = {k: [] for k in ("seq_nr", "node", "module", "call", "op")}
-        for chunk in rec.iter_op_chunks(columns=parts):
-            for k in parts:
-                parts[k].append(chunk[k])
-        g = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in parts.items()}
-        self.g = g
-        n = len(g["op"])
-        self.n = n
-        fwd = (g["node"] == 0) & (g["seq_nr"] >= 0)
-        fwd_idx = np.nonzero(fwd)[0]
-        keys, first = np.unique(g["seq_nr"][fwd_idx], return_index=True)
-        first_seq = fwd_idx[first]
-        fwd_seq = np.full(n, -1, dtype=np.int64)
-        bwd = (g["node"] != 0) & (g["seq_nr"] >= 0)
-        bwd_idx = np.nonzero(bwd)[0]
-        if len(bwd_idx) and len(keys):
-            pos = np.searchsorted(keys, g["seq_nr"][bwd_idx])
-            pos_c = np.minimum(pos, len(keys) - 1)
-            hit = keys[pos_c] == g["seq_nr"][bwd_idx]
-            fwd_seq[bwd_idx[hit]] = first_seq[pos_c[hit]]
-        self.fwd_seq = fwd_seq
-        # effective module / call (for the source line): a backward op inherits its forward op's
-        has = fwd_seq >= 0
-        eff_module = g["module"].astype(np.int64)   # a copy: rows are overwritten below
-        eff_call = g["call"].astype(np.int64)
-        eff_module[has] = g["module"][fwd_seq[has]]
-        eff_call[has] = g["call"][fwd_seq[has]]
-        self.eff_module = eff_module
-        self.eff_call = eff_call
+    @property
+    def g(self):
+        """Whole-trace columns some tables index by seq (``op``: a tensor's allocating op, a
+        warning's op), read once, only the columns needed, on first use."""
+        if self._g is None:
+            ops = [np.asarray(c["op"], dtype=np.int32) for c in self.sess.rec.iter_op_chunks(columns=("op",))]
+            self._g = {"op": np.concatenate(ops) if ops else np.zeros(0, np.int32)}
+        return self._g
 
     def decode(self, chunk, start: int) -> pa.RecordBatch:
         rec = self.sess.rec
@@ -350,8 +406,8 @@ class _Ctx:
         alias = np.asarray(chunk["alias"], dtype=np.int64)
         flags = chunk["flags"]
         node = np.asarray(chunk["node"], dtype=np.int64)
-        module = self.eff_module[sl]
-        call = self.eff_call[sl]
+        self.links.extend(chunk, start)
+        fs, module, call = self.links.resolve(chunk)
         call_null = call < 0
         src_idx = np.zeros(n, dtype=np.int64)
         if len(self.call_src):
@@ -369,7 +425,6 @@ class _Ctx:
         cols["autograd_node"] = self.nodes.take(node)
         seq_nr = chunk["seq_nr"]
         cols["seq_nr"] = _nullable(seq_nr, seq_nr < 0)
-        fs = self.fwd_seq[sl]
         cols["fwd_seq"] = _nullable(fs, fs < 0)
         cols["call_id"] = _nullable(chunk["call"], chunk["call"] < 0)
         cols["module"] = self.modules.take(module)
@@ -524,13 +579,11 @@ def decode_ops_from(sess, first_seq: int):
     record (``dataset=`` writes spilled rows as parts). Rows decoded early lack what is only
     resolved at the end (``cuda_ns``)."""
     ctx = _Ctx(sess)
-    start = 0
-    for chunk in sess.rec.iter_op_chunks():
-        n = len(chunk["op"])
-        if start + n > first_seq:
+    for start, chunk in sess.rec.iter_op_chunks(from_seq=first_seq, with_start=True):
+        ctx.links.extend(chunk, start)   # rows before first_seq, if a decode was skipped
+        if start + len(chunk["op"]) > first_seq:
             b = ctx.decode(chunk, start)
             yield b.slice(first_seq - start) if start < first_seq else b
-        start += n
 
 
 def _calls_table(sess, ctx: _Ctx):
@@ -603,7 +656,7 @@ def _tensors_table(sess, ctx: _Ctx):
     ok = call >= 0
     if len(ctx.call_src):
         src_idx[ok] = ctx.call_src[call[ok]]
-    g_op = ctx.g["op"]
+    g_op = ctx.g["op"] if n else np.zeros(0, np.int32)
     alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
     cols = dict(
         storage_id=pa.array(np.arange(n, dtype=np.int64)),

@@ -229,6 +229,8 @@ class Recorder:
         self.spill_path: Optional[str] = None
         self.n_spilled = 0
         self.spilled_chunks: List[str] = []
+        self.spilled_counts: List[int] = []          # rows of each spilled chunk
+        self.links = None                             # build.py's backward->forward index (kept across decodes)
         self.mem_chunks: List[Dict[str, np.ndarray]] = []
         self.mem_rows = 0
         self.on_spill = None   # called after each spill (dataset=: decode the spilled rows into parts)
@@ -287,6 +289,7 @@ class Recorder:
             arrays["__bases__"] = np.array([chunk[k][0] for k in sorted(chunk)], dtype=np.int64)
             np.savez(path, **arrays)   # numeric arrays only: no pickle is written or read
             self.spilled_chunks.append(path)
+            self.spilled_counts.append(len(chunk["op"][1]))
             self.n_spilled += len(chunk["op"][1])
         self.mem_chunks = []
         self.mem_rows = 0
@@ -296,16 +299,26 @@ class Recorder:
             except Exception as e:   # never into user code
                 self.tracer_error("on_spill", e)
 
-    def iter_op_chunks(self, columns=None):
+    def iter_op_chunks(self, columns=None, from_seq: int = 0, with_start: bool = False):
         """Every op chunk in order as int64 columns (only ``columns`` when given), spilled ones
-        read back from disk."""
-        for path in self.spilled_chunks:
-            with np.load(path, allow_pickle=False) as z:
-                names = sorted(k for k in z.files if k != "__bases__")
-                bases = z["__bases__"]
-                yield {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names) if columns is None or k in columns}
+        read back from disk; chunks that end before ``from_seq`` are skipped unread. With
+        ``with_start``: ``(seq of the chunk's first row, chunk)`` pairs."""
+        start = 0
+        for path, n in zip(self.spilled_chunks, self.spilled_counts):
+            if start + n > from_seq:
+                with np.load(path, allow_pickle=False) as z:
+                    names = sorted(k for k in z.files if k != "__bases__")
+                    bases = z["__bases__"]
+                    chunk = {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names)
+                             if columns is None or k in columns}
+                yield (start, chunk) if with_start else chunk
+            start += n
         for chunk in self.mem_chunks:
-            yield {k: unpack(v) for k, v in chunk.items() if columns is None or k in columns}
+            n = len(chunk["op"][1])
+            if start + n > from_seq:
+                out = {k: unpack(v) for k, v in chunk.items() if columns is None or k in columns}
+                yield (start, out) if with_start else out
+            start += n
 
     def close(self):
         if self.spill_path is not None:
