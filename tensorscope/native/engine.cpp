@@ -40,6 +40,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -356,7 +357,7 @@ struct Engine {
   int64_t other_thread_rows = 0;
 
   std::unordered_map<uintptr_t, int32_t> by_ptr;
-  std::vector<StorageRec> storages;
+  std::deque<StorageRec> storages;   // grows in fixed blocks: no 2x slack, no copy when it grows
   std::vector<int32_t> young;    // live storages first seen as outputs
   std::vector<int32_t> old;      // live storages first seen as inputs
   size_t young_rr = 0, old_rr = 0;
@@ -1510,7 +1511,7 @@ PyObject* py_resident(PyObject*, PyObject*) {
   // bytes the engine holds for the ops rows (packed chunks + the live block) and for storages
   std::lock_guard<std::mutex> lk(g.mu);
   int64_t rows = g.chunk_bytes + int64_t(g.block.capacity() * sizeof(Row) + g.block_stor.capacity() * 4);
-  int64_t st = int64_t(g.storages.capacity() * sizeof(StorageRec));
+  int64_t st = int64_t(g.storages.size() * sizeof(StorageRec));
   int64_t interned = int64_t((g.metas.arena.capacity() + g.tuples.arena.capacity() + g.aliases.arena.capacity()) * 8);
   return Py_BuildValue("{s:L,s:L,s:L,s:L}", "rows", (long long)rows, "storages", (long long)st, "interned",
                        (long long)interned, "n_rows", (long long)g.n_rows);

@@ -257,17 +257,22 @@ class _ListDict:
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
 
 
-def _call_columns(rec) -> Dict[str, np.ndarray]:
-    """The calls rows as contiguous int64 columns: each frozen chunk's packed column unpacked and
-    concatenated with the live rows' (a column-wise read; stacking rows into one matrix and
-    slicing strided columns from it cost several times more)."""
-    c = rec.calls
-    live = c.matrix()
-    out = {}
-    for i, name in enumerate(c.fields):
-        parts = [unpack(ch[name]) for ch in c.frozen] + [live[:, i]]
-        out[name] = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
-    return out
+class _CallColumns(dict):
+    """The calls rows as contiguous int64 columns, each read on first use: a frozen chunk's packed
+    column unpacked and concatenated with the live rows' (column-wise: stacking rows into one
+    matrix and slicing strided columns from it cost several times more). A decode needs two
+    columns (``src``, ``func``); only the calls table reads them all."""
+
+    def __init__(self, rec):
+        super().__init__()
+        self._calls = rec.calls
+
+    def __missing__(self, name):
+        c = self._calls
+        i = c.fields.index(name)
+        parts = [unpack(ch[name]) for ch in c.frozen] + [c.matrix()[:, i]]
+        col = self[name] = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        return col
 
 
 class _Links:
@@ -362,7 +367,7 @@ class _Ctx:
         self.modules = _Dict(rec.modules.values)
         self.nodes = _Dict(rec.nodes.values)
         n_calls = rec.n_calls
-        self.call_cols = _call_columns(rec)
+        self.call_cols = _CallColumns(rec)
         call_src = self.call_cols["src"]
         src_vals = rec.sources.values
         self.src_files = _Dict([None if v is None else v[0] for v in src_vals])
@@ -592,7 +597,7 @@ def _calls_table(sess, ctx: _Ctx):
     n = rec.n_calls
     if n == 0:
         return S.empty("calls")
-    a = {k: v[:n] for k, v in ctx.call_cols.items()}
+    a = {k: ctx.call_cols[k][:n] for k in c.fields}
     funcs = rec.call_funcs.values
     names = _Dict([getattr(f, "__name__", str(f)) for f in funcs])
     qual = _Dict([_qualname(f) for f in funcs])
