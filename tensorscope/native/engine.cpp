@@ -1193,8 +1193,14 @@ void call_on_full() {
     PyErr_Fetch(&et, &ev, &etb);
     PyObject* r = PyObject_CallNoArgs(cb);
     if (r == nullptr) {
+      // a Ctrl-C that landed in the hand-over belongs to the program: raised again at its next check
+      bool interrupt = PyErr_ExceptionMatches(PyExc_KeyboardInterrupt);
       PyErr_Clear();
-      g.on_full_errors++;
+      if (interrupt) {
+        PyErr_SetInterrupt();
+      } else {
+        g.on_full_errors++;
+      }
     } else {
       Py_DECREF(r);
     }

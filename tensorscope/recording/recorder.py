@@ -219,6 +219,18 @@ class _Columns:
         return chunk
 
 
+def _release_memory():
+    """After a spill's parts are written: return the Arrow memory pool's cached free buffers
+    (jemalloc/mimalloc keep what decoding the parts used) to the OS; a long trace would otherwise
+    hold that high-water as resident memory (~40 B/op of a 1M-op ``dataset=`` trace)."""
+    try:
+        import pyarrow as pa
+
+        pa.default_memory_pool().release_unused()
+    except Exception:
+        pass
+
+
 class Recorder:
     """Holds everything one trace records. Plain values only: never a tensor."""
 
@@ -298,6 +310,7 @@ class Recorder:
                 self.on_spill()
             except Exception as e:   # never into user code
                 self.tracer_error("on_spill", e)
+            _release_memory()   # the decoded parts are written: give their buffers back
 
     def iter_op_chunks(self, columns=None, from_seq: int = 0, with_start: bool = False):
         """Every op chunk in order as int64 columns (only ``columns`` when given), spilled ones
