@@ -8,7 +8,9 @@ backward ops (likewise), ``fwd_seq``, ``hidden_copy``. String columns are
 dictionary-encoded (schema 1.2): each interned table (op names, metas' dtypes,
 devices and formats, modules, node names, files) becomes one small Arrow
 dictionary once, and a column is its integer codes gathered by numpy, so no
-per-row Python object and no string copy is made. Spilled traces are
+per-row Python object and no string copy is made. List columns are Arrow
+offsets + values built by ``gather`` (one C pass when the native engine is
+loaded), once per chunk, from the interned segments. Spilled traces are
 decoded chunk by chunk into a memory-mapped Arrow IPC file, so building never
 needs the whole decoded table in RAM.
 """
@@ -403,7 +405,6 @@ class _Ctx:
     def decode(self, chunk, start: int) -> pa.RecordBatch:
         rec = self.sess.rec
         n = len(chunk["op"])
-        sl = slice(start, start + n)
         seq = np.arange(start, start + n, dtype=np.int64)
         op = np.asarray(chunk["op"], dtype=np.int64)   # already int64 once unpacked: no copy
         ins = np.asarray(chunk["ins"], dtype=np.int64)
@@ -650,7 +651,6 @@ def _tensors_table(sess, ctx: _Ctx):
     n = len(c.meta)
     if n == 0:
         return S.empty("tensors")
-    m = rec.metas
     meta = np.frombuffer(c.meta, dtype=np.int32).astype(np.int64)
     alloc = np.frombuffer(c.alloc_seq, dtype=np.int64)
     free = np.frombuffer(c.free_seq, dtype=np.int64)

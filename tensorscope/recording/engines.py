@@ -12,8 +12,11 @@ One seam, two implementations::
   for ``numerics=`` (the shadow mode re-runs ops in Python), and the test
   oracle.
 * ``native`` -- ``native/engine.cpp``: a thread-local RecordFunction observer
-  that keeps growable C++ column buffers (interned op ids, metas, tuples,
-  storage ids) and hands them over once, as bytes viewed by numpy, at the end.
+  that records rows (interned op ids, metas, tuples, storage ids) into a live
+  block of ``chunk_rows`` rows, packs each full block column by column in the
+  recorder's chunk format, and hands the packed chunks over as bytes viewed by
+  numpy: at the end, or -- past ``spill_rows`` rows -- between two ops through
+  ``NativeEngine._on_full``, so the recorder spills them as it does its own.
   No Python dispatch mode is on the stack, so the program sees plain eager.
 
 What both engines share is the recording context, the live ``Session``: the
@@ -229,15 +232,19 @@ class NativeEngine:
         self.ext = choice.ext
         self.running = False
         self.data: Optional[Dict[str, Any]] = None
+        self._reset(None)
+
+    def _reset(self, sess):
+        self._sess = sess
+        self._op_flags = np.zeros(0, dtype=np.int64)   # per engine op id: schema flags | 1<<40 (FLOPs at build)
+        self._encs: List[tuple] = []                   # interned argument encodings (FLOP formulas)
+        self._row_args = np.zeros((0, 2), dtype=np.int64)   # (seq, encoding id)
+        self.opaque_rows = 0
 
     def start(self, sess):
         opts = sess.options
         hooks = sess.op_hooks
-        self._sess = sess
-        self._op_flags = np.zeros(0, dtype=np.int64)
-        self._encs: List[tuple] = []
-        self._row_args = np.zeros((0, 2), dtype=np.int64)
-        self.opaque_rows = 0
+        self._reset(sess)
         # past spill_rows rows, the engine calls _on_full on this thread to hand its chunks over
         self.ext.start(sess.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
