@@ -391,6 +391,7 @@ class _Ctx:
         self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
                                      for f in rec.funcs.values] or [False], dtype=bool)
         self._g = None
+        self._null_cache: Dict[Any, pa.Array] = {}
         self.links = _links(rec)
 
     @property
@@ -421,7 +422,7 @@ class _Ctx:
         t = self.tup
         cols: Dict[str, Any] = {}
         cols["seq"] = pa.array(seq)
-        cols["cell"] = pa.nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
+        cols["cell"] = self._nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
         for k in ("op", "namespace", "overload"):
             cols[k] = self.ops[k].take(op)
         cols["tags"] = self.tags.take(op)
@@ -477,8 +478,8 @@ class _Ctx:
             cols["nonfinite"] = _nullable(nf.astype(np.int64), nf < 0)
             cols["nonfinite_produced"] = _nullable(prod, prod_null, pa.bool_())
         else:
-            cols["nonfinite"] = pa.nulls(n, pa.int64())
-            cols["nonfinite_produced"] = pa.nulls(n, pa.bool_())
+            cols["nonfinite"] = self._nulls(n, pa.int64())
+            cols["nonfinite_produced"] = self._nulls(n, pa.bool_())
         if rec.numerics:
             rel = np.full(n, np.nan)
             mx = np.full(n, np.nan)
@@ -489,9 +490,9 @@ class _Ctx:
             cols["num_rel_err"] = _nullable(rel, np.isnan(rel), pa.float64())
             cols["num_max_abs_err"] = _nullable(mx, np.isnan(mx), pa.float64())
         else:
-            cols["num_rel_err"] = pa.nulls(n, pa.float64())
-            cols["num_max_abs_err"] = pa.nulls(n, pa.float64())
-        cols["graph_id"] = pa.nulls(n, pa.int64())   # filled by recording/compiled.attach
+            cols["num_rel_err"] = self._nulls(n, pa.float64())
+            cols["num_max_abs_err"] = self._nulls(n, pa.float64())
+        cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
         return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
 
     def _lines(self, src_idx: np.ndarray):
@@ -517,10 +518,18 @@ class _Ctx:
             flops[i] = v
         return flops
 
-    @staticmethod
-    def _sparse_int(d: Dict[int, int], start: int, n: int):
+    def _nulls(self, n: int, typ):
+        """An all-null column, one per (length, type) for the whole build (Arrow arrays are
+        immutable: every chunk of the same length shares it)."""
+        key = (n, typ)
+        arr = self._null_cache.get(key)
+        if arr is None:
+            arr = self._null_cache[key] = pa.nulls(n, typ)
+        return arr
+
+    def _sparse_int(self, d: Dict[int, int], start: int, n: int):
         if not d:
-            return pa.nulls(n, pa.int64())
+            return self._nulls(n, pa.int64())
         vals = np.zeros(n, dtype=np.int64)
         mask = np.ones(n, dtype=bool)
         for s, v in d.items():
