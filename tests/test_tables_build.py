@@ -198,3 +198,28 @@ def test_links_built_chunk_by_chunk_match_one_global_pass(increasing):
     ref = _global_links(chunks)
     for g, r in zip(got, ref):
         assert np.concatenate(g).tolist() == r.tolist()
+
+
+def test_native_hand_over_is_invisible_to_the_profiler_and_the_program():
+    """The hand-over runs Python between two ops (RecordFunction off): torch.profiler sees the
+    same ops as without spilling, and the program's results are unchanged."""
+    _native()
+    from torch.profiler import ProfilerActivity, profile
+
+    def run():
+        x = torch.ones(3)
+        for _ in range(300):
+            x = x + 1
+        return x
+
+    seen = {}
+    for spill in (False, True):
+        kw = dict(chunk_rows=16, spill_rows=32) if spill else {}
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with tensorscope.trace(engine="native", leaks=False, **kw) as t:
+                out = run()
+        assert t.metadata["tracer_errors"] == 0, t.metadata["tracer_error_messages"]
+        assert (t.metadata["spilled_rows"] > 0) == spill
+        assert torch.equal(out, torch.full((3,), 301.0))
+        seen[spill] = sorted(e.name for e in prof.events() if e.name.startswith("aten::"))
+    assert seen[True] == seen[False] and len(seen[True]) >= 301
