@@ -271,9 +271,18 @@ class _CallColumns(dict):
 
     def __missing__(self, name):
         c = self._calls
-        i = c.fields.index(name)
-        parts = [unpack(ch[name]) for ch in c.frozen] + [c.matrix()[:, i]]
-        col = self[name] = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        live = c.matrix()[:, c.fields.index(name)]
+        packed = [ch[name] for ch in c.frozen]
+        col = np.empty(sum(len(a) for _, a in packed) + len(live), dtype=np.int64)
+        pos = 0
+        for base, a in packed:   # widen each packed chunk straight into place: no temporaries
+            part = col[pos:pos + len(a)]
+            part[:] = a
+            if base:
+                part += base
+            pos += len(a)
+        col[pos:] = live
+        self[name] = col
         return col
 
 
