@@ -8,10 +8,13 @@ tensors, (b) an MLP forward+backward, (c) a small conv net training step and
 figure is end to end: entering, recording, leaving and building the tables
 (for torch.profiler: "active only" is the profile block alone, "+ events()"
 adds what a user needs to read a result). The fixed cost at the end of a trace
-is measured on its own (a one-op trace). Then a 1M-op trace per engine reports
-the time to build the Arrow tables and the resident bytes per recorded op.
+is measured on its own (a one-op trace). Then a 1M-op trace per engine, plain
+and with ``dataset=`` (spilling into parts), each in a fresh process, reports
+the time to stop and build the Arrow tables and the resident bytes per recorded
+op (for the native engine also its own share: packed rows, storages, interned).
 
     python benchmarks/overhead.py [--quick] [--ops 1000000] [--json out.json]
+    python benchmarks/overhead.py --big-only native [--dataset] --ops 1000000   # the big trace alone
 
 Numbers are relative: run on an idle machine, single thread (torch.set_num_threads(1)).
 """
@@ -236,12 +239,32 @@ def fixed_cost(reps):
     return out
 
 
-def big_trace(n_ops, engine="python"):
+def big_trace(n_ops, engine="python", dataset=None):
+    """A ``n_ops``-op trace of small ops: resident bytes per op while recording (the whole
+    process, and for the native engine the engine's own share: packed op rows, storage records,
+    interned metas), then the time to stop and build every table (wall and thread CPU)."""
+    import tempfile
+
     from tensorscope.options import TraceOptions
     from tensorscope.recording.session import new_session
 
     x = torch.randn(8, 8)
-    sess = new_session(TraceOptions(leaks=False, nonfinite=False, engine=engine))
+    opts = dict(leaks=False, nonfinite=False, engine=engine)
+    with tensorscope.trace(**opts):   # one-time imports and lazy initialisation: the fixed cost, measured apart
+        x + x
+    if dataset:   # spilling into parts as it records, four times over the run (as benchmarks/dataset.py)
+        opts["dataset"] = tempfile.mkdtemp(prefix="tensorscope-bench-ds-")
+        opts["spill_rows"] = max(65536, n_ops // 4)
+    sess = new_session(TraceOptions(**opts))
+    write_ns = [0]
+    write = sess._write_dataset
+
+    def timed_write():   # the parquet write at the end (dataset=), reported apart from building
+        w0 = time.thread_time_ns()
+        write()
+        write_ns[0] += time.thread_time_ns() - w0
+
+    sess._write_dataset = timed_write
     gc.collect()
     r0 = rss_bytes()
     sess.start()
@@ -252,14 +275,33 @@ def big_trace(n_ops, engine="python"):
             z = z.relu_()
     finally:
         r1 = rss_bytes()
+        own = sess.engine.ext.resident() if hasattr(getattr(sess.engine, "ext", None), "resident") else None
         t0 = time.perf_counter_ns()
+        c0 = time.thread_time_ns()
         t = sess.stop()
+        c1 = time.thread_time_ns()
         t1 = time.perf_counter_ns()
     n = t.ops.num_rows
-    print(f"[{t.metadata['engine']}] {n} ops recorded: resident while recording {(r1 - r0) / n:.1f} B/op; "
-          f"stop + build tables {(t1 - t0) / 1e6:.0f} ms = {(t1 - t0) / n / 1e3:.2f} µs/op "
-          f"({t.metadata.get('spilled_rows', 0)} rows spilled)")
-    return {"n_ops": n, "rss_bytes_per_op": (r1 - r0) / n, "build_us_per_op": (t1 - t0) / n / 1e3}
+    res = {"n_ops": n, "rss_bytes_per_op": (r1 - r0) / n, "build_us_per_op": (t1 - t0) / n / 1e3,
+           "build_cpu_us_per_op": (c1 - c0 - write_ns[0]) / n / 1e3, "spilled_rows": t.metadata.get("spilled_rows", 0),
+           "dataset": bool(dataset), "dataset_write_cpu_us_per_op": write_ns[0] / n / 1e3}
+    if own is not None:
+        # what the engine held for the ops (rows + storages + interned); the rest is the function
+        # mode's calls rows and the Python heap
+        res["engine_bytes_per_op"] = {k: v / n for k, v in own.items() if k != "n_rows"}
+    if dataset:
+        import shutil
+
+        res["dataset_parts"] = (t.metadata.get("dataset") or {}).get("parts")
+        shutil.rmtree(opts["dataset"], ignore_errors=True)
+    own_s = (" (engine: " + ", ".join(f"{k} {v:.1f}" for k, v in res["engine_bytes_per_op"].items()) + " B/op)"
+             if own is not None else "")
+    print(f"[{t.metadata['engine']}{' dataset=' if dataset else ''}] {n} ops recorded: resident while recording "
+          f"{(r1 - r0) / n:.1f} B/op{own_s}; stop + build tables {(t1 - t0) / 1e6:.0f} ms = "
+          f"{res['build_us_per_op']:.2f} µs/op wall, {res['build_cpu_us_per_op']:.2f} µs/op CPU "
+          + (f"(+ writing the dataset {write_ns[0] / n / 1e3:.2f} µs/op CPU) " if dataset else "") +
+          f"({res['spilled_rows']} rows spilled)")
+    return res
 
 
 def main(argv=None):
@@ -267,12 +309,14 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
     ap.add_argument("--ops", type=int, default=1_000_000, help="ops in the big trace (0 to skip)")
     ap.add_argument("--json", help="also write the numbers here")
-    ap.add_argument("--big-only", choices=("native", "python"), help=argparse.SUPPRESS)
+    ap.add_argument("--big-only", choices=("native", "python"),
+                    help="only the big trace, with this engine (this process)")
+    ap.add_argument("--dataset", action="store_true", help="the big trace writes a dataset= (spilling into parts)")
     ap.add_argument("--only", help="run only these workloads (comma-separated: small,mlp,conv,transformer)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.big_only:
-        r = big_trace(a.ops, a.big_only)
+        r = big_trace(a.ops, a.big_only, a.dataset)
         print(json.dumps(r))
         return 0
     only = set(a.only.split(",")) if a.only else {"small", "mlp", "conv", "transformer"}
@@ -306,13 +350,15 @@ def main(argv=None):
 
         out["big"] = {}
         for eng in ("native", "python"):
-            r = subprocess.run([sys.executable, __file__, "--big-only", eng, "--ops", str(a.ops)],
-                               capture_output=True, text=True)
-            print(r.stdout.strip() or r.stderr.strip()[-2000:])
-            try:
-                out["big"][eng] = json.loads(r.stdout.strip().splitlines()[-1])
-            except Exception:
-                out["big"][eng] = None
+            for ds in (False, True):
+                key = eng + (" dataset=" if ds else "")
+                r = subprocess.run([sys.executable, __file__, "--big-only", eng, "--ops", str(a.ops)] +
+                                   (["--dataset"] if ds else []), capture_output=True, text=True)
+                print(r.stdout.strip() or r.stderr.strip()[-2000:])
+                try:
+                    out["big"][key] = json.loads(r.stdout.strip().splitlines()[-1])
+                except Exception:
+                    out["big"][key] = None
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

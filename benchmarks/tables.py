@@ -1,12 +1,14 @@
 """Table building and python-engine per-op cost, for the string-column work (schema 1.2).
 
-(a) Records an ``--ops``-op trace of small ops once, then times decoding it into the
-Arrow ``ops`` table (``_Ctx`` + ``_ops_table``, best of ``--reps``) and the whole
-``build_trace`` once, in µs per op, and the ops table's in-memory size.
+(a) Per engine (``--engines``), records an ``--ops``-op trace of small ops once, then
+times decoding it into the Arrow ``ops`` table (``_Ctx`` + ``_ops_table``, best of
+``--reps``; also the ``calls`` and ``tensors`` tables) and the whole ``build_trace``
+once, in µs per op, and the ops table's in-memory size. A one-op trace runs first, so
+one-time imports are not counted (they are the fixed cost overhead.py measures).
 (b) Per-op overhead of ``trace(leaks=False)`` and of ``trace()`` over eager on a loop
 of small 8x8 ops, eager and traced rounds interleaved, median of ``--rounds``.
 
-    python benchmarks/tables.py [--ops 1000000] [--reps 3] [--rounds 15] [--json out.json]
+    python benchmarks/tables.py [--ops 1000000] [--reps 3] [--rounds 15] [--engines native,python] [--json out.json]
 
 Run it against another checkout (PYTHONPATH) to compare before/after; single thread.
 Times are the thread's CPU time (``time.thread_time_ns``): on a shared machine wall time
@@ -21,6 +23,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 import tensorscope
@@ -28,12 +31,13 @@ import tensorscope
 _clock = time.thread_time_ns
 
 
-def record(n_ops):
+def record(n_ops, engine="python"):
+    """A trace of ``n_ops`` small ops, stopped (modes and observer off) but not built yet."""
     from tensorscope.options import TraceOptions
-    from tensorscope.recording.session import Session
+    from tensorscope.recording.session import new_session
 
     x = torch.rand(8, 8) * 0.5
-    sess = Session(TraceOptions(leaks=False, nonfinite=False))
+    sess = new_session(TraceOptions(leaks=False, nonfinite=False, engine=engine))
     sess.start()
     try:
         z = x
@@ -42,37 +46,56 @@ def record(n_ops):
             z = z.relu_()
     finally:
         sess._restore()
+    sess.engine.finish(sess)   # the native engine hands its packed chunks over (part of the timed build below)
     sess.rec.end_chunk()
     return sess
 
 
-def build_cost(n_ops, reps):
+def _warm(engine):
+    """One tiny trace first: one-time imports and pyarrow's lazy initialisation are the fixed
+    cost (measured by overhead.py), not the per-op cost measured here."""
+    with tensorscope.trace(engine=engine, leaks=False):
+        torch.ones(2) + 1
+
+
+def build_cost(n_ops, reps, engine="python"):
     from tensorscope.recording import build
 
+    _warm(engine)
     t0 = time.perf_counter()
-    sess = record(n_ops)
+    sess = record(n_ops, engine)
     rec_s = time.perf_counter() - t0
-    best = None
+    best = {}
     ops = None
     for _ in range(reps):
         gc.collect()
-        t0 = _clock()
+        t = [_clock()]
         ctx = build._Ctx(sess)
+        t.append(_clock())
         ops, _ = build._ops_table(sess, ctx)
-        dt = _clock() - t0
-        best = dt if best is None else min(best, dt)
+        t.append(_clock())
+        build._calls_table(sess, ctx)
+        t.append(_clock())
+        build._tensors_table(sess, ctx)
+        t.append(_clock())
+        for k, dt in zip(("context", "ops", "calls", "tensors"), np.diff(t)):
+            best[k] = dt if k not in best else min(best[k], dt)
     n = ops.num_rows
     gc.collect()
     t0 = _clock()
     trace = build.build_trace(sess)
     full = _clock() - t0
     sess.rec.close()
-    res = {"n_ops": n, "record_s": rec_s, "ops_table_us_per_op": best / n / 1e3,
+    res = {"engine": sess.engine.name, "n_ops": n, "record_s": rec_s,
+           "ops_table_us_per_op": (best["context"] + best["ops"]) / n / 1e3,
+           "parts_us_per_op": {k: v / n / 1e3 for k, v in best.items()},
            "build_trace_us_per_op": full / n / 1e3, "ops_table_bytes_per_op": ops.nbytes / n,
            "string_columns": {f.name: str(f.type) for f in ops.schema
                               if "string" in str(f.type)}}
-    print(f"(a) {n} ops: ops table {best / 1e6:.0f} ms = {res['ops_table_us_per_op']:.3f} µs/op "
-          f"(best of {reps}); whole build_trace {full / 1e6:.0f} ms = {res['build_trace_us_per_op']:.3f} µs/op; "
+    print(f"(a) [{res['engine']}] {n} ops: ops table {(best['context'] + best['ops']) / 1e6:.0f} ms = "
+          f"{res['ops_table_us_per_op']:.3f} µs/op (best of {reps}; " +
+          ", ".join(f"{k} {v:.3f}" for k, v in res["parts_us_per_op"].items()) + " µs/op); "
+          f"whole build_trace {full / 1e6:.0f} ms = {res['build_trace_us_per_op']:.3f} µs/op; "
           f"ops table {res['ops_table_bytes_per_op']:.0f} B/op in memory")
     del trace
     return res
@@ -112,6 +135,7 @@ def main(argv=None):
     ap.add_argument("--ops", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--engines", default="native,python", help="engines to measure the build under")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -122,7 +146,9 @@ def main(argv=None):
     if a.rounds:
         out["per_op"] = per_op(a.rounds)
     if a.ops:
-        out["build"] = build_cost(a.ops, a.reps)
+        out["build"] = {}
+        for eng in a.engines.split(","):
+            out["build"][eng] = build_cost(a.ops, a.reps, eng)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -39,6 +39,8 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <deque>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -138,6 +140,88 @@ struct Row {
   int32_t call;
   int64_t seq_nr, start, dur;
 };
+
+// A full block of rows, packed column by column as recording/recorder.py's pack() does: the
+// column minus its minimum in the narrowest unsigned type that holds it (uint8/16/32), else the
+// raw int64 values with base 0. Ids, flags, call ids and times within a block mostly fit in
+// 1-4 bytes, so a packed row is ~20-30 bytes instead of sizeof(Row).
+constexpr size_t kBlockRows = 65536;   // default; start(..., block_rows) sets it (the chunk_rows option)
+// column order of a packed chunk (engines.py PACKED_COLUMNS: keep in sync)
+enum PackedColumn { PC_OP, PC_INS, PC_OUTS, PC_ALIAS, PC_MODULE, PC_CALL, PC_NODE, PC_SEQ_NR, PC_FLAGS, PC_START,
+                    PC_DUR, PC_STORAGES, PC_N };
+
+struct PackedCol {
+  int64_t base = 0;
+  int32_t width = 1;            // bytes per value: 1, 2, 4 (unsigned, minus base) or 8 (raw int64)
+  std::vector<uint8_t> bytes;
+};
+
+struct PackedChunk {
+  int64_t first_seq = 0;
+  int64_t rows = 0;
+  PackedCol cols[PC_N];
+  size_t nbytes() const {
+    size_t b = sizeof(PackedChunk);
+    for (const auto& c : cols) b += c.bytes.capacity();
+    return b;
+  }
+};
+
+template <typename Get>
+void pack_col(PackedCol& out, size_t n, Get&& get) {
+  out.bytes.clear();
+  if (n == 0) {
+    out.base = 0;
+    out.width = 1;
+    return;
+  }
+  int64_t lo = get(0), hi = lo;
+  for (size_t i = 1; i < n; ++i) {
+    int64_t v = get(i);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  uint64_t span = uint64_t(hi) - uint64_t(lo);
+  out.width = span <= 0xFFu ? 1 : span <= 0xFFFFu ? 2 : span <= 0xFFFFFFFFull ? 4 : 8;
+  out.base = out.width == 8 ? 0 : lo;
+  out.bytes.resize(n * size_t(out.width));
+  uint8_t* b = out.bytes.data();
+  switch (out.width) {
+    case 1:
+      for (size_t i = 0; i < n; ++i) b[i] = uint8_t(get(i) - lo);
+      break;
+    case 2:
+      for (size_t i = 0; i < n; ++i) reinterpret_cast<uint16_t*>(b)[i] = uint16_t(get(i) - lo);
+      break;
+    case 4:
+      for (size_t i = 0; i < n; ++i) reinterpret_cast<uint32_t*>(b)[i] = uint32_t(get(i) - lo);
+      break;
+    default:
+      for (size_t i = 0; i < n; ++i) reinterpret_cast<int64_t*>(b)[i] = get(i);
+  }
+}
+
+PackedChunk pack_block(const std::vector<Row>& rows, const std::vector<int32_t>& stor, int64_t first_seq) {
+  PackedChunk c;
+  c.first_seq = first_seq;
+  c.rows = int64_t(rows.size());
+  size_t n = rows.size();
+  const Row* r = rows.data();
+  pack_col(c.cols[PC_OP], n, [&](size_t i) { return int64_t(r[i].op); });
+  pack_col(c.cols[PC_INS], n, [&](size_t i) { return int64_t(r[i].ins); });
+  pack_col(c.cols[PC_OUTS], n, [&](size_t i) { return int64_t(r[i].outs); });
+  pack_col(c.cols[PC_ALIAS], n, [&](size_t i) { return int64_t(r[i].alias); });
+  pack_col(c.cols[PC_MODULE], n, [&](size_t i) { return int64_t(r[i].module); });
+  pack_col(c.cols[PC_CALL], n, [&](size_t i) { return int64_t(r[i].call); });
+  pack_col(c.cols[PC_NODE], n, [&](size_t i) { return int64_t(r[i].node); });
+  pack_col(c.cols[PC_SEQ_NR], n, [&](size_t i) { return r[i].seq_nr; });
+  pack_col(c.cols[PC_FLAGS], n, [&](size_t i) { return int64_t(r[i].flags); });
+  pack_col(c.cols[PC_START], n, [&](size_t i) { return r[i].start; });
+  pack_col(c.cols[PC_DUR], n, [&](size_t i) { return r[i].dur; });
+  const int32_t* sp = stor.data();
+  pack_col(c.cols[PC_STORAGES], stor.size(), [&](size_t i) { return int64_t(sp[i]); });
+  return c;
+}
 
 struct StorageRec {
   c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
@@ -251,14 +335,29 @@ struct Engine {
   std::unordered_map<std::string, int32_t> node_ids;
   std::vector<std::string> node_names;
 
-  std::vector<std::vector<Row>> blocks;
-  std::vector<std::vector<int32_t>> stor_blocks;
+  std::vector<Row> block;                 // the live block (kBlockRows at most)
+  std::vector<int32_t> block_stor;        // its storage ids: per row n_in then n_out
+  int64_t block_first = 0;                // seq of its first row
+  size_t block_rows = kBlockRows;         // rows per block
+  std::vector<PackedChunk> chunks;        // full blocks, packed, not yet taken
+  int64_t chunk_bytes = 0;                // their size
+  int64_t chunk_rows = 0;                 // their rows
+  // spilling: past spill_rows rows in chunks, on_full() is called on the tracing thread (with the
+  // GIL, RecordFunction off) to take them (engines.py writes them out like the python recorder)
+  int64_t spill_rows = INT64_MAX;
+  PyObject* on_full = nullptr;            // owned
+  bool handover_due = false;
+  int64_t on_full_errors = 0;
+  // what take_dicts() handed over already
+  size_t ops_taken = 0, metas_taken = 0, tuples_taken = 0, aliases_taken = 0, args_taken = 0, nodes_taken = 0,
+         row_args_taken = 0, nonfinite_taken = 0;
   int64_t n_rows = 0;   // rows committed (= next seq)
   int64_t last_error_seq = -1;
+  int32_t last_error_op = -1;
   int64_t other_thread_rows = 0;
 
   std::unordered_map<uintptr_t, int32_t> by_ptr;
-  std::vector<StorageRec> storages;
+  std::deque<StorageRec> storages;   // grows in fixed blocks: no 2x slack, no copy when it grows
   std::vector<int32_t> young;    // live storages first seen as outputs
   std::vector<int32_t> old;      // live storages first seen as inputs
   size_t young_rr = 0, old_rr = 0;
@@ -282,9 +381,18 @@ struct Engine {
     row_args.clear();
     node_ids.clear();
     node_names.clear();
-    blocks.clear();
-    stor_blocks.clear();
+    block = std::vector<Row>();
+    block_stor = std::vector<int32_t>();
+    block_first = 0;
+    chunks.clear();
+    chunk_bytes = 0;
+    chunk_rows = 0;
+    handover_due = false;
+    on_full_errors = 0;
+    ops_taken = metas_taken = tuples_taken = aliases_taken = args_taken = nodes_taken = row_args_taken = 0;
+    nonfinite_taken = 0;
     n_rows = 0;
+    last_error_op = -1;
     last_error_seq = -1;
     other_thread_rows = 0;
     by_ptr.clear();
@@ -862,6 +970,18 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   return nullptr;
 }
 
+// under g.mu: the live block becomes a packed chunk
+void seal_block() {
+  if (g.block.empty()) return;
+  g.chunks.push_back(pack_block(g.block, g.block_stor, g.block_first));
+  g.chunk_bytes += int64_t(g.chunks.back().nbytes());
+  g.chunk_rows += int64_t(g.block.size());
+  if (g.on_full != nullptr && g.chunk_rows > g.spill_rows) g.handover_due = true;
+  g.block_first += int64_t(g.block.size());
+  g.block.clear();
+  g.block_stor.clear();
+}
+
 void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_end) {
   // under g.mu
   Row& r = p.row;
@@ -871,6 +991,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   if (std::uncaught_exceptions() > p.uncaught) {
     r.flags |= int32_t(F_THREW);
     g.last_error_seq = seq;
+    g.last_error_op = r.op;
   }
   // forward: the op claims the newest autograd node when the sequence counter advanced since this
   // thread's previous row (the python engine's rule: a node created between two ops, by a custom
@@ -888,13 +1009,12 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
     sweep_list(g.young, g.young_rr, 32, seq - 1);
     sweep_list(g.old, g.old_rr, 4, seq - 1);
   }
-  if (g.blocks.empty() || g.blocks.back().size() == g.blocks.back().capacity()) {
-    g.blocks.emplace_back();
-    g.blocks.back().reserve(16384);
-    g.stor_blocks.emplace_back();
-    g.stor_blocks.back().reserve(16384 * 3);
+  if (g.block.size() >= g.block_rows) seal_block();
+  if (g.block.capacity() == 0) {
+    g.block.reserve(g.block_rows);
+    g.block_stor.reserve(g.block_rows * 3);
   }
-  auto& stor = g.stor_blocks.back();
+  auto& stor = g.block_stor;
   int32_t n_stor = 0;
   if (!p.in_impls.empty()) {
     for (size_t i = 0; i < p.in_sids.size(); ++i) {
@@ -999,7 +1119,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
     g.nonfinite.push_back({seq, {count, inputs_bad ? 0 : 1}});
   }
   if (r.flags & F_OTHER_THREAD) g.other_thread_rows++;
-  g.blocks.back().push_back(r);
+  g.block.push_back(r);
   g.n_rows = seq + 1;
   // the row's warnings: they were recorded with seq -1 while it ran
   for (size_t i = g.warnings.size(); i-- > g.warnings_taken;) {
@@ -1052,6 +1172,44 @@ void call_hook(Pending& p, const at::RecordFunction& fn, int64_t seq) {
   PyGILState_Release(st);
 }
 
+// The packed chunks passed spill_rows: hand them to Python now (engines.py writes them to disk,
+// or as dataset parts). Only on the tracing thread, between two ops, after the row committed;
+// with RecordFunction off (nothing it runs is an op of the program, for us or a profiler) and the
+// thread's Python error state kept.
+void call_on_full() {
+  PyGILState_STATE st = PyGILState_Ensure();   // lock order everywhere: the GIL, then g.mu
+  PyObject* cb = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(g.mu);
+    if (g.handover_due && g.on_full != nullptr) {
+      cb = g.on_full;
+      Py_INCREF(cb);
+    }
+    g.handover_due = false;
+  }
+  if (cb != nullptr) {
+    at::RecordFunctionGuard off(false);
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyObject* r = PyObject_CallNoArgs(cb);
+    if (r == nullptr) {
+      // a Ctrl-C that landed in the hand-over belongs to the program: raised again at its next check
+      bool interrupt = PyErr_ExceptionMatches(PyExc_KeyboardInterrupt);
+      PyErr_Clear();
+      if (interrupt) {
+        PyErr_SetInterrupt();
+      } else {
+        g.on_full_errors++;
+      }
+    } else {
+      Py_DECREF(r);
+    }
+    PyErr_Restore(et, ev, etb);
+    Py_DECREF(cb);
+  }
+  PyGILState_Release(st);
+}
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
   int64_t t_end = now_ns();
   ThreadState* sp = tls;
@@ -1091,6 +1249,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
       seq = g.n_rows - 1;
     }
     if (p.py_inputs != nullptr) call_hook(p, fn, seq);
+    if (C10_UNLIKELY(g.handover_due) && !(p.row.flags & (F_THREW | F_OTHER_THREAD))) call_on_full();
   } catch (...) {
   }
 }
@@ -1104,7 +1263,11 @@ PyObject* py_start(PyObject*, PyObject* args) {
   PyObject* arg_ops = nullptr;
   PyObject* hook = Py_None;
   PyObject* hook_ns = Py_None;
-  if (!PyArg_ParseTuple(args, "Lppp|OOO", &t0, &screen, &storages, &warnings, &arg_ops, &hook, &hook_ns))
+  long long spill_rows = -1;
+  PyObject* on_full = Py_None;
+  long long block_rows = int64_t(kBlockRows);
+  if (!PyArg_ParseTuple(args, "Lppp|OOOLOL", &t0, &screen, &storages, &warnings, &arg_ops, &hook, &hook_ns,
+                        &spill_rows, &on_full, &block_rows))
     return nullptr;
   std::unordered_map<std::string, bool> hns;
   if (hook != Py_None && hook_ns != Py_None) {
@@ -1151,6 +1314,13 @@ PyObject* py_start(PyObject*, PyObject* args) {
       Py_INCREF(hook);
       g.hook = hook;
     }
+    Py_CLEAR(g.on_full);
+    g.spill_rows = spill_rows >= 0 ? int64_t(spill_rows) : INT64_MAX;
+    g.block_rows = size_t(block_rows < 1 ? 1 : block_rows > (1 << 24) ? (1 << 24) : block_rows);
+    if (on_full != Py_None) {
+      Py_INCREF(on_full);
+      g.on_full = on_full;
+    }
     g.cur_module = 0;
     g.cur_call = -1;
     g.paused.store(0);
@@ -1187,6 +1357,7 @@ PyObject* py_stop(PyObject*, PyObject*) {
     ThreadState& s = ts();
     // restore any handler a row left pushed (an op still running when the trace stops)
     Py_CLEAR(g.hook);
+    Py_CLEAR(g.on_full);
     for (size_t i = s.npending; i-- > 0;) {
       Py_CLEAR(s.pool[i]->py_inputs);
       if (s.pool[i]->handler_pushed) c10::WarningUtils::set_warning_handler(s.pool[i]->prev_handler);
@@ -1216,34 +1387,13 @@ PyObject* py_take_error_seq(PyObject*, PyObject*) {
   int64_t s = g.last_error_seq;
   g.last_error_seq = -1;
   if (s < 0) Py_RETURN_NONE;
-  const Row* r = nullptr;
-  int64_t base = 0;
-  for (auto& b : g.blocks) {
-    if (s < base + int64_t(b.size())) {
-      r = &b[size_t(s - base)];
-      break;
-    }
-    base += int64_t(b.size());
-  }
-  if (r == nullptr) Py_RETURN_NONE;
-  return Py_BuildValue("(Ls)", (long long)s, g.ops[size_t(r->op)]->name.c_str());
+  int32_t op = g.last_error_op;
+  if (op < 0 || size_t(op) >= g.ops.size()) Py_RETURN_NONE;
+  return Py_BuildValue("(Ls)", (long long)s, g.ops[size_t(op)]->name.c_str());
 }
 
 PyObject* bytes_of(const void* p, size_t n) {
   return PyBytes_FromStringAndSize(static_cast<const char*>(p), Py_ssize_t(n));
-}
-
-PyObject* str_list(const std::vector<std::string>& v) {
-  PyObject* l = PyList_New(Py_ssize_t(v.size()));
-  for (size_t i = 0; i < v.size(); ++i) {
-    PyList_SET_ITEM(l, Py_ssize_t(i), PyUnicode_DecodeUTF8(v[i].data(), Py_ssize_t(v[i].size()), "replace"));
-  }
-  return l;
-}
-
-PyObject* interner_out(const SeqInterner& in) {
-  return Py_BuildValue("(NN)", bytes_of(in.arena.data(), in.arena.size() * 8),
-                       bytes_of(in.offsets.data(), in.offsets.size() * 8));
 }
 
 // warnings recorded since the last call: [(seq, msg, file, line, function, deprecation)]
@@ -1281,23 +1431,106 @@ PyObject* py_warning_seen(PyObject*, PyObject* o) {
   Py_RETURN_FALSE;
 }
 
-// Everything recorded, as bytes columns (numpy views them without a per-row object).
+PyObject* interner_delta(const SeqInterner& in, size_t& taken) {
+  // the entries from `taken` on: (arena slice, offsets from that entry on, absolute)
+  size_t k = taken < in.size() ? taken : in.size();
+  int64_t a0 = in.offsets[k];
+  PyObject* r = Py_BuildValue("(NN)", bytes_of(in.arena.data() + a0, (in.arena.size() - size_t(a0)) * 8),
+                              bytes_of(in.offsets.data() + k, (in.offsets.size() - k) * 8));
+  taken = in.size();
+  return r;
+}
+
+template <typename T>
+PyObject* tail_list(const std::vector<T>& v, size_t& taken, std::string (*name)(const T&)) {
+  size_t k = taken < v.size() ? taken : v.size();
+  PyObject* l = PyList_New(Py_ssize_t(v.size() - k));
+  for (size_t i = k; i < v.size(); ++i) {
+    std::string s = name(v[i]);
+    PyList_SET_ITEM(l, Py_ssize_t(i - k), PyUnicode_DecodeUTF8(s.data(), Py_ssize_t(s.size()), "replace"));
+  }
+  taken = v.size();
+  return l;
+}
+
+std::string op_name(OpFacts* const& f) { return f->name; }
+std::string node_name(const std::string& n) { return n; }
+
+// under g.mu: what was interned since the last call (chunks refer to ids that exist when they were
+// sealed, so take the chunks first, then the dictionaries)
+PyObject* dicts_delta() {
+  PyObject* d = PyDict_New();
+  auto put = [&](const char* k, PyObject* v) {
+    PyDict_SetItemString(d, k, v);
+    Py_DECREF(v);
+  };
+  put("ops", tail_list(g.ops, g.ops_taken, &op_name));
+  put("metas", interner_delta(g.metas, g.metas_taken));
+  put("tuples", interner_delta(g.tuples, g.tuples_taken));
+  put("aliases", interner_delta(g.aliases, g.aliases_taken));
+  put("args", interner_delta(g.args, g.args_taken));
+  put("nodes", tail_list(g.node_names, g.nodes_taken, &node_name));
+  size_t k = g.row_args_taken;
+  put("row_args", bytes_of(g.row_args.data() + k, (g.row_args.size() - k) * 8));
+  g.row_args_taken = g.row_args.size();
+  std::vector<int64_t> nf;   // (seq, count, produced) of the screen's findings since the last call
+  for (size_t i = g.nonfinite_taken; i < g.nonfinite.size(); ++i) {
+    const auto& e = g.nonfinite[i];
+    nf.push_back(e.first);
+    nf.push_back(e.second.first);
+    nf.push_back(e.second.second);
+  }
+  g.nonfinite_taken = g.nonfinite.size();
+  put("nonfinite", bytes_of(nf.data(), nf.size() * 8));
+  return d;
+}
+
+// under g.mu: the packed chunks, moved out of the engine
+PyObject* chunks_out() {
+  PyObject* l = PyList_New(Py_ssize_t(g.chunks.size()));
+  for (size_t i = 0; i < g.chunks.size(); ++i) {
+    PackedChunk& c = g.chunks[i];
+    PyObject* cols = PyTuple_New(PC_N);
+    for (int k = 0; k < PC_N; ++k) {
+      PackedCol& pc = c.cols[k];
+      PyTuple_SET_ITEM(cols, k, Py_BuildValue("(LiN)", (long long)pc.base, int(pc.width),
+                                              bytes_of(pc.bytes.data(), pc.bytes.size())));
+      std::vector<uint8_t>().swap(pc.bytes);   // freed as soon as copied: no doubled peak
+    }
+    PyList_SET_ITEM(l, Py_ssize_t(i), Py_BuildValue("(LLN)", (long long)c.first_seq, (long long)c.rows, cols));
+  }
+  g.chunks.clear();
+  g.chunk_bytes = 0;
+  g.chunk_rows = 0;
+  return l;
+}
+
+// take_chunks(final): (chunks, dictionaries delta); final also packs the live block
+PyObject* py_take_chunks(PyObject*, PyObject* final_o) {
+  std::lock_guard<std::mutex> lk(g.mu);
+  if (PyObject_IsTrue(final_o)) seal_block();
+  PyObject* ch = chunks_out();
+  return Py_BuildValue("(NN)", ch, dicts_delta());
+}
+
+PyObject* py_resident(PyObject*, PyObject*) {
+  // bytes the engine holds for the ops rows (packed chunks + the live block) and for storages
+  std::lock_guard<std::mutex> lk(g.mu);
+  int64_t rows = g.chunk_bytes + int64_t(g.block.capacity() * sizeof(Row) + g.block_stor.capacity() * 4);
+  int64_t st = int64_t(g.storages.size() * sizeof(StorageRec));
+  int64_t interned = int64_t((g.metas.arena.capacity() + g.tuples.arena.capacity() + g.aliases.arena.capacity()) * 8);
+  return Py_BuildValue("{s:L,s:L,s:L,s:L}", "rows", (long long)rows, "storages", (long long)st, "interned",
+                       (long long)interned, "n_rows", (long long)g.n_rows);
+}
+
+// The rest of what was recorded (storages, screen, counters), once at the end; the rows and
+// dictionaries come through take_chunks(True) before.
 PyObject* py_take(PyObject*, PyObject*) {
   std::lock_guard<std::mutex> lk(g.mu);
   // final sweep: every storage freed by now
   int64_t last = g.n_rows - 1;
   sweep_list(g.young, g.young_rr, size_t(-1) / 2, last);
   sweep_list(g.old, g.old_rr, size_t(-1) / 2, last);
-  size_t n = size_t(g.n_rows);
-  std::vector<Row> rows;
-  rows.reserve(n);
-  std::vector<int32_t> stor;
-  for (size_t b = 0; b < g.blocks.size(); ++b) {
-    rows.insert(rows.end(), g.blocks[b].begin(), g.blocks[b].end());
-    stor.insert(stor.end(), g.stor_blocks[b].begin(), g.stor_blocks[b].end());
-  }
-  std::vector<std::string> names;
-  for (auto* f : g.ops) names.push_back(f->name);
   size_t ns = g.storages.size();
   std::vector<int64_t> st(ns * 7);
   for (size_t i = 0; i < ns; ++i) {
@@ -1311,37 +1544,134 @@ PyObject* py_take(PyObject*, PyObject*) {
     o[5] = r.call;
     o[6] = int64_t(r.ptr);
   }
-  std::vector<int64_t> nf;
-  for (auto& e : g.nonfinite) {
-    nf.push_back(e.first);
-    nf.push_back(e.second.first);
-    nf.push_back(e.second.second);
-  }
   PyObject* d = PyDict_New();
   auto put = [&](const char* k, PyObject* v) {
     PyDict_SetItemString(d, k, v);
     Py_DECREF(v);
   };
-  put("rows", bytes_of(rows.data(), rows.size() * sizeof(Row)));
-  put("row_size", PyLong_FromSize_t(sizeof(Row)));
-  put("storages", bytes_of(stor.data(), stor.size() * 4));
-  put("ops", str_list(names));
-  put("metas", interner_out(g.metas));
-  put("meta_nbytes", bytes_of(g.meta_nbytes.data(), g.meta_nbytes.size() * 8));
-  put("tuples", interner_out(g.tuples));
-  put("aliases", interner_out(g.aliases));
-  put("args", interner_out(g.args));
-  put("row_args", bytes_of(g.row_args.data(), g.row_args.size() * 8));
-  put("nodes", str_list(g.node_names));
   put("tensors", bytes_of(st.data(), st.size() * 8));
-  put("nonfinite", bytes_of(nf.data(), nf.size() * 8));
   put("other_thread_rows", PyLong_FromLongLong(g.other_thread_rows));
   put("hook_errors", PyLong_FromLongLong(g.hook_errors));
+  put("on_full_errors", PyLong_FromLongLong(g.on_full_errors));
+  put("n_rows", PyLong_FromLongLong(g.n_rows));
   PyObject* screen = Py_BuildValue("{s:L,s:L,s:L,s:L}", "screened", (long long)g.n_screened, "fired",
                                    (long long)g.n_fired, "pre_screened", (long long)g.n_pre, "device_unscreened",
                                    (long long)g.n_unscreened_device);
   put("screen", screen);
   return d;
+}
+
+// ---------------------------------------------------------------------------
+// Table building (recording/build.py): list columns as Arrow offsets + values
+// ---------------------------------------------------------------------------
+// gather(ids, starts, lens, flat, itemsize) -> (offsets, values)
+//   Row i's list is flat[starts[k] : starts[k] + lens[k]] (items of `itemsize` bytes) with
+//   k = ids[i] (int32 or int64 ids), or k = i when ids is None. `offsets` is the int32 Arrow
+//   offsets buffer (rows + 1 entries), `values` the concatenated items: one pass, one copy,
+//   no per-row Python object. Raises OverflowError past 2**31 items (int32 offsets) and
+//   IndexError for an id outside starts/lens or a segment outside flat.
+struct BufView {
+  Py_buffer b{};
+  bool ok = false;
+  ~BufView() {
+    if (ok) PyBuffer_Release(&b);
+  }
+  bool get(PyObject* o) {
+    if (PyObject_GetBuffer(o, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) return false;
+    ok = true;
+    return true;
+  }
+};
+
+template <typename T, typename K>
+inline void copy_segments(T* dst, const T* src, const int64_t* st, const int32_t* o, int64_t n, K&& key) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* s = src + st[key(i)];
+    T* d = dst + o[i];
+    switch (o[i + 1] - o[i]) {   // most lists hold a few items: no loop for them
+      case 4: d[3] = s[3]; [[fallthrough]];
+      case 3: d[2] = s[2]; [[fallthrough]];
+      case 2: d[1] = s[1]; [[fallthrough]];
+      case 1: d[0] = s[0]; [[fallthrough]];
+      case 0: break;
+      default: std::memcpy(d, s, size_t(o[i + 1] - o[i]) * sizeof(T));
+    }
+  }
+}
+
+PyObject* py_gather(PyObject*, PyObject* args) {
+  PyObject *ids_o, *starts_o, *lens_o, *flat_o;
+  Py_ssize_t itemsize;
+  if (!PyArg_ParseTuple(args, "OOOOn", &ids_o, &starts_o, &lens_o, &flat_o, &itemsize)) return nullptr;
+  BufView ids, starts, lens, flat;
+  bool has_ids = ids_o != Py_None;
+  if ((has_ids && !ids.get(ids_o)) || !starts.get(starts_o) || !lens.get(lens_o) || !flat.get(flat_o))
+    return nullptr;
+  if (starts.b.itemsize != 8 || lens.b.itemsize != 8 || starts.b.len != lens.b.len ||
+      (has_ids && ids.b.itemsize != 4 && ids.b.itemsize != 8) || itemsize <= 0 || flat.b.len % itemsize != 0) {
+    PyErr_SetString(PyExc_ValueError, "gather: starts/lens must be int64 of one length, ids int32/int64");
+    return nullptr;
+  }
+  const int64_t* st = static_cast<const int64_t*>(starts.b.buf);
+  const int64_t* ln = static_cast<const int64_t*>(lens.b.buf);
+  const int64_t k_max = starts.b.len / 8;
+  const int64_t n = has_ids ? ids.b.len / ids.b.itemsize : k_max;
+  const int64_t n_flat = flat.b.len / itemsize;
+  const bool ids32 = has_ids && ids.b.itemsize == 4;
+  auto key = [&](int64_t i) -> int64_t {
+    if (!has_ids) return i;
+    return ids32 ? int64_t(static_cast<const int32_t*>(ids.b.buf)[i]) : static_cast<const int64_t*>(ids.b.buf)[i];
+  };
+  for (int64_t k = 0; k < k_max; ++k) {   // every segment once (few: interned values), not per row
+    if (ln[k] < 0 || st[k] < 0 || st[k] + ln[k] > n_flat) {
+      PyErr_Format(PyExc_IndexError, "gather: segment %lld lies outside the values", (long long)k);
+      return nullptr;
+    }
+  }
+  PyObject* off = PyBytes_FromStringAndSize(nullptr, Py_ssize_t((n + 1) * 4));
+  if (off == nullptr) return nullptr;
+  int32_t* o = reinterpret_cast<int32_t*>(PyBytes_AS_STRING(off));
+  int64_t total = 0;
+  o[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t k = key(i);
+    if (C10_UNLIKELY(uint64_t(k) >= uint64_t(k_max))) {
+      Py_DECREF(off);
+      PyErr_Format(PyExc_IndexError, "gather: row %lld refers to segment %lld of %lld", (long long)i, (long long)k,
+                   (long long)k_max);
+      return nullptr;
+    }
+    total += ln[k];
+    if (C10_UNLIKELY(total > INT32_MAX)) {
+      Py_DECREF(off);
+      PyErr_SetString(PyExc_OverflowError, "gather: more than 2**31 list items in one column chunk");
+      return nullptr;
+    }
+    o[i + 1] = int32_t(total);
+  }
+  PyObject* vals = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(total * itemsize));
+  if (vals == nullptr) {
+    Py_DECREF(off);
+    return nullptr;
+  }
+  char* v = PyBytes_AS_STRING(vals);
+  const char* f = static_cast<const char*>(flat.b.buf);
+  Py_BEGIN_ALLOW_THREADS
+  if (itemsize == 8) {
+    copy_segments(reinterpret_cast<int64_t*>(v), reinterpret_cast<const int64_t*>(f), st, o, n, key);
+  } else if (itemsize == 4) {
+    copy_segments(reinterpret_cast<int32_t*>(v), reinterpret_cast<const int32_t*>(f), st, o, n, key);
+  } else if (itemsize == 1) {
+    copy_segments(reinterpret_cast<int8_t*>(v), reinterpret_cast<const int8_t*>(f), st, o, n, key);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      size_t nb = size_t(o[i + 1] - o[i]) * size_t(itemsize);
+      std::memcpy(v, f + st[key(i)] * itemsize, nb);
+      v += nb;
+    }
+  }
+  Py_END_ALLOW_THREADS
+  return Py_BuildValue("(NN)", off, vals);
 }
 
 // (storage id, torch.UntypedStorage) of the storages the trace created that are alive now
@@ -1422,12 +1752,15 @@ PyMethodDef methods[] = {
     {"take_warnings", py_take_warnings, METH_NOARGS, "warnings recorded since the last call"},
     {"warning_seen", py_warning_seen, METH_O, "whether an op recorded this warning message"},
     {"warnings_pending", py_warnings_pending, METH_NOARGS, "whether take_warnings() has something"},
-    {"take", py_take, METH_NOARGS, "every column, as bytes"},
+    {"take", py_take, METH_NOARGS, "storages, screen and counters, as bytes (after take_chunks(True))"},
+    {"take_chunks", py_take_chunks, METH_O, "take_chunks(final) -> (packed row chunks, dictionaries added since)"},
+    {"resident", py_resident, METH_NOARGS, "bytes held for rows, storages and interned values"},
     {"live_created", py_live_created, METH_NOARGS, "live storages the trace created"},
     {"release", py_release, METH_NOARGS, "free the buffers"},
     {"active", py_active, METH_NOARGS, "whether recording"},
     {"pause", py_pause, METH_O, "pause(True)/pause(False): hide the ops run in between (torch.compile compiling)"},
     {"unobserved", py_unobserved, METH_O, "call f() with RecordFunction off on this thread"},
+    {"gather", py_gather, METH_VARARGS, "gather(ids|None, starts, lens, flat, itemsize) -> (int32 offsets, values)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "tensorscope_engine", "tensorscope native recording engine", -1,
@@ -1443,5 +1776,7 @@ PyMODINIT_FUNC PyInit_tensorscope_engine() {
   PyModule_AddIntConstant(m, "F_OTHER_THREAD", F_OTHER_THREAD);
   PyModule_AddIntConstant(m, "ROW_SIZE", sizeof(Row));
   PyModule_AddObject(m, "fmode_state", PyCapsule_New(&fmode_shared, "tensorscope_engine.fmode_state", nullptr));  // fnmode
+  PyModule_AddIntConstant(m, "BLOCK_ROWS", kBlockRows);
+  PyModule_AddIntConstant(m, "PACKED_COLUMNS", PC_N);
   return m;
 }

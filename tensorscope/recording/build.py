@@ -8,7 +8,9 @@ backward ops (likewise), ``fwd_seq``, ``hidden_copy``. String columns are
 dictionary-encoded (schema 1.2): each interned table (op names, metas' dtypes,
 devices and formats, modules, node names, files) becomes one small Arrow
 dictionary once, and a column is its integer codes gathered by numpy, so no
-per-row Python object and no string copy is made. Spilled traces are
+per-row Python object and no string copy is made. List columns are Arrow
+offsets + values built by ``gather`` (one C pass when the native engine is
+loaded), once per chunk, from the interned segments. Spilled traces are
 decoded chunk by chunk into a memory-mapped Arrow IPC file, so building never
 needs the whole decoded table in RAM.
 """
@@ -22,7 +24,6 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import COPYING_OPS, INEXACT_DTYPES, NOISE_OPS, ipython_shell
@@ -61,7 +62,7 @@ class _Dict:
         null = c < 0
         if null_mask is not None:
             null |= null_mask
-        indices = pa.array(c, pa.int32(), mask=null) if null.any() else pa.array(c, pa.int32())
+        indices = _nullable(c, null, pa.int32())
         # codes index the dictionary by construction: skip the O(n) bounds validation
         return pa.DictionaryArray.from_arrays(indices, self.dictionary, safe=False)
 
@@ -106,6 +107,52 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
     return off
 
 
+def _native_gather():
+    """engine.cpp's ``gather`` when the native engine is loaded in this process (never compiles
+    or loads it: a python-engine trace in a process without it uses numpy)."""
+    try:
+        from ..native import forced_fallback, loaded_engine
+
+        if forced_fallback():
+            return None
+        return getattr(loaded_engine(), "gather", None)
+    except Exception:
+        return None
+
+
+def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat: np.ndarray):
+    """List rows as Arrow buffers: ``(offsets, values)`` where row ``i`` is
+    ``flat[starts[k]:starts[k] + lens[k]]`` with ``k = ids[i]`` (``k = i`` when ``ids`` is None).
+
+    ``offsets`` is int32 (``rows + 1`` entries), ``values`` has ``flat``'s dtype. One pass in C
+    when the native engine is loaded (engine.cpp ``gather``), else numpy segment gathers; both
+    give the same arrays (tests/test_tables_build.py).
+    """
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    lens = np.ascontiguousarray(lens, dtype=np.int64)
+    flat = np.ascontiguousarray(flat)
+    if ids is not None and ids.dtype not in (np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    native = _native_gather()
+    if native is not None:
+        off, vals = native(None if ids is None else np.ascontiguousarray(ids), starts, lens, flat, flat.itemsize)
+        return np.frombuffer(off, dtype=np.int32), np.frombuffer(vals, dtype=flat.dtype)
+    if ids is not None:
+        starts, lens = starts[ids], lens[ids]
+    offsets = _offsets(lens)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise OverflowError("gather: more than 2**31 list items in one column chunk")
+    return offsets.astype(np.int32), flat[_segments(starts, lens, offsets)]
+
+
+def _list(offsets: np.ndarray, values) -> pa.ListArray:
+    """A ListArray over int32 ``offsets`` (as ``gather`` makes them: valid by construction)."""
+    if not isinstance(values, pa.Array):
+        values = pa.array(values)
+    return pa.Array.from_buffers(pa.list_(values.type), len(offsets) - 1, [None, pa.py_buffer(offsets)],
+                                 children=[values])
+
+
 def _tuple_dicts(rec):
     """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays.
 
@@ -138,25 +185,16 @@ def _tuple_dicts(rec):
 
 def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
     """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
-    returns the rows' offsets (tensors per row, cumulated) as numpy and as an Arrow array."""
-    n1 = t["tup_len"][tuple_ids]
-    offsets = _offsets(n1)
-    off1 = pa.array(offsets, pa.int32())
-    metas = t["tup_flat"][_segments(t["tup_start"][tuple_ids], n1, offsets)]
-    pos = off2 = None
+    returns the rows' offsets (tensors per row, cumulated) as numpy."""
+    off1, metas = gather(tuple_ids, t["tup_start"], t["tup_len"], t["tup_flat"])
     for key, name in (("shape", "shapes"), ("stride", "strides")):
         lens, starts, flat = t[key]
-        if pos is None or not t["same_layout"]:
-            n2 = lens[metas]
-            o2 = _offsets(n2)
-            off2 = pa.array(o2, pa.int32())
-            pos = _segments(starts[metas], n2, o2)
-        inner = pa.ListArray.from_arrays(off2, pa.array(flat[pos], pa.int64()))
-        cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, inner)
+        off2, vals = gather(metas, starts, lens, flat)
+        cols[f"{side}_{name}"] = _list(off1, _list(off2, pa.array(vals, pa.int64())))
     for name in ("dtypes", "devices", "formats"):
-        cols[f"{side}_{name}"] = pa.ListArray.from_arrays(off1, t[name].take(metas))
-    cols[f"{side}_ambiguous"] = pa.ListArray.from_arrays(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
-    return offsets, off1
+        cols[f"{side}_{name}"] = _list(off1, t[name].take(metas))
+    cols[f"{side}_ambiguous"] = _list(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
+    return off1
 
 
 def _matmul_flops(name: str, shapes) -> int:
@@ -172,19 +210,24 @@ def _matmul_flops(name: str, shapes) -> int:
     return -1
 
 
+_NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
+
+
 def _nullable(values: np.ndarray, null_mask: np.ndarray, typ=pa.int64()):
-    return pa.array(values, typ, mask=null_mask)
-
-
-def _take(dict_array, idx: np.ndarray, null_mask: Optional[np.ndarray] = None):
-    # int32 indices: ~40% faster takes than int64 (dictionaries are interned, far below 2**31)
-    idx = np.asarray(idx, dtype=np.int32)
-    indices = pa.array(idx, pa.int32(), mask=null_mask) if null_mask is not None else pa.array(idx, pa.int32())
-    return pc.take(dict_array, indices)
+    """``values`` as an Arrow array of ``typ``, null where ``null_mask``: the validity bitmap is
+    packed by numpy and the values buffer shared (``pa.array(mask=)`` converts row by row and
+    imports pandas on first use)."""
+    values = np.ascontiguousarray(values, dtype=_NP_OF[typ])
+    nulls = int(np.count_nonzero(null_mask))
+    if nulls == 0:
+        return pa.array(values, typ)
+    valid = np.packbits(~null_mask, bitorder="little")
+    data = np.packbits(values, bitorder="little") if typ == pa.bool_() else values
+    return pa.Array.from_buffers(typ, len(values), [pa.py_buffer(valid), pa.py_buffer(data)], null_count=nulls)
 
 
 class _ListDict:
-    """A list column's interned values as flat numpy segments: rows expand by segment gather.
+    """A list column's interned values as flat numpy segments: rows expand by ``gather``.
 
     Values are ints (``value_type``) or, with ``value_type=None``, strings kept as a ``_Dict``.
     """
@@ -195,19 +238,126 @@ class _ListDict:
         flat = [x for v in lists for x in v]
         if value_type is None:
             self.strings = _Dict(flat)   # flat position == id in the _Dict
+            self.pos = np.arange(len(flat), dtype=np.int64)
         else:
             self.strings = None
-            self.flat = np.array(flat, dtype=value_type.to_pandas_dtype())
+            self.flat = np.array(flat, dtype=_NUMPY_TYPES[value_type])
             self.value_type = value_type
 
     def take(self, idx: np.ndarray):
-        n = self.lens[idx]
-        o = _offsets(n)
-        pos = _segments(self.starts[idx], n, o)
-        off = pa.array(o, pa.int32())
         if self.strings is not None:
-            return pa.ListArray.from_arrays(off, self.strings.take(pos))
-        return pa.ListArray.from_arrays(off, pa.array(self.flat[pos], self.value_type))
+            off, pos = gather(idx, self.starts, self.lens, self.pos)
+            return _list(off, self.strings.take(pos))
+        off, vals = gather(idx, self.starts, self.lens, self.flat)
+        return _list(off, pa.array(vals, self.value_type))
+
+
+_NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
+
+
+class _CallColumns(dict):
+    """The calls rows as contiguous int64 columns, each read on first use: a frozen chunk's packed
+    column unpacked and concatenated with the live rows' (column-wise: stacking rows into one
+    matrix and slicing strided columns from it cost several times more). A decode needs two
+    columns (``src``, ``func``); only the calls table reads them all."""
+
+    def __init__(self, rec):
+        super().__init__()
+        self._calls = rec.calls
+
+    def __missing__(self, name):
+        c = self._calls
+        live = c.matrix()[:, c.fields.index(name)]
+        packed = [ch[name] for ch in c.frozen]
+        col = np.empty(sum(len(a) for _, a in packed) + len(live), dtype=np.int64)
+        pos = 0
+        for base, a in packed:   # widen each packed chunk straight into place: no temporaries
+            part = col[pos:pos + len(a)]
+            part[:] = a
+            if base:
+                part += base
+            pos += len(a)
+        col[pos:] = live
+        self[name] = col
+        return col
+
+
+class _Links:
+    """Backward rows to forward rows, built incrementally as chunks are decoded in order.
+
+    A backward row (``node != 0``) whose autograd sequence number was claimed by a forward row
+    links to the first such row (``fwd_seq``) and inherits its module and call (its source
+    line). The index holds one entry per forward row with a sequence number: sorted keys and
+    the first row's seq, module and call, in arrays that grow by doubling (sequence numbers
+    mostly increase, so a chunk's new keys append). Kept on the recorder: ``dataset=`` decodes
+    spilled chunks while the trace runs and the final build decodes them again, and neither
+    re-reads the whole trace for it (the old global pass did, per spill).
+    """
+
+    def __init__(self):
+        self.n_seen = 0          # rows of the trace added so far
+        self.size = 0
+        self.keys = np.zeros(1024, np.int64)
+        self.vals = np.zeros((1024, 3), np.int64)   # first seq, module, call
+
+    def extend(self, chunk, start: int):
+        n = len(chunk["op"])
+        if start + n <= self.n_seen:
+            return
+        lo = max(self.n_seen - start, 0)
+        seq_nr = np.asarray(chunk["seq_nr"][lo:], dtype=np.int64)
+        fwd = np.nonzero((np.asarray(chunk["node"][lo:]) == 0) & (seq_nr >= 0))[0]
+        self.n_seen = start + n
+        if not len(fwd):
+            return
+        keys, first = np.unique(seq_nr[fwd], return_index=True)
+        rows = fwd[first]
+        vals = np.stack([rows + start + lo, np.asarray(chunk["module"][lo:])[rows],
+                         np.asarray(chunk["call"][lo:])[rows]], axis=1)
+        if self.size:   # keep the first row of a key seen before
+            pos = np.minimum(np.searchsorted(self.keys[:self.size], keys), self.size - 1)
+            new = self.keys[:self.size][pos] != keys
+            keys, vals = keys[new], vals[new]
+            if not len(keys):
+                return
+        if self.size and keys[0] <= self.keys[self.size - 1]:   # rare: not increasing, merge
+            k = np.concatenate([self.keys[:self.size], keys])
+            v = np.concatenate([self.vals[:self.size], vals])
+            order = np.argsort(k, kind="stable")
+            self.keys, self.vals, self.size = k[order], v[order], len(k)
+            return
+        need = self.size + len(keys)
+        if need > len(self.keys):
+            cap = max(need, 2 * len(self.keys))
+            self.keys = np.resize(self.keys, cap)
+            self.vals = np.resize(self.vals, (cap, 3))
+        self.keys[self.size:need] = keys
+        self.vals[self.size:need] = vals
+        self.size = need
+
+    def resolve(self, chunk):
+        """(fwd_seq, module, call) of the chunk's rows: forward rows keep their own module/call."""
+        module = np.asarray(chunk["module"], dtype=np.int64).copy()
+        call = np.asarray(chunk["call"], dtype=np.int64).copy()
+        fwd_seq = np.full(len(module), -1, dtype=np.int64)
+        seq_nr = np.asarray(chunk["seq_nr"], dtype=np.int64)
+        bwd = np.nonzero((np.asarray(chunk["node"]) != 0) & (seq_nr >= 0))[0]
+        if len(bwd) and self.size:
+            keys = self.keys[:self.size]
+            pos = np.minimum(np.searchsorted(keys, seq_nr[bwd]), self.size - 1)
+            hit = keys[pos] == seq_nr[bwd]
+            rows, v = bwd[hit], self.vals[pos[hit]]
+            fwd_seq[rows] = v[:, 0]
+            module[rows] = v[:, 1]
+            call[rows] = v[:, 2]
+        return fwd_seq, module, call
+
+
+def _links(rec) -> _Links:
+    links = getattr(rec, "links", None)
+    if links is None:
+        links = rec.links = _Links()
+    return links
 
 
 class _Ctx:
@@ -224,14 +374,14 @@ class _Ctx:
         self.modules = _Dict(rec.modules.values)
         self.nodes = _Dict(rec.nodes.values)
         n_calls = rec.n_calls
-        self.call_matrix = rec.calls.full_matrix()
-        call_src = self.call_matrix[:, rec.calls.fields.index("src")].copy()
+        self.call_cols = _CallColumns(rec)
+        call_src = self.call_cols["src"]
         src_vals = rec.sources.values
         self.src_files = _Dict([None if v is None else v[0] for v in src_vals])
         self.src_lines = np.array([-1 if v is None or v[1] is None else v[1] for v in src_vals] or [-1], dtype=np.int64)
         self.call_src = call_src
         func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
-        call_func = self.call_matrix[:n_calls, rec.calls.fields.index("func")]
+        call_func = self.call_cols["func"][:n_calls]
         func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
         self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
         short = self.ops["short"]
@@ -239,46 +389,28 @@ class _Ctx:
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
         self.cell = sess.cell
         screen = sess.screen
+        if screen is True:   # the native engine screens; its counters replace this at finish
+            from .engines import NativeScreen
+
+            screen = NativeScreen({})
         self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
                                      for f in rec.funcs.values] or [False], dtype=bool)
-        self._global_pass(rec)
+        self._g = None
+        self._null_cache: Dict[Any, pa.Array] = {}
+        self.links = _links(rec)
 
-    def _global_pass(self, rec):
-        # seq_nr, node, module, call, op for every row: links backward ops to forward ones
-        parts = {k: [] for k in ("seq_nr", "node", "module", "call", "op")}
-        for chunk in rec.iter_op_chunks(columns=parts):
-            for k in parts:
-                parts[k].append(chunk[k])
-        g = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in parts.items()}
-        self.g = g
-        n = len(g["op"])
-        self.n = n
-        fwd = (g["node"] == 0) & (g["seq_nr"] >= 0)
-        fwd_idx = np.nonzero(fwd)[0]
-        keys, first = np.unique(g["seq_nr"][fwd_idx], return_index=True)
-        first_seq = fwd_idx[first]
-        fwd_seq = np.full(n, -1, dtype=np.int64)
-        bwd = (g["node"] != 0) & (g["seq_nr"] >= 0)
-        bwd_idx = np.nonzero(bwd)[0]
-        if len(bwd_idx) and len(keys):
-            pos = np.searchsorted(keys, g["seq_nr"][bwd_idx])
-            pos_c = np.minimum(pos, len(keys) - 1)
-            hit = keys[pos_c] == g["seq_nr"][bwd_idx]
-            fwd_seq[bwd_idx[hit]] = first_seq[pos_c[hit]]
-        self.fwd_seq = fwd_seq
-        # effective module / call (for the source line): a backward op inherits its forward op's
-        has = fwd_seq >= 0
-        eff_module = g["module"].astype(np.int64)   # a copy: rows are overwritten below
-        eff_call = g["call"].astype(np.int64)
-        eff_module[has] = g["module"][fwd_seq[has]]
-        eff_call[has] = g["call"][fwd_seq[has]]
-        self.eff_module = eff_module
-        self.eff_call = eff_call
+    @property
+    def g(self):
+        """Whole-trace columns some tables index by seq (``op``: a tensor's allocating op, a
+        warning's op), read once, only the columns needed, on first use."""
+        if self._g is None:
+            ops = [np.asarray(c["op"], dtype=np.int32) for c in self.sess.rec.iter_op_chunks(columns=("op",))]
+            self._g = {"op": np.concatenate(ops) if ops else np.zeros(0, np.int32)}
+        return self._g
 
     def decode(self, chunk, start: int) -> pa.RecordBatch:
         rec = self.sess.rec
         n = len(chunk["op"])
-        sl = slice(start, start + n)
         seq = np.arange(start, start + n, dtype=np.int64)
         op = np.asarray(chunk["op"], dtype=np.int64)   # already int64 once unpacked: no copy
         ins = np.asarray(chunk["ins"], dtype=np.int64)
@@ -286,8 +418,8 @@ class _Ctx:
         alias = np.asarray(chunk["alias"], dtype=np.int64)
         flags = chunk["flags"]
         node = np.asarray(chunk["node"], dtype=np.int64)
-        module = self.eff_module[sl]
-        call = self.eff_call[sl]
+        self.links.extend(chunk, start)
+        fs, module, call = self.links.resolve(chunk)
         call_null = call < 0
         src_idx = np.zeros(n, dtype=np.int64)
         if len(self.call_src):
@@ -295,7 +427,7 @@ class _Ctx:
         t = self.tup
         cols: Dict[str, Any] = {}
         cols["seq"] = pa.array(seq)
-        cols["cell"] = pa.nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
+        cols["cell"] = self._nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
         for k in ("op", "namespace", "overload"):
             cols[k] = self.ops[k].take(op)
         cols["tags"] = self.tags.take(op)
@@ -305,25 +437,23 @@ class _Ctx:
         cols["autograd_node"] = self.nodes.take(node)
         seq_nr = chunk["seq_nr"]
         cols["seq_nr"] = _nullable(seq_nr, seq_nr < 0)
-        fs = self.fwd_seq[sl]
         cols["fwd_seq"] = _nullable(fs, fs < 0)
         cols["call_id"] = _nullable(chunk["call"], chunk["call"] < 0)
         cols["module"] = self.modules.take(module)
         cols["source_file"] = self.src_files.take(src_idx)
         cols["source_line"] = self._lines(src_idx)
-        in_off, in_off_pa = _list_columns(t, ins, "in", cols)
-        out_off, out_off_pa = _list_columns(t, outs, "out", cols)
+        in_off = _list_columns(t, ins, "in", cols).astype(np.int64)
+        out_off = _list_columns(t, outs, "out", cols).astype(np.int64)
         # storages: per row n_in then n_out ids, row after row (row i starts at in_off[i] + out_off[i])
         stor = chunk["storages"]
-        n_in = np.diff(in_off)
-        n_out = np.diff(out_off)
-        in_pos = np.repeat(out_off[:-1], n_in) + np.arange(in_off[-1])
-        out_pos = np.repeat(in_off[1:], n_out) + np.arange(out_off[-1])
         total = in_off[-1] + out_off[-1]
         if len(stor) < total:  # defensive: a truncated chunk never misaligns rows
-            stor = np.concatenate([stor, np.full(total - len(stor), -1, np.int64)])
-        cols["in_storages"] = pa.ListArray.from_arrays(in_off_pa, pa.array(stor[in_pos], pa.int64()))
-        cols["out_storages"] = pa.ListArray.from_arrays(out_off_pa, pa.array(stor[out_pos], pa.int64()))
+            stor = np.concatenate([stor, np.full(total - len(stor), -1, stor.dtype)])
+        row_start = in_off[:-1] + out_off[:-1]
+        for key, starts, lens in (("in_storages", row_start, np.diff(in_off)),
+                                  ("out_storages", row_start + np.diff(in_off), np.diff(out_off))):
+            off, vals = gather(None, starts, lens, stor)
+            cols[key] = _list(off, pa.array(vals, pa.int64()))
         cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
         cols["is_view"] = pa.array(is_view)
@@ -351,10 +481,10 @@ class _Ctx:
                     prod[s - start] = bool(produced)
                     prod_null[s - start] = False
             cols["nonfinite"] = _nullable(nf.astype(np.int64), nf < 0)
-            cols["nonfinite_produced"] = pa.array(prod, pa.bool_(), mask=prod_null)
+            cols["nonfinite_produced"] = _nullable(prod, prod_null, pa.bool_())
         else:
-            cols["nonfinite"] = pa.nulls(n, pa.int64())
-            cols["nonfinite_produced"] = pa.nulls(n, pa.bool_())
+            cols["nonfinite"] = self._nulls(n, pa.int64())
+            cols["nonfinite_produced"] = self._nulls(n, pa.bool_())
         if rec.numerics:
             rel = np.full(n, np.nan)
             mx = np.full(n, np.nan)
@@ -362,12 +492,12 @@ class _Ctx:
                 if start <= s < start + n:
                     rel[s - start] = r
                     mx[s - start] = m
-            cols["num_rel_err"] = pa.array(rel, pa.float64(), mask=np.isnan(rel))
-            cols["num_max_abs_err"] = pa.array(mx, pa.float64(), mask=np.isnan(mx))
+            cols["num_rel_err"] = _nullable(rel, np.isnan(rel), pa.float64())
+            cols["num_max_abs_err"] = _nullable(mx, np.isnan(mx), pa.float64())
         else:
-            cols["num_rel_err"] = pa.nulls(n, pa.float64())
-            cols["num_max_abs_err"] = pa.nulls(n, pa.float64())
-        cols["graph_id"] = pa.nulls(n, pa.int64())   # filled by recording/compiled.attach
+            cols["num_rel_err"] = self._nulls(n, pa.float64())
+            cols["num_max_abs_err"] = self._nulls(n, pa.float64())
+        cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
         return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
 
     def _lines(self, src_idx: np.ndarray):
@@ -393,17 +523,25 @@ class _Ctx:
             flops[i] = v
         return flops
 
-    @staticmethod
-    def _sparse_int(d: Dict[int, int], start: int, n: int):
+    def _nulls(self, n: int, typ):
+        """An all-null column, one per (length, type) for the whole build (Arrow arrays are
+        immutable: every chunk of the same length shares it)."""
+        key = (n, typ)
+        arr = self._null_cache.get(key)
+        if arr is None:
+            arr = self._null_cache[key] = pa.nulls(n, typ)
+        return arr
+
+    def _sparse_int(self, d: Dict[int, int], start: int, n: int):
         if not d:
-            return pa.nulls(n, pa.int64())
+            return self._nulls(n, pa.int64())
         vals = np.zeros(n, dtype=np.int64)
         mask = np.ones(n, dtype=bool)
         for s, v in d.items():
             if start <= s < start + n:
                 vals[s - start] = v
                 mask[s - start] = False
-        return pa.array(vals, pa.int64(), mask=mask)
+        return _nullable(vals, mask)
 
     def _hidden_copy(self, op, ins, outs, alias, call, n):
         if n == 0 or not len(self.call_free):
@@ -461,13 +599,11 @@ def decode_ops_from(sess, first_seq: int):
     record (``dataset=`` writes spilled rows as parts). Rows decoded early lack what is only
     resolved at the end (``cuda_ns``)."""
     ctx = _Ctx(sess)
-    start = 0
-    for chunk in sess.rec.iter_op_chunks():
-        n = len(chunk["op"])
-        if start + n > first_seq:
+    for start, chunk in sess.rec.iter_op_chunks(from_seq=first_seq, with_start=True):
+        ctx.links.extend(chunk, start)   # rows before first_seq, if a decode was skipped
+        if start + len(chunk["op"]) > first_seq:
             b = ctx.decode(chunk, start)
             yield b.slice(first_seq - start) if start < first_seq else b
-        start += n
 
 
 def _calls_table(sess, ctx: _Ctx):
@@ -476,8 +612,7 @@ def _calls_table(sess, ctx: _Ctx):
     n = rec.n_calls
     if n == 0:
         return S.empty("calls")
-    m = ctx.call_matrix
-    a = {k: m[:n, i] for i, k in enumerate(c.fields)}
+    a = {k: ctx.call_cols[k][:n] for k in c.fields}
     funcs = rec.call_funcs.values
     names = _Dict([getattr(f, "__name__", str(f)) for f in funcs])
     qual = _Dict([_qualname(f) for f in funcs])
@@ -530,24 +665,22 @@ def _tensors_table(sess, ctx: _Ctx):
     n = len(c.meta)
     if n == 0:
         return S.empty("tensors")
-    m = rec.metas
     meta = np.frombuffer(c.meta, dtype=np.int32).astype(np.int64)
     alloc = np.frombuffer(c.alloc_seq, dtype=np.int64)
     free = np.frombuffer(c.free_seq, dtype=np.int64)
     call = np.frombuffer(c.call, dtype=np.int64)
     devs = ctx.tup["devices"]
     dts = ctx.tup["dtypes"]
-    shapes = pa.array([list(s) for s in m.shapes], S._i64s)
     src_idx = np.zeros(n, dtype=np.int64)
     ok = call >= 0
     if len(ctx.call_src):
         src_idx[ok] = ctx.call_src[call[ok]]
-    g_op = ctx.g["op"]
+    g_op = ctx.g["op"] if n else np.zeros(0, np.int32)
     alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
     cols = dict(
         storage_id=pa.array(np.arange(n, dtype=np.int64)),
         nbytes=pa.array(np.frombuffer(c.nbytes, dtype=np.int64)),
-        device=devs.take(meta), dtype=dts.take(meta), shape=_take(shapes, meta),
+        device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
         alloc_seq=_nullable(alloc, alloc < 0),
         alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
         pa.nulls(n, S.TENSORS.field("alloc_op").type),
@@ -558,6 +691,12 @@ def _tensors_table(sess, ctx: _Ctx):
         source_line=ctx._lines(src_idx),
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
+
+
+def _shape_rows(shape, metas):
+    lens, starts, flat = shape
+    off, vals = gather(metas, starts, lens, flat)
+    return off, pa.array(vals, pa.int64())
 
 
 def _errors_table(sess, ctx: _Ctx):

@@ -12,8 +12,11 @@ One seam, two implementations::
   for ``numerics=`` (the shadow mode re-runs ops in Python), and the test
   oracle.
 * ``native`` -- ``native/engine.cpp``: a thread-local RecordFunction observer
-  that keeps growable C++ column buffers (interned op ids, metas, tuples,
-  storage ids) and hands them over once, as bytes viewed by numpy, at the end.
+  that records rows (interned op ids, metas, tuples, storage ids) into a live
+  block of ``chunk_rows`` rows, packs each full block column by column in the
+  recorder's chunk format, and hands the packed chunks over as bytes viewed by
+  numpy: at the end, or -- past ``spill_rows`` rows -- between two ops through
+  ``NativeEngine._on_full``, so the recorder spills them as it does its own.
   No Python dispatch mode is on the stack, so the program sees plain eager.
 
 What both engines share is the recording context, the live ``Session``: the
@@ -33,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .recorder import F_BACKWARD, OPS_FIELDS
+from .recorder import F_BACKWARD, OPS_FIELDS, pack, unpack
 
 ENGINES = ("auto", "native", "python")
 
@@ -41,6 +44,11 @@ ENGINES = ("auto", "native", "python")
 ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
                       ("node", "<i4"), ("flags", "<i4"), ("call", "<i4"), ("seq_nr", "<i8"),
                       ("start", "<i8"), ("dur", "<i8")])
+
+#: engine.cpp's packed chunk columns, in its PackedColumn order ("rflags": the engine's row flags)
+PACKED_COLUMNS = ("op", "ins", "outs", "alias", "module", "call", "node", "seq_nr", "rflags", "start", "dur",
+                  "storages")
+_PACKED_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.int64}
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
 _SCALAR_TYPES = (
@@ -70,6 +78,8 @@ def _native_ext(wait: bool = True) -> Tuple[Any, str]:
     ext, reason = engine(wait=wait)
     if ext is not None and getattr(ext, "ROW_SIZE", None) != ROW_DTYPE.itemsize:
         return None, f"native engine row layout mismatch ({getattr(ext, 'ROW_SIZE', None)} != {ROW_DTYPE.itemsize})"
+    if ext is not None and getattr(ext, "PACKED_COLUMNS", None) != len(PACKED_COLUMNS):
+        return None, f"native engine chunk layout mismatch ({getattr(ext, 'PACKED_COLUMNS', None)} columns)"
     return ext, reason
 
 
@@ -225,13 +235,24 @@ class NativeEngine:
         self.ext = choice.ext
         self.running = False
         self.data: Optional[Dict[str, Any]] = None
+        self._reset(None)
+
+    def _reset(self, sess):
+        self._sess = sess
+        self._op_flags = np.zeros(0, dtype=np.int64)   # per engine op id: schema flags | 1<<40 (FLOPs at build)
+        self._encs: List[tuple] = []                   # interned argument encodings (FLOP formulas)
+        self._row_args = np.zeros((0, 2), dtype=np.int64)   # (seq, encoding id)
+        self.opaque_rows = 0
 
     def start(self, sess):
         opts = sess.options
         hooks = sess.op_hooks
+        self._reset(sess)
+        # past spill_rows rows, the engine calls _on_full on this thread to hand its chunks over
         self.ext.start(sess.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
-                       hooks if hooks else None, tuple(hooks.namespaces) if hooks else None)
+                       hooks if hooks else None, tuple(hooks.namespaces) if hooks else None,
+                       int(opts.spill_rows), self._on_full, int(opts.chunk_rows))
         self.running = True
         self._compile_callbacks()
 
@@ -280,18 +301,23 @@ class NativeEngine:
                         "cpp_function": func or None, "native": True})
         return out
 
-    def finish(self, sess):
-        """Move the native columns into ``sess.rec`` in the recorder's layout (build.py reads both alike)."""
+    def _on_full(self):
+        """Called by the engine, on the tracing thread between two ops, when its packed chunks
+        passed ``spill_rows`` rows: move them into the recorder and spill them there (to disk, or
+        as ``dataset=`` parts) as the python engine's recorder does. Never raises."""
+        sess = self._sess
+        try:
+            self._take_chunks(sess, final=False)
+            if sess.rec.mem_rows:
+                sess.rec._spill()
+        except Exception as e:
+            sess.rec.tracer_error("native spill", e)
+
+    def _sync_dicts(self, sess, d):
+        """Append what the engine interned since the last hand-over to the recorder's interners."""
         import torch
 
-        ext = self.ext
-        d = ext.take()
         rec = sess.rec
-        # warnings no call drained (ops outside any torch-level call, or after the last one)
-        rest = self.take_warnings()
-        if rest:
-            sess.record_warnings(rest, call_id=None, seq=None)
-        # ops: OpOverloads (str(), tags and schema flags), per distinct op
         from ..modes.dispatch import OpInfo
 
         flags_of = []
@@ -301,17 +327,15 @@ class NativeEngine:
                 info = OpInfo(rec, func)   # schema flags only: the native engine calls the op hooks itself
                 flags_of.append(info.flags | ((1 << 40) if info.flop_at_build else 0))   # 1<<40: FLOPs at build
             except Exception:   # an op without a schema (its library is gone): no flags
-                if len(rec.funcs) == len(flags_of):
+                if len(rec.funcs) == len(self._op_flags) + len(flags_of):
                     rec.funcs(func)
                 flags_of.append(0)
-        op_flags = np.array(flags_of or [0], dtype=np.int64)
-        # metas
-        arena = np.frombuffer(d["metas"][0], dtype=np.int64)
-        offs = np.frombuffer(d["metas"][1], dtype=np.int64)
+        if flags_of:
+            self._op_flags = np.concatenate([self._op_flags, np.array(flags_of, dtype=np.int64)])
         metas = rec.metas
+        base = len(metas.shapes)
         dt_objs = {}
-        for i in range(len(offs) - 1):
-            v = arena[offs[i]:offs[i + 1]].tolist()
+        for i, v in enumerate(_seqs(d["metas"])):
             ndim, st, dev_t, dev_i, strided = v[:5]
             shape = tuple(v[5:5 + ndim])
             stride = tuple(v[5 + ndim:5 + 2 * ndim]) if strided else None
@@ -320,34 +344,61 @@ class NativeEngine:
                 dt = dt_objs[st] = _dtype(torch, st)
             dname = _DEVICE_TYPES[dev_t] if 0 <= dev_t < len(_DEVICE_TYPES) else f"device{dev_t}"
             dev = dname if dev_i < 0 else f"{dname}:{dev_i}"
-            metas.add((i,), shape, stride, dt, dev)
-        rec.tuples.values = _seqs(d["tuples"])
-        rec.aliases.values = _seqs(d["aliases"])
-        rec.nodes.values = [None] + list(d["nodes"])
-        rows = np.frombuffer(d["rows"], dtype=ROW_DTYPE)
-        n = len(rows)
-        op = rows["op"].astype(np.int64)
-        of = op_flags[op] if n else np.zeros(0, np.int64)
-        flags = (of & 0xFF) | (rows["flags"].astype(np.int64) & F_BACKWARD)
-        flops = np.where((of >> 40) & 1, -2, -1).astype(np.int64)
-        if sess.options.flops and n:
-            _formula_flops(flops, op, rows, d, rec)
-        chunk = {
-            "op": op, "ins": rows["ins"].astype(np.int64), "outs": rows["outs"].astype(np.int64),
-            "alias": rows["alias"].astype(np.int64), "module": rows["module"].astype(np.int64),
-            "call": rows["call"].astype(np.int64), "node": rows["node"].astype(np.int64), "seq_nr": rows["seq_nr"].copy(),
-            "flags": flags, "flops": flops, "start": rows["start"].copy(), "dur": rows["dur"].copy(),
-            "storages": np.frombuffer(d["storages"], dtype=np.int32).astype(np.int64),
-        }
-        assert set(chunk) == set(OPS_FIELDS) | {"storages"}
-        if n:
-            rec.mem_chunks.append({k: (0, v) for k, v in chunk.items()})
-            rec.mem_rows += n
-            rec.chunk_start = n
-        sess.opaque_ops = int(np.count_nonzero((rows["node"] == 0) & (rows["call"] < 0))) if n else 0
+            metas.add((base + i,), shape, stride, dt, dev)
+        rec.tuples.values.extend(_seqs(d["tuples"]))
+        rec.aliases.values.extend(_seqs(d["aliases"]))
+        if not rec.nodes.values:
+            rec.nodes.values.append(None)
+        rec.nodes.values.extend(d["nodes"])
+        self._encs.extend(_seqs(d["args"]))
+        ra = np.frombuffer(d["row_args"], dtype=np.int64).reshape(-1, 2)
+        if len(ra):
+            self._row_args = np.concatenate([self._row_args, ra])
+        nf = np.frombuffer(d["nonfinite"], dtype=np.int64).reshape(-1, 3)
+        for s_, c_, p_ in nf.tolist():
+            rec.nonfinite[s_] = (c_, bool(p_))
+
+    def _take_chunks(self, sess, final: bool):
+        """The engine's packed chunks into ``sess.rec.mem_chunks`` (the recorder's format: flags and
+        FLOPs derived per distinct op), its new dictionary entries into the recorder's interners."""
+        chunks, dicts = self.ext.take_chunks(final)
+        self._sync_dicts(sess, dicts)
+        rec = sess.rec
+        for first, n, cols in chunks:
+            packed = {name: (int(b), np.frombuffer(buf, dtype=_PACKED_DTYPES[w]))
+                      for name, (b, w, buf) in zip(PACKED_COLUMNS, cols)}
+            op = unpack(packed["op"])
+            of = self._op_flags[op]
+            rflags = unpack(packed.pop("rflags"))
+            flops = np.where((of >> 40) & 1, -2, -1).astype(np.int64)
+            if sess.options.flops and len(self._row_args):
+                _formula_flops(flops, op, unpack(packed["outs"]), first, self._row_args, self._encs, rec)
+            packed["flags"] = pack((of & 0xFF) | (rflags & F_BACKWARD))
+            packed["flops"] = pack(flops)
+            self.opaque_rows += int(np.count_nonzero((unpack(packed["node"]) == 0) & (unpack(packed["call"]) < 0)))
+            assert set(packed) == set(OPS_FIELDS) | {"storages"}
+            rec.mem_chunks.append(packed)
+            rec.mem_rows += int(n)
+            rec.chunk_start = int(first + n)
+
+    def finish(self, sess):
+        """Move the native columns into ``sess.rec`` in the recorder's layout (build.py reads both alike)."""
+        ext = self.ext
+        self._take_chunks(sess, final=True)
+        d = ext.take()
+        rec = sess.rec
+        # warnings no call drained (ops outside any torch-level call, or after the last one)
+        rest = self.take_warnings()
+        if rest:
+            sess.record_warnings(rest, call_id=None, seq=None)
+        if rec.mem_rows > rec.spill_rows:
+            rec._spill()
+        sess.opaque_ops = self.opaque_rows
         self.other_thread_rows = int(d["other_thread_rows"])
         for _ in range(int(d.get("hook_errors", 0))):
             rec.tracer_error("op hook", RuntimeError("converting an op's arguments for the op hook failed"))
+        if int(d.get("on_full_errors", 0)):
+            rec.tracer_error("native spill", RuntimeError(f"{d['on_full_errors']} hand-over(s) raised"))
         # storages
         st = np.frombuffer(d["tensors"], dtype=np.int64).reshape(-1, 7)
         if sess.options.storages:
@@ -359,22 +410,16 @@ class NativeEngine:
             cols.module = array("i", st[:, 4].astype(np.int32).tobytes())
             cols.call = array("q", st[:, 5].tobytes())
             sess.tracker = NativeStorages(ext, st[:, 6].tolist())
-        # non-finite screen
-        nf = np.frombuffer(d["nonfinite"], dtype=np.int64).reshape(-1, 3)
-        for s_, c_, p_ in nf.tolist():
-            rec.nonfinite[s_] = (c_, bool(p_))
+        # non-finite screen (its findings came with the chunks)
         if sess.screen is not None:
             sess.screen = NativeScreen(d["screen"])
             dev = int(d["screen"].get("device_unscreened", 0))
             if dev:
                 rec.notes.append(f"{dev} op(s) with CUDA outputs were not screened for NaN/Inf: the native engine "
                                  "screens CPU memory only (engine='python' screens on device)")
-        if sess.options.cuda_timing and any(str(v).startswith("cuda") for v in metas.devices):
+        if sess.options.cuda_timing and any(str(v).startswith("cuda") for v in rec.metas.devices):
             rec.notes.append("per-op CUDA times (ops.cuda_ns) are recorded by the python engine only; "
                              "use engine='python', or kernels=True for kernel times")
-        if n > sess.options.spill_rows:
-            rec.notes.append(f"{n} rows stayed in the native engine's memory (~60-100 bytes each): spill_rows applies "
-                             "to the python engine only")
         self.data = None
 
 
@@ -476,8 +521,11 @@ def _dtype(torch, st: int):
 
 
 def _seqs(pair) -> List[tuple]:
+    """An interner's (arena, offsets) as tuples; offsets may start past 0 (a delta: the arena
+    slice from the first entry handed over)."""
     arena = np.frombuffer(pair[0], dtype=np.int64)
-    offs = np.frombuffer(pair[1], dtype=np.int64).tolist()
+    offs = np.frombuffer(pair[1], dtype=np.int64)
+    offs = (offs - offs[0]).tolist() if len(offs) else []
     vals = arena.tolist()
     return [tuple(vals[offs[i]:offs[i + 1]]) for i in range(len(offs) - 1)]
 
@@ -535,22 +583,24 @@ def _decode_args(enc, shapes):
     return outs, (out[0] if len(out) == 1 else tuple(out))
 
 
-def _formula_flops(flops, op, rows, d, rec):
+def _formula_flops(flops, op, outs, first_seq, row_args, encs, rec):
     """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
-    (op, arguments, outputs): the formulas take shapes, so the interned metas suffice."""
+    (op, arguments, outputs), for the chunk of rows from ``first_seq``: the formulas take shapes,
+    so the interned metas suffice. ``row_args``: (seq, argument encoding id) rows."""
     from ..modes.dispatch import FLOP_REGISTRY
 
-    args = np.full(len(rows), -1, dtype=np.int64)
-    ra = np.frombuffer(d["row_args"], dtype=np.int64).reshape(-1, 2)
-    if len(ra):
-        args[ra[:, 0]] = ra[:, 1]
+    n = len(op)
+    sel = (row_args[:, 0] >= first_seq) & (row_args[:, 0] < first_seq + n)
+    if not sel.any():
+        return
+    args = np.full(n, -1, dtype=np.int64)
+    args[row_args[sel, 0] - first_seq] = row_args[sel, 1]
     todo = np.nonzero((args >= 0) & (flops == -1))[0]
     if not len(todo):
         return
-    encs = _seqs(d["args"])
     shapes = rec.metas.shapes
     funcs = rec.funcs.values
-    keys = np.stack([op[todo], args[todo].astype(np.int64), rows["outs"][todo].astype(np.int64)], axis=1)
+    keys = np.stack([op[todo], args[todo], outs[todo]], axis=1)
     uniq, inv = np.unique(keys, axis=0, return_inverse=True)
     vals = np.full(len(uniq), -1, dtype=np.int64)
     for k, (o, a, _outs) in enumerate(uniq.tolist()):

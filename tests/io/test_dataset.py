@@ -134,8 +134,7 @@ def test_spilled_rows_become_parts_while_the_trace_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("TENSORSCOPE_RUN_ID", "run1")
     root = tmp_path / "ds"
     seen = []
-    # the python engine spills (the native engine keeps its rows in compact native buffers and
-    # ignores spill_rows: its parts are written at the end of the trace)
+    # the python engine here; tests/test_tables_build.py runs the same under both engines
     with tensorscope.trace(dataset=str(root), leaks=False, chunk_rows=8, spill_rows=16, engine="python") as t:
         x = torch.ones(3)
         for i in range(60):
