@@ -247,6 +247,11 @@ class _LiveCalls(CallStore):
     def full_matrix(self) -> np.ndarray:
         return self._matrix if self._matrix is not None else super().full_matrix()
 
+    def column(self, name: str) -> np.ndarray:
+        if self._matrix is not None:
+            return np.ascontiguousarray(self._matrix[:, self.fields.index(name)])
+        return super().column(name)
+
     def handover(self, raw: bytes, n: int) -> None:
         rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)
         m = np.empty((n, len(self.fields)), dtype=np.int64)

@@ -266,19 +266,7 @@ class _CallColumns(dict):
         self._calls = rec.calls
 
     def __missing__(self, name):
-        c = self._calls
-        live = c.matrix()[:, c.fields.index(name)]
-        packed = [ch[name] for ch in c.frozen]
-        col = np.empty(sum(len(a) for _, a in packed) + len(live), dtype=np.int64)
-        pos = 0
-        for base, a in packed:   # widen each packed chunk straight into place: no temporaries
-            part = col[pos:pos + len(a)]
-            part[:] = a
-            if base:
-                part += base
-            pos += len(a)
-        col[pos:] = live
-        self[name] = col
+        col = self[name] = self._calls.column(name)
         return col
 
 
