@@ -102,7 +102,7 @@ def build_cost(n_ops, reps, engine="python"):
 
 
 def per_op(rounds, n_iter=1000):
-    from overhead import small_ops   # the same small-op workload as benchmarks/overhead.py
+    from overhead import small_ops  # the same small-op workload as benchmarks/overhead.py
 
     run, n = small_ops(n_iter)
     ctx = {"eager": None, "trace(leaks=False)": dict(leaks=False), "trace()": {}}

@@ -15,8 +15,14 @@ from __future__ import annotations
 
 from ._version import __version__ as __version__
 from .errors import (  # noqa: F401  (cheap: no torch)
-    ExportError, GuardError, NativeBuildError, OptionsError, SchemaVersionError, TensorscopeError,
-    TraceActiveError, TraceFormatError,
+    ExportError,
+    GuardError,
+    NativeBuildError,
+    OptionsError,
+    SchemaVersionError,
+    TensorscopeError,
+    TraceActiveError,
+    TraceFormatError,
 )
 
 _LAZY = {

@@ -127,3 +127,42 @@ class Displayable:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+class CompileCallbacks:
+    """``start(*a)``/``end(*a)`` called around every torch.compile (Dynamo) compilation, registered on
+    torch's callback handler until :meth:`remove`; nothing (``active`` False) when this torch has no
+    such handler. Registration and removal never raise."""
+
+    __slots__ = ("_cb",)
+
+    def __init__(self, start: Any, end: Any) -> None:
+        self._cb: Optional[Tuple[Any, Any, Any]] = None
+        try:
+            import torch._dynamo.callback as dyn
+
+            handler = dyn.callback_handler
+            handler.register_start_callback(start)
+            try:
+                handler.register_end_callback(end)
+            except Exception:
+                handler.remove_start_callback(start)
+                raise
+            self._cb = (handler, start, end)
+        except Exception:
+            self._cb = None
+
+    @property
+    def active(self) -> bool:
+        return self._cb is not None
+
+    def remove(self) -> None:
+        cb, self._cb = self._cb, None
+        if cb is None:
+            return
+        handler, start, end = cb
+        for fn, cbk in ((handler.remove_start_callback, start), (handler.remove_end_callback, end)):
+            try:
+                fn(cbk)
+            except Exception:
+                pass

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 from tensorscope._location import cell_number, format_location
-
 from tests.helpers.kernel_utils import Kernel
 
 

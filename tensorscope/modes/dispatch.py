@@ -20,9 +20,9 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 from .frames import clean_traceback, exc_key, register_tracer_code
 from .source import called_from_compiled_code
-from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided

@@ -47,8 +47,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from types import FunctionType
-from types import FrameType
+from types import FrameType, FunctionType
 from typing import Dict, List, Optional, Set
 
 import torch

@@ -14,7 +14,6 @@ without the frames tracing added.
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Optional
 
@@ -22,10 +21,20 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .._common import CompileCallbacks
 from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore
 from . import source as _source
-from .frames import (_HTF_CODE, call_as_caller, call_from, caller_frame, clean_traceback, clean_when_caught, exc_key,
-                     register_tracer_code, trampoline_for)
+from .frames import (
+    _HTF_CODE,
+    call_as_caller,
+    call_from,
+    caller_frame,
+    clean_traceback,
+    clean_when_caught,
+    exc_key,
+    register_tracer_code,
+    trampoline_for,
+)
 from .modules import _MOD_CODE, _GraphModule
 from .source import user_location_from
 
@@ -337,28 +346,12 @@ class NativeFunctionMode(TorchFunctionMode):
 
     # -- torch.compile: Dynamo must see the Python handler, not the C builtin ---------------------
     def _compile_callbacks(self, on: bool) -> None:
-        dyn = sys.modules.get("torch._dynamo.callback")
-        if on:
-            self._cb = None
-            if dyn is None:
-                return
-            hide = lambda *a, **k: self.__dict__.pop("__torch_function__", None)  # noqa: E731
-            show = lambda *a, **k: self.__dict__.__setitem__("__torch_function__", self._bound)  # noqa: E731
-            try:
-                dyn.callback_handler.register_start_callback(hide)
-                dyn.callback_handler.register_end_callback(show)
-                self._cb = (dyn.callback_handler, hide, show)
-            except Exception:
-                self._cb = None
-            return
         cb, self._cb = getattr(self, "_cb", None), None
         if cb is not None:
-            handler, hide, show = cb
-            try:
-                handler.remove_start_callback(hide)
-                handler.remove_end_callback(show)
-            except Exception:
-                pass
+            cb.remove()
+        if on:
+            self._cb = CompileCallbacks(lambda *a, **k: self.__dict__.pop("__torch_function__", None),
+                                        lambda *a, **k: self.__dict__.__setitem__("__torch_function__", self._bound))
 
     # -- what the C code calls -------------------------------------------------------------------
     def _classify(self, func) -> int:

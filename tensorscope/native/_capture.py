@@ -26,8 +26,16 @@ from __future__ import annotations
 import types
 from typing import Any, Dict, List, Optional
 
-from ._fallback import (TAP, count_call_warnings, exc_text, fallback_error_info, merge_call_warnings, py_type_name,
-                        raised_in_c, take_call_warnings)
+from ._fallback import (
+    TAP,
+    count_call_warnings,
+    exc_text,
+    fallback_error_info,
+    merge_call_warnings,
+    py_type_name,
+    raised_in_c,
+    take_call_warnings,
+)
 
 _MAX_CACHED_ERRORS = 16
 #: Callables implemented in C: torch.add, Tensor.add_, Tensor.shape.__get__ ...

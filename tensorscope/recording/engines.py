@@ -27,7 +27,6 @@ code for both engines.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from array import array
@@ -36,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .._common import CompileCallbacks
 from .recorder import F_BACKWARD, OPS_FIELDS, pack, unpack
 
 ENGINES = ("auto", "native", "python")
@@ -113,7 +113,8 @@ def unobserved(fn):
 
 def engine_status() -> Dict[str, Any]:
     """``{'engine': 'native'|'python', 'reason': ...}`` for ``trace(engine='auto')`` now. Never compiles."""
-    from ..native import FORCE_ENV, engine_status as lib_status, forced_fallback
+    from ..native import FORCE_ENV, forced_fallback
+    from ..native import engine_status as lib_status
 
     if forced_fallback():
         return {"engine": "python", "reason": f"{FORCE_ENV}=1"}
@@ -259,22 +260,8 @@ class NativeEngine:
     def _compile_callbacks(self):
         """Hide what torch.compile runs while it compiles (Dynamo probes ops; a dispatch mode is
         disabled then, the observer is not)."""
-        self._cb = None
-        dyn = sys.modules.get("torch._dynamo.callback")
-        if dyn is None:
-            try:
-                import torch._dynamo.callback as dyn
-            except Exception:
-                return
         ext = self.ext
-        start = lambda *a, **k: ext.pause(True)  # noqa: E731
-        end = lambda *a, **k: ext.pause(False)  # noqa: E731
-        try:
-            dyn.callback_handler.register_start_callback(start)
-            dyn.callback_handler.register_end_callback(end)
-            self._cb = (dyn.callback_handler, start, end)
-        except Exception:
-            self._cb = None
+        self._cb = CompileCallbacks(lambda *a, **k: ext.pause(True), lambda *a, **k: ext.pause(False))
 
     def stop(self, sess):
         if self.running:
@@ -282,12 +269,7 @@ class NativeEngine:
             self.ext.stop()
             cb, self._cb = getattr(self, "_cb", None), None
             if cb is not None:
-                handler, start, end = cb
-                try:
-                    handler.remove_start_callback(start)
-                    handler.remove_end_callback(end)
-                except Exception:
-                    pass
+                cb.remove()
 
     def take_warnings(self) -> List[Dict[str, Any]]:
         raw = self.ext.take_warnings()

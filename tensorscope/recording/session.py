@@ -42,9 +42,7 @@ class Session:
                  keep_history: bool = False, origin: str = "api", engine=None):
         from ..modes.modules import ModuleTracker
         from ..tracking.storages import StorageTracker
-        from .engines import EngineChoice, make_engine
-
-        from .engines import OpHooks
+        from .engines import EngineChoice, OpHooks, make_engine
 
         self.engine_choice = engine or EngineChoice("python", "engine='python' was asked for")
         self.engine = make_engine(self.engine_choice)
@@ -70,7 +68,8 @@ class Session:
         # seq - 1: the op running or last finished when the storage appeared or died
         self.tracker = self._storage_tracker(StorageTracker)
         # multi-rank: collectives table, rank identity / run id / clock (recording/collectives.py, ranks.py)
-        from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, CollectiveProbe
+        from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES
+        from .collectives import CollectiveProbe
         from .ranks import DistContext
 
         self.dist = DistContext(sync_clocks=options.sync_clocks)

@@ -1,7 +1,8 @@
 """Text and HTML of a ``TraceDiff``: the totals side by side, then the biggest changes first (escaped)."""
 from __future__ import annotations
 
-from .._common import esc as _e, fmt_bytes, fmt_ns
+from .._common import esc as _e
+from .._common import fmt_bytes, fmt_ns
 from .html import BOX_STYLE, TITLE_STYLE, html_table
 
 

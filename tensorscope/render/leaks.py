@@ -7,7 +7,8 @@ Notebook, nbconvert's export and a bare page; every string is escaped.
 """
 from __future__ import annotations
 
-from .._common import esc as _e, fmt_bytes
+from .._common import esc as _e
+from .._common import fmt_bytes
 from .html import BOX_STYLE, NOTE_STYLE, html_table
 
 

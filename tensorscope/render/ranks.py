@@ -9,8 +9,8 @@ from __future__ import annotations
 import html
 from typing import Optional
 
-from ..analyses import ranks as A
 from .._common import fmt_bytes, fmt_ns
+from ..analyses import ranks as A
 from .section import Section, Summary
 
 

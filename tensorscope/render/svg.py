@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pyarrow.compute as pc
 
-from .._common import esc as _e, fmt_ns as _fmt_ns
+from .._common import esc as _e
+from .._common import fmt_ns as _fmt_ns
 
 #: one place for the colours of the views, with the legend text of each
 COLORS: Dict[str, Tuple[str, str]] = {

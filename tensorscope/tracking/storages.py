@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
-
 @dataclass(frozen=True)
 class LiveStorage:
     """A storage the trace created that is alive at its end (for the leak finder)."""

@@ -12,7 +12,6 @@ import tensorscope
 from tests.helpers import ROOT
 
 
-
 def _cli(*args, timeout=240, env=None):
     e = dict(os.environ)
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")

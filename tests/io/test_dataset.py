@@ -11,7 +11,6 @@ import torch
 import tensorscope
 from tensorscope import schema as S
 from tensorscope.errors import ExportError, OptionsError, TraceFormatError
-
 from tests.helpers.datasets import check_layout
 
 

@@ -116,8 +116,8 @@ def _rows(table, drop=()):
 
 
 def test_c_mode_is_the_one_used(monkeypatch):
-    from tensorscope.recording.session import new_session
     from tensorscope.options import TraceOptions
+    from tensorscope.recording.session import new_session
 
     monkeypatch.delenv(PY_FUNCTION_MODE_ENV, raising=False)
     sess = new_session(TraceOptions(leaks=False, engine="native"))
@@ -216,8 +216,9 @@ def test_tracer_bug_is_contained(monkeypatch):
 
 
 def test_keyboard_interrupt_in_a_helper_reaches_the_program(monkeypatch):
-    import tensorscope.modes.function as fmod
     from torch.overrides import _get_current_function_mode_stack
+
+    import tensorscope.modes.function as fmod
 
     def interrupted(_frame):
         raise KeyboardInterrupt

@@ -23,7 +23,6 @@ import tensorscope.native as tn
 from tensorscope.native import _build
 from tensorscope.native._capture import NativeCapture
 from tensorscope.native._fallback import TAP, FallbackCapture, split_triggered
-
 from tests.helpers import ROOT
 from tests.helpers.native_helpers import TEST_OPS_CPP, cpp_line_of, traced
 

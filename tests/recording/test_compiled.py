@@ -7,14 +7,14 @@ guards, reasons and links come from what PyTorch compiled and ran.
 """
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
 import tensorscope
 from tensorscope import schema as S
-
-import os
-import shutil
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable"),

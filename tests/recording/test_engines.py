@@ -60,6 +60,7 @@ import torch
 import tensorscope
 from tests.helpers.native_helpers import TEST_OPS_CPP
 
+
 def _native_available():
     from tensorscope.recording.engines import _native_ext
 

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from tests.helpers.synthetic import make_trace, table
 import tensorscope
 from tensorscope.errors import ExportError
 from tensorscope.render.perfetto import CPU_PID, GPU_PID_BASE, trace_events, validate_trace_events, write_perfetto
+from tests.helpers.synthetic import make_trace, table
 
 
 def StandIn(**tables):

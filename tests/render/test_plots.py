@@ -12,9 +12,9 @@ import torch
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
-from tests.helpers.synthetic import make_trace, table
 import tensorscope
 from tensorscope.render.plots import PlotAccessor, timeline_png
+from tests.helpers.synthetic import make_trace, table
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -663,9 +663,8 @@ def test_a_running_functions_locals_are_named_and_reading_them_keeps_nothing_ali
 
 
 def test_summary_groups_a_containers_graphs_into_one_row_and_keeps_state_to_one_line():
-    from tests.helpers.synthetic import make_trace, table
-
     from tensorscope.render.sections_memory import leaks_section
+    from tests.helpers.synthetic import make_trace, table
 
     def row(holder, kind, nbytes, fix, expected=False, growing=False, per=None):
         return dict(storage_id=0, nbytes=nbytes, device="cpu", holder=holder, holder_kind=kind, fix=fix,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.kernel_utils import Kernel
 from tensorscope.tracking.leaks import fix_code
+from tests.helpers.kernel_utils import Kernel
 
 pytestmark = pytest.mark.kernel
 

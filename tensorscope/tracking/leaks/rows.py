@@ -15,11 +15,11 @@ import pyarrow as pa
 from ... import schema as S
 from ..._common import fmt_bytes
 from . import growth as _growth
-from .classify import _DEV_STR, _DTYPE_STR, _T, _GcPaused, _TENSOR, _dev_str, _tensor_meta, _types
+from .classify import _DEV_STR, _DTYPE_STR, _T, _TENSOR, _dev_str, _GcPaused, _tensor_meta, _types
 from .known import _KNOWN, _meta_from_known, remember
-from .paths import STATE_KINDS, _Describer, _Steps, _merge_fixes, _short_repr
+from .paths import STATE_KINDS, _Describer, _merge_fixes, _short_repr, _Steps
 from .roots import _get_shell, _user_namespace
-from .search import _Search, _run_search
+from .search import _run_search, _Search
 from .unreached import _classify_groups, _heap_tensors
 
 

@@ -17,11 +17,34 @@ from operator import attrgetter, is_, not_, or_
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 from .classify import (
-    _CLASS, _DEFER, _FRAME, _FUNC, _GEN, _GENERIC, _NDARRAY, _NODE, _PLAIN_UNTRACKED, _PYNODE, _SKIP, _STORAGE,
-    _T, _TB, _TENSOR, _classify, _is_user_class, _live_frame_locals, _node_name, _other_threads_frames,
-    _running_frames, _saved_names, _types, _untracked_interest, _untracked_interest_type, _user_modules,
+    _CLASS,
+    _DEFER,
+    _FRAME,
+    _FUNC,
+    _GEN,
+    _GENERIC,
+    _NDARRAY,
+    _NODE,
+    _PLAIN_UNTRACKED,
+    _PYNODE,
+    _SKIP,
+    _STORAGE,
+    _T,
+    _TB,
+    _TENSOR,
+    _classify,
+    _is_user_class,
+    _live_frame_locals,
+    _node_name,
+    _other_threads_frames,
+    _running_frames,
+    _saved_names,
+    _types,
+    _untracked_interest,
+    _untracked_interest_type,
+    _user_modules,
 )
-from .roots import _Root, _collect_roots
+from .roots import _collect_roots, _Root
 
 
 # -- the batched search --------------------------------------------------------------------------
@@ -472,16 +495,7 @@ class _Search:
 
     def _tensor(self, t, i):
         self.n_tensors += 1
-        # __dict__, hooks, subclass state first: njt._values reads better than njt._base
-        for k in gc.get_referents(t):
-            h = _types.get(type(k))
-            if h is None:
-                h = _classify(type(k))
-            if h == _NODE or h == _PYNODE:
-                # a tensor Python owns alone traverses its grad_fn: keep it on the labeled, deferred edge
-                self._deferred_edges.append((i, k, ("grad_fn", _node_name(k))))
-            elif gc.is_tracked(k) or h == _NDARRAY:
-                self._enqueue(i, k, None)
+        self._tensor_refs(t, i)
         try:
             s = t.untyped_storage()
         except Exception:
@@ -505,8 +519,10 @@ class _Search:
         self._tensor_grad_edges(t, i)
         return ()
 
-    def _tensor_edges(self, t, i):
-        """What ``_tensor`` follows besides the storage, in the same order."""
+    def _tensor_refs(self, t, i):
+        """The objects a tensor refers to (``__dict__``, hooks, subclass state: njt._values reads better
+        than njt._base): a graph node goes on the labeled, deferred edge (a tensor Python owns alone
+        traverses its grad_fn), anything else the gc tracks is enqueued."""
         for k in gc.get_referents(t):
             h = _types.get(type(k))
             if h is None:
@@ -515,6 +531,10 @@ class _Search:
                 self._deferred_edges.append((i, k, ("grad_fn", _node_name(k))))
             elif gc.is_tracked(k) or h == _NDARRAY:
                 self._enqueue(i, k, None)
+
+    def _tensor_edges(self, t, i):
+        """What ``_tensor`` follows besides the storage, in the same order."""
+        self._tensor_refs(t, i)
         self._tensor_grad_edges(t, i)
 
     def _tensor_grad_edges(self, t, i):
