@@ -31,7 +31,7 @@ test: setup
 
 # ruff (pyflakes, bugbear, isort; pyproject.toml [tool.ruff]) over everything that is Python
 lint: setup
-	$(PY) -m ruff check tensorscope tests benchmarks examples
+	$(PY) -m ruff check tensorscope tests benchmarks examples tools
 
 # mypy (pyproject.toml [tool.mypy]): strict on the leaf packages, the rest clean without strict
 typecheck: setup

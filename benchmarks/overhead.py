@@ -191,10 +191,12 @@ def time_ctx(make, run, reps, k):
     return min(samples)
 
 
-def bench_workload(name, run, n_ops, reps, k=3):
+def bench_workload(name, run, n_ops, reps, k=3, fixed=None):
     """End-to-end µs/op: entering, recording ``k`` runs, leaving and building the tables (for
     torch.profiler + events(): reading the events), best of ``reps``. The fixed cost of a
-    trace is measured on its own by fixed_cost()."""
+    trace is measured on its own by fixed_cost(); with ``fixed`` (its result) the tensorscope
+    rows also show the per-op overhead with that fixed cost taken out (one trace holds
+    ``k * n_ops`` ops here, so a short workload spreads a fixed ~2 ms over few ops)."""
     ctx = contexts()
     for make in ctx.values():   # warm-up: imports, caches, first-call costs
         with make():
@@ -203,13 +205,22 @@ def bench_workload(name, run, n_ops, reps, k=3):
     eager = res["eager"]
     empty = res["empty dispatch mode"] - eager
     print(f"\n{name}: {n_ops} ops per run, {k} runs per context, best of {reps}")
-    print(f"{'context':34s} {'us/op':>9s} {'over eager':>11s} {'x empty-mode overhead':>22s}")
+    print(f"{'context':34s} {'us/op':>9s} {'over eager':>11s} {'x empty-mode overhead':>22s} {'x, fixed cost out':>18s}")
     rows = {}
     for key, v in res.items():
         over = v - eager
         mult = over / empty if empty > 0 else float("nan")
         rows[key] = {"us_per_op": v, "overhead_us": over, "x_empty": mult}
-        print(f"{key:34s} {v:9.2f} {over:11.2f} {mult if key != 'eager' else float('nan'):22.2f}")
+        steady = ""
+        eng = key.split(":")[0]
+        if fixed and eng in ("native", "python") and empty > 0:
+            leaks = "default" in key
+            ms = fixed.get(f"{eng} leaks={leaks}")
+            if ms is not None:
+                per = over - ms * 1e3 / (k * n_ops)
+                rows[key]["x_empty_fixed_cost_out"] = per / empty
+                steady = f"{per / empty:18.2f}"
+        print(f"{key:34s} {v:9.2f} {over:11.2f} {mult if key != 'eager' else float('nan'):22.2f} {steady}")
     return rows
 
 
@@ -329,21 +340,21 @@ def main(argv=None):
     except Exception:
         pass
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, native: {out['native']}")
+    fixed = out["fixed_cost_ms"] = fixed_cost(reps)
     if "small" in only:
         run, n = small_ops(1000)
-        out["small_ops"] = bench_workload("(a) small elementwise ops on 8x8", run, n, reps)
+        out["small_ops"] = bench_workload("(a) small elementwise ops on 8x8", run, n, reps, fixed=fixed)
     if "mlp" in only:
         run, n = mlp(4 if a.quick else 10)
-        out["mlp"] = bench_workload("(b) MLP forward+backward (4x Linear(128)+ReLU, batch 16)", run, n, reps)
+        out["mlp"] = bench_workload("(b) MLP forward+backward (4x Linear(128)+ReLU, batch 16)", run, n, reps, fixed=fixed)
     if "conv" in only:
         run, n = conv_net(2 if a.quick else 3)
         out["conv_net"] = bench_workload("(c) conv net training step (3 conv+BN+ReLU, channels_last, SGD)",
-                                         run, n, reps)
+                                         run, n, reps, fixed=fixed)
     if "transformer" in only:
         run, n = transformer(2 if a.quick else 3)
         out["transformer"] = bench_workload("(d) 2 transformer blocks forward+backward (d=64, 4 heads, 4x32)",
-                                            run, n, reps)
-    out["fixed_cost_ms"] = fixed_cost(reps)
+                                            run, n, reps, fixed=fixed)
     if a.ops:
         # each engine in a fresh process: resident memory is not muddled by the other's freed pages
         import subprocess

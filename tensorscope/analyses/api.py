@@ -24,61 +24,99 @@ import pyarrow.compute as pc
 from .. import schema as S
 
 
+def _plain(col: Any) -> pa.Array:
+    """A column as one plain (not dictionary-encoded, not chunked) array."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    return col
+
+
+def _nonempty(col: Any) -> pa.Array:
+    """A string column with empty strings as nulls (an empty name names nothing)."""
+    col = _plain(col)
+    return pc.if_else(pc.fill_null(pc.equal(col, ""), False), pa.scalar(None, col.type), col)
+
+
+def _core_rows(tags: Any) -> np.ndarray:
+    """Per row of a list-of-strings ``tags`` column: whether ``core`` is among them (column-wise)."""
+    tags = tags.combine_chunks() if isinstance(tags, pa.ChunkedArray) else tags
+    out = np.zeros(len(tags), dtype=bool)
+    if len(tags) == 0:
+        return out
+    flat = _plain(pc.list_flatten(tags))
+    parents = np.asarray(pc.list_parent_indices(tags).to_numpy(), dtype=np.int64)
+    hit = np.asarray(pc.fill_null(pc.equal(flat, "core"), False).to_numpy(zero_copy_only=False), dtype=bool)
+    out[parents[hit]] = True
+    return out
+
+
 def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
+    """One row per (torch-level API, ATen op it dispatched); built column-wise (a trace of small ops
+    has one call per op: no per-call or per-op Python work)."""
     if calls.num_rows and "compiled" in calls.column_names:
         # calls made by torch.compile'd code (Inductor's extern kernels) are the compiler's, not the user's API use
         calls = calls.filter(pc.invert(pc.fill_null(calls.column("compiled"), False)))
     if calls.num_rows == 0:
         return S.empty("api")
-    qual = calls.column("qualname").to_pylist()
-    names = calls.column("name").to_pylist()
-    n_ops_col = calls.column("n_ops").fill_null(-1).to_numpy() if "n_ops" in calls.column_names else None
-    call_ids = calls.column("call_id").to_numpy()
-    pos = {int(c): i for i, c in enumerate(call_ids)}
-    # per API: calls, calls that dispatched nothing
-    per_api: Dict[str, Dict[str, Any]] = {}
-    direct = np.zeros(len(qual), np.int64)
+    n_calls_total = calls.num_rows
+    # each call's API: its qualname, else its name, else "?"; as codes into one dictionary
+    api_str = pc.coalesce(_nonempty(calls.column("qualname")), _nonempty(calls.column("name")), pa.scalar("?"))
+    enc = pc.dictionary_encode(api_str)
+    api_codes = np.asarray(enc.indices.to_numpy(), dtype=np.int64)
+    api_names: List[str] = enc.dictionary.to_pylist()
+    n_api = len(api_names)
+    first_call = np.full(n_api, n_calls_total, dtype=np.int64)
+    np.minimum.at(first_call, api_codes, np.arange(n_calls_total, dtype=np.int64))
+    call_name = _plain(calls.column("name"))
+    api_name_of = call_name.take(pa.array(first_call)).to_pylist()   # the name of each API's first call
+    n_ops_col = (np.asarray(pc.fill_null(calls.column("n_ops"), -1).to_numpy(), dtype=np.int64)
+                 if "n_ops" in calls.column_names else None)
+    call_ids = np.asarray(pc.fill_null(calls.column("call_id"), -1).to_numpy(), dtype=np.int64)
+    order = np.argsort(call_ids, kind="stable")
+    sorted_ids = call_ids[order]
+    # per call: the ops attributed to it directly (ops.call_id)
+    direct = np.zeros(n_calls_total, np.int64)
+    idx = np.zeros(0, np.int64)
+    ok = np.zeros(0, bool)
     if ops.num_rows:
-        oc = ops.column("call_id").fill_null(-1).to_numpy()
-        idx = np.array([pos.get(int(c), -1) for c in oc], dtype=np.int64) if len(oc) else np.zeros(0, np.int64)
-        ok = idx >= 0
+        oc = np.asarray(pc.fill_null(ops.column("call_id"), -1).to_numpy(), dtype=np.int64)
+        k = np.minimum(np.searchsorted(sorted_ids, oc), max(len(sorted_ids) - 1, 0))
+        ok = (oc >= 0) & (sorted_ids[k] == oc)
+        idx = np.where(ok, order[k], -1)
         np.add.at(direct, idx[ok], 1)
-    for i, q in enumerate(qual):
-        q = q or names[i] or "?"
-        a = per_api.setdefault(q, dict(name=names[i], n_calls=0, no_op=0))
-        a["n_calls"] += 1
-        total = n_ops_col[i] if n_ops_col is not None and n_ops_col[i] >= 0 else direct[i]
-        if total == 0 and direct[i] == 0:
-            a["no_op"] += 1
+    total = np.where(n_ops_col >= 0, n_ops_col, direct) if n_ops_col is not None else direct
+    no_op_call = (total == 0) & (direct == 0)
+    api_calls = np.bincount(api_codes, minlength=n_api)
+    api_no_op = np.bincount(api_codes, weights=no_op_call.astype(np.float64), minlength=n_api).astype(np.int64)
     rows: List[Dict[str, Any]] = []
-    seen_api = set()
-    if ops.num_rows:
-        sel = np.nonzero(ok)[0]
-        if len(sel):
-            sub = ops.take(pa.array(sel))
-            api_of = [qual[j] or names[j] or "?" for j in idx[sel]]
-            tags = sub.column("tags").to_pylist()
-            core = ["core" in (tg or []) for tg in tags]
-            work = pa.table({
-                "api": pa.array(api_of, pa.string()),
-                "op": sub.column("op"),
-                "cpu_ns": sub.column("cpu_ns"),
-                "core": pa.array(core, pa.bool_()),
-                "hidden": pc.cast(sub.column("hidden_copy").fill_null(False), pa.int64()),
-            })
-            g = work.group_by(["api", "op"]).aggregate([("cpu_ns", "sum"), ("cpu_ns", "count"), ("core", "max"),
-                                                         ("hidden", "sum")])
-            for r in g.to_pylist():
-                a = per_api[r["api"]]
-                seen_api.add(r["api"])
-                rows.append(dict(qualname=r["api"], name=a["name"], n_calls=a["n_calls"], no_op_calls=a["no_op"],
-                                 op=r["op"], n_ops=r["cpu_ns_count"],
-                                 ops_per_call=r["cpu_ns_count"] / max(a["n_calls"], 1),
-                                 cpu_ns=r["cpu_ns_sum"], core=bool(r["core_max"]), hidden_copies=r["hidden_sum"]))
-    for q, a in per_api.items():
-        if q not in seen_api:
-            rows.append(dict(qualname=q, name=a["name"], n_calls=a["n_calls"], no_op_calls=a["no_op"], op=None,
-                             n_ops=0, ops_per_call=0.0, cpu_ns=0, core=None, hidden_copies=0))
+    seen_api = np.zeros(n_api, dtype=bool)
+    sel = np.nonzero(ok)[0]
+    if len(sel):
+        sub = ops.select(["op", "cpu_ns", "tags", "hidden_copy"])
+        if len(sel) != ops.num_rows:   # every op inside a call (the usual case): no take
+            sub = sub.take(pa.array(sel))
+        work = pa.table({
+            "api": pa.array(api_codes[idx[sel]], pa.int64()),
+            "op": sub.column("op"),
+            "cpu_ns": sub.column("cpu_ns"),
+            "core": pa.array(_core_rows(sub.column("tags")), pa.bool_()),
+            "hidden": pc.cast(sub.column("hidden_copy").fill_null(False), pa.int64()),
+        })
+        g = work.group_by(["api", "op"]).aggregate([("cpu_ns", "sum"), ("cpu_ns", "count"), ("core", "max"),
+                                                     ("hidden", "sum")])
+        for r in g.to_pylist():   # one row per (API, op): few
+            c = r["api"]
+            seen_api[c] = True
+            n = int(api_calls[c])
+            rows.append(dict(qualname=api_names[c], name=api_name_of[c], n_calls=n, no_op_calls=int(api_no_op[c]),
+                             op=r["op"], n_ops=r["cpu_ns_count"], ops_per_call=r["cpu_ns_count"] / max(n, 1),
+                             cpu_ns=r["cpu_ns_sum"], core=bool(r["core_max"]), hidden_copies=r["hidden_sum"]))
+    for c in np.nonzero(~seen_api)[0].tolist():
+        rows.append(dict(qualname=api_names[c], name=api_name_of[c], n_calls=int(api_calls[c]),
+                         no_op_calls=int(api_no_op[c]), op=None, n_ops=0, ops_per_call=0.0, cpu_ns=0, core=None,
+                         hidden_copies=0))
     rows.sort(key=lambda r: (-(r["cpu_ns"] or 0), r["qualname"], r["op"] or ""))
     return pa.Table.from_pylist(rows, schema=S.API) if rows else S.empty("api")
 

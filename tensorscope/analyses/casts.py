@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import COMPLEX_BITS, COPY_INTO_OPS, FLOAT_BITS, INT_BITS, NoGC, itemsize
-from .layout import call_names, numel, short_name, take_rows
+from .layout import CallNames, call_names, numel, short_name, take_rows
 
 #: ops that materialise a conversion of their (first) input
 CAST_OPS = frozenset({"_to_copy", "to", "type_as", "_autocast_to_reduced_precision", "_autocast_to_full_precision",
@@ -219,9 +219,11 @@ def _analyse_uncached(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
     names = call_names(calls)
     autocast = {}
     if calls is not None and calls.num_rows:
-        for cid, ac in zip(calls.column("call_id").to_pylist(), calls.column("autocast").to_pylist()):
-            if ac:
-                autocast[cid] = ac
+        on = calls.filter(pc.invert(pc.or_kleene(pc.is_null(calls.column("autocast")),
+                                                 pc.equal(calls.column("autocast"), ""))))
+        # only the calls that ran under autocast (usually none: no per-call Python work)
+        for cid, ac in zip(on.column("call_id").to_pylist(), on.column("autocast").to_pylist()):
+            autocast[cid] = ac
 
     # candidates: rows with more than one distinct dtype among inputs and outputs
     idx = _mixed_dtype_rows(ops)
@@ -229,7 +231,7 @@ def _analyse_uncached(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
         return _cast_rows(take_rows(ops, idx, _COLS), names, autocast)
 
 
-def _cast_rows(rows: List[Dict[str, Any]], names: Dict[int, str],
+def _cast_rows(rows: List[Dict[str, Any]], names: CallNames,
                autocast: Any) -> Tuple[pa.Table, int]:
     out: Dict[str, List[Any]] = {f.name: [] for f in S.CASTS}
     #: kind of each forward materialised cast by seq (backward casts inherit it)

@@ -106,13 +106,36 @@ def true_rows(col: Any) -> np.ndarray:
     return np.nonzero(np.asarray(arr.to_numpy(zero_copy_only=False), dtype=bool))[0].astype(np.int64)
 
 
-def call_names(calls: pa.Table) -> Dict[int, str]:
-    """call_id -> torch-level call name."""
-    if calls is None or calls.num_rows == 0:
-        return {}
-    ids = calls.column("call_id").to_pylist()
-    names = calls.column("name").to_pylist()
-    return {i: n for i, n in zip(ids, names) if i is not None}
+class CallNames:
+    """call_id -> torch-level call name, looked up on demand: a trace of small ops has one call per
+    op, and a dict of every call costs far more than the few lookups an analysis makes."""
+
+    __slots__ = ("_ids", "_order", "_names")
+
+    def __init__(self, calls: Optional[pa.Table]) -> None:
+        if calls is None or calls.num_rows == 0:
+            self._ids = np.zeros(0, np.int64)
+            self._order = np.zeros(0, np.int64)
+            self._names: Optional[pa.ChunkedArray] = None
+            return
+        ids = np.asarray(pc.fill_null(calls.column("call_id"), -1).to_numpy(), dtype=np.int64)
+        self._order = np.argsort(ids, kind="stable")
+        self._ids = ids[self._order]
+        self._names = calls.column("name")
+
+    def get(self, call_id: Optional[int], default: Optional[str] = None) -> Optional[str]:
+        if call_id is None or self._names is None or call_id < 0:
+            return default
+        k = int(np.searchsorted(self._ids, call_id))
+        if k < len(self._ids) and self._ids[k] == call_id:
+            v = self._names[int(self._order[k])].as_py()
+            return v if v is not None else default
+        return default
+
+
+def call_names(calls: Optional[pa.Table]) -> CallNames:
+    """call_id -> torch-level call name (``.get(call_id)``)."""
+    return CallNames(calls)
 
 
 def take_rows(ops: pa.Table, idx: np.ndarray, cols: Sequence[str] = _COLS) -> List[Dict[str, Any]]:
@@ -263,7 +286,7 @@ def layout_changes(ops: pa.Table, calls: pa.Table) -> pa.Table:
         return _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx)
 
 
-def _layout_rows(ops: pa.Table, names: Dict[int, str], want: np.ndarray, fmt_idx: np.ndarray,
+def _layout_rows(ops: pa.Table, names: CallNames, want: np.ndarray, fmt_idx: np.ndarray,
                  hid_idx: np.ndarray, nd_idx: np.ndarray) -> pa.Table:
     rows = dict(zip(want.tolist(), take_rows(ops, want)))
     fmt_set, hid_set, nd_set = set(fmt_idx.tolist()), set(hid_idx.tolist()), set(nd_idx.tolist())

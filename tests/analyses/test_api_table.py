@@ -73,3 +73,31 @@ def test_empty_and_saved(tmp_path):
     back = tensorscope.load(t.save(tmp_path / "a"))
     assert back.api.to_pylist() == t.api.to_pylist()
     assert back.sql("select sum(n_ops) as n from api where qualname = 'torch.nn.functional.gelu'")["n"][0] >= 1
+
+
+def test_calls_out_of_order_and_ops_outside_calls():
+    # the table is built column-wise: call ids looked up by sorting, not by a dict per call; shuffled
+    # calls, an op whose call is not in the table and an empty qualname must give the same rows
+    import pyarrow as pa
+
+    x = torch.randn(4, 4)
+    with tensorscope.trace(leaks=False) as t:
+        for _ in range(3):
+            x = (x + 1).relu()
+        x.float()                           # a call that dispatches nothing
+    ref = api_table(t.ops, t.calls)
+    perm = list(reversed(range(t.calls.num_rows)))
+    shuffled = t.calls.take(pa.array(perm))
+    assert api_table(t.ops, shuffled).equals(ref)
+    # drop the first call: its ops are outside every call now and leave the table
+    first = t.calls.column("call_id")[0].as_py()
+    rest = t.calls.filter(pa.compute.not_equal(t.calls.column("call_id"), first))
+    got = api_table(t.ops, rest)
+    assert sum(got.column("n_ops").to_pylist()) == sum(ref.column("n_ops").to_pylist()) - sum(
+        1 for c in t.ops.column("call_id").to_pylist() if c == first)
+    # an empty qualname falls back to the call's name, as a missing one does
+    q = t.calls.column("qualname").cast(pa.string())
+    blank = t.calls.set_column(t.calls.schema.get_field_index("qualname"), "qualname",
+                               pa.array(["" for _ in range(len(q))], pa.string()))
+    names = set(api_table(t.ops, blank).column("qualname").to_pylist())
+    assert names == set(t.calls.column("name").to_pylist())
