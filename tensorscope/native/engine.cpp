@@ -607,31 +607,38 @@ inline bool bad(T x) {
 inline bool bad(float x) { return !std::isfinite(x); }
 inline bool bad(double x) { return !std::isfinite(x); }
 
-// Contiguous runs: an exponent-bits test on the raw integers, which the compiler
-// vectorises (std::isfinite on floats often is not, at -O2).
-inline int64_t count_run(const float* p, int64_t n) {
-  const uint32_t* u = reinterpret_cast<const uint32_t*>(p);
+// Contiguous runs: an exponent-bits test on the raw integers, counted into a 32-bit accumulator
+// per block of 2^20 values: GCC vectorises that loop at -O3 (8x faster than the int64 count at
+// -O2 on a 64 KiB weight gradient: 2.2 vs 17.7 us here), so these few functions ask for -O3;
+// clang vectorises it at -O2 and ignores the attribute.
+#if defined(__GNUC__) && !defined(__clang__)
+#define TS_VECTORISE __attribute__((optimize("O3")))
+#else
+#define TS_VECTORISE
+#endif
+template <typename U, U kMask, typename Acc = uint32_t>
+TS_VECTORISE int64_t count_exp_all_ones(const U* u, int64_t n) {
   int64_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += (u[i] & 0x7f800000u) == 0x7f800000u;
+  int64_t i = 0;
+  while (i < n) {
+    const int64_t e = (n - i) < (int64_t(1) << 20) ? n : i + (int64_t(1) << 20);
+    Acc cc = 0;
+    for (; i < e; ++i) cc += (u[i] & kMask) == kMask;
+    c += cc;
+  }
   return c;
+}
+inline int64_t count_run(const float* p, int64_t n) {
+  return count_exp_all_ones<uint32_t, 0x7f800000u>(reinterpret_cast<const uint32_t*>(p), n);
 }
 inline int64_t count_run(const double* p, int64_t n) {
-  const uint64_t* u = reinterpret_cast<const uint64_t*>(p);
-  int64_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += (u[i] & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-  return c;
+  return count_exp_all_ones<uint64_t, 0x7ff0000000000000ull, uint64_t>(reinterpret_cast<const uint64_t*>(p), n);
 }
 inline int64_t count_run(const c10::Half* p, int64_t n) {
-  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
-  int64_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += (u[i] & 0x7c00u) == 0x7c00u;
-  return c;
+  return count_exp_all_ones<uint16_t, 0x7c00u>(reinterpret_cast<const uint16_t*>(p), n);
 }
 inline int64_t count_run(const c10::BFloat16* p, int64_t n) {
-  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
-  int64_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += (u[i] & 0x7f80u) == 0x7f80u;
-  return c;
+  return count_exp_all_ones<uint16_t, 0x7f80u>(reinterpret_cast<const uint16_t*>(p), n);
 }
 
 template <typename T>

@@ -341,3 +341,25 @@ def test_low_precision_dtype_arguments_are_widened_in_the_reference():
         s = x.sum(dtype=torch.float16)       # float32 input, float16 result: inf
     (r,) = _op_rows(t, "aten.sum.default")
     assert math.isinf(s.item()) and r["num_rel_err"] == math.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_native_screen_counts_exactly_across_blocks_and_strides(dtype):
+    # the engine's vectorised count works in blocks of 2^20 values and on strided rows: non-finite
+    # values at the edges of blocks, in a transposed view and in a gapped slice are all counted
+    n = (1 << 20) + 37
+    x = torch.zeros(n, dtype=dtype)
+    for i in (0, 1, (1 << 20) - 1, 1 << 20, n - 1):
+        x[i] = float("inf")
+    x[5] = float("nan")
+    x[(1 << 20) + 3] = float("-inf")
+    m = torch.zeros(64, 48, dtype=dtype)
+    m[3, 5] = m[63, 47] = m[0, 0] = m[0, 1] = float("nan")
+    with tensorscope.trace(leaks=False, engine="auto") as t:
+        a = x * 1                          # contiguous, over a block boundary
+        b = m.t() * 1                      # a permuted output keeps the strides of its input
+        c = m[::2, 1::3].contiguous() * 1  # one of the four lands in the gapped slice (the copy counts it)
+    assert int((~torch.isfinite(a)).sum()) == 7 and _nf(t, "aten.mul.Tensor")[0] == (7, False)
+    assert _nf(t, "aten.mul.Tensor")[1] == (4, False) and int((~torch.isfinite(b)).sum()) == 4
+    assert int((~torch.isfinite(c)).sum()) == 1
+    assert _nf(t, "aten.clone.default") == [(1, False)] and _nf(t, "aten.mul.Tensor")[2] == (1, False)
