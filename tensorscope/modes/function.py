@@ -238,35 +238,34 @@ _C_PRINTING = 4
 
 class _LiveCalls(CallStore):
     """``rec.calls`` while the native function mode records: the rows live in C until it hands them
-    over, then in one int64 matrix (no per-row Python work either way)."""
+    over, then in the structured array it handed over, read a field at a time (no per-row Python
+    work either way, and no int64 matrix of every call: a build reads columns)."""
 
     def __init__(self, fm):
         super().__init__(CALL_FIELDS)
         self._fm = fm
-        self._matrix: Optional[np.ndarray] = None
+        self._rows: Optional[np.ndarray] = None
 
     def field(self, call_id: int, k: int) -> int:
         if self._fm is not None:
             v = self._fm.field(call_id, k)
             return 0 if v is None else v
-        if self._matrix is not None:
-            return int(self._matrix[call_id, k])
+        if self._rows is not None:
+            return int(self._rows[self.fields[k]][call_id])
         return super().field(call_id, k)
 
     def full_matrix(self) -> np.ndarray:
-        return self._matrix if self._matrix is not None else super().full_matrix()
+        if self._rows is None:
+            return super().full_matrix()
+        return np.stack([self.column(name) for name in self.fields], axis=1)
 
     def column(self, name: str) -> np.ndarray:
-        if self._matrix is not None:
-            return np.ascontiguousarray(self._matrix[:, self.fields.index(name)])
+        if self._rows is not None:
+            return self._rows[name].astype(np.int64)   # a contiguous copy, widened
         return super().column(name)
 
     def handover(self, raw: bytes, n: int) -> None:
-        rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)
-        m = np.empty((n, len(self.fields)), dtype=np.int64)
-        for i, name in enumerate(self.fields):
-            m[:, i] = rows[name]
-        self._matrix = m
+        self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)
         self._fm = None
         self.base = n
 
