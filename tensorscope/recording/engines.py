@@ -31,12 +31,14 @@ import threading
 import weakref
 from array import array
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
 from .._common import CompileCallbacks
 from .recorder import F_BACKWARD, OPS_FIELDS, pack, unpack
+
+_T = TypeVar("_T")
 
 ENGINES = ("auto", "native", "python")
 
@@ -100,14 +102,15 @@ def select_engine(options) -> EngineChoice:
     return EngineChoice("native", reason, ext)
 
 
-def unobserved(fn):
+def unobserved(fn: Callable[[], _T]) -> _T:
     """``fn()`` with RecordFunction off on this thread when the native engine is loaded (so neither
     torch.profiler nor an observer sees tensorscope's own probe ops); else just ``fn()``."""
     from ..native import loaded_engine
 
     ext = loaded_engine()
     if ext is not None and hasattr(ext, "unobserved"):
-        return ext.unobserved(fn)
+        out: _T = ext.unobserved(fn)
+        return out
     return fn()
 
 

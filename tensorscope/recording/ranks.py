@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _process_run_id: Optional[str] = None
 _STORE_KEY = "tensorscope/run_id"
-_gloo_group = None
+_gloo_group: Any = None   # a torch ProcessGroup, made once
 
 
 def sanitize_run_id(s: str) -> str:
@@ -59,7 +59,8 @@ def env_identity() -> Dict[str, Any]:
     return {"rank": 0, "world_size": 1, "local_rank": 0, "rank_source": "default"}
 
 
-def _dist():
+def _dist() -> Any:
+    """``torch.distributed`` when a process group is live, else None."""
     try:
         import torch.distributed as dist
 
@@ -88,7 +89,7 @@ def _device() -> str:
     try:
         import torch
 
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # unannotated in torch
             return f"cuda:{torch.cuda.current_device()}"
     except Exception:
         pass
@@ -98,7 +99,7 @@ def _device() -> str:
 class DistContext:
     """What one trace learns about its rank; holds no process group, no tensor."""
 
-    def __init__(self, sync_clocks: bool = False, sync_timeout_s: float = 10.0):
+    def __init__(self, sync_clocks: bool = False, sync_timeout_s: float = 10.0) -> None:
         self.identity = env_identity()
         self.run_id: Optional[str] = None
         self.run_source: Optional[str] = None
@@ -111,7 +112,7 @@ class DistContext:
         self.anchor_unix_ns = 0
         self.anchor_perf_ns = 0
 
-    def set_anchor(self, perf_ns: int):
+    def set_anchor(self, perf_ns: int) -> None:
         """Anchor the trace start (perf_counter ``perf_ns``) to the wall clock."""
         now_perf, now_unix = time.perf_counter_ns(), time.time_ns()
         self.anchor_perf_ns = perf_ns
@@ -137,7 +138,7 @@ class DistContext:
             elif end:
                 self.clock_end = self._sync(dist)
 
-    def _agree_run_id(self, dist) -> None:
+    def _agree_run_id(self, dist: Any) -> None:
         fixed = self._fixed_run_id()
         if fixed is not None:
             self.run_id, self.run_source = fixed
@@ -177,7 +178,7 @@ class DistContext:
                 "host": socket.gethostname(), "pid": os.getpid(), "device": _device(), "backend": self.backend}
 
     # -- clocks -----------------------------------------------------------------
-    def _sync(self, dist) -> Optional[Tuple[int, int]]:
+    def _sync(self, dist: Any) -> Optional[Tuple[int, int]]:
         try:
             return ping_pong(dist, timeout_s=self.sync_timeout_s)
         except Exception as e:
@@ -185,7 +186,7 @@ class DistContext:
             return None
 
 
-def _gloo(dist):
+def _gloo(dist: Any) -> Any:
     """A gloo group for the ping-pong: the default one when it is gloo (no new collective)."""
     global _gloo_group
     if str(dist.get_backend()) == "gloo":
@@ -195,7 +196,7 @@ def _gloo(dist):
     return _gloo_group
 
 
-def ping_pong(dist, rounds: int = 16, timeout_s: float = 10.0) -> Tuple[int, int]:
+def ping_pong(dist: Any, rounds: int = 16, timeout_s: float = 10.0) -> Tuple[int, int]:
     """(offset_ns, error_ns): add offset_ns to this rank's ``time_ns`` to get rank 0's; error is half
     the shortest round trip. Collective: every rank of the default group must call it."""
     import torch
@@ -213,14 +214,14 @@ def ping_pong(dist, rounds: int = 16, timeout_s: float = 10.0) -> Tuple[int, int
             group = _gloo(dist)
             buf = torch.zeros(2, dtype=torch.int64)
 
-            def wait(w):
+            def wait(w: Any) -> None:
                 left = deadline - time.monotonic()
                 if left <= 0 or not w.wait(timedelta(seconds=max(left, 0.001))):
                     raise TimeoutError(f"clock ping-pong exceeded {timeout_s:.0f} s")
 
             if rank == 0:
                 for r in range(1, world):
-                    best = None
+                    best: Optional[Tuple[int, int]] = None
                     for _ in range(rounds):
                         t1 = time.time_ns()
                         wait(dist.isend(buf, dst=r, group=group))
