@@ -23,7 +23,7 @@ decoded to ``pg_name``/``pg_size``/``reduce_op``. Nothing keeps a tensor or a
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -35,13 +35,13 @@ NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 NOT_COLLECTIVES = frozenset({"wait_tensor", "_wrap_tensor_autograd", "monitored_barrier_"})
 
 
-def is_collective(op) -> bool:
+def is_collective(op: Any) -> bool:
     name = str(op)
     ns, _, rest = name.partition(".")
     return ns in NAMESPACES and rest.split(".")[0] not in NOT_COLLECTIVES
 
 
-def _tensor_bytes(x) -> int:
+def _tensor_bytes(x: Any) -> int:
     import torch
 
     if isinstance(x, torch.Tensor):
@@ -54,14 +54,14 @@ def _tensor_bytes(x) -> int:
     return 0
 
 
-def _script_type(o) -> str:
+def _script_type(o: Any) -> str:
     try:
-        return o._type().qualified_name()
+        return str(o._type().qualified_name())
     except Exception:
         return ""
 
 
-def _reduce_op_name(o) -> Optional[str]:
+def _reduce_op_name(o: Any) -> Optional[str]:
     try:
         import torch.distributed as dist
 
@@ -70,7 +70,7 @@ def _reduce_op_name(o) -> Optional[str]:
         return None
 
 
-def _pg_from_name(name: str):
+def _pg_from_name(name: str) -> Any:
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -82,7 +82,7 @@ def _pg_from_name(name: str):
 _OVERLOADS: Dict[str, Any] = {}
 
 
-def _overload(op):
+def _overload(op: Any) -> Any:
     """The OpOverload of ``op`` (an OpOverload already, or its name ``c10d.allreduce_.default``)."""
     if not isinstance(op, str):
         return op
@@ -99,7 +99,7 @@ def _overload(op):
     return found
 
 
-def _input_bytes(op, args) -> int:
+def _input_bytes(op: Any, args: Sequence[Any]) -> int:
     """Bytes this rank contributes: the tensor arguments the op does not write (allgather_'s
     inputs, not its outputs); for in-place collectives (allreduce_, broadcast_) the written ones."""
     schema = getattr(_overload(op), "_schema", None)
@@ -125,18 +125,18 @@ def _input_bytes(op, args) -> int:
 class CollectiveProbe:
     """Collects collective rows while a trace records. ``on_first`` runs once, at the first one."""
 
-    def __init__(self, on_first: Optional[Callable[[], None]] = None):
-        self.rows: List[tuple] = []
+    def __init__(self, on_first: Optional[Callable[[], None]] = None) -> None:
+        self.rows: List[Tuple[Any, ...]] = []   # the columns of table(), in its order
         self.done: Dict[int, int] = {}          # row index -> perf_counter_ns at completion
         self.counts: Dict[str, int] = {}        # pg_name -> collectives seen
         self._on_first = on_first
         self._names: Dict[Any, Optional[str]] = {}
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.rows)
 
-    def observe(self, seq: int, op, args, kwargs, outputs, start_perf_ns: Optional[int] = None,
-                end_perf_ns: Optional[int] = None) -> None:
+    def observe(self, seq: int, op: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], outputs: Any,
+                start_perf_ns: Optional[int] = None, end_perf_ns: Optional[int] = None) -> None:
         """One op of the trace (an OpOverload or its name; args in schema order). Without times, the
         op's start and duration are taken from its ``ops`` row when the table is built."""
         name = self._names.get(op)
@@ -148,7 +148,7 @@ class CollectiveProbe:
 
         pg_name: Optional[str] = None
         reduce_op: Optional[str] = None
-        pg_size = None
+        pg_size: Optional[int] = None
         short = name.split(".")[1] if "." in name else name
         args = tuple(args) + tuple((kwargs or {}).values())
         for a in args:
@@ -185,7 +185,7 @@ class CollectiveProbe:
             cb, self._on_first = self._on_first, None
             cb()
 
-    def _watch(self, i: int, outputs) -> None:
+    def _watch(self, i: int, outputs: Any) -> None:
         import torch
 
         outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
@@ -197,7 +197,7 @@ class CollectiveProbe:
                 except Exception:   # a backend without futures: done_ns stays null
                     return
 
-                def _done(_fut, i=i):
+                def _done(_fut: Any, i: int = i) -> None:
                     done[i] = _perf()
 
                 try:
