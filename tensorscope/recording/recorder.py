@@ -17,11 +17,28 @@ import os
 import shutil
 import tempfile
 from array import array
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    Iterator,
+    List,
+    Literal,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    overload,
+)
 
 import numpy as np
 
 from ..modes.meta import memory_format
+
+if TYPE_CHECKING:
+    from .build import _Links
 
 # ops row flags
 F_INPLACE = 1
@@ -41,8 +58,11 @@ TENSOR_COLUMNS = (
     ("module", "i"), ("call", "q"),
 )
 
+#: a frozen column: (base, narrow array) from ``pack``; ``unpack`` widens it back to int64
+Packed = Tuple[int, np.ndarray]
 
-def pack(a: np.ndarray):
+
+def pack(a: np.ndarray) -> Packed:
     """(base, narrow array): the column minus its minimum, in the smallest int type that holds it.
 
     Frozen chunks are most of a long trace's memory; ids, flags, times within a chunk
@@ -58,7 +78,7 @@ def pack(a: np.ndarray):
     return 0, a
 
 
-def unpack(packed) -> np.ndarray:
+def unpack(packed: Packed) -> np.ndarray:
     base, a = packed
     out = a.astype(np.int64)
     if base:
@@ -71,21 +91,21 @@ class Interner:
 
     __slots__ = ("ids", "values")
 
-    def __init__(self, reserve_none: bool = False):
+    def __init__(self, reserve_none: bool = False) -> None:
         self.ids: Dict[Any, int] = {}
         self.values: List[Any] = []
         if reserve_none:
             self.ids[None] = 0
             self.values.append(None)
 
-    def __call__(self, v) -> int:
+    def __call__(self, v: Any) -> int:
         i = self.ids.get(v)
         if i is None:
             i = self.ids[v] = len(self.values)
             self.values.append(v)
         return i
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.values)
 
 
@@ -98,10 +118,10 @@ class TensorMetas:
 
     __slots__ = ("ids", "shapes", "strides", "dtypes", "devices", "formats", "ambiguous", "nbytes", "itemsize")
 
-    def __init__(self):
-        self.ids: Dict[tuple, int] = {}
-        self.shapes: List[tuple] = []
-        self.strides: List[tuple] = []
+    def __init__(self) -> None:
+        self.ids: Dict[Tuple[Any, ...], int] = {}
+        self.shapes: List[Tuple[int, ...]] = []
+        self.strides: List[Optional[Tuple[int, ...]]] = []   # None: not strided
         self.dtypes: List[str] = []
         self.devices: List[str] = []
         self.formats: List[str] = []
@@ -109,19 +129,20 @@ class TensorMetas:
         self.nbytes: List[int] = []
         self.itemsize: List[int] = []
 
-    def add(self, key, shape, stride, dtype, device) -> int:
+    def add(self, key: Tuple[Any, ...], shape: Sequence[int], stride: Optional[Sequence[int]], dtype: Any,
+            device: Any) -> int:
         i = len(self.shapes)
         self.ids[key] = i
-        shape = tuple(shape)
-        stride = tuple(stride) if stride is not None else None
-        self.shapes.append(shape)
-        self.strides.append(stride)
+        shape_t = tuple(shape)
+        stride_t = tuple(stride) if stride is not None else None
+        self.shapes.append(shape_t)
+        self.strides.append(stride_t)
         self.dtypes.append(str(dtype).replace("torch.", ""))
         self.devices.append(str(device))
-        if stride is None:
+        if stride_t is None:
             fmt, amb = "non_strided", False
         else:
-            fmt, amb = memory_format(shape, stride)
+            fmt, amb = memory_format(shape_t, stride_t)
         self.formats.append(fmt)
         self.ambiguous.append(amb)
         try:
@@ -129,7 +150,7 @@ class TensorMetas:
         except Exception:
             isz = 0
         n = 1
-        for s in shape:
+        for s in shape_t:
             n *= s
         self.itemsize.append(isz)
         self.nbytes.append(n * isz)
@@ -139,12 +160,12 @@ class TensorMetas:
 class RowBuffer:
     """Rows of int64 fields, interleaved in one ``array('q')``."""
 
-    def __init__(self, fields):
+    def __init__(self, fields: Sequence[str]) -> None:
         self.fields = fields
         self.width = len(fields)
         self.data = array("q")
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.data) // self.width
 
     def matrix(self) -> np.ndarray:
@@ -169,12 +190,12 @@ class CallStore(RowBuffer):
     the first live row: live index = call_id - base.
     """
 
-    def __init__(self, fields):
+    def __init__(self, fields: Sequence[str]) -> None:
         super().__init__(fields)
         self.base = 0
-        self.frozen: List[Dict[str, Any]] = []
+        self.frozen: List[Dict[str, Packed]] = []
 
-    def freeze_below(self, keep_from: int):
+    def freeze_below(self, keep_from: int) -> None:
         n = keep_from - self.base
         if n <= 0:
             return
@@ -217,12 +238,12 @@ class CallStore(RowBuffer):
 class _Columns:
     """A set of ``array`` columns with chunk freezing."""
 
-    def __init__(self, spec):
+    def __init__(self, spec: Sequence[Tuple[str, str]]) -> None:
         self.spec = spec
         self.reset()
         self.frozen: List[Dict[str, np.ndarray]] = []
 
-    def reset(self):
+    def reset(self) -> None:
         for name, code in self.spec:
             setattr(self, name, array(code))
 
@@ -233,7 +254,7 @@ class _Columns:
         return chunk
 
 
-def _release_memory():
+def _release_memory() -> None:
     """After a spill's parts are written: return the Arrow memory pool's cached free buffers
     (jemalloc/mimalloc keep what decoding the parts used) to the OS; a long trace would otherwise
     hold that high-water as resident memory (~40 B/op of a 1M-op ``dataset=`` trace)."""
@@ -248,7 +269,7 @@ def _release_memory():
 class Recorder:
     """Holds everything one trace records. Plain values only: never a tensor."""
 
-    def __init__(self, chunk_rows: int = 65536, spill_rows: int = 2_000_000, spill_dir: Optional[str] = None):
+    def __init__(self, chunk_rows: int = 65536, spill_rows: int = 2_000_000, spill_dir: Optional[str] = None) -> None:
         self.chunk_rows = chunk_rows
         self.spill_rows = spill_rows
         self._spill_parent = spill_dir
@@ -256,8 +277,8 @@ class Recorder:
         self.n_spilled = 0
         self.spilled_chunks: List[str] = []
         self.spilled_counts: List[int] = []          # rows of each spilled chunk
-        self.links = None                             # build.py's backward->forward index (kept across decodes)
-        self.mem_chunks: List[Dict[str, np.ndarray]] = []
+        self.links: Optional[_Links] = None           # build.py's backward->forward index (kept across decodes)
+        self.mem_chunks: List[Dict[str, Packed]] = []   # frozen chunks: column -> pack()ed
         self.mem_rows = 0
         self.on_spill: Optional[Callable[[], None]] = None   # called after each spill (dataset=: decode the spilled rows into parts)
 
@@ -292,7 +313,7 @@ class Recorder:
         self.notes: List[str] = []
 
     # -- ops ---------------------------------------------------------------
-    def end_chunk(self):
+    def end_chunk(self) -> None:
         """Freeze the live op chunk (called every ``chunk_rows`` rows) into packed numpy columns."""
         chunk = self.ops.freeze()
         chunk["storages"] = np.frombuffer(self.storages, dtype=np.int64).copy()
@@ -306,12 +327,13 @@ class Recorder:
         if self.mem_rows > self.spill_rows:
             self._spill()
 
-    def _spill(self):
+    def _spill(self) -> None:
         if self.spill_path is None:
             self.spill_path = tempfile.mkdtemp(prefix="tensorscope-spill-", dir=self._spill_parent)
         for chunk in self.mem_chunks:
             path = os.path.join(self.spill_path, f"chunk-{len(self.spilled_chunks):06d}.npz")
-            arrays = {k: v for k, (_, v) in chunk.items()}
+            # Any: mypy would match a '**' dict of arrays against savez's keyword allow_pickle: bool
+            arrays: Dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
             arrays["__bases__"] = np.array([chunk[k][0] for k in sorted(chunk)], dtype=np.int64)
             np.savez(path, **arrays)   # numeric arrays only: no pickle is written or read
             self.spilled_chunks.append(path)
@@ -326,7 +348,16 @@ class Recorder:
                 self.tracer_error("on_spill", e)
             _release_memory()   # the decoded parts are written: give their buffers back
 
-    def iter_op_chunks(self, columns=None, from_seq: int = 0, with_start: bool = False):
+    @overload
+    def iter_op_chunks(self, columns: Optional[Collection[str]] = None, from_seq: int = 0,
+                       with_start: Literal[False] = False) -> Iterator[Dict[str, np.ndarray]]: ...
+
+    @overload
+    def iter_op_chunks(self, columns: Optional[Collection[str]] = None, from_seq: int = 0, *,
+                       with_start: Literal[True]) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]: ...
+
+    def iter_op_chunks(self, columns: Optional[Collection[str]] = None, from_seq: int = 0, with_start: bool = False
+                       ) -> Iterator[Union[Dict[str, np.ndarray], Tuple[int, Dict[str, np.ndarray]]]]:
         """Every op chunk in order as int64 columns (only ``columns`` when given), spilled ones
         read back from disk; chunks that end before ``from_seq`` are skipped unread. With
         ``with_start``: ``(seq of the chunk's first row, chunk)`` pairs."""
@@ -340,26 +371,26 @@ class Recorder:
                              if columns is None or k in columns}
                 yield (start, chunk) if with_start else chunk
             start += n
-        for chunk in self.mem_chunks:
-            n = len(chunk["op"][1])
+        for packed in self.mem_chunks:
+            n = len(packed["op"][1])
             if start + n > from_seq:
-                out = {k: unpack(v) for k, v in chunk.items() if columns is None or k in columns}
+                out = {k: unpack(v) for k, v in packed.items() if columns is None or k in columns}
                 yield (start, out) if with_start else out
             start += n
 
-    def close(self):
+    def close(self) -> None:
         if self.spill_path is not None:
             shutil.rmtree(self.spill_path, ignore_errors=True)
             self.spill_path = None
 
     # -- errors --------------------------------------------------------------
-    def add_error(self, **row) -> int:
+    def add_error(self, **row: Any) -> int:
         eid = len(self.errors)
         row["error_id"] = eid
         self.errors.append(row)
         return eid
 
-    def tracer_error(self, where: str, exc: BaseException):
+    def tracer_error(self, where: str, exc: BaseException) -> None:
         """A bug inside tensorscope: counted, never raised into user code."""
         self.n_tracer_errors += 1
         if len(self.tracer_errors) < 20:
