@@ -16,6 +16,7 @@ compiled artifact calls is then all we see, and the summary says so.
 from __future__ import annotations
 
 import time
+from typing import Any, Dict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,7 +56,7 @@ class OpInfo:
 
     __slots__ = ("op_id", "flags", "flop", "flop_at_build", "hook")
 
-    def __init__(self, rec, func, hook_namespaces=frozenset()):
+    def __init__(self, rec, func, hook_namespaces=frozenset()) -> None:
         self.op_id = rec.funcs(func)
         self.hook = bool(hook_namespaces) and getattr(func, "namespace", None) in hook_namespaces
         flags = 0
@@ -199,10 +200,10 @@ class TracingDispatchMode(TorchDispatchMode):
     def ignore_compile_internals(cls):
         return True
 
-    def __init__(self, session):
+    def __init__(self, session) -> None:
         super().__init__()
         self.s = session
-        self._infos = {}
+        self._infos: Dict[Any, OpInfo] = {}   # OpOverload -> its facts
         # autograd's sequence counter as the last op left it: a forward op created a node (and may
         # claim ``counter - 1``) only if the counter advanced since, so an op that created none
         # never claims a node made before the trace or by an op we did not record

@@ -232,7 +232,7 @@ class NonfiniteScreen:
     #: logic run, and be tested, on a machine without a GPU
     defer_cpu = False
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._infos: Dict[Any, _FuncInfo] = {}
         # key -> (version, finite) for CPU tensors that came out of a screened op
         self._memo: Dict[tuple, tuple] = {}

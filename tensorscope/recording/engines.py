@@ -31,14 +31,33 @@ import threading
 import weakref
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 import numpy as np
 
 from .._common import CompileCallbacks
-from .recorder import F_BACKWARD, OPS_FIELDS, pack, unpack
+from .recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
+
+if TYPE_CHECKING:
+    from ..options import TraceOptions
+    from .session import Session
 
 _T = TypeVar("_T")
+#: an op hook: ``fn(seq, op name, inputs, outputs)``
+OpHook = Callable[[int, str, Any, Any], Any]
 
 ENGINES = ("auto", "native", "python")
 
@@ -85,7 +104,7 @@ def _native_ext(wait: bool = True) -> Tuple[Any, str]:
     return ext, reason
 
 
-def select_engine(options) -> EngineChoice:
+def select_engine(options: TraceOptions) -> EngineChoice:
     """The engine a trace with ``options`` records with, and why."""
     want = getattr(options, "engine", "auto") or "auto"
     if want == "python":
@@ -128,11 +147,11 @@ def engine_status() -> Dict[str, Any]:
 # ---------------------------------------------------------------------------
 # op hooks: Python callbacks for the ops of chosen namespaces (collectives)
 # ---------------------------------------------------------------------------
-_OP_HOOKS: Dict[int, Tuple[frozenset, Any]] = {}
+_OP_HOOKS: Dict[int, Tuple[FrozenSet[str], OpHook]] = {}
 _next_hook = [0]
 
 
-def add_op_hook(namespaces, fn) -> int:
+def add_op_hook(namespaces: Union[str, Iterable[str]], fn: OpHook) -> int:
     """Call ``fn(seq, op, inputs, outputs)`` for every recorded op of ``namespaces`` (e.g.
     ``("c10d", "_c10d_functional")``), under both engines, in traces started afterwards.
 
@@ -157,20 +176,20 @@ def remove_op_hook(handle: int) -> None:
 class OpHooks:
     """The hooks of one trace (a snapshot taken at its start)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.hooks = list(_OP_HOOKS.values())
         self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
         self.errors: List[str] = []
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self.hooks)
 
-    def add(self, namespaces, fn) -> None:
+    def add(self, namespaces: Iterable[str], fn: OpHook) -> None:
         """A hook of this trace only (the session's own probes: the collectives table)."""
         self.hooks.append((frozenset(namespaces), fn))
         self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
 
-    def __call__(self, seq, name, inputs, outputs):
+    def __call__(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
         name = name.replace("::", ".", 1)
         ns = name.split(".", 1)[0]
         for nss, fn in self.hooks:
@@ -182,12 +201,12 @@ class OpHooks:
                         self.errors.append(f"op hook {getattr(fn, '__name__', fn)!s} on {name}: {type(e).__name__}: {e}")
 
 
-def exit_mode(mode, stack_fn):
+def exit_mode(mode: Any, stack_fn: Callable[[], Sequence[Any]]) -> None:
     """Pop ``mode``, also when user code left other modes above it (they are re-pushed)."""
     stack = stack_fn()
     if not any(m is mode for m in stack):
         return
-    above = []
+    above: List[Any] = []
     if stack and stack[-1] is not mode:
         while stack_fn() and stack_fn()[-1] is not mode:
             top = stack_fn()[-1]
@@ -204,11 +223,11 @@ def exit_mode(mode, stack_fn):
 class PythonEngine:
     name = "python"
 
-    def __init__(self, choice: EngineChoice):
+    def __init__(self, choice: EngineChoice) -> None:
         self.choice = choice
-        self._mode = None
+        self._mode: Any = None   # a TracingDispatchMode (torch's TorchDispatchMode is unannotated)
 
-    def start(self, sess):
+    def start(self, sess: Session) -> None:
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # noqa: F401
 
         from ..modes.dispatch import TracingDispatchMode
@@ -216,7 +235,7 @@ class PythonEngine:
         self._mode = TracingDispatchMode(sess)
         self._mode.__enter__()
 
-    def stop(self, sess):
+    def stop(self, sess: Session) -> None:
         if self._mode is None:
             return
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -224,7 +243,7 @@ class PythonEngine:
         mode, self._mode = self._mode, None
         exit_mode(mode, _get_current_dispatch_mode_stack)
 
-    def finish(self, sess):
+    def finish(self, sess: Session) -> None:
         pass
 
 
@@ -234,21 +253,21 @@ class PythonEngine:
 class NativeEngine:
     name = "native"
 
-    def __init__(self, choice: EngineChoice):
+    def __init__(self, choice: EngineChoice) -> None:
         self.choice = choice
         self.ext = choice.ext
         self.running = False
         self.data: Optional[Dict[str, Any]] = None
         self._reset(None)
 
-    def _reset(self, sess):
+    def _reset(self, sess: Optional[Session]) -> None:
         self._sess = sess
         self._op_flags = np.zeros(0, dtype=np.int64)   # per engine op id: schema flags | 1<<40 (FLOPs at build)
-        self._encs: List[tuple] = []                   # interned argument encodings (FLOP formulas)
+        self._encs: List[Tuple[int, ...]] = []                 # interned argument encodings (FLOP formulas)
         self._row_args = np.zeros((0, 2), dtype=np.int64)   # (seq, encoding id)
         self.opaque_rows = 0
 
-    def start(self, sess):
+    def start(self, sess: Session) -> None:
         opts = sess.options
         hooks = sess.op_hooks
         self._reset(sess)
@@ -260,13 +279,13 @@ class NativeEngine:
         self.running = True
         self._compile_callbacks()
 
-    def _compile_callbacks(self):
+    def _compile_callbacks(self) -> None:
         """Hide what torch.compile runs while it compiles (Dynamo probes ops; a dispatch mode is
         disabled then, the observer is not)."""
         ext = self.ext
-        self._cb = CompileCallbacks(lambda *a, **k: ext.pause(True), lambda *a, **k: ext.pause(False))
+        self._cb: Optional[CompileCallbacks] = CompileCallbacks(lambda *a, **k: ext.pause(True), lambda *a, **k: ext.pause(False))
 
-    def stop(self, sess):
+    def stop(self, sess: Session) -> None:
         if self.running:
             self.running = False
             self.ext.stop()
@@ -278,7 +297,7 @@ class NativeEngine:
         raw = self.ext.take_warnings()
         if not raw:
             return []
-        out = []
+        out: List[Dict[str, Any]] = []
         for seq, msg, file, line, func, dep in raw:
             out.append({"seq": seq if seq >= 0 else None, "message": msg,
                         "category": "DeprecationWarning" if dep else "UserWarning",
@@ -286,11 +305,12 @@ class NativeEngine:
                         "cpp_function": func or None, "native": True})
         return out
 
-    def _on_full(self):
+    def _on_full(self) -> None:
         """Called by the engine, on the tracing thread between two ops, when its packed chunks
         passed ``spill_rows`` rows: move them into the recorder and spill them there (to disk, or
         as ``dataset=`` parts) as the python engine's recorder does. Never raises."""
         sess = self._sess
+        assert sess is not None   # set by start(): the engine calls this only while it runs
         try:
             self._take_chunks(sess, final=False)
             if sess.rec.mem_rows:
@@ -298,14 +318,14 @@ class NativeEngine:
         except Exception as e:
             sess.rec.tracer_error("native spill", e)
 
-    def _sync_dicts(self, sess, d):
+    def _sync_dicts(self, sess: Session, d: Dict[str, Any]) -> None:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
         import torch
 
         rec = sess.rec
         from ..modes.dispatch import OpInfo
 
-        flags_of = []
+        flags_of: List[int] = []
         for name in d["ops"]:
             func = _resolve_op(name)
             try:
@@ -319,7 +339,7 @@ class NativeEngine:
             self._op_flags = np.concatenate([self._op_flags, np.array(flags_of, dtype=np.int64)])
         metas = rec.metas
         base = len(metas.shapes)
-        dt_objs = {}
+        dt_objs: Dict[int, Any] = {}   # scalar type -> torch.dtype
         for i, v in enumerate(_seqs(d["metas"])):
             ndim, st, dev_t, dev_i, strided = v[:5]
             shape = tuple(v[5:5 + ndim])
@@ -343,7 +363,7 @@ class NativeEngine:
         for s_, c_, p_ in nf.tolist():
             rec.nonfinite[s_] = (c_, bool(p_))
 
-    def _take_chunks(self, sess, final: bool):
+    def _take_chunks(self, sess: Session, final: bool) -> None:
         """The engine's packed chunks into ``sess.rec.mem_chunks`` (the recorder's format: flags and
         FLOPs derived per distinct op), its new dictionary entries into the recorder's interners."""
         chunks, dicts = self.ext.take_chunks(final)
@@ -366,7 +386,7 @@ class NativeEngine:
             rec.mem_rows += int(n)
             rec.chunk_start = int(first + n)
 
-    def finish(self, sess):
+    def finish(self, sess: Session) -> None:
         """Move the native columns into ``sess.rec`` in the recorder's layout (build.py reads both alike)."""
         ext = self.ext
         self._take_chunks(sess, final=True)
@@ -411,13 +431,13 @@ class NativeEngine:
 class NativeStorages:
     """The storage view the leak finder reads (``ptrs``, ``live_created()``), from the native engine."""
 
-    def __init__(self, ext, ptrs: List[int]):
+    def __init__(self, ext: Any, ptrs: List[int]) -> None:
         self._ext = ext
         self.ptrs = ptrs
         self._live = None
 
-    def live_created(self):
-        out = []
+    def live_created(self) -> List[Tuple[int, Any]]:
+        out: List[Tuple[int, Any]] = []
         for sid, storage in self._ext.live_created():
             try:
                 out.append((sid, weakref.ref(storage)))
@@ -425,7 +445,7 @@ class NativeStorages:
                 continue
         return out
 
-    def close(self):
+    def close(self) -> None:
         try:
             self._ext.release()
         except Exception:
@@ -435,23 +455,23 @@ class NativeStorages:
 class NativeScreen:
     """The native non-finite screen's counters, with the python screen's op classification for build.py."""
 
-    def __init__(self, counters: Dict[str, int]):
+    def __init__(self, counters: Dict[str, int]) -> None:
         from ..modes.numerics import NonfiniteScreen
 
         self._cls = NonfiniteScreen()
         self.counters = dict(counters)
 
-    def screens(self, func) -> bool:
+    def screens(self, func: Any) -> bool:
         try:
             return self._cls.screens(func)
         except Exception:
             return False
 
-    def finish(self):
+    def finish(self) -> Dict[int, Tuple[int, bool]]:
         return {}
 
-    def report(self):
-        out = {k: int(v) for k, v in self.counters.items() if k != "device_unscreened" or v}
+    def report(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {k: int(v) for k, v in self.counters.items() if k != "device_unscreened" or v}
         out["engine"] = "native"
         return out
 
@@ -462,20 +482,20 @@ class _UnknownOp:
     tags = ()
     is_view = False
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self._name = name
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self._name
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self._name
 
 
 _OP_CACHE: Dict[str, Any] = {}
 
 
-def _resolve_op(name: str):
+def _resolve_op(name: str) -> Any:
     """'aten::add.Tensor' -> torch.ops.aten.add.Tensor (cached)."""
     f = _OP_CACHE.get(name)
     if f is not None:
@@ -492,20 +512,20 @@ def _resolve_op(name: str):
     return f
 
 
-def _dtype(torch, st: int):
+def _dtype(torch: Any, st: int) -> Any:
     name = _SCALAR_TYPES[st] if 0 <= st < len(_SCALAR_TYPES) else None
     dt = getattr(torch, name, None) if name else None
     if dt is None:
         class _D:
             itemsize = 0
 
-            def __str__(self):
+            def __str__(self) -> str:
                 return f"scalar_type_{st}"
         dt = _D()
     return dt
 
 
-def _seqs(pair) -> List[tuple]:
+def _seqs(pair: Sequence[Any]) -> List[Tuple[int, ...]]:
     """An interner's (arena, offsets) as tuples; offsets may start past 0 (a delta: the arena
     slice from the first entry handed over)."""
     arena = np.frombuffer(pair[0], dtype=np.int64)
@@ -524,7 +544,7 @@ def _flop_op_names() -> Tuple[str, ...]:
     if _FLOP_NAMES is None:
         from ..modes.dispatch import FLOP_REGISTRY, SHAPE_FLOP_OPS
 
-        names = []
+        names: List[str] = []
         for packet in FLOP_REGISTRY:
             q = getattr(packet, "_qualified_op_name", None)
             if q and q.split("::")[-1] not in SHAPE_FLOP_OPS:
@@ -533,10 +553,11 @@ def _flop_op_names() -> Tuple[str, ...]:
     return _FLOP_NAMES
 
 
-def _decode_args(enc, shapes):
+def _decode_args(enc: Sequence[int], shapes: Sequence[Tuple[int, ...]]) -> Tuple[List[Any], Any]:
     """(arguments, outputs) with shapes for tensors, from engine.cpp's encoding."""
-    out, i = [], 0
-    outs = None
+    out: List[Any] = []
+    i = 0
+    outs: Optional[List[Any]] = None
     while i < len(enc):
         tag = enc[i]
         i += 1
@@ -568,7 +589,8 @@ def _decode_args(enc, shapes):
     return outs, (out[0] if len(out) == 1 else tuple(out))
 
 
-def _formula_flops(flops, op, outs, first_seq, row_args, encs, rec):
+def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_seq: int, row_args: np.ndarray,
+                   encs: Sequence[Tuple[int, ...]], rec: Recorder) -> None:
     """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
     (op, arguments, outputs), for the chunk of rows from ``first_seq``: the formulas take shapes,
     so the interned metas suffice. ``row_args``: (seq, argument encoding id) rows."""
@@ -601,5 +623,5 @@ def _formula_flops(flops, op, outs, first_seq, row_args, encs, rec):
     flops[todo] = vals[inv.reshape(-1)]
 
 
-def make_engine(choice: EngineChoice):
+def make_engine(choice: EngineChoice) -> Union[NativeEngine, PythonEngine]:
     return NativeEngine(choice) if choice.name == "native" else PythonEngine(choice)

@@ -243,6 +243,10 @@ class _Columns:
         self.reset()
         self.frozen: List[Dict[str, np.ndarray]] = []
 
+    if TYPE_CHECKING:   # the columns are attributes named by ``spec`` (reset() sets them)
+        def __getattr__(self, name: str) -> array[int]: ...
+        def __setattr__(self, name: str, value: Any) -> None: ...
+
     def reset(self) -> None:
         for name, code in self.spec:
             setattr(self, name, array(code))

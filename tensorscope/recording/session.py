@@ -14,7 +14,7 @@ import dataclasses
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
@@ -127,9 +127,11 @@ class Session:
             source_file=file, source_line=line, native=bool(info.get("native", False)), count=1,
         )
 
-    def record_warnings(self, ws, *, call_id, seq, op=None):
+    def record_warnings(self, ws: Iterable[Mapping[str, Any]], *, call_id: Optional[int], seq: Optional[int],
+                        op: Optional[str] = None) -> None:
         rec = self.rec
-        file = line = None
+        file: Optional[str] = None
+        line: Optional[int] = None
         if call_id is not None and call_id >= 0:
             src = rec.calls.field(call_id, C_SRC)
             if src:
