@@ -3,15 +3,18 @@ drawing in ``render/diff.py``). Named ``_diff`` so the module never shadows the 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ._common import Displayable, fmt_bytes, fmt_ns
 
+if TYPE_CHECKING:
+    from ._trace import Trace
 
-def as_trace(x):
+
+def as_trace(x: Any) -> "Trace":
     """A Trace from a Trace, a finished ``trace()`` object, or a saved trace directory."""
     from ._trace import Trace
 

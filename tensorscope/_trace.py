@@ -157,7 +157,7 @@ class Trace:
         return self._plot
 
     # -- display -------------------------------------------------------------
-    def summary(self, display=None):
+    def summary(self, display: Any = None) -> Any:
         """A Summary (sections of rows) — what the notebook shows after a traced cell.
 
         ``display``: a ``DisplayOptions`` (how to show it, e.g. ``numerics_threshold``); the defaults when None."""

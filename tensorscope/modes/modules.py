@@ -57,7 +57,7 @@ _MOD_CODE = _WRAPPED_CODE or _IMPL_CODE   # one frame per module call (Module.__
 
 
 class ModuleTracker:
-    def __init__(self, rec):
+    def __init__(self, rec) -> None:
         self.rec = rec
         self.stack: List[int] = []       # kept for callers that look at it; always empty now
         self.current = 0                 # module id of the innermost running module (0: none)

@@ -45,7 +45,7 @@ back synchronises once per op.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -545,7 +545,7 @@ def rel_errors(real: Tensor, ref: Tensor) -> Tuple[float, float]:
 class NumericsShadow:
     """Recompute low-precision ops in a wider dtype; report the real output's error against it."""
 
-    def __init__(self, mode: str = "fp32"):
+    def __init__(self, mode: Union[str, bool, None] = "fp32"):
         if mode in (True, None):
             mode = "fp32"
         if mode not in ("fp32", "fp64"):

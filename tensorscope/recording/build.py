@@ -20,7 +20,7 @@ import os
 import platform
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +28,10 @@ import pyarrow as pa
 from .. import schema as S
 from .._common import COPYING_OPS, INEXACT_DTYPES, NOISE_OPS, ipython_shell
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
+
+if TYPE_CHECKING:
+    from .._trace import Trace
+    from .session import Session
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -825,7 +829,7 @@ def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     }
 
 
-def build_trace(sess):
+def build_trace(sess: Session) -> Trace:
     from .._trace import Trace
 
     rec = sess.rec

@@ -39,13 +39,19 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+
+if TYPE_CHECKING:
+    from .session import Session
+
+#: one structured-trace record kept: (name, metadata, compile key, payload, perf_counter_ns)
+Record = Tuple[str, Any, Tuple[Any, ...], Any, int]
 
 _KEEP = frozenset({
     "dynamo_start", "dynamo_output_graph", "dynamo_cpp_guards_str", "dynamo_guards", "compilation_metrics",
@@ -69,12 +75,12 @@ _GENERATED = re.compile(r"^c[a-z0-9]{20,}\.py$")
 class _Handler(logging.Handler):
     """Keeps the structured-trace records tensorscope reads. Never raises into PyTorch."""
 
-    def __init__(self, sink: List[Tuple]):
+    def __init__(self, sink: List[Record]) -> None:
         super().__init__(level=logging.DEBUG)
         self.sink = sink
         self.errors = 0
 
-    def emit(self, record):
+    def emit(self, record: logging.LogRecord) -> None:
         try:
             md = getattr(record, "metadata", None)
             if not isinstance(md, dict) or not md:
@@ -93,19 +99,19 @@ class _Handler(logging.Handler):
         except Exception:
             self.errors += 1
 
-    def handleError(self, record):   # never print a logging traceback into the user's cell
+    def handleError(self, record: logging.LogRecord) -> None:   # never print a logging traceback into the user's cell
         self.errors += 1
 
 
 class CompileCapture:
     """Installed by the session for the duration of a trace; ``close()`` removes it (idempotent)."""
 
-    def __init__(self):
-        self.records: List[Tuple] = []
-        self._handler = None
-        self._logger = None
+    def __init__(self) -> None:
+        self.records: List[Record] = []
+        self._handler: Optional[_Handler] = None
+        self._logger: Optional[logging.Logger] = None
 
-    def install(self):
+    def install(self) -> CompileCapture:
         try:
             from torch._logging._internal import trace_log
         except Exception:   # an older torch without structured tracing: nothing to capture
@@ -115,7 +121,7 @@ class CompileCapture:
         trace_log.addHandler(self._handler)
         return self
 
-    def close(self):
+    def close(self) -> None:
         if self._handler is not None and self._logger is not None:
             try:
                 self._logger.removeHandler(self._handler)
@@ -155,9 +161,11 @@ def _dims(text: str) -> List[int]:
     return out
 
 
-def parse_annotation(ann: Optional[str]):
+def parse_annotation(ann: Optional[str]) -> Tuple[List[List[int]], List[List[int]], List[str]]:
     """``"f32[3, 8][8, 1]cpu"`` -> ([[3, 8]], [[8, 1]], ["float32"]) (several for tuple outputs)."""
-    shapes, strides, dtypes = [], [], []
+    shapes: List[List[int]] = []
+    strides: List[List[int]] = []
+    dtypes: List[str] = []
     for m in _ANN_TENSOR.finditer(ann or ""):
         code = m.group(1)
         if code not in _DTYPES and not code.startswith(("f", "i", "u", "b", "c")):
@@ -168,7 +176,7 @@ def parse_annotation(ann: Optional[str]):
     return shapes, strides, dtypes
 
 
-def _short_target(target: str, locals_: set) -> str:
+def _short_target(target: str, locals_: Set[str]) -> str:
     if target.startswith("torch.ops."):
         return target[len("torch.ops."):]
     head = target.split(".", 1)[0]
@@ -186,8 +194,9 @@ def parse_graph(text: Optional[str]) -> List[Dict[str, Any]]:
     nodes: List[Dict[str, Any]] = []
     if not text:
         return nodes
-    locals_: set = set()
-    src_file = src_line = None
+    locals_: Set[str] = set()
+    src_file: Optional[str] = None
+    src_line: Optional[int] = None
     in_sig = False
     in_return = False
     for line in text.splitlines():
@@ -233,7 +242,8 @@ def parse_graph(text: Optional[str]) -> List[Dict[str, Any]]:
     return nodes
 
 
-def _add_node(nodes, name, op, ann, src_file, src_line):
+def _add_node(nodes: List[Dict[str, Any]], name: str, op: str, ann: Optional[str], src_file: Optional[str],
+              src_line: Optional[int]) -> None:
     shapes, strides, dtypes = parse_annotation(ann)
     nodes.append(dict(idx=len(nodes), name=name, op=op, shapes=shapes, strides=strides, dtypes=dtypes,
                       source_file=src_file, source_line=src_line))
@@ -289,7 +299,7 @@ def _guard_lines(text: Optional[str]) -> List[str]:
     return out
 
 
-def _reason(payload) -> Optional[str]:
+def _reason(payload: Any) -> Optional[str]:
     if payload is None:
         return None
     if isinstance(payload, str):
@@ -304,7 +314,7 @@ def _reason(payload) -> Optional[str]:
     return str(v)
 
 
-def _cid(key) -> str:
+def _cid(key: Tuple[Any, ...]) -> str:
     frame, fcid, _attempt, ca = key
     s = f"{frame}/{fcid}" if frame is not None else "?"
     return f"!{ca}/{s}" if ca is not None else s
@@ -312,11 +322,11 @@ def _cid(key) -> str:
 
 # -- records -> graph rows -------------------------------------------------------------------------------------
 
-def graphs_from_records(records: List[Tuple]) -> List[Dict[str, Any]]:
+def graphs_from_records(records: List[Record]) -> List[Dict[str, Any]]:
     """One dict per graph (with its ``nodes``), in compile order. Pure: strings in, dicts out."""
-    comps: "OrderedDict[Tuple, Dict[str, Any]]" = OrderedDict()
+    comps: "OrderedDict[Tuple[Any, ...], Dict[str, Any]]" = OrderedDict()
 
-    def comp(key):
+    def comp(key: Tuple[Any, ...]) -> Dict[str, Any]:
         ck = key[:2] + (key[3],)
         c = comps.get(ck)
         if c is None:
@@ -359,19 +369,19 @@ def graphs_from_records(records: List[Tuple]) -> List[Dict[str, Any]]:
             c["bwd_metrics"] = info if isinstance(info, dict) else None
         elif name.startswith(("fx_graph_cache_", "aotautograd_cache_")):
             c["cache"].append(name)
-    out = []
+    out: List[Dict[str, Any]] = []
     for c in comps.values():
         if not c["graphs"]:
             continue
         m = c["metrics"] or {}
         bm = c["bwd_metrics"] or {}
 
-        def secs(d, k):
+        def secs(d: Dict[str, Any], k: str) -> Optional[int]:
             v = d.get(k)
             return int(round(float(v) * 1e9)) if isinstance(v, (int, float)) else None
 
         cid = _cid(c["key"])
-        seen_inductor = set()
+        seen_inductor: Set[Optional[str]] = set()
         for g in c["graphs"]:
             g["compile_id"] = cid
             g["frame"] = m.get("co_name")
@@ -395,7 +405,7 @@ def graphs_from_records(records: List[Tuple]) -> List[Dict[str, Any]]:
     return out
 
 
-def _remember(graphs: List[Dict[str, Any]]):
+def _remember(graphs: List[Dict[str, Any]]) -> None:
     """Keep this trace's compiles for later traces that only run them (bounded, oldest dropped)."""
     by_cid: Dict[str, List[Dict[str, Any]]] = {}
     for g in graphs:
@@ -450,7 +460,7 @@ def graph_tables(graphs: List[Dict[str, Any]]) -> Tuple[pa.Table, pa.Table]:
     return g, n
 
 
-def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
+def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table) -> Tuple[np.ndarray, np.ndarray]:
     """graph_id per call and per op (numpy int64, -1 = none), and the graphs actually used from earlier traces."""
     n_calls, n_ops = calls.num_rows, ops.num_rows
     call_gid = np.full(n_calls, -1, np.int64)
@@ -464,7 +474,7 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
             if g.get("code_md5"):
                 by_md5[g["code_md5"]] = gid
     # files that ran and were compiled before this trace: pull their compile from the registry
-    files: set = set()
+    files: Any = set()   # the file names, then (below) an Arrow array of them
     if n_calls:
         files.update(f for f in calls.column("source_file").unique().to_pylist() if f)
     if n_ops:
@@ -505,7 +515,7 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
     files = pa.array(list(by_file), pa.string())
     file_gid = np.array(list(by_file.values()), dtype=np.int64)
 
-    def gid_of(col) -> np.ndarray:
+    def gid_of(col: Any) -> np.ndarray:
         if isinstance(col, pa.ChunkedArray):
             col = col.combine_chunks()
         if pa.types.is_dictionary(col.type):   # schema 1.2 dictionary columns
@@ -552,7 +562,7 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table):
     return call_gid, op_gid
 
 
-def _note_unknown_regions(sess, calls: pa.Table, call_gid: np.ndarray):
+def _note_unknown_regions(sess: Session, calls: pa.Table, call_gid: np.ndarray) -> None:
     """Calls from Inductor-generated code whose compile this process never saw: say why there is no graph."""
     if calls.num_rows == 0:
         return
@@ -591,7 +601,7 @@ def _user_location(table: pa.Table, gid: np.ndarray, graphs: List[Dict[str, Any]
     return table
 
 
-def attach(sess, tables: Dict[str, pa.Table]) -> Dict[str, pa.Table]:
+def attach(sess: Session, tables: Dict[str, pa.Table]) -> Dict[str, pa.Table]:
     """Build ``graphs``/``graph_nodes`` and fill ``graph_id`` (and ``calls.compiled``). Called by build_trace."""
     cap = getattr(sess, "compile_capture", None)
     records = list(cap.records) if cap is not None else []

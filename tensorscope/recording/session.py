@@ -14,7 +14,7 @@ import dataclasses
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Literal, Mapping, Optional, Type
 
 import torch
 
@@ -25,13 +25,17 @@ from .history import _remember
 from .recorder import C_SRC, Recorder
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from .._trace import Trace
+    from ..metadata import TraceMetadata
+    from .engines import EngineChoice
 
 _local = threading.local()
 _warned_tracer_bug = False
 
 
-def active_session():
+def active_session() -> Optional[Session]:
     return getattr(_local, "session", None)
 
 
@@ -39,7 +43,7 @@ class Session:
     """Everything one trace needs while it records. Holds no tensor."""
 
     def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
-                 keep_history: bool = False, origin: str = "api", engine=None):
+                 keep_history: bool = False, origin: str = "api", engine: Optional[EngineChoice] = None) -> None:
         from ..modes.modules import ModuleTracker
         from ..tracking.storages import StorageTracker
         from .engines import EngineChoice, OpHooks, make_engine
@@ -62,7 +66,7 @@ class Session:
         self.node_names: Dict[type, int] = {}
         self.opaque_ops = 0
         self.compiled_ops = 0   # of those, dispatched by torch.compile'd code
-        self.last_exc_key = None   # (id, type, message) of the last recorded exception
+        self.last_exc_key: Any = None   # (id, type, message) of the last recorded exception
         self.last_error_id = -1
         self.modules = self._module_tracker(ModuleTracker)
         # seq - 1: the op running or last finished when the storage appeared or died
@@ -77,40 +81,42 @@ class Session:
         # both engines hand c10d / _c10d_functional ops to the op hooks (engines.OpHooks)
         self.op_hooks.add(COLLECTIVE_NAMESPACES, self._on_collective)
         self.dataset_error: Optional[BaseException] = None
-        self._ds = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
+        self._ds: Optional[Dict[str, Any]] = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
         if options.dataset:
             self.rec.on_spill = self._spill_to_dataset
-        self.capture = None
-        self.screen = None
-        self.shadow = None
-        self.cuda_timer = None
-        self.kernels = None
-        self.compile_capture = None   # torch.compile artifacts (recording/compiled.py)
+        self.capture: Any = None   # native.open_capture()'s warning/error capture
+        self.screen: Any = None    # NonfiniteScreen (python engine), True then NativeScreen (native), or None
+        self.shadow: Any = None    # modes.numerics.NumericsShadow
+        self.cuda_timer: Any = None   # timing.cuda.CudaOpTimer
+        self.kernels: Any = None   # timing.kernels.KernelCollector
+        self.compile_capture: Any = None   # torch.compile artifacts (recording/compiled.py)
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.t0 = 0
         self.wall_ns = 0
         self.trace: Optional[Trace] = None
-        self._fmode = None
+        self._fmode: Any = None   # the function mode (python or native)
+        self._warn_token: Any = None
         self._entered: List[str] = []
 
-    def _module_tracker(self, cls):
+    def _module_tracker(self, cls: Type[Any]) -> Any:
         return cls(self.rec)
 
-    def _function_mode(self):
+    def _function_mode(self) -> Any:
         from ..modes.function import TracingFunctionMode
 
-        return TracingFunctionMode(self)
+        return TracingFunctionMode(self)  # type: ignore[no-untyped-call]  # modes.function is not typed yet
 
-    def printing(self):
+    def printing(self) -> contextlib.AbstractContextManager[None]:
         """Around tensor printing (``repr``/``str``): torch disables dispatch modes for it, so the
         python engine records none of its ops; the native engine pauses to agree."""
         return contextlib.nullcontext()
 
-    def _storage_tracker(self, cls):
+    def _storage_tracker(self, cls: Type[Any]) -> Any:
         return cls(self.rec, lambda: self.seq - 1) if self.options.storages else None
 
     # -- recording helpers used by the modes ----------------------------------
-    def record_exception(self, e: BaseException, *, seq, call_id, op, info) -> int:
+    def record_exception(self, e: BaseException, *, seq: Optional[int], call_id: Optional[int], op: Optional[str],
+                         info: Optional[Mapping[str, Any]]) -> int:
         from ..modes.source import user_frame_location
 
         file, line = user_frame_location(3) if self.want_source else (None, None)
@@ -150,7 +156,7 @@ class Session:
                 op=None if wop == "?" else wop, source_file=file, source_line=line, native=bool(w.get("native", False)), count=1,
             )
 
-    def _begin_cell_warnings(self):
+    def _begin_cell_warnings(self) -> None:
         """Collect every warning shown while tracing that no torch-level call claims: a plain
         ``warnings.warn`` in user code, a C++ warning shown after its call returned (handed to the
         outer binding) or raised by a pass-through getter."""
@@ -162,7 +168,7 @@ class Session:
             except Exception as e:
                 self.rec.tracer_error("warnings (begin)", e)
 
-    def _end_cell_warnings(self):
+    def _end_cell_warnings(self) -> None:
         tok, self._warn_token = getattr(self, "_warn_token", None), None
         cap = self.capture
         if tok is None or cap is None:
@@ -193,7 +199,7 @@ class Session:
                 native=bool(w.get("native", False)), count=1)
 
     # -- lifecycle -------------------------------------------------------------
-    def start(self):
+    def start(self) -> None:
         if active_session() is not None:
             raise TraceActiveError(
                 "a tensorscope trace is already recording on this thread; nested traces would record every op "
@@ -220,12 +226,12 @@ class Session:
             raise
         self.recording = True
 
-    def _on_collective(self, seq, op, inputs, outputs):
+    def _on_collective(self, seq: int, op: str, inputs: Any, outputs: Any) -> None:
         """Op hook: a c10d op just returned (outputs None when it raised); its start and duration
         come from its ops row when the tables are built."""
         self.collectives.observe(seq, op, inputs, None, outputs if outputs is not None else (), None, None)
 
-    def _first_collective(self):
+    def _first_collective(self) -> None:
         """The process group exists now (the trace may have started before init_process_group)."""
         was, self.recording = self.recording, False
         try:
@@ -235,7 +241,7 @@ class Session:
         finally:
             self.recording = was
 
-    def _setup_probes(self):
+    def _setup_probes(self) -> None:
         opts = self.options
         try:
             from .. import native
@@ -281,10 +287,10 @@ class Session:
                 self.kernels = None
                 self.rec.notes.append(f"kernel collection unavailable: {e}")
 
-    def _restore(self):
+    def _restore(self) -> None:
         """Undo modes and hooks, innermost first. Safe to call twice."""
         self.recording = False
-        errors = []
+        errors: List[BaseException] = []
         if "engine" in self._entered:
             try:
                 self.engine.stop(self)
@@ -319,7 +325,7 @@ class Session:
         for err in errors:
             self.rec.tracer_error("restore", err)
 
-    def stop(self, exc: Optional[BaseException] = None):
+    def stop(self, exc: Optional[BaseException] = None) -> Trace:
         """Stop recording, restore global state, build and return the Trace."""
         end = time.perf_counter_ns()
         self.wall_ns = end - self.t0 if self.t0 else 0
@@ -360,12 +366,13 @@ class Session:
         _warn_tracer_bugs(self.trace)
         return self.trace
 
-    def _spill_to_dataset(self):
+    def _spill_to_dataset(self) -> None:
         """The recorder spilled: write the spilled ops rows as parts now (readable while the trace
         runs). Rank and run id are fixed for this trace from here on."""
         from ..io.dataset import reserve_trace_id, write_table_parts
         from .build import decode_ops_from
 
+        assert self.options.dataset is not None   # on_spill is set only with dataset=
         if self._ds is None:
             ident = self.dist.resolve()
             self._ds = {"ident": ident, "trace_id": reserve_trace_id(self.options.dataset, ident), "ops_written": 0,
@@ -380,7 +387,7 @@ class Session:
         finally:
             self.recording = was
 
-    def _early_metadata(self, ident):
+    def _early_metadata(self, ident: Mapping[str, Any]) -> TraceMetadata:
         """What the trace's metadata holds before the trace ends (for parts written while it records)."""
         import platform
 
@@ -395,9 +402,10 @@ class Session:
                              notes=("written while the trace was recording: counts and notes are in the ranks "
                                     "row's metadata_json",))
 
-    def _write_dataset(self):
+    def _write_dataset(self) -> None:
         """``dataset=DIR``: this rank's tables into the multi-rank dataset (io/dataset.py)."""
         try:
+            assert self.trace is not None   # stop() built it
             ident = self._ds["ident"] if self._ds is not None else self.dist.resolve()
             md = self.trace.metadata
             self.trace._amend(distributed={**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
@@ -420,7 +428,7 @@ class Session:
         except Exception as e:   # the trace is kept (tensorscope.last()); trace.__exit__ reports it
             self.dataset_error = e
 
-    def _note_cell_exception(self, exc: BaseException):
+    def _note_cell_exception(self, exc: BaseException) -> None:
         """An exception that left the traced block: recorded once (modes may have seen it already)."""
         if self.last_exc_key == exc_key(exc):
             return
@@ -437,7 +445,7 @@ class Session:
 _warmed = False
 
 
-def _warm_up():
+def _warm_up() -> None:
     """One-time imports the first dispatch would trigger (torch._dynamo: seconds), kept out of the timings."""
     global _warmed
     if _warmed:
@@ -450,7 +458,7 @@ def _warm_up():
         pass
 
 
-def _note_cell_files(t, rec):
+def _note_cell_files(t: Trace, rec: Recorder) -> None:
     """Which source files are notebook cells, and their numbers (``Cell In[3], line 11``)."""
     try:
         from .._location import cell_files_for
@@ -478,7 +486,7 @@ def _first_line_message(e: BaseException) -> str:
     return msg
 
 
-def _warn_tracer_bugs(t):
+def _warn_tracer_bugs(t: Trace) -> None:
     global _warned_tracer_bug
     n = t.metadata.get("tracer_errors", 0)
     if n and not _warned_tracer_bug:
@@ -489,7 +497,7 @@ def _warn_tracer_bugs(t):
                       RuntimeWarning, stacklevel=3)
 
 
-def raise_for_guards(t, baseline=None):
+def raise_for_guards(t: Trace, baseline: Optional[Trace] = None) -> None:
     """Cell guards (``expect=``, ``max_casts=``, ``baseline=``): raise GuardError after the block, trace kept."""
     opts = t.metadata.options
     if not (opts.expect or opts.max_casts is not None or baseline is not None):
@@ -507,13 +515,13 @@ def raise_for_guards(t, baseline=None):
         raise GuardError("tensorscope guard failed:\n" + "\n".join(f"  - {f}" for f in failures), t, failures)
 
 
-def pa_table(batch):
+def pa_table(batch: pa.RecordBatch) -> pa.Table:
     import pyarrow as pa
 
     return pa.Table.from_batches([batch])
 
 
-def _report_dataset_error(e: BaseException, raise_: bool):
+def _report_dataset_error(e: BaseException, raise_: bool) -> None:
     """A failed dataset write: ExportError after the block (the trace is kept: tensorscope.last()),
     or a warning when the block already raised (the user's exception comes first)."""
     from ..errors import ExportError
@@ -535,17 +543,17 @@ class NativeSession(Session):
     row count.
     """
 
-    def __init__(self, options, **kw):
+    def __init__(self, options: TraceOptions, **kw: Any) -> None:
         self._ext = kw["engine"].ext
         self._call = -1
         super().__init__(options, **kw)
 
     @property
     def seq(self) -> int:
-        return self._ext.seq()
+        return int(self._ext.seq())
 
     @seq.setter
-    def seq(self, v):
+    def seq(self, v: int) -> None:
         pass   # the observer numbers its rows
 
     @property
@@ -553,32 +561,32 @@ class NativeSession(Session):
         return self._call
 
     @current_call.setter
-    def current_call(self, v):
+    def current_call(self, v: int) -> None:
         self._call = v
         self._ext.set_call(v)
 
-    def _module_tracker(self, cls):
+    def _module_tracker(self, cls: Type[Any]) -> Any:
         ext = self._ext
 
-        class _Tracker(cls):
+        class _Tracker(cls):  # type: ignore[misc]  # a subclass of the tracker class handed in (Any)
             _cur = 0
 
             @property
-            def current(self):
+            def current(self) -> int:
                 return self._cur
 
             @current.setter
-            def current(self, v):
+            def current(self, v: int) -> None:
                 self._cur = v
                 ext.set_module(v)
 
         return _Tracker(self.rec)
 
-    def _storage_tracker(self, cls):
+    def _storage_tracker(self, cls: Type[Any]) -> Any:
         return None   # the observer tracks storages natively; build reads them at finish
 
     # -- the function mode in C (modes/function.py NativeFunctionMode; fnmode) ----------------------
-    def _function_mode(self):
+    def _function_mode(self) -> Any:
         from .. import native
         from ..modes.function import CALL_DTYPE, NativeFunctionMode
 
@@ -589,20 +597,20 @@ class NativeSession(Session):
             self.rec.notes.append(f"the function mode runs in Python: {reason if fm is None else 'another trace uses the native one'}")
             return super()._function_mode()
         self._fm_ext = fm
-        return NativeFunctionMode(self, fm)
+        return NativeFunctionMode(self, fm)  # type: ignore[no-untyped-call]  # modes.function is not typed yet
 
     @property
     def recording(self) -> bool:
-        return self.__dict__.get("_recording", False)
+        return bool(self.__dict__.get("_recording", False))
 
     @recording.setter
-    def recording(self, v):
+    def recording(self, v: bool) -> None:
         self.__dict__["_recording"] = v
         fm = self.__dict__.get("_fm_ext")
         if fm is not None:
             fm.set_recording(bool(v))
 
-    def _restore(self):
+    def _restore(self) -> None:
         super()._restore()
         finish = getattr(self._fmode, "finish", None)
         if finish is not None:   # the native function mode hands its calls rows over (idempotent)
@@ -612,20 +620,21 @@ class NativeSession(Session):
                 self.rec.tracer_error("restore", e)
 
     @contextlib.contextmanager
-    def printing(self):
+    def printing(self) -> Iterator[None]:
         self._ext.pause(True)
         try:
             yield
         finally:
             self._ext.pause(False)
 
-    def _setup_probes(self):
+    def _setup_probes(self) -> None:
         super()._setup_probes()
         cap = self.capture
         if cap is not None and getattr(cap, "native", False):
             cap.engine = self.engine   # call_end drains the observer's per-op warnings
 
-    def record_exception(self, e, *, seq, call_id, op, info):
+    def record_exception(self, e: BaseException, *, seq: Optional[int], call_id: Optional[int], op: Optional[str],
+                         info: Optional[Mapping[str, Any]]) -> int:
         row = None
         if seq is None:
             row = self._ext.take_error_seq()   # the row whose kernel threw, if an op threw
@@ -633,7 +642,7 @@ class NativeSession(Session):
                 seq, op = row[0], _op_str(row[1])
         eid = super().record_exception(e, seq=seq, call_id=call_id, op=op, info=info)
         if row is not None:
-            self.rec.op_errors[seq] = eid
+            self.rec.op_errors[row[0]] = eid   # row[0] is seq here
         return eid
 
 
@@ -642,7 +651,7 @@ def _op_str(native_name: str) -> str:
     return native_name.replace("::", ".", 1)
 
 
-def new_session(options: TraceOptions, **kw) -> Session:
+def new_session(options: TraceOptions, **kw: Any) -> Session:
     """A Session recording with the engine ``options.engine`` selects."""
     from .engines import select_engine
 
@@ -661,7 +670,7 @@ class trace:
     """
 
     def __init__(self, options: Optional[TraceOptions] = None, *, context: Optional[RunContext] = None,
-                 display: Optional[DisplayOptions] = None, **keywords: Any):
+                 display: Optional[DisplayOptions] = None, **keywords: Any) -> None:
         """``options``: a ``TraceOptions`` (keywords, when given too, replace its fields);
         ``context``: the ``RunContext`` (cell, source, origin), not an option; ``display``: the
         ``DisplayOptions`` this object's own display uses (``numerics_threshold=`` as a keyword
@@ -675,9 +684,9 @@ class trace:
         self.display = disp
         self.context = context if context is not None else RunContext()
         self._session: Optional[Session] = None
-        self._trace = None
+        self._trace: Optional[Trace] = None
 
-    def __enter__(self):
+    def __enter__(self) -> trace:
         ctx = self.context
         self._session = new_session(self.options, cell=ctx.cell, cell_source=ctx.cell_source,
                                     keep_history=ctx.keep_history, origin=ctx.origin)
@@ -685,8 +694,9 @@ class trace:
         self._session.start()
         return self
 
-    def __exit__(self, et, ev, tb):
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException], tb: Any) -> Literal[False]:
         session = self._session
+        assert session is not None   # __enter__ made it
         self._trace = session.stop(ev)
         self._session = None
         if session.dataset_error is not None:
@@ -704,22 +714,22 @@ class trace:
         return False
 
     @property
-    def result(self):
+    def result(self) -> Trace:
         if self._trace is None:
             raise AttributeError("the trace is still recording; its tables exist once the with-block exits")
         return self._trace
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.result, name)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return repr(self._trace) if self._trace is not None else "<tensorscope.trace (recording)>"
 
-    def summary(self, display: Optional[DisplayOptions] = None):
+    def summary(self, display: Optional[DisplayOptions] = None) -> Any:
         """The finished trace's summary, shown with ``display`` (default: this trace()'s display options)."""
         return self.result.summary(display if display is not None else self.display)
 
-    def _repr_mimebundle_(self, include=None, exclude=None):
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
         return self.summary()._repr_mimebundle_(include, exclude)
