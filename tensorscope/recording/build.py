@@ -20,14 +20,14 @@ import os
 import platform
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
 
 from .. import schema as S
 from .._common import COPYING_OPS, INEXACT_DTYPES, NOISE_OPS, ipython_shell
-from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
 
 if TYPE_CHECKING:
     from .._trace import Trace
@@ -52,7 +52,7 @@ class _Dict:
 
     __slots__ = ("dictionary", "codes", "values")
 
-    def __init__(self, values):
+    def __init__(self, values: Sequence[Optional[str]]) -> None:
         index: Dict[str, int] = {}
         codes = np.empty(len(values), dtype=np.int32)
         for i, v in enumerate(values):
@@ -75,8 +75,13 @@ class _Dict:
 _PHASES = pa.array(["forward", "backward"], pa.string())
 
 
-def _op_dicts(rec):
-    names, nss, ovls, tags, noise, short = [], [], [], [], [], []
+def _op_dicts(rec: Recorder) -> Dict[str, Any]:
+    names: List[str] = []
+    nss: List[str] = []
+    ovls: List[str] = []
+    tags: List[List[str]] = []
+    noise: List[bool] = []
+    short: List[str] = []
     for func in rec.funcs.values:
         name = str(func)
         names.append(name)
@@ -111,7 +116,7 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
     return off
 
 
-def _native_gather():
+def _native_gather() -> Any:
     """engine.cpp's ``gather`` when the native engine is loaded in this process (never compiles
     or loads it: a python-engine trace in a process without it uses numpy)."""
     try:
@@ -124,7 +129,8 @@ def _native_gather():
         return None
 
 
-def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat: np.ndarray):
+def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat: np.ndarray
+           ) -> Tuple[np.ndarray, np.ndarray]:
     """List rows as Arrow buffers: ``(offsets, values)`` where row ``i`` is
     ``flat[starts[k]:starts[k] + lens[k]]`` with ``k = ids[i]`` (``k = i`` when ``ids`` is None).
 
@@ -149,7 +155,7 @@ def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat
     return offsets.astype(np.int32), flat[_segments(starts, lens, offsets)]
 
 
-def _list(offsets: np.ndarray, values) -> pa.ListArray:
+def _list(offsets: np.ndarray, values: Any) -> pa.ListArray:
     """A ListArray over int32 ``offsets`` (as ``gather`` makes them: valid by construction)."""
     if not isinstance(values, pa.Array):
         values = pa.array(values)
@@ -157,7 +163,7 @@ def _list(offsets: np.ndarray, values) -> pa.ListArray:
                                  children=[values])
 
 
-def _tuple_dicts(rec):
+def _tuple_dicts(rec: Recorder) -> Dict[str, Any]:
     """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays.
 
     Rows are expanded with numpy segment gathers instead of ``take`` over nested
@@ -187,7 +193,7 @@ def _tuple_dicts(rec):
                 same_layout=bool(np.array_equal(shape_len, stride_len)))
 
 
-def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
+def _list_columns(t: Dict[str, Any], tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]) -> np.ndarray:
     """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
     returns the rows' offsets (tensors per row, cumulated) as numpy."""
     off1, metas = gather(tuple_ids, t["tup_start"], t["tup_len"], t["tup_flat"])
@@ -201,7 +207,7 @@ def _list_columns(t, tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]):
     return off1
 
 
-def _matmul_flops(name: str, shapes) -> int:
+def _matmul_flops(name: str, shapes: Sequence[Sequence[int]]) -> int:
     """torch.utils.flop_counter's mm/addmm/bmm/baddbmm formulas (2*m*n*k per batch), or -1."""
     try:
         a, b = shapes[-2], shapes[-1]
@@ -217,7 +223,7 @@ def _matmul_flops(name: str, shapes) -> int:
 _NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
 
 
-def _nullable(values: np.ndarray, null_mask: np.ndarray, typ=pa.int64()):
+def _nullable(values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
     """``values`` as an Arrow array of ``typ``, null where ``null_mask``: the validity bitmap is
     packed by numpy and the values buffer shared (``pa.array(mask=)`` converts row by row and
     imports pandas on first use)."""
@@ -236,10 +242,11 @@ class _ListDict:
     Values are ints (``value_type``) or, with ``value_type=None``, strings kept as a ``_Dict``.
     """
 
-    def __init__(self, lists, value_type):
+    def __init__(self, lists: Sequence[Sequence[Any]], value_type: Any) -> None:
         self.lens = np.array([len(v) for v in lists] or [0], dtype=np.int64)
         self.starts = _offsets(self.lens)[:-1]
         flat = [x for v in lists for x in v]
+        self.strings: Optional[_Dict]
         if value_type is None:
             self.strings = _Dict(flat)   # flat position == id in the _Dict
             self.pos = np.arange(len(flat), dtype=np.int64)
@@ -248,7 +255,7 @@ class _ListDict:
             self.flat = np.array(flat, dtype=_NUMPY_TYPES[value_type])
             self.value_type = value_type
 
-    def take(self, idx: np.ndarray):
+    def take(self, idx: np.ndarray) -> pa.ListArray:
         if self.strings is not None:
             off, pos = gather(idx, self.starts, self.lens, self.pos)
             return _list(off, self.strings.take(pos))
@@ -259,17 +266,17 @@ class _ListDict:
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
 
 
-class _CallColumns(dict):
+class _CallColumns(dict[str, np.ndarray]):   # a plain dict subclass at run time
     """The calls rows as contiguous int64 columns, each read on first use: a frozen chunk's packed
     column unpacked and concatenated with the live rows' (column-wise: stacking rows into one
     matrix and slicing strided columns from it cost several times more). A decode needs two
     columns (``src``, ``func``); only the calls table reads them all."""
 
-    def __init__(self, rec):
+    def __init__(self, rec: Recorder) -> None:
         super().__init__()
         self._calls = rec.calls
 
-    def __missing__(self, name):
+    def __missing__(self, name: str) -> np.ndarray:
         col = self[name] = self._calls.column(name)
         return col
 
@@ -286,13 +293,13 @@ class _Links:
     re-reads the whole trace for it (the old global pass did, per spill).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.n_seen = 0          # rows of the trace added so far
         self.size = 0
         self.keys = np.zeros(1024, np.int64)
         self.vals = np.zeros((1024, 3), np.int64)   # first seq, module, call
 
-    def extend(self, chunk, start: int):
+    def extend(self, chunk: Mapping[str, np.ndarray], start: int) -> None:
         n = len(chunk["op"])
         if start + n <= self.n_seen:
             return
@@ -327,7 +334,7 @@ class _Links:
         self.vals[self.size:need] = vals
         self.size = need
 
-    def resolve(self, chunk):
+    def resolve(self, chunk: Mapping[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(fwd_seq, module, call) of the chunk's rows: forward rows keep their own module/call."""
         module = np.asarray(chunk["module"], dtype=np.int64).copy()
         call = np.asarray(chunk["call"], dtype=np.int64).copy()
@@ -345,7 +352,7 @@ class _Links:
         return fwd_seq, module, call
 
 
-def _links(rec) -> _Links:
+def _links(rec: Recorder) -> _Links:
     links = getattr(rec, "links", None)
     if links is None:
         links = rec.links = _Links()
@@ -355,7 +362,7 @@ def _links(rec) -> _Links:
 class _Ctx:
     """Dictionaries and global per-op arrays shared by every chunk's decode."""
 
-    def __init__(self, sess):
+    def __init__(self, sess: Session) -> None:
         rec = sess.rec
         self.sess = sess
         self.ops = _op_dicts(rec)
@@ -387,12 +394,12 @@ class _Ctx:
             screen = NativeScreen({})
         self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
                                      for f in rec.funcs.values] or [False], dtype=bool)
-        self._g = None
+        self._g: Optional[Dict[str, np.ndarray]] = None
         self._null_cache: Dict[Any, pa.Array] = {}
         self.links = _links(rec)
 
     @property
-    def g(self):
+    def g(self) -> Dict[str, np.ndarray]:
         """Whole-trace columns some tables index by seq (``op``: a tensor's allocating op, a
         warning's op), read once, only the columns needed, on first use."""
         if self._g is None:
@@ -400,7 +407,7 @@ class _Ctx:
             self._g = {"op": np.concatenate(ops) if ops else np.zeros(0, np.int32)}
         return self._g
 
-    def decode(self, chunk, start: int) -> pa.RecordBatch:
+    def decode(self, chunk: Dict[str, np.ndarray], start: int) -> pa.RecordBatch:
         rec = self.sess.rec
         n = len(chunk["op"])
         seq = np.arange(start, start + n, dtype=np.int64)
@@ -492,11 +499,11 @@ class _Ctx:
         cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
         return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
 
-    def _lines(self, src_idx: np.ndarray):
+    def _lines(self, src_idx: np.ndarray) -> pa.Array:
         lines = self.src_lines[src_idx] if len(src_idx) else np.zeros(0, np.int64)
         return _nullable(lines, lines < 0)
 
-    def _shape_flops(self, flops, op, ins):
+    def _shape_flops(self, flops: np.ndarray, op: np.ndarray, ins: np.ndarray) -> np.ndarray:
         """Fill the rows the dispatch mode left for later (-2): matmul FLOPs from input shapes."""
         todo = np.nonzero(flops == -2)[0]
         if not len(todo):
@@ -505,7 +512,7 @@ class _Ctx:
         m = self.sess.rec.metas
         tv = self.sess.rec.tuples.values
         short = self.ops["short"]
-        cache = {}
+        cache: Dict[Tuple[int, int], int] = {}
         for i in todo:
             key = (int(op[i]), int(ins[i]))
             v = cache.get(key)
@@ -515,7 +522,7 @@ class _Ctx:
             flops[i] = v
         return flops
 
-    def _nulls(self, n: int, typ):
+    def _nulls(self, n: int, typ: Any) -> pa.Array:
         """An all-null column, one per (length, type) for the whole build (Arrow arrays are
         immutable: every chunk of the same length shares it)."""
         key = (n, typ)
@@ -524,7 +531,7 @@ class _Ctx:
             arr = self._null_cache[key] = pa.nulls(n, typ)
         return arr
 
-    def _sparse_int(self, d: Dict[int, int], start: int, n: int):
+    def _sparse_int(self, d: Dict[int, int], start: int, n: int) -> pa.Array:
         if not d:
             return self._nulls(n, pa.int64())
         vals = np.zeros(n, dtype=np.int64)
@@ -535,13 +542,14 @@ class _Ctx:
                 mask[s - start] = False
         return _nullable(vals, mask)
 
-    def _hidden_copy(self, op, ins, outs, alias, call, n):
+    def _hidden_copy(self, op: np.ndarray, ins: np.ndarray, outs: np.ndarray, alias: np.ndarray, call: np.ndarray,
+                     n: int) -> np.ndarray:
         if n == 0 or not len(self.call_free):
             return np.zeros(n, dtype=bool)
         under_free = np.zeros(n, dtype=bool)
         ok = call >= 0
         under_free[ok] = self.call_free[call[ok]]
-        cand = self.copy_op[op] & under_free & self.alias_fresh[alias]
+        cand: np.ndarray = self.copy_op[op] & under_free & self.alias_fresh[alias]
         # a _to_copy is a cast or a device move unless dtype and device are unchanged
         idx = np.nonzero(cand & self.to_copy_op[op])[0]
         if len(idx):
@@ -556,13 +564,14 @@ class _Ctx:
         return cand
 
 
-def _ops_table(sess, ctx: _Ctx):
+def _ops_table(sess: Session, ctx: _Ctx) -> Tuple[pa.Table, Optional[str]]:
     rec = sess.rec
-    batches = []
+    batches: List[pa.RecordBatch] = []
     start = 0
     spilled = bool(rec.spilled_chunks)
-    sink = writer = None
-    path = None
+    sink: Any = None
+    writer: Any = None
+    path: Optional[str] = None
     if spilled:
         tmp = tempfile.mkdtemp(prefix="tensorscope-ops-", dir=sess.options.spill_dir)
         path = os.path.join(tmp, "ops.arrow")
@@ -586,7 +595,7 @@ def _ops_table(sess, ctx: _Ctx):
     return pa.Table.from_batches(batches, schema=S.OPS), None
 
 
-def decode_ops_from(sess, first_seq: int):
+def decode_ops_from(sess: Session, first_seq: int) -> Iterator[pa.RecordBatch]:
     """Record batches of the ops rows from ``first_seq`` on, decoded now, while the trace may still
     record (``dataset=`` writes spilled rows as parts). Rows decoded early lack what is only
     resolved at the end (``cuda_ns``)."""
@@ -598,7 +607,7 @@ def decode_ops_from(sess, first_seq: int):
             yield b.slice(first_seq - start) if start < first_seq else b
 
 
-def _calls_table(sess, ctx: _Ctx):
+def _calls_table(sess: Session, ctx: _Ctx) -> pa.Table:
     rec = sess.rec
     c = rec.calls
     n = rec.n_calls
@@ -636,7 +645,7 @@ def _calls_table(sess, ctx: _Ctx):
     return pa.Table.from_arrays([cols[f.name] for f in S.CALLS], schema=S.CALLS)
 
 
-def _qualname(f) -> str:
+def _qualname(f: Any) -> str:
     q = getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or str(f)
     if q.startswith("TensorBase.") or q.startswith("_TensorBase."):
         return "Tensor." + q.split(".", 1)[1]
@@ -651,7 +660,7 @@ def _qualname(f) -> str:
     return f"{mod}.{q}"
 
 
-def _tensors_table(sess, ctx: _Ctx):
+def _tensors_table(sess: Session, ctx: _Ctx) -> pa.Table:
     rec = sess.rec
     c = rec.tensors
     n = len(c.meta)
@@ -685,20 +694,20 @@ def _tensors_table(sess, ctx: _Ctx):
     return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
 
 
-def _shape_rows(shape, metas):
+def _shape_rows(shape: Tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> Tuple[np.ndarray, pa.Array]:
     lens, starts, flat = shape
     off, vals = gather(metas, starts, lens, flat)
     return off, pa.array(vals, pa.int64())
 
 
-def _errors_table(sess, ctx: _Ctx):
+def _errors_table(sess: Session, ctx: _Ctx) -> pa.Table:
     rows = sess.rec.errors
     if not rows:
         return S.empty("errors")
     names = ctx.ops["names"]
     g_op = ctx.g["op"]
     folded: List[Dict[str, Any]] = []
-    index: Dict[tuple, int] = {}
+    index: Dict[Tuple[Any, ...], int] = {}
     for r in rows:
         r = dict(r)
         if r.get("op") is None and r.get("seq") is not None and 0 <= r["seq"] < len(g_op) and r["kind"] == "warning":
@@ -716,7 +725,7 @@ def _errors_table(sess, ctx: _Ctx):
     return pa.Table.from_pylist(folded, schema=S.ERRORS)
 
 
-def _kernels_table(sess, ops):
+def _kernels_table(sess: Session, ops: pa.Table) -> Tuple[pa.Table, List[str]]:
     if sess.kernels is None:
         return S.empty("kernels"), []
     try:
@@ -732,7 +741,7 @@ def _kernels_table(sess, ops):
         return S.empty("kernels"), [f"kernel collection failed: {e}"]
 
 
-def _leaks_table(sess, tensors):
+def _leaks_table(sess: Session, tensors: pa.Table) -> pa.Table:
     if sess.tracker is None or not sess.options.leaks:
         return S.empty("leaks")
     try:
@@ -744,7 +753,7 @@ def _leaks_table(sess, tensors):
     if not live:
         return S.empty("leaks")
     t = tensors.to_pydict() if tensors.num_rows < 200_000 else None
-    records = []
+    records: List[Any] = []   # tracking.storages.LiveStorage
     for sid, ref in live:
         if t is None:
             row = tensors.slice(sid, 1).to_pylist()[0]
@@ -766,7 +775,7 @@ def _device_description() -> Dict[str, Any]:
     if _DEVICE is not None:
         return dict(_DEVICE)
 
-    def describe():
+    def describe() -> Dict[str, Any]:
         from torch.utils._python_dispatch import _disable_current_modes
 
         from .._env import env
@@ -783,7 +792,7 @@ def _device_description() -> Dict[str, Any]:
     return dict(_DEVICE)
 
 
-def metadata(sess, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
+def metadata(sess: Session, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
     import torch
 
     from .._version import __version__

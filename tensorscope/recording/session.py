@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from .._trace import Trace
     from ..metadata import TraceMetadata
+    from ..timing.kernels import KernelCollector
     from .engines import EngineChoice
 
 _local = threading.local()
@@ -88,7 +89,7 @@ class Session:
         self.screen: Any = None    # NonfiniteScreen (python engine), True then NativeScreen (native), or None
         self.shadow: Any = None    # modes.numerics.NumericsShadow
         self.cuda_timer: Any = None   # timing.cuda.CudaOpTimer
-        self.kernels: Any = None   # timing.kernels.KernelCollector
+        self.kernels: Optional[KernelCollector] = None
         self.compile_capture: Any = None   # torch.compile artifacts (recording/compiled.py)
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.t0 = 0
