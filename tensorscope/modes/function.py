@@ -15,7 +15,7 @@ without the frames tracing added.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -245,6 +245,7 @@ class _LiveCalls(CallStore):
         super().__init__(CALL_FIELDS)
         self._fm = fm
         self._rows: Optional[np.ndarray] = None
+        self._snap: Optional[Tuple[int, np.ndarray]] = None
 
     def field(self, call_id: int, k: int) -> int:
         if self._fm is not None:
@@ -260,13 +261,23 @@ class _LiveCalls(CallStore):
         return np.stack([self.column(name) for name in self.fields], axis=1)
 
     def column(self, name: str) -> np.ndarray:
-        if self._rows is not None:
-            return self._rows[name].astype(np.int64)   # a contiguous copy, widened
+        rows = self._rows
+        if rows is None and self._fm is not None:
+            # still recording (a dataset= spill decodes ops now): the rows so far, one copy per
+            # number of calls (a spill reads two columns)
+            n = self._fm.n_calls()
+            if self._snap is None or self._snap[0] != n:
+                raw, n = self._fm.snapshot()
+                self._snap = (n, np.frombuffer(raw, dtype=CALL_DTYPE, count=n))
+            rows = self._snap[1]
+        if rows is not None:
+            return rows[name].astype(np.int64)   # a contiguous copy, widened
         return super().column(name)
 
     def handover(self, raw: bytes, n: int) -> None:
         self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)
         self._fm = None
+        self._snap = None
         self.base = n
 
 

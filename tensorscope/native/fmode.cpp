@@ -901,10 +901,8 @@ PyObject* py_set_recording(PyObject*, PyObject* o) {
 }
 
 // take() -> (rows bytes, n_calls): the calls rows as CALL_DTYPE records; stops the mode.
-PyObject* py_take(PyObject*, PyObject*) {
-  S.active = false;
-  S.recording = false;
-  int64_t n = S.n_calls;
+// The first n calls rows as one bytes object of CallRow (packed blocks unpacked).
+PyObject* copy_rows(int64_t n) {
   PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n * int64_t(sizeof(CallRow))));
   if (out == nullptr) return nullptr;
   char* p = PyBytes_AS_STRING(out);
@@ -914,13 +912,31 @@ PyObject* py_take(PyObject*, PyObject*) {
     if (b.rows != nullptr) {
       memcpy(p + done * sizeof(CallRow), b.rows, size_t(k) * sizeof(CallRow));
     } else {
-      CallRow* out = reinterpret_cast<CallRow*>(p) + done;
+      CallRow* rows = reinterpret_cast<CallRow*>(p) + done;
       for (int64_t j = 0; j < k; ++j) {
-        for (int f = 0; f < kFields; ++f) set_field(out[j], f, packed_field(b, f, j));
+        for (int f = 0; f < kFields; ++f) set_field(rows[j], f, packed_field(b, f, j));
       }
     }
     done += k;
   }
+  return out;
+}
+
+// (rows so far as bytes, n) without stopping: a dataset= spill decodes ops while the trace runs,
+// and their source lines and call names come from these rows.
+PyObject* py_snapshot(PyObject*, PyObject*) {
+  int64_t n = S.n_calls;
+  PyObject* out = copy_rows(n);
+  if (out == nullptr) return nullptr;
+  return Py_BuildValue("(NL)", out, (long long)n);
+}
+
+PyObject* py_take(PyObject*, PyObject*) {
+  S.active = false;
+  S.recording = false;
+  int64_t n = S.n_calls;
+  PyObject* out = copy_rows(n);
+  if (out == nullptr) return nullptr;
   free_rows();
   clear_caches();
   Py_CLEAR(S.helper);
@@ -1002,6 +1018,7 @@ PyMethodDef methods[] = {
     {"set_recording", py_set_recording, METH_O, "record (True) or pass every call through (False)"},
     {"take", py_take, METH_NOARGS, "(calls rows as bytes, n): hand the rows over and stop"},
     {"field", py_field, METH_VARARGS, "field(call_id, k): a calls field while recording"},
+    {"snapshot", py_snapshot, METH_NOARGS, "(calls rows so far as bytes, n), recording on"},
     {"n_calls", py_n_calls, METH_NOARGS, "calls recorded so far"},
     {"warning", py_warning, METH_NOARGS, "the warning tap collected a warning on this thread"},
     {"active", py_active, METH_NOARGS, "whether a trace is configured"},

@@ -129,12 +129,16 @@ def test_big_tables_roll_into_parts(tmp_path, monkeypatch):
     assert _same(ds.trace(trace_id=0).ops, t.ops)
 
 
-def test_spilled_rows_become_parts_while_the_trace_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_spilled_rows_become_parts_while_the_trace_runs(tmp_path, monkeypatch, engine):
+    if engine == "native":
+        from tests.recording.test_tables_build import _native
+
+        _native()
     monkeypatch.setenv("TENSORSCOPE_RUN_ID", "run1")
     root = tmp_path / "ds"
     seen = []
-    # the python engine here; tests/test_tables_build.py runs the same under both engines
-    with tensorscope.trace(dataset=str(root), leaks=False, chunk_rows=8, spill_rows=16, engine="python") as t:
+    with tensorscope.trace(dataset=str(root), leaks=False, chunk_rows=8, spill_rows=16, engine=engine) as t:
         x = torch.ones(3)
         for i in range(60):
             x = x + 1
@@ -142,6 +146,7 @@ def test_spilled_rows_become_parts_while_the_trace_runs(tmp_path, monkeypatch):
                 files = sorted((root / "ops" / "run=run1" / "rank=0").glob("part-*.parquet"))
                 seen = [pq.read_table(f).num_rows for f in files]
         y = x.sum()
+    assert t.metadata["engine"] == engine
     assert len(seen) >= 1 and sum(seen) >= 16
     check_layout(str(root))
     ds = tensorscope.open_dataset(root)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -130,29 +129,6 @@ def test_native_chunks_are_packed_while_recording():
     assert own["n_rows"] == n + 1   # torch.ones, then the adds
     # a 56-byte Row per op unpacked; packed: a few bytes per column, plus the live block
     assert 0 < own["rows"] / n < 40, own
-
-
-@pytest.mark.parametrize("engine", ["native", "python"])
-def test_dataset_parts_roll_while_the_trace_runs(tmp_path, monkeypatch, engine):
-    if engine == "native":
-        _native()
-    monkeypatch.setenv("TENSORSCOPE_RUN_ID", "run1")
-    root = tmp_path / "ds"
-    seen = []
-    with tensorscope.trace(dataset=str(root), leaks=False, chunk_rows=8, spill_rows=16, engine=engine) as t:
-        x = torch.ones(3)
-        for i in range(60):
-            x = x + 1
-            if i == 40:   # parts of the rows spilled so far are on disk, complete and readable now
-                files = sorted((root / "ops" / "run=run1" / "rank=0").glob("part-*.parquet"))
-                seen = [pq.read_table(f).num_rows for f in files]
-        x.sum()
-    assert t.metadata["engine"] == engine
-    assert len(seen) >= 1 and sum(seen) >= 16
-    back = tensorscope.open_dataset(root).trace()
-    assert back.ops.num_rows == t.ops.num_rows == 62   # ones, 60 adds, sum
-    assert back.ops.column("op").to_pylist() == t.ops.column("op").to_pylist()
-    assert back.ops.column("out_storages").to_pylist() == t.ops.column("out_storages").to_pylist()
 
 
 def _global_links(chunks):

@@ -259,13 +259,7 @@ class _Search:
             before = len(idx)
             idx.update(zip(ids, range(start, start + n)))
             if len(idx) - before == n:
-                self.order.extend(kids)
-                if pars is None:
-                    self.par.extend(repeat(i, n))
-                    own.extend(repeat(own[i], n))
-                else:
-                    self.par.extend(pars)
-                    own.extend(list(map(own.__getitem__, pars)))
+                self._adopt(i, kids, pars, own)
                 return
             for x in ids:   # undo, and take the careful way below
                 idx.pop(x, None)
@@ -304,20 +298,14 @@ class _Search:
         del js
         order = self.order
         start = len(order)
-        order.extend(kids)
         idx.update(zip(ids, range(start, start + n)))
-        if pars is None:
-            self.par.extend(repeat(i, n))
-            own.extend(repeat(own[i], n))
-        else:
-            self.par.extend(pars)
-            own.extend(list(map(own.__getitem__, pars)))
-            if dup_of:
-                node_of = {k: start + m for m, k in enumerate(kept_at)}
-                for k, f in dup_of.items():
-                    j, pk = node_of[f], dup_pars[k]
-                    if own[j] != own[pk]:
-                        self.cross.setdefault(j, set()).add(own[pk])
+        self._adopt(i, kids, pars, own)
+        if dup_of:
+            node_of = {k: start + m for m, k in enumerate(kept_at)}
+            for k, f in dup_of.items():
+                j, pk = node_of[f], dup_pars[k]
+                if own[j] != own[pk]:
+                    self.cross.setdefault(j, set()).add(own[pk])
 
     def _enqueue_run(self, a: int, b: int) -> None:
         """The children of nodes ``a:b`` (plain containers side by side in the queue: 50k (x, y) pairs,
@@ -518,6 +506,17 @@ class _Search:
             del s
         self._tensor_grad_edges(t, i)
         return ()
+
+    def _adopt(self, i: int, kids: List[Any], pars: Optional[List[int]], own: Any) -> None:
+        """Append ``kids`` as new nodes: their parent is ``i`` (or ``pars[k]`` each), their root its."""
+        n = len(kids)
+        self.order.extend(kids)
+        if pars is None:
+            self.par.extend(repeat(i, n))
+            own.extend(repeat(own[i], n))
+        else:
+            self.par.extend(pars)
+            own.extend(list(map(own.__getitem__, pars)))
 
     def _tensor_refs(self, t, i):
         """The objects a tensor refers to (``__dict__``, hooks, subclass state: njt._values reads better
