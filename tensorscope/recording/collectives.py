@@ -210,6 +210,8 @@ class CollectiveProbe:
         """The collectives table; rows observed without times take start and duration from ``ops``."""
         from .. import schema as S
 
+        if not self.rows:
+            return S.empty("collectives")
         cols = [list(c) for c in zip(*self.rows)] if self.rows else [[] for _ in range(9)]
         if ops is not None and any(s is None for s in cols[6]) and ops.num_rows:
             seqs = ops.column("seq").to_pylist()

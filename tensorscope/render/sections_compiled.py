@@ -88,10 +88,6 @@ def compiled_section(t) -> Optional[Section]:
                               f"{_first_line(dyn['recompile_reason'])}")
     notes = list(recompiles)
     reasons = [r or "" for r in graphs.column("recompile_reason").to_pylist()]
-    if any("_global_forward_hooks" in r for r in reasons):
-        notes.append("a recompile was caused by tensorscope's global module hooks (Dynamo guards on their ids, "
-                     "which change with every trace): with module paths on, a compiled region recompiles in every "
-                     "new trace; modules=False (--no-modules) avoids it")
     if any("check_torch_function_mode_stack" in r for r in reasons):
         notes.append("a recompile was caused by the trace's torch-function mode (Dynamo guards on the mode stack): "
                      "a region compiled outside a trace recompiles once inside one")

@@ -271,3 +271,32 @@ def test_region_whose_compile_was_never_seen_is_explained():
         C._REGISTRY.update(saved[0])
         C._REGISTRY_BY_HASH.update(saved[1])
         torch._dynamo.reset()
+
+
+def test_traced_and_untraced_runs_share_two_cache_entries():
+    """The one recompile tracing causes (Dynamo guards on the types on the torch-function mode stack):
+    a region compiled untraced recompiles on its first traced run, and after that neither traced nor
+    untraced runs compile anything (no per-trace guard failure: no module hooks, one mode type)."""
+    if _in_fresh_process("test_traced_and_untraced_runs_share_two_cache_entries"):
+        return
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    try:
+        cm = torch.compile(MLP(), dynamic=False)
+        x = torch.randn(4, 4)
+        cm(x)                                        # compiled untraced
+        with tensorscope.trace(leaks=False) as first:
+            cm(x)                                    # the mode stack differs: one recompile
+        reasons = [r["recompile_reason"] or "" for r in first.graphs.to_pylist()]
+        assert any("check_torch_function_mode_stack" in r for r in reasons), reasons
+        assert "recompiles once inside one" in first.summary().to_text()
+        n = counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            cm(x)                                    # untraced: the first entry
+            with tensorscope.trace(leaks=False) as t:
+                cm(x)                                # traced: the second, reused
+            assert t.graphs.num_rows and not any(r["compiled_in_trace"] for r in t.graphs.to_pylist())
+        assert counters["stats"]["unique_graphs"] == n
+    finally:
+        torch._dynamo.reset()
