@@ -5,7 +5,7 @@ One seam, two implementations::
     engine = select_engine(options)        # EngineChoice(name, reason, ext)
     eng.start(session)                     # install the observer (after the function mode)
     eng.stop(session)                      # remove it (before anything is built), idempotent
-    eng.finish(session)                    # hand the recorded columns to session.rec
+    eng.finish(session)                    # hand the recorded columns to session.ctx.rec
 
 * ``python`` -- ``modes/dispatch.py``'s TorchDispatchMode appends rows to the
   recorder as ops run. The fallback when nothing can be compiled, the engine

@@ -44,7 +44,11 @@ def active_session() -> Optional[Session]:
 
 
 class Session:
-    """Everything one trace needs while it records. Holds no tensor."""
+    """One trace's lifecycle: options, probes, start/stop, build, dataset, history. Holds no tensor.
+
+    What the modes, the trackers and the engine read and write while it records is its
+    recording context, ``self.ctx`` (``modes/context.py``): they are handed that, never the
+    session, and the session reads those fields back from it (one owner per field)."""
 
     def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
                  keep_history: bool = False, origin: str = "api", engine: Optional[EngineChoice] = None) -> None:
