@@ -2,9 +2,10 @@
 
 It is the outer of the two modes. Per call it appends one ``calls`` row (name,
 module, user source line, autocast state, time, error) and sets the recording
-context's current call id (``modes/context.py``), which every ATen op dispatched inside inherits; the source
-line is found here only (a frame walk per torch-level call, never per op), and so is
-the module path (modules.py reads it from the stack).
+context's current call id (``modes/context.py``), which every ATen op
+dispatched inside inherits; the source line is found here only (a frame walk
+per torch-level call, never per op), and so is the module path (modules.py
+reads it from the stack).
 Pure metadata queries (``size``, ``dim``, ``.shape``...) are passed straight through
 unrecorded; property getters that dispatch a view op (``.T``, ``.mT``) are calls named
 after the property; conversions that may dispatch ops (``__repr__``) are kept only when
