@@ -47,7 +47,7 @@ def record(n_ops, engine="python"):
     finally:
         sess._restore()
     sess.engine.finish(sess)   # the native engine hands its packed chunks over (part of the timed build below)
-    sess.rec.end_chunk()
+    sess.ctx.rec.end_chunk()
     return sess
 
 
@@ -85,7 +85,7 @@ def build_cost(n_ops, reps, engine="python"):
     t0 = _clock()
     trace = build.build_trace(sess)
     full = _clock() - t0
-    sess.rec.close()
+    sess.ctx.rec.close()
     res = {"engine": sess.engine.name, "n_ops": n, "record_s": rec_s,
            "ops_table_us_per_op": (best["context"] + best["ops"]) / n / 1e3,
            "parts_us_per_op": {k: v / n / 1e3 for k, v in best.items()},

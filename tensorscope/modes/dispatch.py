@@ -16,7 +16,7 @@ compiled artifact calls is then all we see, and the summary says so.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,6 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 from .frames import clean_traceback, exc_key, register_tracer_code
 from .source import called_from_compiled_code
+
+if TYPE_CHECKING:
+    from .context import RecordingContext
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -200,9 +203,9 @@ class TracingDispatchMode(TorchDispatchMode):
     def ignore_compile_internals(cls):
         return True
 
-    def __init__(self, session) -> None:
+    def __init__(self, ctx: RecordingContext) -> None:
         super().__init__()
-        self.s = session
+        self.ctx = ctx   # the recording context (modes/context.py): all the mode reads and writes
         self._infos: Dict[Any, OpInfo] = {}   # OpOverload -> its facts
         # autograd's sequence counter as the last op left it: a forward op created a node (and may
         # claim ``counter - 1``) only if the counter advanced since, so an op that created none
@@ -211,10 +214,10 @@ class TracingDispatchMode(TorchDispatchMode):
 
     def _describe(self, ts, alloc, stor, module_id, call_id):
         """Meta ids (and storage ids, appended to ``stor``) of tensors ``ts``; also their data pointers."""
-        rec = self.s.rec
+        rec = self.ctx.rec
         metas = rec.metas
         ids = metas.ids
-        tracker = self.s.tracker
+        tracker = self.ctx.tracker
         by_ptr = tracker.by_ptr if tracker is not None else None
         mids = []
         ptrs = []
@@ -251,7 +254,7 @@ class TracingDispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        s = self.s
+        s = self.ctx
         if not s.recording:
             try:
                 return func(*args, **kwargs)
@@ -387,7 +390,7 @@ class TracingDispatchMode(TorchDispatchMode):
         return out
 
     def _append(self, seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1):
-        s = self.s
+        s = self.ctx
         rec = s.rec
         stor = rec.storages
         if outs:

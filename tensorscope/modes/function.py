@@ -1,10 +1,11 @@
 """The TorchFunctionMode: torch-level calls (``linear``, ``reshape``, ``backward``).
 
 It is the outer of the two modes. Per call it appends one ``calls`` row (name,
-module, user source line, autocast state, time, error) and sets the session's
-current call id, which every ATen op dispatched inside inherits; the source
-line is found here only (a frame walk per torch-level call, never per op), and so is
-the module path (modules.py reads it from the stack).
+module, user source line, autocast state, time, error) and sets the recording
+context's current call id (``modes/context.py``), which every ATen op
+dispatched inside inherits; the source line is found here only (a frame walk
+per torch-level call, never per op), and so is the module path (modules.py
+reads it from the stack).
 Pure metadata queries (``size``, ``dim``, ``.shape``...) are passed straight through
 unrecorded; property getters that dispatch a view op (``.T``, ``.mT``) are calls named
 after the property; conversions that may dispatch ops (``__repr__``) are kept only when
@@ -15,7 +16,7 @@ without the frames tracing added.
 from __future__ import annotations
 
 import time
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from .frames import (
 )
 from .modules import _MOD_CODE, _GraphModule
 from .source import user_location_from
+
+if TYPE_CHECKING:
+    from .context import NativeRecordingContext, RecordingContext
 
 # torch-level functions that are pure metadata queries, not work: never recorded (and they
 # dispatch no op). Conversions that do dispatch ops (``__bool__`` -> ``is_nonzero``,
@@ -100,10 +104,10 @@ def autocast_state():
 
 
 class TracingFunctionMode(TorchFunctionMode):
-    def __init__(self, session):
+    def __init__(self, ctx: RecordingContext) -> None:
         super().__init__()
-        self.s = session
-        self._kinds = {}
+        self.ctx = ctx   # the recording context (modes/context.py): all the mode reads and writes
+        self._kinds: dict = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -112,7 +116,7 @@ class TracingFunctionMode(TorchFunctionMode):
         if kind is None:
             kind = self._kinds[func] = _classify(func)
         keep, named = kind
-        s = self.s
+        s = self.ctx
         # While Dynamo traces this handler, is_compiling() is True: it then inlines a
         # plain call (no frame walk, no graph break), and compiled code stays compiled.
         if keep < RECORD or keep == PASS or not s.recording or _is_compiling():
@@ -141,7 +145,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 src = rec.sources(user_location_from(caller))   # the walk starts where caller_frame stopped
             else:
                 src = 0
-            if parent < 0 and s.options.modules:
+            if parent < 0 and s.want_modules:
                 s.modules.at(caller)   # the module whose call encloses this one (nested calls inherit it)
             ac = autocast_state() if _any_autocast is None or _any_autocast() else None
             cap = s.capture
@@ -290,32 +294,32 @@ class NativeFunctionMode(TorchFunctionMode):
     compiles (the instance attribute is hidden then): a plain call, so compiled code stays compiled.
     """
 
-    def __init__(self, session, fm):
+    def __init__(self, ctx: NativeRecordingContext, fm: Any) -> None:
         super().__init__()
-        self.s = session
+        self.ctx = ctx   # the recording context (modes/context.py); ctx.fmode is ``fm``
         self._fm = fm
-        rec = session.rec
+        rec = ctx.rec
         self._rec = rec
         self._closed = False
         # what the C code calls (looked up once, at configure)
         self.c_classify = self._classify
         self.c_user_src = lambda f: rec.sources(user_location_from(f))
-        self.c_module_at = session.modules.at
+        self.c_module_at = ctx.modules.at
         self.c_autocast = lambda: rec.autocasts(autocast_state())
         self.c_on_error = self._on_error
         self.c_on_warnings = self._on_warnings
         self.c_tracer_error = rec.tracer_error
         self.c_trampoline_for = trampoline_for
-        self.c_printing = session.engine.ext.pause
+        self.c_printing = ctx.ext.pause
         self.c_internal = _source._internal
         self.c_is_internal = _source._is_internal
         self.c_any_autocast = _any_autocast if _any_autocast is not None else (lambda: True)
         self.c_htf_code = _HTF_CODE if _HTF_CODE is not None else object()
         self.c_mod_code = _MOD_CODE if _MOD_CODE is not None else object()
         self.c_cacheable = _plain_modules
-        rec.calls = _LiveCalls(fm)
+        self._calls = rec.calls = _LiveCalls(fm)
         self._bound = fm.bind(self)
-        self.__torch_function__ = self._bound   # the instance attribute torch calls (its __self__ is the mode)
+        self.__dict__["__torch_function__"] = self._bound   # the instance attribute torch calls (its __self__ is the mode)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -325,8 +329,8 @@ class NativeFunctionMode(TorchFunctionMode):
         return self._fm.torch_function(func, types, args, kwargs)
 
     def __enter__(self):
-        s = self.s
-        self._fm.configure(self, s.engine.ext.fmode_state, s.t0, bool(s.want_source), bool(s.options.modules))
+        s = self.ctx
+        self._fm.configure(self, s.ext.fmode_state, s.t0, bool(s.want_source), bool(s.want_modules))
         try:
             self._compile_callbacks(True)
             if s.capture is not None:
@@ -347,11 +351,11 @@ class NativeFunctionMode(TorchFunctionMode):
         if self._closed:
             return
         self._closed = True
-        if self.s.capture is not None:
-            self.s.capture.count_call_warnings(None)
+        if self.ctx.capture is not None:
+            self.ctx.capture.count_call_warnings(None)
         self._compile_callbacks(False)
         raw, n = self._fm.take()
-        self._rec.calls.handover(raw, n)
+        self._calls.handover(raw, n)
         self._rec.n_calls = n
 
     # -- torch.compile: Dynamo must see the Python handler, not the C builtin ---------------------
@@ -372,7 +376,7 @@ class NativeFunctionMode(TorchFunctionMode):
         return kind | (fid << 3)
 
     def _on_error(self, cid, e, _htf) -> Optional[int]:
-        s = self.s
+        s = self.ctx
         try:
             if s.last_exc_key == exc_key(e):
                 return s.last_error_id
@@ -387,12 +391,12 @@ class NativeFunctionMode(TorchFunctionMode):
                 clean_when_caught(1)   # frame, so an except in the block sees the untraced traceback
 
     def _on_warnings(self, cid, n_tap) -> int:
-        s = self.s
+        s = self.ctx
         cap = s.capture
         if cap is not None:
             ws = cap.take_call_warnings(n_tap, s.engine)
         else:   # no capture: the engine's per-op warnings only
-            ws = s.engine.take_warnings() if s.engine.ext.warnings_pending() else []
+            ws = s.engine.take_warnings() if s.ext.warnings_pending() else []
         if ws:
             s.record_warnings(ws, call_id=cid, seq=None)
         return len(ws)

@@ -66,10 +66,10 @@ class ModuleTracker:
         # id(root) -> (weakref(root), {id(module): qualified name})
         self._trees: Dict[int, tuple] = {}
 
-    def install(self):
+    def install(self) -> None:
         """Nothing to install: modules are read from the stack (see the module docstring)."""
 
-    def remove(self):
+    def remove(self) -> None:
         self.current = 0
         self._ids = {}
         self._trees = {}

@@ -363,7 +363,7 @@ class _Ctx:
     """Dictionaries and global per-op arrays shared by every chunk's decode."""
 
     def __init__(self, sess: Session) -> None:
-        rec = sess.rec
+        rec = sess.ctx.rec
         self.sess = sess
         self.ops = _op_dicts(rec)
         self.tup = _tuple_dicts(rec)
@@ -387,7 +387,7 @@ class _Ctx:
         self.copy_op = np.array([s in COPYING_OPS for s in short] or [False], dtype=bool)
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
         self.cell = sess.cell
-        screen = sess.screen
+        screen = sess.ctx.screen
         if screen is True:   # the native engine screens; its counters replace this at finish
             from .engines import NativeScreen
 
@@ -403,12 +403,12 @@ class _Ctx:
         """Whole-trace columns some tables index by seq (``op``: a tensor's allocating op, a
         warning's op), read once, only the columns needed, on first use."""
         if self._g is None:
-            ops = [np.asarray(c["op"], dtype=np.int32) for c in self.sess.rec.iter_op_chunks(columns=("op",))]
+            ops = [np.asarray(c["op"], dtype=np.int32) for c in self.sess.ctx.rec.iter_op_chunks(columns=("op",))]
             self._g = {"op": np.concatenate(ops) if ops else np.zeros(0, np.int32)}
         return self._g
 
     def decode(self, chunk: Dict[str, np.ndarray], start: int) -> pa.RecordBatch:
-        rec = self.sess.rec
+        rec = self.sess.ctx.rec
         n = len(chunk["op"])
         seq = np.arange(start, start + n, dtype=np.int64)
         op = np.asarray(chunk["op"], dtype=np.int64)   # already int64 once unpacked: no copy
@@ -469,7 +469,7 @@ class _Ctx:
         cols["cpu_ns"] = pa.array(chunk["dur"])
         cols["cuda_ns"] = self._sparse_int(rec.cuda_ns, start, n)
         cols["error_id"] = self._sparse_int(rec.op_errors, start, n)
-        if self.sess.screen is not None:
+        if self.sess.ctx.screen is not None:
             screened = self.screened_op[op] & t["has_float"][outs] if n else np.zeros(0, bool)
             nf = np.where(screened, 0, -1)   # null: not screened (views, aliases, empty*, no float output)
             prod = np.zeros(n, dtype=bool)
@@ -509,8 +509,8 @@ class _Ctx:
         if not len(todo):
             return flops
         flops = flops.copy()
-        m = self.sess.rec.metas
-        tv = self.sess.rec.tuples.values
+        m = self.sess.ctx.rec.metas
+        tv = self.sess.ctx.rec.tuples.values
         short = self.ops["short"]
         cache: Dict[Tuple[int, int], int] = {}
         for i in todo:
@@ -553,8 +553,8 @@ class _Ctx:
         # a _to_copy is a cast or a device move unless dtype and device are unchanged
         idx = np.nonzero(cand & self.to_copy_op[op])[0]
         if len(idx):
-            m = self.sess.rec.metas
-            tv = self.sess.rec.tuples.values
+            m = self.sess.ctx.rec.metas
+            tv = self.sess.ctx.rec.tuples.values
             for i in idx:
                 a, b = tv[ins[i]], tv[outs[i]]
                 if not a or not b or m.dtypes[a[0]] != m.dtypes[b[0]] or m.devices[a[0]] != m.devices[b[0]]:
@@ -565,7 +565,7 @@ class _Ctx:
 
 
 def _ops_table(sess: Session, ctx: _Ctx) -> Tuple[pa.Table, Optional[str]]:
-    rec = sess.rec
+    rec = sess.ctx.rec
     batches: List[pa.RecordBatch] = []
     start = 0
     spilled = bool(rec.spilled_chunks)
@@ -600,7 +600,7 @@ def decode_ops_from(sess: Session, first_seq: int) -> Iterator[pa.RecordBatch]:
     record (``dataset=`` writes spilled rows as parts). Rows decoded early lack what is only
     resolved at the end (``cuda_ns``)."""
     ctx = _Ctx(sess)
-    for start, chunk in sess.rec.iter_op_chunks(from_seq=first_seq, with_start=True):
+    for start, chunk in sess.ctx.rec.iter_op_chunks(from_seq=first_seq, with_start=True):
         ctx.links.extend(chunk, start)   # rows before first_seq, if a decode was skipped
         if start + len(chunk["op"]) > first_seq:
             b = ctx.decode(chunk, start)
@@ -608,7 +608,7 @@ def decode_ops_from(sess: Session, first_seq: int) -> Iterator[pa.RecordBatch]:
 
 
 def _calls_table(sess: Session, ctx: _Ctx) -> pa.Table:
-    rec = sess.rec
+    rec = sess.ctx.rec
     c = rec.calls
     n = rec.n_calls
     if n == 0:
@@ -661,7 +661,7 @@ def _qualname(f: Any) -> str:
 
 
 def _tensors_table(sess: Session, ctx: _Ctx) -> pa.Table:
-    rec = sess.rec
+    rec = sess.ctx.rec
     c = rec.tensors
     n = len(c.meta)
     if n == 0:
@@ -701,7 +701,7 @@ def _shape_rows(shape: Tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndar
 
 
 def _errors_table(sess: Session, ctx: _Ctx) -> pa.Table:
-    rows = sess.rec.errors
+    rows = sess.ctx.rec.errors
     if not rows:
         return S.empty("errors")
     names = ctx.ops["names"]
@@ -732,24 +732,24 @@ def _kernels_table(sess: Session, ops: pa.Table) -> Tuple[pa.Table, List[str]]:
         if sess.deferred_kernels and sess.kernels.available:
             from ..timing.kernels import cuda_devices_of
 
-            pending = sess.kernels.end_window_deferred(sess.t0, ops, cuda_devices_of(ops))
+            pending = sess.kernels.end_window_deferred(sess.ctx.t0, ops, cuda_devices_of(ops))
             if pending is not None:
                 return pending, []   # the Trace resolves it when the table is first read
-        return sess.kernels.end_window(sess, ops)
+        return sess.kernels.window(sess.ctx.t0, ops)
     except Exception as e:
-        sess.rec.tracer_error("kernels", e)
+        sess.ctx.rec.tracer_error("kernels", e)
         return S.empty("kernels"), [f"kernel collection failed: {e}"]
 
 
 def _leaks_table(sess: Session, tensors: pa.Table) -> pa.Table:
-    if sess.tracker is None or not sess.options.leaks:
+    if sess.ctx.tracker is None or not sess.options.leaks:
         return S.empty("leaks")
     try:
         from ..tracking.leaks import leak_table
         from ..tracking.storages import LiveStorage
     except ImportError:
         return S.empty("leaks")
-    live = sess.tracker.live_created()
+    live = sess.ctx.tracker.live_created()
     if not live:
         return S.empty("leaks")
     t = tensors.to_pydict() if tensors.num_rows < 200_000 else None
@@ -760,7 +760,7 @@ def _leaks_table(sess: Session, tensors: pa.Table) -> pa.Table:
         else:
             row = {k: v[sid] for k, v in t.items()}
         records.append(LiveStorage(
-            storage_id=sid, ref=ref, data_ptr=sess.tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
+            storage_id=sid, ref=ref, data_ptr=sess.ctx.tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
             dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"], alloc_op=row["alloc_op"],
             cell=row["cell"], source_file=row["source_file"], source_line=row["source_line"]))
     return leak_table(records, shell=ipython_shell())
@@ -797,9 +797,9 @@ def metadata(sess: Session, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
 
     from .._version import __version__
 
-    rec = sess.rec
+    rec = sess.ctx.rec
     device = _device_description()
-    cap = sess.capture
+    cap = sess.ctx.capture
     engine = getattr(sess, "engine_choice", None)
     native = None
     try:
@@ -830,10 +830,10 @@ def metadata(sess: Session, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
         # which engine recorded the ops, and why (the summary shows the reason when it is the fallback)
         "engine": engine.name if engine is not None else "python",
         "engine_reason": engine.reason if engine is not None else "",
-        "opaque_ops": sess.opaque_ops,
+        "opaque_ops": sess.ctx.opaque_ops,
         # [precision integration] probe counters: non-finite screen, numerics shadow (skips and why)
-        "nonfinite_screen": sess.screen.report() if getattr(sess, "screen", None) is not None else None,
-        "numerics": sess.shadow.report() if getattr(sess, "shadow", None) is not None else None,
+        "nonfinite_screen": sess.ctx.screen.report() if sess.ctx.screen is not None else None,
+        "numerics": sess.ctx.shadow.report() if sess.ctx.shadow is not None else None,
         "notes": list(rec.notes) + list(notes),
     }
 
@@ -841,16 +841,16 @@ def metadata(sess: Session, ops_rows: int, notes: List[str]) -> Dict[str, Any]:
 def build_trace(sess: Session) -> Trace:
     from .._trace import Trace
 
-    rec = sess.rec
+    rec = sess.ctx.rec
     rec.end_chunk()
-    if sess.cuda_timer is not None:
+    if sess.ctx.cuda_timer is not None:
         try:
-            rec.cuda_ns.update(sess.cuda_timer.resolve())
+            rec.cuda_ns.update(sess.ctx.cuda_timer.resolve())
         except Exception as e:
             rec.tracer_error("cuda timer resolve", e)
-    if sess.screen is not None:
+    if sess.ctx.screen is not None:
         try:
-            rec.nonfinite.update(sess.screen.finish())
+            rec.nonfinite.update(sess.ctx.screen.finish())
         except Exception as e:
             rec.tracer_error("non-finite screen finish", e)
     ctx = _Ctx(sess)
@@ -877,6 +877,6 @@ def build_trace(sess: Session) -> Trace:
         rec.tracer_error("leaks", e)
         tables["leaks"] = S.empty("leaks")
     coll = getattr(sess, "collectives", None)   # recording/collectives.py
-    tables["collectives"] = coll.table(sess.t0, tables.get("ops")) if coll is not None else S.empty("collectives")
+    tables["collectives"] = coll.table(sess.ctx.t0, tables.get("ops")) if coll is not None else S.empty("collectives")
     md = metadata(sess, ops.num_rows, notes)
     return Trace(tables, md, _spill_file=ops_file)

@@ -587,7 +587,7 @@ def _note_unknown_regions(sess: Session, calls: pa.Table, call_gid: np.ndarray) 
     codes = col.indices.fill_null(len(names)).to_numpy(zero_copy_only=False).astype(np.int64)
     n = int(np.count_nonzero(generated[codes] & (call_gid < 0)))
     if n:
-        sess.rec.notes.append(
+        sess.ctx.rec.notes.append(
             f"{n} torch-level call(s) came from torch.compile'd code compiled before any trace saw it, so its "
             "graphs are unknown: compile inside a traced cell (or call torch._dynamo.reset() first) to see them")
 

@@ -5,7 +5,7 @@ One seam, two implementations::
     engine = select_engine(options)        # EngineChoice(name, reason, ext)
     eng.start(session)                     # install the observer (after the function mode)
     eng.stop(session)                      # remove it (before anything is built), idempotent
-    eng.finish(session)                    # hand the recorded columns to session.rec
+    eng.finish(session)                    # hand the recorded columns to session.ctx.rec
 
 * ``python`` -- ``modes/dispatch.py``'s TorchDispatchMode appends rows to the
   recorder as ops run. The fallback when nothing can be compiled, the engine
@@ -19,11 +19,12 @@ One seam, two implementations::
   ``NativeEngine._on_full``, so the recorder spills them as it does its own.
   No Python dispatch mode is on the stack, so the program sees plain eager.
 
-What both engines share is the recording context, the live ``Session``: the
-function mode and the module hooks set ``current_call`` / ``modules.current``
-and read ``seq``; with the native engine those attributes are forwarded to the
-observer through C setters (``NativeSession`` below), so the modes are the same
-code for both engines.
+What both engines share is the recording context (``modes/context.py``), which
+the session hands to the modes and the engine: the function mode and the module
+tracker set ``current_call`` / ``modules.current`` and read ``seq``; with the
+native engine those attributes are forwarded to the observer through C setters
+(``NativeRecordingContext``), so the modes are the same code for both engines.
+An engine keeps the context, never the session.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from .._common import CompileCallbacks
 from .recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
 
 if TYPE_CHECKING:
+    from ..modes.context import RecordingContext
     from ..options import TraceOptions
     from .session import Session
 
@@ -232,7 +234,7 @@ class PythonEngine:
 
         from ..modes.dispatch import TracingDispatchMode
 
-        self._mode = TracingDispatchMode(sess)
+        self._mode = TracingDispatchMode(sess.ctx)
         self._mode.__enter__()
 
     def stop(self, sess: Session) -> None:
@@ -260,8 +262,9 @@ class NativeEngine:
         self.data: Optional[Dict[str, Any]] = None
         self._reset(None)
 
-    def _reset(self, sess: Optional[Session]) -> None:
-        self._sess = sess
+    def _reset(self, ctx: Optional[RecordingContext], flops: bool = False) -> None:
+        self._ctx = ctx      # what _on_full hands the chunks to (the recorder is ctx.rec)
+        self._flops = flops  # options.flops: FLOP formulas of the ops recorded with their arguments
         self._op_flags = np.zeros(0, dtype=np.int64)   # per engine op id: schema flags | 1<<40 (FLOPs at build)
         self._encs: List[Tuple[int, ...]] = []                 # interned argument encodings (FLOP formulas)
         self._row_args = np.zeros((0, 2), dtype=np.int64)   # (seq, encoding id)
@@ -269,10 +272,10 @@ class NativeEngine:
 
     def start(self, sess: Session) -> None:
         opts = sess.options
-        hooks = sess.op_hooks
-        self._reset(sess)
+        hooks = sess.ctx.op_hooks
+        self._reset(sess.ctx, bool(opts.flops))
         # past spill_rows rows, the engine calls _on_full on this thread to hand its chunks over
-        self.ext.start(sess.t0, bool(opts.nonfinite), bool(opts.storages), True,
+        self.ext.start(sess.ctx.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
                        hooks if hooks else None, tuple(hooks.namespaces) if hooks else None,
                        int(opts.spill_rows), self._on_full, int(opts.chunk_rows))
@@ -309,20 +312,20 @@ class NativeEngine:
         """Called by the engine, on the tracing thread between two ops, when its packed chunks
         passed ``spill_rows`` rows: move them into the recorder and spill them there (to disk, or
         as ``dataset=`` parts) as the python engine's recorder does. Never raises."""
-        sess = self._sess
-        assert sess is not None   # set by start(): the engine calls this only while it runs
+        ctx = self._ctx
+        assert ctx is not None   # set by start(): the engine calls this only while it runs
+        rec = ctx.rec
         try:
-            self._take_chunks(sess, final=False)
-            if sess.rec.mem_rows:
-                sess.rec._spill()
+            self._take_chunks(rec, final=False)
+            if rec.mem_rows:
+                rec._spill()
         except Exception as e:
-            sess.rec.tracer_error("native spill", e)
+            rec.tracer_error("native spill", e)
 
-    def _sync_dicts(self, sess: Session, d: Dict[str, Any]) -> None:
+    def _sync_dicts(self, rec: Recorder, d: Dict[str, Any]) -> None:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
         import torch
 
-        rec = sess.rec
         from ..modes.dispatch import OpInfo
 
         flags_of: List[int] = []
@@ -363,12 +366,11 @@ class NativeEngine:
         for s_, c_, p_ in nf.tolist():
             rec.nonfinite[s_] = (c_, bool(p_))
 
-    def _take_chunks(self, sess: Session, final: bool) -> None:
-        """The engine's packed chunks into ``sess.rec.mem_chunks`` (the recorder's format: flags and
+    def _take_chunks(self, rec: Recorder, final: bool) -> None:
+        """The engine's packed chunks into ``rec.mem_chunks`` (the recorder's format: flags and
         FLOPs derived per distinct op), its new dictionary entries into the recorder's interners."""
         chunks, dicts = self.ext.take_chunks(final)
-        self._sync_dicts(sess, dicts)
-        rec = sess.rec
+        self._sync_dicts(rec, dicts)
         for first, n, cols in chunks:
             packed = {name: (int(b), np.frombuffer(buf, dtype=_PACKED_DTYPES[w]))
                       for name, (b, w, buf) in zip(PACKED_COLUMNS, cols)}
@@ -376,7 +378,7 @@ class NativeEngine:
             of = self._op_flags[op]
             rflags = unpack(packed.pop("rflags"))
             flops = np.where((of >> 40) & 1, -2, -1).astype(np.int64)
-            if sess.options.flops and len(self._row_args):
+            if self._flops and len(self._row_args):
                 _formula_flops(flops, op, unpack(packed["outs"]), first, self._row_args, self._encs, rec)
             packed["flags"] = pack((of & 0xFF) | (rflags & F_BACKWARD))
             packed["flops"] = pack(flops)
@@ -387,18 +389,19 @@ class NativeEngine:
             rec.chunk_start = int(first + n)
 
     def finish(self, sess: Session) -> None:
-        """Move the native columns into ``sess.rec`` in the recorder's layout (build.py reads both alike)."""
+        """Move the native columns into ``sess.ctx.rec`` in the recorder's layout (build.py reads both alike)."""
         ext = self.ext
-        self._take_chunks(sess, final=True)
+        ctx = sess.ctx
+        rec = ctx.rec
+        self._take_chunks(rec, final=True)
         d = ext.take()
-        rec = sess.rec
         # warnings no call drained (ops outside any torch-level call, or after the last one)
         rest = self.take_warnings()
         if rest:
-            sess.record_warnings(rest, call_id=None, seq=None)
+            ctx.record_warnings(rest, call_id=None, seq=None)
         if rec.mem_rows > rec.spill_rows:
             rec._spill()
-        sess.opaque_ops = self.opaque_rows
+        ctx.opaque_ops = self.opaque_rows
         self.other_thread_rows = int(d["other_thread_rows"])
         for _ in range(int(d.get("hook_errors", 0))):
             rec.tracer_error("op hook", RuntimeError("converting an op's arguments for the op hook failed"))
@@ -414,10 +417,10 @@ class NativeEngine:
             cols.free_seq = array("q", st[:, 3].tobytes())
             cols.module = array("i", st[:, 4].astype(np.int32).tobytes())
             cols.call = array("q", st[:, 5].tobytes())
-            sess.tracker = NativeStorages(ext, st[:, 6].tolist())
+            ctx.tracker = NativeStorages(ext, st[:, 6].tolist())
         # non-finite screen (its findings came with the chunks)
-        if sess.screen is not None:
-            sess.screen = NativeScreen(d["screen"])
+        if ctx.screen is not None:
+            ctx.screen = NativeScreen(d["screen"])
             dev = int(d["screen"].get("device_unscreened", 0))
             if dev:
                 rec.notes.append(f"{dev} op(s) with CUDA outputs were not screened for NaN/Inf: the native engine "

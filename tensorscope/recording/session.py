@@ -9,20 +9,21 @@ recording would attribute every op twice).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Literal, Mapping, Optional, Type
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, Optional, Type
 
 import torch
 
 from ..errors import TraceActiveError
+from ..modes.context import NativeRecordingContext, RecordingContext, first_line_message
 from ..modes.frames import exc_key
 from ..options import DisplayOptions, RunContext, TraceOptions, resolve
 from .history import _remember
-from .recorder import C_SRC, Recorder
+from .recorder import Recorder
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
     from .._trace import Trace
     from ..metadata import TraceMetadata
     from ..timing.kernels import KernelCollector
-    from .engines import EngineChoice
+    from .collectives import CollectiveProbe
+    from .engines import EngineChoice, OpHook, OpHooks
+    from .ranks import DistContext
 
 _local = threading.local()
 _warned_tracer_bug = False
@@ -41,150 +44,88 @@ def active_session() -> Optional[Session]:
 
 
 class Session:
-    """Everything one trace needs while it records. Holds no tensor."""
+    """One trace's lifecycle: options, probes, start/stop, build, dataset, history. Holds no tensor.
+
+    What the modes, the trackers and the engine read and write while it records is its
+    recording context, ``self.ctx`` (``modes/context.py``): they are handed that, never the
+    session, and the session reads those fields back from it (one owner per field)."""
 
     def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
                  keep_history: bool = False, origin: str = "api", engine: Optional[EngineChoice] = None) -> None:
-        from ..modes.modules import ModuleTracker
-        from ..tracking.storages import StorageTracker
         from .engines import EngineChoice, OpHooks, make_engine
 
         self.engine_choice = engine or EngineChoice("python", "engine='python' was asked for")
         self.engine = make_engine(self.engine_choice)
-        self.op_hooks = OpHooks()
 
         self.options = options
         self.cell = cell
         self.cell_source = cell_source
         self.keep_history = keep_history
         self.origin = origin   # RunContext.origin
-        self.rec = Recorder(options.chunk_rows, options.spill_rows, options.spill_dir)
-        self.seq = 0
-        self.recording = False
-        self.want_source = options.source
-        self.call_stack: List[int] = []
-        self.current_call = -1
-        self.node_names: Dict[type, int] = {}
-        self.opaque_ops = 0
-        self.compiled_ops = 0   # of those, dispatched by torch.compile'd code
-        self.last_exc_key: Any = None   # (id, type, message) of the last recorded exception
-        self.last_error_id = -1
-        self.modules = self._module_tracker(ModuleTracker)
-        # seq - 1: the op running or last finished when the storage appeared or died
-        self.tracker = self._storage_tracker(StorageTracker)
+        #: what the modes, the trackers and the engine read and write while recording (modes/context.py);
+        #: the session hands this, never itself, to them
+        self.ctx = self._context(Recorder(options.chunk_rows, options.spill_rows, options.spill_dir), OpHooks())
         # multi-rank: collectives table, rank identity / run id / clock (recording/collectives.py, ranks.py)
         from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES
         from .collectives import CollectiveProbe
         from .ranks import DistContext
 
         self.dist = DistContext(sync_clocks=options.sync_clocks)
-        self.collectives = CollectiveProbe(on_first=self._first_collective)
+        self.collectives = CollectiveProbe(on_first=_first_collective(self.ctx, self.dist))
         # both engines hand c10d / _c10d_functional ops to the op hooks (engines.OpHooks)
-        self.op_hooks.add(COLLECTIVE_NAMESPACES, self._on_collective)
+        self.ctx.op_hooks.add(COLLECTIVE_NAMESPACES, _collective_hook(self.collectives))
         self.dataset_error: Optional[BaseException] = None
         self._ds: Optional[Dict[str, Any]] = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
         if options.dataset:
-            self.rec.on_spill = self._spill_to_dataset
-        self.capture: Any = None   # native.open_capture()'s warning/error capture
-        self.screen: Any = None    # NonfiniteScreen (python engine), True then NativeScreen (native), or None
-        self.shadow: Any = None    # modes.numerics.NumericsShadow
-        self.cuda_timer: Any = None   # timing.cuda.CudaOpTimer
+            # weakly: the recorder is reachable from the modes, which hold no reference to the session
+            self.ctx.rec.on_spill = _weak_call(self._spill_to_dataset)
         self.kernels: Optional[KernelCollector] = None
         self.compile_capture: Any = None   # torch.compile artifacts (recording/compiled.py)
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
-        self.t0 = 0
         self.wall_ns = 0
         self.trace: Optional[Trace] = None
         self._fmode: Any = None   # the function mode (python or native)
         self._warn_token: Any = None
         self._entered: List[str] = []
 
-    def _module_tracker(self, cls: Type[Any]) -> Any:
-        return cls(self.rec)
+    def _context(self, rec: Recorder, op_hooks: OpHooks) -> RecordingContext:
+        opts = self.options
+        return RecordingContext(rec, op_hooks, want_source=opts.source, want_modules=opts.modules,
+                                track_storages=opts.storages)
 
     def _function_mode(self) -> Any:
         from ..modes.function import TracingFunctionMode
 
-        return TracingFunctionMode(self)  # type: ignore[no-untyped-call]  # modes.function is not typed yet
-
-    def printing(self) -> contextlib.AbstractContextManager[None]:
-        """Around tensor printing (``repr``/``str``): torch disables dispatch modes for it, so the
-        python engine records none of its ops; the native engine pauses to agree."""
-        return contextlib.nullcontext()
-
-    def _storage_tracker(self, cls: Type[Any]) -> Any:
-        return cls(self.rec, lambda: self.seq - 1) if self.options.storages else None
-
-    # -- recording helpers used by the modes ----------------------------------
-    def record_exception(self, e: BaseException, *, seq: Optional[int], call_id: Optional[int], op: Optional[str],
-                         info: Optional[Mapping[str, Any]]) -> int:
-        from ..modes.source import user_frame_location
-
-        file, line = user_frame_location(3) if self.want_source else (None, None)
-        if call_id is not None and call_id >= 0:
-            src = self.rec.calls.field(call_id, C_SRC)
-            if src:
-                file, line = self.rec.sources.values[src]
-        info = info or {}
-        msg = info.get("message") or _first_line_message(e)
-        return self.rec.add_error(
-            kind="exception", py_type=type(e).__name__, cpp_type=info.get("cpp_type"), message=msg,
-            cpp_file=info.get("cpp_file"), cpp_line=info.get("cpp_line"), cpp_function=info.get("cpp_function"),
-            seq=seq, call_id=call_id if (call_id is not None and call_id >= 0) else None, op=op,
-            source_file=file, source_line=line, native=bool(info.get("native", False)), count=1,
-        )
-
-    def record_warnings(self, ws: Iterable[Mapping[str, Any]], *, call_id: Optional[int], seq: Optional[int],
-                        op: Optional[str] = None) -> None:
-        rec = self.rec
-        file: Optional[str] = None
-        line: Optional[int] = None
-        if call_id is not None and call_id >= 0:
-            src = rec.calls.field(call_id, C_SRC)
-            if src:
-                file, line = rec.sources.values[src]
-        for w in ws:
-            wseq = seq if seq is not None else w.get("seq")   # the native engine dates each warning itself
-            if wseq is None:
-                wseq = self.seq - 1 if self.seq > 0 else None
-            wop = op
-            if wop is None and wseq is not None and wseq >= 0:
-                wop = "?"   # resolved to the op name when the tables are built
-            rec.add_error(
-                kind="warning", py_type=w.get("category") or "UserWarning", cpp_type=None,
-                message=w.get("message"), cpp_file=w.get("cpp_file"), cpp_line=w.get("cpp_line"),
-                cpp_function=w.get("cpp_function"), seq=wseq, call_id=call_id if (call_id is not None and call_id >= 0) else None,
-                op=None if wop == "?" else wop, source_file=file, source_line=line, native=bool(w.get("native", False)), count=1,
-            )
+        return TracingFunctionMode(self.ctx)
 
     def _begin_cell_warnings(self) -> None:
         """Collect every warning shown while tracing that no torch-level call claims: a plain
         ``warnings.warn`` in user code, a C++ warning shown after its call returned (handed to the
         outer binding) or raised by a pass-through getter."""
         self._warn_token = None
-        cap = self.capture
+        cap = self.ctx.capture
         if cap is not None:
             try:
                 self._warn_token = cap.call_begin(None)
             except Exception as e:
-                self.rec.tracer_error("warnings (begin)", e)
+                self.ctx.rec.tracer_error("warnings (begin)", e)
 
     def _end_cell_warnings(self) -> None:
         tok, self._warn_token = getattr(self, "_warn_token", None), None
-        cap = self.capture
+        cap = self.ctx.capture
         if tok is None or cap is None:
             return
         try:
             ws = cap.call_end(tok)
         except Exception as e:
-            self.rec.tracer_error("warnings (end)", e)
+            self.ctx.rec.tracer_error("warnings (end)", e)
             return
         if not ws:
             return
         from collections import Counter
 
         # a C++ warning the native hooks recorded at its op is shown by Python later: not twice
-        native = Counter(r.get("message") for r in self.rec.errors if r.get("kind") == "warning" and r.get("native"))
+        native = Counter(r.get("message") for r in self.ctx.rec.errors if r.get("kind") == "warning" and r.get("native"))
         for w in ws:
             msg = w.get("message")
             if w.get("cpp_file") is not None and native.get(msg):
@@ -193,7 +134,7 @@ class Session:
             file, line = w.get("filename"), w.get("lineno")
             if file is not None and (w.get("verbatim") or _looks_internal(file)):
                 file = line = None   # shown at a C++ or library location: no user line to name
-            self.rec.add_error(
+            self.ctx.rec.add_error(
                 kind="warning", py_type=w.get("category") or "UserWarning", cpp_type=None, message=msg,
                 cpp_file=w.get("cpp_file"), cpp_line=w.get("cpp_line"), cpp_function=w.get("cpp_function"),
                 seq=None, call_id=None, op=None, source_file=file, source_line=line,
@@ -212,11 +153,11 @@ class Session:
         self._begin_cell_warnings()
         self._fmode = self._function_mode()
         _local.session = self
-        self.t0 = time.perf_counter_ns()
-        self.dist.set_anchor(self.t0)
+        self.ctx.t0 = time.perf_counter_ns()
+        self.dist.set_anchor(self.ctx.t0)
         try:
             if opts.modules:
-                self.modules.install()
+                self.ctx.modules.install()
                 self._entered.append("modules")
             self._fmode.__enter__()
             self._entered.append("function")
@@ -225,59 +166,44 @@ class Session:
         except BaseException:
             self._restore()
             raise
-        self.recording = True
-
-    def _on_collective(self, seq: int, op: str, inputs: Any, outputs: Any) -> None:
-        """Op hook: a c10d op just returned (outputs None when it raised); its start and duration
-        come from its ops row when the tables are built."""
-        self.collectives.observe(seq, op, inputs, None, outputs if outputs is not None else (), None, None)
-
-    def _first_collective(self) -> None:
-        """The process group exists now (the trace may have started before init_process_group)."""
-        was, self.recording = self.recording, False
-        try:
-            self.dist.capture()
-        except Exception as e:
-            self.rec.tracer_error("distributed capture", e)
-        finally:
-            self.recording = was
+        self.ctx.recording = True
 
     def _setup_probes(self) -> None:
         opts = self.options
         try:
             from .. import native
 
-            self.capture = native.open_capture(native=opts.native, cpp_errors=opts.cpp_errors)
+            self.ctx.capture = native.open_capture(native=opts.native, cpp_errors=opts.cpp_errors)
         except Exception as e:
-            self.capture = None
-            self.rec.notes.append(f"warning/error capture unavailable: {type(e).__name__}: {e}")
+            self.ctx.capture = None
+            self.ctx.rec.notes.append(f"warning/error capture unavailable: {type(e).__name__}: {e}")
         if opts.nonfinite and self.engine.name == "python":
             try:
                 from ..modes.numerics import NonfiniteScreen
 
-                self.screen = NonfiniteScreen()
+                self.ctx.screen = NonfiniteScreen()
             except Exception as e:
-                self.rec.notes.append(f"non-finite screen unavailable: {e}")
+                self.ctx.rec.notes.append(f"non-finite screen unavailable: {e}")
         if opts.numerics:
             from ..modes.numerics import NumericsShadow
 
-            self.shadow = NumericsShadow(mode=opts.numerics)
+            self.ctx.shadow = NumericsShadow(mode=opts.numerics)
         if opts.nonfinite and self.engine.name == "native":
-            self.screen = True   # the native engine screens; replaced by its counters at finish
+            self.ctx.screen = True   # the native engine screens; replaced by its counters at finish
         if opts.cuda_timing and torch.cuda.is_available() and self.engine.name == "python":
             try:
                 from ..timing.cuda import CudaOpTimer
 
-                self.cuda_timer = CudaOpTimer()
+                self.ctx.cuda_timer = CudaOpTimer()
             except Exception as e:
-                self.rec.notes.append(f"CUDA timing unavailable: {e}")
+                self.ctx.rec.notes.append(f"CUDA timing unavailable: {e}")
         try:
             from .compiled import CompileCapture
 
             self.compile_capture = CompileCapture().install()
         except Exception as e:
             self.compile_capture = None
-            self.rec.notes.append(f"torch.compile capture unavailable: {e}")
+            self.ctx.rec.notes.append(f"torch.compile capture unavailable: {e}")
         if opts.kernels:
             try:
                 from ..timing.kernels import KernelCollector
@@ -286,11 +212,11 @@ class Session:
                 self.kernels.begin_window()
             except Exception as e:
                 self.kernels = None
-                self.rec.notes.append(f"kernel collection unavailable: {e}")
+                self.ctx.rec.notes.append(f"kernel collection unavailable: {e}")
 
     def _restore(self) -> None:
         """Undo modes and hooks, innermost first. Safe to call twice."""
-        self.recording = False
+        self.ctx.recording = False
         errors: List[BaseException] = []
         if "engine" in self._entered:
             try:
@@ -307,9 +233,9 @@ class Session:
             except BaseException as e:
                 errors.append(e)
         if "modules" in self._entered:
-            self.modules.remove()
+            self.ctx.modules.remove()
         self._entered = []
-        if self.tracker is not None:
+        if self.ctx.tracker is not None:
             pass  # storages stay watched until the tables are built (free_seq of late frees)
         if getattr(_local, "session", None) is self:
             _local.session = None
@@ -318,19 +244,19 @@ class Session:
                 self.compile_capture.close()
             except Exception as e:
                 errors.append(e)
-        if self.capture is not None:
+        if self.ctx.capture is not None:
             try:
-                self.capture.close()
+                self.ctx.capture.close()
             except Exception as e:
                 errors.append(e)
         for err in errors:
-            self.rec.tracer_error("restore", err)
+            self.ctx.rec.tracer_error("restore", err)
 
     def stop(self, exc: Optional[BaseException] = None) -> Trace:
         """Stop recording, restore global state, build and return the Trace."""
         end = time.perf_counter_ns()
-        self.wall_ns = end - self.t0 if self.t0 else 0
-        self.recording = False
+        self.wall_ns = end - self.ctx.t0 if self.ctx.t0 else 0
+        self.ctx.recording = False
         self._end_cell_warnings()
         self._restore()
         if exc is not None:
@@ -338,30 +264,30 @@ class Session:
         try:
             self.dist.capture(end=True)
         except Exception as e:
-            self.rec.tracer_error("distributed capture", e)
+            self.ctx.rec.tracer_error("distributed capture", e)
         from .build import build_trace
 
         try:
             try:
                 self.engine.finish(self)
             except Exception as e:
-                self.rec.tracer_error("engine finish", e)
-                if self.screen is True:
-                    self.screen = None
+                self.ctx.rec.tracer_error("engine finish", e)
+                if self.ctx.screen is True:
+                    self.ctx.screen = None
             others = [th for th in threading.enumerate() if th is not threading.current_thread() and not th.daemon]
             if others:
-                self.rec.notes.append(
+                self.ctx.rec.notes.append(
                     f"{len(others)} other Python thread(s) were running ({', '.join(th.name for th in others[:3])}): "
                     "ops they ran are not recorded (a trace records its own thread and autograd's workers)")
-            for msg in self.op_hooks.errors:
-                self.rec.tracer_error("op hook", RuntimeError(msg))
+            for msg in self.ctx.op_hooks.errors:
+                self.ctx.rec.tracer_error("op hook", RuntimeError(msg))
             self.trace = build_trace(self)
-            _note_cell_files(self.trace, self.rec)
-            self.trace._amend(compiled_ops=self.compiled_ops, origin=self.origin)
+            _note_cell_files(self.trace, self.ctx.rec)
+            self.trace._amend(compiled_ops=self.ctx.compiled_ops, origin=self.origin)
         finally:
-            if self.tracker is not None:
-                self.tracker.close()
-            self.rec.close()
+            if self.ctx.tracker is not None:
+                self.ctx.tracker.close()
+            self.ctx.rec.close()
         self._write_dataset()
         _remember(self.trace, self.keep_history)
         _warn_tracer_bugs(self.trace)
@@ -379,14 +305,14 @@ class Session:
             self._ds = {"ident": ident, "trace_id": reserve_trace_id(self.options.dataset, ident), "ops_written": 0,
                         "metadata": self._early_metadata(ident)}
         ds = self._ds
-        was, self.recording = self.recording, False   # nothing here may be recorded
+        was, self.ctx.recording = self.ctx.recording, False   # nothing here may be recorded
         try:
             for batch in decode_ops_from(self, ds["ops_written"]):
                 write_table_parts(self.options.dataset, "ops", ds["ident"], ds["trace_id"], pa_table(batch),
                                   metadata=ds["metadata"])
                 ds["ops_written"] += batch.num_rows
         finally:
-            self.recording = was
+            self.ctx.recording = was
 
     def _early_metadata(self, ident: Mapping[str, Any]) -> TraceMetadata:
         """What the trace's metadata holds before the trace ends (for parts written while it records)."""
@@ -431,16 +357,16 @@ class Session:
 
     def _note_cell_exception(self, exc: BaseException) -> None:
         """An exception that left the traced block: recorded once (modes may have seen it already)."""
-        if self.last_exc_key == exc_key(exc):
+        if self.ctx.last_exc_key == exc_key(exc):
             return
         from ..modes.source import user_traceback_location
 
         file, line = user_traceback_location(exc.__traceback__)
-        self.last_error_id = self.rec.add_error(
-            kind="exception", py_type=type(exc).__name__, cpp_type=None, message=_first_line_message(exc),
+        self.ctx.last_error_id = self.ctx.rec.add_error(
+            kind="exception", py_type=type(exc).__name__, cpp_type=None, message=first_line_message(exc),
             cpp_file=None, cpp_line=None, cpp_function=None, seq=None, call_id=None, op=None,
             source_file=file, source_line=line, native=False, count=1)
-        self.last_exc_key = exc_key(exc)
+        self.ctx.last_exc_key = exc_key(exc)
 
 
 _warmed = False
@@ -479,12 +405,37 @@ def _looks_internal(filename: str) -> bool:
     return _is_internal_file(filename)
 
 
-def _first_line_message(e: BaseException) -> str:
-    try:
-        msg = str(e)
-    except Exception:
-        msg = repr(e)
-    return msg
+def _first_collective(ctx: RecordingContext, dist: DistContext) -> Callable[[], None]:
+    """The collectives probe's ``on_first``: the process group exists now (the trace may have started
+    before init_process_group), so the rank identity is captured again, unrecorded."""
+    def on_first() -> None:
+        was, ctx.recording = ctx.recording, False
+        try:
+            dist.capture()
+        except Exception as e:
+            ctx.rec.tracer_error("distributed capture", e)
+        finally:
+            ctx.recording = was
+    return on_first
+
+
+def _collective_hook(probe: CollectiveProbe) -> OpHook:
+    """Op hook: a c10d op just returned (outputs None when it raised); its start and duration come
+    from its ops row when the tables are built."""
+    def on_collective(seq: int, op: str, inputs: Any, outputs: Any) -> None:
+        probe.observe(seq, op, inputs, None, outputs if outputs is not None else (), None, None)
+    return on_collective
+
+
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """``method()`` through a weak reference to its object (nothing when it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        m = ref()
+        if m is not None:
+            m()
+    return call
 
 
 def _warn_tracer_bugs(t: Trace) -> None:
@@ -536,55 +487,19 @@ def _report_dataset_error(e: BaseException, raise_: bool) -> None:
 
 
 class NativeSession(Session):
-    """The recording context when the native engine observes the ops.
+    """The session when the native engine observes the ops: its context is a
+    ``NativeRecordingContext`` (what the modes set is forwarded to the observer), and the
+    function mode is the C one when it can be (``modes/function.py`` NativeFunctionMode)."""
 
-    The function mode and the module hooks are the same code for both engines:
-    here the attributes they set (``current_call``, ``modules.current``) are
-    forwarded to the observer through C setters, and ``seq`` is the observer's
-    row count.
-    """
+    ctx: NativeRecordingContext
 
-    def __init__(self, options: TraceOptions, **kw: Any) -> None:
-        self._ext = kw["engine"].ext
-        self._call = -1
-        super().__init__(options, **kw)
+    def _context(self, rec: Recorder, op_hooks: OpHooks) -> NativeRecordingContext:
+        from .engines import NativeEngine
 
-    @property
-    def seq(self) -> int:
-        return int(self._ext.seq())
-
-    @seq.setter
-    def seq(self, v: int) -> None:
-        pass   # the observer numbers its rows
-
-    @property
-    def current_call(self) -> int:
-        return self._call
-
-    @current_call.setter
-    def current_call(self, v: int) -> None:
-        self._call = v
-        self._ext.set_call(v)
-
-    def _module_tracker(self, cls: Type[Any]) -> Any:
-        ext = self._ext
-
-        class _Tracker(cls):  # type: ignore[misc]  # a subclass of the tracker class handed in (Any)
-            _cur = 0
-
-            @property
-            def current(self) -> int:
-                return self._cur
-
-            @current.setter
-            def current(self, v: int) -> None:
-                self._cur = v
-                ext.set_module(v)
-
-        return _Tracker(self.rec)
-
-    def _storage_tracker(self, cls: Type[Any]) -> Any:
-        return None   # the observer tracks storages natively; build reads them at finish
+        assert isinstance(self.engine, NativeEngine)   # new_session pairs this class with the native engine
+        opts = self.options
+        return NativeRecordingContext(rec, op_hooks, self.engine, want_source=opts.source, want_modules=opts.modules,
+                                      track_storages=opts.storages)
 
     # -- the function mode in C (modes/function.py NativeFunctionMode; fnmode) ----------------------
     def _function_mode(self) -> Any:
@@ -592,24 +507,13 @@ class NativeSession(Session):
         from ..modes.function import CALL_DTYPE, NativeFunctionMode
 
         fm, reason = native.function_mode(CALL_DTYPE.itemsize)
-        if fm is not None and not hasattr(self._ext, "fmode_state"):
+        if fm is not None and not hasattr(self.ctx.ext, "fmode_state"):
             fm, reason = None, "the native engine exports no state for it (fmode_state)"
         if fm is None or fm.active():
-            self.rec.notes.append(f"the function mode runs in Python: {reason if fm is None else 'another trace uses the native one'}")
+            self.ctx.rec.notes.append(f"the function mode runs in Python: {reason if fm is None else 'another trace uses the native one'}")
             return super()._function_mode()
-        self._fm_ext = fm
-        return NativeFunctionMode(self, fm)  # type: ignore[no-untyped-call]  # modes.function is not typed yet
-
-    @property
-    def recording(self) -> bool:
-        return bool(self.__dict__.get("_recording", False))
-
-    @recording.setter
-    def recording(self, v: bool) -> None:
-        self.__dict__["_recording"] = v
-        fm = self.__dict__.get("_fm_ext")
-        if fm is not None:
-            fm.set_recording(bool(v))
+        self.ctx.fmode = fm   # ctx.recording is forwarded to it from here on
+        return NativeFunctionMode(self.ctx, fm)
 
     def _restore(self) -> None:
         super()._restore()
@@ -618,38 +522,13 @@ class NativeSession(Session):
             try:
                 finish()
             except Exception as e:
-                self.rec.tracer_error("restore", e)
-
-    @contextlib.contextmanager
-    def printing(self) -> Iterator[None]:
-        self._ext.pause(True)
-        try:
-            yield
-        finally:
-            self._ext.pause(False)
+                self.ctx.rec.tracer_error("restore", e)
 
     def _setup_probes(self) -> None:
         super()._setup_probes()
-        cap = self.capture
+        cap = self.ctx.capture
         if cap is not None and getattr(cap, "native", False):
             cap.engine = self.engine   # call_end drains the observer's per-op warnings
-
-    def record_exception(self, e: BaseException, *, seq: Optional[int], call_id: Optional[int], op: Optional[str],
-                         info: Optional[Mapping[str, Any]]) -> int:
-        row = None
-        if seq is None:
-            row = self._ext.take_error_seq()   # the row whose kernel threw, if an op threw
-            if row is not None:
-                seq, op = row[0], _op_str(row[1])
-        eid = super().record_exception(e, seq=seq, call_id=call_id, op=op, info=info)
-        if row is not None:
-            self.rec.op_errors[row[0]] = eid   # row[0] is seq here
-        return eid
-
-
-def _op_str(native_name: str) -> str:
-    """'aten::add.Tensor' -> 'aten.add.Tensor' (str(OpOverload))."""
-    return native_name.replace("::", ".", 1)
 
 
 def new_session(options: TraceOptions, **kw: Any) -> Session:
