@@ -735,7 +735,7 @@ def _kernels_table(sess: Session, ops: pa.Table) -> Tuple[pa.Table, List[str]]:
             pending = sess.kernels.end_window_deferred(sess.ctx.t0, ops, cuda_devices_of(ops))
             if pending is not None:
                 return pending, []   # the Trace resolves it when the table is first read
-        return sess.kernels.window(sess.ctx.t0, ops)
+        return sess.kernels.end_window(sess.ctx.t0, ops)
     except Exception as e:
         sess.ctx.rec.tracer_error("kernels", e)
         return S.empty("kernels"), [f"kernel collection failed: {e}"]

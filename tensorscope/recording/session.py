@@ -235,8 +235,7 @@ class Session:
         if "modules" in self._entered:
             self.ctx.modules.remove()
         self._entered = []
-        if self.ctx.tracker is not None:
-            pass  # storages stay watched until the tables are built (free_seq of late frees)
+        # the storage tracker stays open until the tables are built (free_seq of late frees): stop() closes it
         if getattr(_local, "session", None) is self:
             _local.session = None
         if self.compile_capture is not None:

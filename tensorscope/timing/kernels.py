@@ -25,7 +25,7 @@ Pieces
 ``KernelCollector``
     Owns the Kineto session. ``KernelCollector.shared()`` is the process-wide
     one used by ``trace(kernels=True)``: ``begin_window()`` at trace start,
-    ``end_window(sess, ops) -> (table, notes)`` when the trace is built.
+    ``end_window(t0_ns, ops) -> (table, notes)`` when the trace is built.
     ``keep_alive=True`` (always-on mode) keeps the session running across
     cells instead of starting and stopping Kineto per cell: every start
     re-registers CUPTI's timestamp callback, and each re-registration
@@ -553,20 +553,15 @@ class KernelCollector:
             self.flush()
         return pending
 
-    def end_window(self, sess, ops) -> Tuple[pa.Table, List[str]]:
-        """Builder entry point: ``(kernels table, notes)`` for the trace of ``sess``, harvested now."""
+    def end_window(self, t0_ns: int, ops) -> Tuple[pa.Table, List[str]]:
+        """Builder entry point: ``(kernels table, notes)`` for the trace that started at ``t0_ns``
+        (``perf_counter_ns()``; ``ops`` times are relative to it), harvested now."""
         if not self.available:
             return S.empty("kernels"), [self.reason or "kernel collection unavailable"]
-        pending = self.end_window_deferred(getattr(sess, "t0", 0), ops, cuda_devices_of(ops))
+        pending = self.end_window_deferred(t0_ns, ops, cuda_devices_of(ops))
         if pending is None:
             return S.empty("kernels"), ["kernel collection: no window was open for this trace"]
         return pending.resolve()
-
-    def window(self, t0_ns: int, ops) -> Tuple[pa.Table, List[str]]:
-        """Take the kernels of the current window now (``end_window`` without a session object)."""
-        class _S:
-            t0 = t0_ns
-        return self.end_window(_S, ops)
 
     # -- harvest -------------------------------------------------------------------
     def flush(self) -> None:
