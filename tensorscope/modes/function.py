@@ -307,7 +307,6 @@ class NativeFunctionMode(TorchFunctionMode):
         self.c_tracer_error = rec.tracer_error
         self.c_trampoline_for = trampoline_for
         self.c_printing = ctx.ext.pause
-        self.c_internal = _source._internal
         self.c_is_internal = _source._is_internal
         self.c_any_autocast = _any_autocast if _any_autocast is not None else (lambda: True)
         self.c_htf_code = _HTF_CODE if _HTF_CODE is not None else object()

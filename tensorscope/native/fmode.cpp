@@ -225,8 +225,7 @@ struct State {
   PyObject* tracer_error = nullptr; // (where, exc)
   PyObject* trampoline_for = nullptr;  // frame -> function
   PyObject* printing = nullptr;     // (paused: bool) -> None
-  PyObject* internal = nullptr;     // modes/source.py's code -> bool dict (shared)
-  PyObject* is_internal = nullptr;  // code -> bool (fills it)
+  PyObject* is_internal = nullptr;  // code -> bool (modes/source.py; cached below by address)
   PyObject* any_autocast = nullptr; // torch._C._is_any_autocast_enabled
   PyObject* htf_code = nullptr;     // torch.overrides.handle_torch_function.__code__
   PyObject* mod_code = nullptr;     // Module._wrapped_call_impl.__code__
@@ -236,6 +235,10 @@ struct State {
   PyObject* kinds = nullptr;        // dict func -> int (kind | fid << 3)
   std::unordered_map<std::pair<const void*, const void*>, int32_t, KeyHash> src_cache;
   std::vector<PyObject*> src_codes;  // strong refs: a cached code's address is never reused
+  // code object -> "internal" verdict, keyed by address (a dict keyed by the code object hashes
+  // it: name, consts (recursively), names... ~0.5 us for Module._call_impl, per frame walked)
+  std::unordered_map<const void*, bool> internal_cache;
+  std::vector<PyObject*> internal_codes;   // strong refs, as src_codes
   std::unordered_map<std::pair<const void*, const void*>, ModEntry, KeyHash> mod_cache;
   std::unordered_map<std::pair<const void*, const void*>, PyObject*, KeyHash> tramp_cache;  // owned fns
   // rows
@@ -283,10 +286,17 @@ CallRow* new_row(int64_t cid) {
   return &row(cid);
 }
 
+void clear_internal_cache() {
+  S.internal_cache.clear();
+  for (PyObject* c : S.internal_codes) Py_DECREF(c);
+  S.internal_codes.clear();
+}
+
 void clear_caches() {
   S.src_cache.clear();
   for (PyObject* c : S.src_codes) Py_DECREF(c);
   S.src_codes.clear();
+  clear_internal_cache();
   for (auto& kv : S.mod_cache) {
     Py_XDECREF(kv.second.wr_inner);
     Py_XDECREF(kv.second.wr_outer);
@@ -417,11 +427,10 @@ inline _PyInterpreterFrame* current_frame() {
   return skip_incomplete(ts->cframe->current_frame);
 }
 
-// modes/source.py's verdict for a code object (its dict; the Python function fills it).
+// modes/source.py's verdict for a code object, cached here by address (the Python function decides).
 int code_internal(PyObject* code) {
-  PyObject* v = PyDict_GetItemWithError(S.internal, code);   // borrowed
-  if (v != nullptr) return v == Py_True;
-  if (PyErr_Occurred()) PyErr_Clear();
+  auto it = S.internal_cache.find(code);
+  if (it != S.internal_cache.end()) return it->second;
   PyObject* r = PyObject_CallOneArg(S.is_internal, code);
   if (r == nullptr) {
     contain("source line");
@@ -429,6 +438,14 @@ int code_internal(PyObject* code) {
   }
   int out = PyObject_IsTrue(r);
   Py_DECREF(r);
+  if (out < 0) {
+    contain("source line");
+    return -1;
+  }
+  if (S.internal_cache.size() >= 65536) clear_internal_cache();
+  Py_INCREF(code);
+  S.internal_codes.push_back(code);
+  S.internal_cache.emplace(code, out != 0);
   return out;
 }
 
@@ -857,7 +874,7 @@ PyObject* py_configure(PyObject*, PyObject* args) {
       {&S.classify, "c_classify"}, {&S.user_src, "c_user_src"}, {&S.module_at, "c_module_at"},
       {&S.autocast, "c_autocast"}, {&S.on_error, "c_on_error"}, {&S.on_warnings, "c_on_warnings"},
       {&S.tracer_error, "c_tracer_error"}, {&S.trampoline_for, "c_trampoline_for"}, {&S.printing, "c_printing"},
-      {&S.internal, "c_internal"}, {&S.is_internal, "c_is_internal"}, {&S.any_autocast, "c_any_autocast"},
+      {&S.is_internal, "c_is_internal"}, {&S.any_autocast, "c_any_autocast"},
       {&S.htf_code, "c_htf_code"}, {&S.mod_code, "c_mod_code"}, {&S.cacheable, "c_cacheable"},
   };
   std::vector<PyObject*> got;
@@ -868,11 +885,6 @@ PyObject* py_configure(PyObject*, PyObject* args) {
       return nullptr;
     }
     got.push_back(v);
-  }
-  if (!PyDict_Check(got[9])) {
-    for (PyObject* g : got) Py_DECREF(g);
-    PyErr_SetString(PyExc_TypeError, "c_internal must be a dict");
-    return nullptr;
   }
   size_t i = 0;
   for (auto& it : items) {
@@ -949,7 +961,6 @@ PyObject* py_take(PyObject*, PyObject*) {
   Py_CLEAR(S.tracer_error);
   Py_CLEAR(S.trampoline_for);
   Py_CLEAR(S.printing);
-  Py_CLEAR(S.internal);
   Py_CLEAR(S.is_internal);
   Py_CLEAR(S.any_autocast);
   Py_CLEAR(S.htf_code);
