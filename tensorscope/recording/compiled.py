@@ -620,7 +620,12 @@ def attach(sess: Session, tables: Dict[str, pa.Table]) -> Dict[str, pa.Table]:
     if graphs:
         _remember(graphs)
     ops, calls = tables["ops"], tables["calls"]
-    call_gid, op_gid = _link(graphs, ops, calls)
+    with _REGISTRY_LOCK:
+        known = bool(_REGISTRY)
+    if graphs or known:
+        call_gid, op_gid = _link(graphs, ops, calls)
+    else:   # nothing compiled in this trace nor remembered from an earlier one: nothing can link
+        call_gid, op_gid = np.full(calls.num_rows, -1, np.int64), np.full(ops.num_rows, -1, np.int64)
     _note_unknown_regions(sess, calls, call_gid)
     out = dict(tables)
     # build.py wrote graph_id as all null: rewrite it only where a row links to a graph
