@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from .. import schema as S
 from .._common import COPYING_OPS, INEXACT_DTYPES, NOISE_OPS, ipython_shell
+from ..native import forced_fallback, loaded_engine
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
 
 if TYPE_CHECKING:
@@ -120,8 +121,6 @@ def _native_gather() -> Any:
     """engine.cpp's ``gather`` when the native engine is loaded in this process (never compiles
     or loads it: a python-engine trace in a process without it uses numpy)."""
     try:
-        from ..native import forced_fallback, loaded_engine
-
         if forced_fallback():
             return None
         return getattr(loaded_engine(), "gather", None)
@@ -231,6 +230,8 @@ def _nullable(values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int64()) 
     nulls = int(np.count_nonzero(null_mask))
     if nulls == 0:
         return pa.array(values, typ)
+    if nulls == len(values):
+        return pa.nulls(nulls, typ)
     valid = np.packbits(~null_mask, bitorder="little")
     data = np.packbits(values, bitorder="little") if typ == pa.bool_() else values
     return pa.Array.from_buffers(typ, len(values), [pa.py_buffer(valid), pa.py_buffer(data)], null_count=nulls)
