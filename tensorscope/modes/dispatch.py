@@ -16,7 +16,7 @@ compiled artifact calls is then all we see, and the summary says so.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -54,37 +54,54 @@ def schema_inputs(func, args, kwargs) -> list:
     return out
 
 
+#: OpOverload -> (flags, flop_at_build): facts of the op's schema, the same in every trace, so
+#: computed once per process (a schema walk: ~20 µs per op)
+_SCHEMA_FACTS: dict = {}
+
+
+def op_schema_facts(func) -> Tuple[int, bool, Any]:
+    """``(flags, flop_at_build, flop)`` of ``func``: F_INPLACE/F_OUT_KW/F_VIEW from its schema;
+    whether its FLOPs are counted from input shapes when the tables are built; else its
+    flop_counter formula (None: no formula; looked up each time: formulas can be registered
+    between traces). The schema facts are cached per process."""
+    facts = _SCHEMA_FACTS.get(func)
+    if facts is not None:
+        flags, at_build = facts
+        return flags, at_build, None if at_build else FLOP_REGISTRY.get(func.overloadpacket)
+    flags = 0
+    schema = func._schema
+    out_kw = False
+    mut_pos = False
+    for a in schema.arguments:
+        ai = a.alias_info
+        if ai is not None and ai.is_write:
+            if a.kwarg_only and a.name.startswith("out"):
+                out_kw = True
+            else:
+                mut_pos = True
+    if mut_pos:
+        flags |= F_INPLACE
+    if out_kw:
+        flags |= F_OUT_KW
+    if getattr(func, "is_view", False):
+        flags |= F_VIEW
+    packet = func.overloadpacket
+    # matmul FLOPs depend on input shapes only: counted when the tables are built
+    # (flop_counter's formulas tree-map their arguments: ~25 µs per call)
+    at_build = str(packet).split(".")[-1] in SHAPE_FLOP_OPS and packet in FLOP_REGISTRY
+    _SCHEMA_FACTS[func] = (flags, at_build)
+    return flags, at_build, None if at_build else FLOP_REGISTRY.get(packet)
+
+
 class OpInfo:
-    """Per-OpOverload facts computed once: id, flags, FLOP formula."""
+    """Per-OpOverload facts of one trace: its id there, flags, FLOP formula, whether it is hooked."""
 
     __slots__ = ("op_id", "flags", "flop", "flop_at_build", "hook")
 
     def __init__(self, rec, func, hook_namespaces=frozenset()) -> None:
         self.op_id = rec.funcs(func)
         self.hook = bool(hook_namespaces) and getattr(func, "namespace", None) in hook_namespaces
-        flags = 0
-        schema = func._schema
-        out_kw = False
-        mut_pos = False
-        for a in schema.arguments:
-            ai = a.alias_info
-            if ai is not None and ai.is_write:
-                if a.kwarg_only and a.name.startswith("out"):
-                    out_kw = True
-                else:
-                    mut_pos = True
-        if mut_pos:
-            flags |= F_INPLACE
-        if out_kw:
-            flags |= F_OUT_KW
-        if getattr(func, "is_view", False):
-            flags |= F_VIEW
-        self.flags = flags
-        packet = func.overloadpacket
-        # matmul FLOPs depend on input shapes only: counted when the tables are built
-        # (flop_counter's formulas tree-map their arguments: ~25 µs per call)
-        self.flop_at_build = str(packet).split(".")[-1] in SHAPE_FLOP_OPS and packet in FLOP_REGISTRY
-        self.flop = None if self.flop_at_build else FLOP_REGISTRY.get(packet)
+        self.flags, self.flop_at_build, self.flop = op_schema_facts(func)
 
 
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd

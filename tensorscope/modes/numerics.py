@@ -97,6 +97,10 @@ def _op_name(func) -> str:
         return str(func).split(".")[1] if "." in str(func) else str(func)
 
 
+#: OpOverload -> its _FuncInfo (facts of the op alone: shared by every screen of the process)
+_FUNC_INFOS: Dict[Any, "_FuncInfo"] = {}
+
+
 class _FuncInfo:
     """Per-OpOverload facts, computed once: skip, which arguments it writes."""
 
@@ -233,7 +237,6 @@ class NonfiniteScreen:
     defer_cpu = False
 
     def __init__(self) -> None:
-        self._infos: Dict[Any, _FuncInfo] = {}
         # key -> (version, finite) for CPU tensors that came out of a screened op
         self._memo: Dict[tuple, tuple] = {}
         self._cuda: Optional[_CudaFlags] = None
@@ -243,9 +246,9 @@ class NonfiniteScreen:
         self._deferred = 0       # ops whose verdict came from the device buffer at finish()
 
     def _info(self, func) -> _FuncInfo:
-        info = self._infos.get(func)
+        info = _FUNC_INFOS.get(func)
         if info is None:
-            info = self._infos[func] = _FuncInfo(func)
+            info = _FUNC_INFOS[func] = _FuncInfo(func)
         return info
 
     def screens(self, func) -> bool:
@@ -297,7 +300,7 @@ class NonfiniteScreen:
 
     def post(self, seq, func, args, kwargs, outs, state) -> Optional[Tuple[int, bool]]:
         """After an op: ``(count, produced)`` when a floating output holds NaN/Inf, else None."""
-        info = self._infos.get(func)
+        info = _FUNC_INFOS.get(func)
         if info is None:
             info = self._info(func)
         if info.screen == _NOSCREEN:

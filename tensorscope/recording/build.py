@@ -76,6 +76,29 @@ class _Dict:
 _PHASES = pa.array(["forward", "backward"], pa.string())
 
 
+#: op -> (name, namespace, overload, tags, short name, noise?): the same in every trace
+_FUNC_NAMES: Dict[Any, Tuple[str, str, str, List[str], str, bool]] = {}
+
+
+def _func_names(func: Any) -> Tuple[str, str, str, List[str], str, bool]:
+    got = _FUNC_NAMES.get(func)
+    if got is not None:
+        return got
+    name = str(func)
+    parts = name.split(".")
+    try:
+        tags = [str(t).split(".")[-1] for t in func.tags]
+    except Exception:
+        tags = []
+    sn = parts[1] if len(parts) > 1 else name
+    got = (name, parts[0], parts[2] if len(parts) > 2 else "default", tags, sn, sn in NOISE_OPS)
+    try:
+        _FUNC_NAMES[func] = got
+    except TypeError:   # an unhashable stand-in: not cached
+        pass
+    return got
+
+
 def _op_dicts(rec: Recorder) -> Dict[str, Any]:
     names: List[str] = []
     nss: List[str] = []
@@ -84,18 +107,13 @@ def _op_dicts(rec: Recorder) -> Dict[str, Any]:
     noise: List[bool] = []
     short: List[str] = []
     for func in rec.funcs.values:
-        name = str(func)
+        name, ns, ovl, tg, sn, nz = _func_names(func)
         names.append(name)
-        parts = name.split(".")
-        nss.append(parts[0])
-        ovls.append(parts[2] if len(parts) > 2 else "default")
-        try:
-            tags.append([str(t).split(".")[-1] for t in func.tags])
-        except Exception:
-            tags.append([])
-        sn = parts[1] if len(parts) > 1 else name
+        nss.append(ns)
+        ovls.append(ovl)
+        tags.append(tg)
         short.append(sn)
-        noise.append(sn in NOISE_OPS)
+        noise.append(nz)
     return dict(op=_Dict(names), namespace=_Dict(nss), overload=_Dict(ovls), tags=tags,
                 is_noise=np.array(noise or [False], dtype=bool), short=short, names=names)
 

@@ -326,14 +326,16 @@ class NativeEngine:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
         import torch
 
-        from ..modes.dispatch import OpInfo
+        from ..modes.dispatch import op_schema_facts
 
         flags_of: List[int] = []
         for name in d["ops"]:
             func = _resolve_op(name)
             try:
-                info = OpInfo(rec, func)   # schema flags only: the native engine calls the op hooks itself
-                flags_of.append(info.flags | ((1 << 40) if info.flop_at_build else 0))   # 1<<40: FLOPs at build
+                # schema flags only (cached per process): the native engine calls the op hooks itself
+                flags, at_build, _ = op_schema_facts(func)
+                rec.funcs(func)
+                flags_of.append(flags | ((1 << 40) if at_build else 0))   # 1<<40: FLOPs at build
             except Exception:   # an op without a schema (its library is gone): no flags
                 if len(rec.funcs) == len(self._op_flags) + len(flags_of):
                     rec.funcs(func)
