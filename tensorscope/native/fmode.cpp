@@ -936,13 +936,6 @@ PyObject* copy_rows(int64_t n) {
 
 // (rows so far as bytes, n) without stopping: a dataset= spill decodes ops while the trace runs,
 // and their source lines and call names come from these rows.
-PyObject* py_snapshot(PyObject*, PyObject*) {
-  int64_t n = S.n_calls;
-  PyObject* out = copy_rows(n);
-  if (out == nullptr) return nullptr;
-  return Py_BuildValue("(NL)", out, (long long)n);
-}
-
 PyObject* py_take(PyObject*, PyObject*) {
   S.active = false;
   S.recording = false;
@@ -980,6 +973,25 @@ PyObject* py_field(PyObject*, PyObject* args) {
   if (k < 0 || k >= 10) Py_RETURN_NONE;
   long long v = any_field(cid, kOrder[k]);
   return PyLong_FromLongLong(v);
+}
+
+// column(k): one calls field (k: CALL_FIELDS index) of every call so far, as int64 bytes, while
+// recording: what a dataset= spill reads (8 bytes a call, not a copy of every row).
+PyObject* py_column(PyObject*, PyObject* args) {
+  int k;
+  if (!PyArg_ParseTuple(args, "i", &k)) return nullptr;
+  static const int kOrder[10] = {0, 1, 2, 8, 6, 3, 4, 5, 9, 10};   // CALL_FIELDS -> CallRow members
+  if (k < 0 || k >= 10) {
+    PyErr_SetString(PyExc_IndexError, "calls field index out of range");
+    return nullptr;
+  }
+  int64_t n = S.n_calls;
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n * 8));
+  if (out == nullptr) return nullptr;
+  int64_t* dst = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(out));
+  const int f = kOrder[k];
+  for (int64_t cid = 0; cid < n; ++cid) dst[cid] = any_field(cid, f);
+  return Py_BuildValue("(NL)", out, (long long)n);
 }
 
 PyObject* py_n_calls(PyObject*, PyObject*) {
@@ -1029,7 +1041,7 @@ PyMethodDef methods[] = {
     {"set_recording", py_set_recording, METH_O, "record (True) or pass every call through (False)"},
     {"take", py_take, METH_NOARGS, "(calls rows as bytes, n): hand the rows over and stop"},
     {"field", py_field, METH_VARARGS, "field(call_id, k): a calls field while recording"},
-    {"snapshot", py_snapshot, METH_NOARGS, "(calls rows so far as bytes, n), recording on"},
+    {"column", py_column, METH_VARARGS, "(one calls field of every call so far as int64 bytes, n), recording on"},
     {"n_calls", py_n_calls, METH_NOARGS, "calls recorded so far"},
     {"warning", py_warning, METH_NOARGS, "the warning tap collected a warning on this thread"},
     {"active", py_active, METH_NOARGS, "whether a trace is configured"},
