@@ -584,6 +584,8 @@ def _note_unknown_regions(sess: Session, calls: pa.Table, call_gid: np.ndarray) 
         col = col.dictionary_encode()
     names = col.dictionary.to_pylist()
     generated = np.array([bool(f) and bool(_GENERATED.match(os.path.basename(f))) for f in names] + [False])
+    if not generated.any():   # no call from generated code (the common case): nothing to say
+        return
     codes = col.indices.fill_null(len(names)).to_numpy(zero_copy_only=False).astype(np.int64)
     n = int(np.count_nonzero(generated[codes] & (call_gid < 0)))
     if n:
