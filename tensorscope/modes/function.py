@@ -112,16 +112,20 @@ class TracingFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        # While Dynamo traces this handler, is_compiling() is True: it then inlines a plain call
+        # (no frame walk, no graph break) and reads none of the mode's state first: a read of
+        # ``self._kinds`` here became a guard on that cache, and the region recompiled in a later
+        # trace whose cache differed (tests/recording/test_compiled.py)
+        if _is_compiling():
+            return func(*args, **kwargs)
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = _classify(func)
         keep, named = kind
         s = self.ctx
-        # While Dynamo traces this handler, is_compiling() is True: it then inlines a
-        # plain call (no frame walk, no graph break), and compiled code stays compiled.
-        if keep < RECORD or keep == PASS or not s.recording or _is_compiling():
+        if keep < RECORD or keep == PASS or not s.recording:
             try:
-                if keep == PASS and s.recording and not _is_compiling():
+                if keep == PASS and s.recording:
                     return call_as_caller(1, func, args, kwargs)   # a getter's warning: at the user's line
                 return func(*args, **kwargs)
             except BaseException as e:
