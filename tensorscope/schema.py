@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Tuple
 
+import numpy as np
 import pyarrow as pa
 
 #: "major.minor". Bump major when a column changes meaning or type.
@@ -399,6 +400,24 @@ def dataset_schema(name: str) -> pa.Schema:
 
 
 _EMPTY: Dict[str, pa.Table] = {}
+
+
+_NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
+
+
+def nullable_array(values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
+    """``values`` (numpy) as an Arrow array of ``typ``, null where ``null_mask``: the validity bitmap is
+    packed by numpy and the values buffer shared (``pa.array(mask=)`` converts row by row and
+    imports pandas on first use)."""
+    values = np.ascontiguousarray(values, dtype=_NP_OF[typ])
+    nulls = int(np.count_nonzero(null_mask))
+    if nulls == 0:
+        return pa.array(values, typ)
+    if nulls == len(values):
+        return pa.nulls(nulls, typ)
+    valid = np.packbits(~null_mask, bitorder="little")
+    data = np.packbits(values, bitorder="little") if typ == pa.bool_() else values
+    return pa.Array.from_buffers(typ, len(values), [pa.py_buffer(valid), pa.py_buffer(data)], null_count=nulls)
 
 
 def empty(name: str) -> pa.Table:

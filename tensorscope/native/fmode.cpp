@@ -292,10 +292,14 @@ void clear_internal_cache() {
   S.internal_codes.clear();
 }
 
-void clear_caches() {
+void clear_src_cache() {
   S.src_cache.clear();
   for (PyObject* c : S.src_codes) Py_DECREF(c);
   S.src_codes.clear();
+}
+
+void clear_caches() {
+  clear_src_cache();
   clear_internal_cache();
   for (auto& kv : S.mod_cache) {
     Py_XDECREF(kv.second.wr_inner);
@@ -449,8 +453,21 @@ int code_internal(PyObject* code) {
   return out;
 }
 
+// ``fn(frame)`` for the frame ``depth`` out from the running one, as an int (-1: failed, contained as ``where``)
+int64_t call_on_frame(PyObject* fn, int depth, const char* where) {
+  PyObject* fo = frame_object(depth);
+  if (fo == nullptr) {
+    contain(where);
+    return -1;
+  }
+  int64_t v = call_int(fn, where, fo);
+  Py_DECREF(fo);
+  return v;
+}
+
 // user source id for code running at ``f`` (the caller, ``depth`` frames out from the running one)
 int32_t user_src(_PyInterpreterFrame* f, int depth) {
+  _PyInterpreterFrame* user = nullptr;   // the first frame of user code, its line cached below
   for (_PyInterpreterFrame* u = f; u != nullptr; u = back(u)) {
     int in = code_internal(reinterpret_cast<PyObject*>(u->f_code));
     if (in < 0) break;
@@ -458,31 +475,18 @@ int32_t user_src(_PyInterpreterFrame* f, int depth) {
     auto key = std::make_pair(static_cast<const void*>(u->f_code), static_cast<const void*>(u->prev_instr));
     auto it = S.src_cache.find(key);
     if (it != S.src_cache.end()) return it->second;
+    user = u;
     break;   // a miss: the Python walk names it, the cache keeps it
   }
-  PyObject* fo = frame_object(depth);
-  if (fo == nullptr) {
-    contain("source line");
-    return 0;
-  }
-  int64_t id = call_int(S.user_src, "source line", fo);
-  Py_DECREF(fo);
+  int64_t id = call_on_frame(S.user_src, depth, "source line");
   if (id < 0) return 0;
-  for (_PyInterpreterFrame* u = f; u != nullptr; u = back(u)) {   // remember it for the user frame
-    int in = code_internal(reinterpret_cast<PyObject*>(u->f_code));
-    if (in < 0) break;
-    if (in) continue;
-    if (S.src_cache.size() >= 65536) {
-      S.src_cache.clear();
-      for (PyObject* c : S.src_codes) Py_DECREF(c);
-      S.src_codes.clear();
-    }
-    auto key = std::make_pair(static_cast<const void*>(u->f_code), static_cast<const void*>(u->prev_instr));
+  if (user != nullptr) {
+    if (S.src_cache.size() >= 65536) clear_src_cache();
+    auto key = std::make_pair(static_cast<const void*>(user->f_code), static_cast<const void*>(user->prev_instr));
     if (S.src_cache.emplace(key, int32_t(id)).second) {
-      Py_INCREF(u->f_code);
-      S.src_codes.push_back(reinterpret_cast<PyObject*>(u->f_code));
+      Py_INCREF(user->f_code);
+      S.src_codes.push_back(reinterpret_cast<PyObject*>(user->f_code));
     }
-    break;
   }
   return int32_t(id);
 }
@@ -526,13 +530,7 @@ int32_t module_at(_PyInterpreterFrame* f, int depth) {
       return it->second.mid;
     }
   }
-  PyObject* fo = frame_object(depth);
-  if (fo == nullptr) {
-    contain("module path");
-    return 0;
-  }
-  int64_t mid = call_int(S.module_at, "module path", fo);
-  Py_DECREF(fo);
+  int64_t mid = call_on_frame(S.module_at, depth, "module path");
   if (mid < 0) return 0;
   if (inner != nullptr && S.cacheable != nullptr) {
     // cached only for plain modules: a compiled graph (GraphModule) or an OptimizedModule wrapper on

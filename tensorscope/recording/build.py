@@ -28,6 +28,7 @@ import pyarrow as pa
 from .. import schema as S
 from .._common import COPYING_OPS, INEXACT_DTYPES, NOISE_OPS, ipython_shell
 from ..native import forced_fallback, loaded_engine
+from ..schema import nullable_array
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class _Dict:
         null = c < 0
         if null_mask is not None:
             null |= null_mask
-        indices = _nullable(c, null, pa.int32())
+        indices = nullable_array(c, null, pa.int32())
         # codes index the dictionary by construction: skip the O(n) bounds validation
         return pa.DictionaryArray.from_arrays(indices, self.dictionary, safe=False)
 
@@ -237,22 +238,6 @@ def _matmul_flops(name: str, shapes: Sequence[Sequence[int]]) -> int:
     return -1
 
 
-_NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
-
-
-def _nullable(values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
-    """``values`` as an Arrow array of ``typ``, null where ``null_mask``: the validity bitmap is
-    packed by numpy and the values buffer shared (``pa.array(mask=)`` converts row by row and
-    imports pandas on first use)."""
-    values = np.ascontiguousarray(values, dtype=_NP_OF[typ])
-    nulls = int(np.count_nonzero(null_mask))
-    if nulls == 0:
-        return pa.array(values, typ)
-    if nulls == len(values):
-        return pa.nulls(nulls, typ)
-    valid = np.packbits(~null_mask, bitorder="little")
-    data = np.packbits(values, bitorder="little") if typ == pa.bool_() else values
-    return pa.Array.from_buffers(typ, len(values), [pa.py_buffer(valid), pa.py_buffer(data)], null_count=nulls)
 
 
 class _ListDict:
@@ -454,9 +439,9 @@ class _Ctx:
                                                        safe=False)
         cols["autograd_node"] = self.nodes.take(node)
         seq_nr = chunk["seq_nr"]
-        cols["seq_nr"] = _nullable(seq_nr, seq_nr < 0)
-        cols["fwd_seq"] = _nullable(fs, fs < 0)
-        cols["call_id"] = _nullable(chunk["call"], chunk["call"] < 0)
+        cols["seq_nr"] = nullable_array(seq_nr, seq_nr < 0)
+        cols["fwd_seq"] = nullable_array(fs, fs < 0)
+        cols["call_id"] = nullable_array(chunk["call"], chunk["call"] < 0)
         cols["module"] = self.modules.take(module)
         cols["source_file"] = self.src_files.take(src_idx)
         cols["source_line"] = self._lines(src_idx)
@@ -480,7 +465,7 @@ class _Ctx:
         noise = self.ops["is_noise"][op] if n else np.zeros(0, bool)
         cols["is_noise"] = pa.array(noise, pa.bool_())
         flops = self._shape_flops(chunk["flops"], op, ins)
-        cols["flops"] = _nullable(flops, flops < 0)
+        cols["flops"] = nullable_array(flops, flops < 0)
         no_bytes = is_view | noise
         cols["bytes_read"] = pa.array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
         cols["bytes_written"] = pa.array(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
@@ -498,8 +483,8 @@ class _Ctx:
                     nf[s - start] = cnt
                     prod[s - start] = bool(produced)
                     prod_null[s - start] = False
-            cols["nonfinite"] = _nullable(nf.astype(np.int64), nf < 0)
-            cols["nonfinite_produced"] = _nullable(prod, prod_null, pa.bool_())
+            cols["nonfinite"] = nullable_array(nf.astype(np.int64), nf < 0)
+            cols["nonfinite_produced"] = nullable_array(prod, prod_null, pa.bool_())
         else:
             cols["nonfinite"] = self._nulls(n, pa.int64())
             cols["nonfinite_produced"] = self._nulls(n, pa.bool_())
@@ -510,8 +495,8 @@ class _Ctx:
                 if start <= s < start + n:
                     rel[s - start] = r
                     mx[s - start] = m
-            cols["num_rel_err"] = _nullable(rel, np.isnan(rel), pa.float64())
-            cols["num_max_abs_err"] = _nullable(mx, np.isnan(mx), pa.float64())
+            cols["num_rel_err"] = nullable_array(rel, np.isnan(rel), pa.float64())
+            cols["num_max_abs_err"] = nullable_array(mx, np.isnan(mx), pa.float64())
         else:
             cols["num_rel_err"] = self._nulls(n, pa.float64())
             cols["num_max_abs_err"] = self._nulls(n, pa.float64())
@@ -520,7 +505,7 @@ class _Ctx:
 
     def _lines(self, src_idx: np.ndarray) -> pa.Array:
         lines = self.src_lines[src_idx] if len(src_idx) else np.zeros(0, np.int64)
-        return _nullable(lines, lines < 0)
+        return nullable_array(lines, lines < 0)
 
     def _shape_flops(self, flops: np.ndarray, op: np.ndarray, ins: np.ndarray) -> np.ndarray:
         """Fill the rows the dispatch mode left for later (-2): matmul FLOPs from input shapes."""
@@ -559,7 +544,7 @@ class _Ctx:
             if start <= s < start + n:
                 vals[s - start] = v
                 mask[s - start] = False
-        return _nullable(vals, mask)
+        return nullable_array(vals, mask)
 
     def _hidden_copy(self, op: np.ndarray, ins: np.ndarray, outs: np.ndarray, alias: np.ndarray, call: np.ndarray,
                      n: int) -> np.ndarray:
@@ -644,7 +629,7 @@ def _calls_table(sess: Session, ctx: _Ctx) -> pa.Table:
     autocasts = _Dict(rec.autocasts.values)
     cols = dict(
         call_id=pa.array(np.arange(n, dtype=np.int64)),
-        parent_id=_nullable(parent, parent < 0),
+        parent_id=nullable_array(parent, parent < 0),
         depth=pa.array(depth),
         cell=pa.nulls(n, pa.int64()) if sess.cell is None else pa.array(np.full(n, sess.cell, np.int64)),
         name=names.take(a["func"]),
@@ -654,11 +639,11 @@ def _calls_table(sess: Session, ctx: _Ctx) -> pa.Table:
         source_line=ctx._lines(src),
         start_ns=pa.array(a["start"]),
         dur_ns=pa.array(a["dur"]),
-        first_seq=_nullable(a["first_seq"], a["n_ops"] <= 0),
+        first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
         n_ops=pa.array(a["n_ops"]),
         autocast=autocasts.take(a["autocast"]),
         compiled=pa.nulls(n, pa.bool_()),   # filled by recording/compiled.attach
-        error_id=_nullable(a["error"], a["error"] < 0),
+        error_id=nullable_array(a["error"], a["error"] < 0),
         graph_id=pa.nulls(n, pa.int64()),   # filled by recording/compiled.attach
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.CALLS], schema=S.CALLS)
@@ -701,10 +686,10 @@ def _tensors_table(sess: Session, ctx: _Ctx) -> pa.Table:
         storage_id=pa.array(np.arange(n, dtype=np.int64)),
         nbytes=pa.array(np.frombuffer(c.nbytes, dtype=np.int64)),
         device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
-        alloc_seq=_nullable(alloc, alloc < 0),
+        alloc_seq=nullable_array(alloc, alloc < 0),
         alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
         pa.nulls(n, S.TENSORS.field("alloc_op").type),
-        free_seq=_nullable(free, free < 0),
+        free_seq=nullable_array(free, free < 0),
         cell=pa.nulls(n, pa.int64()) if sess.cell is None else pa.array(np.full(n, sess.cell, np.int64)),
         module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
         source_file=ctx.src_files.take(src_idx),

@@ -562,17 +562,6 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table) -> Tuple
     return call_gid, op_gid
 
 
-def _gid_array(gid: np.ndarray) -> pa.Array:
-    """graph ids as int64, null where -1 (the validity bitmap packed by numpy, not row by row)."""
-    miss = gid < 0
-    n_null = int(np.count_nonzero(miss))
-    if n_null == 0:
-        return pa.array(gid, pa.int64())
-    valid = np.packbits(~miss, bitorder="little")
-    return pa.Array.from_buffers(pa.int64(), len(gid), [pa.py_buffer(valid), pa.py_buffer(np.ascontiguousarray(gid))],
-                                 null_count=n_null)
-
-
 def _note_unknown_regions(sess: Session, calls: pa.Table, call_gid: np.ndarray) -> None:
     """Calls from Inductor-generated code whose compile this process never saw: say why there is no graph."""
     if calls.num_rows == 0:
@@ -633,12 +622,12 @@ def attach(sess: Session, tables: Dict[str, pa.Table]) -> Dict[str, pa.Table]:
     # build.py wrote graph_id as all null: rewrite it only where a row links to a graph
     if "graph_id" in ops.column_names and ops.num_rows and (op_gid >= 0).any():
         i = ops.schema.get_field_index("graph_id")
-        ops = ops.set_column(i, ops.schema.field(i), _gid_array(op_gid))
+        ops = ops.set_column(i, ops.schema.field(i), S.nullable_array(op_gid, op_gid < 0))
         out["ops"] = _user_location(ops, op_gid, graphs)
     if "graph_id" in calls.column_names and calls.num_rows:
         if (call_gid >= 0).any():
             i = calls.schema.get_field_index("graph_id")
-            calls = calls.set_column(i, calls.schema.field(i), _gid_array(call_gid))
+            calls = calls.set_column(i, calls.schema.field(i), S.nullable_array(call_gid, call_gid < 0))
             calls = _user_location(calls, call_gid, graphs)
         j = calls.schema.get_field_index("compiled")
         calls = calls.set_column(j, calls.schema.field(j), pa.array(call_gid >= 0, pa.bool_()))
