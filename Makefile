@@ -26,7 +26,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 	# the whole suite again with the fallback forced: python recording engine, pure-Python
-	# warning/error capture (design: both implementations are tested; ~6 min a pass)
+	# warning/error capture (both implementations are tested; ~6 min a pass)
 	TENSORSCOPE_FORCE_FALLBACK=1 $(PY) -m pytest -q tests
 
 # ruff (pyflakes, bugbear, isort; pyproject.toml [tool.ruff]) over everything that is Python

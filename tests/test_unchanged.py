@@ -70,7 +70,7 @@ def test_outputs_bitwise_identical(name):
 
 
 def test_linalg_composites_match_an_empty_mode():
-    # design.md §3: any dispatch mode reroutes these; compare the python engine against an empty
+    # any dispatch mode reroutes these; compare the python engine against an empty
     # mode (the native engine has no mode on the stack: tests/recording/test_engines.py compares it with eager)
     torch.manual_seed(0)
     a = torch.randn(6, 6)

@@ -45,7 +45,7 @@ from .._common import NoGC, itemsize
 from ..modes.meta import non_dense_kind
 
 CL_FORMATS = frozenset({"channels_last", "channels_last_3d"})
-#: dense labels (the recorder writes "strided"; design.md also names "dense_permuted"); traces before
+#: dense labels (the recorder writes "strided"; older recorders wrote "dense_permuted"); traces before
 #: schema 1.2 wrote "non_dense" for every non-dense tensor, now labelled expanded/gapped/overlapping
 DENSE_FORMATS = frozenset({"contiguous", "channels_last", "channels_last_3d", "strided", "dense_permuted"})
 NON_DENSE_FORMATS = frozenset({"non_dense", "expanded", "gapped", "overlapping"})

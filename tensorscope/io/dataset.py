@@ -1,6 +1,6 @@
 """Multi-rank datasets: every rank's tables in one partitioned parquet tree, and ``open_dataset``.
 
-Layout (design.md §10), read unchanged by DuckDB, pyarrow.dataset, polars and Spark::
+Layout, read unchanged by DuckDB, pyarrow.dataset, polars and Spark::
 
     <root>/<table>/run=<run_id>/rank=<rank>/part-a<attempt>-<n>.parquet
 

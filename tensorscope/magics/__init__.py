@@ -2,7 +2,7 @@
 
 Thin by design: every magic is parse → public API (``trace()``, ``Trace.save``) →
 display. How a ``%%tensorscope`` cell runs, so that it behaves exactly as
-without the magic (design.md §6):
+without the magic:
 
 1. an input transformer sees the raw cell; when its first line is
    ``%%tensorscope [options]`` and the options parse, it replaces that line (and

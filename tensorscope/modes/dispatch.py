@@ -6,7 +6,7 @@ call ids, autograd node and sequence number, flags, FLOPs and times; storage
 ids go to one flat column. Input metadata is read *before* ``func`` runs
 (``t_``, ``resize_`` and out= change inputs in place). Outputs are never kept:
 a strong reference changes the program (an extra ``aten.detach`` after factory
-ops, design.md §3). Everything derivable later (names, formats, bytes, source
+ops). Everything derivable later (names, formats, bytes, source
 lines, hidden copies) is derived when the tables are built.
 
 ``ignore_compile_internals()`` is True so torch.compile'd code keeps running

@@ -6,7 +6,7 @@ tensors only (never write them), draw no random numbers, keep no strong
 reference to a tensor after the op returns, and build no autograd graph.
 
 ``NonfiniteScreen`` (``nonfinite=True``): for every floating output, a cheap
-screen first and an exact count only when it fires (design.md §3):
+screen first and an exact count only when it fires:
 
 * float32/float64/bfloat16/complex: ``out.sum()``. torch accumulates 16-bit
   sums in float32 internally, and bfloat16 has float32's range, so the sum

@@ -7,7 +7,7 @@
 //   * end callback (outputs valid here): timestamp first (so cpu_ns excludes
 //     the probes), then outputs, alias indexes, seq_nr claim, warnings, the
 //     non-finite screen.
-// Visibility (design.md section 9): a schema event is kept when no kept event
+// Visibility (docs/architecture.md, recording engines): a schema event is kept when no kept event
 // encloses it; a CompositeImplicitAutograd op is transparent once it has a
 // child (eager decomposed it) and dropped if it ends childless without a
 // backend kernel; string events (autograd::engine::evaluate_function...) are

@@ -1,6 +1,6 @@
 """Who this process is in a multi-rank job, which run it belongs to, and its clock offset to rank 0.
 
-Decided as late as possible (design.md §10): a trace may start before
+Decided as late as possible: a trace may start before
 ``init_process_group`` and a script usually calls ``destroy_process_group``
 before the trace ends, so ``DistContext.capture()`` runs at the trace start,
 at its first collective and at its end, and keeps what it learned while the

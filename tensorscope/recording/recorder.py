@@ -2,7 +2,7 @@
 
 Why integers: appending tuples or lists per op creates gc-tracked objects, and a
 process with torch imported already holds ~166k of them, so full collections
-come often and dominate (design.md §3). Every per-op value here is an int in an
+come often and dominate. Every per-op value here is an int in an
 ``array`` column; repeated values (op overloads, tensor metas, tuples of metas,
 module paths, autograd node names, source locations) are interned once.
 

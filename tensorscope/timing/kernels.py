@@ -361,7 +361,7 @@ class KinetoBackend:
     """The Kineto session through torch's low-level profiler calls (no Python post-processing).
 
     ``stop()`` returns ``result.events()`` raw: torch.profiler's FunctionEvent
-    tree costs 7-20 µs per op (design.md §3) and we need none of it.
+    tree costs 7-20 µs per op and we need none of it.
     """
 
     def __init__(self, *, cuda: bool = True, cpu: bool = True):

@@ -1,6 +1,6 @@
 """Storage tracking by weak reference: the ``tensors`` table and alloc/free events.
 
-Storages, not tensors (design.md §4): a tensor that autograd saves as an output
+Storages, not tensors: a tensor that autograd saves as an output
 is a different TensorImpl whose Python object dies while its memory lives. The
 ``UntypedStorage`` Python object, in contrast, is preserved by torch as long as
 the C++ storage lives, so ``weakref.ref(storage, callback)`` fires exactly when
