@@ -36,7 +36,7 @@ def test_benchmarks_import_nothing_from_tests():
 
 def test_nothing_cites_a_document_the_repository_does_not_hold():
     """Facts the code relies on are written in the repository's own docs; a citation of a
-    background document that is not in the tree (``design.md``) sends the reader nowhere."""
+    background document that is not in the tree sends the reader nowhere."""
     needle = "design" + ".md"
     bad = []
     for top in ("tensorscope", "tests", "docs", "benchmarks", "tools", "examples"):
