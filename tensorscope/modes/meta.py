@@ -62,15 +62,6 @@ def _channels_last_strides(shape, stride, order) -> bool:
     return True
 
 
-def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Non-overlapping and dense: some permutation of the dims is contiguous."""
-    dims = sorted((stride[d], shape[d]) for d in range(len(shape)) if shape[d] != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 #: the exact overlap check walks a bitset of this many offsets at most (64 KiB)
@@ -185,9 +176,3 @@ def numel(shape: Sequence[int]) -> int:
         n *= s
     return n
 
-
-def extent_elems(shape: Sequence[int], stride: Sequence[int]) -> int:
-    """Elements of storage a strided view spans (1 + sum((size-1)*stride))."""
-    if numel(shape) == 0:
-        return 0
-    return 1 + sum((sz - 1) * abs(st) for sz, st in zip(shape, stride))

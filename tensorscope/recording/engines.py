@@ -61,8 +61,6 @@ _T = TypeVar("_T")
 #: an op hook: ``fn(seq, op name, inputs, outputs)``
 OpHook = Callable[[int, str, Any, Any], Any]
 
-ENGINES = ("auto", "native", "python")
-
 #: numpy view of engine.cpp's ``Row`` (keep in sync; checked against ROW_SIZE at load)
 ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
                       ("node", "<i4"), ("flags", "<i4"), ("call", "<i4"), ("seq_nr", "<i8"),
