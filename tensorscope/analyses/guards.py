@@ -114,7 +114,10 @@ def _check_nonfinite(t: Any) -> Optional[str]:
     if col.null_count == ops.num_rows:
         return ("expect no_nonfinite: cannot check, the non-finite screen was off for this trace "
                 "(drop --no-nonfinite / nonfinite=False)")
-    bad = ops.filter(pc.fill_null(pc.greater(col, 0), False))
+    held = pc.fill_null(pc.greater(col, 0), False)
+    if "is_noise" in ops.column_names:   # eager's bookkeeping (torch.tensor's detach_) holds, never outputs, a value
+        held = pc.and_(held, pc.invert(pc.fill_null(ops.column("is_noise"), False)))
+    bad = ops.filter(held)
     if bad.num_rows == 0:
         return None
     rows = bad.select(["seq", "op", "nonfinite", "nonfinite_produced", "module", "source_file", "source_line"]).to_pylist()
