@@ -92,8 +92,9 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
     delta = memory.column("delta_bytes").to_numpy()
     names, devs = _devices(memory)
     op_col = ops.column("op") if ops is not None and ops.num_rows else None
-    noise = (np.asarray(pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False), dtype=bool)
-             if op_col is not None and "is_noise" in ops.column_names else None)
+    noise: Optional[np.ndarray] = None
+    if ops is not None and op_col is not None and "is_noise" in ops.column_names:
+        noise = np.asarray(pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)).astype(bool)
     hw = _high_water(tensors) if tensors is not None else {}
     for di, d in enumerate(names):
         m = devs == di
