@@ -90,12 +90,12 @@ def _check_channels_last(t: Any) -> Optional[str]:
     ops = t.ops
     if ops.num_rows == 0:
         return None
-    from .layout import rows_with_any
+    from .layout import drop_noise, rows_with_any
 
     if len(rows_with_any(ops.column("in_formats"), CL)) or len(rows_with_any(ops.column("out_formats"), CL)):
         return None
     # no channels_last anywhere: did 4-d/5-d dense data run at all?
-    idx = rows_with_any(ops.column("in_formats"), ("contiguous",))
+    idx = drop_noise(ops, rows_with_any(ops.column("in_formats"), ("contiguous",)))   # never a bookkeeping row
     for r in ops.select(["op", "in_shapes", "in_formats", "in_ambiguous", "source_file", "source_line", "module"]) \
             .take(idx[:2000]).to_pylist():
         for sh, f, a in zip(r["in_shapes"] or [], r["in_formats"] or [], r["in_ambiguous"] or []):

@@ -87,6 +87,18 @@ def test_guard_no_nonfinite_names_no_bookkeeping_row(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_guard_channels_last_names_no_bookkeeping_row(engine):
+    def run():
+        w = torch.nn.Parameter(torch.ones(4, 3, 3, 3))   # native: nn.Parameter's detach reads the 4-d weight first
+        torch.nn.functional.conv2d(torch.ones(1, 3, 8, 8), w)
+
+    with pytest.raises(GuardError) as ei:
+        _trace(engine, run, expect="channels_last")
+    msg = str(ei.value)
+    assert "first: aten.convolution.default" in msg and "detach" not in msg
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_api_surprises_name_no_bookkeeping_op(engine):
     t = _trace(engine, lambda: torch.tensor([1.0, 2.0]) + torch.tensor([3.0, 4.0]))
     noise_ops = {r["op"] for r in t.ops.to_pylist() if r["is_noise"]}
