@@ -49,8 +49,12 @@ def itemsize(dtype: Optional[str]) -> int:
 COPYING_OPS = frozenset({"clone", "reshape", "flatten", "contiguous", "reshape_as", "_to_copy", "ravel"})
 #: ops that copy a source into an existing destination: a cast when the two dtypes differ
 COPY_INTO_OPS = frozenset({"copy_", "copy", "_copy_from", "_copy_from_and_resize"})
-#: bookkeeping ops that move no data (detach, alias, lifting a constant, reading a scalar)
-NOISE_OPS = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_local_scalar_dense"})
+#: bookkeeping ops that move no data (detach, alias, lifting a constant, reading a scalar): their rows
+#: are flagged ``is_noise`` and are never the subject of a finding (``torch.tensor(...)`` runs
+#: ``lift_fresh`` and, seen by the native engine only, ``detach_``)
+NOISE_OPS = frozenset({"detach", "detach_", "lift_fresh", "alias", "lift_fresh_copy", "_local_scalar_dense"})
+#: noise ops that lift a constant the program wrote in Python (``torch.tensor([inf])``) into a tensor
+LIFT_OPS = frozenset({"lift_fresh", "lift_fresh_copy"})
 
 
 # -- formatters -----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from .._common import NOISE_OPS
 
 
 def _plain(col: Any) -> pa.Array:
@@ -161,5 +162,6 @@ def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> L
     return out[:k]
 
 
-#: ops every eager program shows that say nothing about an API's expansion
-_BOOKKEEPING = frozenset({"detach", "lift_fresh", "alias", "lift_fresh_copy", "_local_scalar_dense", "t"})
+#: ops every eager program shows that say nothing about an API's expansion: the noise ops (rows flagged
+#: ``is_noise``, never a finding's subject) and ``t``
+_BOOKKEEPING = NOISE_OPS | {"t"}

@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import COMPLEX_BITS, COPY_INTO_OPS, FLOAT_BITS, INT_BITS, NoGC, itemsize
-from .layout import CallNames, call_names, numel, short_name, take_rows
+from .layout import CallNames, call_names, drop_noise, numel, short_name, take_rows
 
 #: ops that materialise a conversion of their (first) input
 CAST_OPS = frozenset({"_to_copy", "to", "type_as", "_autocast_to_reduced_precision", "_autocast_to_full_precision",
@@ -226,7 +226,7 @@ def _analyse_uncached(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
             autocast[cid] = ac
 
     # candidates: rows with more than one distinct dtype among inputs and outputs
-    idx = _mixed_dtype_rows(ops)
+    idx = drop_noise(ops, _mixed_dtype_rows(ops))
     with NoGC():
         return _cast_rows(take_rows(ops, idx, _COLS), names, autocast)
 

@@ -90,12 +90,12 @@ def _check_channels_last(t: Any) -> Optional[str]:
     ops = t.ops
     if ops.num_rows == 0:
         return None
-    from .layout import rows_with_any
+    from .layout import drop_noise, rows_with_any
 
     if len(rows_with_any(ops.column("in_formats"), CL)) or len(rows_with_any(ops.column("out_formats"), CL)):
         return None
     # no channels_last anywhere: did 4-d/5-d dense data run at all?
-    idx = rows_with_any(ops.column("in_formats"), ("contiguous",))
+    idx = drop_noise(ops, rows_with_any(ops.column("in_formats"), ("contiguous",)))   # never a bookkeeping row
     for r in ops.select(["op", "in_shapes", "in_formats", "in_ambiguous", "source_file", "source_line", "module"]) \
             .take(idx[:2000]).to_pylist():
         for sh, f, a in zip(r["in_shapes"] or [], r["in_formats"] or [], r["in_ambiguous"] or []):
@@ -114,7 +114,10 @@ def _check_nonfinite(t: Any) -> Optional[str]:
     if col.null_count == ops.num_rows:
         return ("expect no_nonfinite: cannot check, the non-finite screen was off for this trace "
                 "(drop --no-nonfinite / nonfinite=False)")
-    bad = ops.filter(pc.fill_null(pc.greater(col, 0), False))
+    held = pc.fill_null(pc.greater(col, 0), False)
+    if "is_noise" in ops.column_names:   # eager's bookkeeping (torch.tensor's detach_) holds, never outputs, a value
+        held = pc.and_(held, pc.invert(pc.fill_null(ops.column("is_noise"), False)))
+    bad = ops.filter(held)
     if bad.num_rows == 0:
         return None
     rows = bad.select(["seq", "op", "nonfinite", "nonfinite_produced", "module", "source_file", "source_line"]).to_pylist()

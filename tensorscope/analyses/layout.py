@@ -106,6 +106,14 @@ def true_rows(col: Any) -> np.ndarray:
     return np.nonzero(np.asarray(arr.to_numpy(zero_copy_only=False), dtype=bool))[0].astype(np.int64)
 
 
+def drop_noise(ops: pa.Table, idx: np.ndarray) -> np.ndarray:
+    """``idx`` without the rows flagged ``is_noise`` (eager's bookkeeping is never a finding's subject)."""
+    if len(idx) == 0 or "is_noise" not in ops.column_names:
+        return idx
+    noise = true_rows(ops.column("is_noise"))
+    return idx[~np.isin(idx, noise)] if len(noise) else idx
+
+
 class CallNames:
     """call_id -> torch-level call name, looked up on demand: a trace of small ops has one call per
     op, and a dict of every call costs far more than the few lookups an analysis makes."""
@@ -275,9 +283,10 @@ def layout_changes(ops: pa.Table, calls: pa.Table) -> pa.Table:
     cl_in = count_in(ops.column("in_formats"), CL_FORMATS)
     cl_out = count_in(ops.column("out_formats"), CL_FORMATS)
     other_out = count_in(ops.column("out_formats"), DENSE_FORMATS - CL_FORMATS, ops.column("out_ambiguous"))
-    fmt_idx = np.nonzero(((cl_in > 0) & (other_out > 0)) | ((cl_out > 0) & (cl_in == 0)))[0].astype(np.int64)
-    hid_idx = true_rows(ops.column("hidden_copy"))
-    nd_idx = rows_with_any(ops.column("in_formats"), NON_DENSE_FORMATS)
+    fmt_idx = drop_noise(ops, np.nonzero(((cl_in > 0) & (other_out > 0)) | ((cl_out > 0) & (cl_in == 0)))[0]
+                         .astype(np.int64))
+    hid_idx = drop_noise(ops, true_rows(ops.column("hidden_copy")))
+    nd_idx = drop_noise(ops, rows_with_any(ops.column("in_formats"), NON_DENSE_FORMATS))
     # the row after each hidden copy, to name the shape the user asked for
     nxt_idx = hid_idx + 1
     nxt_idx = nxt_idx[nxt_idx < ops.num_rows]

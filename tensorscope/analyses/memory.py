@@ -92,14 +92,23 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
     delta = memory.column("delta_bytes").to_numpy()
     names, devs = _devices(memory)
     op_col = ops.column("op") if ops is not None and ops.num_rows else None
+    noise: Optional[np.ndarray] = None
+    if ops is not None and op_col is not None and "is_noise" in ops.column_names:
+        noise = np.asarray(pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)).astype(bool)
     hw = _high_water(tensors) if tensors is not None else {}
     for di, d in enumerate(names):
         m = devs == di
         s, lv, dl = seq[m], live[m], delta[m]
         k = int(np.argmax(lv))
+        if noise is not None:
+            # the first op after which live bytes were largest that is not eager's bookkeeping (a lift or
+            # detach moves no data: never the op a peak is named after); none: the peak names no op
+            at_peak = np.nonzero(lv == lv[k])[0]
+            named = [j for j in at_peak.tolist() if 0 <= s[j] < len(noise) and not noise[s[j]]]
+            k = named[0] if named else k
         info = {"peak_bytes": int(lv[k]), "peak_seq": int(s[k]), "start_bytes": int(lv[0] - dl[0]),
                 "end_bytes": int(lv[-1])}
-        if op_col is not None and 0 <= info["peak_seq"] < len(op_col):
+        if op_col is not None and 0 <= info["peak_seq"] < len(op_col) and not (noise is not None and noise[info["peak_seq"]]):
             info["peak_op"] = op_col[info["peak_seq"]].as_py()
         if d in hw:
             info["high_water_bytes"], info["high_water_seq"] = hw[d]

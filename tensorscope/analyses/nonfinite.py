@@ -11,6 +11,12 @@ or selects values (``full``, ``scalar_tensor``, ``fill_``, ``masked_fill``, ``in
 whose non-finite inputs come (through ``in_storages``) from such constants carries them on
 (``from_constant``). The rest keep the screen's verdict: ``produced`` (finite in, non-finite out:
 an overflow, 0/0, log(0)...) or ``propagated`` (from the cell's inputs or a produced value).
+
+Rows flagged ``is_noise`` (eager's bookkeeping: ``detach``, ``alias``, the ``lift_fresh`` and
+``detach_`` of ``torch.tensor(...)``) are never a verdict's subject: they compute nothing. What they
+hold is carried on as what it was: data lifted from Python (``torch.tensor(-inf)``) that a screened
+row shows non-finite (the native engine screens the ``detach_`` after the lift) is a constant, so
+the ops reading it are ``from_constant``; ``where`` with it as a 0-d operand is ``constant``.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from typing import Any, Dict, List
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from .._common import LIFT_OPS
 
 #: ops that write a constant given as an argument (never computing a value)
 CONSTANT_OPS = frozenset({
@@ -46,19 +54,35 @@ def nonfinite_verdicts(ops: pa.Table) -> List[Dict[str, Any]]:
     module, source_file, source_line."""
     if ops.num_rows == 0 or "nonfinite" not in ops.column_names or ops.column("nonfinite").null_count == ops.num_rows:
         return []
-    bad = ops.filter(pc.fill_null(pc.greater(ops.column("nonfinite"), 0), False))
-    if bad.num_rows == 0:
+    held = pc.fill_null(pc.greater(ops.column("nonfinite"), 0), False)
+    if not pc.any(held).as_py():
         return []
+    # the rows that held NaN/Inf, and the lifts of Python constants (unscreened: an alias of the lifted data)
+    lifted = pc.is_in(pc.cast(ops.column("op"), pa.string()), value_set=pa.array(
+        sorted(f"aten.{n}.default" for n in LIFT_OPS), pa.string()))
+    bad = ops.filter(pc.or_(held, pc.fill_null(lifted, False)))
     cols = [c for c in ("seq", "op", "nonfinite", "nonfinite_produced", "in_shapes", "in_storages", "out_storages",
-                        "module", "source_file", "source_line") if c in bad.column_names]
+                        "is_noise", "module", "source_file", "source_line") if c in bad.column_names]
     rows = bad.select(cols).to_pylist()
     rows.sort(key=lambda r: r["seq"])
     constant_storages = set()
+    lifted = set()   # storages holding data lifted from Python, non-finite or not
     out = []
     for r in rows:
         short = _short(r["op"] or "")
         ins = [s for s in (r.get("in_storages") or []) if s is not None and s >= 0]
         outs = [s for s in (r.get("out_storages") or []) if s is not None and s >= 0]
+        if r.get("is_noise") or short in LIFT_OPS:
+            # bookkeeping computes nothing: never a subject. It carries on what its input was; a lift's
+            # data is a constant of the program's once a screened row shows it non-finite
+            if short in LIFT_OPS:
+                lifted.update(outs)
+            proven = (r["nonfinite"] or 0) > 0 and bool(ins) and all(s in lifted for s in ins)
+            if proven or any(s in constant_storages for s in ins):
+                constant_storages.update(outs)
+            continue
+        if not (r["nonfinite"] or 0) > 0:
+            continue
         zero_d = any(sh == [] for sh in (r.get("in_shapes") or []))
         if short in CONSTANT_OPS or (short == "where" and zero_d):
             verdict = "constant"

@@ -129,8 +129,22 @@ struct OpFacts {
   bool no_screen = false;    // returns uninitialised memory
   bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
   bool py_hook = false;      // the Python op hook wants it (c10d collectives)
+  int32_t n_args = -1;       // schema arguments / returns (-1: vararg/varret or unknown): a boxed call's
+  int32_t n_rets = -1;       // event carries its whole stack, the op's own values are its tail
   std::string name;          // "aten::add.Tensor"
 };
+
+// The op's own arguments and returns. A boxed call (functorch's interpreters re-issue ops boxed)
+// hands RecordFunction the whole interpreter stack, values of the callers below the op's own.
+using Values = c10::ArrayRef<const c10::IValue>;
+inline Values tail(Values v, int32_t n) {
+  return (n >= 0 && v.size() > size_t(n)) ? v.slice(v.size() - size_t(n)) : v;
+}
+inline Values args_of(const at::RecordFunction& fn, const OpFacts* f) { return tail(fn.inputs(), f->n_args); }
+inline Values rets_of(const at::RecordFunction& fn, const OpFacts* f) {
+  const auto& o = fn.outputs();
+  return tail(Values(o.data(), o.size()), f->n_rets);
+}
 
 // 56 bytes a row: ids that stay below 2**31 are int32; the rare argument encodings
 // (FLOP formulas) live in a sparse side column, not in every row.
@@ -447,7 +461,10 @@ OpFacts* facts_for(const at::RecordFunction& fn) {
         if (h->hasKernelForDispatchKey(k)) f->backend = true;
       }
       if (h->hasSchema()) {
-        for (const auto& a : h->schema().arguments()) {
+        const auto& sch = h->schema();
+        if (!sch.is_vararg()) f->n_args = int32_t(sch.arguments().size());
+        if (!sch.is_varret()) f->n_rets = int32_t(sch.returns().size());
+        for (const auto& a : sch.arguments()) {
           const auto* ai = a.alias_info();
           if (ai != nullptr && ai->isWrite()) f->writes = true;
         }
@@ -765,7 +782,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   if (f->want_args) {
     // tags: 0 tensor(meta) 1 none 2 bool 3 int 4 double(bits) 5 int list 6 other 7 tensor list
     std::vector<int64_t> enc;
-    for (const auto& v : fn.inputs()) {
+    for (const auto& v : args_of(fn, f)) {
       if (v.isTensor() && real_tensor(v.toTensor())) {
         uintptr_t ptr;
         const c10::StorageImpl* si;
@@ -802,7 +819,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
     }
     p.args_enc.swap(enc);   // outputs are appended and the whole interned at commit
   }
-  for (const auto& v : fn.inputs()) {
+  for (const auto& v : args_of(fn, f)) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       uintptr_t ptr;
       const c10::StorageImpl* si;
@@ -822,7 +839,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   }
   if (g.want_screen) {
     // a Python scalar NaN/Inf argument (masked_fill(m, -inf)): the op did not produce it
-    for (const auto& v : fn.inputs()) {
+    for (const auto& v : args_of(fn, f)) {
       if (v.isDouble() && !std::isfinite(v.toDouble())) p.pre_nonfinite = true;
       if (v.isComplexDouble()) {
         auto c = v.toComplexDouble();
@@ -886,7 +903,7 @@ void push_node(ThreadState& s, const char* name_c, int64_t sn) {
 void hook_inputs(Pending& p, const at::RecordFunction& fn) {
   PyGILState_STATE st = PyGILState_Ensure();
   try {
-    auto ins = fn.inputs();
+    auto ins = args_of(fn, p.facts);
     PyObject* l = PyList_New(Py_ssize_t(ins.size()));
     for (size_t i = 0; i < ins.size(); ++i) {
       PyList_SET_ITEM(l, Py_ssize_t(i), torch::jit::toPyObject(ins[i]).release().ptr());
@@ -898,6 +915,32 @@ void hook_inputs(Pending& p, const at::RecordFunction& fn) {
   }
   PyGILState_Release(st);
   p.row.start = now_ns();
+}
+
+// functorch (vmap, grad, jvp, jacrev...): an event whose dispatch reaches one of functorch's keys is
+// an op on wrapped (batched, grad-wrapped) tensors at a transform's level. The interpreter or the
+// batching rule re-issues what really runs (unwrapped tensors, physical shapes) as events of their
+// own, which become the rows; a Python dispatch mode, below those keys, sees only those.
+const c10::DispatchKeySet kFuncTorchKeys{c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+                                         c10::DispatchKey::FuncTorchDynamicLayerBackMode,
+                                         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::BatchedNestedTensor,
+                                         c10::DispatchKey::FuncTorchGradWrapper};
+
+bool functorch_level(const at::RecordFunction& fn, const OpFacts* f) {
+  const auto tl = c10::impl::tls_local_dispatch_key_set();
+  if (!((tl.included_ - tl.excluded_) & kFuncTorchKeys).empty()) return true;
+  c10::DispatchKeySet ks;
+  for (const auto& v : args_of(fn, f)) {
+    if (v.isTensor()) {
+      const auto& t = v.toTensor();
+      if (t.defined()) ks = ks | t.key_set();
+    } else if (v.isList()) {
+      for (const auto& e : v.toListRef()) {
+        if (e.isTensor() && e.toTensor().defined()) ks = ks | e.toTensor().key_set();
+      }
+    }
+  }
+  return !((ks - tl.excluded_) & kFuncTorchKeys).empty();
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
@@ -948,6 +991,10 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
         s.frames.push_back(Frame{3, -1, nullptr, g.gen});
         return nullptr;
       }
+      s.frames.push_back(Frame{0, -1, nullptr, g.gen});
+      return nullptr;
+    }
+    if (functorch_level(fn, f)) {   // a transform's logical op: transparent, the physical ops inside are rows
       s.frames.push_back(Frame{0, -1, nullptr, g.gen});
       return nullptr;
     }
@@ -1039,7 +1086,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   int64_t count = 0;
   bool screened_any = false;
   bool device_out = false;
-  const auto& outs = fn.outputs();
+  const auto outs = rets_of(fn, p.facts);
   for (const auto& v : outs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       if (n_out >= 64) return;
@@ -1152,7 +1199,7 @@ void call_hook(Pending& p, const at::RecordFunction& fn, int64_t seq) {
       Py_INCREF(Py_None);
       outs = Py_None;
     } else {
-      const auto& o = fn.outputs();
+      const auto o = rets_of(fn, p.facts);
       outs = PyTuple_New(Py_ssize_t(o.size()));
       for (size_t i = 0; i < o.size(); ++i) {
         PyTuple_SET_ITEM(outs, Py_ssize_t(i), torch::jit::toPyObject(o[i]).release().ptr());

@@ -190,12 +190,15 @@ class OpHooks:
         self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
 
     def __call__(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
+        import torch
+
         name = name.replace("::", ".", 1)
         ns = name.split(".", 1)[0]
         for nss, fn in self.hooks:
             if ns in nss:
                 try:
-                    fn(seq, name, inputs, outputs)
+                    with torch._C.DisableTorchFunction():   # reading the tensors is no call of the program's
+                        fn(seq, name, inputs, outputs)
                 except Exception as e:   # a hook's bug never reaches the program
                     if len(self.errors) < 20:
                         self.errors.append(f"op hook {getattr(fn, '__name__', fn)!s} on {name}: {type(e).__name__}: {e}")
@@ -314,9 +317,12 @@ class NativeEngine:
         assert ctx is not None   # set by start(): the engine calls this only while it runs
         rec = ctx.rec
         try:
-            self._take_chunks(rec, final=False)
-            if rec.mem_rows:
-                rec._spill()
+            import torch
+
+            with torch._C.DisableTorchFunction():
+                self._take_chunks(rec, final=False)
+                if rec.mem_rows:
+                    rec._spill()
         except Exception as e:
             rec.tracer_error("native spill", e)
 

@@ -147,10 +147,11 @@ class Session:
                 "a tensorscope trace is already recording on this thread; nested traces would record every op "
                 "twice. Exit the outer trace first (or use %tensorscope off).")
         opts = self.options
-        _warm_up()
-        self.dist.capture()   # before any mode: a clock ping-pong here is seen by no one
-        self._setup_probes()
-        self._begin_cell_warnings()
+        with torch._C.DisableTorchFunction():   # what tensorscope reads is no call of the program's (README: user modes)
+            _warm_up()
+            self.dist.capture()   # before any mode: a clock ping-pong here is seen by no one
+            self._setup_probes()
+            self._begin_cell_warnings()
         self._fmode = self._function_mode()
         _local.session = self
         self.ctx.t0 = time.perf_counter_ns()
@@ -252,7 +253,15 @@ class Session:
             self.ctx.rec.tracer_error("restore", err)
 
     def stop(self, exc: Optional[BaseException] = None) -> Trace:
-        """Stop recording, restore global state, build and return the Trace."""
+        """Stop recording, restore global state, build and return the Trace.
+
+        Everything it runs (the leak finder reading tensors' storages and ``.grad``, the device
+        description, the build) runs with ``__torch_function__`` disabled: a user's TorchFunctionMode
+        around the trace sees none of it, nor does a tensor subclass's handler."""
+        with torch._C.DisableTorchFunction():
+            return self._stop(exc)
+
+    def _stop(self, exc: Optional[BaseException]) -> Trace:
         end = time.perf_counter_ns()
         self.wall_ns = end - self.ctx.t0 if self.ctx.t0 else 0
         self.ctx.recording = False

@@ -289,6 +289,54 @@ def test_views_and_splits():
     assert any(r["is_view"] and r["out_alias"] == [0, 0] for r in nr)   # split: two outputs on one storage
 
 
+def _functorch_case(name):
+    from torch.func import grad, jacrev, vjp, vmap
+
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 3), torch.randn(3)
+
+    def f(a):
+        return (a * w).sin().sum()
+
+    if name == "vmap":
+        return lambda: vmap(lambda a: (a * w).sum())(x)
+    if name == "vmap_linear":
+        return lambda: vmap(lambda a: torch.nn.functional.linear(a, torch.ones(4, 3)).softmax(-1))(x)
+    if name == "vmap_inplace":
+        return lambda: vmap(lambda a: a.mul_(2).relu())(x.clone())
+    if name == "grad":
+        return lambda: grad(f)(w)
+    if name == "jacrev":
+        return lambda: jacrev(lambda a: (a * w).sin())(w)
+    if name == "vjp":
+        return lambda: vjp(lambda a: a.sin() * 2, w)[1](torch.ones(3))
+    assert name == "vmap_of_grad"
+    return lambda: vmap(grad(f))(x)
+
+
+@pytest.mark.parametrize("name", ["vmap", "vmap_linear", "vmap_inplace", "grad", "jacrev", "vjp", "vmap_of_grad"])
+def test_functorch_transforms_record_the_physical_ops(name):
+    """Under torch.func transforms both engines record what runs: the batched ops on physical shapes
+    (a Python dispatch mode sits below functorch's keys; the native engine makes a transform's
+    logical op transparent), and results are bitwise those of the untraced program."""
+    fn = _functorch_case(name)
+    ref = fn()
+    got = []
+    tp, tn, (pr, nr) = both(lambda: got.append(fn()))
+    for g in got:
+        for a, b in zip(torch.utils._pytree.tree_leaves(ref), torch.utils._pytree.tree_leaves(g)):
+            assert torch.equal(a, b) and a.dtype == b.dtype
+    rows = [(r["op"], [tuple(s) for s in r["in_shapes"]], [tuple(s) for s in r["out_shapes"]]) for r in nr]
+    assert rows == [(r["op"], [tuple(s) for s in r["in_shapes"]], [tuple(s) for s in r["out_shapes"]]) for r in pr]
+    if name == "vmap":   # the batched ops, not the per-sample ones
+        assert rows == [("aten.mul.Tensor", [(5, 3), (3,)], [(5, 3)]), ("aten.sum.dim_IntList", [(5, 3)], [(5,)])]
+    if name == "vmap_of_grad":
+        assert ("aten.cos.default", [(5, 3)], [(5, 3)]) in rows
+        assert [r["phase"] for r in nr].count("backward") == 5
+    if name == "jacrev":   # the backward ran under vmap over the basis
+        assert ("aten.mul.Tensor", [(3, 3), (3,)], [(3, 3)]) in rows
+
+
 def test_kernel_that_raises():
     def run():
         a, b = torch.randn(3), torch.randn(4)
@@ -474,6 +522,71 @@ def test_user_modes_see_what_they_see_without_us(mode_cls, inside):
         with mode_cls() as seen:
             with tensorscope.trace(engine="native", leaks=False):
                 _program()
+    assert seen.log == plain.log
+
+
+class _CountFunction(torch.overrides.TorchFunctionMode):
+    """Every call a user's TorchFunctionMode sees, by qualified name (``getset_descriptor.__get__``
+    is a tensor attribute read, ``TensorBase.untyped_storage`` a storage read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.log.append(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp_program(keep):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+
+    def run():
+        y = m(x)
+        loss = y.square().mean()
+        loss.backward()
+        keep.append((y, loss))   # alive at the end: the leak finder reads their storages and graph
+    return m, run
+
+
+def _conv_program(keep):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.SiLU(),
+                            torch.nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+
+    def run():
+        y = m(x)
+        loss = y.square().mean()
+        loss.backward()
+        keep.append((y, loss))   # alive at the end: the leak finder reads their storages and graph
+    return m, run
+
+
+@pytest.mark.parametrize("program", [_mlp_program, _conv_program])
+@pytest.mark.parametrize("engine", ["native", "python"])
+@pytest.mark.parametrize("inside", [False, True])
+def test_user_function_mode_sees_only_the_program(program, engine, inside):
+    """A default trace (leak finder on, non-finite screen on) is invisible to a user's function mode
+    entered around it or inside it: exactly the calls of the untraced program, in order."""
+    keep = []
+    m, run = program(keep)
+    with _CountFunction() as plain:
+        run()
+    if inside:
+        with tensorscope.trace(engine=engine) as t:
+            with _CountFunction() as seen:
+                run()
+    else:
+        with _CountFunction() as seen:
+            with tensorscope.trace(engine=engine) as t:
+                run()
+    assert t.metadata["engine"] == engine
+    assert t.metadata["tracer_errors"] == 0, t.metadata["tracer_error_messages"]
+    assert t.ops.num_rows > 0 and len(plain.log) > 0
+    assert t.leaks is not None   # the leak finder ran and read the tensors alive at the end
     assert seen.log == plain.log
 
 
