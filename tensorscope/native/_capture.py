@@ -253,6 +253,6 @@ def site_error_info(exc: BaseException, info: Optional[Dict[str, Any]], file: Op
     cpp_type = c10_type_of(exc)
     if cpp_type is None:
         return info
-    out = dict(info) if info is not None else {"message": exc_text(exc), "py_type": py_type_name(exc)}
+    out: Dict[str, Any] = dict(info) if info is not None else {"message": exc_text(exc), "py_type": py_type_name(exc)}
     out.update(cpp_type=cpp_type, cpp_file=file, cpp_line=int(line), cpp_function=func, native=True)
     return out
