@@ -577,7 +577,31 @@ struct SiteSlot {
   int n = 0;
 };
 
-thread_local std::shared_ptr<SiteSlot> tls_site;
+// The slot is owned by a class-type thread_local; a trivially destructible
+// pointer and flag reach it, so an error constructed while the thread's
+// thread_locals are being destroyed finds no slot rather than a dead one.
+thread_local SiteSlot* tls_site_ptr = nullptr;
+thread_local bool tls_site_dead = false;
+struct SiteOwner {
+  std::shared_ptr<SiteSlot> slot;
+  ~SiteOwner() {
+    tls_site_ptr = nullptr;
+    tls_site_dead = true;
+  }
+};
+thread_local SiteOwner tls_site_owner;
+
+// This thread's slot (created on first use), or null while the thread exits.
+std::shared_ptr<SiteSlot>* site_slot() {
+  if (tls_site_dead) {
+    return nullptr;
+  }
+  if (tls_site_ptr == nullptr) {
+    tls_site_owner.slot = std::make_shared<SiteSlot>();
+    tls_site_ptr = tls_site_owner.slot.get();
+  }
+  return &tls_site_owner.slot;
+}
 thread_local bool tls_probing = false;  // this file's own probes: not counted
 
 struct SiteBacktrace final : c10::LazyValue<std::string> {
@@ -608,7 +632,7 @@ struct SiteBacktrace final : c10::LazyValue<std::string> {
 // starts where c10's default one does.
 const void* g_style_vptr = nullptr;
 ptrdiff_t g_inner_off = -1;
-size_t g_skip = 1;
+size_t g_skip = 2;                // until calibrated: this lambda and site_fetch
 const std::type_info* g_c10_lazy_type = nullptr;
 bool g_sites_tested = false;
 bool g_sites_ok = false;
@@ -671,12 +695,13 @@ C10_NOINLINE c10::Backtrace site_fetch(bool count, bool sites) {
     return r;
   }
   try {
-    if (!tls_site) {
-      tls_site = std::make_shared<SiteSlot>();
+    std::shared_ptr<SiteSlot>* slot = site_slot();
+    if (slot == nullptr) {
+      return r;
     }
-    wrap->slot = tls_site;
-    std::lock_guard<std::mutex> g(tls_site->mu);
-    SiteSlot& s = *tls_site;
+    wrap->slot = *slot;
+    SiteSlot& s = **slot;
+    std::lock_guard<std::mutex> g(s.mu);
     if (s.n == SiteSlot::kMax) {  // keep the newest
       for (int j = 1; j < s.n; ++j) {
         s.e[j - 1] = s.e[j];
@@ -690,10 +715,15 @@ C10_NOINLINE c10::Backtrace site_fetch(bool count, bool sites) {
   return r;
 }
 
+void self_test_sites();
+
 void install_locked() {
   const bool eager = torch::get_cpp_stacktraces_enabled();
   const bool count = g_counter_users > 0;
-  const bool sites = g_site_users > 0 && g_sites_ok && !eager;
+  const bool sites = g_site_users > 0 && g_sites_ok && !eager && g_armed;
+  if ((count || sites) && !eager && !g_sites_tested) {
+    self_test_sites();  // the frames to skip (and the sites' facts), once
+  }
   if (!count && !sites) {
     if (eager) {
       c10::SetStackTraceFetcher(std::function<c10::Backtrace()>(torch_eager_fetch));
@@ -767,7 +797,7 @@ void self_test_sites() {
   try {
     expected_line = __LINE__; TORCH_CHECK(false, "tensorscope native self-test");
   } catch (const c10::Error& e) {
-    SiteSlot* s = tls_site.get();
+    SiteSlot* s = tls_site_ptr;
     const auto* m = reinterpret_cast<const BacktraceMirror*>(e.backtrace().get());
     if (s != nullptr) {
       std::lock_guard<std::mutex> g(s->mu);
@@ -776,7 +806,7 @@ void self_test_sites() {
     }
   }
   c10::SetStackTraceFetcher(std::function<c10::Backtrace()>([]() { return c10_default_fetch(); }));
-  bool dropped = tls_site == nullptr || tls_site->n == 0;
+  bool dropped = tls_site_ptr == nullptr || tls_site_ptr->n == 0;
   if (!ok || !dropped) {
     g_inner_off = -1;
     g_style_vptr = nullptr;
@@ -882,7 +912,7 @@ PyObject* py_counter_users(PyObject*, PyObject*) {
 // the newest c10::Error alive on this thread constructed at or after
 // since_ns, or 0. The strings are c10 SourceLocation literals.
 extern "C" int tensorscope_read_site(int64_t since_ns, const char** file, const char** function, uint32_t* line) {
-  SiteSlot* s = tls_site.get();
+  SiteSlot* s = tls_site_ptr;
   if (s == nullptr) {
     return 0;
   }
@@ -925,7 +955,7 @@ PyObject* py_fetcher_probe(PyObject*, PyObject*) {
 }
 
 PyObject* py_site_count(PyObject*, PyObject*) {
-  SiteSlot* s = tls_site.get();
+  SiteSlot* s = tls_site_ptr;
   if (s == nullptr) {
     return PyLong_FromLong(0);
   }

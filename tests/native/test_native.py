@@ -576,10 +576,11 @@ def test_error_sites_with_the_counter(ext, T):
     comes and goes, and c10's default is back when both left."""
     if ext.cpp_stacktraces:
         pytest.skip("TORCH_SHOW_CPP_STACKTRACES set")
-    t0, _ = ext.fetcher_probe()
+    t0, w0 = ext.fetcher_probe()
     counting = NativeCapture(ext, cpp_errors=True)
     sites = NativeCapture(ext)
     try:
+        assert _frames(ext.fetcher_probe()[1]) == _frames(w0)   # the counting fetcher's text too
         assert sites.arm_error_sites(_EngineStub)
         with traced(counting):
             T.swallow(_x(), 4)
@@ -591,6 +592,21 @@ def test_error_sites_with_the_counter(ext, T):
         counting.close()
         sites.close()
     assert ext.fetcher_probe()[0] == t0 and ext.counter_users() == 0
+
+
+def test_error_sites_disarmed_after_an_interrupted_trace(ext):
+    """A trace left by KeyboardInterrupt restores c10's default fetcher and the engine's reader."""
+    import tensorscope
+    from tensorscope.recording.engines import _native_ext
+
+    if ext.cpp_stacktraces or _native_ext(wait=True)[0] is None:
+        pytest.skip("needs the native engine without TORCH_SHOW_CPP_STACKTRACES")
+    t0, _ = ext.fetcher_probe()
+    with pytest.raises(KeyboardInterrupt):
+        with tensorscope.trace(engine="native", leaks=False):
+            assert ext.fetcher_probe()[0].endswith("SiteBacktrace")
+            raise KeyboardInterrupt
+    assert ext.fetcher_probe()[0] == t0 and ext.site_count() == 0
 
 
 def test_unbalanced_calls_are_harmless(ext):
