@@ -1,6 +1,6 @@
 // tensorscope native hooks: the C++ side of tensorscope.native.
 //
-// Three observers of PyTorch's C++ -> Python exception and warning path, driven by
+// Observers of PyTorch's C++ -> Python exception and warning path, driven by
 // the Python facade (tensorscope/native/__init__.py) from inside the tracer's modes:
 //
 //  * per-op warning capture: op_begin() pushes a chaining c10::WarningHandler,
@@ -13,8 +13,10 @@
 //    (the path OpOverload.__call__ takes inside a TorchDispatchMode). It records
 //    the exception's C++ type, message and "raised from" source location in a
 //    thread-local slot and declines, letting torch translate as usual.
-//  * opt-in constructed-error counter: a c10 stack-trace fetcher that counts
-//    every c10::Error constructed, including ones C++ catches and swallows.
+//  * the c10 stack-trace fetcher: counts every c10::Error constructed (opt-in,
+//    including ones C++ catches and swallows), and for the native engine
+//    remembers where each PyTorch-style error keeps its SourceLocation, which
+//    the engine reads (tensorscope_read_site) when an op's kernel threw.
 //
 // Everything on the handler path is thread-local and never touches Python; the
 // functions called from Python run with the GIL held. op_begin/op_end are raw
@@ -996,7 +998,7 @@ PyObject* intern(const char* s) {
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "tensorscope native hooks: per-op c10 warning capture, c10 error observer, constructed-error counter";
+  m.doc() = "tensorscope native hooks: per-op c10 warning capture, c10 error observer, stack-trace fetcher (counter, error sites)";
   k_message = intern("message");
   k_category = intern("category");
   k_cpp_file = intern("cpp_file");
