@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional
 
+from ..native import site_error_info
 from ..recording.recorder import C_SRC, Recorder
 from ..tracking.storages import StorageTracker
 from .modules import ModuleTracker
@@ -41,8 +42,9 @@ FIELDS: Dict[str, str] = {
     "node_names": "autograd node class -> interned node name id (the dispatch mode's cache)",
     "opaque_ops": "ops outside any torch-level call (the dispatch mode; natively the engine at finish)",
     "compiled_ops": "of those, the ones torch.compile'd code dispatched (the dispatch mode)",
-    "last_exc_key": "exc_key() of the last exception recorded, so one exception seen by several "
-                    "observers is recorded once (the modes; the session for the block's exception)",
+    "last_exc_key": "frames.exc_mark() of the last exception recorded (its exc_key and calls row), so one "
+                    "exception seen by several observers is recorded once (the modes; the session for the "
+                    "block's exception; frames.seen_exc)",
     "last_error_id": "errors row id of that exception (written with last_exc_key)",
     "modules": "the ModuleTracker: the module of the running call (modules.current; set by the function mode)",
     "tracker": "the StorageTracker (python engine, storages=True), else None; the native engine puts "
@@ -172,7 +174,8 @@ _RECORDING = RecordingContext.__dict__["recording"]
 NATIVE_FIELDS: Dict[str, str] = {
     "engine": "the NativeEngine: the observer that records the ops (its warnings are drained by the "
               "function mode)",
-    "ext": "engine.ext, the compiled extension: seq(), set_call(), set_module(), take_error_seq(), pause()",
+    "ext": "engine.ext, the compiled extension: seq(), set_call(), set_module(), take_error_seq() (with the "
+           "kernel's c10 source location), pause()",
     "fmode": "the C function mode (native.function_mode()) when it records the calls, else None: "
              "``recording`` is forwarded to its set_recording()",
 }
@@ -249,6 +252,8 @@ class NativeRecordingContext(RecordingContext):
             row = self.ext.take_error_seq()   # the row whose kernel threw, if an op threw
             if row is not None:
                 seq, op = row[0], native_op_name(row[1])
+                # the c10 error's source location, read by the observer while it unwound
+                info = site_error_info(e, dict(info) if info is not None else None, row[2], row[3], row[4])
         eid = super().record_exception(e, seq=seq, call_id=call_id, op=op, info=info)
         if row is not None:
             self.rec.op_errors[row[0]] = eid   # row[0] is seq here

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
-from .frames import clean_traceback, exc_key, register_tracer_code
+from .frames import clean_traceback, exc_mark, register_tracer_code
 from .source import called_from_compiled_code
 
 if TYPE_CHECKING:
@@ -340,7 +340,7 @@ class TracingDispatchMode(TorchDispatchMode):
             try:
                 info_ = cap.error_info(e) if cap is not None else None
                 s.last_error_id = s.record_exception(e, seq=seq, call_id=s.current_call, op=str(func), info=info_)
-                s.last_exc_key = exc_key(e)
+                s.last_exc_key = exc_mark(e, s.current_call)
                 rec.op_errors[seq] = s.last_error_id
                 if ok:
                     self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, (), -1, t0, t1)

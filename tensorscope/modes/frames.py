@@ -48,7 +48,7 @@ import os
 import sys
 import threading
 from types import FrameType, FunctionType
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -323,3 +323,21 @@ def exc_key(e: BaseException):
     except Exception:
         msg = None
     return (id(e), type(e), msg)
+
+
+def exc_mark(e: BaseException, call_id: Optional[int]) -> Tuple[Any, Optional[int]]:
+    """What ``last_exc_key`` holds: :func:`exc_key` and the calls row that recorded ``e``."""
+    return (exc_key(e), call_id)
+
+
+def seen_exc(mark: Any, e: BaseException, call_id: Optional[int] = None) -> bool:
+    """Whether ``e`` is the exception ``mark`` was taken of, now seen by the call ``call_id``.
+
+    Only the recording call and the calls enclosing it (entered earlier: smaller ids) see the
+    same exception again; a later call that raises an equal-looking exception whose object
+    took a freed one's id (a loop raising the same error) raises a new one. ``None``: the
+    session, at the block's end.
+    """
+    if mark is None or mark[0] != exc_key(e):
+        return False
+    return call_id is None or mark[1] is None or call_id <= mark[1]

@@ -32,8 +32,9 @@ from .frames import (
     caller_frame,
     clean_traceback,
     clean_when_caught,
-    exc_key,
+    exc_mark,
     register_tracer_code,
+    seen_exc,
     trampoline_for,
 )
 from .modules import _MOD_CODE, _GraphModule
@@ -181,12 +182,12 @@ class TracingFunctionMode(TorchFunctionMode):
         except BaseException as e:
             try:
                 base = (cid - calls.base) * CALL_WIDTH
-                if s.last_exc_key == exc_key(e):
+                if seen_exc(s.last_exc_key, e, cid):
                     data[base + C_ERROR] = s.last_error_id
                 else:
                     data[base + C_ERROR] = s.last_error_id = s.record_exception(
                         e, seq=None, call_id=cid, op=None, info=cap.error_info(e) if cap is not None else None)
-                    s.last_exc_key = exc_key(e)
+                    s.last_exc_key = exc_mark(e, cid)
             except Exception as e2:
                 rec.tracer_error("function mode (error)", e2)
             clean_traceback(e)
@@ -377,12 +378,12 @@ class NativeFunctionMode(TorchFunctionMode):
     def _on_error(self, cid, e, _htf) -> Optional[int]:
         s = self.ctx
         try:
-            if s.last_exc_key == exc_key(e):
+            if seen_exc(s.last_exc_key, e, cid):
                 return s.last_error_id
             cap = s.capture
             s.last_error_id = s.record_exception(
                 e, seq=None, call_id=cid, op=None, info=cap.error_info(e) if cap is not None else None)
-            s.last_exc_key = exc_key(e)
+            s.last_exc_key = exc_mark(e, cid)
             return s.last_error_id
         finally:
             clean_traceback(e)   # the trampoline's entries (Python-level torch functions) go

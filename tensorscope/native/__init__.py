@@ -9,6 +9,7 @@ The tracer's modes talk to this package only through :func:`open_capture`::
     cap.count_call_warnings(fn)     # fn() after each Python warning collected (the C function mode's counter)
     ws = cap.take_call_warnings(n, engine)   # a call's warnings: its n tap items + the engine's pending ones
     cap.error_info(exc)             # {cpp_type, message, cpp_file, cpp_line, cpp_function, native, py_type}
+    cap.arm_error_sites(engine)     # native engine: its observer reads c10 errors' locations (until close)
     cap.swallowed_count()           # c10 errors constructed but never surfaced (cpp_errors=True), else None
     cap.close()                     # restores every handler / fetcher / hook it installed
 
@@ -42,7 +43,7 @@ from . import _build
 
 __all__ = [
     "open_capture", "status", "build", "build_native_main", "engine", "loaded_engine", "engine_status",
-    "forced_fallback", "load_test_ops", "FORCE_ENV", "function_mode", "PY_FUNCTION_MODE_ENV",
+    "forced_fallback", "load_test_ops", "FORCE_ENV", "function_mode", "PY_FUNCTION_MODE_ENV", "site_error_info",
 ]
 
 #: Set to 1 to force the pure-Python fallback (read at every call, not at import).
@@ -129,6 +130,14 @@ def open_capture(native: bool = True, cpp_errors: bool = False):
     from ._capture import NativeCapture
 
     return NativeCapture(ext, cpp_errors=cpp_errors, reason=reason)
+
+
+def site_error_info(exc: BaseException, info: Optional[Dict[str, Any]], file: Optional[str],
+                    line: Optional[int], func: Optional[str]) -> Optional[Dict[str, Any]]:
+    """``info`` completed with the c10 source location the native engine read (see _capture)."""
+    from ._capture import site_error_info as impl
+
+    return impl(exc, info, file, line, func)
 
 
 #: set to 1 to run the native engine's function mode in Python (modes/function.py TracingFunctionMode)

@@ -17,6 +17,14 @@ How it sees what it reports (measured on torch 2.13, see docs/architecture.md):
   (argument parsing, leaf in-place checks) are translated by torch's own
   ``HANDLE_TH_ERRORS`` and never pass a translator: those rows are
   ``native=False``, described from the Python exception alone.
+* Errors under the native engine: ops run through torch's own bindings,
+  whose ``HANDLE_TH_ERRORS`` translates the ``c10::Error`` without pybind11,
+  so no translator sees it. ``arm_error_sites`` installs the hooks' c10
+  stack-trace fetcher, which remembers where each PyTorch-style error will
+  hold its SourceLocation; the engine reads it when an op's kernel throws
+  (``take_error_seq``) and :func:`site_error_info` completes the Python
+  exception's description with it (the C++ type is the c10 class torch maps
+  that Python type from).
 * Python-level warnings (``warnings.warn`` in torch's Python code, or C++
   ones raised outside any op) are collected per call by the same tap the
   fallback uses, minus the C++ ones already captured at an op.
@@ -28,6 +36,7 @@ from typing import Any, Dict, List, Optional
 
 from ._fallback import (
     TAP,
+    c10_type_of,
     count_call_warnings,
     exc_text,
     fallback_error_info,
@@ -74,6 +83,10 @@ class NativeCapture:
         self._surfaced = 0
         self._baseline: Optional[int] = None
         self._final_constructed: Optional[int] = None
+        self._sites = False
+        self._site_engine: Any = None
+        #: why error sites are not armed ("ok" when they are; "" before arm_error_sites)
+        self.sites_reason = ""
         ext.capture_open()
         self._tapped = TAP.acquire()
         if self.cpp_errors:
@@ -91,6 +104,18 @@ class NativeCapture:
     def source_locations(self) -> bool:
         """Whether c10 errors' "raised from" locations can be read in this torch build."""
         return bool(getattr(self._ext, "peek_ok", False))
+
+    def arm_error_sites(self, engine: Any) -> bool:
+        """Let the native engine's observer read the source location of the c10 errors its ops
+        raise (hooks.cpp: the stack-trace fetcher). Undone by :meth:`close`; True when armed."""
+        if self._closed or self._sites:
+            return self._site_engine is not None
+        armed, self.sites_reason = self._ext.sites_on()
+        self._sites = True
+        if armed:
+            engine.ext.set_site_reader(self._ext.site_reader)
+            self._site_engine = engine
+        return bool(armed)
 
     def call_begin(self, func: Any = None) -> int:
         """Enter an outermost torch-level call; pass the called ``func`` when known.
@@ -184,6 +209,15 @@ class NativeCapture:
                 ext.counter_off()
         finally:
             try:
+                if self._site_engine is not None:
+                    self._site_engine.ext.set_site_reader(None)
+                    self._site_engine = None
+                if self._sites:
+                    self._sites = False
+                    ext.sites_off()
+            except Exception:
+                pass
+            try:
                 ext.reset_thread()
             finally:
                 ext.capture_close()
@@ -201,3 +235,24 @@ class NativeCapture:
 
 def _closed_noop() -> None:
     return None
+
+
+def site_error_info(exc: BaseException, info: Optional[Dict[str, Any]], file: Optional[str],
+                    line: Optional[int], func: Optional[str]) -> Optional[Dict[str, Any]]:
+    """``info`` (an ``error_info`` dict or None) completed with a c10 error's source location.
+
+    The native engine found the location on the op whose kernel raised ``exc``; the C++ type
+    is the c10 class torch translates to ``exc``'s Python type. Unchanged when there is no
+    location, when ``info`` already has one, or when ``exc`` is no type torch raises for c10
+    errors.
+    """
+    if file is None or line is None:
+        return info
+    if info is not None and info.get("cpp_file") is not None:
+        return info
+    cpp_type = c10_type_of(exc)
+    if cpp_type is None:
+        return info
+    out: Dict[str, Any] = dict(info) if info is not None else {"message": exc_text(exc), "py_type": py_type_name(exc)}
+    out.update(cpp_type=cpp_type, cpp_file=file, cpp_line=int(line), cpp_function=func, native=True)
+    return out

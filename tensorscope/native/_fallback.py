@@ -75,15 +75,22 @@ def shown_warning_dict(text: str, category: type, filename: Any, lineno: Any) ->
     }
 
 
-def _c10_type_of(exc: BaseException) -> Optional[str]:
+def c10_type_of(exc: BaseException) -> Optional[str]:
     """The c10 class torch maps to this Python type (for errors known to come from C++)."""
     import torch
 
+    dist = getattr(torch, "distributed", None)
     table = []
+    # subclasses before their bases (torch/csrc/Exceptions.h CATCH_CORE_ERRORS)
     for mod, name, c10 in (
         (torch, "OutOfMemoryError", "c10::OutOfMemoryError"),
         (getattr(torch, "linalg", None), "LinAlgError", "c10::LinAlgError"),
         (torch, "AcceleratorError", "c10::AcceleratorError"),
+        (dist, "DistBackendError", "c10::DistBackendError"),
+        (dist, "DistNetworkError", "c10::DistNetworkError"),
+        (dist, "DistQueueEmptyError", "c10::DistQueueEmptyError"),
+        (dist, "DistStoreError", "c10::DistStoreError"),
+        (dist, "DistError", "c10::DistError"),
     ):
         cls = getattr(mod, name, None) if mod is not None else None
         if isinstance(cls, type):
@@ -150,7 +157,7 @@ def fallback_error_info(exc: BaseException, text: Optional[str] = None) -> Dict[
         # Only c10::Error's what() has this line: the C++ type is then known
         # up to torch's one-to-one mapping of c10 classes to Python types.
         info.update(message=text[:m.start()], cpp_file=m.group("file"), cpp_line=int(m.group("line")),
-                    cpp_function=m.group("func"), cpp_type=_c10_type_of(exc))
+                    cpp_function=m.group("func"), cpp_type=c10_type_of(exc))
     return info
 
 

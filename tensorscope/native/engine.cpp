@@ -368,6 +368,8 @@ struct Engine {
   int64_t n_rows = 0;   // rows committed (= next seq)
   int64_t last_error_seq = -1;
   int32_t last_error_op = -1;
+  std::string last_error_file, last_error_func;   // its c10 source location (hooks' site reader)
+  int64_t last_error_line = -1;                   // -1: none
   int64_t other_thread_rows = 0;
 
   std::unordered_map<uintptr_t, int32_t> by_ptr;
@@ -408,6 +410,7 @@ struct Engine {
     n_rows = 0;
     last_error_op = -1;
     last_error_seq = -1;
+    last_error_line = -1;
     other_thread_rows = 0;
     by_ptr.clear();
     storages.clear();
@@ -1036,6 +1039,28 @@ void seal_block() {
   g.block_stor.clear();
 }
 
+// The hooks library's tensorscope_read_site (set_site_reader): the source location of the newest
+// c10::Error alive on this thread constructed since a time, read while the kernel's exception unwinds.
+using ReadSite = int (*)(int64_t, const char**, const char**, uint32_t*);
+std::atomic<ReadSite> g_read_site{nullptr};
+
+void note_error_site(int64_t since) {
+  // under g.mu, only for a row whose kernel threw
+  g.last_error_line = -1;
+  ReadSite rs = g_read_site.load(std::memory_order_acquire);
+  const char* file = nullptr;
+  const char* func = nullptr;
+  uint32_t line = 0;
+  if (rs == nullptr || rs(since, &file, &func, &line) == 0 || file == nullptr) return;
+  try {
+    g.last_error_file = file;
+    g.last_error_func = func != nullptr ? func : "";
+    g.last_error_line = int64_t(line);
+  } catch (...) {
+    g.last_error_line = -1;
+  }
+}
+
 void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_end) {
   // under g.mu
   Row& r = p.row;
@@ -1046,6 +1071,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
     r.flags |= int32_t(F_THREW);
     g.last_error_seq = seq;
     g.last_error_op = r.op;
+    note_error_site(t_end - r.dur);
   }
   // forward: the op claims the newest autograd node when the sequence counter advanced since this
   // thread's previous row (the python engine's rule: a node created between two ops, by a custom
@@ -1443,7 +1469,21 @@ PyObject* py_take_error_seq(PyObject*, PyObject*) {
   if (s < 0) Py_RETURN_NONE;
   int32_t op = g.last_error_op;
   if (op < 0 || size_t(op) >= g.ops.size()) Py_RETURN_NONE;
-  return Py_BuildValue("(Ls)", (long long)s, g.ops[size_t(op)]->name.c_str());
+  if (g.last_error_line < 0) {
+    return Py_BuildValue("(LsOOO)", (long long)s, g.ops[size_t(op)]->name.c_str(), Py_None, Py_None, Py_None);
+  }
+  return Py_BuildValue("(LssLs)", (long long)s, g.ops[size_t(op)]->name.c_str(), g.last_error_file.c_str(),
+                       (long long)g.last_error_line, g.last_error_func.c_str());
+}
+PyObject* py_set_site_reader(PyObject*, PyObject* o) {
+  ReadSite rs = nullptr;
+  if (o != Py_None) {
+    void* ptr = PyCapsule_GetPointer(o, "tensorscope.site_reader");
+    if (ptr == nullptr) return nullptr;
+    rs = reinterpret_cast<ReadSite>(ptr);
+  }
+  g_read_site.store(rs, std::memory_order_release);
+  Py_RETURN_NONE;
 }
 
 PyObject* bytes_of(const void* p, size_t n) {
@@ -1802,7 +1842,8 @@ PyMethodDef methods[] = {
     {"set_module", py_set_module, METH_O, "module id of the running code"},
     {"set_call", py_set_call, METH_O, "call id of the running torch-level call (-1: none)"},
     {"seq", py_seq, METH_NOARGS, "rows recorded so far (the next op's seq)"},
-    {"take_error_seq", py_take_error_seq, METH_NOARGS, "(seq, op) of the last row whose kernel threw, once"},
+    {"take_error_seq", py_take_error_seq, METH_NOARGS, "(seq, op, cpp_file, cpp_line, cpp_function) of the last row whose kernel threw, once (location None when unknown)"},
+    {"set_site_reader", py_set_site_reader, METH_O, "set_site_reader(capsule | None): the hooks' c10 error-site reader"},
     {"take_warnings", py_take_warnings, METH_NOARGS, "warnings recorded since the last call"},
     {"warning_seen", py_warning_seen, METH_O, "whether an op recorded this warning message"},
     {"warnings_pending", py_warnings_pending, METH_NOARGS, "whether take_warnings() has something"},

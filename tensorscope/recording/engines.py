@@ -66,6 +66,8 @@ ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", 
                       ("node", "<i4"), ("flags", "<i4"), ("call", "<i4"), ("seq_nr", "<i8"),
                       ("start", "<i8"), ("dur", "<i8")])
 
+#: engine.cpp's row flag: the op's kernel threw
+F_THREW = 16
 #: engine.cpp's packed chunk columns, in its PackedColumn order ("rflags": the engine's row flags)
 PACKED_COLUMNS = ("op", "ins", "outs", "alias", "module", "call", "node", "seq_nr", "rflags", "start", "dur",
                   "storages")
@@ -386,6 +388,7 @@ class NativeEngine:
             flops = np.where((of >> 40) & 1, -2, -1).astype(np.int64)
             if self._flops and len(self._row_args):
                 _formula_flops(flops, op, unpack(packed["outs"]), first, self._row_args, self._encs, rec)
+            flops[(rflags & F_THREW) != 0] = -1   # a kernel that threw did no counted work (python engine: none)
             packed["flags"] = pack((of & 0xFF) | (rflags & F_BACKWARD))
             packed["flops"] = pack(flops)
             self.opaque_rows += int(np.count_nonzero((unpack(packed["node"]) == 0) & (unpack(packed["call"]) < 0)))

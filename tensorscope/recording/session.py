@@ -20,7 +20,7 @@ import torch
 
 from ..errors import TraceActiveError
 from ..modes.context import NativeRecordingContext, RecordingContext, first_line_message
-from ..modes.frames import exc_key
+from ..modes.frames import exc_mark, seen_exc
 from ..options import DisplayOptions, RunContext, TraceOptions, resolve
 from .history import _remember
 from .recorder import Recorder
@@ -365,7 +365,7 @@ class Session:
 
     def _note_cell_exception(self, exc: BaseException) -> None:
         """An exception that left the traced block: recorded once (modes may have seen it already)."""
-        if self.ctx.last_exc_key == exc_key(exc):
+        if seen_exc(self.ctx.last_exc_key, exc):
             return
         from ..modes.source import user_traceback_location
 
@@ -374,7 +374,7 @@ class Session:
             kind="exception", py_type=type(exc).__name__, cpp_type=None, message=first_line_message(exc),
             cpp_file=None, cpp_line=None, cpp_function=None, seq=None, call_id=None, op=None,
             source_file=file, source_line=line, native=False, count=1)
-        self.ctx.last_exc_key = exc_key(exc)
+        self.ctx.last_exc_key = exc_mark(exc, None)
 
 
 _warmed = False
@@ -537,6 +537,12 @@ class NativeSession(Session):
         cap = self.ctx.capture
         if cap is not None and getattr(cap, "native", False):
             cap.engine = self.engine   # call_end drains the observer's per-op warnings
+            try:   # the observer reads the source location of c10 errors its ops raise
+                if not cap.arm_error_sites(self.engine) and cap.sites_reason not in ("ok", ""):
+                    if not cap.sites_reason.startswith("TORCH_SHOW_CPP_STACKTRACES"):
+                        self.ctx.rec.notes.append(f"C++ error locations unavailable: {cap.sites_reason}")
+            except Exception as e:
+                self.ctx.rec.notes.append(f"C++ error locations unavailable: {type(e).__name__}: {e}")
 
 
 def new_session(options: TraceOptions, **kw: Any) -> Session:

@@ -529,6 +529,86 @@ def test_swallowed_counter(ext, T):
     fb.close()
 
 
+def _frames(what):
+    """A c10 backtrace's frame lines without addresses."""
+    import re
+
+    return [re.sub(r" \+ 0x[0-9a-f]+ \(0x[0-9a-f]+ in ", " (", line) for line in what.splitlines()]
+
+
+class _EngineStub:
+    """What arm_error_sites needs of the engine when none runs (the reader is then unused)."""
+
+    class ext:
+        readers = []
+
+        @classmethod
+        def set_site_reader(cls, r):
+            cls.readers.append(r)
+
+
+def test_error_sites_fetcher_is_restored_and_changes_no_text(ext, T):
+    """Armed, the fetcher wraps c10's default backtrace: the text any what() shows is unchanged;
+    disarmed, c10's default is back (same type, same text)."""
+    if ext.cpp_stacktraces:
+        pytest.skip("TORCH_SHOW_CPP_STACKTRACES set: sites are never armed (see the subprocess test)")
+    t0, w0 = ext.fetcher_probe()
+    assert t0.startswith("c10::get_lazy_backtrace")
+    cap = NativeCapture(ext)
+    try:
+        assert cap.arm_error_sites(_EngineStub) and cap.sites_reason == "ok"
+        assert _EngineStub.ext.readers[-1] is ext.site_reader
+        t1, w1 = ext.fetcher_probe()
+        assert t1.endswith("SiteBacktrace") and _frames(w1) == _frames(w0)
+        T.swallow(_x(), 3)
+        with pytest.raises(IndexError):
+            T.raise_error(_x(), "index")
+        assert ext.site_count() == 0     # every error gone: nothing remembered
+    finally:
+        cap.close()
+    assert _EngineStub.ext.readers[-1] is None
+    t2, w2 = ext.fetcher_probe()
+    assert t2 == t0 and _frames(w2) == _frames(w0)
+
+
+def test_error_sites_with_the_counter(ext, T):
+    """Sites and the opt-in counter share the fetcher: each keeps working while the other
+    comes and goes, and c10's default is back when both left."""
+    if ext.cpp_stacktraces:
+        pytest.skip("TORCH_SHOW_CPP_STACKTRACES set")
+    t0, w0 = ext.fetcher_probe()
+    counting = NativeCapture(ext, cpp_errors=True)
+    sites = NativeCapture(ext)
+    try:
+        assert _frames(ext.fetcher_probe()[1]) == _frames(w0)   # the counting fetcher's text too
+        assert sites.arm_error_sites(_EngineStub)
+        with traced(counting):
+            T.swallow(_x(), 4)
+        assert counting.constructed_count() == 4
+        assert ext.fetcher_probe()[0].endswith("SiteBacktrace")
+        counting.close()
+        assert ext.fetcher_probe()[0].endswith("SiteBacktrace")   # sites still armed
+    finally:
+        counting.close()
+        sites.close()
+    assert ext.fetcher_probe()[0] == t0 and ext.counter_users() == 0
+
+
+def test_error_sites_disarmed_after_an_interrupted_trace(ext):
+    """A trace left by KeyboardInterrupt restores c10's default fetcher and the engine's reader."""
+    import tensorscope
+    from tensorscope.recording.engines import _native_ext
+
+    if ext.cpp_stacktraces or _native_ext(wait=True)[0] is None:
+        pytest.skip("needs the native engine without TORCH_SHOW_CPP_STACKTRACES")
+    t0, _ = ext.fetcher_probe()
+    with pytest.raises(KeyboardInterrupt):
+        with tensorscope.trace(engine="native", leaks=False):
+            assert ext.fetcher_probe()[0].endswith("SiteBacktrace")
+            raise KeyboardInterrupt
+    assert ext.fetcher_probe()[0] == t0 and ext.site_count() == 0
+
+
 def test_unbalanced_calls_are_harmless(ext):
     cap = NativeCapture(ext)
     try:
@@ -678,6 +758,45 @@ def test_cpp_stacktraces_env_subprocess(ext, T):
     assert fb["cpp_function"] == "raise_error" and fb["message"] == "tensorscope_test: c10::IndexError raised"
     assert nat["native"] is True and nat["message"] == fb["message"] and nat["cpp_line"] == line
     assert nat["swallowed"] == 2
+
+
+def test_cpp_stacktraces_native_engine_subprocess(ext):
+    """TORCH_SHOW_CPP_STACKTRACES=1: torch's own fetcher stays (sites are not armed), the
+    message is untraced's, and the location comes from it under both engines."""
+    code = textwrap.dedent(r"""
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        import torch, tensorscope
+        from tensorscope.native import _build
+        mod, _ = _build.ensure(_build.HOOKS)
+        def run():
+            try:
+                torch.randn(2, 3) @ torch.randn(4, 5)
+            except RuntimeError as e:
+                return str(e)
+        before = mod.fetcher_probe()[0]
+        untraced = run()
+        out = {"before": before, "untraced_head": untraced.splitlines()[0]}
+        for eng in ("python", "native"):
+            with tensorscope.trace(engine=eng, leaks=False) as t:
+                text = run()
+            [e] = [e for e in t.errors.to_pylist() if e["kind"] == "exception"]
+            out[eng] = dict(e, raw_head=text.splitlines()[0], raised_from="Exception raised from" in text,
+                            fetcher=mod.fetcher_probe()[0])
+        print(json.dumps(out))
+    """)
+    env = dict(os.environ, TORCH_SHOW_CPP_STACKTRACES="1", TORCH_DISABLE_ADDR2LINE="1")
+    env.pop(tn.FORCE_ENV, None)
+    out = subprocess.run([PY, "-c", code, ROOT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "PrecomputedLazyValue" in r["before"]          # torch's eager fetcher
+    for eng in ("python", "native"):
+        e = r[eng]
+        assert e["fetcher"] == r["before"] and e["raised_from"] and e["raw_head"] == r["untraced_head"]
+        assert e["message"] == r["untraced_head"] and e["cpp_type"] == "c10::Error"
+        assert e["cpp_file"].endswith("LinearAlgebra.cpp") and e["cpp_line"] > 0
+    assert (r["python"]["cpp_file"], r["python"]["cpp_line"]) == (r["native"]["cpp_file"], r["native"]["cpp_line"])
 
 
 def test_test_ops_cpp_lines_exist():

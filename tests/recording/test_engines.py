@@ -24,12 +24,11 @@ why (every one is normalised by a helper below, nothing else is):
    native engine dates a free by sweeping its live storages (exact for recent
    temporaries, at most a few dozen ops late for long-lived ones); the python
    engine's weakref callback dates it exactly.
-6. ``errors``: for a kernel that raises, the python engine (which calls the op
-   through ``OpOverload.__call__``, i.e. pybind11) gets the C++ type and source
-   location from the native hooks' translator; the native engine sees the
-   exception only as Python raises it (``cpp_*`` null, ``native`` false).
-   Errors raised in the autograd layer (leaf in-place) have an op row under the
-   native engine (the observer sits above autograd), none under python.
+6. ``errors``: errors raised in the autograd layer (leaf in-place) have an op
+   row under the native engine (the observer sits above autograd), none under
+   python. A kernel's c10 error has the same C++ type and source location under
+   both (python: the hooks' pybind11 translator; native: the hooks' stack-trace
+   fetcher read by the observer while the error unwinds).
 7. ``aten.detach``/``detach_`` that a binding runs with the dispatch-mode stack
    stashed (``nn.Parameter()``'s ``_make_subclass``, ``torch.tensor()``) are
    real eager ops that torch.profiler sees too; no dispatch mode can see them,
@@ -181,6 +180,10 @@ def compare(tp, tn):
     ep, en = tp.errors.to_pylist(), tn.errors.to_pylist()
     key = lambda e: (e["kind"], e["py_type"], e["message"], e["op"], e["call_id"], e["count"])  # noqa: E731
     assert sorted(map(key, ep), key=str) == sorted(map(key, en), key=str)
+    cpp = lambda e: (e["message"], e["op"], e["cpp_type"], e["cpp_file"], e["cpp_line"], e["cpp_function"],  # noqa: E731
+                     e["native"])
+    assert sorted((cpp(e) for e in ep if e["kind"] == "exception"), key=str) == \
+           sorted((cpp(e) for e in en if e["kind"] == "exception"), key=str)
     for e in en:
         if e["kind"] == "warning" and e["native"]:
             match = [x for x in ep if x["kind"] == "warning" and x["message"] == e["message"]]
@@ -351,6 +354,106 @@ def test_kernel_that_raises():
     assert [r["op"] for r in bad] == ["aten.add.Tensor"] and bad[0]["out_shapes"] == []
     err = tn.errors.to_pylist()[bad[0]["error_id"]]
     assert err["seq"] == bad[0]["seq"] and err["op"] == "aten.add.Tensor"
+    # the C++ side under both engines (compare() checks they agree)
+    assert err["cpp_type"] == "c10::Error" and err["native"] is True
+    assert err["cpp_file"].endswith(".h") or err["cpp_file"].endswith(".cpp")
+    assert err["cpp_line"] > 0 and err["cpp_function"]
+
+
+KERNEL_ERRORS = {
+    # case: (program, Python type, c10 type, op)
+    "matmul": (lambda: torch.randn(2, 3) @ torch.randn(4, 5), RuntimeError, "c10::Error", "aten.mm.default"),
+    "index": (lambda: torch.ones(3).index_select(0, torch.tensor([7])), IndexError, "c10::IndexError",
+              "aten.index_select.default"),
+    "not_implemented": (lambda: torch.ones(2) & torch.ones(2), NotImplementedError, "c10::NotImplementedError",
+                        "aten.bitwise_and.Tensor"),
+    "linalg": (lambda: torch.linalg.inv(torch.zeros(2, 2)), torch.linalg.LinAlgError, "c10::LinAlgError",
+               "aten._linalg_check_errors.default"),
+    "cat": (lambda: torch.cat([torch.ones(2), torch.ones(2, 2)]), RuntimeError, "c10::Error", "aten.cat.default"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KERNEL_ERRORS))
+def test_kernel_error_type_and_location(case):
+    import traceback
+
+    fn, py_type, c10_type, op = KERNEL_ERRORS[case]
+
+    def raised(f):
+        try:
+            f()
+        except py_type as e:
+            return type(e), str(e), [(fr.filename, fr.lineno, fr.name) for fr in traceback.extract_tb(e.__traceback__)]
+        raise AssertionError("did not raise")
+
+    untraced = raised(fn)
+    seen = []
+
+    def run():
+        seen.append(raised(fn))
+        torch.ones(2) * 2
+
+    tp, tn, _ = both(run)
+    # the user's exception is the untraced one under both engines: type, message, traceback frames
+    assert seen == [untraced, untraced]
+    for t in (tp, tn):
+        [err] = [e for e in t.errors.to_pylist() if e["kind"] == "exception"]
+        assert (err["cpp_type"], err["op"], err["native"]) == (c10_type, op, True)
+        assert err["message"] == untraced[1]
+        assert err["cpp_file"] and err["cpp_line"] > 0 and err["cpp_function"]
+    # and both engines agree on every field (compare() above checked it too)
+    key = ("py_type", "cpp_type", "message", "cpp_file", "cpp_line", "cpp_function", "op", "source_line", "native")
+    [ep] = [{k: e[k] for k in key} for e in tp.errors.to_pylist() if e["kind"] == "exception"]
+    [en] = [{k: e[k] for k in key} for e in tn.errors.to_pylist() if e["kind"] == "exception"]
+    assert ep == en
+
+
+def test_repeated_kernel_error_recorded_each_time():
+    """One row per raise: a freed exception's id taken by the next equal one (a loop) is a new
+    exception, not the one an enclosing call sees again."""
+    def run():
+        for _ in range(4):
+            try:
+                torch.ones(3).index_select(0, torch.tensor([7]))
+            except IndexError:
+                pass
+
+    tp, tn, _ = both(run)
+    for t in (tp, tn):
+        errs = [e for e in t.errors.to_pylist() if e["kind"] == "exception"]
+        assert [e["op"] for e in errs] == ["aten.index_select.default"] * 4
+        assert len({e["call_id"] for e in errs}) == 4 and all(e["cpp_line"] for e in errs)
+
+
+def test_kernel_error_with_errors_on_another_thread():
+    """Sites are remembered per thread: errors raised meanwhile on an untraced thread never
+    describe the traced thread's error, and theirs are unchanged."""
+    stop = threading.Event()
+    msgs = set()
+
+    def worker():
+        while not stop.is_set():
+            try:
+                torch.randn(2, 3) @ torch.randn(4, 5)
+            except RuntimeError as e:
+                msgs.add(str(e))
+
+    th = threading.Thread(target=worker)
+    th.start()
+    try:
+        with tensorscope.trace(engine="native", leaks=False) as t:
+            for _ in range(20):
+                try:
+                    torch.ones(3).index_select(0, torch.tensor([7]))
+                except IndexError:
+                    pass
+    finally:
+        stop.set()
+        th.join(30)
+    errs = [e for e in t.errors.to_pylist() if e["kind"] == "exception"]
+    assert len(errs) == 20 and msgs == {"mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"}
+    assert {(e["cpp_type"], e["op"], e["cpp_file"].rsplit("/", 1)[-1]) for e in errs} == \
+        {("c10::IndexError", "aten.index_select.default", "TensorAdvancedIndexing.cpp")}
 
 
 def test_cpp_warnings_per_op():
