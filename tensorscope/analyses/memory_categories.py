@@ -173,12 +173,21 @@ def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = Non
         freed = made & (free >= 0)
         cat[made] = _CAT["other"]
         cat[freed & (seg[a] == seg[f])] = _CAT["temporary"]
-        cat[freed & ~bwd[a] & bwd[f] & (seg[f] > seg[a])] = _CAT["activation"]
-        # existing before the trace and freed by its backward: saved by a forward run before it; one
-        # first seen by AccumulateGrad and freed in that backward: a gradient buffer compiled code made
+        saved = freed & ~bwd[a] & bwd[f] & (seg[f] > seg[a])
+        # freed at the last op of a backward that accumulated a gradient: released when the backward
+        # call returned (an unnamed loss), not by a node (AccumulateGrad saves nothing)
+        last = np.zeros(n_ops, bool)
+        last[:-1] = bwd[:-1] & ~bwd[1:]
+        last[-1] = bwd[-1]
+        saved &= ~(last[f] & acc[f])
+        cat[saved] = _CAT["activation"]
+        # existing before the trace and freed by its backward: saved by a forward run before it; but
+        # one first seen in a backward after the trace's own forward and freed in it was made there by
+        # code the trace does not see (a recomputation cut short, a compiled backward's buffers)
+        fwd_before = np.concatenate([[False], np.cumsum(~bwd)[:-1] > 0])
         pre_freed = ~made & seen & (free >= 0) & bwd[f]
         cat[pre_freed] = _CAT["activation"]
-        cat[pre_freed & acc[fsc] & (seg[fsc] == seg[f])] = _CAT["temporary"]
+        cat[pre_freed & (seg[fsc] == seg[f]) & fwd_before[fsc]] = _CAT["temporary"]
         # made outside every module, outside backward, read by a module's op: the step's input
         mod_codes, _ = _codes(ops.column("module"))
         read_in_mod = np.zeros(len(pos), bool)
