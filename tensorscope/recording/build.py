@@ -819,7 +819,10 @@ def _leaks_table(sess: Session, tensors: pa.Table) -> pa.Table:
             storage_id=sid, ref=ref, data_ptr=sess.ctx.tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
             dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"], alloc_op=row["alloc_op"],
             cell=row["cell"], source_file=row["source_file"], source_line=row["source_line"]))
-    return leak_table(records, shell=ipython_shell())
+    import torch
+
+    with torch._C.DisableTorchFunction():   # the search reads tensor attributes: invisible to user modes
+        return leak_table(records, shell=ipython_shell())
 
 
 _DEVICE: Optional[Dict[str, Any]] = None
@@ -832,11 +835,12 @@ def _device_description() -> Dict[str, Any]:
         return dict(_DEVICE)
 
     def describe() -> Dict[str, Any]:
+        import torch
         from torch.utils._python_dispatch import _disable_current_modes
 
         from .._env import env
 
-        with _disable_current_modes():
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
             return env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
 
     try:

@@ -48,18 +48,22 @@ def find_optimizers(objects: Iterable[Any], depth: int = 2, limit: int = 20000) 
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
-            if isinstance(obj, opt_type):
+            tp = type(obj)   # never isinstance(): a proxy's __class__ would run the user's code
+            if issubclass(tp, opt_type):
                 found[id(obj)] = obj
                 continue
-            if level == depth or isinstance(obj, _SKIP) or isinstance(obj, (torch.Tensor, torch.nn.Module)):
+            if level == depth or issubclass(tp, _SKIP) or issubclass(tp, (torch.Tensor, torch.nn.Module)):
                 continue
-            if isinstance(obj, (list, tuple)):
+            if tp in (list, tuple):
                 nxt.extend(obj[:64])
-            elif isinstance(obj, dict):
+            elif tp is dict:
                 nxt.extend(list(obj.values())[:64])
             else:
-                d = getattr(obj, "__dict__", None)
-                if isinstance(d, dict):
+                try:   # the instance dict itself: no __getattr__ / property of the user's runs
+                    d = object.__getattribute__(obj, "__dict__")
+                except Exception:
+                    continue
+                if type(d) is dict:
                     nxt.extend(list(d.values())[:64])
         frontier = nxt
         if budget < 0:

@@ -306,3 +306,58 @@ def test_old_traces_load_with_the_category_null(tmp_path):
     new = tensorscope.load(os.path.join(TESTS, "data", f"golden-schema-{S.SCHEMA_VERSION}"))
     assert new.tensors.column("category").null_count == 0
     assert "activation" in new.tensors.column("category").to_pylist()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_categorising_reaches_no_user_mode_and_keeps_nothing_alive(engine):
+    import gc
+    import weakref
+
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FSpy(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    class DSpy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        return model, torch.optim.Adam(model.parameters()), torch.randn(3, 8)
+
+    def step(model, opt, x):
+        model(x).square().mean().backward()
+        opt.step()
+
+    seen = []
+    for traced in (False, True):
+        model, opt, x = make()
+        with FSpy() as f, DSpy() as d:
+            if traced:
+                # (the python engine's non-finite probes reach a dispatch mode below it: not this test's subject)
+                with tensorscope.trace(engine=engine, nonfinite=False) as t:
+                    step(model, opt, x)
+            else:
+                step(model, opt, x)
+        seen.append((f.seen, d.seen))
+    assert seen[0] == seen[1]   # the build's reads of parameters, .grad and optimizer state are invisible
+    assert {"parameter", "gradient", "optimizer_state"} <= set(t.tensors.column("category").to_pylist())
+    refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(next(model.parameters()))]
+    del model, opt, x
+    gc.collect()
+    assert all(r() is None for r in refs)   # the trace keeps no module, optimizer or tensor
+    assert t.memory_timeline().num_rows == t.ops.num_rows
