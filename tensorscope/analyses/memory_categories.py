@@ -26,7 +26,7 @@ and the peaks while its forward and backward ops ran, children rolled into paren
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -60,10 +60,11 @@ def _codes(col: Any) -> Tuple[np.ndarray, List[Optional[str]]]:
     return codes, arr.dictionary.to_pylist()
 
 
-def _is(col: Any, pred) -> np.ndarray:
+def _is(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
     codes, values = _codes(col)
     hit = np.array([v is not None and bool(pred(v)) for v in values] + [False], dtype=bool)
-    return hit[codes]   # code -1 reads the trailing False
+    out: np.ndarray = hit[codes]   # code -1 reads the trailing False
+    return out
 
 
 def _flat(col: Any) -> Tuple[np.ndarray, np.ndarray]:
@@ -231,7 +232,8 @@ def _category_codes(tensors: pa.Table) -> np.ndarray:
         return np.full(tensors.num_rows, _CAT["other"], np.int64)
     codes, values = _codes(tensors.column("category"))
     lut = np.array([_CAT.get(v or "other", _CAT["other"]) for v in values] + [_CAT["other"]], dtype=np.int64)
-    return lut[codes]
+    out: np.ndarray = lut[codes]
+    return out
 
 
 def _live(tensors: pa.Table, n_ops: int) -> Tuple[List[str], np.ndarray]:
@@ -291,13 +293,14 @@ def peaks(timeline: pa.Table) -> List[Dict[str, Any]]:
     """One dict per device: the timeline's peak row (``is_peak``) as plain values."""
     if timeline.num_rows == 0:
         return []
-    return timeline.filter(timeline.column("is_peak")).to_pylist()
+    rows: List[Dict[str, Any]] = timeline.filter(timeline.column("is_peak")).to_pylist()
+    return rows
 
 
 def storage_modules(tensors: pa.Table, ops: pa.Table) -> List[Optional[str]]:
     """Per storage the module that made it (the op's module: backward ops carry their forward
     op's), or for one the trace did not make, the module whose op first read it."""
-    mods = S.plain_strings(tensors.select(["module"])).column("module").to_pylist()
+    mods: List[Optional[str]] = S.plain_strings(tensors.select(["module"])).column("module").to_pylist()
     if ops.num_rows == 0:
         return mods
     alloc = _ints(tensors, "alloc_seq", -1)

@@ -14,7 +14,7 @@ import numpy as np
 from .._common import esc as _e
 from .._common import fmt_bytes
 from ..schema import MEMORY_CATEGORIES as CATEGORIES
-from .svg import COLORS, _FONT, _legend, _where
+from .svg import _FONT, COLORS, _legend, _where
 
 
 def _columns(live: np.ndarray, width: int) -> np.ndarray:
