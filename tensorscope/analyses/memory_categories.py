@@ -297,19 +297,29 @@ def peaks(timeline: pa.Table) -> List[Dict[str, Any]]:
     return rows
 
 
-def storage_modules(tensors: pa.Table, ops: pa.Table) -> List[Optional[str]]:
-    """Per storage the module that made it (the op's module: backward ops carry their forward
-    op's), or for one the trace did not make, the module whose op first read it."""
-    mods: List[Optional[str]] = S.plain_strings(tensors.select(["module"])).column("module").to_pylist()
-    if ops.num_rows == 0:
-        return mods
-    alloc = _ints(tensors, "alloc_seq", -1)
-    made = np.nonzero((alloc >= 0) & (alloc < ops.num_rows))[0]
-    if len(made):
-        got = S.plain_strings(pa.table({"m": ops.column("module").take(pa.array(alloc[made]))})).column("m").to_pylist()
-        for i, m in zip(made.tolist(), got):
-            mods[i] = m
-    return mods
+def storage_modules(tensors: pa.Table, ops: pa.Table) -> Tuple[np.ndarray, List[Optional[str]]]:
+    """(per storage an index into the names, -1 for none; names): the module that made it (the
+    op's module: backward ops carry their forward op's), or for one the trace did not make, the
+    module whose op first read it. Vectorised: one lookup table per dictionary."""
+    names: List[Optional[str]] = []
+    index: Dict[Optional[str], int] = {}
+
+    def lut(values: List[Optional[str]]) -> np.ndarray:
+        return np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values] + [-1],
+                        dtype=np.int64)
+
+    tcodes, tvals = _codes(tensors.column("module"))
+    codes = lut(tvals)[tcodes]
+    if ops.num_rows:
+        alloc = _ints(tensors, "alloc_seq", -1)
+        made = (alloc >= 0) & (alloc < ops.num_rows)
+        if made.any():
+            ocodes, ovals = _codes(ops.column("module"))
+            codes[made] = lut(ovals)[ocodes[alloc[made]]]
+    names = [None] * len(index)
+    for v, i in index.items():
+        names[i] = v
+    return codes, names
 
 
 def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa.Table:
@@ -330,20 +340,25 @@ def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa
     alloc = _ints(tensors, "alloc_seq", -1)
     free = _ints(tensors, "free_seq", -1)
     cat = _category_codes(tensors)
-    mods = storage_modules(tensors, ops)
-    groups: Dict[Tuple[str, str, Optional[str]], List[int]] = {}
+    mcodes, mnames = storage_modules(tensors, ops)
+    M = len(mnames) + 1
+    out: List[Dict[str, Any]] = []
     for di, d in enumerate(names):
         s = at.get(d)
         if s is None:
             continue
         alive = np.nonzero((dev == di) & (alloc <= s) & ((free < 0) | (free > s)))[0]
-        for i in alive.tolist():
-            g = groups.setdefault((d, CATS[cat[i]], mods[i]), [s, 0, 0])
-            g[1] += int(nbytes[i])
-            g[2] += 1
-    rows = sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[1][1]))
-    return pa.Table.from_pylist([dict(seq=v[0], device=k[0], category=k[1], module=k[2], bytes=v[1], storages=v[2])
-                                 for k, v in rows], schema=S.MEMORY_AT)
+        if not len(alive):
+            continue
+        key = cat[alive] * M + (mcodes[alive] + 1)
+        keys, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv, weights=nbytes[alive].astype(np.float64)).astype(np.int64)
+        counts = np.bincount(inv)
+        for k in np.argsort(-sums, kind="stable").tolist():
+            mi = int(keys[k] % M) - 1
+            out.append(dict(seq=s, device=d, category=CATS[int(keys[k] // M)],
+                            module=mnames[mi] if mi >= 0 else None, bytes=int(sums[k]), storages=int(counts[k])))
+    return pa.Table.from_pylist(out, schema=S.MEMORY_AT)
 
 
 # -- per module ----------------------------------------------------------------------------------
@@ -402,15 +417,19 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
     cat = _category_codes(tensors)
     act = np.nonzero(cat == _CAT["activation"])[0]
     if len(act):
-        mods = storage_modules(tensors, ops)
+        mcodes, mnames = storage_modules(tensors, ops)
         nbytes = _ints(tensors, "nbytes", 0)
-        for i in act.tolist():
-            m = mods[i]
+        act = act[mcodes[act] >= 0]
+        M = len(mnames)
+        key = dev[act] * M + mcodes[act]
+        keys, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv, weights=nbytes[act].astype(np.float64)).astype(np.int64)
+        for k, b in zip(keys.tolist(), sums.tolist()):
+            m, d = mnames[k % M], names[k // M]
             if m is None:
                 continue
-            d = names[int(dev[i])]
-            row(m, d)["own_activation_bytes"] += int(nbytes[i])
+            row(m, d)["own_activation_bytes"] += b
             for anc in _ancestors(m):
-                row(anc, d)["activation_bytes"] += int(nbytes[i])
+                row(anc, d)["activation_bytes"] += b
     out = sorted(rows.values(), key=lambda r: (-r["activation_bytes"], -(r["fwd_peak_bytes"] or 0), r["module"]))
     return pa.Table.from_pylist(out, schema=S.MODULE_MEMORY)
