@@ -14,6 +14,8 @@ from __future__ import annotations
 import types
 from typing import Any, Dict, Iterable, List
 
+from .storages import fake_key, is_fake
+
 #: objects whose attributes hold no optimizer of the user's
 _SKIP = (type, str, bytes, int, float, complex, bool, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
          types.MethodType, types.CodeType, types.FrameType)
@@ -24,6 +26,8 @@ _RANK = {"parameter": 0, "buffer": 1, "gradient": 2, "optimizer_state": 3}
 
 def _ptr(t: Any) -> int:
     try:
+        if is_fake(t):   # under tensorscope.predict: the key the tracker gave it
+            return fake_key(t.untyped_storage())
         return int(t.untyped_storage().data_ptr())
     except Exception:   # wrapper subclasses, meta / fake tensors
         return 0

@@ -1,0 +1,200 @@
+"""``tensorscope.predict(fn, *args, scale=...)``: the memory a step would take, without running it.
+
+``fn(*args)`` runs under ``FakeTensorMode`` inside the public ``trace()`` (python engine): every op
+computes shapes, dtypes and strides only, so no real memory is allocated and nothing is computed.
+The tensor arguments are replaced by fake ones (dimension 0 multiplied by ``scale["batch"]``);
+parameters and buffers stay the real tensors (read, never written: an op that writes one writes its
+fake copy), and each storage a fake op makes is tracked by its StorageImpl instead of a data pointer
+(``tracking.storages.fake``). What the step leaves on the program's objects (``.grad`` of the
+parameters, the optimizers' ``state``, both fake now) is put back as it was when it returns. The
+result is a Trace like any other: ``memory``, ``memory_timeline()``, ``memory_at()``,
+``module_memory()``.
+
+What cannot be predicted: an op whose output shape or value depends on the data (``nonzero``,
+``.item()``, a boolean mask index) raises ``PredictionError`` naming the op and the user line.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from .errors import TensorscopeError
+
+__all__ = ["predict", "PredictionError"]
+
+
+class PredictionError(TensorscopeError, RuntimeError):
+    """The step cannot be predicted without running it (a data-dependent op)."""
+
+
+def _closure_objects(fn: Any) -> List[Any]:
+    out: List[Any] = []
+    code = getattr(fn, "__code__", None)
+    glb = getattr(fn, "__globals__", None)
+    if code is not None and isinstance(glb, dict):
+        out.extend(glb[n] for n in code.co_names if n in glb)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:
+            pass
+    self_ = getattr(fn, "__self__", None)
+    if self_ is not None:
+        out.append(self_)
+    return out
+
+
+def _state(fn: Any, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tuple[List[Any], List[Any]]:
+    """(modules, optimizers) the step can reach: its arguments, globals and closure, the user's names."""
+    import torch
+
+    from .tracking.leaks.roots import user_objects
+    from .tracking.state import find_optimizers
+
+    objs = list(args) + list(kwargs.values()) + _closure_objects(fn) + user_objects()
+    try:
+        mods: Dict[int, Any] = {}
+        for o in objs:
+            if issubclass(type(o), torch.nn.Module):
+                mods[id(o)] = o
+            elif not issubclass(type(o), (torch.Tensor, type)):
+                try:
+                    d = object.__getattribute__(o, "__dict__")
+                except Exception:
+                    continue
+                if type(d) is dict:
+                    for v in list(d.values()):
+                        if issubclass(type(v), torch.nn.Module):
+                            mods[id(v)] = v
+        opts = find_optimizers(objs)
+        return list(mods.values()), opts
+    finally:
+        objs.clear()
+
+
+def _snapshot(modules: List[Any], optimizers: List[Any]) -> List[Tuple[Any, ...]]:
+    """What the step may change on the program's objects, to put back after."""
+    snap: List[Tuple[Any, ...]] = []
+    seen = set()
+    for m in modules:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                snap.append(("grad", p, p.grad))
+    for opt in optimizers:
+        snap.append(("state", opt, {k: dict(v) if isinstance(v, dict) else v for k, v in opt.state.items()}))
+        for g in opt.param_groups:
+            for p in g.get("params", ()):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    snap.append(("grad", p, p.grad))
+    return snap
+
+
+def _restore(snap: List[Tuple[Any, ...]]) -> None:
+    import torch
+
+    with torch._C.DisableTorchFunction():
+        for kind, obj, value in snap:
+            if kind == "grad":
+                obj.grad = value
+            else:
+                obj.state.clear()
+                obj.state.update(value)
+
+
+def _fake_args(mode: Any, value: Any, scale: Mapping[str, int]) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        k = int(scale.get("batch", 1))
+        if k != 1 and value.dim() > 0:
+            with mode:
+                shape = (value.shape[0] * k,) + tuple(value.shape[1:])
+                return torch.empty(shape, dtype=value.dtype, device=value.device).requires_grad_(value.requires_grad)
+        return mode.from_tensor(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fake_args(mode, v, scale) for v in value)
+    if isinstance(value, dict):
+        return {k: _fake_args(mode, v, scale) for k, v in value.items()}
+    return value
+
+
+def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kwargs: Any) -> Any:
+    """Trace ``fn(*args, **kwargs)`` under FakeTensorMode: a Trace of the step's ops and memory, with no
+    memory allocated and nothing computed. ``scale={"batch": 4}`` multiplies dimension 0 of every
+    tensor argument by 4 (a batch not run)."""
+    import torch
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    from .recording.session import trace
+    from .tracking import storages
+
+    scale = dict(scale or {})
+    unknown = set(scale) - {"batch"}
+    if unknown:
+        raise ValueError(f"predict: scale knows 'batch' (dimension 0 of the tensor arguments), not {sorted(unknown)}")
+    modules, optimizers = _state(fn, args, kwargs)
+    snap = _snapshot(modules, optimizers)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # the fake copies of the real tensors the step reads (parameters, buffers, optimizer state), made
+    # now: an op on one shows the fake copy's storage, which is the real one's
+    real: Dict[int, int] = {}
+    copies: List[Any] = []   # kept while the step runs: the converter reuses them (and their addresses stay theirs)
+    with torch._C.DisableTorchFunction():
+        held = [p for m in modules for p in list(m.parameters()) + list(m.buffers())]
+        held += [v for o in optimizers for st in o.state.values() if isinstance(st, dict)
+                 for v in st.values() if isinstance(v, torch.Tensor)]
+        for r in held:
+            try:
+                f = mode.from_tensor(r)
+                copies.append(f)
+                real[int(f.untyped_storage()._cdata)] = int(r.untyped_storage().data_ptr())
+            except Exception:
+                continue
+    del modules, optimizers, held
+    fargs = _fake_args(mode, args, scale)
+    fkwargs = _fake_args(mode, kwargs, scale)
+    storages.fake.on = True
+    storages.fake.real = real
+    try:
+        with mode:
+            with trace(engine="python", leaks=False, nonfinite=False) as t:
+                # the device queries FakeTensors dispatch (prim.device) are metadata, not ops: answered above
+                with _DeviceQueries():
+                    fn(*fargs, **fkwargs)
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        op = getattr(e, "func", None)
+        raise PredictionError(f"predict: {op} has a data-dependent {'output shape' if isinstance(e, DynamicOutputShapeException) else 'value'}: "
+                              f"what follows it cannot be known without running the step") from None
+    finally:
+        storages.fake.on = False
+        storages.fake.real = None
+        _restore(snap)
+        snap.clear()
+        copies.clear()
+        del fargs, fkwargs
+    return t.result
+
+
+class _DeviceQueries:
+    """A dispatch mode above the trace's that answers ``prim.device`` for FakeTensors itself."""
+
+    def __enter__(self) -> Any:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        prim_device = torch.ops.prim.device.default
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is prim_device:
+                    fd = getattr(args[0], "fake_device", None)
+                    if fd is not None:
+                        return fd
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        return self._mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._mode.__exit__(*exc)
