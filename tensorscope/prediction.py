@@ -71,35 +71,66 @@ def _state(fn: Any, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tuple[L
         objs.clear()
 
 
-def _snapshot(modules: List[Any], optimizers: List[Any]) -> List[Tuple[Any, ...]]:
-    """What the step may change on the program's objects, to put back after."""
-    snap: List[Tuple[Any, ...]] = []
-    seen = set()
-    for m in modules:
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                snap.append(("grad", p, p.grad))
-    for opt in optimizers:
-        snap.append(("state", opt, {k: dict(v) if isinstance(v, dict) else v for k, v in opt.state.items()}))
-        for g in opt.param_groups:
-            for p in g.get("params", ()):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    snap.append(("grad", p, p.grad))
-    return snap
+class _Swap:
+    """The step's parameters, buffers and optimizer state replaced by fake copies while it runs (an
+    op whose inputs are all real tensors would run for real under FakeTensorMode: ``buf.mul_(m)``,
+    ``num_batches_tracked.add_(1)``), put back after. ``real`` maps a copy's StorageImpl to the
+    real storage's data pointer, so the trace sees the real storages."""
 
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+        self.fakes: Dict[int, Any] = {}
+        self.keep: List[Any] = []            # the real tensors, while their fakes are keyed by id
+        self.real: Dict[int, int] = {}
+        self.undo: List[Tuple[Any, ...]] = []
 
-def _restore(snap: List[Tuple[Any, ...]]) -> None:
-    import torch
+    def fake(self, t: Any) -> Any:
+        f = self.fakes.get(id(t))
+        if f is None:
+            f = self.mode.from_tensor(t)
+            if t.requires_grad and not f.requires_grad:
+                f.requires_grad_(True)
+            self.fakes[id(t)] = f
+            self.keep.append(t)
+            try:
+                self.real[int(f.untyped_storage()._cdata)] = int(t.untyped_storage().data_ptr())
+            except Exception:
+                pass
+        return f
 
-    with torch._C.DisableTorchFunction():
-        for kind, obj, value in snap:
-            if kind == "grad":
-                obj.grad = value
-            else:
-                obj.state.clear()
-                obj.state.update(value)
+    def apply(self, modules: List[Any], optimizers: List[Any]) -> None:
+        import torch
+
+        seen = set()
+        for root in modules:
+            for m in root.modules():
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
+                for table in (m._parameters, m._buffers):
+                    for name, t in list(table.items()):
+                        if isinstance(t, torch.Tensor):
+                            self.undo.append((table, name, t))
+                            table[name] = self.fake(t)
+        for opt in optimizers:
+            for g in opt.param_groups:
+                self.undo.append((g, "params", g["params"]))
+                g["params"] = [self.fake(p) if isinstance(p, torch.Tensor) else p for p in g["params"]]
+            state = opt.state
+            new = type(state)(dict) if isinstance(state, dict) else state
+            for k, v in state.items():
+                fk = self.fake(k) if isinstance(k, torch.Tensor) else k
+                new[fk] = {n: self.fake(x) if isinstance(x, torch.Tensor) else x for n, x in v.items()} \
+                    if isinstance(v, dict) else v
+            self.undo.append((opt.__dict__, "state", state))
+            opt.__dict__["state"] = new
+
+    def restore(self) -> None:
+        for table, name, value in reversed(self.undo):
+            table[name] = value
+        self.undo.clear()
+        self.fakes.clear()
+        self.keep.clear()
 
 
 def _fake_args(mode: Any, value: Any, scale: Mapping[str, int]) -> Any:
@@ -134,29 +165,22 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
     if unknown:
         raise ValueError(f"predict: scale knows 'batch' (dimension 0 of the tensor arguments), not {sorted(unknown)}")
     modules, optimizers = _state(fn, args, kwargs)
-    snap = _snapshot(modules, optimizers)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    # the fake copies of the real tensors the step reads (parameters, buffers, optimizer state), made
-    # now: an op on one shows the fake copy's storage, which is the real one's
-    real: Dict[int, int] = {}
-    copies: List[Any] = []   # kept while the step runs: the converter reuses them (and their addresses stay theirs)
+    swap = _Swap(mode)
     with torch._C.DisableTorchFunction():
-        held = [p for m in modules for p in list(m.parameters()) + list(m.buffers())]
-        held += [v for o in optimizers for st in o.state.values() if isinstance(st, dict)
-                 for v in st.values() if isinstance(v, torch.Tensor)]
-        for r in held:
-            try:
-                f = mode.from_tensor(r)
-                copies.append(f)
-                real[int(f.untyped_storage()._cdata)] = int(r.untyped_storage().data_ptr())
-            except Exception:
-                continue
-    del modules, optimizers, held
-    fargs = _fake_args(mode, args, scale)
-    fkwargs = _fake_args(mode, kwargs, scale)
+        try:
+            swap.apply(modules, optimizers)
+        except BaseException:
+            swap.restore()
+            raise
+    del modules, optimizers
+    fargs: Any = None
+    fkwargs: Any = None
     storages.fake.on = True
-    storages.fake.real = real
+    storages.fake.real = swap.real
     try:
+        fargs = _fake_args(mode, args, scale)
+        fkwargs = _fake_args(mode, kwargs, scale)
         with mode:
             with trace(engine="python", leaks=False, nonfinite=False) as t:
                 # the device queries FakeTensors dispatch (prim.device) are metadata, not ops: answered above
@@ -169,9 +193,8 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
     finally:
         storages.fake.on = False
         storages.fake.real = None
-        _restore(snap)
-        snap.clear()
-        copies.clear()
+        with torch._C.DisableTorchFunction():
+            swap.restore()
         del fargs, fkwargs
     return t.result
 

@@ -25,7 +25,10 @@ fake = threading.local()
 
 def fake_key(storage) -> int:
     """A FakeTensor storage's key: the real storage's data pointer when it is the fake copy of one,
-    else its StorageImpl's address, negated (never a data pointer)."""
+    else its StorageImpl's address, negated (never a data pointer); 0 (unknown, as a real one) for an
+    empty storage."""
+    if storage.nbytes() == 0:
+        return 0
     cdata = int(storage._cdata)
     real = getattr(fake, "real", None)
     if real:
