@@ -7,7 +7,8 @@ categories built and with that build step skipped, so the machine's load hits bo
 
 * the trace's wall time per recorded op (recording + build) with and without categories, and the ratio;
 * the category step alone (``build._with_categories``) per op;
-* ``t.memory_timeline()``, ``t.module_memory()``, ``t.memory_at()`` per op, and the summary's memory SVG.
+* ``t.memory_timeline()``, ``t.module_memory()``, ``t.memory_at()`` per op, and the summary's memory SVG;
+* ``tensorscope.predict`` of an MLP training step against running the step, untraced and traced.
 
 Nothing is added to the per-op hot path: the categories are derived from the recorded lifetimes and
 the state the program holds at the end, once.
@@ -112,6 +113,33 @@ def main(argv) -> int:
         svg = memory_timeline_svg(tl)
         b = min(b, time.perf_counter() - t0)
     print(f"{'memory timeline SVG':<40}{b * 1e3:8.1f} ms    ({len(svg) / 1024:.0f} KiB)")
+    # tensorscope.predict: the step under FakeTensorMode, against running it (untraced and traced)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(512, 256)
+
+    def step(x):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(x)
+    times = {"run": float("inf"), "trace": float("inf"), "predict": float("inf")}
+    for _ in range(5):
+        for name in times:
+            t0 = time.perf_counter()
+            if name == "run":
+                step(x)
+            elif name == "trace":
+                with tensorscope.trace():
+                    step(x)
+            else:
+                tensorscope.predict(step, x)
+            times[name] = min(times[name], time.perf_counter() - t0)
+    print(f"predict an MLP step (batch 512): {times['predict'] * 1e3:.1f} ms; running it {times['run'] * 1e3:.1f} ms "
+          f"({times['predict'] / times['run']:.2f}x), traced {times['trace'] * 1e3:.1f} ms "
+          f"({times['predict'] / times['trace']:.2f}x)")
     return 0
 
 

@@ -15,9 +15,10 @@ What cannot be predicted: an op whose output shape or value depends on the data 
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .errors import TensorscopeError
+from .errors import OptionsError, TensorscopeError
 
 __all__ = ["predict", "PredictionError"]
 
@@ -117,7 +118,9 @@ class _Swap:
                 self.undo.append((g, "params", g["params"]))
                 g["params"] = [self.fake(p) if isinstance(p, torch.Tensor) else p for p in g["params"]]
             state = opt.state
-            new = type(state)(dict) if isinstance(state, dict) else state
+            if not isinstance(state, dict):
+                continue
+            new: Dict[Any, Any] = defaultdict(dict)   # what Optimizer.__init__ makes
             for k, v in state.items():
                 fk = self.fake(k) if isinstance(k, torch.Tensor) else k
                 new[fk] = {n: self.fake(x) if isinstance(x, torch.Tensor) else x for n, x in v.items()} \
@@ -163,7 +166,7 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
     scale = dict(scale or {})
     unknown = set(scale) - {"batch"}
     if unknown:
-        raise ValueError(f"predict: scale knows 'batch' (dimension 0 of the tensor arguments), not {sorted(unknown)}")
+        raise OptionsError(f"predict: scale knows 'batch' (dimension 0 of the tensor arguments), not {sorted(unknown)}")
     modules, optimizers = _state(fn, args, kwargs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     swap = _Swap(mode)
@@ -188,8 +191,10 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
                     fn(*fargs, **fkwargs)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         op = getattr(e, "func", None)
-        raise PredictionError(f"predict: {op} has a data-dependent {'output shape' if isinstance(e, DynamicOutputShapeException) else 'value'}: "
-                              f"what follows it cannot be known without running the step") from None
+        kind = "output shape" if isinstance(e, DynamicOutputShapeException) else "value"
+        where = _user_line(e.__traceback__)
+        raise PredictionError(f"predict: {op} has a data-dependent {kind}{where}: what follows it cannot be "
+                              "known without running the step") from None
     finally:
         storages.fake.on = False
         storages.fake.real = None
@@ -197,6 +202,22 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
             swap.restore()
         del fargs, fkwargs
     return t.result
+
+
+def _user_line(tb: Any) -> str:
+    """ " at file:line" of the innermost frame of the traceback outside torch and tensorscope."""
+    import os
+
+    import torch
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    found = ""
+    while tb is not None:
+        fn = tb.tb_frame.f_code.co_filename
+        if not fn.startswith(skip):
+            found = f" at {os.path.basename(fn)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
 
 
 class _DeviceQueries:

@@ -93,7 +93,7 @@ def test_a_data_dependent_op_is_named():
     def masked(x):
         return model(x[x > 0].reshape(-1, 16)).sum()
 
-    with pytest.raises(tensorscope.PredictionError, match=r"aten\.nonzero.*data-dependent output shape"):
+    with pytest.raises(tensorscope.PredictionError, match=r"aten\.nonzero.*data-dependent output shape at test_predict\.py:\d+"):
         tensorscope.predict(masked, data())
 
     def scalar(x):
