@@ -136,7 +136,9 @@ class _Swap:
         self.keep.clear()
 
 
-def _fake_args(mode: Any, value: Any, scale: Mapping[str, int]) -> Any:
+def _fake_args(mode: Any, value: Any, scale: Mapping[str, int], depth: int = 0) -> Any:
+    """``value`` with its tensors replaced by fake ones (inside lists, tuples and dicts, three levels
+    deep, up to 1000 items each below the top; bigger containers are left as they are)."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -146,10 +148,12 @@ def _fake_args(mode: Any, value: Any, scale: Mapping[str, int]) -> Any:
                 shape = (value.shape[0] * k,) + tuple(value.shape[1:])
                 return torch.empty(shape, dtype=value.dtype, device=value.device).requires_grad_(value.requires_grad)
         return mode.from_tensor(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fake_args(mode, v, scale) for v in value)
-    if isinstance(value, dict):
-        return {k: _fake_args(mode, v, scale) for k, v in value.items()}
+    if depth >= 3 or not isinstance(value, (list, tuple, dict)) or (depth and len(value) > 1000):
+        return value
+    if type(value) in (list, tuple):
+        return type(value)(_fake_args(mode, v, scale, depth + 1) for v in value)
+    if type(value) is dict:
+        return {k: _fake_args(mode, v, scale, depth + 1) for k, v in value.items()}
     return value
 
 
