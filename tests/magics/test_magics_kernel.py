@@ -156,12 +156,12 @@ def test_predict_cell_runs_nothing_and_matches_the_real_cell(k):
              "popt = torch.optim.SGD(pm.parameters(), lr=0.1)\n"
              "px = torch.randn(16, 8)\nw0 = [p.detach().clone() for p in pm.parameters()]")
     assert k.run(setup).status == "ok"
-    body = "out = pm(px)\nout.square().mean().backward()\npopt.step()\n"
+    body = "pred_only = pm(px)\npred_only.square().mean().backward()\npopt.step()\n"
     r = k.run("%%tensorscope --predict -o tp\n" + body)
     assert r.status == "ok", r.error
     assert "tensorscope trace" in r.html() and "memory" in r.html()
     # nothing ran for real: no new name, weights and .grad as they were
-    assert k.value("'out' in globals()") is False
+    assert k.value("'pred_only' in globals()") is False
     assert k.value("all(torch.equal(a, b) for a, b in zip(w0, pm.parameters()))") is True
     assert k.value("[p.grad for p in pm.parameters()]") == [None] * 4
     r = k.run("%%tensorscope --engine python -o tr -q\n" + body)
