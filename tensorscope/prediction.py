@@ -2,13 +2,12 @@
 
 ``fn(*args)`` runs under ``FakeTensorMode`` inside the public ``trace()`` (python engine): every op
 computes shapes, dtypes and strides only, so no real memory is allocated and nothing is computed.
-The tensor arguments are replaced by fake ones (dimension 0 multiplied by ``scale["batch"]``);
-parameters and buffers stay the real tensors (read, never written: an op that writes one writes its
-fake copy), and each storage a fake op makes is tracked by its StorageImpl instead of a data pointer
-(``tracking.storages.fake``). What the step leaves on the program's objects (``.grad`` of the
-parameters, the optimizers' ``state``, both fake now) is put back as it was when it returns. The
-result is a Trace like any other: ``memory``, ``memory_timeline()``, ``memory_at()``,
-``module_memory()``.
+The tensor arguments are replaced by fake ones (dimension 0 multiplied by ``scale["batch"]``), and
+while it runs so are the parameters and buffers of the modules it can reach and the state of their
+optimizers (``_Swap``; put back when it returns, so weights, buffers, ``.grad`` and optimizer state are
+untouched). Each storage a fake op makes is tracked by its StorageImpl instead of a data pointer, and a
+fake copy of a real tensor as the real storage (``tracking.storages.fake``). The result is a Trace like
+any other: ``memory``, ``memory_timeline()``, ``memory_at()``, ``module_memory()``.
 
 What cannot be predicted: an op whose output shape or value depends on the data (``nonzero``,
 ``.item()``, a boolean mask index) raises ``PredictionError`` naming the op and the user line.
