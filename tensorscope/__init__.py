@@ -44,6 +44,8 @@ _LAZY = {
     "env": ("tensorscope._env", "env"),
     "SCHEMA_VERSION": ("tensorscope.schema", "SCHEMA_VERSION"),
     "check_substitution": ("tensorscope.substitution", "check_substitution"),
+    "predict": ("tensorscope.prediction", "predict"),
+    "PredictionError": ("tensorscope.prediction", "PredictionError"),
     "diff": ("tensorscope._diff", "diff"),
     "TraceDiff": ("tensorscope._diff", "TraceDiff"),
     "SubstitutionReport": ("tensorscope.substitution", "SubstitutionReport"),

@@ -51,6 +51,7 @@ class Trace:
     _tables: Dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
     _metadata: TraceMetadata
     _plot: Any
+    _derived: Dict[str, pa.Table]   # views that are no table of the trace (memory_timeline ...), cached
 
     def __init__(self, tables: Dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
                  _spill_file: Optional[str] = None):
@@ -63,6 +64,7 @@ class Trace:
         object.__setattr__(self, "_tables", tabs)
         object.__setattr__(self, "_metadata", md)
         object.__setattr__(self, "_plot", None)
+        object.__setattr__(self, "_derived", {})
         if _spill_file:
             # ops were decoded to a memory-mapped file: remove it when the Trace goes
             weakref.finalize(self, shutil.rmtree, os.path.dirname(_spill_file), True)
@@ -116,6 +118,37 @@ class Trace:
     graph_nodes = property(lambda self: self.table("graph_nodes"))
     api = property(lambda self: self.table("api"))
     collectives = property(lambda self: self.table("collectives"))
+
+    # -- what memory is made of (analyses/memory_categories.py) -------------------------------------
+    def memory_timeline(self) -> pa.Table:
+        """Live bytes by category (``tensors.category``) after each op, one row per (op, device), with
+        the op, phase, module and source line; ``is_peak`` marks each device's peak (schema
+        ``MEMORY_TIMELINE``)."""
+        got = self._derived.get("memory_timeline")
+        if got is None:
+            from .analyses.memory_categories import memory_timeline
+
+            got = self._derived["memory_timeline"] = memory_timeline(self.tensors, self.ops)
+        return got
+
+    def memory_at(self, seq: Optional[int] = None) -> pa.Table:
+        """What was alive after op ``seq`` (default: each device's peak), bytes and storages by
+        (device, category, module), largest first (schema ``MEMORY_AT``)."""
+        from .analyses.memory_categories import memory_at
+
+        if seq is not None and not (0 <= int(seq) < self.ops.num_rows):
+            raise IndexError(f"seq {seq} is not an op of this trace (0..{self.ops.num_rows - 1})")
+        return memory_at(self.tensors, self.ops, seq)
+
+    def module_memory(self) -> pa.Table:
+        """Per module (children rolled into parents) and device: bytes of activations its forward
+        saved for backward and the peaks while its forward and backward ops ran (``MODULE_MEMORY``)."""
+        got = self._derived.get("module_memory")
+        if got is None:
+            from .analyses.memory_categories import module_memory
+
+            got = self._derived["module_memory"] = module_memory(self.tensors, self.ops, self.calls)
+        return got
 
     def df(self, name: str = "ops"):
         """A table as a pandas DataFrame (nullable ints stay ints, strings are plain strings)."""

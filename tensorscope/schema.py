@@ -16,6 +16,7 @@ from interned ids without a per-row string. In parquet they are ordinary
 dictionary-encoded UTF-8 columns, so every engine reads them as strings
 (pyarrow restores the dictionary type, pandas shows it as ``category``).
 Files of 1.1 and earlier hold plain strings; ``conform`` casts them.
+Since 1.3 ``tensors.category`` says what each storage is (``MEMORY_CATEGORIES``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 #: "major.minor". Bump major when a column changes meaning or type.
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 _i64 = pa.int64()
@@ -128,6 +129,7 @@ TENSORS = _schema("tensors", [
     ("module", _dstr),
     ("source_file", _dstr),
     ("source_line", _i64),
+    ("category", _dstr),            # 1.3: what the memory is (MEMORY_CATEGORIES); null in older files
 ])
 
 LEAKS = _schema("leaks", [
@@ -495,3 +497,47 @@ def plain_strings(table: pa.Table) -> pa.Table:
 def parse_version(v: str) -> Tuple[int, int]:
     major, _, minor = str(v).partition(".")
     return int(major), int(minor or 0)
+
+
+# -- what memory is made of (1.3): categories, the timeline, per-module memory ----------
+#: ``tensors.category`` values, in the order the timeline stacks them (bottom first)
+MEMORY_CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation", "temporary", "other")
+
+#: Not a trace table: ``t.memory_timeline()``, live bytes by category after each op, one row per (seq, device).
+MEMORY_TIMELINE = _schema("memory_timeline", [
+    ("seq", _i64),
+    ("device", _str),
+    ("op", _str),
+    ("phase", _str),
+    ("module", _str),
+    ("source_file", _str),
+    ("source_line", _i64),
+    ("live_bytes", _i64),           # every category: the ``memory`` table's live_bytes
+] + [(f"{c}_bytes", _i64) for c in MEMORY_CATEGORIES] + [
+    ("is_peak", _bool),             # the first op after which live_bytes was largest on this device
+])
+
+#: Not a trace table: ``t.memory_at(seq)`` (default: each device's peak), what was alive after op ``seq``.
+MEMORY_AT = _schema("memory_at", [
+    ("seq", _i64),
+    ("device", _str),
+    ("category", _str),
+    ("module", _str),               # module that allocated it (parameters: the module that owns them)
+    ("bytes", _i64),
+    ("storages", _i64),
+])
+
+#: Not a trace table: ``t.module_memory()``, one row per (module, device); children rolled into parents.
+MODULE_MEMORY = _schema("module_memory", [
+    ("module", _str),
+    ("device", _str),
+    ("depth", _i64),                # dots in the path (roots: 0)
+    ("activation_bytes", _i64),     # storages its forward ops (children included) saved for backward
+    ("own_activation_bytes", _i64),  # the same, its own ops only
+    ("fwd_peak_bytes", _i64),       # largest live bytes after one of its forward ops
+    ("fwd_peak_seq", _i64),
+    ("bwd_peak_bytes", _i64),       # largest live bytes after one of its backward ops
+    ("bwd_peak_seq", _i64),
+    ("fwd_ops", _i64),
+    ("bwd_ops", _i64),
+])

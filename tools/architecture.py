@@ -62,8 +62,8 @@ LAYERS: Layers = (
      "what watches a running program: torch modes, storage and leak tracking, CUDA/kernel timing"),
     ("recording", ("tensorscope.recording",),
      "trace(): the session that installs observers and engines, builds the Trace, keeps the history"),
-    ("api", ("tensorscope.substitution",),
-     "checks built on the public trace(): check_substitution"),
+    ("api", ("tensorscope.substitution", "tensorscope.prediction"),
+     "checks built on the public trace(): check_substitution, predict"),
     ("frontends", ("tensorscope", "tensorscope.__main__", "tensorscope.cli", "tensorscope.magics"),
      "the package facade (lazy re-exports), python -m tensorscope, the CLI, the IPython magics"),
 )

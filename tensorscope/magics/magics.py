@@ -24,6 +24,9 @@ MAGIC_ONLY = [
                        help="save the trace as a parquet directory at PATH after the cell")),
     (("-q", "--quiet"), dict(dest="quiet", action="store_true", default=False,
                              help="do not display the summary")),
+    (("--predict",), dict(dest="predict", action="store_true", default=False,
+                          help="do not run the cell: predict its ops and memory under FakeTensorMode "
+                               "(tensorscope.predict); the notebook's names are left as they were")),
 ]
 
 
@@ -44,9 +47,28 @@ def _parse(func, argline: str):
     return args, opts, display
 
 
+class _NotTraced(Exception):
+    """A ``%%tensorscope`` line the input transformer leaves to the cell magic (``--predict``)."""
+
+
 def parse_cell_args(argline: str) -> CellRequest:
     args, opts, display = _parse(TensorscopeMagics.tensorscope_cell, argline)
+    if args.predict:
+        raise _NotTraced("--predict")   # the cell magic runs it (nothing of the cell runs for real)
     return CellRequest(token=0, options=opts, display=display, output=args.output, save=args.save, quiet=args.quiet)
+
+
+def _predict_cell(shell, cell: str):
+    """The cell's code run by ``tensorscope.predict`` over a copy of the notebook's namespace whose
+    tensors are fake: its assignments stay in the copy, its ops compute nothing."""
+    from ..prediction import predict
+
+    code = compile(shell.transform_cell(cell), "<tensorscope --predict>", "exec")
+
+    def run(ns):
+        exec(code, ns)
+
+    return predict(run, dict(shell.user_ns))
 
 
 LINE_HELP = """%tensorscope SUBCOMMAND
@@ -85,6 +107,12 @@ class TensorscopeMagics(Magics):
         # that fail to parse raise UsageError here and nothing runs), or when the
         # magic is called programmatically: then run the body as a nested cell.
         args, opts, display_opts = _parse(TensorscopeMagics.tensorscope_cell, line)
+        if args.predict:
+            t = _predict_cell(self.shell, cell)
+            if args.output:
+                self.shell.user_ns[args.output] = t
+            deliver(t, save=args.save, quiet=args.quiet, display=display_opts)
+            return None
         from ..recording.session import trace
 
         if opts.baseline is not None:

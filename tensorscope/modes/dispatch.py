@@ -22,6 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
+from ..tracking.storages import fake_key
+from ..tracking.storages import is_fake as _is_fake
 from .frames import clean_traceback, exc_mark, register_tracer_code
 from .source import called_from_compiled_code
 
@@ -236,6 +238,7 @@ class TracingDispatchMode(TorchDispatchMode):
         ids = metas.ids
         tracker = self.ctx.tracker
         by_ptr = tracker.by_ptr if tracker is not None else None
+        fake_keys = tracker is not None and tracker.fake_keys
         mids = []
         ptrs = []
         for t in ts:
@@ -253,7 +256,8 @@ class TracingDispatchMode(TorchDispatchMode):
             mids.append(mid)
             try:
                 storage = t.untyped_storage()
-                ptr = storage.data_ptr()
+                # under tensorscope.predict a FakeTensor's storage has no memory: keyed by its StorageImpl
+                ptr = fake_key(storage) if fake_keys and _is_fake(t) else storage.data_ptr()
             except Exception:   # wrapper subclasses, sparse: storage unknown
                 ptrs.append(0)
                 stor.append(-1)
@@ -264,7 +268,7 @@ class TracingDispatchMode(TorchDispatchMode):
             else:
                 sid = by_ptr.get(ptr)   # known storage: no call into the tracker
                 if sid is None:
-                    sid = tracker.storage_id(storage, mid, alloc, module_id, call_id)
+                    sid = tracker.storage_id(storage, mid, alloc, module_id, call_id, ptr)
                 stor.append(sid)
         return mids, ptrs
 

@@ -65,9 +65,20 @@ class ModuleTracker:
         self._ids: Dict[tuple, tuple] = {}
         # id(root) -> (weakref(root), {id(module): qualified name})
         self._trees: Dict[int, tuple] = {}
+        # id(root) -> weakref(root): every root module the trace saw (kept past remove() for the build)
+        self.roots_seen: Dict[int, weakref.ref] = {}
 
     def install(self) -> None:
         """Nothing to install: modules are read from the stack (see the module docstring)."""
+
+    def roots(self) -> List[_Module]:
+        """The root modules (outermost on the stack) the trace saw that are still alive."""
+        out = []
+        for ref in list(self.roots_seen.values()):
+            m = ref()
+            if m is not None:
+                out.append(m)
+        return out
 
     def remove(self) -> None:
         self.current = 0
@@ -144,6 +155,8 @@ class ModuleTracker:
             return ent[1]
         # ids are valid while the root (and so its children) is alive: checked through the weakref
         names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        if len(self.roots_seen) < 256:
+            self.roots_seen[id(root)] = weakref.ref(root)
         if len(self._trees) >= 16:
             self._trees.clear()
         self._trees[id(root)] = (weakref.ref(root), names)

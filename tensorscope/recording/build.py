@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import COPYING_OPS, INEXACT_DTYPES, NOISE_OPS, ipython_shell
@@ -694,8 +695,59 @@ def _tensors_table(sess: Session, ctx: _Ctx) -> pa.Table:
         module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
         source_file=ctx.src_files.take(src_idx),
         source_line=ctx._lines(src_idx),
+        category=pa.nulls(n, S.TENSORS.field("category").type),   # filled by _with_categories
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
+
+
+def _with_categories(sess: Session, tables: Dict[str, pa.Table]) -> pa.Table:
+    """``tensors`` with its ``category`` column (analyses/memory_categories.py), from the lifetimes and
+    the model/optimizer state alive now (tracking/state.py): read once, here, never per op."""
+    from ..analyses.memory_categories import categorize, made_by_out_argument
+
+    tensors = tables["tensors"]
+    if tensors.num_rows == 0:
+        return tensors
+    rows, seqs = made_by_out_argument(tensors, tables["ops"])
+    if len(rows):   # buffers compiled code made for an op's out=: made there, not before the trace
+        alloc = np.asarray(pc.fill_null(tensors.column("alloc_seq"), -1).to_numpy(zero_copy_only=False)).copy()
+        alloc[rows] = seqs
+        op_names = tables["ops"].column("op").take(pa.array(np.maximum(alloc, 0)))
+        alloc_op = pc.if_else(pa.array(alloc >= 0), op_names, pa.nulls(len(alloc), op_names.type))
+        tensors = tensors.set_column(tensors.schema.get_field_index("alloc_seq"), S.TENSORS.field("alloc_seq"),
+                                     nullable_array(alloc, alloc < 0))
+        tensors = tensors.set_column(tensors.schema.get_field_index("alloc_op"), S.TENSORS.field("alloc_op"),
+                                     alloc_op)
+    known: Dict[int, str] = {}
+    tracker = sess.ctx.tracker
+    if tracker is not None:
+        from ..tracking.leaks.roots import user_objects
+        from ..tracking.state import find_optimizers, state_storages
+
+        free = np.asarray(pc.fill_null(tensors.column("free_seq"), -1).to_numpy(zero_copy_only=False))
+        ptrs = tracker.ptrs
+        live = {int(ptrs[i]): i for i in np.nonzero(free < 0)[0].tolist() if i < len(ptrs)}
+        modules = sess.ctx.modules.roots() if sess.ctx.modules is not None else []
+        objs = user_objects(ipython_shell())
+        try:
+            optimizers = find_optimizers(objs)
+        finally:
+            objs.clear()
+        known = state_storages(modules, optimizers, live)
+        del modules, optimizers
+    lk = tables.get("leaks")
+    graph_held: List[int] = []
+    opt_held: List[int] = []
+    if lk is not None and lk.num_rows:
+        for sid, kind in zip(lk.column("storage_id").to_pylist(), lk.column("holder_kind").to_pylist()):
+            if sid is None:
+                continue
+            if kind == "autograd_graph":
+                graph_held.append(sid)
+            elif kind == "optimizer_state":
+                opt_held.append(sid)
+    col = categorize(tensors, tables["ops"], tables.get("calls"), known, graph_held, opt_held)
+    return tensors.set_column(tensors.schema.get_field_index("category"), S.TENSORS.field("category"), col)
 
 
 def _shape_rows(shape: Tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> Tuple[np.ndarray, pa.Array]:
@@ -767,7 +819,10 @@ def _leaks_table(sess: Session, tensors: pa.Table) -> pa.Table:
             storage_id=sid, ref=ref, data_ptr=sess.ctx.tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
             dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"], alloc_op=row["alloc_op"],
             cell=row["cell"], source_file=row["source_file"], source_line=row["source_line"]))
-    return leak_table(records, shell=ipython_shell())
+    import torch
+
+    with torch._C.DisableTorchFunction():   # the search reads tensor attributes: invisible to user modes
+        return leak_table(records, shell=ipython_shell())
 
 
 _DEVICE: Optional[Dict[str, Any]] = None
@@ -780,11 +835,12 @@ def _device_description() -> Dict[str, Any]:
         return dict(_DEVICE)
 
     def describe() -> Dict[str, Any]:
+        import torch
         from torch.utils._python_dispatch import _disable_current_modes
 
         from .._env import env
 
-        with _disable_current_modes():
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
             return env(init_cuda=False).to_dict()   # never create a CUDA context just to describe it
 
     try:
@@ -880,6 +936,10 @@ def build_trace(sess: Session) -> Trace:
     except Exception as e:
         rec.tracer_error("leaks", e)
         tables["leaks"] = S.empty("leaks")
+    try:
+        tables["tensors"] = _with_categories(sess, tables)
+    except Exception as e:
+        rec.tracer_error("memory categories", e)
     coll = getattr(sess, "collectives", None)   # recording/collectives.py
     tables["collectives"] = coll.table(sess.ctx.t0, tables.get("ops")) if coll is not None else S.empty("collectives")
     md = metadata(sess, ops.num_rows, notes)

@@ -204,12 +204,18 @@ class PlotAccessor:
         ax.margins(x=0.15)
         return fig
 
-    def memory(self):
+    def memory(self, device: Optional[str] = None):
+        """Live bytes over the op sequence: stacked by category (``tensors.category``) for the device
+        with the highest peak (or ``device``), the peak marked; one line per device for a trace
+        without categories (older files)."""
         fig = _figure(8.0, 3.0)
         ax = fig.add_subplot()
         mem = _table(self._t, "memory")
         if mem is None or mem.num_rows == 0:
             return _empty(fig, ax, "no memory view in this trace (storage tracking off, or nothing allocated)")
+        cats = self._t.tensors.column("category")
+        if cats.null_count < len(cats):
+            return _memory_stacked(fig, ax, self._t.memory_timeline(), device)
         m = mem.select(["seq", "device", "live_bytes"]).to_pydict()
         by_dev: Dict[str, Tuple[List[int], List[int]]] = {}
         for s, d, v in zip(m["seq"], m["device"], m["live_bytes"]):
@@ -254,3 +260,37 @@ class PlotAccessor:
         ax.set_xlabel(f"{by[:-3]} ms (ops in their innermost module)")
         ax.set_title("time per module", fontsize=10)
         return fig
+
+
+def _memory_stacked(fig, ax, tl, device):
+    from ..schema import MEMORY_CATEGORIES
+    from .svg import COLORS
+
+    cols = tl.to_pydict()
+    if device is None:
+        peaks = {d: v for d, v, p in zip(cols["device"], cols["live_bytes"], cols["is_peak"]) if p}
+        device = max(peaks, key=peaks.__getitem__) if peaks else cols["device"][0]
+    idx = [i for i, d in enumerate(cols["device"]) if d == device]
+    if not idx:
+        return _empty(fig, ax, f"no memory on device {device!r} in this trace")
+    xs = [cols["seq"][i] for i in idx]
+    ys, labels, colors = [], [], []
+    for c in MEMORY_CATEGORIES:
+        v = [(cols[f"{c}_bytes"][i] or 0) / 2**20 for i in idx]
+        if any(v):
+            ys.append(v)
+            labels.append(COLORS[f"mem_{c}"][1])
+            colors.append(COLORS[f"mem_{c}"][0])
+    ax.stackplot(xs, ys, labels=labels, colors=colors, step="post")
+    peak = next((i for i in idx if cols["is_peak"][i]), None)
+    if peak is not None:
+        ax.axvline(cols["seq"][peak], color="#c00", linestyle="--", linewidth=1)
+        where = f" {cols['module'][peak]}" if cols["module"][peak] else ""
+        ax.annotate(f"peak {cols['live_bytes'][peak] / 2**20:.2f} MiB: {cols['op'][peak]}{where}",
+                    (cols["seq"][peak], cols["live_bytes"][peak] / 2**20), fontsize=7, color="#c00",
+                    xytext=(4, -10), textcoords="offset points")
+    ax.set_xlabel("op seq")
+    ax.set_ylabel("live MiB")
+    ax.set_title(f"live bytes by category over ops ({device})", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    return fig

@@ -4,6 +4,9 @@
 through ``analyses.memory.memory_peak``: the peak per device, the op (and source
 line) after which it happened, the bytes at the start and end, and the high-water
 mark that also counts what ops allocated and freed within themselves.
+"memory" also says what was alive at each peak by category (``tensors.category``) and draws the
+timeline stacked by category (render/svg_memory.py, HTML only); "memory per module" reads
+``t.module_memory()``: activations each module saved for backward and its forward/backward peaks.
 "leaks" groups ``t.leaks`` (storages the cell created that are still alive) by
 holder: bytes, kind, the path and the fix, largest first.
 Both return None when there is nothing to say.
@@ -15,6 +18,7 @@ from typing import Optional
 
 from .._common import fmt_bytes
 from .section import Section
+from .svg_memory import memory_timeline_svg
 
 _TOP = 10
 
@@ -30,6 +34,7 @@ def memory_section(t) -> Optional[Section]:
         return None
     rows = []
     ops = t.ops
+    made_of = _made_of(t)
     for dev, p in peaks.items():
         at = f"after op {p['peak_seq']}"
         if p.get("peak_op"):
@@ -45,10 +50,57 @@ def memory_section(t) -> Optional[Section]:
                 at += f" at {format_location(f, line, trace_cells(t))}"
             at += ")"
         hw = p.get("high_water_bytes")
-        rows.append((dev, fmt_bytes(p["peak_bytes"]), at, f"{fmt_bytes(p['start_bytes'])} → {fmt_bytes(p['end_bytes'])}",
-                     fmt_bytes(hw) if hw is not None else "-"))
-    return Section("memory (storages this trace saw)", rows, ("device", "peak live", "when", "start → end",
-                                                               "high water (incl. temporaries)"))
+        row = (dev, fmt_bytes(p["peak_bytes"]), at, f"{fmt_bytes(p['start_bytes'])} → {fmt_bytes(p['end_bytes'])}",
+               fmt_bytes(hw) if hw is not None else "-")
+        rows.append(row + (made_of.get(dev, ""),) if made_of else row)
+    header: tuple = ("device", "peak live", "when", "start → end", "high water (incl. temporaries)")
+    if not made_of:   # a trace older than tensors.category (schema 1.3)
+        return Section("memory (storages this trace saw)", rows, header)
+    notes = ["by category and module at the peak: t.memory_at(); per op: t.memory_timeline(); "
+             "per module: t.module_memory()"]
+    return Section("memory (storages this trace saw)", rows, header + ("at the peak",), notes,
+                   svg=lambda: memory_timeline_svg(t.memory_timeline()))
+
+
+def _made_of(t) -> dict:
+    """device -> "activation 1.2 MiB, parameter 800 KiB, …" at the timeline's peak (categorised traces)."""
+    cats = t.tensors.column("category")
+    if cats.null_count == len(cats):
+        return {}
+    from ..analyses.memory_categories import peaks
+    from ..schema import MEMORY_CATEGORIES
+
+    out = {}
+    for p in peaks(t.memory_timeline()):
+        parts = sorted(((p[f"{c}_bytes"], c) for c in MEMORY_CATEGORIES if p[f"{c}_bytes"]), reverse=True)
+        out[p["device"]] = ", ".join(f"{c.replace('_', ' ')} {fmt_bytes(b)}" for b, c in parts)
+    return out
+
+
+def module_memory_section(t) -> Optional[Section]:
+    """Per module: activations saved for backward and the forward/backward peaks (children rolled in)."""
+    cats = t.tensors.column("category")
+    if cats.null_count == len(cats):   # no categories (schema < 1.3): no activations to speak of
+        return None
+    mm = t.module_memory()
+    if mm.num_rows == 0:
+        return None
+    rows_all = [r for r in mm.to_pylist() if r["activation_bytes"] or r["fwd_peak_bytes"] is not None]
+    if not rows_all:
+        return None
+    devices = {r["device"] for r in rows_all}
+
+    def peak(b, s):
+        return "-" if b is None else f"{fmt_bytes(b)} (op {s})"
+
+    rows = [((r["module"] + (f" [{r['device']}]" if len(devices) > 1 else "")), fmt_bytes(r["activation_bytes"]),
+             fmt_bytes(r["own_activation_bytes"]), peak(r["fwd_peak_bytes"], r["fwd_peak_seq"]),
+             peak(r["bwd_peak_bytes"], r["bwd_peak_seq"])) for r in rows_all[:_TOP]]
+    notes = [f"{len(rows_all) - _TOP} more modules in t.module_memory()"] if len(rows_all) > _TOP else []
+    notes.append("activations: storages the module's forward ops made and a backward freed (or an autograd "
+                 "graph still holds); children rolled into parents by path")
+    return Section("memory per module", rows, ("module", "activations saved", "own", "forward peak",
+                                                "backward peak"), notes)
 
 
 _ELEMENT = re.compile(r"^(.*)\[(\d+)\]$")

@@ -30,6 +30,15 @@ COLORS: Dict[str, Tuple[str, str]] = {
     "module": ("#9fbfdf", "nn.Module (rolled up: children included)"),
     "cell": ("#e4e4e4", "the whole cell"),
     "noop": ("#d9d9d9", "ops outside any torch-level call"),
+    # the memory timeline (render/svg_memory.py), one per tensors.category
+    "mem_parameter": ("#4c72b0", "parameters"),
+    "mem_buffer": ("#64b5cd", "buffers"),
+    "mem_gradient": ("#dd8452", "gradients"),
+    "mem_optimizer_state": ("#8172b3", "optimizer state"),
+    "mem_input": ("#937860", "inputs"),
+    "mem_activation": ("#55a868", "activations (saved for backward)"),
+    "mem_temporary": ("#ccb974", "temporaries"),
+    "mem_other": ("#a0a0a0", "other"),
 }
 _FONT = 'font-family="system-ui,sans-serif" font-size="10"'
 

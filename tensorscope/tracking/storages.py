@@ -12,9 +12,35 @@ alive. Zero-byte and meta storages (data pointer 0) and wrapper subclasses
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+#: ``fake.on`` is true on a thread while ``tensorscope.predict`` runs a step under FakeTensorMode: the
+#: trackers made then key FakeTensors' storages (no memory, data pointer 0) by their StorageImpl;
+#: ``fake.real`` maps the StorageImpl of a real tensor's fake copy (a parameter's) to the real data pointer
+fake = threading.local()
+
+
+def fake_key(storage) -> int:
+    """A FakeTensor storage's key: the real storage's data pointer when it is the fake copy of one,
+    else its StorageImpl's address, negated (never a data pointer); 0 (unknown, as a real one) for an
+    empty storage."""
+    if storage.nbytes() == 0:
+        return 0
+    cdata = int(storage._cdata)
+    real = getattr(fake, "real", None)
+    if real:
+        ptr = real.get(cdata)
+        if ptr is not None:
+            return int(ptr)
+    return -cdata
+
+
+def is_fake(t) -> bool:
+    """A FakeTensor (``torch._subclasses.fake_tensor``, not imported here: only under predict)."""
+    return type(t).__name__ == "FakeTensor"
 
 
 @dataclass(frozen=True)
@@ -47,6 +73,7 @@ class StorageTracker:
         self.ptrs: List[int] = []                 # storage id -> data_ptr
         self.devices: List[str] = []
         self.closed = False
+        self.fake_keys = bool(getattr(fake, "on", False))
         self._cb_cache: Dict[int, Callable] = {}
 
     def _freed(self, sid: int):
@@ -59,13 +86,15 @@ class StorageTracker:
         if self.by_ptr.get(ptr) == sid:
             del self.by_ptr[ptr]
 
-    def storage_id(self, storage, meta_id: int, alloc: bool, module_id: int, call_id: int) -> int:
+    def storage_id(self, storage, meta_id: int, alloc: bool, module_id: int, call_id: int,
+                   ptr: Optional[int] = None) -> int:
         """Id of ``storage`` (an UntypedStorage); registers it when first seen.
 
         ``alloc`` says whether it appeared as an op output (created by the trace)
-        rather than as an input that existed before.
+        rather than as an input that existed before; ``ptr``: its key when the caller has it.
         """
-        ptr = storage.data_ptr()
+        if ptr is None:
+            ptr = storage.data_ptr()
         if ptr == 0:
             return -1
         sid = self.by_ptr.get(ptr)

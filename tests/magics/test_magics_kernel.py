@@ -123,3 +123,48 @@ def test_line_magic_save_and_help(k, tmp_path):
     assert "on [OPTIONS]" in r.stdout and "leaks" in r.stdout
     r = k.run("%tensorscope frobnicate")
     assert r.status == "error" and r.error["ename"] == "UsageError"
+
+
+def test_categories_in_a_notebook_find_the_optimizer_through_the_notebooks_names(k):
+    setup = ("torch.manual_seed(0)\n"
+             "class Trainer:\n    pass\n"
+             "trainer = Trainer()\n"
+             "trainer.model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))\n"
+             "trainer.opt = torch.optim.Adam(trainer.model.parameters())\n"
+             "xb = torch.randn(16, 8)\n"
+             "def step():\n"
+             "    trainer.model(xb).square().mean().backward()\n"
+             "    trainer.opt.step()\n"
+             "step()")
+    assert k.run(setup).status == "ok"
+    r = k.run("%%tensorscope -o tm\nstep()")
+    assert r.status == "ok", r.error
+    assert "at the peak" in r.html() and "tensorscope-memory" in r.html() and "memory per module" in r.html()
+    cats = ("{c: sum(n for n, cc in zip(tm.tensors.column('nbytes').to_pylist(), "
+            "tm.tensors.column('category').to_pylist()) if cc == c) for c in "
+            "('parameter', 'optimizer_state', 'gradient', 'input')}")
+    got = k.value(cats)
+    n_param = k.value("sum(p.untyped_storage().nbytes() for p in trainer.model.parameters())")
+    n_state = k.value("sum(v.untyped_storage().nbytes() for s in trainer.opt.state.values() for v in s.values())")
+    assert got["parameter"] == n_param and got["optimizer_state"] == n_state and got["gradient"] >= n_param
+    assert got["input"] == 16 * 8 * 4
+
+
+def test_predict_cell_runs_nothing_and_matches_the_real_cell(k):
+    setup = ("torch.manual_seed(0)\n"
+             "pm = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))\n"
+             "popt = torch.optim.SGD(pm.parameters(), lr=0.1)\n"
+             "px = torch.randn(16, 8)\nw0 = [p.detach().clone() for p in pm.parameters()]")
+    assert k.run(setup).status == "ok"
+    body = "pred_only = pm(px)\npred_only.square().mean().backward()\npopt.step()\n"
+    r = k.run("%%tensorscope --predict -o tp\n" + body)
+    assert r.status == "ok", r.error
+    assert "tensorscope trace" in r.html() and "memory" in r.html()
+    # nothing ran for real: no new name, weights and .grad as they were
+    assert k.value("'pred_only' in globals()") is False
+    assert k.value("all(torch.equal(a, b) for a, b in zip(w0, pm.parameters()))") is True
+    assert k.value("[p.grad for p in pm.parameters()]") == [None] * 4
+    r = k.run("%%tensorscope --engine python -o tr -q\n" + body)
+    assert r.status == "ok", r.error
+    assert k.value("tp.memory.column('live_bytes').to_pylist() == tr.memory.column('live_bytes').to_pylist()") is True
+    assert k.value("tp.ops.num_rows == tr.ops.num_rows > 0") is True

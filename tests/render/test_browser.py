@@ -7,7 +7,8 @@ carries JupyterLab's own CSS, ``.jp-RenderedHTMLCommon td {text-align: right}``)
 with no stylesheet. Chromium loads each with the network unreachable and a probe script that
 writes its findings into the DOM (``--dump-dom``): every cell of our tables computes the alignment
 our HTML declares (text left, numbers right) and the same on the three pages, no number wraps
-at a narrow width, the inline timeline image loads, and nothing was fetched. One screenshot of
+at a narrow width, the inline timeline image loads, the memory timeline draws its stacked
+categories with the peak marked, and nothing was fetched. One screenshot of
 the JupyterLab-styled page per run is kept under ``runs/browser/`` and its path printed.
 
 Needs Debian's ``chromium`` package (``.ci/run`` installs it when it runs as root) and nbconvert;
@@ -43,7 +44,7 @@ PROBE = r"""
 window.addEventListener('load', function () {
   var NUM = /^[-+\u2212]?\d[\d,._]*(\s?(B|KiB|MiB|GiB|TiB|ns|\u00b5s|us|ms|s|%|x|\/cell|\/step))?$/;
   var out = {tables: 0, cells: 0, numbers: 0, right: 0, aligns: [], misaligned: [], wrapped: [],
-             images: [], resources: [], external: []};
+             images: [], memory: [], resources: [], external: []};
   document.querySelectorAll('.tensorscope-summary table, .tensorscope-leaks table').forEach(function (tb) {
     out.tables++;
     tb.querySelectorAll('td, th').forEach(function (c) {
@@ -70,6 +71,15 @@ window.addEventListener('load', function () {
     var r = svg.getBoundingClientRect();
     out.images.push({complete: svg.querySelectorAll('rect').length > 0, width: Math.round(r.width),
                      data: !svg.querySelector('[href],[src]')});
+  });
+  // the memory timeline: stacked areas with a size, the peak marked, a legend entry per area
+  document.querySelectorAll('.tensorscope-summary svg.tensorscope-memory').forEach(function (svg) {
+    var r = svg.getBoundingClientRect();
+    var areas = Array.prototype.filter.call(svg.querySelectorAll('polygon'), function (p) {
+      var b = p.getBBox(); return b.width > 0 && b.height > 0; });
+    out.memory.push({areas: areas.length, width: Math.round(r.width), height: Math.round(r.height),
+                     peak: !!svg.querySelector('line[stroke="#c00"]'),
+                     legend: svg.querySelectorAll('rect[width="10"]').length});
   });
   performance.getEntriesByType('resource').forEach(function (e) { out.resources.push(e.name); });
   document.querySelectorAll('[src], [href]').forEach(function (el) {
@@ -184,6 +194,9 @@ def test_tables_read_the_same_in_jupyterlab_classic_notebook_and_a_bare_page(pag
         assert p["wrapped"] == [], (name, width, p["wrapped"])
         assert p["images"] and all(i["complete"] and i["width"] > 0 and i["data"] for i in p["images"]), \
             (name, p["images"])
+        # the memory timeline drew parameters, gradients, optimizer state, activations ... stacked
+        assert len(p["memory"]) == 1 and p["memory"][0]["areas"] >= 4 and p["memory"][0]["peak"], (name, p["memory"])
+        assert p["memory"][0]["legend"] == p["memory"][0]["areas"] and p["memory"][0]["height"] > 50, p["memory"]
         assert p["resources"] == [], (name, p["resources"])
         assert p["external"] == [], (name, p["external"])
     assert probes["lab"]["aligns"] == probes["classic"]["aligns"] == probes["bare"]["aligns"]

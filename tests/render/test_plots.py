@@ -157,3 +157,22 @@ def test_library_never_touches_pyplot_state():
 
     with open(P.__file__) as f:
         assert "pyplot" not in f.read().replace("no ``pyplot``", "")
+
+
+def test_memory_of_a_categorised_trace_is_stacked_by_category_with_the_peak_marked():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    with tensorscope.trace() as t:
+        m(torch.randn(16, 8)).sum().backward()
+        opt.step()
+    ax = t.plot.memory().axes[0]
+    areas = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    used = {r for r in t.tensors.column("category").to_pylist()}
+    assert len(areas) == len(labels) == len(used)
+    assert {"parameters", "gradients", "optimizer state", "activations (saved for backward)"} <= set(labels)
+    peak = [p for p in t.memory_timeline().to_pylist() if p["is_peak"]][0]
+    assert [line.get_xdata()[0] for line in ax.lines] == [peak["seq"]]
+    assert "peak" in ax.texts[0].get_text() and peak["op"] in ax.texts[0].get_text()
+    _png(ax.figure)

@@ -78,6 +78,18 @@ def _stack_frames() -> List[types.FrameType]:
     return out
 
 
+def user_objects(shell=None) -> List[Any]:
+    """The values of the user's names: the notebook's (or ``__main__``'s) globals and the locals of
+    the running user functions above the caller (read without keeping a frame's locals alive).
+    The caller must clear the list."""
+    shell = _get_shell(shell)
+    out = [v for k, v in list(_user_namespace(shell, None).items()) if isinstance(k, str) and not k.startswith("_")]
+    for f in _stack_frames():
+        out.extend(v for _name, v in _live_frame_locals(f))
+        del f
+    return out
+
+
 def _collect_roots(shell, user_ns, frames: bool = True, user_modules=None) -> Tuple[List[Any], List[_Root]]:
     """(objects, descriptions) in search priority order. The caller must clear ``objects``."""
     objs: List[Any] = []

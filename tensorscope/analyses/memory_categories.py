@@ -1,0 +1,435 @@
+"""What memory is made of: a category per storage, live bytes per category per op, memory per module.
+
+Pure functions of the trace tables. ``categorize`` derives ``tensors.category`` from what was recorded:
+
+* ``parameter`` / ``buffer`` / ``gradient`` / ``optimizer_state``: ``known`` (storage id -> category,
+  read at the end of the trace from the modules the trace saw and the optimizers the user holds),
+  plus every storage an ``AccumulateGrad`` node's ops wrote (gradients freed before the end:
+  ``zero_grad()``), plus optimizer state the leak finder named (``optimizer_state`` holder kind);
+* ``input``: existed before the trace, or made outside every module (outside backward) and read by
+  an op of a module (the batch, a mask built in the cell);
+* ``activation``: saved for backward, i.e. made in forward and freed by a later backward (autograd
+  releases a saved tensor when its node has run), or alive at the end and held only by an autograd
+  graph (the leak finder's ``autograd_graph`` holder);
+* ``temporary``: made and freed within one phase (one run of forward ops, or one backward);
+* ``other``: the rest (outputs the program keeps, a loss, tensors living across phases).
+
+Phases are runs of ops with the same ``phase``; ops under a ``Tensor.backward`` /
+``torch.autograd.backward`` / ``torch.autograd.grad`` call count as backward (the seed gradient
+``ones_like`` those calls make). A storage the program keeps *and* autograd saved is not freed by
+the backward, so it is not an activation here (it is ``other``).
+
+``memory_timeline`` is the ``memory`` view split by category, with the op, module, phase and source
+line of each row and each device's peak marked; ``memory_at`` what was alive after one op (the peak
+by default) by category and module; ``module_memory`` per module the activations its forward saved
+and the peaks while its forward and backward ops ran, children rolled into parents by path.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+
+__all__ = ["categorize", "memory_timeline", "memory_at", "module_memory", "BACKWARD_CALLS"]
+
+CATS = S.MEMORY_CATEGORIES
+_CAT = {c: i for i, c in enumerate(CATS)}
+#: torch-level calls that run autograd's engine: ops they make outside it belong to the backward
+BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "Tensor.backward", "torch.autograd.backward",
+                            "torch.autograd.grad", "torch.autograd.__init__.backward", "torch.autograd.__init__.grad"})
+
+
+def _ints(table: pa.Table, name: str, fill: int) -> np.ndarray:
+    col = table.column(name)
+    if col.null_count:
+        col = pc.fill_null(col, fill)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _codes(col: Any) -> Tuple[np.ndarray, List[Optional[str]]]:
+    """(per-row index into values, -1 for null; values) of a string or dictionary column."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_encode()
+    idx = arr.indices
+    codes = np.asarray(pc.fill_null(idx, -1).to_numpy(zero_copy_only=False), dtype=np.int64)
+    return codes, arr.dictionary.to_pylist()
+
+
+def _is(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
+    codes, values = _codes(col)
+    hit = np.array([v is not None and bool(pred(v)) for v in values] + [False], dtype=bool)
+    out: np.ndarray = hit[codes]   # code -1 reads the trailing False
+    return out
+
+
+def _flat(col: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """(values, row of each value) of a list<int64> column."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if len(arr) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    vals = np.asarray(pc.list_flatten(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
+    rows = np.asarray(pc.list_parent_indices(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
+    return vals, rows
+
+
+def backward_region(ops: pa.Table, calls: Optional[pa.Table]) -> np.ndarray:
+    """Per op: ran in autograd's engine, or under a call that runs it (see the module docstring)."""
+    n = ops.num_rows
+    if n == 0:
+        return np.zeros(0, bool)
+    bwd = _is(ops.column("phase"), lambda v: v == "backward")
+    if calls is not None and calls.num_rows:
+        flag = _is(calls.column("qualname"), lambda v: v in BACKWARD_CALLS)
+        if flag.any():
+            parent = _ints(calls, "parent_id", -1)
+            for i in np.nonzero(parent >= 0)[0]:   # parents precede children
+                flag[i] |= flag[parent[i]]
+            cid = _ints(ops, "call_id", -1)
+            ok = (cid >= 0) & (cid < len(flag))
+            bwd = bwd.copy()
+            bwd[ok] |= flag[cid[ok]]
+    return bwd
+
+
+def _first_shown(sid: np.ndarray, npos: int, ins: np.ndarray, rows: np.ndarray, outs: np.ndarray,
+                 orow: np.ndarray, n_ops: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Per tensors row: the first op that showed the storage at all, and the first as an output
+    (``n_ops``: never)."""
+    firsts = []
+    for vals, rws in ((ins, rows), (outs, orow)):
+        first = np.full(npos, n_ops, np.int64)
+        ok = (vals >= 0) & (vals < npos)
+        np.minimum.at(first, vals[ok], rws[ok])
+        got = np.full(len(sid), n_ops, np.int64)
+        got[sid >= 0] = first[np.clip(sid[sid >= 0], 0, npos - 1)]
+        firsts.append(got)
+    return np.minimum(firsts[0], firsts[1]), firsts[1]
+
+
+def made_by_out_argument(tensors: pa.Table, ops: pa.Table) -> Tuple[np.ndarray, np.ndarray]:
+    """(rows of ``tensors``, seq) of storages without ``alloc_seq`` first shown as an op's ``out=``
+    argument: a buffer made for that op by code the trace does not see (a ``torch.compile``d
+    region's kernels allocate their outputs without dispatching an op)."""
+    n_ops = ops.num_rows
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    if n_ops == 0 or tensors.num_rows == 0:
+        return empty
+    sid = _ints(tensors, "storage_id", -1)
+    alloc = _ints(tensors, "alloc_seq", -1)
+    npos = int(sid.max(initial=-1)) + 1
+    ins, rows = _flat(ops.column("in_storages"))
+    outs, orow = _flat(ops.column("out_storages"))
+    fs, fo = _first_shown(sid, max(npos, 1), ins, rows, outs, orow, n_ops)
+    out_variant = _is(ops.column("overload"), lambda v: v == "out" or v.endswith("_out"))
+    hit = np.nonzero((alloc < 0) & (fs < n_ops) & (fo == fs) & out_variant[np.minimum(fs, n_ops - 1)])[0]
+    return hit, fs[hit]
+
+
+def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None,
+               known: Optional[Mapping[int, str]] = None, graph_held: Iterable[int] = (),
+               optimizer_held: Iterable[int] = ()) -> pa.Array:
+    """The ``tensors.category`` column (dictionary strings, one per row of ``tensors``).
+
+    ``known``: storage id -> parameter / buffer / gradient / optimizer_state; ``graph_held``: ids of
+    storages alive at the end that only an autograd graph holds; ``optimizer_held``: ids an
+    optimizer holds (both from the leak finder)."""
+    n = tensors.num_rows
+    cat = np.full(n, _CAT["other"], dtype=np.int32)
+    if n == 0:
+        return _dict_array(cat)
+    sid = _ints(tensors, "storage_id", -1)
+    pos = np.full(int(sid.max(initial=-1)) + 1, -1, dtype=np.int64)
+    pos[sid[sid >= 0]] = np.nonzero(sid >= 0)[0]
+
+    def rows_of(ids: Iterable[int]) -> np.ndarray:
+        a = np.fromiter((int(i) for i in ids), dtype=np.int64)
+        a = a[(a >= 0) & (a < len(pos))]
+        r = pos[a]
+        return r[r >= 0]
+
+    alloc = _ints(tensors, "alloc_seq", -1)
+    free = _ints(tensors, "free_seq", -1)
+    n_ops = ops.num_rows
+    made = (alloc >= 0) & (alloc < n_ops)
+    cat[~made] = _CAT["input"]
+    grads = np.zeros(0, np.int64)
+    if n_ops:
+        bwd = backward_region(ops, calls)
+        seg = np.concatenate([[0], np.cumsum(bwd[1:] != bwd[:-1])])
+        ins, rows = _flat(ops.column("in_storages"))
+        outs, orow = _flat(ops.column("out_storages"))
+        acc = _is(ops.column("autograd_node"), lambda v: v.endswith("AccumulateGrad"))
+        # the op that first showed each storage (as input or output)
+        fs, _ = _first_shown(sid, len(pos), ins, rows, outs, orow, n_ops)
+        seen = fs < n_ops
+        fsc = np.minimum(fs, n_ops - 1)
+        made = (alloc >= 0) & (alloc < n_ops)
+        a = np.clip(alloc, 0, n_ops - 1)
+        f = np.clip(free, 0, n_ops - 1)
+        freed = made & (free >= 0)
+        cat[made] = _CAT["other"]
+        cat[freed & (seg[a] == seg[f])] = _CAT["temporary"]
+        saved = freed & ~bwd[a] & bwd[f] & (seg[f] > seg[a])
+        # freed at the last op of a backward that accumulated a gradient: released when the backward
+        # call returned (an unnamed loss), not by a node (AccumulateGrad saves nothing)
+        last = np.zeros(n_ops, bool)
+        last[:-1] = bwd[:-1] & ~bwd[1:]
+        last[-1] = bwd[-1]
+        saved &= ~(last[f] & acc[f])
+        cat[saved] = _CAT["activation"]
+        # existing before the trace and freed by its backward: saved by a forward run before it; but
+        # one first seen in a backward after the trace's own forward and freed in it was made there by
+        # code the trace does not see (a recomputation cut short, a compiled backward's buffers)
+        fwd_before = np.concatenate([[False], np.cumsum(~bwd)[:-1] > 0])
+        pre_freed = ~made & seen & (free >= 0) & bwd[f]
+        cat[pre_freed] = _CAT["activation"]
+        cat[pre_freed & (seg[fsc] == seg[f]) & fwd_before[fsc]] = _CAT["temporary"]
+        # made outside every module, outside backward, read by a module's op: the step's input
+        mod_codes, _ = _codes(ops.column("module"))
+        read_in_mod = np.zeros(len(pos), bool)
+        m = (ins >= 0) & (ins < len(pos)) & (mod_codes[rows] >= 0)
+        read_in_mod[ins[m]] = True
+        r_in = np.zeros(n, bool)
+        r_in[sid >= 0] = read_in_mod[sid[sid >= 0]]
+        cat[made & r_in & (mod_codes[a] < 0) & ~bwd[a]] = _CAT["input"]
+        # what AccumulateGrad wrote is a gradient (also one zero_grad() freed before the end)
+        if acc.any():
+            grads = rows_of(outs[acc[orow]])
+    held = rows_of(graph_held)
+    held = held[made[held] & (free[held] < 0) & (cat[held] == _CAT["other"])]
+    cat[held] = _CAT["activation"]
+    # state outranks what the lifetimes say (CATS is in precedence order)
+    for r, c in ((grads, "gradient"), (rows_of(optimizer_held), "optimizer_state")):
+        cat[r] = np.minimum(cat[r], _CAT[c])
+    if known:
+        ks = np.fromiter(known.keys(), dtype=np.int64, count=len(known))
+        kc = np.array([_CAT.get(c, _CAT["other"]) for c in known.values()], dtype=np.int32)
+        ok = (ks >= 0) & (ks < len(pos))
+        r = pos[ks[ok]]
+        kc = kc[ok][r >= 0]
+        r = r[r >= 0]
+        cat[r] = np.minimum(cat[r], kc)
+    return _dict_array(cat)
+
+
+_CAT_DICT = pa.array(list(CATS), pa.string())
+
+
+def _dict_array(codes: np.ndarray) -> pa.DictionaryArray:
+    return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32), pa.int32()), _CAT_DICT)
+
+
+# -- the timeline --------------------------------------------------------------------------------
+
+def _category_codes(tensors: pa.Table) -> np.ndarray:
+    """Index into CATS per row (``other`` where null: a trace of an older schema)."""
+    if "category" not in tensors.column_names:
+        return np.full(tensors.num_rows, _CAT["other"], np.int64)
+    codes, values = _codes(tensors.column("category"))
+    lut = np.array([_CAT.get(v or "other", _CAT["other"]) for v in values] + [_CAT["other"]], dtype=np.int64)
+    out: np.ndarray = lut[codes]
+    return out
+
+
+def _live(tensors: pa.Table, n_ops: int) -> Tuple[List[str], np.ndarray]:
+    """(devices, live[d, c, s]): bytes of category c on device d alive after op s."""
+    from .memory import _devices
+
+    nbytes = _ints(tensors, "nbytes", 0)
+    alloc = _ints(tensors, "alloc_seq", -1)
+    free = _ints(tensors, "free_seq", -1)
+    names, dev = _devices(tensors)
+    cat = _category_codes(tensors)
+    D, C, W = len(names), len(CATS), n_ops + 1
+    key = dev * C + cat
+    pre = alloc < 0
+    base = np.bincount(key[pre], weights=nbytes[pre].astype(np.float64), minlength=D * C)[:D * C]
+    add = np.bincount(key[~pre] * W + np.minimum(alloc[~pre], n_ops), weights=nbytes[~pre].astype(np.float64),
+                      minlength=D * C * W)[:D * C * W]
+    fr = free >= 0
+    rem = np.bincount(key[fr] * W + np.minimum(free[fr], n_ops), weights=nbytes[fr].astype(np.float64),
+                      minlength=D * C * W)[:D * C * W]
+    delta = (add - rem).reshape(D * C, W)[:, :n_ops]
+    live = (base[:, None] + np.cumsum(delta, axis=1)).astype(np.int64)
+    return names, live.reshape(D, C, n_ops)
+
+
+def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> Dict[str, pa.Array]:
+    idx = pa.array(rows)
+    out: Dict[str, pa.Array] = {}
+    for name in ("op", "phase", "module", "source_file"):
+        col = ops.column(name).take(idx)
+        out[name] = S.plain_strings(pa.table({name: col})).column(name)
+    out["source_line"] = ops.column("source_line").take(idx)
+    return out
+
+
+def memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
+    """MEMORY_TIMELINE rows: per device, one row per op (seq order), live bytes per category after it."""
+    n_ops = ops.num_rows
+    if n_ops == 0 or tensors.num_rows == 0:
+        return S.MEMORY_TIMELINE.empty_table()
+    names, live = _live(tensors, n_ops)
+    D = len(names)
+    total = live.sum(axis=1)
+    peak = np.zeros((D, n_ops), bool)
+    peak[np.arange(D), np.argmax(total, axis=1)] = True
+    rows = np.tile(np.arange(n_ops, dtype=np.int64), D)
+    opc = _op_columns(ops, n_ops, rows)
+    cols: Dict[str, Any] = dict(seq=pa.array(rows), device=pa.array(np.repeat(names, n_ops).tolist(), pa.string()),
+                                live_bytes=pa.array(total.reshape(-1)), is_peak=pa.array(peak.reshape(-1)))
+    cols.update(opc)
+    for ci, c in enumerate(CATS):
+        cols[f"{c}_bytes"] = pa.array(live[:, ci, :].reshape(-1))
+    return pa.Table.from_arrays([cols[f.name] for f in S.MEMORY_TIMELINE], schema=S.MEMORY_TIMELINE)
+
+
+def peaks(timeline: pa.Table) -> List[Dict[str, Any]]:
+    """One dict per device: the timeline's peak row (``is_peak``) as plain values."""
+    if timeline.num_rows == 0:
+        return []
+    rows: List[Dict[str, Any]] = timeline.filter(timeline.column("is_peak")).to_pylist()
+    return rows
+
+
+def storage_modules(tensors: pa.Table, ops: pa.Table) -> Tuple[np.ndarray, List[Optional[str]]]:
+    """(per storage an index into the names, -1 for none; names): the module that made it (the
+    op's module: backward ops carry their forward op's), or for one the trace did not make, the
+    module whose op first read it. Vectorised: one lookup table per dictionary."""
+    names: List[Optional[str]] = []
+    index: Dict[Optional[str], int] = {}
+
+    def lut(values: List[Optional[str]]) -> np.ndarray:
+        return np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values] + [-1],
+                        dtype=np.int64)
+
+    tcodes, tvals = _codes(tensors.column("module"))
+    codes = lut(tvals)[tcodes]
+    if ops.num_rows:
+        alloc = _ints(tensors, "alloc_seq", -1)
+        made = (alloc >= 0) & (alloc < ops.num_rows)
+        if made.any():
+            ocodes, ovals = _codes(ops.column("module"))
+            codes[made] = lut(ovals)[ocodes[alloc[made]]]
+    names = [None] * len(index)
+    for v, i in index.items():
+        names[i] = v
+    return codes, names
+
+
+def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa.Table:
+    """MEMORY_AT rows: storages alive after op ``seq`` grouped by (device, category, module), largest
+    first. ``seq`` None: each device at its own peak."""
+    n_ops = ops.num_rows
+    if n_ops == 0 or tensors.num_rows == 0:
+        return S.MEMORY_AT.empty_table()
+    from .memory import _devices
+
+    names, dev = _devices(tensors)
+    if seq is None:
+        tl = memory_timeline(tensors, ops)
+        at = {p["device"]: p["seq"] for p in peaks(tl)}
+    else:
+        at = {d: int(seq) for d in names}
+    nbytes = _ints(tensors, "nbytes", 0)
+    alloc = _ints(tensors, "alloc_seq", -1)
+    free = _ints(tensors, "free_seq", -1)
+    cat = _category_codes(tensors)
+    mcodes, mnames = storage_modules(tensors, ops)
+    M = len(mnames) + 1
+    out: List[Dict[str, Any]] = []
+    for di, d in enumerate(names):
+        s = at.get(d)
+        if s is None:
+            continue
+        alive = np.nonzero((dev == di) & (alloc <= s) & ((free < 0) | (free > s)))[0]
+        if not len(alive):
+            continue
+        key = cat[alive] * M + (mcodes[alive] + 1)
+        keys, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv, weights=nbytes[alive].astype(np.float64)).astype(np.int64)
+        counts = np.bincount(inv)
+        for k in np.argsort(-sums, kind="stable").tolist():
+            mi = int(keys[k] % M) - 1
+            out.append(dict(seq=s, device=d, category=CATS[int(keys[k] // M)],
+                            module=mnames[mi] if mi >= 0 else None, bytes=int(sums[k]), storages=int(counts[k])))
+    return pa.Table.from_pylist(out, schema=S.MEMORY_AT)
+
+
+# -- per module ----------------------------------------------------------------------------------
+
+def _ancestors(path: str) -> List[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None) -> pa.Table:
+    """MODULE_MEMORY rows, largest activations first (see the module docstring)."""
+    n_ops = ops.num_rows
+    if n_ops == 0 or tensors.num_rows == 0:
+        return S.MODULE_MEMORY.empty_table()
+    names, live = _live(tensors, n_ops)
+    total = live.sum(axis=1)              # [device, seq]
+    mcodes, mvalues = _codes(ops.column("module"))
+    bwd = backward_region(ops, calls)
+    rows: Dict[Tuple[str, str], Dict[str, Any]] = {}
+
+    def row(m: str, d: str) -> Dict[str, Any]:
+        r = rows.get((m, d))
+        if r is None:
+            r = rows[(m, d)] = dict(module=m, device=d, depth=m.count("."), activation_bytes=0,
+                                    own_activation_bytes=0, fwd_peak_bytes=None, fwd_peak_seq=None,
+                                    bwd_peak_bytes=None, bwd_peak_seq=None, fwd_ops=0, bwd_ops=0)
+        return r
+
+    has = mcodes >= 0
+    for di, d in enumerate(names):
+        for phase, mask in (("fwd", ~bwd), ("bwd", bwd)):
+            sel = np.nonzero(has & mask)[0]
+            if not len(sel):
+                continue
+            codes = mcodes[sel]
+            order = np.lexsort((sel, codes))
+            sel, codes = sel[order], codes[order]
+            starts = np.concatenate([[0], np.nonzero(np.diff(codes))[0] + 1])
+            vals = total[di, sel]
+            for k, st in enumerate(starts.tolist()):
+                end = int(starts[k + 1]) if k + 1 < len(starts) else len(sel)
+                j = st + int(np.argmax(vals[st:end]))
+                path = mvalues[int(codes[st])]
+                if path is None:
+                    continue
+                for anc in _ancestors(path):
+                    r = row(anc, d)
+                    r[f"{phase}_ops"] += end - st
+                    b = int(vals[j])
+                    if r[f"{phase}_peak_bytes"] is None or b > r[f"{phase}_peak_bytes"] or (
+                            b == r[f"{phase}_peak_bytes"] and int(sel[j]) < r[f"{phase}_peak_seq"]):
+                        r[f"{phase}_peak_bytes"], r[f"{phase}_peak_seq"] = b, int(sel[j])
+    from .memory import _devices
+
+    _, dev = _devices(tensors)
+    cat = _category_codes(tensors)
+    act = np.nonzero(cat == _CAT["activation"])[0]
+    if len(act):
+        mcodes, mnames = storage_modules(tensors, ops)
+        nbytes = _ints(tensors, "nbytes", 0)
+        act = act[mcodes[act] >= 0]
+        M = len(mnames)
+        key = dev[act] * M + mcodes[act]
+        keys, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv, weights=nbytes[act].astype(np.float64)).astype(np.int64)
+        for k, b in zip(keys.tolist(), sums.tolist()):
+            m, d = mnames[k % M], names[k // M]
+            if m is None:
+                continue
+            row(m, d)["own_activation_bytes"] += b
+            for anc in _ancestors(m):
+                row(anc, d)["activation_bytes"] += b
+    out = sorted(rows.values(), key=lambda r: (-r["activation_bytes"], -(r["fwd_peak_bytes"] or 0), r["module"]))
+    return pa.Table.from_pylist(out, schema=S.MODULE_MEMORY)
