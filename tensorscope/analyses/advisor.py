@@ -87,24 +87,33 @@ def _finding(kind: str, subject: str, seen: str, pairs: Pairs, multi: bool, cost
 
 
 def _sync_findings(syncs: pa.Table, noise_ops: "frozenset[str]", multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
-    groups: "OrderedDict[Tuple[Any, ...], List[Dict[str, Any]]]" = OrderedDict()
-    for r in syncs.to_pylist():
-        noise = short_name(r["op"]) in noise_ops
-        if noise and r["call"] is None:
-            continue   # a bookkeeping row with no call to name: never a subject on its own
-        groups.setdefault((r["kind"], r["call"] if noise else r["op"], r["source_file"], r["source_line"]), []).append(r)
+    if syncs.num_rows == 0:
+        return []
+    noise = np.array([short_name(o) in noise_ops for o in syncs.column("op").to_pylist()], dtype=bool)
+    has_call = ~np.asarray(pc.is_null(syncs.column("call")).to_numpy(zero_copy_only=False), dtype=bool)
+    keep = ~noise | has_call          # a bookkeeping row with no call to name: never a subject on its own
+    st = syncs.filter(pa.array(keep))
+    if st.num_rows == 0:
+        return []
+    subj = pc.if_else(pa.array(noise[keep]), st.column("call"), st.column("op"))
+    g = st.append_column("subject", subj).group_by(
+        ["kind", "subject", "source_file", "source_line"], use_threads=False).aggregate(
+        [("seq", "list"), ("window", "list"), ("cpu_ns", "sum"), ("device", "distinct"), ("op", "min"),
+         ("module", "min"), ("seq", "min")])
     out = []
-    for (kind, subj, f, line), rs in groups.items():
-        devs = sorted({r["device"] or "?" for r in rs})
-        cost = sum((r["cpu_ns"] or 0) for r in rs)
+    for r in sorted(g.to_pylist(), key=lambda r: (r["window_list"][0], r["seq_min"])):
+        kind, subj_, f, line = r["kind"], r["subject"], r["source_file"], r["source_line"]
+        n = len(r["seq_list"])
+        devs = sorted({d or "?" for d in r["device_distinct"]})
         on_gpu = any(d not in ("cpu", "?") for d in devs)
-        per = f" ({len(rs) / steps:g} per step)" if steps else ""
-        seen = (f"{subj} at {_where(f, line)} ran {len(rs)}x{per} on {', '.join(devs)} "
-                f"({rs[0]['op']}: {kind.replace('_', ' ')})")
+        per = f" ({n / steps:g} per step)" if steps else ""
+        seen = (f"{subj_} at {_where(f, line)} ran {n}x{per} on {', '.join(devs)} "
+                f"({r['op_min']}: {kind.replace('_', ' ')})")
         seen += ("; each one waits for every kernel queued before it" if on_gpu else
                  "; on a GPU each one would wait for every kernel queued before it")
-        out.append(_finding("sync", f"{subj} ({kind.replace('_', ' ')})", seen, [(r["window"], r["seq"]) for r in rs],
-                            multi, cost, _SYNC_FIX[kind], steps, rs[0]["module"], f, line))
+        pairs = (np.asarray(r["window_list"], dtype=np.int64), np.asarray(r["seq_list"], dtype=np.int64))
+        out.append(_finding("sync", f"{subj_} ({kind.replace('_', ' ')})", seen, pairs, multi, r["cpu_ns_sum"] or 0,
+                            _SYNC_FIX[kind], steps, r["module_min"], f, line))
     return out
 
 

@@ -76,3 +76,24 @@ def string_mask(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
         want = np.array([v is not None and bool(pred(v)) for v in chunk.dictionary.to_pylist()] + [False], dtype=bool)
         parts.append(want[pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)])
     return np.concatenate(parts) if parts else np.zeros(0, bool)
+
+
+def first_of(col: Any) -> pa.Array:
+    """The first element of each row of a list column (null for an empty or null list), as strings."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if len(arr) == 0:
+        return pa.array([], pa.string())
+    offsets = arr.offsets.to_numpy(zero_copy_only=False)
+    lens = np.diff(offsets)
+    values = arr.values
+    if len(values) == 0:
+        return pa.nulls(len(arr), pa.string())
+    starts = offsets[:-1].astype(np.int64)
+    empty = lens <= 0
+    if arr.null_count:
+        empty |= ~np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    if empty.any():
+        idx = pa.array(np.where(empty, 0, np.minimum(starts, len(values) - 1)), mask=empty)
+    else:
+        idx = pa.array(starts)
+    return pc.take(values, idx).cast(pa.string())

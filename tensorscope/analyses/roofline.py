@@ -22,31 +22,16 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from .opview import first_of
 
 OVERHEAD_FACTOR = 2.0
 CUDA_TINY_NS = 20_000
 
 Peaks = Mapping[str, Mapping[str, Any]]
-
-
-def first_of(col: Any) -> pa.Array:
-    """The first element of each row of a list column (null for an empty or null list), as strings."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if len(arr) == 0:
-        return pa.array([], pa.string())
-    lens = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
-    flat = pc.list_flatten(arr)
-    if len(flat) == 0:
-        return pa.nulls(len(arr), pa.string())
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
-    empty = lens == 0
-    idx = pa.array(np.where(empty, 0, np.minimum(starts, len(flat) - 1)), mask=empty) if empty.any() else pa.array(starts)
-    return pc.take(flat, idx).cast(pa.string())
 
 
 def _first_or(t: pa.Table, a: str, b: str) -> pa.Array:
@@ -73,7 +58,7 @@ def peak_for(peaks: Optional[Peaks], dev: Optional[str], dtype: Optional[str]) -
 def _groups(ops: pa.Table) -> List[Dict[str, Any]]:
     cols = ["op", "module", "out_dtypes", "in_dtypes", "in_devices", "out_devices", "cuda_ns", "cpu_ns", "flops",
             "bytes_read", "bytes_written"]
-    work = ops.select(cols).filter(pc.invert(pc.fill_null(ops.column("is_noise"), False)))
+    work = ops.select(cols)
     if work.num_rows == 0:
         return []
     t = pa.table({
@@ -86,11 +71,12 @@ def _groups(ops: pa.Table) -> List[Dict[str, Any]]:
         "cuda": work.column("cuda_ns"),
         "flops": pc.fill_null(work.column("flops"), 0),
         "bytes": pc.add(pc.fill_null(work.column("bytes_read"), 0), pc.fill_null(work.column("bytes_written"), 0)),
+        "noise": pc.fill_null(ops.column("is_noise"), False),
     })
-    g = t.group_by(["op", "module", "dtype", "device"], use_threads=False).aggregate(
+    g = t.group_by(["op", "module", "dtype", "device", "noise"], use_threads=False).aggregate(
         [("time", "sum"), ("cpu", "sum"), ("cuda", "sum"), ("cuda", "count"), ("flops", "sum"), ("bytes", "sum"),
          ("op", "count")])
-    out: List[Dict[str, Any]] = S.plain_strings(g).to_pylist()
+    out: List[Dict[str, Any]] = [r for r in S.plain_strings(g).to_pylist() if not r["noise"]]
     return out
 
 

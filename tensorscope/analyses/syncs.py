@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .opview import OpView, short_name, string_mask
+from .opview import OpView, first_of, short_name, string_mask
 
 SCALAR_READ = frozenset({"_local_scalar_dense", "equal", "is_nonzero", "item"})
 DATA_DEPENDENT = frozenset({"nonzero", "nonzero_numpy", "argwhere", "masked_select", "_unique", "_unique2",
@@ -83,21 +83,21 @@ def sync_table(ops: pa.Table, calls: pa.Table, window: int = 0, view: Optional[O
     names = [view.names[c] for c in view.codes[idx].tolist()]
     kind = [kinds.get(i) or ("scalar_read" if short_name(n) in SCALAR_READ else "data_dependent_shape")
             for i, n in zip(idx.tolist(), names)]
-    devs = first_device(hit.column("in_devices"), [short_name(n) == "copy_" for n in names])
+    devs = first_of(hit.column("in_devices"))
+    second = [j for j, n in enumerate(names) if short_name(n) == "copy_"]
+    if second:   # copy_(dst, src): the tensor read is the source
+        d = devs.to_pylist()
+        for j, v in zip(second, hit.column("in_devices").take(pa.array(second)).to_pylist()):
+            d[j] = ((v or []) + [None, None])[1]
+        devs = pa.array(d, pa.string())
     return pa.table({
         "window": pa.array(np.full(len(idx), window, dtype=np.int64)),
         "seq": hit.column("seq"), "op": pa.array(names, pa.string()), "call_id": hit.column("call_id"),
         "call": pa.array(call_names(calls, hit.column("call_id")), pa.string()), "kind": pa.array(kind, pa.string()),
-        "device": pa.array(devs, pa.string()), "cpu_ns": hit.column("cpu_ns"), "cuda_ns": hit.column("cuda_ns"),
+        "device": devs, "cpu_ns": hit.column("cpu_ns"), "cuda_ns": hit.column("cuda_ns"),
         "module": hit.column("module").cast(pa.string()), "source_file": hit.column("source_file").cast(pa.string()),
         "source_line": hit.column("source_line"),
     }, schema=S.SYNCS)
-
-
-def first_device(col: Any, second: List[bool]) -> List[Optional[str]]:
-    """The device of each row's read tensor: its first input (the second for ``copy_(dst, src)``)."""
-    vals = S.plain_strings(pa.table({"d": col})).column("d").to_pylist()
-    return [((v or []) + [None, None])[1 if sec else 0] for v, sec in zip(vals, second)]
 
 
 def call_names(calls: pa.Table, call_ids: Any) -> List[Optional[str]]:
