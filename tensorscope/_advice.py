@@ -110,9 +110,15 @@ def advise(traces: Any, *, peaks: Optional[Dict[str, Dict[str, Any]]] = None,
     else:
         pk, source = dict(peaks), "given"
     wins = [{"ops": t.ops, "calls": t.calls, "kernels": t.kernels, "layout_changes": t.layout_changes,
-             "wall_ns": t.metadata.get("wall_ns"), "steps": s} for t, s in zip(ts, steps_each)]
+             "wall_ns": t.metadata.get("wall_ns"), "steps": s,
+             "cells": dict(t.metadata.get("cell_files") or {}),
+             "flops_known": bool((t.metadata.get("options") or {}).get("flops", True))}
+            for t, s in zip(ts, steps_each)]
     out = advise_tables(wins, pk)
     notes = []
+    if not all(w["flops_known"] for w in wins):
+        notes.append("recorded with flops=False: no roofline bound (a matmul without its FLOPs would look "
+                     "memory-bound)")
     if not ts:
         notes.append("no trace to advise on")
     return Advice(findings=out["findings"], syncs=out["syncs"], roofline=out["roofline"], outside=out["outside"],

@@ -1,7 +1,8 @@
 """The advisor's findings: why a traced block is slow, each finding proved by the rows it names.
 
 ``advise_tables(windows, peaks) -> dict`` takes one mapping per trace (``ops``, ``calls``,
-``kernels``, ``layout_changes``, ``wall_ns``, ``steps``) and returns the ``findings``
+``kernels``, ``layout_changes``, ``wall_ns``, ``steps``; optional ``cells``, the cell-file map, and
+``flops_known``) and returns the ``findings``
 (schema ``ADVICE``), ``syncs`` (``SYNCS``), ``roofline`` (``ROOFLINE``), ``outside`` (time
 outside ops per window) and ``gpu_idle``. A finding says what was seen, which rows show it,
 what they cost (their measured time) and the change that would remove it; a finding is made
@@ -10,7 +11,7 @@ the torch-level call that read it). Thresholds are module constants, written in 
 """
 from __future__ import annotations
 
-import os
+import contextvars
 from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -20,6 +21,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import fmt_bytes, fmt_ns
+from .._location import format_location
 from .idle import gpu_idle, outside_ops
 from .opview import OpView, short_name
 from .roofline import Peaks, roofline
@@ -51,10 +53,15 @@ _SYNC_FIX = {
 }
 
 
+#: the cell-file map of the traces being advised (``metadata["cell_files"]``), set for one advise_tables call
+_CELLS: "contextvars.ContextVar[Optional[Mapping[str, int]]]" = contextvars.ContextVar("cells", default=None)
+
+
 def _where(file: Optional[str], line: Optional[int]) -> str:
+    """``Cell In[3], line 11`` or ``model.py:12`` (the summary's spelling)."""
     if file is None and line is None:
         return "line unknown"
-    return f"{os.path.basename(file) if file else '?'}:{line if line is not None else '?'}"
+    return format_location(file, line, _CELLS.get()) or "line unknown"
 
 
 Pairs = Union[Sequence[Tuple[int, int]], Tuple[np.ndarray, np.ndarray]]
@@ -358,6 +365,17 @@ def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] =
     """Every finding of ``windows`` (one mapping per trace), with the tables behind them."""
     from .._common import NOISE_OPS
 
+    cells: Dict[str, int] = {}
+    for w in windows:
+        cells.update(w.get("cells") or {})
+    token = _CELLS.set(cells or None)
+    try:
+        return _advise(windows, peaks, NOISE_OPS)
+    finally:
+        _CELLS.reset(token)
+
+
+def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_OPS: "frozenset[str]") -> Dict[str, Any]:
     multi = len(windows) > 1
     steps_each: List[Optional[int]] = [w.get("steps") if w.get("steps") is not None else infer_steps(w["calls"])
                                        for w in windows]
@@ -367,7 +385,8 @@ def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] =
     sync_t = pa.concat_tables(syncs) if syncs else S.SYNCS.empty_table()
     all_ops = [w["ops"] for w in windows if w["ops"].num_rows]
     ops = S.unify_dictionaries(pa.concat_tables(all_ops)) if len(all_ops) > 1 else (all_ops[0] if all_ops else None)
-    roof = roofline(ops, peaks) if ops is not None else S.ROOFLINE.empty_table()
+    flops_known = all(w.get("flops_known", True) for w in windows)
+    roof = roofline(ops, peaks, flops_known) if ops is not None else S.ROOFLINE.empty_table()
     outs = [outside_ops(w["ops"], w["calls"], w.get("wall_ns")) for w in windows]
     idle = []
     for i, w in enumerate(windows):

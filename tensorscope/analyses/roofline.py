@@ -111,15 +111,18 @@ def _row(level: str, name: str, dtype: Optional[str], dev: Optional[str], n: int
             "ideal_ns": int(round(ideal)) if ideal is not None else None, "bound": bound}
 
 
-def roofline(ops: pa.Table, peaks: Optional[Peaks] = None) -> pa.Table:
-    """The ROOFLINE rows of ``ops``: op level (by time, descending), then module level."""
+def roofline(ops: pa.Table, peaks: Optional[Peaks] = None, flops_known: bool = True) -> pa.Table:
+    """The ROOFLINE rows of ``ops``: op level (by time, descending), then module level.
+
+    ``flops_known=False`` (a trace recorded with ``flops=False``): no ideal time, roof or bound, since
+    a matmul without its FLOPs would look memory-bound."""
     groups = _groups(ops)
     if not groups:
         return S.ROOFLINE.empty_table()
     for g in groups:
         pf, bw, ov = peak_for(peaks, g["device"], g["dtype"])
         g["pf"], g["bw"], g["ov"] = pf, bw, ov
-        g["compute_ns"] = (g["flops_sum"] / pf * 1e9) if pf else None
+        g["compute_ns"] = (g["flops_sum"] / pf * 1e9) if (pf and flops_known) else None
         g["memory_ns"] = (g["bytes_sum"] / bw * 1e9) if bw else None
     rows: List[Dict[str, Any]] = []
     for level, key in (("op", lambda g: (g["op"], g["dtype"], g["device"])), ("module", lambda g: (g["module"],))):

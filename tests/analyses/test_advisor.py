@@ -240,6 +240,26 @@ def test_gemm_heavy_mlp_is_compute_bound_and_the_roofline_matches_the_rows(engin
     assert sum(m["flops"] for m in mod.values()) == fl
 
 
+def test_a_saved_trace_is_advised_alike_and_flops_off_gives_no_bound(tmp_path):
+    tensorscope.machine_peaks()          # measured (or cached) before the trace: its device report holds them
+    mlp = torch.nn.Linear(256, 256)
+    x = torch.randn(256, 256)
+    with torch.no_grad(), tensorscope.trace() as t:
+        for _ in range(3):
+            mlp(x).sum().item()
+    a = tensorscope.advise(t)
+    b = tensorscope.advise(tensorscope.load(t.save(tmp_path / "t")))
+    assert b.peaks_source.startswith("recorded")         # the saved trace carries the peaks it was advised with
+    assert b.peaks["cpu"]["flops"] == a.peaks["cpu"]["flops"]
+    assert a.syncs.column("seq").to_pylist() == b.syncs.column("seq").to_pylist()
+    assert a.roofline.column("flops_per_s").to_pylist() == b.roofline.column("flops_per_s").to_pylist()
+    with torch.no_grad(), tensorscope.trace(flops=False) as t2:
+        mlp(x)
+    c = t2.advice()
+    assert c.roofline.num_rows and set(c.roofline.column("bound").to_pylist()) == {None}
+    assert any("flops=False" in n for n in c.notes)
+
+
 # -- peaks -----------------------------------------------------------------------------------------
 
 def test_peaks_are_measured_once_cached_beside_the_native_cache_and_hidden(tmp_path, monkeypatch):
