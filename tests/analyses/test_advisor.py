@@ -427,3 +427,31 @@ def test_advise_refuses_what_is_not_a_trace_and_a_wrong_steps_count():
     adv = tensorscope.advise(t, peaks={})
     assert adv.findings.num_rows == 0 and adv.findings.schema.equals(S.ADVICE)
     assert "no finding" in str(adv)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_scheduled_loop_computes_exactly_what_it_computes_untraced(engine):
+    def train(sched=None):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout(0.3), torch.nn.Linear(6, 1))
+        opt = torch.optim.Adam(model.parameters())
+        out = []
+        for _ in range(6):
+            loss = model(torch.randn(5, 6)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.detach().clone())
+            if sched is not None:
+                sched.step()
+        return out, [p.detach().clone() for p in model.parameters()], torch.random.get_rng_state()
+
+    plain = train()
+    with tensorscope.schedule(wait=1, active=2, engine=engine) as s:
+        traced = train(s)
+    assert len(s.traces) == 2
+    for a, b in zip(plain[0] + plain[1], traced[0] + traced[1]):
+        assert torch.equal(a, b)                      # bit for bit, RNG included
+    assert torch.equal(plain[2], traced[2])
+    adv = s.advice()
+    assert adv.n_windows == 2 and adv.steps == 4
