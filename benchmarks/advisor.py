@@ -6,7 +6,7 @@ wall time) twice: cold (the trace's derived ``layout_changes`` not computed yet,
 the cell) and warm (after the summary derived it). The machine peaks are measured (or read
 from the cache) once before timing: their one-time cost is printed on its own.
 
-    python benchmarks/advisor.py [--ops 10000] [--reps 7] [--engine native|python]
+    python benchmarks/advisor.py [--ops 10000] [--reps 15] [--engine native|python]
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def best(fn, reps):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", type=int, default=10_000)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--engine", default="auto")
     a = ap.parse_args()
     w0 = time.perf_counter()

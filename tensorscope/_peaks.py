@@ -16,6 +16,7 @@ spec-sheet figures of known GPUs (``SPEC_SHEETS``) as a cross-check.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -164,8 +165,13 @@ def _hidden(fn: Callable[[], Optional[Dict[str, Any]]]) -> Optional[Dict[str, An
     from .native import loaded_engine
 
     def run() -> Optional[Dict[str, Any]]:
-        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad(), \
-                torch.autocast("cpu", enabled=False):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_disable_current_modes())
+            stack.enter_context(torch._C.DisableTorchFunction())
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            if torch.cuda.is_available():
+                stack.enter_context(torch.autocast("cuda", enabled=False))
             return fn()
 
     ext = loaded_engine()
@@ -245,7 +251,11 @@ def _measure_cuda() -> Optional[Dict[str, Any]]:
             del a, b, c
         except RuntimeError:
             continue
-    n_el = 256 << 20                       # 1 GiB of float32
+    try:
+        free = int(torch.cuda.mem_get_info(dev)[0])
+    except Exception:
+        free = 4 << 30
+    n_el = max(min(256 << 20, free // 16), 16 << 20)   # up to 1 GiB of float32 each, a quarter of what is free
     src = torch.empty(n_el, device=dev).fill_(1.0)
     dst = torch.empty(n_el, device=dev)
     ns = _event_ns(functools.partial(dst.copy_, src), reps=10)
@@ -264,7 +274,7 @@ def _measure_cuda() -> Optional[Dict[str, Any]]:
     torch.cuda.empty_cache()
     return {"flops": flops, "bytes_per_s": bw, "overhead_ns": overhead, "seconds": time.perf_counter() - t0,
             "spec": spec, "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-            "method": "torch.mm best of 10 (CUDA events); copy_ of 1 GiB; torch.add launches on 1 element"}
+            "method": f"torch.mm best of 10 (CUDA events); copy_ of {n_el * 4 >> 20} MiB; torch.add launches on 1 element"}
 
 
 def _event_ns(fn: Callable[[], Any], reps: int) -> float:
