@@ -38,8 +38,11 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int]) -> Optio
     start = _np(ops.column("start_ns"))
     end = start + _np(ops.column("cpu_ns"))
     seq = _np(ops.column("seq"))
-    order = np.argsort(start, kind="stable")
-    s, e, q = start[order], end[order], seq[order]
+    if len(start) < 2 or bool((start[1:] >= start[:-1]).all()):
+        s, e, q = start, end, seq                 # rows in dispatch order already start in order
+    else:
+        order = np.argsort(start, kind="stable")
+        s, e, q = start[order], end[order], seq[order]
     run_end = np.maximum.accumulate(e)
     # a gap opens where an op starts after every earlier op ended
     prev_end = np.concatenate([[0], run_end[:-1]])
@@ -48,7 +51,9 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int]) -> Optio
     span = int(run_end[-1]) - int(s[0])
     outside = int(gap.sum())
     in_ops = max(span - outside, 0)
-    top = np.argsort(-gap, kind="stable")[:_GAPS_LISTED]
+    k = min(_GAPS_LISTED, len(gap))
+    part = np.argpartition(-gap, k - 1)[:k] if k < len(gap) else np.arange(len(gap))
+    top = part[np.argsort(-gap[part], kind="stable")]
     gaps = [(int(gap[i]), int(q[i - 1]) if i > 0 else None, int(q[i])) for i in top if gap[i] > 0]
     dl = 0
     if calls.num_rows:

@@ -6,6 +6,7 @@ costs a few numpy operations, not a string per row.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 
 
+@functools.lru_cache(maxsize=8192)
 def short_name(op: str) -> str:
     """``aten.nonzero.default`` -> ``nonzero``."""
     parts = op.split(".")
@@ -78,8 +80,9 @@ def string_mask(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, bool)
 
 
-def first_of(col: Any) -> pa.Array:
-    """The first element of each row of a list column (null for an empty or null list), as strings."""
+def first_of(col: Any, raw: bool = False) -> pa.Array:
+    """The first element of each row of a list column (null for an empty or null list), as strings
+    (``raw``: in the values' own type, a dictionary for dictionary-encoded lists)."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if len(arr) == 0:
         return pa.array([], pa.string())
@@ -96,4 +99,15 @@ def first_of(col: Any) -> pa.Array:
         idx = pa.array(np.where(empty, 0, np.minimum(starts, len(values) - 1)), mask=empty)
     else:
         idx = pa.array(starts)
-    return pc.take(values, idx).cast(pa.string())
+    out = pc.take(values, idx)
+    return out if raw else out.cast(pa.string())
+
+
+def codes_of(arr: Any) -> "tuple[np.ndarray, List[Any]]":
+    """(per-row code, -1 for null; the distinct values) of a string or dictionary column."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    if not pa.types.is_dictionary(arr.type):
+        arr = pc.dictionary_encode(arr)
+    codes = pc.fill_null(arr.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    return codes, arr.dictionary.to_pylist()

@@ -22,22 +22,17 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .opview import first_of
+from .opview import codes_of, first_of
 
 OVERHEAD_FACTOR = 2.0
 CUDA_TINY_NS = 20_000
 
 Peaks = Mapping[str, Mapping[str, Any]]
-
-
-def _first_or(t: pa.Table, a: str, b: str) -> pa.Array:
-    """First element of list column ``a``, else of ``b`` (read only when ``a`` leaves rows null)."""
-    x = first_of(t.column(a))
-    return pc.coalesce(x, first_of(t.column(b))) if x.null_count else x
 
 
 def device_type(dev: Optional[str]) -> Optional[str]:
@@ -61,23 +56,60 @@ def _groups(ops: pa.Table) -> List[Dict[str, Any]]:
     work = ops.select(cols)
     if work.num_rows == 0:
         return []
-    t = pa.table({
-        "op": work.column("op"),
-        "module": work.column("module"),
-        "dtype": _first_or(work, "out_dtypes", "in_dtypes"),
-        "device": _first_or(work, "in_devices", "out_devices"),
-        "time": pc.coalesce(work.column("cuda_ns"), work.column("cpu_ns")),
-        "cpu": pc.fill_null(work.column("cpu_ns"), 0),
-        "cuda": work.column("cuda_ns"),
-        "flops": pc.fill_null(work.column("flops"), 0),
-        "bytes": pc.add(pc.fill_null(work.column("bytes_read"), 0), pc.fill_null(work.column("bytes_written"), 0)),
-        "noise": pc.fill_null(ops.column("is_noise"), False),
-    })
-    g = t.group_by(["op", "module", "dtype", "device", "noise"], use_threads=False).aggregate(
-        [("time", "sum"), ("cpu", "sum"), ("cuda", "sum"), ("cuda", "count"), ("flops", "sum"), ("bytes", "sum"),
-         ("op", "count")])
-    out: List[Dict[str, Any]] = [r for r in S.plain_strings(g).to_pylist() if not r["noise"]]
+    n = work.num_rows
+    keys = [codes_of(work.column("op")), codes_of(work.column("module")),
+            _first_codes(work, "out_dtypes", "in_dtypes"), _first_codes(work, "in_devices", "out_devices")]
+    noise = pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)
+    key = np.zeros(n, dtype=np.int64)
+    space = 1
+    for codes, values in keys:
+        key = key * (len(values) + 1) + (codes + 1)
+        space *= len(values) + 1
+    if space <= 1 << 22:      # dense key space: count per key, no sort
+        present = np.bincount(key[~noise], minlength=space) > 0
+        remap = np.full(space, -1, dtype=np.int64)
+        ids = np.flatnonzero(present)
+        remap[ids] = np.arange(len(ids))
+    else:
+        ids = np.unique(key[~noise])
+        remap = None
+    inv = remap[key] if remap is not None else np.searchsorted(ids, key)
+    inv = np.where(noise, len(ids), inv)            # noise rows go to a bin of their own, dropped below
+
+    def col(name: str) -> np.ndarray:
+        out: np.ndarray = pc.fill_null(work.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return out
+
+    cpu = col("cpu_ns")
+    has_cuda = ~np.asarray(pc.is_null(work.column("cuda_ns")).to_numpy(zero_copy_only=False), dtype=bool)
+    cuda = col("cuda_ns")
+    sums = {}
+    for name, v in (("time_sum", np.where(has_cuda, cuda, cpu)), ("cpu_sum", cpu), ("cuda_sum", cuda),
+                    ("cuda_count", has_cuda.astype(np.int64)), ("flops_sum", col("flops")),
+                    ("bytes_sum", col("bytes_read") + col("bytes_written")), ("op_count", np.ones(n, np.int64))):
+        acc = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.add.at(acc, inv, v)                           # exact int64 sums (FLOPs can pass 2**53)
+        sums[name] = acc
+    first = np.full(len(ids) + 1, n, dtype=np.int64)
+    np.minimum.at(first, inv, np.arange(n))
+    out: List[Dict[str, Any]] = []
+    for j in range(len(ids)):
+        i = int(first[j])
+        r: Dict[str, Any] = {name: int(v[j]) for name, v in sums.items()}
+        for field, (codes, values) in zip(("op", "module", "dtype", "device"), keys):
+            c = int(codes[i])
+            r[field] = values[c] if c >= 0 else None
+        out.append(r)
     return out
+
+
+def _first_codes(t: pa.Table, a: str, b: str) -> "tuple[np.ndarray, List[Any]]":
+    """Codes of the first element of list column ``a``, else of ``b`` (read only where ``a`` is empty)."""
+    ca, va = codes_of(first_of(t.column(a), raw=True))
+    if (ca >= 0).all():
+        return ca, va
+    cb, vb = codes_of(first_of(t.column(b), raw=True))
+    return np.where(ca >= 0, ca, np.where(cb >= 0, cb + len(va), -1)), va + vb
 
 
 def _row(level: str, name: str, dtype: Optional[str], dev: Optional[str], n: int, time: int, cpu: int,
