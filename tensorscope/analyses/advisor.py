@@ -388,6 +388,10 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
     flops_known = all(w.get("flops_known", True) for w in windows)
     roof = roofline(ops, peaks, flops_known) if ops is not None else S.ROOFLINE.empty_table()
     outs = [outside_ops(w["ops"], w["calls"], w.get("wall_ns")) for w in windows]
+    for o, w, s in zip(outs, windows, steps_each):
+        if o is not None:   # tiny ops per window (and per step), shown whether or not they make a finding
+            o["tiny_ops"] = int(tiny_mask(w["ops"], TINY_BYTES, TINY_FLOPS, w["view"].noise).sum())
+            o["steps"] = s
     idle = []
     for i, w in enumerate(windows):
         k = w.get("kernels")

@@ -31,7 +31,7 @@ def _np(col: Any, fill: Any = 0) -> np.ndarray:
 
 def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int]) -> Optional[Dict[str, Any]]:
     """``{wall_ns, span_ns, in_ops_ns, outside_ns, share, gaps: [(gap_ns, seq_before, seq_after)], dataloader_ns}``:
-    the span runs from the first op's start to the last op's end (the trace's own start and stop are
+    the advisor adds ``tiny_ops`` and ``steps``. The span runs from the first op's start to the last op's end (the trace's own start and stop are
     not the program's), ``share`` is ``outside_ns / span_ns``."""
     if not wall_ns or ops.num_rows == 0:
         return None

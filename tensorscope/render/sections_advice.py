@@ -27,11 +27,14 @@ def advice_to_section(a: Any) -> Section:
         per = f" ({r['per_step']:g}/step)" if r.get("per_step") is not None else ""
         rows.append((r["kind"], r["seen"], r["evidence"] + per, fmt_ns(r["cost_ns"]), r["fix"]))
     notes: List[str] = list(a.notes)
-    for o in a.outside or []:
-        if o:
-            notes.append(f"{100 * o['share']:.0f}% of the time from the first op to the last "
-                         f"({fmt_ns(o['outside_ns'])} of {fmt_ns(o['span_ns'])}) was outside ops")
-            break
+    outs = [o for o in a.outside or [] if o]
+    if outs:
+        span = sum(o["span_ns"] for o in outs)
+        outside = sum(o["outside_ns"] for o in outs)
+        tiny = sum(o.get("tiny_ops") or 0 for o in outs)
+        per = f", {tiny / a.steps:g} per step" if a.steps else ""
+        notes.append(f"{100 * outside / span if span else 0:.0f}% of the time from the first op to the last "
+                     f"({fmt_ns(outside)} of {fmt_ns(span)}) was outside ops; {tiny} tiny ops{per}")
     if a.n_windows > 1:
         notes.append(f"read {a.n_windows} traced windows" + (f", {a.steps} steps" if a.steps else ""))
     if not rows:

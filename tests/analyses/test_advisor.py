@@ -71,6 +71,8 @@ def test_item_per_step_is_found_at_its_line_with_the_right_count(engine):
     (f,) = [f for f in adv.findings.to_pylist() if f["kind"] == "sync" and f["source_line"] == line]
     assert f["n_rows"] == steps and f["per_step"] == 1.0          # steps: the outermost backward() calls
     assert f["subject"].startswith("Tensor.item")
+    (o,) = adv.outside
+    assert o["steps"] == steps and o["tiny_ops"] >= 4 * steps and "tiny ops" in str(adv)
     assert os.path.basename(__file__) in f["seen"] and f"{line}" in f["seen"]
     assert "read it once after the loop" in f["fix"]
     ops = {r["seq"]: r["op"] for r in t.ops.select(["seq", "op"]).to_pylist()}
