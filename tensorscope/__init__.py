@@ -49,6 +49,11 @@ _LAZY = {
     "diff": ("tensorscope._diff", "diff"),
     "TraceDiff": ("tensorscope._diff", "TraceDiff"),
     "SubstitutionReport": ("tensorscope.substitution", "SubstitutionReport"),
+    "advise": ("tensorscope._advice", "advise"),
+    "Advice": ("tensorscope._advice", "Advice"),
+    "machine_peaks": ("tensorscope._peaks", "machine_peaks"),
+    "schedule": ("tensorscope.windows", "schedule"),
+    "Schedule": ("tensorscope.windows", "Schedule"),
 }
 
 __all__ = sorted(list(_LAZY) + ["__version__", "load_ipython_extension", "unload_ipython_extension",

@@ -122,6 +122,8 @@ class EnvReport(Displayable):
     mkldnn: Optional[bool]
     openmp: Optional[bool]
     notes: List[str] = field(default_factory=list)
+    #: measured machine peaks per device type (``_peaks.all_peaks``): None when not measured/cached
+    peaks: Optional[Dict[str, Dict[str, Any]]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -205,6 +207,10 @@ def env(init_cuda: bool = True) -> EnvReport:
             fp32[key] = str(v)
     mkldnn = _try(torch.backends.mkldnn.is_available)
     cpu_bf16 = _try(lambda: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())) if mkldnn else None
+    from ._peaks import all_peaks
+
+    # env() measures them on first use (cached on disk); the trace builder's env(init_cuda=False) only reads the cache
+    peaks = _try(lambda: all_peaks(measure=init_cuda))
     return EnvReport(
         python=platform.python_version(),
         platform=platform.platform(),
@@ -237,4 +243,5 @@ def env(init_cuda: bool = True) -> EnvReport:
         mkldnn=mkldnn,
         openmp=_try(torch.backends.openmp.is_available),
         notes=notes,
+        peaks=peaks or None,
     )

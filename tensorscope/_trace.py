@@ -189,6 +189,12 @@ class Trace:
             object.__setattr__(self, "_plot", PlotAccessor(self))
         return self._plot
 
+    def advice(self, peaks: Any = None, steps: Any = None) -> Any:
+        """Why this trace is slow: an ``Advice`` (``tensorscope.advise(self, ...)``; see README)."""
+        from ._advice import advise
+
+        return advise(self, peaks=peaks, steps=steps)
+
     # -- display -------------------------------------------------------------
     def summary(self, display: Any = None) -> Any:
         """A Summary (sections of rows) — what the notebook shows after a traced cell.

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Un
 from .errors import OptionsError
 
 #: Values accepted by ``expect=`` (cell guards).
-EXPECTATIONS = ("channels_last", "no_nonfinite", "no_hidden_copies", "no_leaks")
+EXPECTATIONS = ("channels_last", "no_nonfinite", "no_hidden_copies", "no_leaks", "no_syncs")
 NUMERICS = ("off", "fp32", "fp64")
 ENGINES = ("auto", "native", "python")
 #: Where a trace can come from (``RunContext.origin``).

@@ -541,3 +541,60 @@ MODULE_MEMORY = _schema("module_memory", [
     ("fwd_ops", _i64),
     ("bwd_ops", _i64),
 ])
+
+
+# -- the advisor (tensorscope.advise; analyses/syncs.py, roofline.py, advisor.py) -------------
+#: Not a trace table: ``advise(t).syncs``, one row per op (or torch-level call) that forces a
+#: device->host synchronisation when its tensor is on a GPU.
+SYNCS = _schema("syncs", [
+    ("window", _i64),               # which trace of the advised ones (0 for a single trace)
+    ("seq", _i64),                  # the op (ops.seq): the scalar read, data-dependent shape or host copy
+    ("op", _str),
+    ("call_id", _i64),              # the torch-level call that read the value (calls.call_id), or null
+    ("call", _str),                 # Tensor.item, Tensor.__bool__, torch.nonzero ... (null: none)
+    ("kind", _str),                 # scalar_read / data_dependent_shape / host_copy
+    ("device", _str),               # the device of the tensor read (the sync is real only off the CPU)
+    ("cpu_ns", _i64),               # host time of the op (on CUDA it includes the wait for the GPU)
+    ("cuda_ns", _i64),
+    ("module", _str),
+    ("source_file", _str),
+    ("source_line", _i64),
+])
+
+#: Not a trace table: ``advise(t).roofline``, one row per (op, dtype) and per module.
+ROOFLINE = _schema("roofline", [
+    ("level", _str),                # op / module
+    ("name", _str),                 # the op (aten.addmm.default) or the module path
+    ("dtype", _str),                # op level: the output dtype whose peak applies; module: the dominant one
+    ("device", _str),               # cpu / cuda
+    ("n_ops", _i64),
+    ("time_ns", _i64),              # CUDA time where measured, else CPU time in the ops
+    ("flops", _i64),
+    ("bytes", _i64),                # bytes read + written
+    ("intensity", _f64),            # flops / byte (null: no bytes)
+    ("flops_per_s", _f64),          # achieved
+    ("bytes_per_s", _f64),
+    ("peak_flops_per_s", _f64),     # the measured peak of the dtype (null: no peaks)
+    ("peak_bytes_per_s", _f64),
+    ("roof_flops_per_s", _f64),     # attainable at this intensity: min(peak, intensity * bandwidth)
+    ("roof_fraction", _f64),        # achieved / attainable (FLOP/s, or bytes/s for ops without FLOPs)
+    ("ideal_ns", _i64),             # max(flops / peak, bytes / bandwidth): the time at the roof
+    ("bound", _str),                # compute / memory / overhead (null: no peaks, or no work counted)
+])
+
+#: Not a trace table: ``advise(t).findings``, one row per finding, proved by the rows it names.
+ADVICE = _schema("advice", [
+    ("kind", _str),                 # sync / layout / overhead / outside_ops / compute_bound / memory_bound /
+                                    # amp / zero_grad / host_copy
+    ("subject", _str),              # what the finding is about (an op, a call, a module)
+    ("seen", _str),                 # what the rows show, in words
+    ("evidence", _str),             # which rows: "ops seq 3, 9, 15 … (30 rows)"
+    ("rows", _i64s),                # their ops.seq (or calls.call_id for kind sync on a call)
+    ("n_rows", _i64),
+    ("per_step", _f64),             # rows per step (null: steps unknown)
+    ("cost_ns", _i64),              # time the rows cost (measured); null when not measurable
+    ("fix", _str),                  # the change that would remove it
+    ("module", _str),
+    ("source_file", _str),
+    ("source_line", _i64),
+])

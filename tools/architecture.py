@@ -50,7 +50,7 @@ LAYERS: Layers = (
     ("render", ("tensorscope.render",),
      "draws tables and results as text, HTML, SVG, Perfetto JSON, matplotlib figures; "
      "takes its input as arguments and imports no data producer"),
-    ("results", ("tensorscope._trace", "tensorscope._env"),
+    ("results", ("tensorscope._trace", "tensorscope._env", "tensorscope._peaks", "tensorscope._advice"),
      "the immutable Trace and the environment report: data objects whose displays call render"),
     ("io", ("tensorscope.io",),
      "parquet save/load of a Trace, multi-rank datasets"),
@@ -62,8 +62,8 @@ LAYERS: Layers = (
      "what watches a running program: torch modes, storage and leak tracking, CUDA/kernel timing"),
     ("recording", ("tensorscope.recording",),
      "trace(): the session that installs observers and engines, builds the Trace, keeps the history"),
-    ("api", ("tensorscope.substitution", "tensorscope.prediction"),
-     "checks built on the public trace(): check_substitution, predict"),
+    ("api", ("tensorscope.substitution", "tensorscope.prediction", "tensorscope.windows"),
+     "built on the public trace(): check_substitution, predict, schedule (windowed tracing)"),
     ("frontends", ("tensorscope", "tensorscope.__main__", "tensorscope.cli", "tensorscope.magics"),
      "the package facade (lazy re-exports), python -m tensorscope, the CLI, the IPython magics"),
 )

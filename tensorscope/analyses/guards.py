@@ -1,4 +1,8 @@
-"""Cell guards: ``expect=(...)`` and ``max_casts=N`` checked against a finished trace.
+"""Cell guards: ``expect=(...)`` and ``no_syncs``
+    no op forces a device->host synchronisation (``analyses/syncs.py``: a scalar read such as
+    ``.item()``/``if t:``, a data-dependent output shape such as ``nonzero``/``x[mask]``, a copy of a
+    device tensor to the CPU); on a CPU trace the same ops fail it (they would sync on a GPU).
+``max_casts=N`` checked against a finished trace.
 
 ``check_guards(trace) -> list[str]`` returns one readable failure per broken
 expectation (empty when all hold); ``session.raise_for_guards`` turns them
@@ -186,11 +190,30 @@ def _check_max_casts(t: Any, limit: int) -> Optional[str]:
     return f"max_casts={limit}: {n} casts ran ({by}{rts}):\n" + "\n".join(lines)
 
 
+def _check_syncs(t: Any) -> Optional[str]:
+    from .syncs import sync_table
+
+    st = sync_table(t.ops, t.calls)
+    if st.num_rows == 0:
+        return None
+    rows = st.to_pylist()
+    places = Counter((r["call"] or r["op"], r["kind"], r.get("source_file"), r.get("source_line"), r.get("module"))
+                     for r in rows)
+    lines = []
+    for (what, kind, f, line, mod), c in places.most_common(_MAX_LISTED):
+        lines.append(f"    {what} ({kind.replace('_', ' ')}): {c}x "
+                     f"({_where({'source_file': f, 'source_line': line, 'module': mod})})")
+    if len(places) > _MAX_LISTED:
+        lines.append(f"    … and {len(places) - _MAX_LISTED} more place(s)")
+    return f"expect no_syncs: {len(rows)} op(s) force a device->host synchronisation:\n" + "\n".join(lines)
+
+
 _CHECKS = {
     "channels_last": _check_channels_last,
     "no_nonfinite": _check_nonfinite,
     "no_hidden_copies": _check_hidden_copies,
     "no_leaks": _check_leaks,
+    "no_syncs": _check_syncs,
 }
 
 

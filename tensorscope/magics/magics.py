@@ -82,7 +82,7 @@ LINE_HELP = """%tensorscope SUBCOMMAND
   leaks [--min-bytes N] [--device D] [-o VAR]
                     every live tensor storage of the notebook, who holds it, and the fix
   diff A B          compare two runs (variables, tensorscope.history() indices or trace directories)
-  env               torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings
+  env               torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings, machine peaks
   help              this text
 """
 

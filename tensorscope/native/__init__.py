@@ -94,6 +94,12 @@ def engine(wait: bool = True) -> Tuple[Any, str]:
     return _build.ensure(_build.ENGINE, wait=wait)
 
 
+def cache_dir() -> str:
+    """Where native builds are cached (``$TENSORSCOPE_CACHE`` or ``~/.cache/tensorscope/native``); the
+    measured machine peaks (``tensorscope.machine_peaks``) are stored beside them."""
+    return _build.cache_root()
+
+
 def loaded_engine() -> Any:
     """The native recording engine's module if this process has loaded it, else None. Never compiles."""
     return _build._STATES[_build.ENGINE.kind].module

@@ -832,6 +832,14 @@ def _device_description() -> Dict[str, Any]:
     """env() once per process, hidden from every mode and profiler (it runs a probe op)."""
     global _DEVICE
     if _DEVICE is not None:
+        if not _DEVICE.get("peaks"):
+            # measured since the first trace (tensorscope.env(), an advice): the cache read is cheap
+            try:
+                from .._peaks import all_peaks
+
+                _DEVICE["peaks"] = all_peaks(measure=False) or None
+            except Exception:
+                pass
         return dict(_DEVICE)
 
     def describe() -> Dict[str, Any]:

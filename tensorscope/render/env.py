@@ -18,6 +18,32 @@ def gpu_text(g) -> str:
     return f"cuda:{g.index} {g.name}, {g.capability}, {g.sm_count} SMs, {mem}; {how}"
 
 
+def _rate(v, unit: str) -> str:
+    if not v:
+        return "?"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if v >= scale:
+            return f"{v / scale:.1f} {prefix}{unit}"
+    return f"{v:.0f} {unit}"
+
+
+def peak_text(p) -> str:
+    """``float32 95.1 GFLOP/s, bfloat16 3.2 GFLOP/s; copy 12.0 GB/s; per-op floor 1.8 µs (measured ...)``."""
+    from .._common import fmt_ns
+
+    fl = ", ".join(f"{k} {_rate(v, 'FLOP/s')}" for k, v in sorted((p.get("flops") or {}).items()))
+    out = f"{fl}; copy {_rate(p.get('bytes_per_s'), 'B/s')}; per-op floor {fmt_ns(p.get('overhead_ns'))}"
+    out += f" ({p.get('name')}, {p.get('threads')} threads, measured {p.get('measured_at')})"
+    spec = p.get("spec")
+    if spec:
+        parts = [f"{k} {100 * (p.get('flops') or {}).get(k, 0) / v:.0f}%" for k, v in sorted(spec.items())
+                 if k != "bytes_per_s" and v and (p.get("flops") or {}).get(k)]
+        if spec.get("bytes_per_s") and p.get("bytes_per_s"):
+            parts.append(f"bandwidth {100 * p['bytes_per_s'] / spec['bytes_per_s']:.0f}%")
+        out += "; of the spec sheet: " + ", ".join(parts)
+    return out
+
+
 def env_rows(rep) -> List[Tuple[str, str]]:
     """The report as (what, value) rows, in reading order."""
     def yn(v):
@@ -50,6 +76,8 @@ def env_rows(rep) -> List[Tuple[str, str]]:
     rows.append(("CPU", f"{rep.cpu_count} cores, capability {rep.cpu_capability or '?'}, "
                         f"bf16 native {yn(rep.cpu_bf16)}, oneDNN {yn(rep.mkldnn)}, OpenMP {yn(rep.openmp)}"))
     rows.append(("threads", f"intra-op {rep.num_threads}, inter-op {rep.num_interop_threads}"))
+    for dev, p in sorted((getattr(rep, "peaks", None) or {}).items()):
+        rows.append((f"peaks {dev}", peak_text(p)))
     for n in rep.notes:
         rows.append(("note", n))
     return rows

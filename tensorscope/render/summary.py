@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Tuple
 import pyarrow.compute as pc
 
 from .._common import fmt_bytes, fmt_ns
-from . import sections_api, sections_compiled, sections_memory, sections_precision, sections_timing
+from . import sections_advice, sections_api, sections_compiled, sections_memory, sections_precision, sections_timing
 from .section import Section, Summary
 
 
@@ -176,6 +176,7 @@ SECTIONS: Tuple[Callable[..., Optional[Section]], ...] = (
     sections_timing.timing_section, sections_timing.icicle_section,
     sections_compiled.compiled_section,
     sections_api.api_section,
+    sections_advice.advice_section,
 )
 
 

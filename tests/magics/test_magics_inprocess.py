@@ -171,3 +171,17 @@ def test_help_lists_every_option(shell, capsys):
         assert flags[0] in text, flags
     for flag in ("--output", "--save", "--quiet"):
         assert flag in text
+
+
+def test_expect_no_syncs_fails_a_cell_with_item_and_the_summary_shows_the_advisor(shell):
+    r = run(shell, "%%tensorscope -q --expect no_syncs\nfor _ in range(3):\n    v = x.sum().item()")
+    assert isinstance(r.error_in_exec, GuardError)
+    msg = str(r.error_in_exec)
+    assert "expect no_syncs" in msg and "Tensor.item" in msg and "3x" in msg and ":3)" in msg
+    r = run(shell, "%%tensorscope\nfor _ in range(3):\n    v = x.sum().item()")
+    assert r.error_in_exec is None
+    html = shell.display_pub.html()
+    assert "why is it slow: the advisor" in html and "read it once after the loop" in html
+    assert f"Tensor.item at Cell In[{r.execution_count}], line 3 ran 3x" in html
+    rep = run(shell, "%tensorscope env").result
+    assert "peaks cpu" in str(rep) and "GFLOP/s" in rep.to_html()

@@ -57,13 +57,15 @@ def test_summary_html_draws_both_views_as_escaped_svg_with_legends():
     html = t.summary().to_html()
     svgs = re.findall(r"<svg.*?</svg>", html, re.S)
     memory = [s for s in svgs if s.startswith('<svg class="tensorscope-memory"')]
-    assert len(memory) == 1 and len(svgs) == 3         # timeline, icicle and the memory timeline
+    roofline = [s for s in svgs if s.startswith('<svg class="tensorscope-roofline"')]
+    # timeline, icicle, the memory timeline and the advisor's roofline
+    assert len(memory) == 1 and len(roofline) == 1 and len(svgs) == 4
     assert "<script" not in html and "<img" not in html and "data:image/png" not in html
     assert "&lt;img src=x onerror=alert(1)&gt;" in html
-    for svg in svgs:
+    timeline, icicle = [s for s in svgs if s not in memory and s not in roofline]
+    for svg in (timeline, icicle):
         bars, legend = _fills(svg)
         assert bars and bars <= legend, (bars, legend)  # every colour drawn has a legend entry
-    timeline, icicle = [s for s in svgs if s not in memory]
     assert "<title>aten.convolution.default · forward" in timeline
     assert "ATen op, backward" in timeline
     # widths are time shares: a module drawn under 1 px is left out, so (on a loaded machine, where one op can

@@ -1,0 +1,126 @@
+"""``tensorscope.advise(trace_or_traces)``: why a traced block is slow, as an ``Advice`` (data).
+
+The computation is ``analyses.advisor.advise_tables`` (pure, over the tables); this module
+gathers what it needs from one or several traces (the windows of ``tensorscope.schedule``,
+or a list), the machine peaks (those the trace recorded in its device report, else this
+machine's, measured once and cached: ``_peaks.machine_peaks``), and the step counts. The
+result draws itself through ``render/sections_advice.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import pyarrow as pa
+
+from ._common import Displayable
+from .errors import OptionsError
+
+__all__ = ["advise", "Advice"]
+
+
+@dataclass
+class Advice(Displayable):
+    """The advisor's result: ``findings`` (ADVICE), ``syncs`` (SYNCS), ``roofline`` (ROOFLINE) tables,
+    the time outside ops per window, the GPU idle split, the steps and the peaks used."""
+
+    findings: pa.Table
+    syncs: pa.Table
+    roofline: pa.Table
+    outside: List[Optional[Dict[str, Any]]]
+    gpu_idle: List[Dict[str, Any]]
+    steps: Optional[int]
+    peaks: Dict[str, Dict[str, Any]]
+    peaks_source: str
+    n_windows: int = 1
+    notes: List[str] = field(default_factory=list)
+
+    def section(self) -> Any:
+        from .render.sections_advice import advice_to_section
+
+        return advice_to_section(self)
+
+    def to_text(self) -> str:
+        from .render.section import Summary
+
+        return Summary([self.section()]).to_text()
+
+    def to_html(self) -> str:
+        from .render.section import Summary
+
+        return Summary([self.section()]).to_html()
+
+
+def _is_trace(x: Any) -> bool:
+    # duck-typed: importing _trace here would make a cycle (Trace.advice calls advise)
+    return not isinstance(x, (list, tuple)) and all(hasattr(x, n) for n in ("ops", "calls", "kernels", "metadata"))
+
+
+def _traces(x: Any) -> List[Any]:
+    if isinstance(x, (list, tuple)):
+        out: List[Any] = []
+        for t in x:
+            out.extend(_traces(t))
+        return out
+    inner = getattr(x, "traces", None)     # a tensorscope.schedule
+    if isinstance(inner, list):
+        return list(inner)
+    if _is_trace(x):
+        return [x]
+    raise OptionsError(f"advise() takes a Trace, a list of Traces or a tensorscope.schedule, not {type(x).__name__}")
+
+
+def _peaks_of(traces: Sequence[Any]) -> "tuple[Dict[str, Dict[str, Any]], str]":
+    for t in traces:
+        dev = (t.metadata.get("device") or {})
+        rec = dev.get("peaks") if hasattr(dev, "get") else None
+        if rec:
+            return {k: dict(v) for k, v in rec.items()}, "recorded with the trace (cached peaks of its machine)"
+    from ._peaks import all_peaks
+
+    p = all_peaks(measure=True)
+    return p, "measured on this machine" if p else "none (could not measure: a profiler was running)"
+
+
+def advise(traces: Any, *, peaks: Optional[Dict[str, Dict[str, Any]]] = None,
+           steps: Union[None, int, Sequence[Optional[int]]] = None) -> Advice:
+    """The advisor's findings for ``traces``: a ``Trace``, a list of them, or a ``tensorscope.schedule``.
+
+    ``peaks``: ``{"cpu": machine_peaks("cpu"), ...}`` to use instead of the recorded/measured ones;
+    ``steps``: training steps per trace (one int for a single trace, one per trace for a list), else
+    the schedule's, else the outermost ``backward`` calls of each trace."""
+    from .analyses.advisor import advise_tables
+
+    ts = _traces(traces)
+    sched_steps = getattr(traces, "steps", None)
+    if steps is None and isinstance(sched_steps, (list, tuple)):
+        steps = list(sched_steps)
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        if len(ts) != 1:
+            raise OptionsError("steps=N takes one trace; give one count per trace for a list")
+        steps_each: List[Optional[int]] = [steps]
+    elif steps is None:
+        steps_each = [None] * len(ts)
+    else:
+        steps_each = list(steps)  # type: ignore[arg-type]
+        if len(steps_each) != len(ts):
+            raise OptionsError(f"steps has {len(steps_each)} entries for {len(ts)} traces")
+    if peaks is None:
+        pk, source = _peaks_of(ts)
+    else:
+        pk, source = dict(peaks), "given"
+    wins = [{"ops": t.ops, "calls": t.calls, "kernels": t.kernels, "layout_changes": t.layout_changes,
+             "wall_ns": t.metadata.get("wall_ns"), "steps": s,
+             "cells": dict(t.metadata.get("cell_files") or {}),
+             "flops_known": bool((t.metadata.get("options") or {}).get("flops", True))}
+            for t, s in zip(ts, steps_each)]
+    out = advise_tables(wins, pk)
+    notes = []
+    if not all(w["flops_known"] for w in wins):
+        notes.append("recorded with flops=False: no roofline bound (a matmul without its FLOPs would look "
+                     "memory-bound)")
+    if not ts:
+        notes.append("no trace to advise on")
+    return Advice(findings=out["findings"], syncs=out["syncs"], roofline=out["roofline"], outside=out["outside"],
+                  gpu_idle=out["gpu_idle"], steps=out["steps"], peaks=pk, peaks_source=source, n_windows=len(ts),
+                  notes=notes)

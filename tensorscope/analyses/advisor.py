@@ -1,0 +1,425 @@
+"""The advisor's findings: why a traced block is slow, each finding proved by the rows it names.
+
+``advise_tables(windows, peaks) -> dict`` takes one mapping per trace (``ops``, ``calls``,
+``kernels``, ``layout_changes``, ``wall_ns``, ``steps``; optional ``cells``, the cell-file map, and
+``flops_known``) and returns the ``findings``
+(schema ``ADVICE``), ``syncs`` (``SYNCS``), ``roofline`` (``ROOFLINE``), ``outside`` (time
+outside ops per window) and ``gpu_idle``. A finding says what was seen, which rows show it,
+what they cost (their measured time) and the change that would remove it; a finding is made
+only from rows, and a row with ``is_noise`` is never its subject (a scalar read's subject is
+the torch-level call that read it). Thresholds are module constants, written in the README.
+"""
+from __future__ import annotations
+
+import contextvars
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+from .._common import fmt_bytes, fmt_ns
+from .._location import format_location
+from .idle import gpu_idle, outside_ops
+from .opview import OpView, short_name
+from .roofline import Peaks, roofline
+from .syncs import infer_steps, sync_table, tiny_mask
+
+TINY_BYTES = 64 * 1024          # an op moving less than this ...
+TINY_FLOPS = 1 << 20            # ... and doing fewer FLOPs is "tiny": its time is mostly dispatch
+TINY_MIN = 100                  # the overhead finding needs at least this many tiny ops ...
+TINY_SHARE = 0.5                # ... making at least this share of the ops
+OUTSIDE_SHARE = 0.3             # time outside ops worth a finding (share of the wall time) ...
+OUTSIDE_MIN_NS = 5_000_000      # ... and at least this much
+TOP_SHARE = 0.2                 # an op group taking this share of op time gets a roofline finding
+AMP_GAIN = 1.5                  # a 16-bit peak this many times the fp32 one makes AMP worth suggesting
+_LISTED = 6
+_CONV = frozenset({"convolution", "_convolution", "convolution_backward", "mkldnn_convolution", "cudnn_convolution",
+                   "_mkldnn_convolution", "miopen_convolution", "conv2d", "conv3d", "conv_transpose2d"})
+_COPY = frozenset({"copy_", "_to_copy", "clone", "contiguous", "_copy_from"})
+_CL = ("channels_last", "channels_last_3d")
+_GEMM = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation"} | _CONV)
+_OPTIM_INPLACE = frozenset({"add_", "mul_", "addcmul_", "addcdiv_", "lerp_", "sqrt", "div_", "maximum", "sub_"})
+
+_SYNC_FIX = {
+    "scalar_read": "keep the value on the device: accumulate into a tensor (total += loss.detach()) and read it "
+                   "once after the loop; replace `if t:` / Python branching on a tensor by torch.where or masking",
+    "data_dependent_shape": "use a fixed-size form: torch.where(mask, x, 0) or masked_fill instead of x[mask], "
+                            "torch.nonzero_static(x, size=N), or move it out of the loop",
+    "host_copy": "move the copy out of the loop (collect on the device, copy once), or copy asynchronously into "
+                 "pinned memory with .to('cpu', non_blocking=True) and synchronise once",
+}
+
+
+#: the cell-file map of the traces being advised (``metadata["cell_files"]``), set for one advise_tables call
+_CELLS: "contextvars.ContextVar[Optional[Mapping[str, int]]]" = contextvars.ContextVar("cells", default=None)
+
+
+def _where(file: Optional[str], line: Optional[int]) -> str:
+    """``Cell In[3], line 11`` or ``model.py:12`` (the summary's spelling)."""
+    if file is None and line is None:
+        return "line unknown"
+    return format_location(file, line, _CELLS.get()) or "line unknown"
+
+
+Pairs = Union[Sequence[Tuple[int, int]], Tuple[np.ndarray, np.ndarray]]
+
+
+def _arrays(pairs: Pairs) -> Tuple[np.ndarray, np.ndarray]:
+    if isinstance(pairs, tuple) and len(pairs) == 2 and isinstance(pairs[0], np.ndarray):
+        return pairs[0], pairs[1]
+    a = np.array(list(pairs), dtype=np.int64).reshape(-1, 2)
+    return a[:, 0], a[:, 1]
+
+
+def _evidence(w: np.ndarray, s: np.ndarray, multi: bool, what: str = "ops seq") -> str:
+    n = len(s)
+    shown = [f"{a}/{b}" if multi else str(b) for a, b in zip(w[:_LISTED].tolist(), s[:_LISTED].tolist())]
+    more = f" … ({n} rows)" if n > _LISTED else f" ({n} row{'s' * (n != 1)})"
+    return f"{what}{' (window/seq)' if multi else ''} " + ", ".join(shown) + more
+
+
+def _finding(kind: str, subject: str, seen: str, pairs: Pairs, multi: bool, cost: Optional[int],
+             fix: str, steps: Optional[int], module: Optional[str] = None, file: Optional[str] = None,
+             line: Optional[int] = None, what: str = "ops seq") -> Dict[str, Any]:
+    w, s = _arrays(pairs)
+    if module and module not in seen:
+        seen += f" (module {module})"
+    return {"kind": kind, "subject": subject, "seen": seen, "evidence": _evidence(w, s, multi, what),
+            "rows": s, "n_rows": len(s),
+            "per_step": (len(s) / steps) if steps else None, "cost_ns": int(cost) if cost is not None else None,
+            "fix": fix, "module": module, "source_file": file, "source_line": line}
+
+
+def _sync_findings(syncs: pa.Table, noise_ops: "frozenset[str]", multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+    if syncs.num_rows == 0:
+        return []
+    noise = np.array([short_name(o) in noise_ops for o in syncs.column("op").to_pylist()], dtype=bool)
+    has_call = ~np.asarray(pc.is_null(syncs.column("call")).to_numpy(zero_copy_only=False), dtype=bool)
+    keep = ~noise | has_call          # a bookkeeping row with no call to name: never a subject on its own
+    st = syncs.filter(pa.array(keep))
+    if st.num_rows == 0:
+        return []
+    subj = pc.if_else(pa.array(noise[keep]), st.column("call"), st.column("op"))
+    g = st.append_column("subject", subj).group_by(
+        ["kind", "subject", "source_file", "source_line"], use_threads=False).aggregate(
+        [("seq", "list"), ("window", "list"), ("cpu_ns", "sum"), ("device", "distinct"), ("op", "min"),
+         ("module", "min"), ("seq", "min")])
+    out = []
+    for r in sorted(g.to_pylist(), key=lambda r: (r["window_list"][0], r["seq_min"])):
+        kind, subj_, f, line = r["kind"], r["subject"], r["source_file"], r["source_line"]
+        n = len(r["seq_list"])
+        devs = sorted({d or "?" for d in r["device_distinct"]})
+        on_gpu = any(d not in ("cpu", "?") for d in devs)
+        per = f" ({n / steps:g} per step)" if steps else ""
+        seen = (f"{subj_} at {_where(f, line)} ran {n}x{per} on {', '.join(devs)} "
+                f"({r['op_min']}: {kind.replace('_', ' ')})")
+        seen += ("; each one waits for every kernel queued before it" if on_gpu else
+                 "; on a GPU each one would wait for every kernel queued before it")
+        pairs = (np.asarray(r["window_list"], dtype=np.int64), np.asarray(r["seq_list"], dtype=np.int64))
+        out.append(_finding("sync", f"{subj_} ({kind.replace('_', ' ')})", seen, pairs, multi, r["cpu_ns_sum"] or 0,
+                            _SYNC_FIX[kind], steps, r["module_min"], f, line))
+    return out
+
+
+def _rows_of(w: int, view: OpView, names: "frozenset[str]", cols: List[str]) -> List[Dict[str, Any]]:
+    return [dict(r, window=w) for r in view.rows(view.short_in(names), cols)]
+
+
+def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+    cols = ["seq", "op", "in_formats", "in_ambiguous", "in_shapes", "out_formats", "cpu_ns", "module",
+            "source_file", "source_line"]
+    mixed, copies = [], []
+    for w, win in enumerate(wins):
+        for r in _rows_of(w, win["view"], _CONV | _COPY, cols):
+            fm = [(f, a) for f, a, sh in zip(r["in_formats"] or [], r["in_ambiguous"] or [], r["in_shapes"] or [])
+                  if len(sh) in (4, 5) and not a]
+            if short_name(r["op"]) in _CONV:
+                kinds = {f for f, _ in fm}
+                if kinds & set(_CL) and "contiguous" in kinds:
+                    mixed.append(r)
+            elif fm:
+                src = fm[1][0] if short_name(r["op"]) in ("copy_", "_copy_from") and len(fm) > 1 else fm[0][0]
+                dst = (r["out_formats"] or [None])[0]
+                if src in _CL and dst == "contiguous":
+                    copies.append(r)
+    out = []
+    if mixed or copies:
+        data_cl = sum(1 for r in mixed if (r["in_formats"] or [None])[0] in _CL and short_name(r["op"]) != "convolution_backward")
+        fix = ("convert the model too: model.to(memory_format=torch.channels_last), so weights, gradients and "
+               "inputs agree" if data_cl or copies else
+               "convert the input too: x.to(memory_format=torch.channels_last) (the weights already are)")
+        rs = mixed + copies
+        cost = sum(r["cpu_ns"] or 0 for r in copies)
+        seen = (f"{len(mixed)} convolution(s) mixing channels_last and contiguous 4-d/5-d inputs (the kernel "
+                f"converts one of them)" + (f", and {len(copies)} copies converting channels_last back to "
+                                            f"contiguous ({', '.join(sorted({short_name(r['op']) for r in copies}))})"
+                                            if copies else ""))
+        first = (copies or mixed)[0]
+        out.append(_finding("layout", "mixed memory formats around convolutions", seen,
+                            [(r["window"], r["seq"]) for r in rs], multi, cost if copies else None, fix, steps,
+                            first["module"], first["source_file"], first["source_line"]))
+    taken = {(r["window"], r["seq"]) for r in mixed + copies}
+    groups: "OrderedDict[Tuple[Any, ...], List[Dict[str, Any]]]" = OrderedDict()
+    for w, win in enumerate(wins):
+        lc = win.get("layout_changes")
+        if lc is None or lc.num_rows == 0:
+            continue
+        lc = lc.filter(pc.is_in(lc.column("kind"), value_set=pa.array(["format_change", "hidden_copy"])))
+        for r in lc.to_pylist():
+            if (w, r["seq"]) not in taken:
+                groups.setdefault((r["kind"], r["op"], r["source_file"], r["source_line"]), []).append(dict(r, window=w))
+    for (kind, op, f, line), rs in groups.items():
+        seen = f"{len(rs)}x {rs[0].get('reason') or op} at {_where(f, line)}, {fmt_bytes(sum(r['bytes'] or 0 for r in rs))}"
+        fix = ("use an op that keeps the layout, or make the tensor contiguous once before the loop"
+               if kind == "hidden_copy" else "keep one memory format end to end (convert model and input once)")
+        out.append(_finding("layout", f"{op} ({kind.replace('_', ' ')})", seen, [(r["window"], r["seq"]) for r in rs],
+                            multi, None, fix, steps, rs[0]["module"], f, line))
+    return out
+
+
+def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+    groups: "OrderedDict[Tuple[Any, ...], List[Dict[str, Any]]]" = OrderedDict()
+    for w, win in enumerate(wins):
+        for r in _rows_of(w, win["view"], frozenset({"zero_", "_foreach_zero_"}),
+                          ["seq", "op", "in_storages", "cpu_ns", "module", "source_file", "source_line"]):
+            groups.setdefault((r["source_file"], r["source_line"]), []).append(r)
+    out = []
+    for (f, line), rs in groups.items():
+        storages = {s for r in rs for s in (r["in_storages"] or []) if s is not None and s >= 0}
+        if len(storages) < 2 or rs[0]["module"] is not None:
+            continue
+        seen = f"{len(rs)} in-place zero ops on {len(storages)} distinct tensors at {_where(f, line)}"
+        out.append(_finding("zero_grad", f"zeroing at {_where(f, line)}", seen, [(r["window"], r["seq"]) for r in rs],
+                            multi, sum(r["cpu_ns"] or 0 for r in rs),
+                            "if these are gradients: optimizer.zero_grad(set_to_none=True) (the default since "
+                            "torch 2.0) frees them instead of writing zeros", steps, None, f, line))
+    return out
+
+
+def _overhead_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int],
+                       cuda: bool) -> List[Dict[str, Any]]:
+    ws: List[np.ndarray] = []
+    ss: List[np.ndarray] = []
+    cost = 0
+    n_work = 0
+    names: Dict[Tuple[str, Optional[str], Optional[int]], int] = {}
+    optim = 0
+    for w, win in enumerate(wins):
+        ops, view = win["ops"], win["view"]
+        if ops.num_rows == 0:
+            continue
+        m = tiny_mask(ops, TINY_BYTES, TINY_FLOPS, view.noise)
+        n_work += int((~view.noise).sum())
+        if not m.any():
+            continue
+        ss.append(view.seq[m])
+        ws.append(np.full(int(m.sum()), w, dtype=np.int64))
+        tiny = ops.select(["op", "source_file", "source_line", "module", "cuda_ns", "cpu_ns"]).filter(pa.array(m))
+        cost += int(pc.sum(pc.coalesce(tiny.column("cuda_ns"), tiny.column("cpu_ns"))).as_py() or 0)
+        g = tiny.select(["op", "source_file", "source_line", "module"]).group_by(
+            ["op", "source_file", "source_line", "module"], use_threads=False).aggregate([("source_line", "count")])
+        for r in S.plain_strings(g).to_pylist():
+            k = (r["op"], r["source_file"], r["source_line"])
+            names[k] = names.get(k, 0) + r["source_line_count"]
+            if r["module"] is None and short_name(r["op"]) in _OPTIM_INPLACE:
+                optim += r["source_line_count"]
+    n_tiny = sum(len(x) for x in ss)
+    if n_tiny < TINY_MIN or not n_work or n_tiny / n_work < TINY_SHARE:
+        return []
+    pairs = (np.concatenate(ws), np.concatenate(ss))
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:3]
+    per = f" ({n_tiny / steps:g} per step)" if steps else ""
+    seen = (f"{n_tiny} of {n_work} ops{per} move under {fmt_bytes(TINY_BYTES)} each, so their time is mostly "
+            f"per-op dispatch: " + ", ".join(f"{short_name(op)} at {_where(f, ln)} x{c}" for (op, f, ln), c in top))
+    fixes = ["torch.compile(model) fuses them into few kernels"]
+    if cuda:
+        fixes.append("CUDA graphs (torch.compile(mode='reduce-overhead')) remove the launches")
+    if optim:
+        fixes.append(f"{optim} of them are in-place updates outside any module: an optimizer with foreach=True "
+                     "or fused=True runs them as a few multi-tensor kernels")
+    fixes.append("a bigger batch amortises the per-op cost")
+    return [_finding("overhead", f"{n_tiny} tiny ops", seen, pairs, multi, cost, "; ".join(fixes), steps)]
+
+
+def _outside_findings(outs: List[Optional[Dict[str, Any]]], wins: Sequence[Mapping[str, Any]],
+                      multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+    wall = sum(o["span_ns"] for o in outs if o)
+    outside = sum(o["outside_ns"] for o in outs if o)
+    if not wall or outside < OUTSIDE_MIN_NS or outside / wall < OUTSIDE_SHARE:
+        return []
+    gaps = sorted(((g, w, a, b) for w, o in enumerate(outs) if o for g, a, b in o["gaps"]), key=lambda x: -x[0])[:3]
+    if not gaps:
+        return []
+    lines = []
+    pairs: List[Tuple[int, int]] = []
+    for g, w, a, b in gaps:
+        ops = wins[w]["ops"]
+        loc = S.plain_strings(ops.select(["seq", "op", "source_file", "source_line"]).filter(
+            pc.is_in(ops.column("seq"), value_set=pa.array([x for x in (a, b) if x is not None], pa.int64())))).to_pylist()
+        by = {r["seq"]: r for r in loc}
+        before = by.get(a)
+        after = by[b]
+        lines.append(f"{fmt_ns(g)} before {short_name(after['op'])} at {_where(after['source_file'], after['source_line'])}"
+                     + (f" (after {short_name(before['op'])} at {_where(before['source_file'], before['source_line'])})"
+                        if before else ""))
+        pairs.extend((w, s) for s in (a, b) if s is not None)
+    dl = sum(o["dataloader_ns"] for o in outs if o)
+    seen = (f"{100 * outside / wall:.0f}% of the time from the first op to the last ({fmt_ns(outside)} of "
+            f"{fmt_ns(wall)}) ran outside any op: Python, data loading, I/O; largest gaps: " + "; ".join(lines))
+    if dl:
+        seen += f"; DataLoader calls took {fmt_ns(dl)}"
+    fix = ("move Python work (per-element loops, logging, host-side metrics) out of the step; load data in "
+           "DataLoader workers (num_workers>0, pin_memory=True); torch.compile removes the Python between ops")
+    return [_finding("outside_ops", "time outside ops", seen, pairs, multi, outside, fix, None,
+                     what="gaps next to ops seq")]
+
+
+def _roofline_findings(roof: pa.Table, wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], multi: bool,
+                       steps: Optional[int]) -> List[Dict[str, Any]]:
+    ops_rows = [r for r in roof.to_pylist() if r["level"] == "op"]
+    total = sum(r["time_ns"] or 0 for r in ops_rows)
+    out: List[Dict[str, Any]] = []
+    if not total:
+        return out
+    fp32_gemm = sum(r["time_ns"] or 0 for r in ops_rows
+                    if r["dtype"] == "float32" and short_name(r["name"]) in _GEMM and r["bound"] == "compute")
+    for r in ops_rows:
+        share = (r["time_ns"] or 0) / total
+        if share < TOP_SHARE or r["bound"] not in ("compute", "memory"):
+            continue
+        pairs = _seqs_of(wins, r["name"])
+        rate = (f"{(r['flops_per_s'] or 0) / 1e9:.1f} GFLOP/s" if r["flops"] else
+                f"{(r['bytes_per_s'] or 0) / 1e9:.1f} GB/s")
+        seen = (f"{r['name']} ({r['dtype']}) took {100 * share:.0f}% of op time; {r['bound']}-bound at {rate}, "
+                f"{100 * (r['roof_fraction'] or 0):.0f}% of the {r['device']} roof at intensity "
+                f"{r['intensity'] or 0:.1f} FLOP/byte")
+        if r["bound"] == "compute":
+            fix = ("below the roof: check the threads (torch.get_num_threads()), shapes and contiguity"
+                   if (r["roof_fraction"] or 0) < 0.3 else
+                   "it runs near the measured peak: fewer FLOPs (smaller layers), lower precision or a faster device")
+        else:
+            fix = ("fuse it with its neighbours (torch.compile) so the data is read once; 16-bit dtypes halve the bytes")
+        out.append(_finding(f"{r['bound']}_bound", r["name"], seen, pairs, multi, r["time_ns"], fix, None))
+    dev = (peaks or {}).get("cpu") if not any(r["device"] == "cuda" for r in ops_rows) else (peaks or {}).get("cuda")
+    fl = (dev or {}).get("flops") or {}
+    best16 = max(((k, v) for k, v in fl.items() if k in ("bfloat16", "float16") and v), key=lambda kv: kv[1], default=None)
+    if best16 and fl.get("float32") and fp32_gemm / total >= 0.5 and best16[1] >= AMP_GAIN * fl["float32"]:
+        got = [_seqs_of(wins, r["name"]) for r in ops_rows
+               if r["dtype"] == "float32" and short_name(r["name"]) in _GEMM and r["bound"] == "compute"]
+        pairs = (np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got]))
+        seen = (f"compute-bound float32 matmuls/convolutions took {100 * fp32_gemm / total:.0f}% of op time, and this device's "
+                f"measured {best16[0]} peak is {best16[1] / fl['float32']:.1f}x its float32 peak")
+        out.append(_finding("amp", "float32 matmuls and convolutions", seen, pairs, multi, fp32_gemm,
+                            f"run the forward under torch.autocast(device_type, dtype=torch.{best16[0]})", steps))
+    return out
+
+
+def _seqs_of(wins: Sequence[Mapping[str, Any]], op: str) -> Tuple[np.ndarray, np.ndarray]:
+    ws, ss = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for w, win in enumerate(wins):
+        view = win["view"]
+        m = view.mask(lambda n: n == op)
+        ss.append(view.seq[m])
+        ws.append(np.full(int(m.sum()), w, dtype=np.int64))
+    return np.concatenate(ws), np.concatenate(ss)
+
+
+def _host_to_device(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+    rs = []
+    for w, win in enumerate(wins):
+        for r in _rows_of(w, win["view"], frozenset({"_to_copy", "copy_"}),
+                          ["seq", "op", "in_devices", "out_devices", "cpu_ns", "module", "source_file", "source_line"]):
+            ins, outs = r["in_devices"] or [], r["out_devices"] or []
+            src = ins[1] if short_name(r["op"]) == "copy_" and len(ins) > 1 else (ins[0] if ins else None)
+            if src == "cpu" and any(d and d.startswith("cuda") for d in outs):
+                rs.append(r)
+    if not rs:
+        return []
+    seen = f"{len(rs)} host-to-device copies, {fmt_ns(sum(r['cpu_ns'] or 0 for r in rs))} on the host"
+    return [_finding("host_copy", "host-to-device copies", seen, [(r["window"], r["seq"]) for r in rs], multi,
+                     sum(r["cpu_ns"] or 0 for r in rs),
+                     "pin the host memory (DataLoader(pin_memory=True) or t.pin_memory()) and copy with "
+                     ".to(device, non_blocking=True)", steps, rs[0]["module"], rs[0]["source_file"], rs[0]["source_line"])]
+
+
+def _idle_findings(idle: List[Dict[str, Any]], multi: bool) -> List[Dict[str, Any]]:
+    out = []
+    for d in idle:
+        if not d["span_ns"] or d["idle_ns"] / d["span_ns"] < OUTSIDE_SHARE or not d["gap_seqs"]:
+            continue
+        host = d["host_wait_ns"] >= d["launch_ns"]
+        seen = (f"cuda:{d['device']} idle {100 * d['idle_ns'] / d['span_ns']:.0f}% of its {fmt_ns(d['span_ns'])} span "
+                f"between {d['n_kernels']} kernels: {fmt_ns(d['host_wait_ns'])} waiting for the host to issue work, "
+                f"{fmt_ns(d['launch_ns'])} in launch gaps")
+        fix = ("the host is the bottleneck: remove syncs and Python from the step, prefetch data"
+               if host else "launch-bound: CUDA graphs (torch.compile(mode='reduce-overhead')) or fewer, larger kernels")
+        out.append(_finding("gpu_idle", f"cuda:{d['device']} idle time", seen, [(d.get("window", 0), s) for s in d["gap_seqs"]],
+                            multi, d["idle_ns"], fix, None, what="kernels after the largest gaps, ops seq"))
+    return out
+
+
+def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] = None) -> Dict[str, Any]:
+    """Every finding of ``windows`` (one mapping per trace), with the tables behind them."""
+    from .._common import NOISE_OPS
+
+    cells: Dict[str, int] = {}
+    for w in windows:
+        cells.update(w.get("cells") or {})
+    token = _CELLS.set(cells or None)
+    try:
+        return _advise(windows, peaks, NOISE_OPS)
+    finally:
+        _CELLS.reset(token)
+
+
+def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_OPS: "frozenset[str]") -> Dict[str, Any]:
+    multi = len(windows) > 1
+    steps_each: List[Optional[int]] = [w.get("steps") if w.get("steps") is not None else infer_steps(w["calls"])
+                                       for w in windows]
+    steps = sum(int(s) for s in steps_each if s) if steps_each and all(steps_each) else None
+    windows = [dict(w, view=OpView(w["ops"])) for w in windows]
+    syncs = [sync_table(w["ops"], w["calls"], i, w["view"]) for i, w in enumerate(windows)]
+    sync_t = pa.concat_tables(syncs) if syncs else S.SYNCS.empty_table()
+    all_ops = [w["ops"] for w in windows if w["ops"].num_rows]
+    ops = S.unify_dictionaries(pa.concat_tables(all_ops)) if len(all_ops) > 1 else (all_ops[0] if all_ops else None)
+    flops_known = all(w.get("flops_known", True) for w in windows)
+    roof = roofline(ops, peaks, flops_known) if ops is not None else S.ROOFLINE.empty_table()
+    outs = [outside_ops(w["ops"], w["calls"], w.get("wall_ns")) for w in windows]
+    for o, w, s in zip(outs, windows, steps_each):
+        if o is not None:   # tiny ops per window (and per step), shown whether or not they make a finding
+            o["tiny_ops"] = int(tiny_mask(w["ops"], TINY_BYTES, TINY_FLOPS, w["view"].noise).sum())
+            o["steps"] = s
+    idle = []
+    for i, w in enumerate(windows):
+        k = w.get("kernels")
+        if k is not None and k.num_rows:
+            for d in gpu_idle(w["ops"], k):
+                idle.append(dict(d, window=i))
+    cuda = any(r == "cuda" for r in roof.column("device").to_pylist()) if roof.num_rows else False
+    found: List[Dict[str, Any]] = []
+    found += _sync_findings(sync_t, NOISE_OPS, multi, steps)
+    found += _layout_findings(windows, multi, steps)
+    found += _zero_grad_findings(windows, multi, steps)
+    found += _host_to_device(windows, multi, steps)
+    found += _overhead_findings(windows, multi, steps, cuda)
+    found += _outside_findings(outs, windows, multi, steps)
+    found += _idle_findings(idle, multi)
+    found += _roofline_findings(roof, windows, peaks, multi, steps)
+    found.sort(key=lambda f: -(f["cost_ns"] if f["cost_ns"] is not None else -1))
+    return {"findings": _advice_table(found), "syncs": sync_t, "roofline": roof,
+            "outside": outs, "gpu_idle": idle, "steps": steps}
+
+
+
+def _advice_table(found: List[Dict[str, Any]]) -> pa.Table:
+    """The ADVICE table; each finding's rows (numpy) become one list cell without a Python int per row."""
+    cols: Dict[str, Any] = {f.name: [f_[f.name] for f_ in found] for f in S.ADVICE if f.name != "rows"}
+    lens = np.array([len(f_["rows"]) for f_ in found], dtype=np.int32)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    flat = pa.array(np.concatenate([np.asarray(f_["rows"], dtype=np.int64) for f_ in found]) if found
+                    else np.zeros(0, np.int64))
+    cols["rows"] = pa.ListArray.from_arrays(offsets, flat)
+    return pa.table({f.name: cols[f.name] for f in S.ADVICE}, schema=S.ADVICE)

@@ -1,0 +1,111 @@
+"""Time outside ops and GPU idle time: where a traced block spent its wall time when no op ran.
+
+``outside_ops(ops, calls, wall_ns)``: the union of the ops' host intervals
+(``start_ns``, ``start_ns + cpu_ns``) against the span from the first op to the last; the rest
+is Python, data loading and everything else between ops. The largest gaps are named by the ops around them;
+``DataLoader`` time is the calls whose qualname names one (when data loading ran through a
+recorded torch-level call).
+
+``gpu_idle(ops, kernels)``: per device, the time between kernels (their intervals merged), each
+gap split into ``host_wait`` (the GPU idle before the host even started the op that launched the
+next kernel: the host was busy elsewhere) and ``launch`` (the op had started: launch latency
+and queueing). Needs the ``kernels`` table (``trace(kernels=True)`` on CUDA).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .opview import string_mask
+
+_GAPS_LISTED = 3
+
+
+def _np(col: Any, fill: Any = 0) -> np.ndarray:
+    out: np.ndarray = pc.fill_null(col, fill).to_numpy(zero_copy_only=False)
+    return out
+
+
+def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int]) -> Optional[Dict[str, Any]]:
+    """``{wall_ns, span_ns, in_ops_ns, outside_ns, share, gaps: [(gap_ns, seq_before, seq_after)], dataloader_ns}``:
+    the advisor adds ``tiny_ops`` and ``steps``. The span runs from the first op's start to the last op's end (the trace's own start and stop are
+    not the program's), ``share`` is ``outside_ns / span_ns``."""
+    if not wall_ns or ops.num_rows == 0:
+        return None
+    start = _np(ops.column("start_ns"))
+    end = start + _np(ops.column("cpu_ns"))
+    seq = _np(ops.column("seq"))
+    if len(start) < 2 or bool((start[1:] >= start[:-1]).all()):
+        s, e, q = start, end, seq                 # rows in dispatch order already start in order
+    else:
+        order = np.argsort(start, kind="stable")
+        s, e, q = start[order], end[order], seq[order]
+    run_end = np.maximum.accumulate(e)
+    # a gap opens where an op starts after every earlier op ended
+    prev_end = np.concatenate([[0], run_end[:-1]])
+    gap = np.maximum(s - prev_end, 0)
+    gap[0] = 0                              # before the first op: the trace starting, not the program
+    span = int(run_end[-1]) - int(s[0])
+    outside = int(gap.sum())
+    in_ops = max(span - outside, 0)
+    k = min(_GAPS_LISTED, len(gap))
+    part = np.argpartition(-gap, k - 1)[:k] if k < len(gap) else np.arange(len(gap))
+    top = part[np.argsort(-gap[part], kind="stable")]
+    gaps = [(int(gap[i]), int(q[i - 1]) if i > 0 else None, int(q[i])) for i in top if gap[i] > 0]
+    dl = 0
+    if calls.num_rows:
+        m = string_mask(calls.column("qualname"), lambda v: "DataLoader" in v)
+        if m.any():
+            dl = int(pc.sum(pc.filter(calls.column("dur_ns"), pa.array(m))).as_py() or 0)
+    return {"wall_ns": int(wall_ns), "span_ns": span, "in_ops_ns": in_ops, "outside_ns": outside,
+            "share": outside / span if span else 0.0, "gaps": gaps, "dataloader_ns": dl}
+
+
+def gpu_idle(ops: pa.Table, kernels: pa.Table) -> List[Dict[str, Any]]:
+    """One dict per device: ``device, busy_ns, idle_ns, host_wait_ns, launch_ns, n_gaps, span_ns, n_kernels,
+    gap_seqs`` (the ops that launched the kernels after the largest gaps)."""
+    if kernels.num_rows == 0:
+        return []
+    k = kernels.filter(pc.invert(pc.is_null(kernels.column("start_ns"))))
+    if k.num_rows == 0:
+        return []
+    op_start: Dict[int, int] = {}
+    if ops.num_rows:
+        op_start = dict(zip(_np(ops.column("seq")).tolist(), _np(ops.column("start_ns")).tolist()))
+    out = []
+    devs = _np(k.column("device"), -1)
+    for dev in sorted(set(devs.tolist())):
+        m = devs == dev
+        s = _np(k.column("start_ns"))[m]
+        e = s + _np(k.column("dur_ns"))[m]
+        seqs = _np(k.column("seq"), -1)[m]
+        order = np.argsort(s, kind="stable")
+        s, e, seqs = s[order], e[order], seqs[order]
+        run_end = np.maximum.accumulate(e)
+        busy = 0
+        host_wait = launch = n_gaps = 0
+        gap_list: List[Any] = []
+        cur_s, cur_e = int(s[0]), int(e[0])
+        for i in range(1, len(s)):
+            if s[i] <= run_end[i - 1]:
+                cur_e = max(cur_e, int(e[i]))
+                continue
+            busy += cur_e - cur_s
+            g0, g1 = int(run_end[i - 1]), int(s[i])
+            n_gaps += 1
+            launched = op_start.get(int(seqs[i])) if seqs[i] >= 0 else None
+            hw = min(max(launched - g0, 0), g1 - g0) if launched is not None else 0
+            host_wait += hw
+            if seqs[i] >= 0:
+                gap_list.append((g1 - g0, int(seqs[i])))
+            launch += (g1 - g0) - hw
+            cur_s, cur_e = int(s[i]), int(e[i])
+        busy += cur_e - cur_s
+        span = int(run_end[-1]) - int(s[0])
+        out.append({"device": int(dev), "busy_ns": busy, "idle_ns": span - busy, "host_wait_ns": host_wait,
+                    "launch_ns": launch, "n_gaps": n_gaps, "span_ns": span, "n_kernels": int(len(s)),
+                    "gap_seqs": [q for _, q in sorted(gap_list, key=lambda x: -x[0])[:_GAPS_LISTED]]})
+    return out

@@ -1,0 +1,113 @@
+"""Per-row numpy views of an ops table that several passes share (op-name codes, noise, seq), made once.
+
+The ``op`` column is dictionary-encoded (schema 1.2): a predicate on op names runs once per
+distinct name and is broadcast to the rows through the codes, so a pass over a 10k-op trace
+costs a few numpy operations, not a string per row.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, List, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+
+
+@functools.lru_cache(maxsize=8192)
+def short_name(op: str) -> str:
+    """``aten.nonzero.default`` -> ``nonzero``."""
+    parts = op.split(".")
+    return parts[1] if len(parts) > 1 else op
+
+
+class OpView:
+    """``names`` (distinct op names), ``codes`` (per row, -1 for null), ``noise`` and ``seq`` arrays."""
+
+    def __init__(self, ops: pa.Table) -> None:
+        self.ops = ops
+        self.n = ops.num_rows
+        names: List[str] = []
+        where: Dict[str, int] = {}
+        parts = []
+        col = ops.column("op")
+        for chunk in col.chunks:
+            if not pa.types.is_dictionary(chunk.type):
+                chunk = pc.dictionary_encode(chunk)
+            local = np.array([where.setdefault(v, len(where)) if v is not None else -1
+                              for v in chunk.dictionary.to_pylist()] + [-1], dtype=np.int64)
+            idx = pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+            parts.append(local[idx])
+        names = list(where)
+        self.names = names
+        self.codes: np.ndarray = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        self.noise: np.ndarray = (pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)
+                                  if self.n else np.zeros(0, bool))
+        self.seq: np.ndarray = ops.column("seq").to_numpy(zero_copy_only=False) if self.n else np.zeros(0, np.int64)
+
+    def mask(self, pred: Callable[[str], bool], work_only: bool = True) -> np.ndarray:
+        """Rows whose op name satisfies ``pred`` (``work_only``: and that are not bookkeeping)."""
+        if self.n == 0:
+            return np.zeros(0, bool)
+        want = np.array([bool(pred(n)) for n in self.names] + [False], dtype=bool)
+        m: np.ndarray = want[self.codes]
+        if work_only:
+            m &= ~self.noise
+        return m
+
+    def short_in(self, names: Any, work_only: bool = True) -> np.ndarray:
+        return self.mask(lambda n: short_name(n) in names, work_only)
+
+    def rows(self, mask: np.ndarray, cols: Sequence[str]) -> List[Dict[str, Any]]:
+        """The rows under ``mask`` as dicts of plain values (only for small selections)."""
+        if not mask.any():
+            return []
+        idx = pa.array(np.flatnonzero(mask))
+        out: List[Dict[str, Any]] = S.plain_strings(self.ops.select(list(cols)).take(idx)).to_pylist()
+        return out
+
+
+def string_mask(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
+    """Rows of a (dictionary-encoded or plain) string column whose value satisfies ``pred``; null is False."""
+    parts = []
+    for chunk in (col.chunks if isinstance(col, pa.ChunkedArray) else [col]):
+        if not pa.types.is_dictionary(chunk.type):
+            chunk = pc.dictionary_encode(chunk)
+        want = np.array([v is not None and bool(pred(v)) for v in chunk.dictionary.to_pylist()] + [False], dtype=bool)
+        parts.append(want[pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)])
+    return np.concatenate(parts) if parts else np.zeros(0, bool)
+
+
+def first_of(col: Any, raw: bool = False) -> pa.Array:
+    """The first element of each row of a list column (null for an empty or null list), as strings
+    (``raw``: in the values' own type, a dictionary for dictionary-encoded lists)."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if len(arr) == 0:
+        return pa.array([], pa.string())
+    offsets = arr.offsets.to_numpy(zero_copy_only=False)
+    lens = np.diff(offsets)
+    values = arr.values
+    if len(values) == 0:
+        return pa.nulls(len(arr), pa.string())
+    starts = offsets[:-1].astype(np.int64)
+    empty = lens <= 0
+    if arr.null_count:
+        empty |= ~np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    if empty.any():
+        idx = pa.array(np.where(empty, 0, np.minimum(starts, len(values) - 1)), mask=empty)
+    else:
+        idx = pa.array(starts)
+    out = pc.take(values, idx)
+    return out if raw else out.cast(pa.string())
+
+
+def codes_of(arr: Any) -> "tuple[np.ndarray, List[Any]]":
+    """(per-row code, -1 for null; the distinct values) of a string or dictionary column."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    if not pa.types.is_dictionary(arr.type):
+        arr = pc.dictionary_encode(arr)
+    codes = pc.fill_null(arr.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    return codes, arr.dictionary.to_pylist()

@@ -1,0 +1,190 @@
+"""Roofline per op and per module: achieved FLOP/s and bytes/s against the machine's measured peaks.
+
+``roofline(ops, peaks) -> pa.Table`` (schema ``ROOFLINE``). ``peaks`` maps a device type
+(``cpu``, ``cuda``) to ``{"flops": {dtype: FLOP/s}, "bytes_per_s": B/s, "overhead_ns": ns}``
+(``tensorscope.machine_peaks()``); without it the achieved rates are still given, the
+roof columns and ``bound`` are null.
+
+Per group of rows (``op`` level: one op and output dtype; ``module`` level: one module path):
+``ideal_ns = max(flops / peak_flops[dtype], bytes / bandwidth)`` is the time at the roof and
+``roof_fraction = ideal_ns / time_ns`` how close the rows came to it. ``bound``:
+
+* ``overhead`` when the ideal is under half the measured time and the ideal time per op is under
+  ``OVERHEAD_FACTOR`` times the framework's per-op floor (``overhead_ns``, measured with the
+  peaks): the work at the roof is shorter than dispatching it; on CUDA also when the host spent more than
+  twice the device time on ops of under ``CUDA_TINY_NS`` each;
+* else ``compute`` when ``flops / peak >= bytes / bandwidth`` (intensity at or past the ridge),
+  ``memory`` otherwise; null when the rows count neither FLOPs nor bytes.
+
+Time is ``cuda_ns`` where it was measured, else ``cpu_ns``. Rows with ``is_noise`` are left out.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema as S
+from .opview import codes_of, first_of
+
+OVERHEAD_FACTOR = 2.0
+CUDA_TINY_NS = 20_000
+
+Peaks = Mapping[str, Mapping[str, Any]]
+
+
+def device_type(dev: Optional[str]) -> Optional[str]:
+    return dev.split(":", 1)[0] if dev else None
+
+
+def peak_for(peaks: Optional[Peaks], dev: Optional[str], dtype: Optional[str]) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+    """(FLOP/s for ``dtype`` (float32's when the dtype was not measured), bytes/s, overhead ns) on ``dev``."""
+    p = (peaks or {}).get(device_type(dev) or "")
+    if not p:
+        return None, None, None
+    fl = p.get("flops") or {}
+    f = fl.get(dtype or "") or fl.get("float32")
+    return (float(f) if f else None, float(p["bytes_per_s"]) if p.get("bytes_per_s") else None,
+            float(p["overhead_ns"]) if p.get("overhead_ns") else None)
+
+
+def _groups(ops: pa.Table) -> List[Dict[str, Any]]:
+    cols = ["op", "module", "out_dtypes", "in_dtypes", "in_devices", "out_devices", "cuda_ns", "cpu_ns", "flops",
+            "bytes_read", "bytes_written"]
+    work = ops.select(cols)
+    if work.num_rows == 0:
+        return []
+    n = work.num_rows
+    keys = [codes_of(work.column("op")), codes_of(work.column("module")),
+            _first_codes(work, "out_dtypes", "in_dtypes"), _first_codes(work, "in_devices", "out_devices")]
+    noise = pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)
+    key = np.zeros(n, dtype=np.int64)
+    space = 1
+    for codes, values in keys:
+        key = key * (len(values) + 1) + (codes + 1)
+        space *= len(values) + 1
+    if space <= 1 << 22:      # dense key space: count per key, no sort
+        present = np.bincount(key[~noise], minlength=space) > 0
+        remap = np.full(space, -1, dtype=np.int64)
+        ids = np.flatnonzero(present)
+        remap[ids] = np.arange(len(ids))
+    else:
+        ids = np.unique(key[~noise])
+        remap = None
+    inv = remap[key] if remap is not None else np.searchsorted(ids, key)
+    inv = np.where(noise, len(ids), inv)            # noise rows go to a bin of their own, dropped below
+
+    def col(name: str) -> np.ndarray:
+        out: np.ndarray = pc.fill_null(work.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return out
+
+    cpu = col("cpu_ns")
+    has_cuda = ~np.asarray(pc.is_null(work.column("cuda_ns")).to_numpy(zero_copy_only=False), dtype=bool)
+    cuda = col("cuda_ns")
+    sums = {}
+    for name, v in (("time_sum", np.where(has_cuda, cuda, cpu)), ("cpu_sum", cpu), ("cuda_sum", cuda),
+                    ("cuda_count", has_cuda.astype(np.int64)), ("flops_sum", col("flops")),
+                    ("bytes_sum", col("bytes_read") + col("bytes_written")), ("op_count", np.ones(n, np.int64))):
+        acc = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.add.at(acc, inv, v)                           # exact int64 sums (FLOPs can pass 2**53)
+        sums[name] = acc
+    first = np.full(len(ids) + 1, n, dtype=np.int64)
+    np.minimum.at(first, inv, np.arange(n))
+    out: List[Dict[str, Any]] = []
+    for j in range(len(ids)):
+        i = int(first[j])
+        r: Dict[str, Any] = {name: int(v[j]) for name, v in sums.items()}
+        for field, (codes, values) in zip(("op", "module", "dtype", "device"), keys):
+            c = int(codes[i])
+            r[field] = values[c] if c >= 0 else None
+        out.append(r)
+    return out
+
+
+def _first_codes(t: pa.Table, a: str, b: str) -> "tuple[np.ndarray, List[Any]]":
+    """Codes of the first element of list column ``a``, else of ``b`` (read only where ``a`` is empty)."""
+    ca, va = codes_of(first_of(t.column(a), raw=True))
+    if (ca >= 0).all():
+        return ca, va
+    cb, vb = codes_of(first_of(t.column(b), raw=True))
+    return np.where(ca >= 0, ca, np.where(cb >= 0, cb + len(va), -1)), va + vb
+
+
+def _row(level: str, name: str, dtype: Optional[str], dev: Optional[str], n: int, time: int, cpu: int,
+         cuda: Optional[int], n_cuda: int, flops: int, nbytes: int, compute_ns: Optional[float],
+         memory_ns: Optional[float], overhead_ns: Optional[float], pf: Optional[float],
+         bw: Optional[float]) -> Dict[str, Any]:
+    sec = time / 1e9 if time else None
+    ideal = max(compute_ns or 0.0, memory_ns or 0.0) if (compute_ns is not None and memory_ns is not None) else None
+    bound = None
+    if ideal is not None and (flops or nbytes):
+        if n_cuda:
+            tiny_host = (cuda or 0) / n_cuda < CUDA_TINY_NS and cpu > 2 * (cuda or 0)
+        else:
+            tiny_host = False
+        floor = overhead_ns or 0.0
+        if (ideal < 0.5 * time and floor and ideal / max(n, 1) < OVERHEAD_FACTOR * floor) or tiny_host:
+            bound = "overhead"
+        else:
+            bound = "compute" if (compute_ns or 0.0) >= (memory_ns or 0.0) and flops else "memory"
+    inten = flops / nbytes if nbytes else None
+    roof = None
+    if pf and bw and inten is not None:
+        roof = min(pf, inten * bw)
+    elif pf and flops and not nbytes:
+        roof = pf
+    return {"level": level, "name": name, "dtype": dtype, "device": device_type(dev), "n_ops": n, "time_ns": time,
+            "flops": flops, "bytes": nbytes, "intensity": inten,
+            "flops_per_s": flops / sec if sec else None, "bytes_per_s": nbytes / sec if sec else None,
+            "peak_flops_per_s": pf, "peak_bytes_per_s": bw, "roof_flops_per_s": roof,
+            "roof_fraction": ideal / time if (ideal is not None and time and (flops or nbytes)) else None,
+            "ideal_ns": int(round(ideal)) if ideal is not None else None, "bound": bound}
+
+
+def roofline(ops: pa.Table, peaks: Optional[Peaks] = None, flops_known: bool = True) -> pa.Table:
+    """The ROOFLINE rows of ``ops``: op level (by time, descending), then module level.
+
+    ``flops_known=False`` (a trace recorded with ``flops=False``): no ideal time, roof or bound, since
+    a matmul without its FLOPs would look memory-bound."""
+    groups = _groups(ops)
+    if not groups:
+        return S.ROOFLINE.empty_table()
+    for g in groups:
+        pf, bw, ov = peak_for(peaks, g["device"], g["dtype"])
+        g["pf"], g["bw"], g["ov"] = pf, bw, ov
+        g["compute_ns"] = (g["flops_sum"] / pf * 1e9) if (pf and flops_known) else None
+        g["memory_ns"] = (g["bytes_sum"] / bw * 1e9) if bw else None
+    rows: List[Dict[str, Any]] = []
+    for level, key in (("op", lambda g: (g["op"], g["dtype"], g["device"])), ("module", lambda g: (g["module"],))):
+        agg: Dict[Any, Dict[str, Any]] = {}
+        for g in groups:
+            k = key(g)
+            if k[0] is None:
+                continue
+            a = agg.setdefault(k, {"n": 0, "time": 0, "cpu": 0, "cuda": 0, "n_cuda": 0, "flops": 0, "bytes": 0,
+                                   "compute": 0.0, "memory": 0.0, "known": True, "dtimes": {}, "g": g})
+            a["n"] += g["op_count"]
+            a["time"] += g["time_sum"] or 0
+            a["cpu"] += g["cpu_sum"] or 0
+            a["cuda"] += g["cuda_sum"] or 0
+            a["n_cuda"] += g["cuda_count"] or 0
+            a["flops"] += g["flops_sum"] or 0
+            a["bytes"] += g["bytes_sum"] or 0
+            if g["compute_ns"] is None or g["memory_ns"] is None:
+                a["known"] = False
+            else:
+                a["compute"] += g["compute_ns"]
+                a["memory"] += g["memory_ns"]
+            dk = (g["dtype"], g["device"])
+            a["dtimes"][dk] = a["dtimes"].get(dk, 0) + (g["time_sum"] or 0)
+        for k, a in agg.items():
+            dtype, dev = max(a["dtimes"].items(), key=lambda kv: kv[1])[0]
+            pf, bw, ov = peak_for(peaks, dev, dtype)
+            known = a["known"]
+            rows.append(_row(level, k[0], dtype, dev, a["n"], a["time"], a["cpu"], a["cuda"], a["n_cuda"],
+                             a["flops"], a["bytes"], a["compute"] if known else None, a["memory"] if known else None,
+                             ov, pf, bw))
+    rows.sort(key=lambda r: (r["level"] != "op", -(r["time_ns"] or 0)))
+    return pa.Table.from_pylist(rows, schema=S.ROOFLINE)
