@@ -4,7 +4,9 @@ tensorscope (native and python engines) vs DebugMode vs FlopCounterMode vs torch
 Prints µs/op, overhead over eager, and overhead as a multiple of the empty
 TorchDispatchMode's overhead, on (a) a loop of small elementwise ops on 8×8
 tensors, (b) an MLP forward+backward, (c) a small conv net training step and
-(d) a small transformer block forward+backward (both written here). Every
+(d) a small transformer block forward+backward and (e) a real model's training step (timm's
+resnet18 or a transformers BERT from its config when installed, else a ResNet-18 written here:
+torchvision-free, same blocks and widths). Every
 figure is end to end: entering, recording, leaving and building the tables
 (for torch.profiler: "active only" is the profile block alone, "+ events()"
 adds what a user needs to read a result). The fixed cost at the end of a trace
@@ -13,10 +15,14 @@ and with ``dataset=`` (spilling into parts), each in a fresh process, reports
 the time to stop and build the Arrow tables and the resident bytes per recorded
 op (for the native engine also its own share: packed rows, storages, interned).
 
-    python benchmarks/overhead.py [--quick] [--ops 1000000] [--json out.json]
+    python benchmarks/overhead.py [--quick] [--ops 1000000] [--clock cpu|wall] [--json out.json]
     python benchmarks/overhead.py --big-only native [--dataset] --ops 1000000   # the big trace alone
 
-Numbers are relative: run on an idle machine, single thread (torch.set_num_threads(1)).
+Numbers are relative: single thread (torch.set_num_threads(1)), best of N, contexts round robin.
+``--clock cpu`` (the default) times the thread's CPU time, which a shared machine's neighbours
+barely move (CPU autograd runs the backward on the calling thread); ``--clock wall`` the wall time.
+The last table is the default ``trace()``'s overhead per workload as a multiple of the empty
+TorchDispatchMode's, fixed cost included.
 """
 from __future__ import annotations
 
@@ -136,6 +142,94 @@ def transformer(n_steps, batch=4, seq=32):
     return run, _count_ops(step) * n_steps
 
 
+class BasicBlock(torch.nn.Module):
+    """ResNet's basic block: two 3x3 convs with batch norm, a projection shortcut when the shape changes."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(cout)
+        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            torch.nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return torch.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(torch.nn.Module):
+    """torchvision's resnet18, written out (same stem, blocks, widths and head; no torchvision)."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(64),
+                                        torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+        blocks, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            blocks += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.blocks = torch.nn.Sequential(*blocks)
+        self.fc = torch.nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
+
+
+def real_model(n_steps, batch=2):
+    """A real model's training step (SGD with momentum): timm's resnet18 or a small BERT from
+    transformers' config classes when installed (no weights downloaded), else ResNet18 above.
+    Returns (run, ops per run, what it is)."""
+    torch.manual_seed(0)
+    try:
+        import timm
+
+        model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+        what = f"timm {timm.__version__} resnet18"
+    except ImportError:
+        model = None
+    if model is None:
+        try:
+            import transformers
+
+            cfg = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=512, num_labels=10)
+            model = transformers.BertForSequenceClassification(cfg)
+            what = f"transformers {transformers.__version__} BertForSequenceClassification (2 layers, d=128)"
+        except ImportError:
+            model = None
+    if model is None:
+        model = ResNet18()
+        what = "ResNet-18 written in this file (timm and transformers are not installed)"
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if "Bert" in type(model).__name__:
+        ids = torch.randint(0, 1000, (batch, 32))
+        labels = torch.randint(0, 10, (batch,))
+
+        def loss_fn():
+            return model(input_ids=ids, labels=labels).loss
+    else:
+        x = torch.randn(batch, 3, 64, 64)
+        y = torch.randint(0, 10, (batch,))
+
+        def loss_fn():
+            return torch.nn.functional.cross_entropy(model(x), y)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn().backward()
+        opt.step()
+
+    def run():
+        for _ in range(n_steps):
+            step()
+    return run, _count_ops(step) * n_steps, what
+
+
 def _count_ops(step):
     with tensorscope.trace(leaks=False, engine="python") as t:
         step()
@@ -178,6 +272,10 @@ def contexts():
     return ctx
 
 
+#: the clock every measurement reads (main() sets it from --clock)
+CLOCK = time.thread_time_ns
+
+
 def time_ctxs(ctxs, run, reps, k):
     """Best-of-``reps`` ns per context, measured round robin (one rep of every context, then the
     next rep), so a slow spell of a shared machine hits all of them rather than one."""
@@ -185,11 +283,11 @@ def time_ctxs(ctxs, run, reps, k):
     for _ in range(reps):
         for key, make in ctxs.items():
             gc.collect()
-            t0 = time.perf_counter_ns()
+            t0 = CLOCK()
             with make():
                 for _ in range(k):
                     run()
-            ns = time.perf_counter_ns() - t0
+            ns = CLOCK() - t0
             # the minimum: other processes only ever add time (the development machine is shared)
             best[key] = ns if best[key] is None else min(best[key], ns)
     return best
@@ -228,6 +326,23 @@ def bench_workload(name, run, n_ops, reps, k=3, fixed=None):
     return rows
 
 
+_WORKLOADS = (("small_ops", "(a) small ops"), ("mlp", "(b) MLP"), ("conv_net", "(c) conv net"),
+              ("transformer", "(d) transformer blocks"), ("real_model", "(e) real model"))
+
+
+def ratios(out, clock):
+    """The closing table: each workload's default-trace overhead over the empty mode's."""
+    keys = ("native: trace() (default)", "native: leaks=False", "python: trace() (default)")
+    print(f"\ndefault trace() overhead as a multiple of the empty TorchDispatchMode's (end to end, fixed cost "
+          f"included, clock: {clock})")
+    print(f"{'workload':26s} " + " ".join(f"{k:>26s}" for k in keys))
+    for name, label in _WORKLOADS:
+        rows = out.get(name)
+        if rows:
+            print(f"{label:26s} " + " ".join(f"{rows[k]['x_empty']:25.2f}x" if k in rows else f"{'-':>26s}"
+                                             for k in keys))
+
+
 def rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -244,10 +359,10 @@ def fixed_cost(reps):
             x + x
     for _ in range(reps):   # round robin, as time_ctxs
         for key, make in makers.items():
-            t0 = time.perf_counter_ns()
+            t0 = CLOCK()
             with make():
                 x + x
-            samples[key].append(time.perf_counter_ns() - t0)
+            samples[key].append(CLOCK() - t0)
     out = {key: statistics.median(v) / 1e6 for key, v in samples.items()}
     print("\nfixed cost of one trace (one op), ms: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
     return out
@@ -326,14 +441,18 @@ def main(argv=None):
     ap.add_argument("--big-only", choices=("native", "python"),
                     help="only the big trace, with this engine (this process)")
     ap.add_argument("--dataset", action="store_true", help="the big trace writes a dataset= (spilling into parts)")
-    ap.add_argument("--only", help="run only these workloads (comma-separated: small,mlp,conv,transformer)")
+    ap.add_argument("--only", help="run only these workloads (comma-separated: small,mlp,conv,transformer,real)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="cpu: the thread's CPU time (default; steady on a shared machine), wall: wall time")
     a = ap.parse_args(argv)
+    global CLOCK
+    CLOCK = time.thread_time_ns if a.clock == "cpu" else time.perf_counter_ns
     torch.set_num_threads(1)
     if a.big_only:
         r = big_trace(a.ops, a.big_only, a.dataset)
         print(json.dumps(r))
         return 0
-    only = set(a.only.split(",")) if a.only else {"small", "mlp", "conv", "transformer"}
+    only = set(a.only.split(",")) if a.only else {"small", "mlp", "conv", "transformer", "real"}
     reps = 5 if a.quick else 7
     out = {"torch": torch.__version__, "native": None}
     try:
@@ -342,7 +461,8 @@ def main(argv=None):
         out["native"] = native.status()
     except Exception:
         pass
-    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, native: {out['native']}")
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, clock: {a.clock}, native: {out['native']}")
+    out["clock"] = a.clock
     fixed = out["fixed_cost_ms"] = fixed_cost(reps)
     if "small" in only:
         run, n = small_ops(1000)
@@ -358,6 +478,11 @@ def main(argv=None):
         run, n = transformer(2 if a.quick else 3)
         out["transformer"] = bench_workload("(d) 2 transformer blocks forward+backward (d=64, 4 heads, 4x32)",
                                             run, n, reps, fixed=fixed)
+    if "real" in only:
+        run, n, what = real_model(1 if a.quick else 2)
+        out["real_model"] = bench_workload(f"(e) a real model's training step: {what}", run, n, reps, k=2, fixed=fixed)
+        out["real_model"]["model"] = what
+    ratios(out, a.clock)
     if a.ops:
         # each engine in a fresh process: resident memory is not muddled by the other's freed pages
         import subprocess

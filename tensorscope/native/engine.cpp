@@ -713,7 +713,11 @@ int64_t nonfinite_count(const c10::TensorImpl* impl) {
     sz[i] = sizes[i];
     sd[i] = strides[i];
   }
-  if (impl->is_contiguous() && nd > 1) {   // one run over the whole buffer
+  // a dense tensor (contiguous, channels_last, a transpose of one...) covers exactly numel
+  // elements from its offset, each once: the count does not depend on the order, so one run
+  // over that span (a channels_last activation's innermost dim has stride C: element by element
+  // it was ~8x slower than the vectorised run)
+  if (nd > 1 && (impl->is_contiguous() || impl->is_non_overlapping_and_dense())) {
     sz[0] = impl->numel();
     sd[0] = 1;
     nd = 1;
@@ -728,6 +732,8 @@ int64_t nonfinite_count(const c10::TensorImpl* impl) {
     case c10::kBFloat16:
       return count_strided(reinterpret_cast<const c10::BFloat16*>(data) + off, sz, sd, nd);
     case c10::kComplexFloat: {
+      if (nd == 1 && sd[0] == 1)   // dense: real and imaginary parts side by side, one run
+        return count_run(reinterpret_cast<const float*>(data) + 2 * off, 2 * sz[0]) > 0 ? 1 : 0;
       // real and imaginary parts: a complex tensor is a float tensor with a trailing dim of 2
       sz[nd] = 2;
       sd[nd] = 1;
@@ -735,6 +741,8 @@ int64_t nonfinite_count(const c10::TensorImpl* impl) {
       return count_strided(reinterpret_cast<const float*>(data) + 2 * off, sz, sd, nd + 1) > 0 ? 1 : 0;
     }
     case c10::kComplexDouble: {
+      if (nd == 1 && sd[0] == 1)
+        return count_run(reinterpret_cast<const double*>(data) + 2 * off, 2 * sz[0]) > 0 ? 1 : 0;
       sz[nd] = 2;
       sd[nd] = 1;
       for (int64_t i = 0; i < nd; ++i) sd[i] *= 2;

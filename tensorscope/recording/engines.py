@@ -629,10 +629,31 @@ def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_se
             continue
         try:
             a_, out_val = _decode_args(encs[a], shapes)
-            vals[k] = int(f(*a_, out_val=out_val))
+            key = (func, _frozen(a_), _frozen(out_val))
+            v = _FLOPS.get(key)
+            if v is None:
+                v = int(f(*a_, out_val=out_val))
+                if len(_FLOPS) >= 65536:
+                    _FLOPS.clear()
+                _FLOPS[key] = v
+            vals[k] = v
         except Exception:
             vals[k] = -1
     flops[todo] = vals[inv.reshape(-1)]
+
+
+#: (op, arguments, outputs) -> FLOPs: the formulas are pure functions of shapes and scalars, and
+#: torch's shape wrapper tree-maps every argument (~0.1 ms a call), so each is computed once per process
+_FLOPS: Dict[Tuple[Any, Any, Any], int] = {}
+
+
+def _frozen(v: Any) -> Any:
+    """A decoded argument list as a hashable key (lists become tuples, tagged apart from tuples)."""
+    if isinstance(v, list):
+        return ("l",) + tuple(_frozen(x) for x in v)
+    if isinstance(v, tuple):
+        return ("t",) + tuple(_frozen(x) for x in v)
+    return v
 
 
 def make_engine(choice: EngineChoice) -> Union[NativeEngine, PythonEngine]:

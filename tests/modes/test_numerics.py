@@ -363,3 +363,23 @@ def test_native_screen_counts_exactly_across_blocks_and_strides(dtype):
     assert _nf(t, "aten.mul.Tensor")[1] == (4, False) and int((~torch.isfinite(b)).sum()) == 4
     assert int((~torch.isfinite(c)).sum()) == 1
     assert _nf(t, "aten.clone.default") == [(1, False)] and _nf(t, "aten.mul.Tensor")[2] == (1, False)
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_screen_counts_dense_permuted_and_gapped_outputs_exactly(engine):
+    # a dense output in another dim order (channels_last, a transpose) is counted as one run over
+    # its span, from its storage offset; a gapped out= target only where it is written
+    x = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    x[0, 1, 2, 3] = float("inf")
+    x[1, 2, 3, 4] = float("nan")
+    buf = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    buf[0].fill_(float("nan"))             # outside the written half: never counted
+    gap = torch.full((4, 10), float("inf"))
+    with tensorscope.trace(leaks=False, engine=engine) as t:
+        a = x * 2                          # channels_last output
+        torch.mul(x[1], 2, out=buf[1])     # a dense target at a storage offset
+        torch.add(torch.ones(4, 5), 1, out=gap[:, ::2])   # every other column written, the rest inf
+    assert a.is_contiguous(memory_format=torch.channels_last)
+    assert _nf(t, "aten.mul.Tensor") == [(2, False)]
+    assert _nf(t, "aten.mul.out") == [(1, False)]
+    assert _nf(t, "aten.add.out") == [(0, None)]

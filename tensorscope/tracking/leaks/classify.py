@@ -14,6 +14,7 @@ import os
 import sys
 import types
 import weakref
+from operator import itemgetter
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 _PY313 = sys.version_info >= (3, 13)
@@ -34,6 +35,9 @@ _MACHINERY = frozenset((
     "_frozen_importlib_external", "zipimport", "codecs", "io", "_io", "encodings", "site", "sysconfig",
     "ipywidgets", "nbclient", "nbformat", "pytest", "_pytest", "pluggy", "pdb", "bdb", "cmd", "inspect",
     "signal", "atexit", "typing", "abc",
+    # tensorscope's own objects hold no tensor (weak references only): `t` of a running
+    # `with tensorscope.trace() as t` is the session, whose walk was most of a trace's search
+    "tensorscope",
 ))
 
 
@@ -158,20 +162,45 @@ def _is_library_file(path) -> bool:
     return r
 
 
+#: sys.modules as last classified: (its names, its modules' ids, the names of the user's modules
+#: among them). No module is held: ids and names only.
+_UM_CACHE: Optional[Tuple[List[str], List[int], List[str]]] = None
+
+
+def _module_file(mod) -> Optional[str]:
+    """``__file__`` from the module's dict (never through a lazy module's ``__getattr__``)."""
+    d = getattr(mod, "__dict__", None)
+    f = d.get("__file__") if type(d) is dict else None
+    return f if isinstance(f, str) else None
+
+
 def _user_modules() -> List[Tuple[str, types.ModuleType]]:
     """Imported modules that are the user's own code (not stdlib, not site-packages, not ours).
 
-    With a big library imported (transformers: thousands of modules) this runs once per search
-    at a dict lookup per module; ``__file__`` is read from the module's dict, never through a
-    lazy module's ``__getattr__``."""
+    With a big library imported (transformers: thousands of modules) the classification costs
+    ~1.5 µs a module, so it is kept from one call to the next: while ``sys.modules`` holds the same
+    names bound to the same objects (two C-level list compares), only the user's modules are read
+    again (their ``__file__``); any other change classifies every module again."""
+    global _UM_CACHE
+    names = list(sys.modules)
+    ids = list(map(id, sys.modules.values()))
+    cached = _UM_CACHE
+    if cached is not None and cached[0] == names and cached[1] == ids:
+        mods = sys.modules
+        out = [(name, mods[name]) for name in cached[2] if name in mods]
+        if len(out) == len(cached[2]) and all(not _is_library_file(_module_file(mod)) for _n, mod in out):
+            return out
     out = []
-    for name, mod in list(sys.modules.items()):
+    items = list(sys.modules.items())
+    names = list(map(itemgetter(0), items))
+    ids = list(map(id, map(itemgetter(1), items)))
+    for name, mod in items:
         if mod is None or name in ("__main__", "__mp_main__") or name.startswith("_"):
             continue
-        d = getattr(mod, "__dict__", None)
-        f = d.get("__file__") if type(d) is dict else None
-        if isinstance(f, str) and not _is_library_file(f):
+        f = _module_file(mod)
+        if f is not None and not _is_library_file(f):
             out.append((name, mod))
+    _UM_CACHE = (names, ids, [name for name, _m in out])
     return out
 
 
