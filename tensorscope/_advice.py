@@ -110,7 +110,7 @@ def advise(traces: Any, *, peaks: Optional[Dict[str, Dict[str, Any]]] = None,
     else:
         pk, source = dict(peaks), "given"
     wins = [{"ops": t.ops, "calls": t.calls, "kernels": t.kernels, "layout_changes": t.layout_changes,
-             "wall_ns": t.metadata.get("wall_ns"), "steps": s,
+             "wall_ns": t.metadata.get("wall_ns"), "steps": s, "engine": t.metadata.get("engine"),
              "cells": dict(t.metadata.get("cell_files") or {}),
              "flops_known": bool((t.metadata.get("options") or {}).get("flops", True))}
             for t, s in zip(ts, steps_each)]

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import fmt_bytes, fmt_ns
 from .._location import format_location
-from .idle import gpu_idle, outside_ops
+from .idle import TRACER_NS, gpu_idle, outside_ops
 from .opview import OpView, short_name
 from .roofline import Peaks, roofline
 from .syncs import infer_steps, sync_table, tiny_mask
@@ -268,7 +268,8 @@ def _outside_findings(outs: List[Optional[Dict[str, Any]]], wins: Sequence[Mappi
         pairs.extend((w, s) for s in (a, b) if s is not None)
     dl = sum(o["dataloader_ns"] for o in outs if o)
     seen = (f"{100 * outside / wall:.0f}% of the time from the first op to the last ({fmt_ns(outside)} of "
-            f"{fmt_ns(wall)}) ran outside any op: Python, data loading, I/O; largest gaps: " + "; ".join(lines))
+            f"{fmt_ns(wall)}) ran outside any op, each gap less tensorscope's own per-op work: Python, data loading, "
+            f"I/O; largest gaps: " + "; ".join(lines))
     if dl:
         seen += f"; DataLoader calls took {fmt_ns(dl)}"
     fix = ("move Python work (per-element loops, logging, host-side metrics) out of the step; load data in "
@@ -387,7 +388,8 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
     ops = S.unify_dictionaries(pa.concat_tables(all_ops)) if len(all_ops) > 1 else (all_ops[0] if all_ops else None)
     flops_known = all(w.get("flops_known", True) for w in windows)
     roof = roofline(ops, peaks, flops_known) if ops is not None else S.ROOFLINE.empty_table()
-    outs = [outside_ops(w["ops"], w["calls"], w.get("wall_ns")) for w in windows]
+    outs = [outside_ops(w["ops"], w["calls"], w.get("wall_ns"), TRACER_NS.get(str(w.get("engine")), 0))
+            for w in windows]
     for o, w, s in zip(outs, windows, steps_each):
         if o is not None:   # tiny ops per window (and per step), shown whether or not they make a finding
             o["tiny_ops"] = int(tiny_mask(w["ops"], TINY_BYTES, TINY_FLOPS, w["view"].noise).sum())

@@ -4,7 +4,10 @@
 (``start_ns``, ``start_ns + cpu_ns``) against the span from the first op to the last; the rest
 is Python, data loading and everything else between ops. The largest gaps are named by the ops around them;
 ``DataLoader`` time is the calls whose qualname names one (when data loading ran through a
-recorded torch-level call).
+recorded torch-level call). A traced gap also holds tensorscope's own work between two ops (the
+probes after one op, the bookkeeping before the next), which eager never runs: each gap counts only
+past ``tracer_ns``, the engine's per-op cost (``TRACER_NS``, upper bounds of what
+``benchmarks/overhead.py`` measures for a whole op), so a gap the tracer alone could explain is no finding.
 
 ``gpu_idle(ops, kernels)``: per device, the time between kernels (their intervals merged), each
 gap split into ``host_wait`` (the GPU idle before the host even started the op that launched the
@@ -22,6 +25,10 @@ import pyarrow.compute as pc
 from .opview import string_mask
 
 _GAPS_LISTED = 3
+#: tensorscope's own cost per op, by engine (ns): an upper bound of the per-op overhead benchmarks/overhead.py
+#: measures end to end (native ~2-6 us, python ~25-50 us on the development machine), the part of a gap
+#: between two traced ops that may be the tracer's rather than the program's
+TRACER_NS = {"native": 6_000, "python": 50_000}
 
 
 def _np(col: Any, fill: Any = 0) -> np.ndarray:
@@ -29,7 +36,8 @@ def _np(col: Any, fill: Any = 0) -> np.ndarray:
     return out
 
 
-def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int]) -> Optional[Dict[str, Any]]:
+def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
+                tracer_ns: int = 0) -> Optional[Dict[str, Any]]:
     """``{wall_ns, span_ns, in_ops_ns, outside_ns, share, gaps: [(gap_ns, seq_before, seq_after)], dataloader_ns}``:
     the advisor adds ``tiny_ops`` and ``steps``. The span runs from the first op's start to the last op's end (the trace's own start and stop are
     not the program's), ``share`` is ``outside_ns / span_ns``."""
@@ -48,6 +56,8 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int]) -> Optio
     prev_end = np.concatenate([[0], run_end[:-1]])
     gap = np.maximum(s - prev_end, 0)
     gap[0] = 0                              # before the first op: the trace starting, not the program
+    if tracer_ns:                           # what the tracer itself may have spent between two ops
+        gap = np.maximum(gap - tracer_ns, 0)
     span = int(run_end[-1]) - int(s[0])
     outside = int(gap.sum())
     in_ops = max(span - outside, 0)

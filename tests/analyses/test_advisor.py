@@ -464,3 +464,35 @@ def test_a_scheduled_loop_computes_exactly_what_it_computes_untraced(engine):
     assert torch.equal(plain[2], traced[2])
     adv = s.advice()
     assert adv.n_windows == 2 and adv.steps == 4
+
+
+# -- time outside ops: the program's, not the tracer's ------------------------------------------
+
+def _kinds(adv):
+    return {f["kind"] for f in adv.findings.to_pylist()}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_back_to_back_ops_are_no_outside_ops_finding(engine):
+    """Many small ops with no Python between them: the gaps are the tracer's own per-op work
+    (largest under the python engine), which is no finding about the program."""
+    x = torch.ones(16)
+    with tensorscope.trace(engine=engine, leaks=False) as t:
+        for _ in range(600):
+            x = x.add(1.0)
+    assert "outside_ops" not in _kinds(t.advice())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_python_work_between_ops_is_an_outside_ops_finding(engine):
+    import time
+    x = torch.ones(16)
+    with tensorscope.trace(engine=engine, leaks=False) as t:
+        for _ in range(4):
+            x = x.add(1.0)
+            deadline = time.perf_counter() + 0.004   # host-side work the program does between two ops
+            while time.perf_counter() < deadline:
+                pass
+        x = x.add(1.0)
+    (f,) = [f for f in t.advice().findings.to_pylist() if f["kind"] == "outside_ops"]
+    assert f["cost_ns"] >= 4 * 3_000_000            # the 4 busy waits, less the tracer's allowance per gap
