@@ -163,7 +163,7 @@ class Trace:
         """Run DuckDB SQL over the tables (``ops``, ``calls``… by name); a DataFrame, or Arrow with ``arrow=True``."""
         from .io.sql import run_sql
 
-        return run_sql(self, query, arrow=arrow)
+        return run_sql(self.table, query, arrow=arrow)
 
     # -- io ------------------------------------------------------------------
     def save(self, path) -> str:

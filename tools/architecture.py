@@ -78,10 +78,7 @@ ALLOWED_UP: Dict[Tuple[str, str], str] = {
 
 #: private names still imported across packages: (importer, "module.name") -> what to do. Each is a
 #: name to make public in its own module (a rename in a module another change was rewriting meanwhile)
-KNOWN_PRIVATE: Dict[Tuple[str, str], str] = {
-    ("tensorscope.recording.session", "tensorscope.modes.source._is_internal_file"):
-        "make modes.source.is_internal_file public",
-}
+KNOWN_PRIVATE: Dict[Tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

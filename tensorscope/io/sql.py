@@ -1,4 +1,4 @@
-"""DuckDB over a Trace's tables, registered zero-copy as Arrow tables.
+"""DuckDB over a trace's tables, registered zero-copy as Arrow tables.
 
 Only the tables a query names are registered, so derived tables are not built
 for queries that do not use them.
@@ -6,16 +6,14 @@ for queries that do not use them.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from .. import schema as S
 
-if TYPE_CHECKING:
-    from .._trace import Trace
 
-
-def run_sql(trace: "Trace", query: str, *, arrow: bool = False) -> Any:
-    """``query`` over ``trace``'s tables: a pandas DataFrame, or a pyarrow.Table with ``arrow=True``."""
+def run_sql(table: Callable[[str], Any], query: str, *, arrow: bool = False) -> Any:
+    """``query`` over the tables ``table(name)`` returns (a trace's ``table`` method; only the
+    tables the query names are asked for): a pandas DataFrame, or a pyarrow.Table with ``arrow=True``."""
     try:
         import duckdb
     except ImportError as e:
@@ -25,7 +23,7 @@ def run_sql(trace: "Trace", query: str, *, arrow: bool = False) -> Any:
         words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", query))
         for name in S.TABLES:
             if name in words:
-                con.register(name, trace.table(name))
+                con.register(name, table(name))
         if arrow:
             rel = con.sql(query)
             fetch = getattr(rel, "to_arrow_table", None) or rel.arrow   # duckdb >= 1.4 / older

@@ -25,7 +25,9 @@ _STDLIB_WRAPPERS = tuple(os.path.join(os.path.dirname(os.__file__), m) for m in 
 _internal: Dict[int, Tuple[object, bool]] = {}
 
 
-def _is_internal_file(f: str) -> bool:
+def is_internal_file(f: str) -> bool:
+    """Whether ``f`` is a file whose frames are never the user's line: torch, tensorscope,
+    contextlib/functools wrappers, frozen modules and fx-generated code."""
     # fx-generated code (``<eval_with_key>``: GraphModules of non-Inductor backends) is not the user's:
     # its ops belong to the line that called the compiled function. Inductor's generated modules
     # are kept as the call's file on purpose: recording/compiled.attach links those calls to their
@@ -38,7 +40,7 @@ def _is_internal(code) -> bool:
     e = _internal.get(id(code))
     if e is not None and e[0] is code:
         return e[1]
-    r = _is_internal_file(code.co_filename)
+    r = is_internal_file(code.co_filename)
     _internal[id(code)] = (code, r)
     return r
 

@@ -408,9 +408,9 @@ def _note_cell_files(t: Trace, rec: Recorder) -> None:
 
 
 def _looks_internal(filename: str) -> bool:
-    from ..modes.source import _is_internal_file
+    from ..modes.source import is_internal_file
 
-    return _is_internal_file(filename)
+    return is_internal_file(filename)
 
 
 def _first_collective(ctx: RecordingContext, dist: DistContext) -> Callable[[], None]:
