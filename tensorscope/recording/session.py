@@ -21,6 +21,7 @@ import torch
 from ..errors import TraceActiveError
 from ..modes.context import NativeRecordingContext, RecordingContext, first_line_message
 from ..modes.frames import exc_mark, seen_exc
+from ..modes.source import is_internal_file
 from ..options import DisplayOptions, RunContext, TraceOptions, resolve
 from .history import _remember
 from .recorder import Recorder
@@ -132,7 +133,7 @@ class Session:
                 native[msg] -= 1
                 continue
             file, line = w.get("filename"), w.get("lineno")
-            if file is not None and (w.get("verbatim") or _looks_internal(file)):
+            if file is not None and (w.get("verbatim") or is_internal_file(file)):
                 file = line = None   # shown at a C++ or library location: no user line to name
             self.ctx.rec.add_error(
                 kind="warning", py_type=w.get("category") or "UserWarning", cpp_type=None, message=msg,
@@ -405,12 +406,6 @@ def _note_cell_files(t: Trace, rec: Recorder) -> None:
             t._amend(cell_files=cells)
     except Exception as e:
         rec.tracer_error("cell files", e)
-
-
-def _looks_internal(filename: str) -> bool:
-    from ..modes.source import is_internal_file
-
-    return is_internal_file(filename)
 
 
 def _first_collective(ctx: RecordingContext, dist: DistContext) -> Callable[[], None]:
