@@ -113,7 +113,7 @@ def trace_leak_step(n=5):
         finally:
             times.append(time.perf_counter() - t0)
 
-    L.leak_table = timed   # recording.build imports it from the package at the end of each trace
+    L.leak_table = timed   # recording.finish imports it from the package at the end of each trace
     sh = InteractiveShell.instance()
 
     def cell(src):

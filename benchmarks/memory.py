@@ -6,7 +6,7 @@ with Adam). Prints, best of 5 rounds run round robin (the same workload traced w
 categories built and with that build step skipped, so the machine's load hits both alike):
 
 * the trace's wall time per recorded op (recording + build) with and without categories, and the ratio;
-* the category step alone (``build._with_categories``) per op;
+* the category step alone (``finish._with_categories``) per op;
 * ``t.memory_timeline()``, ``t.module_memory()``, ``t.memory_at()`` per op, and the summary's memory SVG;
 * ``tensorscope.predict`` of an MLP training step against running the step, untraced and traced.
 
@@ -22,7 +22,7 @@ import pyarrow as pa
 import torch
 
 import tensorscope
-from tensorscope.recording import build
+from tensorscope.recording import finish as build
 
 pa.array([1])  # pyarrow imports pandas on its first conversion: not ours to time
 

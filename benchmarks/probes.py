@@ -89,7 +89,7 @@ def _screen_cases(x, y, one, x2):
 
 def screen_cost_ratios(n: int = 1 << 20) -> Dict[Tuple[str, str], float]:
     """(probe cost) / (op cost) per dtype and op on ``n`` elements, pre/op/post as the dispatch mode runs them."""
-    from tensorscope.modes.numerics import NonfiniteScreen
+    from tensorscope.recording.numerics import NonfiniteScreen
 
     torch.manual_seed(0)
     results = {}

@@ -2,7 +2,7 @@
 
 (a) Per engine (``--engines``), records an ``--ops``-op trace of small ops once, then
 times decoding it into the Arrow ``ops`` table (``_Ctx`` + ``_ops_table``, best of
-``--reps``; also the ``calls`` and ``tensors`` tables) and the whole ``build_trace``
+``--reps``; also the ``calls`` and ``tensors`` tables) and the whole table build (``finish.finish_tables`` + the Trace)
 once, in µs per op, and the ops table's in-memory size. A one-op trace runs first, so
 one-time imports are not counted (they are the fixed cost overhead.py measures).
 (b) Per-op overhead of ``trace(leaks=False)`` and of ``trace()`` over eager on a loop
@@ -46,7 +46,7 @@ def record(n_ops, engine="python"):
             z = z.relu_()
     finally:
         sess._restore()
-    sess.engine.finish(sess)   # the native engine hands its packed chunks over (part of the timed build below)
+    sess.engine.finish(sess.ctx)   # the native engine hands its packed chunks over (part of the timed build below)
     sess.ctx.rec.end_chunk()
     return sess
 
@@ -59,7 +59,7 @@ def _warm(engine):
 
 
 def build_cost(n_ops, reps, engine="python"):
-    from tensorscope.recording import build
+    from tensorscope.recording import decode, finish
 
     _warm(engine)
     t0 = time.perf_counter()
@@ -70,32 +70,33 @@ def build_cost(n_ops, reps, engine="python"):
     for _ in range(reps):
         gc.collect()
         t = [_clock()]
-        ctx = build._Ctx(sess)
+        ctx = decode.Decoder(sess.ctx.rec, cell=sess.cell, screen=sess.ctx.screen, links=type(sess.links)())
         t.append(_clock())
-        ops, _ = build._ops_table(sess, ctx)
+        ops, _ = decode.ops_table(ctx, sess.options.spill_dir)
         t.append(_clock())
-        build._calls_table(sess, ctx)
+        decode.calls_table(ctx)
         t.append(_clock())
-        build._tensors_table(sess, ctx)
+        decode.tensors_table(ctx)
         t.append(_clock())
         for k, dt in zip(("context", "ops", "calls", "tensors"), np.diff(t)):
             best[k] = dt if k not in best else min(best[k], dt)
     n = ops.num_rows
     gc.collect()
     t0 = _clock()
-    trace = build.build_trace(sess)
+    tables, _, _ = finish.finish_tables(sess)
+    trace = tensorscope.Trace(tables, finish.metadata(sess, tables["ops"].num_rows, []))
     full = _clock() - t0
     sess.ctx.rec.close()
     res = {"engine": sess.engine.name, "n_ops": n, "record_s": rec_s,
            "ops_table_us_per_op": (best["context"] + best["ops"]) / n / 1e3,
            "parts_us_per_op": {k: v / n / 1e3 for k, v in best.items()},
-           "build_trace_us_per_op": full / n / 1e3, "ops_table_bytes_per_op": ops.nbytes / n,
+           "finish_us_per_op": full / n / 1e3, "ops_table_bytes_per_op": ops.nbytes / n,
            "string_columns": {f.name: str(f.type) for f in ops.schema
                               if "string" in str(f.type)}}
     print(f"(a) [{res['engine']}] {n} ops: ops table {(best['context'] + best['ops']) / 1e6:.0f} ms = "
           f"{res['ops_table_us_per_op']:.3f} µs/op (best of {reps}; " +
           ", ".join(f"{k} {v:.3f}" for k, v in res["parts_us_per_op"].items()) + " µs/op); "
-          f"whole build_trace {full / 1e6:.0f} ms = {res['build_trace_us_per_op']:.3f} µs/op; "
+          f"whole finish {full / 1e6:.0f} ms = {res['finish_us_per_op']:.3f} µs/op; "
           f"ops table {res['ops_table_bytes_per_op']:.0f} B/op in memory")
     del trace
     return res

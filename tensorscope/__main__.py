@@ -80,7 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(env())
             return 0
-        from .io.parquet import load
+        from ._trace import load
 
         t = load(args.path)
         if args.cmd == "summary":

@@ -24,7 +24,7 @@ def as_trace(x: Any) -> "Trace":
     if isinstance(result, property):
         return x.result
     if isinstance(x, (str, os.PathLike)):
-        from .io.parquet import load
+        from ._trace import load
 
         return load(x)
     raise TypeError(f"expected a tensorscope Trace or a saved trace directory, got {type(x).__name__}")

@@ -1,20 +1,19 @@
 """Trace: the immutable, tensor-free result of a recording (or of ``load()``).
 
-Recorded tables and the ``TraceMetadata`` are given at construction; derived
-tables (``casts``, ``layout_changes``, ``memory``) are computed on first access
-by the pure functions in ``analyses/`` and cached. Callers cannot change a Trace:
-its attributes cannot be assigned, its tables are Arrow (immutable) and its
-metadata is frozen. Only tensorscope amends the metadata, through ``_amend``,
-while it finishes a trace (the session adding what it learns after the tables
-are built) and when the trace is saved (``saved_to``). Nothing here refers to a
-tensor, so a Trace sitting in ``Out`` keeps no memory alive.
+A Trace is built whole: the recorded tables and the complete ``TraceMetadata`` are given at
+construction (``kernels`` may be given as its resolver, run once on first read). Derived tables
+(``casts``, ``layout_changes``, ``memory``, ``api``) are computed on first access by the pure
+functions in ``analyses/`` and cached. Its attributes cannot be assigned, its tables are Arrow
+(immutable) and its metadata is frozen and never replaced; ``t.metadata`` reads it with the two
+facts learnt later: where ``save`` wrote the trace (``saved_to``) and the notes of the kernels
+resolver. Nothing here refers to a tensor, so a Trace sitting in ``Out`` keeps no memory alive.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import weakref
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
 
@@ -45,24 +44,44 @@ def _derive(name: str, tables: Dict[str, pa.Table]) -> pa.Table:
     raise KeyError(name)
 
 
+class _Resolver:
+    """A table given as the function that makes it (``Trace(kernels=...)``)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Tuple[pa.Table, Sequence[str]]]) -> None:
+        self.fn = fn
+
+
 class Trace:
     """One recording. ``t.ops``, ``t.calls``… are ``pyarrow.Table``s (empty, right schema, when nothing)."""
 
     _tables: Dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
-    _metadata: TraceMetadata
+    _metadata: TraceMetadata    # as built; never replaced
+    _later: Dict[str, Any]      # saved_to (Trace.save) and notes (the kernels resolver), when they come
     _plot: Any
     _derived: Dict[str, pa.Table]   # views that are no table of the trace (memory_timeline ...), cached
 
     def __init__(self, tables: Dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
+                 kernels: Optional[Callable[[], Tuple[pa.Table, Sequence[str]]]] = None,
                  _spill_file: Optional[str] = None):
+        """``tables``: the recorded tables by name (missing ones are empty); ``kernels``: instead of a
+        ``kernels`` table, its resolver, run once on first read (always-on cells link CUDA kernels
+        at the next harvest), returning the table and the notes it adds to the metadata."""
         tabs: Dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
                                 for name in S.RECORDED}
         for name in S.DERIVED:
             if tables.get(name) is not None:
                 tabs[name] = tables[name]
+        pending = tabs["kernels"]
+        if kernels is None and not isinstance(pending, pa.Table) and callable(getattr(pending, "resolve", None)):
+            kernels = pending.resolve   # a pending table given in ``tables`` (an object with ``resolve()``)
+        if kernels is not None:
+            tabs["kernels"] = _Resolver(kernels)
         md = metadata if isinstance(metadata, TraceMetadata) else TraceMetadata.from_dict(metadata)
         object.__setattr__(self, "_tables", tabs)
         object.__setattr__(self, "_metadata", md)
+        object.__setattr__(self, "_later", {})
         object.__setattr__(self, "_plot", None)
         object.__setattr__(self, "_derived", {})
         if _spill_file:
@@ -76,24 +95,28 @@ class Trace:
         t = self._tables.get(name)
         if t is None:
             t = self._tables[name] = _derive(name, self._tables)
-        elif not isinstance(t, pa.Table):
-            # a deferred table (always-on CUDA kernels, harvested across cells): resolve once
-            t, notes = t.resolve()
+        elif isinstance(t, _Resolver):
+            # the kernels resolver given at construction (always-on CUDA kernels): run once
+            t, notes = t.fn()
             self._tables[name] = t
             if notes:
-                self._amend(notes=self._metadata.notes + tuple(notes))
+                self._later["notes"] = self._metadata.notes + tuple(notes)
+                self._later.pop("metadata", None)
         return t
 
     # -- metadata ------------------------------------------------------------------
     @property
     def metadata(self) -> TraceMetadata:
         """The trace's ``TraceMetadata``: typed attributes (``t.metadata.options.modules``) and a
-        read-only mapping of its JSON form (``t.metadata["options"]["modules"]``)."""
-        return self._metadata
-
-    def _amend(self, **changes: Any) -> None:
-        """tensorscope's own path to the metadata of a trace it is finishing or saving (validated)."""
-        object.__setattr__(self, "_metadata", self._metadata.replace(**changes))
+        read-only mapping of its JSON form (``t.metadata["options"]["modules"]``). The metadata the
+        trace was built with, plus ``saved_to`` once ``save`` wrote it and the kernels' notes once read."""
+        later = self._later
+        if not later:
+            return self._metadata
+        md = later.get("metadata")
+        if md is None:
+            md = later["metadata"] = self._metadata.replace(**{k: v for k, v in later.items() if k != "metadata"})
+        return md
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"a Trace is read-only: cannot set {name!r}")
@@ -161,7 +184,7 @@ class Trace:
 
     def sql(self, query: str, *, arrow: bool = False):
         """Run DuckDB SQL over the tables (``ops``, ``calls``… by name); a DataFrame, or Arrow with ``arrow=True``."""
-        from .io.sql import run_sql
+        from .analyses.sql import run_sql
 
         return run_sql(self.table, query, arrow=arrow)
 
@@ -171,7 +194,8 @@ class Trace:
         from .io.parquet import save
 
         where = save(self, path)
-        self._amend(saved_to=where)
+        self._later["saved_to"] = where
+        self._later.pop("metadata", None)
         return where
 
     def to_perfetto(self, path) -> str:
@@ -215,3 +239,13 @@ class Trace:
 
     def __getstate__(self):
         raise TypeError("a Trace is not pickled: save it with t.save(path) (parquet, no pickle) and tensorscope.load(path)")
+
+
+def load(path: Any) -> Trace:
+    """Load a trace directory written by ``Trace.save`` (its metadata and every table validated; no
+    pickle, no code run): ``TraceFormatError`` when it is damaged or foreign, ``SchemaVersionError``
+    when a newer tensorscope wrote it."""
+    from .io.parquet import read
+
+    tables, md = read(path)
+    return Trace(tables, md)

@@ -204,7 +204,7 @@ def _exc_op(t) -> Optional[str]:
 
 
 def _exc_location(e):
-    from .modes.source import user_traceback_location
+    from .recording.source import user_traceback_location
 
     return user_traceback_location(e.__traceback__ if e is not None else None)
 
@@ -322,7 +322,7 @@ def _to_plain(t, unwrap):
 
 
 def _fmt_layout(t) -> str:
-    from .modes.meta import memory_format
+    from ._tensormeta import memory_format
 
     try:
         return memory_format(tuple(t.shape), tuple(t.stride()))[0]

@@ -187,7 +187,7 @@ def test_inference_mode_composites_decompose_like_eager(engine):
 
 
 def test_decomposition_follows_the_backend_registration():
-    from tensorscope.modes.dispatch import _eager_decomposes
+    from tensorscope.recording.dispatch import _eager_decomposes
 
     aten = torch.ops.aten
     assert not _eager_decomposes(aten.silu_backward.default, "cpu")
@@ -325,7 +325,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("shape,stride", LAYOUTS)
 def test_non_dense_kind_matches_enumeration(shape, stride):
-    from tensorscope.modes.meta import non_dense_kind
+    from tensorscope._tensormeta import non_dense_kind
 
     assert non_dense_kind(shape, stride) == _brute_kind(shape, stride)
 
@@ -333,7 +333,7 @@ def test_non_dense_kind_matches_enumeration(shape, stride):
 def test_non_dense_kind_random_layouts_match_enumeration():
     import random
 
-    from tensorscope.modes.meta import non_dense_kind
+    from tensorscope._tensormeta import non_dense_kind
 
     rnd = random.Random(0)
     kinds = set()
@@ -348,7 +348,7 @@ def test_non_dense_kind_random_layouts_match_enumeration():
 
 
 def test_memory_format_labels_non_dense_tensors_exactly():
-    from tensorscope.modes.meta import memory_format, non_dense_kind
+    from tensorscope._tensormeta import memory_format, non_dense_kind
 
     assert memory_format((2, 2), (3, 2)) == ("gapped", False)
     assert memory_format((4, 3), (1, 1)) == ("overlapping", False)

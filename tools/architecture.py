@@ -6,15 +6,16 @@
     python tools/architecture.py --edges    # every import between layers, with file and line
 
 Every ``import``/``from … import`` of a tensorscope module counts (and ``import_module`` /
-``__import__`` of a literal name), at module level and inside functions alike (a function-level import still makes one module depend on another; it only
-moves *when* the dependency is paid). A module belongs to the layer of the longest prefix
-listed in ``LAYERS`` that names it. Rules:
+``__import__`` of a literal name): at module level, inside functions (a function-level import
+still makes one module depend on another; it only moves *when* the dependency is paid) and under
+``if TYPE_CHECKING:`` (a type named for the checker is a dependency of the design all the same).
+A module belongs to the layer of the longest prefix listed in ``LAYERS`` that names it; a
+subpackage is placed whole (one layer per folder), a module of the package root by itself.
+Rules:
 
-1. an import goes to the same layer or one below (``ALLOWED_UP`` lists the few exceptions,
-   each with its reason);
+1. an import goes to the same layer or one below (``ALLOWED_UP`` lists the exceptions, each
+   with its reason);
 2. the import graph has no cycle (the ``ALLOWED_UP`` edges left out);
-   imports under ``if TYPE_CHECKING:`` never run: they name a type for the checker (a renderer
-   annotating its argument as a ``Trace``) and are left out of rules 1 and 2;
 3. a private name (``_x``) or a private module (``pkg._x``) is imported only inside its own
    package; the private modules of the package root (``_trace``, ``_env``, ...) are package
    internals open to all of tensorscope (``KNOWN_PRIVATE`` lists what is still to fix).
@@ -40,28 +41,30 @@ Layers = Tuple[Tuple[str, Tuple[str, ...], str], ...]
 #: package name matches only its ``__init__`` (a new top-level module must be given a layer here).
 LAYERS: Layers = (
     ("foundation", ("tensorscope.errors", "tensorscope._version", "tensorscope._common", "tensorscope._location",
-                    "tensorscope.schema", "tensorscope.options", "tensorscope.metadata", "tensorscope.modes.meta"),
+                    "tensorscope.schema", "tensorscope.options", "tensorscope.metadata", "tensorscope._tensormeta"),
      "errors, the version, shared tables and formatters, locations, Arrow schemas, options; "
-     "modes/meta.py is pure (shape, stride) arithmetic (no torch) shared by the modes and the analyses"),
+     "_tensormeta.py is pure (shape, stride) arithmetic (no torch) shared by the recorder and the analyses"),
     ("native", ("tensorscope.native",),
      "the C++ hooks and engine behind one facade, with the pure-Python fallback"),
-    ("analyses", ("tensorscope.analyses", "tensorscope.io.sql"),
-     "pure functions Table -> Table (io/sql.py: DuckDB over in-memory tables, no files)"),
+    ("io", ("tensorscope.io",),
+     "a trace's tables and metadata to parquet files and back, multi-rank dataset parts; "
+     "knows tables, never the Trace class"),
+    ("analyses", ("tensorscope.analyses",),
+     "pure functions Table -> Table (analyses/sql.py: DuckDB over in-memory tables)"),
     ("render", ("tensorscope.render",),
      "draws tables and results as text, HTML, SVG, Perfetto JSON, matplotlib figures; "
      "takes its input as arguments and imports no data producer"),
-    ("results", ("tensorscope._trace", "tensorscope._env", "tensorscope._peaks", "tensorscope._advice"),
-     "the immutable Trace and the environment report: data objects whose displays call render"),
-    ("io", ("tensorscope.io",),
-     "parquet save/load of a Trace, multi-rank datasets"),
+    ("results", ("tensorscope._trace", "tensorscope._dataset", "tensorscope._env", "tensorscope._peaks",
+                 "tensorscope._advice"),
+     "the immutable Trace (and load), an opened multi-rank Dataset, the environment report: data "
+     "objects whose displays call render"),
     ("compare", ("tensorscope._diff",),
      "diff(a, b) of two finished traces (in memory or saved)"),
-    ("buffers", ("tensorscope.recording.recorder",),
-     "the recorder's columnar buffers that the observers append to"),
-    ("observers", ("tensorscope.modes", "tensorscope.tracking", "tensorscope.timing"),
-     "what watches a running program: torch modes, storage and leak tracking, CUDA/kernel timing"),
+    ("observers", ("tensorscope.tracking", "tensorscope.timing"),
+     "what the recording uses to watch a program: storage and leak tracking, CUDA/kernel timing"),
     ("recording", ("tensorscope.recording",),
-     "trace(): the session that installs observers and engines, builds the Trace, keeps the history"),
+     "trace(): the session, the engines behind one seam, the context and buffers, the python engine's "
+     "modes and the probes, the decoder; builds the Trace, keeps the history"),
     ("api", ("tensorscope.substitution", "tensorscope.prediction", "tensorscope.windows"),
      "built on the public trace(): check_substitution, predict, schedule (windowed tracing)"),
     ("frontends", ("tensorscope", "tensorscope.__main__", "tensorscope.cli", "tensorscope.magics"),
@@ -69,12 +72,7 @@ LAYERS: Layers = (
 )
 
 #: function-level imports allowed to go up a layer: (importer, imported) -> why
-ALLOWED_UP: Dict[Tuple[str, str], str] = {
-    ("tensorscope._trace", "tensorscope.io.parquet"):
-        "Trace.save(path) is the public spelling of io.parquet.save(trace, path), as pandas' "
-        "DataFrame.to_parquet is of pandas.io.parquet; io.parquet.load builds the Trace, so one "
-        "of the two directions is a delegating method, imported on call",
-}
+ALLOWED_UP: Dict[Tuple[str, str], str] = {}
 
 #: private names still imported across packages: (importer, "module.name") -> what to do. Each is a
 #: name to make public in its own module (a rename in a module another change was rewriting meanwhile)
@@ -189,7 +187,7 @@ def layer_of(module: str, layers: Layers = LAYERS) -> int:
 
 def _private(imp: Import, package: str) -> Optional[str]:
     """The private part an import reaches into across packages, or None."""
-    def pkg_of(m: str) -> str:       # "tensorscope.modes.dispatch" -> "tensorscope.modes"; root modules -> root
+    def pkg_of(m: str) -> str:       # "tensorscope.recording.dispatch" -> "tensorscope.recording"; root modules -> root
         parts = m.split(".")
         sub = ".".join(parts[:2])
         return sub if len(parts) >= 2 and sub in _PKG_DIRS else parts[0]
@@ -273,11 +271,17 @@ def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers
     for m in mods:
         if layer_of(m, layers) < 0:
             out.append(f"{mods[m].relative_to(root)}: module {m} is in no layer (add it to LAYERS)")
+    for name, prefixes, _ in layers:
+        for pfx in prefixes:
+            parts = pfx.split(".")
+            if len(parts) > 2:   # one layer per folder: a package is placed whole, never one of its modules
+                out.append(f"LAYERS: {name} names {pfx}, a module inside package {'.'.join(parts[:2])}: "
+                           "a folder is one layer (move the module to a package of that layer)")
     imps = imports(root, package)
     kept: List[Tuple[str, str]] = []
     for imp in imps:
         a, b = layer_of(imp.importer, layers), layer_of(imp.imported, layers)
-        allowed = (imp.importer, imp.imported) in allowed_up or imp.typing_only
+        allowed = (imp.importer, imp.imported) in allowed_up
         if b > a and not allowed and a >= 0:
             out.append(f"{imp.where()}: upward import, layer {names[a]} imports layer {names[b]}")
         if not allowed:
@@ -310,8 +314,6 @@ def picture(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = 
     uses: Dict[int, Set[int]] = {}
     ups: Dict[int, Set[str]] = {}
     for imp in imports(root, package):
-        if imp.typing_only:
-            continue
         a, b = layer_of(imp.importer, layers), layer_of(imp.imported, layers)
         if b > a:
             ups.setdefault(a, set()).add(f"{_short(imp.importer, package)} -> {_short(imp.imported, package)}")
@@ -338,7 +340,7 @@ def picture(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = 
 
 
 def _group(mods: Sequence[str], package: str, paths: Dict[str, pathlib.Path]) -> str:
-    """``modes, modes.dispatch, modes.function`` -> ``modes/{__init__,dispatch,function}``."""
+    """``io, io.dataset, io.parquet`` -> ``io/{__init__,dataset,parquet}``."""
     groups: Dict[str, List[str]] = {}
     order: List[str] = []
     for m in mods:

@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import NoGC, itemsize
-from ..modes.meta import non_dense_kind
+from .._tensormeta import non_dense_kind
 
 CL_FORMATS = frozenset({"channels_last", "channels_last_3d"})
 #: dense labels (the recorder writes "strided"; older recorders wrote "dense_permuted"); traces before

@@ -23,11 +23,11 @@ def render(path: str, run=None) -> str:
     from ..render.ranks import html_document
 
     if os.path.isfile(os.path.join(path, METADATA_FILE)):
-        from ..io.parquet import load
+        from .._trace import load
 
         return html_document(f"tensorscope trace {os.path.basename(os.path.abspath(path))}",
                              load(path).summary().to_html())
-    from ..io.dataset import open_dataset
+    from .._dataset import open_dataset
 
     with open_dataset(path) as ds:
         body = ds.summary(run).to_html()

@@ -1,4 +1,4 @@
-"""Save a Trace to a directory of parquet files and load it back — no pickle anywhere.
+"""A trace's tables and metadata to a directory of parquet files and back — no pickle anywhere.
 
 Layout: ``<dir>/<table>.parquet`` (zstd) for every table and ``<dir>/metadata.json``
 (the trace's ``TraceMetadata`` as JSON: schema version, versions, device, engine,
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,13 +24,11 @@ from .. import schema as S
 from ..errors import ExportError, TraceFormatError
 from ..metadata import FORMAT, PARQUET_KEY, PARQUET_VERSION_KEY, TraceMetadata, check_version
 from ..metadata import jsonable as _jsonable  # noqa: F401  (the name earlier versions exported)
-
-if TYPE_CHECKING:
-    from .._trace import Trace
+from . import TraceTables
 
 METADATA_FILE = "metadata.json"
 PathLike = Union[str, "os.PathLike[str]"]
-__all__ = ["FORMAT", "METADATA_FILE", "check_version", "check_columns", "load", "read_metadata", "save",
+__all__ = ["FORMAT", "METADATA_FILE", "check_version", "check_columns", "read", "read_metadata", "save",
            "kv_metadata"]
 
 
@@ -42,9 +40,9 @@ def kv_metadata(schema_metadata: Optional[Dict[bytes, bytes]], md: TraceMetadata
             PARQUET_KEY: md_json if md_json is not None else md.to_json().encode()}
 
 
-def save(trace: "Trace", path: PathLike) -> str:
-    """Write ``trace`` to the directory ``path`` (replaced atomically when it is a trace). Returns its
-    absolute path. The trace's own ``saved_to`` is set by ``Trace.save``."""
+def save(trace: TraceTables, path: PathLike) -> str:
+    """Write ``trace``'s tables and metadata to the directory ``path`` (replaced atomically when it is
+    a trace). Returns its absolute path; ``saved_to`` is never written (the directory may move)."""
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path) or "."
     if os.path.exists(path) and not os.path.isdir(path):
@@ -175,11 +173,10 @@ def check_columns(name: str, schema: pa.Schema, file: str) -> None:
         raise TraceFormatError(f"{file!r} is not a tensorscope {name} table: " + "; ".join(problems))
 
 
-def load(path: PathLike) -> "Trace":
-    """Load a trace directory written by ``Trace.save`` (its metadata and every table validated)."""
-    from .._trace import Trace
-
+def read(path: PathLike) -> Tuple[Dict[str, pa.Table], TraceMetadata]:
+    """The tables and metadata of a trace directory written by ``save`` (every table validated and
+    conformed; ``saved_to`` set to ``path``). ``tensorscope.load`` builds the Trace from them."""
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
     tables = {name: _read_table(path, name) for name in S.TABLES}
-    return Trace({k: v for k, v in tables.items() if v is not None}, md.replace(saved_to=path))
+    return {k: v for k, v in tables.items() if v is not None}, md.replace(saved_to=path)

@@ -158,7 +158,7 @@ class Controller:
 
         def handler(shell, etype, value, tb, tb_offset=None):
             try:
-                from ..modes.frames import clean_traceback
+                from ..recording.frames import clean_traceback
 
                 clean_traceback(value)
                 tb = value.__traceback__

@@ -146,7 +146,7 @@ def site_error_info(exc: BaseException, info: Optional[Dict[str, Any]], file: Op
     return impl(exc, info, file, line, func)
 
 
-#: set to 1 to run the native engine's function mode in Python (modes/function.py TracingFunctionMode)
+#: set to 1 to run the native engine's function mode in Python (recording/function.py TracingFunctionMode)
 PY_FUNCTION_MODE_ENV = "TENSORSCOPE_PY_FUNCTION_MODE"
 
 
@@ -229,7 +229,7 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
     est = _build.lib_status(_build.ENGINE)
     print(f"native recording engine: {est['state']} ({est['reason']})")
     ok = ok and est["state"] == "built"
-    # the native engine's function mode (modes/function.py falls back to the Python one without it)
+    # the native engine's function mode (recording/function.py falls back to the Python one without it)
     _build.ensure(_build.FMODE, wait=True, verbose=args.verbose, force=args.force)
     fst = _build.lib_status(_build.FMODE)
     print(f"native function mode: {fst['state']} ({fst['reason']})")

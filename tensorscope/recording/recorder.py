@@ -8,7 +8,7 @@ module paths, autograd node names, source locations) are interned once.
 
 Columns grow until ``chunk_rows``; a full chunk is frozen into numpy arrays
 (compact, not gc-tracked) and, past ``spill_rows`` rows in memory, written to an
-Arrow IPC file in a spill directory. ``build_trace()`` (in ``tensorscope.recording.build``)
+Arrow IPC file in a spill directory. ``decode.py``
 decodes the ids into the Arrow tables of ``schema.py``.
 """
 from __future__ import annotations
@@ -35,10 +35,7 @@ from typing import (
 
 import numpy as np
 
-from ..modes.meta import memory_format
-
-if TYPE_CHECKING:
-    from .build import _Links
+from .._tensormeta import memory_format
 
 # ops row flags
 F_INPLACE = 1
@@ -281,7 +278,6 @@ class Recorder:
         self.n_spilled = 0
         self.spilled_chunks: List[str] = []
         self.spilled_counts: List[int] = []          # rows of each spilled chunk
-        self.links: Optional[_Links] = None           # build.py's backward->forward index (kept across decodes)
         self.mem_chunks: List[Dict[str, Packed]] = []   # frozen chunks: column -> pack()ed
         self.mem_rows = 0
         self.on_spill: Optional[Callable[[], None]] = None   # called after each spill (dataset=: decode the spilled rows into parts)

@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, O
 import torch
 
 from ..errors import TraceActiveError
-from ..modes.context import NativeRecordingContext, RecordingContext, first_line_message
-from ..modes.frames import exc_mark, seen_exc
-from ..modes.source import is_internal_file
 from ..options import DisplayOptions, RunContext, TraceOptions, resolve
+from .columns import _Links
+from .context import RecordingContext, first_line_message
+from .engines import EngineChoice, exit_mode, make_engine, select_engine
+from .frames import exc_mark, seen_exc
 from .history import _remember
+from .ophooks import OpHooks
 from .recorder import Recorder
+from .source import is_internal_file
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     from ..metadata import TraceMetadata
     from ..timing.kernels import KernelCollector
     from .collectives import CollectiveProbe
-    from .engines import EngineChoice, OpHook, OpHooks
+    from .ophooks import OpHook
     from .ranks import DistContext
 
 _local = threading.local()
@@ -48,24 +51,27 @@ class Session:
     """One trace's lifecycle: options, probes, start/stop, build, dataset, history. Holds no tensor.
 
     What the modes, the trackers and the engine read and write while it records is its
-    recording context, ``self.ctx`` (``modes/context.py``): they are handed that, never the
-    session, and the session reads those fields back from it (one owner per field)."""
+    recording context, ``self.ctx`` (``context.py``), made by the engine: they are handed that,
+    never the session, and the session reads those fields back from it (one owner per field).
+    The session drives the engine through ``engines.Engine`` only: it never asks which one it is."""
 
     def __init__(self, options: TraceOptions, *, cell: Optional[int] = None, cell_source: Optional[str] = None,
                  keep_history: bool = False, origin: str = "api", engine: Optional[EngineChoice] = None) -> None:
-        from .engines import EngineChoice, OpHooks, make_engine
-
         self.engine_choice = engine or EngineChoice("python", "engine='python' was asked for")
         self.engine = make_engine(self.engine_choice)
+        self.engine_choice = self.engine.choice   # the python engine when the observer was taken meanwhile
 
         self.options = options
         self.cell = cell
         self.cell_source = cell_source
         self.keep_history = keep_history
         self.origin = origin   # RunContext.origin
-        #: what the modes, the trackers and the engine read and write while recording (modes/context.py);
+        #: what the modes, the trackers and the engine read and write while recording (context.py);
         #: the session hands this, never itself, to them
-        self.ctx = self._context(Recorder(options.chunk_rows, options.spill_rows, options.spill_dir), OpHooks())
+        self.ctx: RecordingContext = self.engine.make_context(
+            Recorder(options.chunk_rows, options.spill_rows, options.spill_dir), OpHooks(), options)
+        #: backward-to-forward rows, grown as chunks are decoded (dataset= spills, then the end)
+        self.links = _Links()
         # multi-rank: collectives table, rank identity / run id / clock (recording/collectives.py, ranks.py)
         from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES
         from .collectives import CollectiveProbe
@@ -88,16 +94,7 @@ class Session:
         self._fmode: Any = None   # the function mode (python or native)
         self._warn_token: Any = None
         self._entered: List[str] = []
-
-    def _context(self, rec: Recorder, op_hooks: OpHooks) -> RecordingContext:
-        opts = self.options
-        return RecordingContext(rec, op_hooks, want_source=opts.source, want_modules=opts.modules,
-                                track_storages=opts.storages)
-
-    def _function_mode(self) -> Any:
-        from ..modes.function import TracingFunctionMode
-
-        return TracingFunctionMode(self.ctx)
+        self._ident: Dict[str, Any] = {}
 
     def _begin_cell_warnings(self) -> None:
         """Collect every warning shown while tracing that no torch-level call claims: a plain
@@ -153,7 +150,7 @@ class Session:
             self.dist.capture()   # before any mode: a clock ping-pong here is seen by no one
             self._setup_probes()
             self._begin_cell_warnings()
-        self._fmode = self._function_mode()
+        self._fmode = self.engine.function_mode(self.ctx)
         _local.session = self
         self.ctx.t0 = time.perf_counter_ns()
         self.dist.set_anchor(self.ctx.t0)
@@ -163,7 +160,7 @@ class Session:
                 self._entered.append("modules")
             self._fmode.__enter__()
             self._entered.append("function")
-            self.engine.start(self)
+            self.engine.start(self.ctx, opts)
             self._entered.append("engine")
         except BaseException:
             self._restore()
@@ -179,26 +176,11 @@ class Session:
         except Exception as e:
             self.ctx.capture = None
             self.ctx.rec.notes.append(f"warning/error capture unavailable: {type(e).__name__}: {e}")
-        if opts.nonfinite and self.engine.name == "python":
-            try:
-                from ..modes.numerics import NonfiniteScreen
-
-                self.ctx.screen = NonfiniteScreen()
-            except Exception as e:
-                self.ctx.rec.notes.append(f"non-finite screen unavailable: {e}")
         if opts.numerics:
-            from ..modes.numerics import NumericsShadow
+            from .shadow import NumericsShadow
 
             self.ctx.shadow = NumericsShadow(mode=opts.numerics)
-        if opts.nonfinite and self.engine.name == "native":
-            self.ctx.screen = True   # the native engine screens; replaced by its counters at finish
-        if opts.cuda_timing and torch.cuda.is_available() and self.engine.name == "python":
-            try:
-                from ..timing.cuda import CudaOpTimer
-
-                self.ctx.cuda_timer = CudaOpTimer()
-            except Exception as e:
-                self.ctx.rec.notes.append(f"CUDA timing unavailable: {e}")
+        self.engine.setup_probes(self.ctx, opts)   # its screen, CUDA timer, error sites (after the capture)
         try:
             from .compiled import CompileCapture
 
@@ -220,16 +202,13 @@ class Session:
         """Undo modes and hooks, innermost first. Safe to call twice."""
         self.ctx.recording = False
         errors: List[BaseException] = []
-        if "engine" in self._entered:
-            try:
-                self.engine.stop(self)
-            except BaseException as e:
-                errors.append(e)
+        try:   # also when it never started: it gives the native observer back (idempotent)
+            self.engine.stop()
+        except BaseException as e:
+            errors.append(e)
         if "function" in self._entered:
             try:
                 from torch.overrides import _get_current_function_mode_stack
-
-                from .engines import exit_mode
 
                 exit_mode(self._fmode, _get_current_function_mode_stack)
             except BaseException as e:
@@ -248,6 +227,12 @@ class Session:
         if self.ctx.capture is not None:
             try:
                 self.ctx.capture.close()
+            except Exception as e:
+                errors.append(e)
+        finish = getattr(self._fmode, "finish", None)
+        if finish is not None:   # the native function mode hands its calls rows over (idempotent)
+            try:
+                finish()
             except Exception as e:
                 errors.append(e)
         for err in errors:
@@ -274,15 +259,14 @@ class Session:
             self.dist.capture(end=True)
         except Exception as e:
             self.ctx.rec.tracer_error("distributed capture", e)
-        from .build import build_trace
+        from .finish import finish_tables, metadata
 
         try:
             try:
-                self.engine.finish(self)
+                self.engine.finish(self.ctx)
             except Exception as e:
                 self.ctx.rec.tracer_error("engine finish", e)
-                if self.ctx.screen is True:
-                    self.ctx.screen = None
+                self.ctx.screen = None   # an engine that did not finish left no screen verdicts
             others = [th for th in threading.enumerate() if th is not threading.current_thread() and not th.daemon]
             if others:
                 self.ctx.rec.notes.append(
@@ -290,14 +274,13 @@ class Session:
                     "ops they ran are not recorded (a trace records its own thread and autograd's workers)")
             for msg in self.ctx.op_hooks.errors:
                 self.ctx.rec.tracer_error("op hook", RuntimeError(msg))
-            self.trace = build_trace(self)
-            _note_cell_files(self.trace, self.ctx.rec)
-            self.trace._amend(compiled_ops=self.ctx.compiled_ops, origin=self.origin)
+            tables, ops_file, notes = finish_tables(self)
+            md = metadata(self, tables["ops"].num_rows, notes, **self._distributed())
         finally:
             if self.ctx.tracker is not None:
                 self.ctx.tracker.close()
             self.ctx.rec.close()
-        self._write_dataset()
+        self.trace = self._complete(tables, md, ops_file)
         _remember(self.trace, self.keep_history)
         _warn_tracer_bugs(self.trace)
         return self.trace
@@ -306,7 +289,7 @@ class Session:
         """The recorder spilled: write the spilled ops rows as parts now (readable while the trace
         runs). Rank and run id are fixed for this trace from here on."""
         from ..io.dataset import reserve_trace_id, write_table_parts
-        from .build import decode_ops_from
+        from .decode import decode_ops_from
 
         assert self.options.dataset is not None   # on_spill is set only with dataset=
         if self._ds is None:
@@ -316,7 +299,8 @@ class Session:
         ds = self._ds
         was, self.ctx.recording = self.ctx.recording, False   # nothing here may be recorded
         try:
-            for batch in decode_ops_from(self, ds["ops_written"]):
+            for batch in decode_ops_from(self.ctx.rec, ds["ops_written"], cell=self.cell, screen=self.ctx.screen,
+                                         links=self.links):
                 write_table_parts(self.options.dataset, "ops", ds["ident"], ds["trace_id"], pa_table(batch),
                                   metadata=ds["metadata"])
                 ds["ops_written"] += batch.num_rows
@@ -338,37 +322,51 @@ class Session:
                              notes=("written while the trace was recording: counts and notes are in the ranks "
                                     "row's metadata_json",))
 
-    def _write_dataset(self) -> None:
-        """``dataset=DIR``: this rank's tables into the multi-rank dataset (io/dataset.py)."""
+    def _distributed(self) -> Dict[str, Any]:
+        """The rank identity and clock alignment for the metadata (``distributed``, with the notes
+        the distributed context made); nothing when it cannot be described."""
         try:
-            assert self.trace is not None   # stop() built it
             ident = self._ds["ident"] if self._ds is not None else self.dist.resolve()
-            md = self.trace.metadata
-            self.trace._amend(distributed={**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
-                                           "anchor_unix_ns": self.dist.anchor_unix_ns},
-                              notes=md.notes + tuple(self.dist.notes))
+            self._ident = ident
+            return {"distributed": {**ident, "clock": self.dist.clock, "clock_end": self.dist.clock_end,
+                                    "anchor_unix_ns": self.dist.anchor_unix_ns},
+                    "dist_notes": tuple(self.dist.notes)}
         except Exception as e:   # describing the rank must never break the trace
-            if not self.options.dataset:
-                return
-            self.dataset_error = e
-            return
-        if not self.options.dataset:
-            return
+            if self.options.dataset:
+                self.dataset_error = e
+            return {}
+
+    def _complete(self, tables: Dict[str, Any], md: Dict[str, Any], ops_file: Optional[str]) -> Trace:
+        """The finished Trace, built whole: with ``dataset=DIR`` this rank's tables are written into
+        the multi-rank dataset first (io/dataset.py), and the Trace says where they went."""
+        from .._trace import Trace
+
+        dist_notes = md.pop("dist_notes", ())
+        md["notes"] = list(md["notes"]) + list(dist_notes)
+        kernels = tables.pop("kernels")
+        resolver = None if isinstance(kernels, pa_Table()) else kernels.resolve   # always-on cells: linked later
+        if resolver is None:
+            tables["kernels"] = kernels
+        if not self.options.dataset or self.dataset_error is not None:
+            return Trace(tables, md, kernels=resolver, _spill_file=ops_file)
         from ..io.dataset import write_trace
 
+        written = Trace(tables, md, kernels=resolver)   # what is written; the result says where it went
         try:
             early = self._ds or {}
-            where = write_trace(self.trace, self.options.dataset, ident=ident, dist=self.dist,
+            where = write_trace(written, self.options.dataset, ident=self._ident, dist=self.dist,
                                 trace_id=early.get("trace_id"), ops_written=early.get("ops_written", 0))
-            self.trace._amend(dataset=where)
         except Exception as e:   # the trace is kept (tensorscope.last()); trace.__exit__ reports it
             self.dataset_error = e
+            where = None
+        return Trace(written.tables, written.metadata.replace(dataset=where) if where else written.metadata,
+                     _spill_file=ops_file)
 
     def _note_cell_exception(self, exc: BaseException) -> None:
         """An exception that left the traced block: recorded once (modes may have seen it already)."""
         if seen_exc(self.ctx.last_exc_key, exc):
             return
-        from ..modes.source import user_traceback_location
+        from .source import user_traceback_location
 
         file, line = user_traceback_location(exc.__traceback__)
         self.ctx.last_error_id = self.ctx.rec.add_error(
@@ -392,20 +390,6 @@ def _warm_up() -> None:
         import torch.utils.flop_counter  # noqa: F401
     except Exception:
         pass
-
-
-def _note_cell_files(t: Trace, rec: Recorder) -> None:
-    """Which source files are notebook cells, and their numbers (``Cell In[3], line 11``)."""
-    try:
-        from .._location import cell_files_for
-
-        files = [v[0] for v in rec.sources.values if v is not None]
-        files += [r.get("source_file") for r in rec.errors]
-        cells = cell_files_for(files)
-        if cells:
-            t._amend(cell_files=cells)
-    except Exception as e:
-        rec.tracer_error("cell files", e)
 
 
 def _first_collective(ctx: RecordingContext, dist: DistContext) -> Callable[[], None]:
@@ -476,6 +460,13 @@ def pa_table(batch: pa.RecordBatch) -> pa.Table:
     return pa.Table.from_batches([batch])
 
 
+def pa_Table() -> type:
+    import pyarrow as pa
+
+    t: type = pa.Table
+    return t
+
+
 def _report_dataset_error(e: BaseException, raise_: bool) -> None:
     """A failed dataset write: ExportError after the block (the trace is kept: tensorscope.last()),
     or a warning when the block already raised (the user's exception comes first)."""
@@ -489,64 +480,9 @@ def _report_dataset_error(e: BaseException, raise_: bool) -> None:
     warnings.warn(str(err), RuntimeWarning, stacklevel=3)
 
 
-class NativeSession(Session):
-    """The session when the native engine observes the ops: its context is a
-    ``NativeRecordingContext`` (what the modes set is forwarded to the observer), and the
-    function mode is the C one when it can be (``modes/function.py`` NativeFunctionMode)."""
-
-    ctx: NativeRecordingContext
-
-    def _context(self, rec: Recorder, op_hooks: OpHooks) -> NativeRecordingContext:
-        from .engines import NativeEngine
-
-        assert isinstance(self.engine, NativeEngine)   # new_session pairs this class with the native engine
-        opts = self.options
-        return NativeRecordingContext(rec, op_hooks, self.engine, want_source=opts.source, want_modules=opts.modules,
-                                      track_storages=opts.storages)
-
-    # -- the function mode in C (modes/function.py NativeFunctionMode; fnmode) ----------------------
-    def _function_mode(self) -> Any:
-        from .. import native
-        from ..modes.function import CALL_DTYPE, NativeFunctionMode
-
-        fm, reason = native.function_mode(CALL_DTYPE.itemsize)
-        if fm is not None and not hasattr(self.ctx.ext, "fmode_state"):
-            fm, reason = None, "the native engine exports no state for it (fmode_state)"
-        if fm is None or fm.active():
-            self.ctx.rec.notes.append(f"the function mode runs in Python: {reason if fm is None else 'another trace uses the native one'}")
-            return super()._function_mode()
-        self.ctx.fmode = fm   # ctx.recording is forwarded to it from here on
-        return NativeFunctionMode(self.ctx, fm)
-
-    def _restore(self) -> None:
-        super()._restore()
-        finish = getattr(self._fmode, "finish", None)
-        if finish is not None:   # the native function mode hands its calls rows over (idempotent)
-            try:
-                finish()
-            except Exception as e:
-                self.ctx.rec.tracer_error("restore", e)
-
-    def _setup_probes(self) -> None:
-        super()._setup_probes()
-        cap = self.ctx.capture
-        if cap is not None and getattr(cap, "native", False):
-            cap.engine = self.engine   # call_end drains the observer's per-op warnings
-            try:   # the observer reads the source location of c10 errors its ops raise
-                if not cap.arm_error_sites(self.engine) and cap.sites_reason not in ("ok", ""):
-                    if not cap.sites_reason.startswith("TORCH_SHOW_CPP_STACKTRACES"):
-                        self.ctx.rec.notes.append(f"C++ error locations unavailable: {cap.sites_reason}")
-            except Exception as e:
-                self.ctx.rec.notes.append(f"C++ error locations unavailable: {type(e).__name__}: {e}")
-
-
 def new_session(options: TraceOptions, **kw: Any) -> Session:
     """A Session recording with the engine ``options.engine`` selects."""
-    from .engines import select_engine
-
-    choice = select_engine(options)
-    cls = NativeSession if choice.name == "native" else Session
-    return cls(options, engine=choice, **kw)
+    return Session(options, engine=select_engine(options), **kw)
 
 
 class trace:
@@ -591,7 +527,7 @@ class trace:
         if session.dataset_error is not None:
             _report_dataset_error(session.dataset_error, raise_=ev is None)
         if ev is not None:
-            from ..modes.frames import clean_traceback
+            from .frames import clean_traceback
 
             clean_traceback(ev)   # the with-statement re-raises ev: its traceback as untraced
             return False

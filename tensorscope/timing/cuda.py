@@ -8,7 +8,7 @@ synchronise per device that was used and reads every pair's
 ``elapsed_time``. Recording an event is asynchronous (~2-4 µs of CPU), so the
 program's timing on the GPU is unchanged apart from that launch overhead.
 
-Interface used by the dispatch mode (``modes/dispatch.py``) and the builder::
+Interface used by the dispatch mode (``recording/dispatch.py``) and the builder::
 
     timer = CudaOpTimer()
     tok = timer.begin_for(seq, input_tensors, kwargs)   # None unless a CUDA tensor / device= is involved

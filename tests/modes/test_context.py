@@ -1,4 +1,4 @@
-"""The seam between the session and the modes (modes/context.py).
+"""The seam between the session and the modes (recording/context.py).
 
 The session makes one RecordingContext per trace and hands it, never itself, to the modes, the
 trackers and the engine: from the installed modes no Session is reachable, under both engines.
@@ -18,9 +18,9 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import tensorscope
-from tensorscope.modes.context import FIELDS, NATIVE_FIELDS, NativeRecordingContext, RecordingContext
-from tensorscope.modes.dispatch import TracingDispatchMode
-from tensorscope.modes.function import NativeFunctionMode, TracingFunctionMode
+from tensorscope.recording.context import FIELDS, NATIVE_FIELDS, NativeRecordingContext, RecordingContext
+from tensorscope.recording.dispatch import TracingDispatchMode
+from tensorscope.recording.function import NativeFunctionMode, TracingFunctionMode
 from tensorscope.recording.session import Session, active_session
 
 _MODES = (TracingDispatchMode, TracingFunctionMode, NativeFunctionMode)
@@ -105,7 +105,7 @@ def test_the_context_has_exactly_its_documented_fields():
     assert NativeRecordingContext.__slots__ == tuple(NATIVE_FIELDS)
     assert not set(FIELDS) & set(NATIVE_FIELDS)
     assert all(isinstance(doc, str) and doc for doc in (*FIELDS.values(), *NATIVE_FIELDS.values()))
-    from tensorscope.recording.engines import OpHooks
+    from tensorscope.recording.ophooks import OpHooks
     from tensorscope.recording.recorder import Recorder
 
     ctx = RecordingContext(Recorder(), OpHooks(), want_source=True, want_modules=True, track_storages=True)

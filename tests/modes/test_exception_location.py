@@ -1,5 +1,5 @@
 """An exception that leaves a traced block is recorded where the user's code raised it
-(modes/source.py: user_traceback_location, shared by the session and check_substitution)."""
+(recording/source.py: user_traceback_location, shared by the session and check_substitution)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 import tensorscope
 from tensorscope import native
-from tensorscope.modes.source import user_traceback_location
+from tensorscope.recording.source import user_traceback_location
 
 
 def _boom():

@@ -1,4 +1,4 @@
-"""The native function mode (native/fmode.cpp) against the Python one (modes/function.py).
+"""The native function mode (native/fmode.cpp) against the Python one (recording/function.py).
 
 With the native engine the function mode's ``__torch_function__`` is a C builtin bound to the
 mode; ``TENSORSCOPE_PY_FUNCTION_MODE=1`` runs the Python ``TracingFunctionMode`` instead, with
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import tensorscope
-from tensorscope.modes.function import CALL_DTYPE, NativeFunctionMode
 from tensorscope.native import PY_FUNCTION_MODE_ENV, function_mode
+from tensorscope.recording.function import CALL_DTYPE, NativeFunctionMode
 
 
 def _available():
@@ -201,7 +201,7 @@ def test_exceptions_unchanged():
 
 
 def test_tracer_bug_is_contained(monkeypatch):
-    import tensorscope.modes.function as fmod
+    import tensorscope.recording.function as fmod
 
     def broken(_frame):
         raise RuntimeError("tracer bug")
@@ -218,7 +218,7 @@ def test_tracer_bug_is_contained(monkeypatch):
 def test_keyboard_interrupt_in_a_helper_reaches_the_program(monkeypatch):
     from torch.overrides import _get_current_function_mode_stack
 
-    import tensorscope.modes.function as fmod
+    import tensorscope.recording.function as fmod
 
     def interrupted(_frame):
         raise KeyboardInterrupt

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import tensorscope
-from tensorscope.modes.numerics import NonfiniteScreen, NumericsShadow, count_nonfinite, rel_errors, screen_finite
+from tensorscope.recording.numerics import NonfiniteScreen, count_nonfinite, screen_finite
+from tensorscope.recording.shadow import NumericsShadow, rel_errors
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import tensorscope
-from tensorscope.modes import frames
+from tensorscope.recording import frames
 
 
 def _softmax_bad():
@@ -78,7 +78,7 @@ def test_the_frames_are_the_untraced_ones():
 def test_without_the_watch_the_entries_would_show(monkeypatch):
     """The comparison above can fail: with the watch off the caught traceback has both entries."""
     monkeypatch.setattr(frames, "clean_when_caught", lambda depth: None)
-    monkeypatch.setattr("tensorscope.modes.function.clean_when_caught", lambda depth: None)
+    monkeypatch.setattr("tensorscope.recording.function.clean_when_caught", lambda depth: None)
     with tensorscope.trace(leaks=False):
         (_text, names) = caught_here()
     assert names == ["caught_here", "softmax", "handle_torch_function", "softmax"]

@@ -794,7 +794,7 @@ def test_leaks_and_storages_with_native_engine():
 def test_op_hook_receives_collectives_under_both_engines(tmp_path):
     import torch.distributed as dist
 
-    from tensorscope.recording.engines import add_op_hook, remove_op_hook
+    from tensorscope.recording.ophooks import add_op_hook, remove_op_hook
 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tensorscope
-from tensorscope.recording import build
+from tensorscope.recording import columns as build
 
 
 def _native():

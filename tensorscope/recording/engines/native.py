@@ -1,65 +1,30 @@
-"""Recording engines: who observes the ATen ops of a trace.
+"""The native engine: ``native/engine.cpp``'s RecordFunction observer records every ATen op.
 
-One seam, two implementations::
-
-    engine = select_engine(options)        # EngineChoice(name, reason, ext)
-    eng.start(session)                     # install the observer (after the function mode)
-    eng.stop(session)                      # remove it (before anything is built), idempotent
-    eng.finish(session)                    # hand the recorded columns to session.ctx.rec
-
-* ``python`` -- ``modes/dispatch.py``'s TorchDispatchMode appends rows to the
-  recorder as ops run. The fallback when nothing can be compiled, the engine
-  for ``numerics=`` (the shadow mode re-runs ops in Python), and the test
-  oracle.
-* ``native`` -- ``native/engine.cpp``: a thread-local RecordFunction observer
-  that records rows (interned op ids, metas, tuples, storage ids) into a live
-  block of ``chunk_rows`` rows, packs each full block column by column in the
-  recorder's chunk format, and hands the packed chunks over as bytes viewed by
-  numpy: at the end, or -- past ``spill_rows`` rows -- between two ops through
-  ``NativeEngine._on_full``, so the recorder spills them as it does its own.
-  No Python dispatch mode is on the stack, so the program sees plain eager.
-
-What both engines share is the recording context (``modes/context.py``), which
-the session hands to the modes and the engine: the function mode and the module
-tracker set ``current_call`` / ``modules.current`` and read ``seq``; with the
-native engine those attributes are forwarded to the observer through C setters
-(``NativeRecordingContext``), so the modes are the same code for both engines.
-An engine keeps the context, never the session.
+A thread-local RecordFunction callback records rows (interned op ids, metas, tuples, storage
+ids) into a live block of ``chunk_rows`` rows, packs each full block column by column in the
+recorder's chunk format, and hands the packed chunks over as bytes viewed by numpy: at the
+end, or -- past ``spill_rows`` rows -- between two ops through ``NativeEngine._on_full``, so the
+recorder spills them as it does its own. No Python dispatch mode is on the stack: the program
+sees plain eager. What the function mode and the module tracker set is forwarded to the
+observer by the context this engine makes (``NativeRecordingContext``).
 """
 from __future__ import annotations
 
 import threading
 import weakref
 from array import array
-from dataclasses import dataclass
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Callable,
-    Dict,
-    FrozenSet,
-    Iterable,
-    List,
-    Optional,
-    Sequence,
-    Tuple,
-    TypeVar,
-    Union,
-)
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._common import CompileCallbacks
-from .recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
+from ..._common import CompileCallbacks
+from ..context import NativeRecordingContext, RecordingContext
+from ..recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
+from .base import EngineChoice
 
 if TYPE_CHECKING:
-    from ..modes.context import RecordingContext
-    from ..options import TraceOptions
-    from .session import Session
-
-_T = TypeVar("_T")
-#: an op hook: ``fn(seq, op name, inputs, outputs)``
-OpHook = Callable[[int, str, Any, Any], Any]
+    from ...options import TraceOptions
+    from ..ophooks import OpHooks
 
 #: numpy view of engine.cpp's ``Row`` (keep in sync; checked against ROW_SIZE at load)
 ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
@@ -86,183 +51,36 @@ _DEVICE_TYPES = ("cpu", "cuda", "mkldnn", "opengl", "opencl", "ideep", "hip", "f
                  "metal", "xpu", "mps", "meta", "hpu", "ve", "lazy", "ipu", "mtia", "privateuseone")
 
 
-@dataclass
-class EngineChoice:
-    name: str                 # "native" / "python"
-    reason: str               # why (always set; shown in the summary when it is the fallback)
-    ext: Any = None           # the native extension module
 
 
-def _native_ext(wait: bool = True) -> Tuple[Any, str]:
-    from ..native import FORCE_ENV, engine, forced_fallback
-
-    if forced_fallback():
-        return None, f"{FORCE_ENV}=1 forces the python engine"
-    ext, reason = engine(wait=wait)
-    if ext is not None and getattr(ext, "ROW_SIZE", None) != ROW_DTYPE.itemsize:
-        return None, f"native engine row layout mismatch ({getattr(ext, 'ROW_SIZE', None)} != {ROW_DTYPE.itemsize})"
-    if ext is not None and getattr(ext, "PACKED_COLUMNS", None) != len(PACKED_COLUMNS):
-        return None, f"native engine chunk layout mismatch ({getattr(ext, 'PACKED_COLUMNS', None)} columns)"
-    return ext, reason
+class EngineBusy(RuntimeError):
+    """The native observer records one trace per process, and another trace holds it."""
 
 
-def select_engine(options: TraceOptions) -> EngineChoice:
-    """The engine a trace with ``options`` records with, and why."""
-    want = getattr(options, "engine", "auto") or "auto"
-    if want == "python":
-        return EngineChoice("python", "engine='python' was asked for")
-    if options.numerics:
-        return EngineChoice("python", "numerics= runs its shadow computations in the python engine's dispatch mode")
-    if threading.current_thread() is not threading.main_thread() and want == "auto":
-        pass   # a thread-local observer works on any thread
-    ext, reason = _native_ext(wait=True)
-    if ext is None:
-        return EngineChoice("python", f"native engine unavailable: {reason}")
-    if ext.active():
-        return EngineChoice("python", "the native engine is recording another trace in this process (another thread)")
-    return EngineChoice("native", reason, ext)
+_CLAIM = threading.Lock()   # held by the one NativeEngine that may start the observer
 
 
-def unobserved(fn: Callable[[], _T]) -> _T:
-    """``fn()`` with RecordFunction off on this thread when the native engine is loaded (so neither
-    torch.profiler nor an observer sees tensorscope's own probe ops); else just ``fn()``."""
-    from ..native import loaded_engine
-
-    ext = loaded_engine()
-    if ext is not None and hasattr(ext, "unobserved"):
-        out: _T = ext.unobserved(fn)
-        return out
-    return fn()
-
-
-def engine_status() -> Dict[str, Any]:
-    """``{'engine': 'native'|'python', 'reason': ...}`` for ``trace(engine='auto')`` now. Never compiles."""
-    from ..native import FORCE_ENV, forced_fallback
-    from ..native import engine_status as lib_status
-
-    if forced_fallback():
-        return {"engine": "python", "reason": f"{FORCE_ENV}=1"}
-    st = lib_status()
-    return {"engine": "native" if st["state"] == "built" else "python", "reason": st["reason"]}
-
-
-# ---------------------------------------------------------------------------
-# op hooks: Python callbacks for the ops of chosen namespaces (collectives)
-# ---------------------------------------------------------------------------
-_OP_HOOKS: Dict[int, Tuple[FrozenSet[str], OpHook]] = {}
-_next_hook = [0]
-
-
-def add_op_hook(namespaces: Union[str, Iterable[str]], fn: OpHook) -> int:
-    """Call ``fn(seq, op, inputs, outputs)`` for every recorded op of ``namespaces`` (e.g.
-    ``("c10d", "_c10d_functional")``), under both engines, in traces started afterwards.
-
-    ``op`` is ``str(OpOverload)`` (``"c10d.allreduce_.default"``), ``inputs`` the op's
-    arguments in schema order as Python objects (tensors, ``torch.ScriptObject`` process
-    groups and reduce ops, lists, scalars), ``outputs`` a tuple, or None when the kernel
-    raised. It runs on the recording thread right after the op; an exception in it is
-    counted in ``metadata["tracer_errors"]``, never raised into the program. Keep no
-    reference to the tensors. Returns a handle for :func:`remove_op_hook`.
-    """
-    if isinstance(namespaces, str):
-        namespaces = (namespaces,)
-    _next_hook[0] += 1
-    _OP_HOOKS[_next_hook[0]] = (frozenset(namespaces), fn)
-    return _next_hook[0]
-
-
-def remove_op_hook(handle: int) -> None:
-    _OP_HOOKS.pop(handle, None)
-
-
-class OpHooks:
-    """The hooks of one trace (a snapshot taken at its start)."""
-
-    def __init__(self) -> None:
-        self.hooks = list(_OP_HOOKS.values())
-        self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
-        self.errors: List[str] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.hooks)
-
-    def add(self, namespaces: Iterable[str], fn: OpHook) -> None:
-        """A hook of this trace only (the session's own probes: the collectives table)."""
-        self.hooks.append((frozenset(namespaces), fn))
-        self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
-
-    def __call__(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
-        import torch
-
-        name = name.replace("::", ".", 1)
-        ns = name.split(".", 1)[0]
-        for nss, fn in self.hooks:
-            if ns in nss:
-                try:
-                    with torch._C.DisableTorchFunction():   # reading the tensors is no call of the program's
-                        fn(seq, name, inputs, outputs)
-                except Exception as e:   # a hook's bug never reaches the program
-                    if len(self.errors) < 20:
-                        self.errors.append(f"op hook {getattr(fn, '__name__', fn)!s} on {name}: {type(e).__name__}: {e}")
-
-
-def exit_mode(mode: Any, stack_fn: Callable[[], Sequence[Any]]) -> None:
-    """Pop ``mode``, also when user code left other modes above it (they are re-pushed)."""
-    stack = stack_fn()
-    if not any(m is mode for m in stack):
-        return
-    above: List[Any] = []
-    if stack and stack[-1] is not mode:
-        while stack_fn() and stack_fn()[-1] is not mode:
-            top = stack_fn()[-1]
-            top.__exit__(None, None, None)
-            above.append(top)
-    mode.__exit__(None, None, None)
-    for m in reversed(above):
-        m.__enter__()
-
-
-# ---------------------------------------------------------------------------
-# the python engine
-# ---------------------------------------------------------------------------
-class PythonEngine:
-    name = "python"
-
-    def __init__(self, choice: EngineChoice) -> None:
-        self.choice = choice
-        self._mode: Any = None   # a TracingDispatchMode (torch's TorchDispatchMode is unannotated)
-
-    def start(self, sess: Session) -> None:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # noqa: F401
-
-        from ..modes.dispatch import TracingDispatchMode
-
-        self._mode = TracingDispatchMode(sess.ctx)
-        self._mode.__enter__()
-
-    def stop(self, sess: Session) -> None:
-        if self._mode is None:
-            return
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-        mode, self._mode = self._mode, None
-        exit_mode(mode, _get_current_dispatch_mode_stack)
-
-    def finish(self, sess: Session) -> None:
+def _release(lock: Any) -> None:
+    try:
+        lock.release()
+    except RuntimeError:
         pass
 
 
-# ---------------------------------------------------------------------------
-# the native engine
-# ---------------------------------------------------------------------------
 class NativeEngine:
     name = "native"
 
     def __init__(self, choice: EngineChoice) -> None:
+        # claimed when made, not when started: two threads entering a trace at once must not both
+        # choose the observer (the later one records with the python engine and says why)
+        if not _CLAIM.acquire(blocking=False):
+            raise EngineBusy("the native engine is recording another trace in this process (another thread)")
+        self._unclaim = weakref.finalize(self, _release, _CLAIM)
         self.choice = choice
         self.ext = choice.ext
         self.running = False
         self.data: Optional[Dict[str, Any]] = None
+        self._options: Optional[TraceOptions] = None
         self._reset(None)
 
     def _reset(self, ctx: Optional[RecordingContext], flops: bool = False) -> None:
@@ -273,12 +91,45 @@ class NativeEngine:
         self._row_args = np.zeros((0, 2), dtype=np.int64)   # (seq, encoding id)
         self.opaque_rows = 0
 
-    def start(self, sess: Session) -> None:
-        opts = sess.options
-        hooks = sess.ctx.op_hooks
-        self._reset(sess.ctx, bool(opts.flops))
+    def make_context(self, rec: Recorder, op_hooks: OpHooks, options: TraceOptions) -> NativeRecordingContext:
+        return NativeRecordingContext(rec, op_hooks, self, want_source=options.source, want_modules=options.modules,
+                                      track_storages=options.storages)
+
+    def function_mode(self, ctx: RecordingContext) -> Any:
+        """The C function mode (``native/fmode.cpp``) when it builds and is free, else the Python one."""
+        from ... import native
+        from ..function import CALL_DTYPE, NativeFunctionMode, TracingFunctionMode
+
+        assert isinstance(ctx, NativeRecordingContext)   # make_context made it
+        fm, reason = native.function_mode(CALL_DTYPE.itemsize)
+        if fm is not None and not hasattr(self.ext, "fmode_state"):
+            fm, reason = None, "the native engine exports no state for it (fmode_state)"
+        if fm is None or fm.active():
+            ctx.rec.notes.append("the function mode runs in Python: "
+                                 f"{reason if fm is None else 'another trace uses the native one'}")
+            return TracingFunctionMode(ctx)
+        ctx.fmode = fm   # ctx.recording is forwarded to it from here on
+        return NativeFunctionMode(ctx, fm)
+
+    def setup_probes(self, ctx: RecordingContext, options: TraceOptions) -> None:
+        if options.nonfinite:
+            ctx.screen = NativeScreen({})   # the observer screens; its counters replace these at finish
+        cap = ctx.capture
+        if cap is not None and getattr(cap, "native", False):
+            cap.engine = self   # call_end drains the observer's per-op warnings
+            try:   # the observer reads the source location of c10 errors its ops raise
+                if not cap.arm_error_sites(self) and cap.sites_reason not in ("ok", ""):
+                    if not cap.sites_reason.startswith("TORCH_SHOW_CPP_STACKTRACES"):
+                        ctx.rec.notes.append(f"C++ error locations unavailable: {cap.sites_reason}")
+            except Exception as e:
+                ctx.rec.notes.append(f"C++ error locations unavailable: {type(e).__name__}: {e}")
+
+    def start(self, ctx: RecordingContext, options: TraceOptions) -> None:
+        opts = self._options = options
+        hooks = ctx.op_hooks
+        self._reset(ctx, bool(opts.flops))
         # past spill_rows rows, the engine calls _on_full on this thread to hand its chunks over
-        self.ext.start(sess.ctx.t0, bool(opts.nonfinite), bool(opts.storages), True,
+        self.ext.start(ctx.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
                        hooks if hooks else None, tuple(hooks.namespaces) if hooks else None,
                        int(opts.spill_rows), self._on_full, int(opts.chunk_rows))
@@ -291,13 +142,14 @@ class NativeEngine:
         ext = self.ext
         self._cb: Optional[CompileCallbacks] = CompileCallbacks(lambda *a, **k: ext.pause(True), lambda *a, **k: ext.pause(False))
 
-    def stop(self, sess: Session) -> None:
+    def stop(self) -> None:
         if self.running:
             self.running = False
             self.ext.stop()
             cb, self._cb = getattr(self, "_cb", None), None
             if cb is not None:
                 cb.remove()
+        self._unclaim()   # the observer is free for the next trace (idempotent)
 
     def take_warnings(self) -> List[Dict[str, Any]]:
         raw = self.ext.take_warnings()
@@ -332,7 +184,7 @@ class NativeEngine:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
         import torch
 
-        from ..modes.dispatch import op_schema_facts
+        from ..dispatch import op_schema_facts
 
         flags_of: List[int] = []
         for name in d["ops"]:
@@ -397,10 +249,10 @@ class NativeEngine:
             rec.mem_rows += int(n)
             rec.chunk_start = int(first + n)
 
-    def finish(self, sess: Session) -> None:
-        """Move the native columns into ``sess.ctx.rec`` in the recorder's layout (build.py reads both alike)."""
+    def finish(self, ctx: RecordingContext) -> None:
+        """Move the native columns into ``ctx.rec`` in the recorder's layout (decode.py reads both alike)."""
         ext = self.ext
-        ctx = sess.ctx
+        opts = self._options
         rec = ctx.rec
         self._take_chunks(rec, final=True)
         d = ext.take()
@@ -418,7 +270,7 @@ class NativeEngine:
             rec.tracer_error("native spill", RuntimeError(f"{d['on_full_errors']} hand-over(s) raised"))
         # storages
         st = np.frombuffer(d["tensors"], dtype=np.int64).reshape(-1, 7)
-        if sess.options.storages:
+        if opts is not None and opts.storages:
             cols = rec.tensors
             cols.meta = array("i", st[:, 0].astype(np.int32).tobytes())
             cols.nbytes = array("q", st[:, 1].tobytes())
@@ -434,7 +286,7 @@ class NativeEngine:
             if dev:
                 rec.notes.append(f"{dev} op(s) with CUDA outputs were not screened for NaN/Inf: the native engine "
                                  "screens CPU memory only (engine='python' screens on device)")
-        if sess.options.cuda_timing and any(str(v).startswith("cuda") for v in rec.metas.devices):
+        if opts is not None and opts.cuda_timing and any(str(v).startswith("cuda") for v in rec.metas.devices):
             rec.notes.append("per-op CUDA times (ops.cuda_ns) are recorded by the python engine only; "
                              "use engine='python', or kernels=True for kernel times")
         self.data = None
@@ -465,10 +317,10 @@ class NativeStorages:
 
 
 class NativeScreen:
-    """The native non-finite screen's counters, with the python screen's op classification for build.py."""
+    """The native non-finite screen's counters, with the python screen's op classification for decode.py."""
 
     def __init__(self, counters: Dict[str, int]) -> None:
-        from ..modes.numerics import NonfiniteScreen
+        from ..numerics import NonfiniteScreen
 
         self._cls = NonfiniteScreen()
         self.counters = dict(counters)
@@ -554,7 +406,7 @@ def _flop_op_names() -> Tuple[str, ...]:
     """'aten::convolution'... : ops whose FLOP formula needs their arguments (recorded natively)."""
     global _FLOP_NAMES
     if _FLOP_NAMES is None:
-        from ..modes.dispatch import FLOP_REGISTRY, SHAPE_FLOP_OPS
+        from ..dispatch import FLOP_REGISTRY, SHAPE_FLOP_OPS
 
         names: List[str] = []
         for packet in FLOP_REGISTRY:
@@ -606,7 +458,7 @@ def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_se
     """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
     (op, arguments, outputs), for the chunk of rows from ``first_seq``: the formulas take shapes,
     so the interned metas suffice. ``row_args``: (seq, argument encoding id) rows."""
-    from ..modes.dispatch import FLOP_REGISTRY
+    from ..dispatch import FLOP_REGISTRY
 
     n = len(op)
     sel = (row_args[:, 0] >= first_seq) & (row_args[:, 0] < first_seq + n)
@@ -655,6 +507,3 @@ def _frozen(v: Any) -> Any:
         return ("t",) + tuple(_frozen(x) for x in v)
     return v
 
-
-def make_engine(choice: EngineChoice) -> Union[NativeEngine, PythonEngine]:
-    return NativeEngine(choice) if choice.name == "native" else PythonEngine(choice)

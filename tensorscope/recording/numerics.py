@@ -1,4 +1,4 @@
-"""Per-op numerics probes the dispatch mode calls: the non-finite screen and the numerics shadow.
+"""The non-finite screen: a per-op probe the dispatch mode calls (``nonfinite=True``).
 
 Both run inside ``__torch_dispatch__``, where the tracing modes are inactive,
 so the extra ops they dispatch are invisible to the trace. They read user
@@ -34,18 +34,12 @@ host once. The produced/propagated verdict then comes from the screen's own
 dataflow: an input is bad when the screened output it came from was bad;
 tensors from outside the trace are screened once on the device.
 
-``NumericsShadow`` (``numerics='fp32'|'fp64'``): recomputes ops with 16-bit
-(and with 'fp64', float32) floating inputs on upcast copies and reports the
-norm-wise relative error and the max absolute error of the real output
-against that reference. Ops that draw random numbers are skipped (and counted),
-as are in-place/out= ops (their inputs are gone when the probe runs). It is a
-debugging mode: every compared op runs twice, and on CUDA reading the error
-back synchronises once per op.
+``NumericsShadow`` (``numerics=``) lives in ``shadow.py``.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -510,157 +504,3 @@ class _CudaFlags:
                 out[seq] = (c, not (scalar_bad or any(bad[s] for s in islots)))
         self._bufs.clear()
         return out
-
-
-# ----------------------------------------------------------------------------
-# numerics shadow mode
-
-def rel_errors(real: Tensor, ref: Tensor) -> Tuple[float, float]:
-    """Norm-wise relative error ``||real - ref|| / ||ref||`` and max |real - ref|, in ``ref``'s dtype.
-
-    Positions where both are the same non-finite value (both inf of one sign,
-    both NaN) agree; a non-finite value on one side only makes the error inf.
-    """
-    r = real.to(ref.dtype)
-    same = (r == ref) | (torch.isnan(r) & torch.isnan(ref))
-    diff = torch.where(same, torch.zeros((), dtype=ref.dtype, device=ref.device), r - ref)
-    if diff.is_complex():
-        diff = diff.abs()
-    else:
-        diff = diff.abs()
-    mx = float(diff.max()) if diff.numel() else 0.0
-    ref_f = torch.where(torch.isfinite(ref), ref, torch.zeros((), dtype=ref.dtype, device=ref.device))
-    num = float(torch.linalg.vector_norm(diff)) if diff.numel() else 0.0
-    den = float(torch.linalg.vector_norm(ref_f)) if ref_f.numel() else 0.0
-    if math.isnan(mx):
-        mx = math.inf
-    if math.isnan(num):
-        num = math.inf
-    if num == 0.0:
-        rel = 0.0
-    elif den == 0.0:
-        rel = math.inf
-    else:
-        rel = num / den
-    return rel, mx
-
-
-class NumericsShadow:
-    """Recompute low-precision ops in a wider dtype; report the real output's error against it."""
-
-    def __init__(self, mode: Union[str, bool, None] = "fp32"):
-        if mode in (True, None):
-            mode = "fp32"
-        if mode not in ("fp32", "fp64"):
-            raise ValueError(f"numerics mode must be 'fp32' or 'fp64', not {mode!r}")
-        self.mode = mode
-        self.ref_dtype = _F32 if mode == "fp32" else _F64
-        self.low = frozenset({_F16, _BF16}) if mode == "fp32" else frozenset({_F16, _BF16, _F32})
-        self.skipped: Dict[str, int] = {}
-        self.skip_reasons: Dict[str, str] = {}
-        self.n_compared = 0
-        self._kinds: Dict[Any, Optional[str]] = {}
-
-    def _kind(self, func) -> Optional[str]:
-        """None: shadow it; "" skip silently (nothing to compare); else the reason it is skipped."""
-        k = self._kinds.get(func, "?")   # "?": not seen yet (None and "" are verdicts)
-        if k != "?":
-            return k
-        name = _op_name(func)
-        tags = getattr(func, "tags", ()) or ()
-        if torch.Tag.nondeterministic_seeded in tags or name in _SEEDED_NAMES:
-            k = "nondeterministic_seeded"
-        elif getattr(func, "is_view", False) or name in _SHADOW_SKIP_SILENT:
-            k = ""
-        else:
-            k = None
-            try:
-                for a in func._schema.arguments:
-                    if a.alias_info is not None and a.alias_info.is_write:
-                        k = "in-place/out= (its inputs are overwritten before the probe runs)"
-                        break
-            except Exception:
-                pass
-        self._kinds[func] = k
-        return k
-
-    def report(self) -> Dict[str, Any]:
-        """For the trace metadata: mode, ops compared, ops skipped and why."""
-        return {"mode": self.mode, "compared": self.n_compared, "skipped": dict(self.skipped),
-                "skip_reasons": dict(self.skip_reasons)}
-
-    def _skip(self, func, reason: str):
-        name = str(func)
-        self.skipped[name] = self.skipped.get(name, 0) + 1
-        self.skip_reasons.setdefault(name, reason)
-
-    def compare(self, seq, func, args, kwargs, outs) -> Optional[_REL]:
-        if not outs:
-            return None
-        try:
-            low = self.low
-            has_low = False
-            for t in tensor_args(args, kwargs):
-                if t.dtype in low and _plain(t):
-                    has_low = True
-                    break
-            if not has_low:
-                return None
-            kind = self._kind(func)
-            if kind is not None:
-                if kind:
-                    self._skip(func, kind)
-                return None
-            pairs = [(i, o) for i, o in enumerate(outs) if isinstance(o, Tensor) and _is_float(o) and _plain(o)]
-            if not pairs:
-                return None
-            with torch.no_grad():
-                ref = self._reference(func, args, kwargs)
-                if ref is None:
-                    return None
-                refs = [ref] if isinstance(ref, Tensor) else [r for r in ref if isinstance(r, Tensor)] \
-                    if isinstance(ref, (list, tuple)) else []
-                rel = mx = 0.0
-                got = False
-                for i, o in pairs:
-                    if i >= len(refs):
-                        continue
-                    r = refs[i]
-                    if not isinstance(r, Tensor) or r.shape != o.shape or not _is_float(r):
-                        continue
-                    wide = r.dtype if r.dtype in (_F32, _F64) or r.dtype.is_complex else self.ref_dtype
-                    if wide.itemsize < self.ref_dtype.itemsize and not wide.is_complex:
-                        wide = self.ref_dtype
-                    a, b = rel_errors(o, r.to(wide))
-                    rel, mx = max(rel, a), max(mx, b)
-                    got = True
-            if not got:
-                return None
-            self.n_compared += 1
-            return rel, mx
-        except Exception as e:
-            try:
-                self._skip(func, f"reference failed: {type(e).__name__}")
-            except Exception:
-                pass
-            return None
-
-    def _up(self, a):
-        if isinstance(a, Tensor):
-            if a.dtype in self.low and _plain(a):
-                return a.to(self.ref_dtype)
-            return a
-        if isinstance(a, torch.dtype):
-            # sum(dtype=float16), softmax(x, 1, torch.bfloat16): the reference computes wide too
-            return self.ref_dtype if a in self.low else a
-        if type(a) is list or type(a) is tuple:
-            return type(a)(self._up(b) for b in a)
-        return a
-
-    def _reference(self, func, args, kwargs):
-        new_args = [self._up(a) for a in args]
-        new_kwargs = {k: self._up(v) for k, v in kwargs.items()} if kwargs else {}
-        name = _op_name(func)
-        if name in ("_softmax", "_log_softmax") and len(new_args) >= 3:
-            new_args[2] = False   # half_to_float is only legal on half inputs
-        return func(*new_args, **new_kwargs)

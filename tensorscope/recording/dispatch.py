@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Dict, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..recording.recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 from ..tracking.storages import fake_key
 from ..tracking.storages import is_fake as _is_fake
 from .frames import clean_traceback, exc_mark, register_tracer_code
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
 from .source import called_from_compiled_code
 
 if TYPE_CHECKING:
@@ -37,11 +37,13 @@ _current_node = torch._C._current_autograd_node
 _get_seq_nr = torch._C._autograd._get_sequence_nr
 
 try:
-    from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
+    from torch.utils.flop_counter import flop_registry as _flop_registry
 except Exception:  # older torch
-    FLOP_REGISTRY = {}
+    _flop_registry = {}
+#: torch.utils.flop_counter's formulas by op packet (the same dict: formulas registered later count)
+FLOP_REGISTRY: Dict[Any, Any] = _flop_registry
 
-#: ops whose FLOPs build.py computes from input shapes (same formulas as torch.utils.flop_counter)
+#: ops whose FLOPs decode.py computes from input shapes (same formulas as torch.utils.flop_counter)
 SHAPE_FLOP_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
 
@@ -224,7 +226,7 @@ class TracingDispatchMode(TorchDispatchMode):
 
     def __init__(self, ctx: RecordingContext) -> None:
         super().__init__()
-        self.ctx = ctx   # the recording context (modes/context.py): all the mode reads and writes
+        self.ctx = ctx   # the recording context (recording/context.py): all the mode reads and writes
         self._infos: Dict[Any, OpInfo] = {}   # OpOverload -> its facts
         # autograd's sequence counter as the last op left it: a forward op created a node (and may
         # claim ``counter - 1``) only if the counter advanced since, so an op that created none
@@ -388,7 +390,7 @@ class TracingDispatchMode(TorchDispatchMode):
                 except Exception:
                     flop = -1
             elif info.flop_at_build:
-                flop = -2   # build.py: from the interned input shapes
+                flop = -2   # decode.py: from the interned input shapes
             else:
                 flop = -1
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)

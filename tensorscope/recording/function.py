@@ -2,7 +2,7 @@
 
 It is the outer of the two modes. Per call it appends one ``calls`` row (name,
 module, user source line, autocast state, time, error) and sets the recording
-context's current call id (``modes/context.py``), which every ATen op
+context's current call id (``recording/context.py``), which every ATen op
 dispatched inside inherits; the source line is found here only (a frame walk
 per torch-level call, never per op), and so is the module path (modules.py
 reads it from the stack).
@@ -23,7 +23,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._common import CompileCallbacks
-from ..recording.recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore
 from . import source as _source
 from .frames import (
     _HTF_CODE,
@@ -38,6 +37,7 @@ from .frames import (
     trampoline_for,
 )
 from .modules import _MOD_CODE, _GraphModule
+from .recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore
 from .source import user_location_from
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def autocast_state():
 class TracingFunctionMode(TorchFunctionMode):
     def __init__(self, ctx: RecordingContext) -> None:
         super().__init__()
-        self.ctx = ctx   # the recording context (modes/context.py): all the mode reads and writes
+        self.ctx = ctx   # the recording context (recording/context.py): all the mode reads and writes
         self._kinds: dict = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -297,7 +297,7 @@ class NativeFunctionMode(TorchFunctionMode):
 
     def __init__(self, ctx: NativeRecordingContext, fm: Any) -> None:
         super().__init__()
-        self.ctx = ctx   # the recording context (modes/context.py); ctx.fmode is ``fm``
+        self.ctx = ctx   # the recording context (recording/context.py); ctx.fmode is ``fm``
         self._fm = fm
         rec = ctx.rec
         self._rec = rec

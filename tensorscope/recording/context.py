@@ -1,8 +1,8 @@
 """The recording context: the one object the modes, the module and storage trackers and the
 native observer's Python side read and write while a trace records.
 
-The session (``recording/session.py``) makes one per trace and hands it, never itself, to the
-function mode, the dispatch mode, the engine and the trackers. The context holds the per-op
+The engine makes one per trace (``Engine.make_context``); the session (``recording/session.py``)
+hands it, never itself, to the function mode, the dispatch mode, the engine and the trackers. The context holds the per-op
 state and the helpers the modes call, and nothing about the session's lifecycle (options,
 start/stop, probes setup, building, the dataset, the history): those stay on the session,
 which reads what it needs back from ``session.ctx``.
@@ -19,16 +19,25 @@ Two classes, one per engine:
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Protocol
 
 from ..native import site_error_info
-from ..recording.recorder import C_SRC, Recorder
 from ..tracking.storages import StorageTracker
 from .modules import ModuleTracker
+from .recorder import C_SRC, Recorder
 from .source import user_frame_location
 
 if TYPE_CHECKING:
-    from ..recording.engines import NativeEngine, OpHooks
+    from .ophooks import OpHooks
+
+
+class ObserverEngine(Protocol):
+    """What the native context needs of its engine (``engines/native.py``): the compiled
+    observer and the warnings it recorded per op."""
+
+    ext: Any
+
+    def take_warnings(self) -> List[Dict[str, Any]]: ...
 
 #: the fields of :class:`RecordingContext`, each with who writes it (tests/modes/test_context.py
 #: checks ``__slots__`` against this table)
@@ -49,14 +58,15 @@ FIELDS: Dict[str, str] = {
     "modules": "the ModuleTracker: the module of the running call (modules.current; set by the function mode)",
     "tracker": "the StorageTracker (python engine, storages=True), else None; the native engine puts "
                "its NativeStorages here at finish",
-    "op_hooks": "the OpHooks of this trace (recording/engines.py; the session adds its own hooks before start)",
+    "op_hooks": "the OpHooks of this trace (recording/ophooks.py; the session adds its own hooks before start)",
     "t0": "perf_counter_ns() at the start: times are relative to it (the session sets it at start)",
     "want_source": "whether calls record the user's source line (options.source)",
     "want_modules": "whether calls record their module path (options.modules)",
     "capture": "the warning/error capture (native.open_capture()), or None (the session, at start)",
-    "screen": "the non-finite screen: NonfiniteScreen (python engine), True then NativeScreen (native), or None",
+    "screen": "the non-finite screen: NonfiniteScreen (python engine), NativeScreen (native: its counters at finish), or None "
+              "(the engine's setup_probes)",
     "shadow": "the NumericsShadow of numerics=, or None (the session, at start)",
-    "cuda_timer": "the CudaOpTimer of cuda_timing= (python engine), or None (the session, at start)",
+    "cuda_timer": "the CudaOpTimer of cuda_timing= (python engine), or None (the engine's setup_probes)",
 }
 
 
@@ -192,11 +202,11 @@ class NativeRecordingContext(RecordingContext):
 
     __slots__ = tuple(NATIVE_FIELDS)
 
-    engine: NativeEngine
+    engine: ObserverEngine
     ext: Any
     fmode: Any
 
-    def __init__(self, rec: Recorder, op_hooks: OpHooks, engine: NativeEngine, *, want_source: bool,
+    def __init__(self, rec: Recorder, op_hooks: OpHooks, engine: ObserverEngine, *, want_source: bool,
                  want_modules: bool, track_storages: bool) -> None:
         self.engine = engine
         self.ext = engine.ext

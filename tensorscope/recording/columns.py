@@ -1,0 +1,302 @@
+"""Arrow columns from interned values: dictionary-encoded strings and list columns by segment gather.
+
+The decoder (``decode.py``) builds every string column as an Arrow dictionary over an
+interned table (``_Dict``: no per-row Python object, no string copy) and every list column as
+Arrow offsets plus the concatenated values of each row's interned segment (``gather``: one C
+pass when the native engine is loaded, numpy otherwise; both give the same buffers).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from .._common import NOISE_OPS
+from ..native import forced_fallback, loaded_engine
+from ..schema import nullable_array
+from .recorder import Recorder
+
+
+class _Dict:
+    """Interned strings as an Arrow dictionary: ``codes[id]`` is the value's index in
+    ``dictionary`` (-1 for None), so a column is a numpy gather of codes, never a string copy.
+
+    The dictionary holds each distinct string once (ids of different interned values may
+    share one: every ``aten.*`` op has namespace ``aten``); None is a null index, never a
+    dictionary entry, so every reader sees plain nullable strings.
+    """
+
+    __slots__ = ("dictionary", "codes", "values")
+
+    def __init__(self, values: Sequence[Optional[str]]) -> None:
+        index: Dict[str, int] = {}
+        codes = np.empty(len(values), dtype=np.int32)
+        for i, v in enumerate(values):
+            codes[i] = -1 if v is None else index.setdefault(v, len(index))
+        self.values = values
+        self.dictionary = pa.array(list(index), pa.string())
+        self.codes = codes
+
+    def take(self, ids: np.ndarray, null_mask: Optional[np.ndarray] = None) -> pa.DictionaryArray:
+        c = self.codes[ids] if len(ids) else np.zeros(0, np.int32)
+        null = c < 0
+        if null_mask is not None:
+            null |= null_mask
+        indices = nullable_array(c, null, pa.int32())
+        # codes index the dictionary by construction: skip the O(n) bounds validation
+        return pa.DictionaryArray.from_arrays(indices, self.dictionary, safe=False)
+
+
+#: the phase column's dictionary: index 1 for rows flagged F_BACKWARD
+_PHASES = pa.array(["forward", "backward"], pa.string())
+
+
+#: op -> (name, namespace, overload, tags, short name, noise?): the same in every trace
+_FUNC_NAMES: Dict[Any, Tuple[str, str, str, List[str], str, bool]] = {}
+
+
+def _func_names(func: Any) -> Tuple[str, str, str, List[str], str, bool]:
+    got = _FUNC_NAMES.get(func)
+    if got is not None:
+        return got
+    name = str(func)
+    parts = name.split(".")
+    try:
+        tags = [str(t).split(".")[-1] for t in func.tags]
+    except Exception:
+        tags = []
+    sn = parts[1] if len(parts) > 1 else name
+    got = (name, parts[0], parts[2] if len(parts) > 2 else "default", tags, sn, sn in NOISE_OPS)
+    try:
+        _FUNC_NAMES[func] = got
+    except TypeError:   # an unhashable stand-in: not cached
+        pass
+    return got
+
+
+def _op_dicts(rec: Recorder) -> Dict[str, Any]:
+    names: List[str] = []
+    nss: List[str] = []
+    ovls: List[str] = []
+    tags: List[List[str]] = []
+    noise: List[bool] = []
+    short: List[str] = []
+    for func in rec.funcs.values:
+        name, ns, ovl, tg, sn, nz = _func_names(func)
+        names.append(name)
+        nss.append(ns)
+        ovls.append(ovl)
+        tags.append(tg)
+        short.append(sn)
+        noise.append(nz)
+    return dict(op=_Dict(names), namespace=_Dict(nss), overload=_Dict(ovls), tags=tags,
+                is_noise=np.array(noise or [False], dtype=bool), short=short, names=names)
+
+
+def _segments(starts: np.ndarray, lens: np.ndarray, offsets: Optional[np.ndarray] = None) -> np.ndarray:
+    """Indexes of the concatenated segments [starts[i], starts[i] + lens[i]) (vectorised).
+    ``offsets``: ``_offsets(lens)`` when the caller has it already."""
+    if offsets is None:
+        offsets = _offsets(lens)
+    total = int(offsets[-1])
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(starts - offsets[:-1], lens) + np.arange(total, dtype=np.int64)
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    off = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    return off
+
+
+def _native_gather() -> Any:
+    """engine.cpp's ``gather`` when the native engine is loaded in this process (never compiles
+    or loads it: a python-engine trace in a process without it uses numpy)."""
+    try:
+        if forced_fallback():
+            return None
+        return getattr(loaded_engine(), "gather", None)
+    except Exception:
+        return None
+
+
+def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat: np.ndarray
+           ) -> Tuple[np.ndarray, np.ndarray]:
+    """List rows as Arrow buffers: ``(offsets, values)`` where row ``i`` is
+    ``flat[starts[k]:starts[k] + lens[k]]`` with ``k = ids[i]`` (``k = i`` when ``ids`` is None).
+
+    ``offsets`` is int32 (``rows + 1`` entries), ``values`` has ``flat``'s dtype. One pass in C
+    when the native engine is loaded (engine.cpp ``gather``), else numpy segment gathers; both
+    give the same arrays (tests/recording/test_tables_build.py).
+    """
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    lens = np.ascontiguousarray(lens, dtype=np.int64)
+    flat = np.ascontiguousarray(flat)
+    if ids is not None and ids.dtype not in (np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    native = _native_gather()
+    if native is not None:
+        off, vals = native(None if ids is None else np.ascontiguousarray(ids), starts, lens, flat, flat.itemsize)
+        return np.frombuffer(off, dtype=np.int32), np.frombuffer(vals, dtype=flat.dtype)
+    if ids is not None:
+        starts, lens = starts[ids], lens[ids]
+    offsets = _offsets(lens)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise OverflowError("gather: more than 2**31 list items in one column chunk")
+    return offsets.astype(np.int32), flat[_segments(starts, lens, offsets)]
+
+
+def _list(offsets: np.ndarray, values: Any) -> pa.ListArray:
+    """A ListArray over int32 ``offsets`` (as ``gather`` makes them: valid by construction)."""
+    if not isinstance(values, pa.Array):
+        values = pa.array(values)
+    return pa.Array.from_buffers(pa.list_(values.type), len(offsets) - 1, [None, pa.py_buffer(offsets)],
+                                 children=[values])
+
+
+def _list_columns(t: Dict[str, Any], tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]) -> np.ndarray:
+    """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
+    returns the rows' offsets (tensors per row, cumulated) as numpy."""
+    off1, metas = gather(tuple_ids, t["tup_start"], t["tup_len"], t["tup_flat"])
+    for key, name in (("shape", "shapes"), ("stride", "strides")):
+        lens, starts, flat = t[key]
+        off2, vals = gather(metas, starts, lens, flat)
+        cols[f"{side}_{name}"] = _list(off1, _list(off2, pa.array(vals, pa.int64())))
+    for name in ("dtypes", "devices", "formats"):
+        cols[f"{side}_{name}"] = _list(off1, t[name].take(metas))
+    cols[f"{side}_ambiguous"] = _list(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
+    return off1
+
+
+def _matmul_flops(name: str, shapes: Sequence[Sequence[int]]) -> int:
+    """torch.utils.flop_counter's mm/addmm/bmm/baddbmm formulas (2*m*n*k per batch), or -1."""
+    try:
+        a, b = shapes[-2], shapes[-1]
+        if name in ("mm", "addmm"):
+            return 2 * a[0] * a[1] * b[1]
+        if name in ("bmm", "baddbmm"):
+            return 2 * a[0] * a[1] * a[2] * b[2]
+    except (IndexError, TypeError):
+        pass
+    return -1
+
+
+
+
+
+class _ListDict:
+    """A list column's interned values as flat numpy segments: rows expand by ``gather``.
+
+    Values are ints (``value_type``) or, with ``value_type=None``, strings kept as a ``_Dict``.
+    """
+
+    def __init__(self, lists: Sequence[Sequence[Any]], value_type: Any) -> None:
+        self.lens = np.array([len(v) for v in lists] or [0], dtype=np.int64)
+        self.starts = _offsets(self.lens)[:-1]
+        flat = [x for v in lists for x in v]
+        self.strings: Optional[_Dict]
+        if value_type is None:
+            self.strings = _Dict(flat)   # flat position == id in the _Dict
+            self.pos = np.arange(len(flat), dtype=np.int64)
+        else:
+            self.strings = None
+            self.flat = np.array(flat, dtype=_NUMPY_TYPES[value_type])
+            self.value_type = value_type
+
+    def take(self, idx: np.ndarray) -> pa.ListArray:
+        if self.strings is not None:
+            off, pos = gather(idx, self.starts, self.lens, self.pos)
+            return _list(off, self.strings.take(pos))
+        off, vals = gather(idx, self.starts, self.lens, self.flat)
+        return _list(off, pa.array(vals, self.value_type))
+
+
+_NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
+
+
+class _CallColumns(dict[str, np.ndarray]):   # a plain dict subclass at run time
+    """The calls rows as contiguous int64 columns, each read on first use: a frozen chunk's packed
+    column unpacked and concatenated with the live rows' (column-wise: stacking rows into one
+    matrix and slicing strided columns from it cost several times more). A decode needs two
+    columns (``src``, ``func``); only the calls table reads them all."""
+
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__()
+        self._calls = rec.calls
+
+    def __missing__(self, name: str) -> np.ndarray:
+        col = self[name] = self._calls.column(name)
+        return col
+
+
+class _Links:
+    """Backward rows to forward rows, built incrementally as chunks are decoded in order.
+
+    A backward row (``node != 0``) whose autograd sequence number was claimed by a forward row
+    links to the first such row (``fwd_seq``) and inherits its module and call (its source
+    line). The index holds one entry per forward row with a sequence number: sorted keys and
+    the first row's seq, module and call, in arrays that grow by doubling (sequence numbers
+    mostly increase, so a chunk's new keys append). Kept on the recorder: ``dataset=`` decodes
+    spilled chunks while the trace runs and the final build decodes them again, and neither
+    re-reads the whole trace for it (the old global pass did, per spill).
+    """
+
+    def __init__(self) -> None:
+        self.n_seen = 0          # rows of the trace added so far
+        self.size = 0
+        self.keys = np.zeros(1024, np.int64)
+        self.vals = np.zeros((1024, 3), np.int64)   # first seq, module, call
+
+    def extend(self, chunk: Mapping[str, np.ndarray], start: int) -> None:
+        n = len(chunk["op"])
+        if start + n <= self.n_seen:
+            return
+        lo = max(self.n_seen - start, 0)
+        seq_nr = np.asarray(chunk["seq_nr"][lo:], dtype=np.int64)
+        fwd = np.nonzero((np.asarray(chunk["node"][lo:]) == 0) & (seq_nr >= 0))[0]
+        self.n_seen = start + n
+        if not len(fwd):
+            return
+        keys, first = np.unique(seq_nr[fwd], return_index=True)
+        rows = fwd[first]
+        vals = np.stack([rows + start + lo, np.asarray(chunk["module"][lo:])[rows],
+                         np.asarray(chunk["call"][lo:])[rows]], axis=1)
+        if self.size:   # keep the first row of a key seen before
+            pos = np.minimum(np.searchsorted(self.keys[:self.size], keys), self.size - 1)
+            new = self.keys[:self.size][pos] != keys
+            keys, vals = keys[new], vals[new]
+            if not len(keys):
+                return
+        if self.size and keys[0] <= self.keys[self.size - 1]:   # rare: not increasing, merge
+            k = np.concatenate([self.keys[:self.size], keys])
+            v = np.concatenate([self.vals[:self.size], vals])
+            order = np.argsort(k, kind="stable")
+            self.keys, self.vals, self.size = k[order], v[order], len(k)
+            return
+        need = self.size + len(keys)
+        if need > len(self.keys):
+            cap = max(need, 2 * len(self.keys))
+            self.keys = np.resize(self.keys, cap)
+            self.vals = np.resize(self.vals, (cap, 3))
+        self.keys[self.size:need] = keys
+        self.vals[self.size:need] = vals
+        self.size = need
+
+    def resolve(self, chunk: Mapping[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(fwd_seq, module, call) of the chunk's rows: forward rows keep their own module/call."""
+        module = np.asarray(chunk["module"], dtype=np.int64).copy()
+        call = np.asarray(chunk["call"], dtype=np.int64).copy()
+        fwd_seq = np.full(len(module), -1, dtype=np.int64)
+        seq_nr = np.asarray(chunk["seq_nr"], dtype=np.int64)
+        bwd = np.nonzero((np.asarray(chunk["node"]) != 0) & (seq_nr >= 0))[0]
+        if len(bwd) and self.size:
+            keys = self.keys[:self.size]
+            pos = np.minimum(np.searchsorted(keys, seq_nr[bwd]), self.size - 1)
+            hit = keys[pos] == seq_nr[bwd]
+            rows, v = bwd[hit], self.vals[pos[hit]]
+            fwd_seq[rows] = v[:, 0]
+            module[rows] = v[:, 1]
+            call[rows] = v[:, 2]
+        return fwd_seq, module, call

@@ -1,0 +1,457 @@
+"""Decode a trace's buffers (the recorder's interned columns) into the Arrow tables of ``schema.py``.
+
+``decode_tables(rec, ...)`` takes the buffers and what the options say about them, never the
+session. Everything the hot path left for later is derived here, vectorised: op names and
+tags, shapes/strides/dtypes/formats per row (gathers over the interned meta tuples), bytes read
+and written, source lines (from the enclosing call, or for backward ops from the forward op that
+created their autograd node), module of backward ops (likewise), ``fwd_seq``, ``hidden_copy``.
+Spilled traces are decoded chunk by chunk into a memory-mapped Arrow IPC file, so decoding never
+needs the whole ops table in RAM; ``decode_ops_from`` decodes spilled rows while the trace runs.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from .. import schema as S
+from .._common import COPYING_OPS, INEXACT_DTYPES
+from ..schema import nullable_array
+from .columns import (
+    _PHASES,
+    _CallColumns,
+    _Dict,
+    _Links,
+    _list,
+    _list_columns,
+    _ListDict,
+    _matmul_flops,
+    _offsets,
+    _op_dicts,
+    gather,
+)
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
+
+#: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
+EXPECT_FREE_CALLS = frozenset({
+    "reshape", "flatten", "contiguous", "view_as", "reshape_as", "to", "type_as", "matmul", "linear", "einsum",
+    "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "expand", "expand_as", "view", "__matmul__",
+    "movedim", "swapaxes", "bmm", "mm", "tensordot", "ravel", "T", "mT",
+})
+
+
+
+def _tuple_dicts(rec: Recorder) -> Dict[str, Any]:
+    """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays.
+
+    Rows are expanded with numpy segment gathers instead of ``take`` over nested
+    list arrays (which costs ~1.7 µs a row for the twelve list columns).
+    """
+    m = rec.metas
+    tuples = rec.tuples.values
+    tup_len = np.array([len(t) for t in tuples] or [0], dtype=np.int64)
+    tup_flat = np.array([i for t in tuples for i in t], dtype=np.int64)
+    tup_start = _offsets(tup_len)[:-1]
+    shape_len = np.array([len(s) for s in m.shapes] or [0], dtype=np.int64)
+    shape_flat = np.array([d for s in m.shapes for d in s], dtype=np.int64)
+    strides = [st if st is not None else () for st in m.strides]
+    stride_len = np.array([len(st) for st in strides] or [0], dtype=np.int64)
+    stride_flat = np.array([d for st in strides for d in st], dtype=np.int64)
+    meta_nbytes = np.array(m.nbytes or [0], dtype=np.int64)
+    meta_float = np.array([d in INEXACT_DTYPES for d in m.dtypes] or [False], dtype=bool)
+    nbytes = np.array([int(meta_nbytes[list(t)].sum()) if t else 0 for t in tuples] or [0], dtype=np.int64)
+    has_float = np.array([bool(meta_float[list(t)].any()) if t else False for t in tuples] or [False], dtype=bool)
+    return dict(tup_len=tup_len, tup_flat=tup_flat, tup_start=tup_start,
+                shape=(shape_len, _offsets(shape_len)[:-1], shape_flat),
+                stride=(stride_len, _offsets(stride_len)[:-1], stride_flat),
+                dtypes=_Dict(m.dtypes), devices=_Dict(m.devices), formats=_Dict(m.formats),
+                ambiguous=np.array(m.ambiguous or [False], dtype=bool),
+                nbytes=nbytes, lens=tup_len, has_float=has_float,
+                # every meta has as many strides as dims (none non-strided): one gather serves both
+                same_layout=bool(np.array_equal(shape_len, stride_len)))
+
+
+
+class Decoder:
+    """Dictionaries and global per-op arrays shared by every chunk's decode of one trace's buffers.
+
+    ``cell``: the notebook cell the trace ran in (a column of every table); ``screen``: the
+    non-finite screen that ran (it says which ops it screens), or None; ``links``: the
+    backward-to-forward index, kept by the caller across decodes of the same trace."""
+
+    def __init__(self, rec: Recorder, *, cell: Optional[int], screen: Any, links: _Links) -> None:
+        self.rec = rec
+        self.ops = _op_dicts(rec)
+        self.tup = _tuple_dicts(rec)
+        self.alias_lists = _ListDict(rec.aliases.values, pa.int32())
+        self.tags = _ListDict(self.ops["tags"], None)
+        self.alias_fresh = np.array([all(x < 0 for x in a) for a in rec.aliases.values] or [True], dtype=bool)
+        self.modules = _Dict(rec.modules.values)
+        self.nodes = _Dict(rec.nodes.values)
+        n_calls = rec.n_calls
+        self.call_cols = _CallColumns(rec)
+        call_src = self.call_cols["src"]
+        src_vals = rec.sources.values
+        self.src_files = _Dict([None if v is None else v[0] for v in src_vals])
+        self.src_lines = np.array([-1 if v is None or v[1] is None else v[1] for v in src_vals] or [-1], dtype=np.int64)
+        self.call_src = call_src
+        func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
+        call_func = self.call_cols["func"][:n_calls]
+        func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
+        self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
+        short = self.ops["short"]
+        self.copy_op = np.array([s in COPYING_OPS for s in short] or [False], dtype=bool)
+        self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
+        self.cell = cell
+        self.screened = screen is not None
+        self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
+                                     for f in rec.funcs.values] or [False], dtype=bool)
+        self._g: Optional[Dict[str, np.ndarray]] = None
+        self._null_cache: Dict[Any, pa.Array] = {}
+        self.links = links
+
+    @property
+    def g(self) -> Dict[str, np.ndarray]:
+        """Whole-trace columns some tables index by seq (``op``: a tensor's allocating op, a
+        warning's op), read once, only the columns needed, on first use."""
+        if self._g is None:
+            ops = [np.asarray(c["op"], dtype=np.int32) for c in self.rec.iter_op_chunks(columns=("op",))]
+            self._g = {"op": np.concatenate(ops) if ops else np.zeros(0, np.int32)}
+        return self._g
+
+    def decode(self, chunk: Dict[str, np.ndarray], start: int) -> pa.RecordBatch:
+        rec = self.rec
+        n = len(chunk["op"])
+        seq = np.arange(start, start + n, dtype=np.int64)
+        op = np.asarray(chunk["op"], dtype=np.int64)   # already int64 once unpacked: no copy
+        ins = np.asarray(chunk["ins"], dtype=np.int64)
+        outs = np.asarray(chunk["outs"], dtype=np.int64)
+        alias = np.asarray(chunk["alias"], dtype=np.int64)
+        flags = chunk["flags"]
+        node = np.asarray(chunk["node"], dtype=np.int64)
+        self.links.extend(chunk, start)
+        fs, module, call = self.links.resolve(chunk)
+        call_null = call < 0
+        src_idx = np.zeros(n, dtype=np.int64)
+        if len(self.call_src):
+            src_idx[~call_null] = self.call_src[call[~call_null]]
+        t = self.tup
+        cols: Dict[str, Any] = {}
+        cols["seq"] = pa.array(seq)
+        cols["cell"] = self._nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
+        for k in ("op", "namespace", "overload"):
+            cols[k] = self.ops[k].take(op)
+        cols["tags"] = self.tags.take(op)
+        backward = (flags & F_BACKWARD) != 0
+        cols["phase"] = pa.DictionaryArray.from_arrays(pa.array(backward.astype(np.int32), pa.int32()), _PHASES,
+                                                       safe=False)
+        cols["autograd_node"] = self.nodes.take(node)
+        seq_nr = chunk["seq_nr"]
+        cols["seq_nr"] = nullable_array(seq_nr, seq_nr < 0)
+        cols["fwd_seq"] = nullable_array(fs, fs < 0)
+        cols["call_id"] = nullable_array(chunk["call"], chunk["call"] < 0)
+        cols["module"] = self.modules.take(module)
+        cols["source_file"] = self.src_files.take(src_idx)
+        cols["source_line"] = self._lines(src_idx)
+        in_off = _list_columns(t, ins, "in", cols).astype(np.int64)
+        out_off = _list_columns(t, outs, "out", cols).astype(np.int64)
+        # storages: per row n_in then n_out ids, row after row (row i starts at in_off[i] + out_off[i])
+        stor = chunk["storages"]
+        total = in_off[-1] + out_off[-1]
+        if len(stor) < total:  # defensive: a truncated chunk never misaligns rows
+            stor = np.concatenate([stor, np.full(total - len(stor), -1, stor.dtype)])
+        row_start = in_off[:-1] + out_off[:-1]
+        for key, starts, lens in (("in_storages", row_start, np.diff(in_off)),
+                                  ("out_storages", row_start + np.diff(in_off), np.diff(out_off))):
+            off, vals = gather(None, starts, lens, stor)
+            cols[key] = _list(off, pa.array(vals, pa.int64()))
+        cols["out_alias"] = self.alias_lists.take(alias)
+        is_view = (flags & F_VIEW) != 0
+        cols["is_view"] = pa.array(is_view)
+        cols["inplace"] = pa.array((flags & (F_INPLACE | F_OUT_KW)) != 0)
+        cols["hidden_copy"] = pa.array(self._hidden_copy(op, ins, outs, alias, call, n))
+        noise = self.ops["is_noise"][op] if n else np.zeros(0, bool)
+        cols["is_noise"] = pa.array(noise, pa.bool_())
+        flops = self._shape_flops(chunk["flops"], op, ins)
+        cols["flops"] = nullable_array(flops, flops < 0)
+        no_bytes = is_view | noise
+        cols["bytes_read"] = pa.array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
+        cols["bytes_written"] = pa.array(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
+        cols["start_ns"] = pa.array(chunk["start"])
+        cols["cpu_ns"] = pa.array(chunk["dur"])
+        cols["cuda_ns"] = self._sparse_int(rec.cuda_ns, start, n)
+        cols["error_id"] = self._sparse_int(rec.op_errors, start, n)
+        if self.screened:
+            screened = self.screened_op[op] & t["has_float"][outs] if n else np.zeros(0, bool)
+            nf = np.where(screened, 0, -1)   # null: not screened (views, aliases, empty*, no float output)
+            prod = np.zeros(n, dtype=bool)
+            prod_null = np.ones(n, dtype=bool)
+            for s, (cnt, produced) in rec.nonfinite.items():
+                if start <= s < start + n:
+                    nf[s - start] = cnt
+                    prod[s - start] = bool(produced)
+                    prod_null[s - start] = False
+            cols["nonfinite"] = nullable_array(nf.astype(np.int64), nf < 0)
+            cols["nonfinite_produced"] = nullable_array(prod, prod_null, pa.bool_())
+        else:
+            cols["nonfinite"] = self._nulls(n, pa.int64())
+            cols["nonfinite_produced"] = self._nulls(n, pa.bool_())
+        if rec.numerics:
+            rel = np.full(n, np.nan)
+            mx = np.full(n, np.nan)
+            for s, (r, m) in rec.numerics.items():
+                if start <= s < start + n:
+                    rel[s - start] = r
+                    mx[s - start] = m
+            cols["num_rel_err"] = nullable_array(rel, np.isnan(rel), pa.float64())
+            cols["num_max_abs_err"] = nullable_array(mx, np.isnan(mx), pa.float64())
+        else:
+            cols["num_rel_err"] = self._nulls(n, pa.float64())
+            cols["num_max_abs_err"] = self._nulls(n, pa.float64())
+        cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
+        return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
+
+    def _lines(self, src_idx: np.ndarray) -> pa.Array:
+        lines = self.src_lines[src_idx] if len(src_idx) else np.zeros(0, np.int64)
+        return nullable_array(lines, lines < 0)
+
+    def _shape_flops(self, flops: np.ndarray, op: np.ndarray, ins: np.ndarray) -> np.ndarray:
+        """Fill the rows the dispatch mode left for later (-2): matmul FLOPs from input shapes."""
+        todo = np.nonzero(flops == -2)[0]
+        if not len(todo):
+            return flops
+        flops = flops.copy()
+        m = self.rec.metas
+        tv = self.rec.tuples.values
+        short = self.ops["short"]
+        cache: Dict[Tuple[int, int], int] = {}
+        for i in todo:
+            key = (int(op[i]), int(ins[i]))
+            v = cache.get(key)
+            if v is None:
+                shapes = [m.shapes[j] for j in tv[key[1]]]
+                v = cache[key] = _matmul_flops(short[key[0]], shapes)
+            flops[i] = v
+        return flops
+
+    def _nulls(self, n: int, typ: Any) -> pa.Array:
+        """An all-null column, one per (length, type) for the whole build (Arrow arrays are
+        immutable: every chunk of the same length shares it)."""
+        key = (n, typ)
+        arr = self._null_cache.get(key)
+        if arr is None:
+            arr = self._null_cache[key] = pa.nulls(n, typ)
+        return arr
+
+    def _sparse_int(self, d: Dict[int, int], start: int, n: int) -> pa.Array:
+        if not d:
+            return self._nulls(n, pa.int64())
+        vals = np.zeros(n, dtype=np.int64)
+        mask = np.ones(n, dtype=bool)
+        for s, v in d.items():
+            if start <= s < start + n:
+                vals[s - start] = v
+                mask[s - start] = False
+        return nullable_array(vals, mask)
+
+    def _hidden_copy(self, op: np.ndarray, ins: np.ndarray, outs: np.ndarray, alias: np.ndarray, call: np.ndarray,
+                     n: int) -> np.ndarray:
+        if n == 0 or not len(self.call_free):
+            return np.zeros(n, dtype=bool)
+        under_free = np.zeros(n, dtype=bool)
+        ok = call >= 0
+        under_free[ok] = self.call_free[call[ok]]
+        cand: np.ndarray = self.copy_op[op] & under_free & self.alias_fresh[alias]
+        # a _to_copy is a cast or a device move unless dtype and device are unchanged
+        idx = np.nonzero(cand & self.to_copy_op[op])[0]
+        if len(idx):
+            m = self.rec.metas
+            tv = self.rec.tuples.values
+            for i in idx:
+                a, b = tv[ins[i]], tv[outs[i]]
+                if not a or not b or m.dtypes[a[0]] != m.dtypes[b[0]] or m.devices[a[0]] != m.devices[b[0]]:
+                    cand[i] = False
+                elif m.formats[a[0]] != m.formats[b[0]] and not m.ambiguous[a[0]] and not m.ambiguous[b[0]]:
+                    cand[i] = False   # .to(memory_format=...): the conversion the user asked for
+        return cand
+
+
+def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> Tuple[pa.Table, Optional[str]]:
+    """The ops table; past ``spill_rows`` decoded into a memory-mapped Arrow IPC file under
+    ``spill_dir``, whose path is returned (the Trace owns it) with the table."""
+    rec = ctx.rec
+    batches: List[pa.RecordBatch] = []
+    start = 0
+    spilled = bool(rec.spilled_chunks)
+    sink: Any = None
+    writer: Any = None
+    path: Optional[str] = None
+    if spilled:
+        tmp = tempfile.mkdtemp(prefix="tensorscope-ops-", dir=spill_dir)
+        path = os.path.join(tmp, "ops.arrow")
+        sink = pa.OSFile(path, "wb")
+        writer = pa.ipc.new_file(sink, S.OPS)
+    for chunk in rec.iter_op_chunks():
+        b = ctx.decode(chunk, start)
+        start += b.num_rows
+        if writer is not None:
+            writer.write_batch(b)
+        else:
+            batches.append(b)
+    if writer is not None and sink is not None:
+        writer.close()
+        sink.close()
+        with pa.memory_map(path) as src:
+            table = pa.ipc.open_file(src).read_all()
+        return table, path
+    if not batches:
+        return S.empty("ops"), None
+    return pa.Table.from_batches(batches, schema=S.OPS), None
+
+
+def decode_ops_from(rec: Recorder, first_seq: int, *, cell: Optional[int], screen: Any,
+                    links: _Links) -> Iterator[pa.RecordBatch]:
+    """Record batches of the ops rows from ``first_seq`` on, decoded now, while the trace may still
+    record (``dataset=`` writes spilled rows as parts). Rows decoded early lack what is only
+    resolved at the end (``cuda_ns``)."""
+    ctx = Decoder(rec, cell=cell, screen=screen, links=links)
+    for start, chunk in rec.iter_op_chunks(from_seq=first_seq, with_start=True):
+        ctx.links.extend(chunk, start)   # rows before first_seq, if a decode was skipped
+        if start + len(chunk["op"]) > first_seq:
+            b = ctx.decode(chunk, start)
+            yield b.slice(first_seq - start) if start < first_seq else b
+
+
+def calls_table(ctx: Decoder) -> pa.Table:
+    rec = ctx.rec
+    c = rec.calls
+    n = rec.n_calls
+    if n == 0:
+        return S.empty("calls")
+    a = {k: ctx.call_cols[k][:n] for k in c.fields}
+    funcs = rec.call_funcs.values
+    names = _Dict([getattr(f, "__name__", str(f)) for f in funcs])
+    qual = _Dict([_qualname(f) for f in funcs])
+    parent = a["parent"]
+    depth = np.zeros(n, dtype=np.int64)
+    for i in np.nonzero(parent >= 0)[0]:  # nested calls are rare; parents precede children
+        depth[i] = depth[parent[i]] + 1
+    src = a["src"].astype(np.int64)
+    autocasts = _Dict(rec.autocasts.values)
+    cols = dict(
+        call_id=pa.array(np.arange(n, dtype=np.int64)),
+        parent_id=nullable_array(parent, parent < 0),
+        depth=pa.array(depth),
+        cell=pa.nulls(n, pa.int64()) if ctx.cell is None else pa.array(np.full(n, ctx.cell, np.int64)),
+        name=names.take(a["func"]),
+        qualname=qual.take(a["func"]),
+        module=ctx.modules.take(a["module"]),
+        source_file=ctx.src_files.take(src),
+        source_line=ctx._lines(src),
+        start_ns=pa.array(a["start"]),
+        dur_ns=pa.array(a["dur"]),
+        first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
+        n_ops=pa.array(a["n_ops"]),
+        autocast=autocasts.take(a["autocast"]),
+        compiled=pa.nulls(n, pa.bool_()),   # filled by recording/compiled.attach
+        error_id=nullable_array(a["error"], a["error"] < 0),
+        graph_id=pa.nulls(n, pa.int64()),   # filled by recording/compiled.attach
+    )
+    return pa.Table.from_arrays([cols[f.name] for f in S.CALLS], schema=S.CALLS)
+
+
+
+def _qualname(f: Any) -> str:
+    q = getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or str(f)
+    if q.startswith("TensorBase.") or q.startswith("_TensorBase."):
+        return "Tensor." + q.split(".", 1)[1]
+    mod: Optional[str] = getattr(f, "__module__", None)
+    if mod is None or mod in ( "torch._C._VariableFunctions", "torch._C._nn", "torch._C._linalg", "torch._C._fft", "torch._C._special"):
+        mod = {"torch._C._nn": "torch.nn.functional", "torch._C._linalg": "torch.linalg", "torch._C._fft": "torch.fft",
+               "torch._C._special": "torch.special"}.get(mod or "", "torch")
+    if mod == "torch._tensor":
+        mod = "torch"
+        if not q.startswith("Tensor."):
+            q = "Tensor." + q
+    return f"{mod}.{q}"
+
+
+def tensors_table(ctx: Decoder) -> pa.Table:
+    rec = ctx.rec
+    c = rec.tensors
+    n = len(c.meta)
+    if n == 0:
+        return S.empty("tensors")
+    meta = np.frombuffer(c.meta, dtype=np.int32).astype(np.int64)
+    alloc = np.frombuffer(c.alloc_seq, dtype=np.int64)
+    free = np.frombuffer(c.free_seq, dtype=np.int64)
+    call = np.frombuffer(c.call, dtype=np.int64)
+    devs = ctx.tup["devices"]
+    dts = ctx.tup["dtypes"]
+    src_idx = np.zeros(n, dtype=np.int64)
+    ok = call >= 0
+    if len(ctx.call_src):
+        src_idx[ok] = ctx.call_src[call[ok]]
+    g_op = ctx.g["op"] if n else np.zeros(0, np.int32)
+    alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
+    cols = dict(
+        storage_id=pa.array(np.arange(n, dtype=np.int64)),
+        nbytes=pa.array(np.frombuffer(c.nbytes, dtype=np.int64)),
+        device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
+        alloc_seq=nullable_array(alloc, alloc < 0),
+        alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
+        pa.nulls(n, S.TENSORS.field("alloc_op").type),
+        free_seq=nullable_array(free, free < 0),
+        cell=pa.nulls(n, pa.int64()) if ctx.cell is None else pa.array(np.full(n, ctx.cell, np.int64)),
+        module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
+        source_file=ctx.src_files.take(src_idx),
+        source_line=ctx._lines(src_idx),
+        category=pa.nulls(n, S.TENSORS.field("category").type),   # filled by _with_categories
+    )
+    return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
+
+
+def _shape_rows(shape: Tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> Tuple[np.ndarray, pa.Array]:
+    lens, starts, flat = shape
+    off, vals = gather(metas, starts, lens, flat)
+    return off, pa.array(vals, pa.int64())
+
+
+def errors_table(ctx: Decoder) -> pa.Table:
+    rows = ctx.rec.errors
+    if not rows:
+        return S.empty("errors")
+    names = ctx.ops["names"]
+    g_op = ctx.g["op"]
+    folded: List[Dict[str, Any]] = []
+    index: Dict[Tuple[Any, ...], int] = {}
+    for r in rows:
+        r = dict(r)
+        if r.get("op") is None and r.get("seq") is not None and 0 <= r["seq"] < len(g_op) and r["kind"] == "warning":
+            r["op"] = names[int(g_op[r["seq"]])]
+        if r["kind"] == "warning":
+            key = (r.get("seq"), r.get("message"), r.get("cpp_file"), r.get("cpp_line"))
+            if key in index:
+                folded[index[key]]["count"] += 1
+                continue
+            index[key] = len(folded)
+        folded.append(r)
+    for r in folded:
+        r.setdefault("count", 1)
+    # error ids are positions in the recorded list; keep them stable for ops/calls links
+    return pa.Table.from_pylist(folded, schema=S.ERRORS)
+
+
+
+
+def decode_tables(rec: Recorder, *, cell: Optional[int], screen: Any, links: _Links,
+                  spill_dir: Optional[str]) -> Tuple[Dict[str, pa.Table], Optional[str]]:
+    """The ``ops``, ``calls``, ``tensors`` and ``errors`` tables of a finished trace's buffers, and
+    the path of the memory-mapped ops file when the ops were spilled (else None)."""
+    rec.end_chunk()
+    ctx = Decoder(rec, cell=cell, screen=screen, links=links)
+    ops, ops_file = ops_table(ctx, spill_dir)
+    return {"ops": ops, "calls": calls_table(ctx), "tensors": tensors_table(ctx), "errors": errors_table(ctx)}, ops_file

@@ -1,0 +1,68 @@
+"""Op hooks: Python callbacks for the recorded ops of chosen namespaces (the collectives table).
+
+Both engines call a trace's :class:`OpHooks` right after each recorded op of the hooked
+namespaces, on the recording thread; see docs/architecture.md ("Op hooks").
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Tuple, Union
+
+#: an op hook: ``fn(seq, op name, inputs, outputs)``
+OpHook = Callable[[int, str, Any, Any], Any]
+
+_OP_HOOKS: Dict[int, Tuple[FrozenSet[str], OpHook]] = {}
+_next_hook = [0]
+
+
+def add_op_hook(namespaces: Union[str, Iterable[str]], fn: OpHook) -> int:
+    """Call ``fn(seq, op, inputs, outputs)`` for every recorded op of ``namespaces`` (e.g.
+    ``("c10d", "_c10d_functional")``), under both engines, in traces started afterwards.
+
+    ``op`` is ``str(OpOverload)`` (``"c10d.allreduce_.default"``), ``inputs`` the op's
+    arguments in schema order as Python objects (tensors, ``torch.ScriptObject`` process
+    groups and reduce ops, lists, scalars), ``outputs`` a tuple, or None when the kernel
+    raised. It runs on the recording thread right after the op; an exception in it is
+    counted in ``metadata["tracer_errors"]``, never raised into the program. Keep no
+    reference to the tensors. Returns a handle for :func:`remove_op_hook`.
+    """
+    if isinstance(namespaces, str):
+        namespaces = (namespaces,)
+    _next_hook[0] += 1
+    _OP_HOOKS[_next_hook[0]] = (frozenset(namespaces), fn)
+    return _next_hook[0]
+
+
+def remove_op_hook(handle: int) -> None:
+    _OP_HOOKS.pop(handle, None)
+
+
+class OpHooks:
+    """The hooks of one trace (a snapshot taken at its start)."""
+
+    def __init__(self) -> None:
+        self.hooks = list(_OP_HOOKS.values())
+        self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
+        self.errors: List[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.hooks)
+
+    def add(self, namespaces: Iterable[str], fn: OpHook) -> None:
+        """A hook of this trace only (the session's own probes: the collectives table)."""
+        self.hooks.append((frozenset(namespaces), fn))
+        self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
+
+    def __call__(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
+        import torch
+
+        name = name.replace("::", ".", 1)
+        ns = name.split(".", 1)[0]
+        for nss, fn in self.hooks:
+            if ns in nss:
+                try:
+                    with torch._C.DisableTorchFunction():   # reading the tensors is no call of the program's
+                        fn(seq, name, inputs, outputs)
+                except Exception as e:   # a hook's bug never reaches the program
+                    if len(self.errors) < 20:
+                        self.errors.append(f"op hook {getattr(fn, '__name__', fn)!s} on {name}: {type(e).__name__}: {e}")
+
