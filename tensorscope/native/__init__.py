@@ -23,11 +23,12 @@ mode's frame. Its token is never None.
 message, category, cpp_file, cpp_line, cpp_function, deprecation, verbatim,
 native (fallback and call-level ones also carry the Python filename/lineno).
 
-The hooks (hooks.cpp) are compiled on first use with
+The hooks (hooks.cpp, hooks_fetcher.cpp) are compiled on first use with
 ``torch.utils.cpp_extension.load`` into a cache keyed on the torch version,
-Python version and source hash (``$TENSORSCOPE_CACHE`` or
+Python version and the hash of every source and header (``$TENSORSCOPE_CACHE`` or
 ``~/.cache/tensorscope/native``); ``python -m tensorscope build-native``
-compiles ahead of time.
+compiles ahead of time. :func:`abi` / :func:`abi_dtype` read the layouts the
+libraries share with Python (abi.h) from a loaded library.
 ``TENSORSCOPE_FORCE_FALLBACK=1`` forces the fallback so the whole test suite
 can run against both implementations.
 
