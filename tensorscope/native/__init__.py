@@ -23,11 +23,12 @@ mode's frame. Its token is never None.
 message, category, cpp_file, cpp_line, cpp_function, deprecation, verbatim,
 native (fallback and call-level ones also carry the Python filename/lineno).
 
-The hooks (hooks.cpp) are compiled on first use with
+The hooks (hooks.cpp, hooks_fetcher.cpp) are compiled on first use with
 ``torch.utils.cpp_extension.load`` into a cache keyed on the torch version,
-Python version and source hash (``$TENSORSCOPE_CACHE`` or
+Python version and the hash of every source and header (``$TENSORSCOPE_CACHE`` or
 ``~/.cache/tensorscope/native``); ``python -m tensorscope build-native``
-compiles ahead of time.
+compiles ahead of time. :func:`abi` / :func:`abi_dtype` read the layouts the
+libraries share with Python (abi.h) from a loaded library.
 ``TENSORSCOPE_FORCE_FALLBACK=1`` forces the fallback so the whole test suite
 can run against both implementations.
 
@@ -44,6 +45,7 @@ from . import _build
 __all__ = [
     "open_capture", "status", "build", "build_native_main", "engine", "loaded_engine", "engine_status",
     "forced_fallback", "load_test_ops", "FORCE_ENV", "function_mode", "PY_FUNCTION_MODE_ENV", "site_error_info",
+    "abi", "abi_dtype", "abi_flags",
 ]
 
 #: Set to 1 to force the pure-Python fallback (read at every call, not at import).
@@ -108,6 +110,32 @@ def loaded_engine() -> Any:
 def engine_status() -> Dict[str, Any]:
     """The engine library's build state (``state``, ``reason``, ``path`` …). Never compiles."""
     return _build.lib_status(_build.ENGINE)
+
+
+def abi(lib: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """The layouts the C++ libraries share with Python (abi.h) as a dict, read from the loaded
+    library ``lib`` ("engine", "fmode", "hooks"; None: the first loaded); None when none is loaded.
+    Never compiles. Keys: row/row_size, call/call_size/call_fields, flags, tags, packed, tensors, meta,
+    kinds/kind_bits, fmode_state, site_reader (see _abi.py)."""
+    from ._abi import abi as impl
+
+    return impl(lib)
+
+
+def abi_dtype(kind: str, lib: Optional[str] = None) -> Any:
+    """The numpy structured dtype of a C row (``"row"``: the engine's ops row, ``"call"``: the function
+    mode's calls row), built from the loaded library's layout; None when none is loaded."""
+    from ._abi import abi_dtype as impl
+
+    return impl(kind, lib)
+
+
+def abi_flags(lib: Optional[str] = None) -> Optional[Dict[str, int]]:
+    """The engine's row flags by name (``F_BACKWARD``, ``F_THREW``, ``F_OTHER_THREAD``) from the loaded
+    library; None when none is loaded."""
+    from ._abi import abi_flags as impl
+
+    return impl(lib)
 
 
 def _hooks(wait: bool = True):

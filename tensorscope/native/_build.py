@@ -1,10 +1,11 @@
 """Build, cache and load the native libraries (hooks and the test-op library).
 
-Each library is compiled with ``torch.utils.cpp_extension.load`` into a cache
-directory keyed on everything the binary depends on (torch version and git
-hash, Python version and ABI tag, platform, compiler flags, the source's hash),
-so a binary is never used with a torch it was not built against, and a new
-torch simply gets a new directory. A cached build is imported directly
+Each library is compiled with ``torch.utils.cpp_extension.load`` (its
+translation units into one extension) into a cache directory keyed on
+everything the binary depends on (torch version and git hash, Python version
+and ABI tag, platform, compiler flags, the hash of every source and header
+file of the library), so a binary is never used with a torch it was not built
+against, and a new torch simply gets a new directory. A cached build is imported directly
 (about a millisecond) without importing ``cpp_extension`` or running ninja.
 
 A compile failure is remembered in the cache directory, so later processes go
@@ -26,7 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 #: Bump when the build recipe changes in a way the key would not see.
 BUILD_RECIPE = "1"
@@ -41,15 +42,32 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 class LibSpec:
     kind: str            # "hooks" / "test_ops": the cache directory's prefix
     name: str            # extension (and PyInit_) name
-    source: str          # file in this package, or an absolute path
+    source: Union[str, Tuple[str, ...]]   # its translation unit(s): files in this package, or absolute paths
     python_module: bool  # False: a TORCH_LIBRARY .so loaded with torch.ops.load_library
     what: str            # for messages
+    headers: Tuple[str, ...] = ()   # the headers its sources include (hashed into the build key)
+
+    @property
+    def sources(self) -> Tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else tuple(self.source)
+
+    @property
+    def files(self) -> Tuple[str, ...]:
+        """Every file the build reads from this package: sources, then headers."""
+        return self.sources + self.headers
 
 
-HOOKS = LibSpec("hooks", "tensorscope_hooks", "hooks.cpp", True, "native C++ hooks")
-ENGINE = LibSpec("engine", "tensorscope_engine", "engine.cpp", True, "native recording engine")
+#: the ABI header (abi.h: layouts shared with Python) and its Python view, in every library
+_ABI = ("abi.h", "abi_py.h")
+HOOKS = LibSpec("hooks", "tensorscope_hooks", ("hooks.cpp", "hooks_fetcher.cpp"), True, "native C++ hooks",
+                headers=("hooks.h",) + _ABI)
+ENGINE = LibSpec("engine", "tensorscope_engine",
+                 ("engine.cpp", "engine_observer.cpp", "engine_ops.cpp", "engine_buffers.cpp", "engine_gather.cpp"),
+                 True, "native recording engine",
+                 headers=("engine.h", "engine_storages.h", "engine_screen.h") + _ABI)
 #: the function mode's hot path (Python C API only; used with the native engine)
-FMODE = LibSpec("fmode", "tensorscope_fmode", "fmode.cpp", True, "native function mode")
+FMODE = LibSpec("fmode", "tensorscope_fmode", ("fmode.cpp", "fmode_state.cpp"), True, "native function mode",
+                headers=("fmode.h", "fmode_frames.h") + _ABI)
 
 
 def test_ops_spec(source: str) -> LibSpec:
@@ -93,20 +111,34 @@ def cache_root() -> str:
     return os.path.join(base, "tensorscope", "native")
 
 
-def source_path(spec: LibSpec) -> str:
-    return os.path.join(_HERE, spec.source)   # an absolute source stays what it is
+def file_path(name: str) -> str:
+    return os.path.join(_HERE, name)   # an absolute path stays what it is
+
+
+def source_paths(spec: LibSpec) -> List[str]:
+    return [file_path(s) for s in spec.sources]
+
+
+def files_hash(spec: LibSpec) -> str:
+    """One hash over every source and header file of ``spec`` (names and contents), so a change to
+    any of them, a header included, is a new build."""
+    h = hashlib.sha256()
+    for name in spec.files:
+        with open(file_path(name), "rb") as f:
+            data = f.read()
+        h.update(f"{os.path.basename(name)}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
 
 
 def build_key(spec: LibSpec, source_text: Optional[bytes] = None) -> str:
+    """The cache key of ``spec``; ``source_text`` stands in for its files' contents (tests)."""
     import torch
 
-    if source_text is None:
-        with open(source_path(spec), "rb") as f:
-            source_text = f.read()
     parts = [
         BUILD_RECIPE,
         spec.name,
-        hashlib.sha256(source_text).hexdigest(),
+        files_hash(spec) if source_text is None else hashlib.sha256(source_text).hexdigest(),
         torch.__version__,
         str(getattr(torch.version, "git_version", "")),
         str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")),
@@ -248,7 +280,7 @@ def _compile(spec: LibSpec, d: str, verbose: bool):
 
         return cpp_extension.load(
             name=spec.name,
-            sources=[source_path(spec)],
+            sources=source_paths(spec),
             extra_cflags=list(CFLAGS),
             build_directory=d,
             verbose=verbose,

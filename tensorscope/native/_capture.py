@@ -1,4 +1,4 @@
-"""The native capture: the Python side of hooks.cpp, one object per trace.
+"""The native capture: the Python side of hooks.cpp and hooks_fetcher.cpp, one object per trace.
 
 How it sees what it reports (measured on torch 2.13, see docs/architecture.md):
 
@@ -107,7 +107,7 @@ class NativeCapture:
 
     def arm_error_sites(self, engine: Any) -> bool:
         """Let the native engine's observer read the source location of the c10 errors its ops
-        raise (hooks.cpp: the stack-trace fetcher). Undone by :meth:`close`; True when armed."""
+        raise (hooks_fetcher.cpp: the stack-trace fetcher). Undone by :meth:`close`; True when armed."""
         if self._closed or self._sites:
             return self._site_engine is not None
         armed, self.sites_reason = self._ext.sites_on()

@@ -10,7 +10,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Tuple, TypeVar, Union
 
 from .base import Engine, EngineChoice, exit_mode
-from .native import _FLOPS, PACKED_COLUMNS, ROW_DTYPE, EngineBusy, NativeEngine, NativeScreen, NativeStorages
+from .native import (
+    _FLOPS,
+    PACKED_COLUMNS,
+    ROW_DTYPE,
+    EngineBusy,
+    NativeEngine,
+    NativeScreen,
+    NativeStorages,
+    abi_mismatch,
+)
 from .python import PythonEngine
 
 if TYPE_CHECKING:
@@ -29,10 +38,10 @@ def _native_ext(wait: bool = True) -> Tuple[Any, str]:
     if forced_fallback():
         return None, f"{FORCE_ENV}=1 forces the python engine"
     ext, reason = engine(wait=wait)
-    if ext is not None and getattr(ext, "ROW_SIZE", None) != ROW_DTYPE.itemsize:
-        return None, f"native engine row layout mismatch ({getattr(ext, 'ROW_SIZE', None)} != {ROW_DTYPE.itemsize})"
-    if ext is not None and getattr(ext, "PACKED_COLUMNS", None) != len(PACKED_COLUMNS):
-        return None, f"native engine chunk layout mismatch ({getattr(ext, 'PACKED_COLUMNS', None)} columns)"
+    if ext is not None:
+        problem = abi_mismatch(ext)
+        if problem:
+            return None, f"native engine ABI mismatch (native/abi.h vs recording/engines/native.py): {problem}"
     return ext, reason
 
 

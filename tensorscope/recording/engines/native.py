@@ -26,16 +26,24 @@ if TYPE_CHECKING:
     from ...options import TraceOptions
     from ..ophooks import OpHooks
 
-#: numpy view of engine.cpp's ``Row`` (keep in sync; checked against ROW_SIZE at load)
+#: The C side's layout (native/abi.h) as this module decodes it. A loaded engine exports its own
+#: (``abi()``): ``abi_mismatch`` compares the two before a trace uses it (the python engine records
+#: instead, saying why), and tests/native/test_abi.py compares them field by field.
+#: numpy view of abi.h's ``OpsRow``
 ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
                       ("node", "<i4"), ("flags", "<i4"), ("call", "<i4"), ("seq_nr", "<i8"),
                       ("start", "<i8"), ("dur", "<i8")])
 
-#: engine.cpp's row flag: the op's kernel threw
+#: abi.h's row flag: the op's kernel threw (F_BACKWARD is recorder.py's, the same bit)
 F_THREW = 16
-#: engine.cpp's packed chunk columns, in its PackedColumn order ("rflags": the engine's row flags)
+#: abi.h's packed chunk columns, in its PackedColumn order ("rflags": the engine's row flags)
 PACKED_COLUMNS = ("op", "ins", "outs", "alias", "module", "call", "node", "seq_nr", "rflags", "start", "dur",
                   "storages")
+#: abi.h's argument-encoding tags (ArgTag): each tag, then its payload
+TAG_TENSOR, TAG_NONE, TAG_BOOL, TAG_INT, TAG_DOUBLE, TAG_INT_LIST, TAG_OTHER, TAG_BOOL_LIST, TAG_OUTPUTS = \
+    0, 1, 2, 3, 4, 5, 6, 8, 9
+TAGS = {"TENSOR": TAG_TENSOR, "NONE": TAG_NONE, "BOOL": TAG_BOOL, "INT": TAG_INT, "DOUBLE": TAG_DOUBLE,
+        "INT_LIST": TAG_INT_LIST, "OTHER": TAG_OTHER, "BOOL_LIST": TAG_BOOL_LIST, "OUTPUTS": TAG_OUTPUTS}
 _PACKED_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.int64}
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
@@ -417,6 +425,29 @@ def _flop_op_names() -> Tuple[str, ...]:
     return _FLOP_NAMES
 
 
+def abi_mismatch(ext: Any) -> Optional[str]:
+    """What in the loaded engine's ABI (``ext.abi()``, native/abi.h) differs from this module's
+    definitions and recorder.py's, or None when they agree."""
+    from ...native._abi import fields_dtype
+
+    abi = getattr(ext, "abi", None)
+    if abi is None:
+        return "the library exports no abi()"
+    d = abi()
+    found = []
+    row = fields_dtype(d["row"], d["row_size"])
+    if row != ROW_DTYPE:
+        found.append(f"ops row {row} != {ROW_DTYPE}")
+    flags = d["flags"]
+    if flags.get("F_THREW") != F_THREW or flags.get("F_BACKWARD") != F_BACKWARD:
+        found.append(f"row flags {flags}")
+    if tuple(d["packed"]["columns"]) != PACKED_COLUMNS:
+        found.append(f"packed columns {d['packed']['columns']}")
+    if dict(d["tags"]) != TAGS:
+        found.append(f"argument tags {d['tags']}")
+    return "; ".join(found) or None
+
+
 def _decode_args(enc: Sequence[int], shapes: Sequence[Tuple[int, ...]]) -> Tuple[List[Any], Any]:
     """(arguments, outputs) with shapes for tensors, from engine.cpp's encoding."""
     out: List[Any] = []
@@ -425,26 +456,26 @@ def _decode_args(enc: Sequence[int], shapes: Sequence[Tuple[int, ...]]) -> Tuple
     while i < len(enc):
         tag = enc[i]
         i += 1
-        if tag == 9:
+        if tag == TAG_OUTPUTS:
             outs, out = out, []   # the rest are the outputs
-        elif tag == 0:
+        elif tag == TAG_TENSOR:
             out.append(shapes[enc[i]])
             i += 1
-        elif tag == 1 or tag == 6:
+        elif tag == TAG_NONE or tag == TAG_OTHER:
             out.append(None)
-        elif tag == 2:
+        elif tag == TAG_BOOL:
             out.append(bool(enc[i]))
             i += 1
-        elif tag == 3:
+        elif tag == TAG_INT:
             out.append(int(enc[i]))
             i += 1
-        elif tag == 4:
+        elif tag == TAG_DOUBLE:
             out.append(float(np.array([enc[i]], dtype=np.int64).view(np.float64)[0]))
             i += 1
-        elif tag in (5, 8):
+        elif tag in (TAG_INT_LIST, TAG_BOOL_LIST):
             k = enc[i]
             vals = enc[i + 1:i + 1 + k]
-            out.append([bool(v) for v in vals] if tag == 8 else list(vals))
+            out.append([bool(v) for v in vals] if tag == TAG_BOOL_LIST else list(vals))
             i += 1 + k
         else:
             break

@@ -1,0 +1,301 @@
+// tensorscope native recording engine: the state its translation units share.
+//
+//   engine.cpp           the Python API (start/stop, setters, take*, warnings, ...) and the module
+//   engine_observer.cpp  the RecordFunction callbacks: visibility, rows, commit (the hot path)
+//   engine_ops.cpp       per-op facts (once per schema) and the Python calls an op makes (op hook, spill)
+//   engine_buffers.cpp   blocks packed into chunks, and their hand-over with the dictionaries
+//   engine_gather.cpp    gather(): list columns as Arrow offsets + values (recording/columns.py)
+//   engine_storages.h    metas and storage ids (inline: per op)
+//   engine_screen.h      the non-finite screen (inline: per op)
+//   abi.h                the layouts shared with Python and with the function mode
+//
+// One Engine (g), one mutex; the thread-local state of the observer lives in engine_observer.cpp
+// alone (a thread_local reached from another file would cost a TLS wrapper call per access).
+
+#pragma once
+
+#include <Python.h>
+
+#include <ATen/record_function.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "abi.h"
+
+namespace tsengine TS_HIDDEN {
+
+using Row = tsabi::OpsRow;
+using tsabi::F_BACKWARD;
+using tsabi::F_OTHER_THREAD;
+using tsabi::F_THREW;
+using tsabi::PC_N;
+
+inline int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+// ---------------------------------------------------------------------------
+// Interning of int64 sequences (metas, tuples of meta ids, alias tuples, argument encodings)
+// ---------------------------------------------------------------------------
+struct SeqInterner {
+  std::vector<int64_t> arena;     // concatenated values
+  std::vector<int64_t> offsets{0};
+  std::vector<int32_t> table;     // open addressing: id + 1, 0 = empty
+  std::vector<uint64_t> hashes;
+  size_t mask = 0;
+
+  SeqInterner() { rehash(1024); }
+
+  static uint64_t hash(const int64_t* v, size_t n) {
+    uint64_t h = 1469598103934665603ULL ^ n;
+    for (size_t i = 0; i < n; ++i) {
+      h ^= uint64_t(v[i]) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    }
+    return h ? h : 1;
+  }
+  size_t size() const { return offsets.size() - 1; }
+  void rehash(size_t cap) {
+    table.assign(cap, 0);
+    mask = cap - 1;
+    for (size_t id = 0; id < size(); ++id) {
+      size_t p = hashes[id] & mask;
+      while (table[p]) p = (p + 1) & mask;
+      table[p] = int32_t(id + 1);
+    }
+  }
+  int32_t get(const int64_t* v, size_t n) {
+    uint64_t h = hash(v, n);
+    size_t p = h & mask;
+    while (int32_t e = table[p]) {
+      size_t id = size_t(e - 1);
+      if (hashes[id] == h && size_t(offsets[id + 1] - offsets[id]) == n &&
+          std::memcmp(&arena[offsets[id]], v, n * sizeof(int64_t)) == 0) {
+        return int32_t(id);
+      }
+      p = (p + 1) & mask;
+    }
+    int32_t id = int32_t(size());
+    arena.insert(arena.end(), v, v + n);
+    offsets.push_back(int64_t(arena.size()));
+    hashes.push_back(h);
+    table[p] = id + 1;
+    if (size() * 2 > table.size()) rehash(table.size() * 2);
+    return id;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Per-op facts, computed once per schema (engine_ops.cpp)
+// ---------------------------------------------------------------------------
+struct OpFacts {
+  int32_t id = -1;
+  bool cia = false;          // has a CompositeImplicitAutograd kernel
+  bool backend = false;      // has a kernel of its own for some backend (silu_backward)
+  bool writes = false;       // in-place / out=: screens the written outputs
+  bool no_screen = false;    // returns uninitialised memory
+  bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
+  bool py_hook = false;      // the Python op hook wants it (c10d collectives)
+  int32_t n_args = -1;       // schema arguments / returns (-1: vararg/varret or unknown): a boxed call's
+  int32_t n_rets = -1;       // event carries its whole stack, the op's own values are its tail
+  std::string name;          // "aten::add.Tensor"
+};
+
+// The op's own arguments and returns. A boxed call (functorch's interpreters re-issue ops boxed)
+// hands RecordFunction the whole interpreter stack, values of the callers below the op's own.
+using Values = c10::ArrayRef<const c10::IValue>;
+inline Values tail(Values v, int32_t n) {
+  return (n >= 0 && v.size() > size_t(n)) ? v.slice(v.size() - size_t(n)) : v;
+}
+inline Values args_of(const at::RecordFunction& fn, const OpFacts* f) { return tail(fn.inputs(), f->n_args); }
+inline Values rets_of(const at::RecordFunction& fn, const OpFacts* f) {
+  const auto& o = fn.outputs();
+  return tail(Values(o.data(), o.size()), f->n_rets);
+}
+
+// ---------------------------------------------------------------------------
+// Packed chunks (engine_buffers.cpp): layout in abi.h
+// ---------------------------------------------------------------------------
+struct PackedCol {
+  int64_t base = 0;
+  int32_t width = 1;            // bytes per value: 1, 2, 4 (unsigned, minus base) or 8 (raw int64)
+  std::vector<uint8_t> bytes;
+};
+
+struct PackedChunk {
+  int64_t first_seq = 0;
+  int64_t rows = 0;
+  PackedCol cols[PC_N];
+  size_t nbytes() const {
+    size_t b = sizeof(PackedChunk);
+    for (const auto& c : cols) b += c.bytes.capacity();
+    return b;
+  }
+};
+
+struct StorageRec {
+  c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
+  uintptr_t ptr;
+  int64_t nbytes, alloc_seq, free_seq;
+  int32_t meta, module, call;
+};
+
+struct WarnRec {
+  int64_t seq;
+  std::string msg, file, function;
+  int64_t line;
+  bool deprecation;
+};
+
+struct Engine;
+
+// Per-op warnings: a handler that records and chains to the one it replaced (engine_ops.cpp).
+struct RowWarningHandler final : c10::WarningHandler {
+  Engine* eng = nullptr;
+  int64_t seq = -1;
+  c10::WarningHandler* prev = nullptr;
+  void process(const c10::Warning& w) override;
+};
+
+// A row under construction (kept or tentative): lives in the thread's pool.
+struct Pending {
+  Row row;
+  std::vector<int64_t> in_metas;
+  std::vector<int64_t> in_sids;
+  std::vector<uintptr_t> in_ptrs;
+  std::vector<const c10::StorageImpl*> in_impls;   // tentative rows: resolved at commit
+  std::vector<int64_t> in_nbytes;
+  std::vector<int64_t> args_enc;
+  int32_t args_id = -1;
+  PyObject* py_inputs = nullptr;   // op hook: the inputs as Python objects (owned)
+  std::vector<const c10::TensorImpl*> held;   // inputs (not owned: the caller holds them while the op runs)
+  uint64_t seq_peek = 0;
+  int uncaught = 0;
+  c10::WarningHandler* prev_handler = nullptr;
+  bool handler_pushed = false;
+  bool pre_nonfinite = false;
+  const OpFacts* facts = nullptr;
+};
+
+struct Engine {
+  std::mutex mu;
+  bool active = false;
+  uint64_t gen = 0;
+  at::CallbackHandle handle = 0;
+  int64_t t0 = 0;
+  uint64_t seq_at_start = 0;
+  uint64_t owner_thread = 0;
+  bool want_screen = false;
+  bool want_storages = true;
+  bool want_warnings = true;
+  // set from Python (the module hooks and the function mode)
+  int64_t cur_module = 0;
+  int64_t cur_call = -1;
+
+  std::unordered_map<const char*, OpFacts*> facts_by_name;   // schema name pointer -> facts
+  std::vector<OpFacts*> ops;
+  SeqInterner metas;      // abi.h MetaKey header, sizes..., strides...
+  std::vector<int64_t> meta_nbytes;
+  SeqInterner tuples;
+  SeqInterner aliases;
+  SeqInterner args;
+  std::vector<int64_t> row_args;   // (seq, interned argument encoding) for the rows that have one
+  std::unordered_map<std::string, bool> arg_ops;   // "aten::convolution" -> record arguments
+  std::unordered_map<std::string, bool> hook_ns;   // namespaces the Python op hook receives
+  PyObject* hook = nullptr;                        // hook(seq, name, inputs, outputs) (owned)
+  int64_t hook_errors = 0;
+  std::atomic<int> paused{0};   // >0 while torch.compile compiles (ops run then are hidden)
+  std::unordered_map<std::string, int32_t> node_ids;
+  std::vector<std::string> node_names;
+
+  std::vector<Row> block;                 // the live block (block_rows at most)
+  std::vector<int32_t> block_stor;        // its storage ids: per row n_in then n_out
+  int64_t block_first = 0;                // seq of its first row
+  size_t block_rows = tsabi::kBlockRows;  // rows per block
+  std::vector<PackedChunk> chunks;        // full blocks, packed, not yet taken
+  int64_t chunk_bytes = 0;                // their size
+  int64_t chunk_rows = 0;                 // their rows
+  // spilling: past spill_rows rows in chunks, on_full() is called on the tracing thread (with the
+  // GIL, RecordFunction off) to take them (engines/native.py writes them out like the python recorder)
+  int64_t spill_rows = INT64_MAX;
+  PyObject* on_full = nullptr;            // owned
+  bool handover_due = false;
+  int64_t on_full_errors = 0;
+  // what take_chunks() handed over already
+  size_t ops_taken = 0, metas_taken = 0, tuples_taken = 0, aliases_taken = 0, args_taken = 0, nodes_taken = 0,
+         row_args_taken = 0, nonfinite_taken = 0;
+  int64_t n_rows = 0;   // rows committed (= next seq)
+  int64_t last_error_seq = -1;
+  int32_t last_error_op = -1;
+  std::string last_error_file, last_error_func;   // its c10 source location (hooks' site reader)
+  int64_t last_error_line = -1;                   // -1: none
+  int64_t other_thread_rows = 0;
+
+  std::unordered_map<uintptr_t, int32_t> by_ptr;
+  std::deque<StorageRec> storages;   // grows in fixed blocks: no 2x slack, no copy when it grows
+  std::vector<int32_t> young;    // live storages first seen as outputs
+  std::vector<int32_t> old;      // live storages first seen as inputs
+  size_t young_rr = 0, old_rr = 0;
+
+  std::vector<WarnRec> warnings;
+  std::atomic<size_t> n_warnings{0};   // warnings.size(), readable without the lock
+  size_t warnings_taken = 0;
+  std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> nonfinite;  // seq -> (count, produced)
+  int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0;
+  std::unordered_map<const c10::TensorImpl*, std::pair<int64_t, bool>> memo;  // impl -> (version, finite)
+
+  void clear();   // engine.cpp
+};
+
+extern Engine g;
+extern std::atomic<tsabi::ReadSite> g_read_site;   // the hooks' error-site reader (set_site_reader)
+
+// engine_observer.cpp: the callbacks, installed on / removed from the calling thread
+void observer_install();
+void observer_remove_thread_state();   // after stop: restore handlers a row left pushed, forget the stacks
+
+// engine_ops.cpp
+OpFacts* make_facts(const at::RecordFunction& fn);   // under g.mu: the facts of a schema seen first
+void encode_args(const at::RecordFunction& fn, const OpFacts* f, std::vector<int64_t>& out);   // under g.mu
+void hook_inputs(Pending& p, const at::RecordFunction& fn);
+void call_hook(Pending& p, const at::RecordFunction& fn, int64_t seq);
+void drop_py_inputs_slow(Pending& p);
+void call_on_full();
+
+// The facts of fn's schema (nullptr: a string event), under g.mu.
+inline OpFacts* facts_for(const at::RecordFunction& fn) {
+  auto it = g.facts_by_name.find(fn.name());
+  if (it != g.facts_by_name.end()) return it->second;
+  return make_facts(fn);
+}
+
+inline void drop_py_inputs(Pending& p) {
+  if (p.py_inputs != nullptr) drop_py_inputs_slow(p);
+}
+
+// engine_buffers.cpp (under g.mu)
+void seal_block();   // the live block becomes a packed chunk
+PyObject* py_take_chunks(PyObject*, PyObject* final_o);
+PyObject* py_resident(PyObject*, PyObject*);
+
+// engine_gather.cpp
+PyObject* py_gather(PyObject*, PyObject* args);
+
+inline PyObject* bytes_of(const void* p, size_t n) {
+  return PyBytes_FromStringAndSize(static_cast<const char*>(p), Py_ssize_t(n));
+}
+
+}  // namespace tsengine
