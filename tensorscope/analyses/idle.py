@@ -64,7 +64,20 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
     k = min(_GAPS_LISTED, len(gap))
     part = np.argpartition(-gap, k - 1)[:k] if k < len(gap) else np.arange(len(gap))
     top = part[np.argsort(-gap[part], kind="stable")]
-    gaps = [(int(gap[i]), int(q[i - 1]) if i > 0 else None, int(q[i])) for i in top if gap[i] > 0]
+    # a gap is named by the ops around it that the program asked for: eager's own bookkeeping rows
+    # (``is_noise``: lift_fresh, detach_ inside torch.tensor) are never its subject, the next real op is
+    real = np.arange(len(q))                     # positions (in start order) of the real ops
+    if "is_noise" in ops.column_names:
+        noise = _np(ops.column("is_noise"), False).astype(bool)
+        real = real[~(noise if q is seq else noise[order])]
+    gaps = []
+    for i in top:
+        j = int(np.searchsorted(real, i))        # the first real op at or after the gap
+        if gap[i] <= 0 or j == len(real):        # (only bookkeeping after it: nothing to name)
+            continue
+        after = int(q[real[j]])
+        before = int(q[real[j - 1]]) if j > 0 else None
+        gaps.append((int(gap[i]), before, after))
     dl = 0
     if calls.num_rows:
         m = string_mask(calls.column("qualname"), lambda v: "DataLoader" in v)

@@ -145,3 +145,29 @@ def test_cast_on_a_bookkeeping_row_is_no_finding(engine):
     for seq in {r["seq"] for r in cs}:
         flagged = casts(_flag_noise(t.ops, seq), t.calls).to_pylist()
         assert seq not in {r["seq"] for r in flagged} and len(flagged) < len(cs)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_time_outside_ops_names_the_real_op_after_a_gap_not_its_bookkeeping(engine):
+    """Host time before ``torch.tensor(...)`` is named by the first op the program asked for after it
+    (the ``mul``), never by the tensor's own ``lift_fresh``/``detach_``."""
+    import time
+
+    from tensorscope.analyses.idle import outside_ops
+
+    def run():
+        x = torch.ones(4) + 1
+        time.sleep(0.05)                              # host work between two ops
+        (x * torch.tensor(3.0)).sum()
+
+    t = _trace(engine, run)
+    noise = _noise_seqs(t)
+    assert noise
+    got = outside_ops(t.ops, t.calls, t.metadata["wall_ns"])
+    g, before, after = got["gaps"][0]
+    assert g >= 40_000_000
+    assert after not in noise and before not in noise
+    assert t.ops.column("op")[after].as_py() == "aten.mul.Tensor"
+    assert t.ops.column("op")[before].as_py() == "aten.add.Tensor"
+    text = t.summary().to_text()
+    assert "before mul" in text and "lift_fresh" not in text and "detach_" not in text
