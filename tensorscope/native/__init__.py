@@ -45,7 +45,7 @@ from . import _build
 __all__ = [
     "open_capture", "status", "build", "build_native_main", "engine", "loaded_engine", "engine_status",
     "forced_fallback", "load_test_ops", "FORCE_ENV", "function_mode", "PY_FUNCTION_MODE_ENV", "site_error_info",
-    "abi", "abi_dtype", "abi_flags",
+    "abi", "abi_dtype", "abi_flags", "fields_dtype",
 ]
 
 #: Set to 1 to force the pure-Python fallback (read at every call, not at import).
@@ -128,6 +128,14 @@ def abi_dtype(kind: str, lib: Optional[str] = None) -> Any:
     from ._abi import abi_dtype as impl
 
     return impl(kind, lib)
+
+
+def fields_dtype(fields: Sequence[Tuple[str, int, int, str]], size: int) -> Any:
+    """A numpy structured dtype laid out as a C struct: ``fields`` are (name, offset, size, kind), as
+    ``abi()`` reports them; ``size`` is the struct's size."""
+    from ._abi import fields_dtype as impl
+
+    return impl(list(fields), size)
 
 
 def abi_flags(lib: Optional[str] = None) -> Optional[Dict[str, int]]:

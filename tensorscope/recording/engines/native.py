@@ -428,7 +428,7 @@ def _flop_op_names() -> Tuple[str, ...]:
 def abi_mismatch(ext: Any) -> Optional[str]:
     """What in the loaded engine's ABI (``ext.abi()``, native/abi.h) differs from this module's
     definitions and recorder.py's, or None when they agree."""
-    from ...native._abi import fields_dtype
+    from ...native import fields_dtype
 
     abi = getattr(ext, "abi", None)
     if abi is None:
