@@ -6,9 +6,9 @@ around ``func``, relative to the trace's ``t0``). This package adds:
 * ``timing.cuda.CudaOpTimer`` — ``ops.cuda_ns`` from CUDA event pairs
   recorded on each op's stream, resolved with one synchronise per trace;
 * ``timing.kernels`` — the ``kernels`` table from the profiler's CUDA
-  activity, each kernel linked to the ``ops.seq`` that launched it, with
-  timestamp checks (``link_kernels`` is pure; ``KernelCollector`` owns the
-  Kineto session).
+  activity (``KernelCollector`` owns the Kineto session);
+* ``timing.kernel_link`` — each kernel linked to the ``ops.seq`` that
+  launched it, with timestamp checks (``link_kernels`` is pure).
 
 Importing this package imports neither torch.cuda nor the profiler.
 """
@@ -22,8 +22,12 @@ def __getattr__(name):
         from .cuda import CudaOpTimer
 
         return CudaOpTimer
-    if name in ("KernelCollector", "link_kernels"):
-        from . import kernels
+    if name == "KernelCollector":
+        from .kernels import KernelCollector
 
-        return getattr(kernels, name)
+        return KernelCollector
+    if name == "link_kernels":
+        from .kernel_link import link_kernels
+
+        return link_kernels
     raise AttributeError(name)

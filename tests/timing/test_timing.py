@@ -19,16 +19,8 @@ import tensorscope
 from tensorscope import schema as S
 from tensorscope.timing import kernels as K
 from tensorscope.timing.cuda import CudaOpTimer
-from tensorscope.timing.kernels import (
-    ClockMap,
-    KernelCollector,
-    KernelRecord,
-    KinetoBackend,
-    LaunchRecord,
-    OpWindows,
-    link_kernels,
-    split_events,
-)
+from tensorscope.timing.kernel_link import ClockMap, KernelRecord, LaunchRecord, OpWindows, link_kernels
+from tensorscope.timing.kernels import KernelCollector, KinetoBackend, split_events
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine/CI)")
 
