@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import tensorscope.tracking.leaks as L
+from tensorscope.tracking.leaks import bulk as B
 from tensorscope.tracking.leaks import growth
-from tensorscope.tracking.leaks import rows as R
 from tensorscope.tracking.leaks import search as SE
 from tensorscope.tracking.storages import LiveStorage
 
@@ -62,8 +62,8 @@ def _notebook() -> dict:
 def _no_bulk(monkeypatch):
     for name in ("BULK", "RUN", "TENSOR_RUN"):
         monkeypatch.setattr(SE._Search, name, 10 ** 12)
-    monkeypatch.setattr(R, "_bulk_rows", lambda *a, **k: False)
-    monkeypatch.setattr(R, "_bulk_nested", lambda *a, **k: False)
+    monkeypatch.setattr(B, "_bulk_rows", lambda *a, **k: False)
+    monkeypatch.setattr(B, "_bulk_nested", lambda *a, **k: False)
 
 
 def _canon(table):
@@ -103,7 +103,7 @@ def test_find_leaks_bulk_path_is_used(monkeypatch):
     """The equality above would hold trivially if nothing took the bulk path."""
     ns = _notebook()
     calls = {"rows": 0, "nested": 0, "tensors": 0}
-    for mod, name, key in ((R, "_bulk_rows", "rows"), (R, "_bulk_nested", "nested")):
+    for mod, name, key in ((B, "_bulk_rows", "rows"), (B, "_bulk_nested", "nested")):
         orig = getattr(mod, name)
 
         def counted(*a, _orig=orig, _key=key, **k):

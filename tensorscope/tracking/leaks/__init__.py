@@ -12,11 +12,16 @@ The parts, one module each, in the order data flows through them:
 
 ``classify``   per-type handlers, library-vs-user code, graph and frame helpers, gc pausing
 ``roots``      the named roots of a notebook and what releases each
+``visited``    the search's visited set: nodes, parents, roots, storages found
+``expand``     what the search follows from each kind of object (a holder's referents)
 ``search``     the batched search (``_Search``) from the roots to the storages
 ``paths``      holder paths: edge labels, path text, holder kind and the fix
 ``unreached``  storages no root reaches: cycles, library globals, owners gc cannot see
 ``known``      the tensor-free registry of storages traces and discovery saw being made
-``rows``       one row per storage, the LEAKS table, and ``leak_table`` (end of a trace)
+``rowset``     the rows of a report in columns (``_RowSet``), merged and turned into the LEAKS table
+``holders``    one row at a time: a storage's holders, path text and fix
+``bulk``       rows in bulk for many plain tensors of one container
+``rows``       the rows of a search and ``leak_table`` (end of a trace)
 ``report``     ``find_leaks`` → ``LeakReport`` (data; ``render.leaks`` draws it)
 ``boundary``   always-on cell-boundary discovery (``gc.freeze()`` diffs, tracing off)
 

@@ -32,7 +32,7 @@ _INDEX = re.compile(r"\[(\d+)\]")
 
 
 def observe(rows, storage_of: Callable[[int], Any] = lambda ptr: None) -> None:
-    """Mark ``rows`` (one trace's leak rows, a ``rows._RowSet``) growing where their holder grows, and
+    """Mark ``rows`` (one trace's leak rows, a ``rowset._RowSet``) growing where their holder grows, and
     remember this trace's storages (weakly) for the next one. ``storage_of(data_ptr)`` is the row's
     live storage. State (``expected``) rows never grow."""
     c = rows.cols

@@ -17,10 +17,12 @@ from ..._location import format_location
 from . import boundary as _boundary
 from . import growth as _growth
 from .classify import _GcPaused
+from .holders import _fallback_rows
 from .known import _KNOWN
 from .paths import _merge_fixes
 from .roots import _get_shell, _user_namespace
-from .rows import _fallback_rows, _int_array, _merge_same_buffer, _rows_for, _rows_to_table, _RowSet
+from .rows import _rows_for
+from .rowset import _int_array, _merge_same_buffer, _rows_to_table, _RowSet
 from .search import _run_search, _Search
 from .unreached import _heap_tensors
 
