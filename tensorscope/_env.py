@@ -64,9 +64,8 @@ def arch_support(capability: Tuple[int, int], arch_list: Sequence[str]) -> Tuple
                 ok = amaj == major and amin <= minor
             if ok and (best_sass is None or v > best_sass[0]):
                 best_sass = (v, a)
-        elif kind == "compute":
-            if v <= dev and not suffix and (best_ptx is None or v > best_ptx[0]):
-                best_ptx = (v, a)
+        elif kind == "compute" and v <= dev and not suffix and (best_ptx is None or v > best_ptx[0]):
+            best_ptx = (v, a)
     if best_sass is not None:
         return "sass", best_sass[1]
     if best_ptx is not None:

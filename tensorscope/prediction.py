@@ -187,11 +187,9 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
     try:
         fargs = _fake_args(mode, args, scale)
         fkwargs = _fake_args(mode, kwargs, scale)
-        with mode:
-            with trace(engine="python", leaks=False, nonfinite=False) as t:
-                # the device queries FakeTensors dispatch (prim.device) are metadata, not ops: answered above
-                with _DeviceQueries():
-                    fn(*fargs, **fkwargs)
+        # the device queries FakeTensors dispatch (prim.device) are metadata, not ops: answered above
+        with mode, trace(engine="python", leaks=False, nonfinite=False) as t, _DeviceQueries():
+            fn(*fargs, **fkwargs)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         op = getattr(e, "func", None)
         kind = "output shape" if isinstance(e, DynamicOutputShapeException) else "value"

@@ -81,6 +81,8 @@ KNOWN_PRIVATE: Dict[Tuple[str, str], str] = {}
 
 @dataclass(frozen=True)
 class Import:
+    """One import statement between two tensorscope modules, as the layering check reads it."""
+
     importer: str          # module that imports
     imported: str          # module imported (a submodule when ``from pkg import submodule``)
     name: Optional[str]    # the name taken (None for ``import x``)

@@ -120,10 +120,7 @@ def _row(level: str, name: str, dtype: Optional[str], dev: Optional[str], n: int
     ideal = max(compute_ns or 0.0, memory_ns or 0.0) if (compute_ns is not None and memory_ns is not None) else None
     bound = None
     if ideal is not None and (flops or nbytes):
-        if n_cuda:
-            tiny_host = (cuda or 0) / n_cuda < CUDA_TINY_NS and cpu > 2 * (cuda or 0)
-        else:
-            tiny_host = False
+        tiny_host = (cuda or 0) / n_cuda < CUDA_TINY_NS and cpu > 2 * (cuda or 0) if n_cuda else False
         floor = overhead_ns or 0.0
         if (ideal < 0.5 * time and floor and ideal / max(n, 1) < OVERHEAD_FACTOR * floor) or tiny_host:
             bound = "overhead"

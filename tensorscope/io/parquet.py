@@ -106,7 +106,7 @@ def _read_table(path: str, name: str) -> Optional[pa.Table]:
     except Exception as e:
         raise TraceFormatError(f"{file!r} is not a readable parquet file: {e}") from e
     for field in schema:
-        if isinstance(field.type, pa.ExtensionType) or isinstance(field.type, pa.BaseExtensionType):
+        if isinstance(field.type, (pa.ExtensionType, pa.BaseExtensionType)):
             raise TraceFormatError(f"{file!r}: column {field.name!r} has an extension type; refusing to load it")
     md = schema.metadata or {}
     v = md.get(PARQUET_VERSION_KEY)

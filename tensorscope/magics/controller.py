@@ -48,6 +48,10 @@ def get_controller(shell, create: bool = True) -> Optional["Controller"]:
 
 
 class Controller:
+    """The magics' state in one IPython shell: the cell requests parsed and not yet run, the one
+    tracing now, the last finished, and ``%tensorscope on``'s always-on request; installs and removes the
+    shell's pre/post-run-cell hooks that start and stop each trace."""
+
     def __init__(self, shell):
         self.shell = shell
         self.installed = False

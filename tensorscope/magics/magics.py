@@ -89,6 +89,8 @@ LINE_HELP = """%tensorscope SUBCOMMAND
 
 @magics_class
 class TensorscopeMagics(Magics):
+    """``%%tensorscope``, ``%tensorscope`` and their sibling magics; the work is the controller's."""
+
     def __init__(self, shell, controller):
         super().__init__(shell)
         self.ctl = controller

@@ -62,9 +62,7 @@ def _matches(recorded: str, text: str) -> bool:
         return True
     # With TORCH_SHOW_CPP_STACKTRACES the Python message is what() (message
     # plus backtrace); the recorded one is what_without_backtrace().
-    if text.startswith(recorded) and text[len(recorded):len(recorded) + 1] in ("\n", " "):
-        return True
-    return False
+    return text.startswith(recorded) and text[len(recorded):len(recorded) + 1] in ("\n", " ")
 
 
 class NativeCapture:

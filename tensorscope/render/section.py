@@ -15,6 +15,9 @@ from .html import BOX_STYLE, IMG_STYLE, NOTE_STYLE, TITLE_STYLE, html_table
 
 @dataclass
 class Section:
+    """One section of a summary: a title, rows under an optional header, notes, and an optional image
+    (inline SVG or PNG, drawn only in HTML)."""
+
     title: str
     rows: List[Tuple] = field(default_factory=list)
     header: Optional[Tuple[str, ...]] = None
@@ -25,6 +28,8 @@ class Section:
 
 @dataclass
 class Summary(Displayable):
+    """A result's summary as sections, drawn as text (``str``) or HTML (the notebook display)."""
+
     sections: List[Section]
 
     def to_text(self) -> str:

@@ -76,6 +76,9 @@ _BLOCK_RE = re.compile(r'"block"\s*:\s*\[\s*([0-9]+)\s*,\s*([0-9]+)\s*,\s*([0-9]
 
 
 class ProfilerEvents(NamedTuple):
+    """What one profiler window gave: kernels, the launches (runtime/driver calls) and CPU op events
+    that link them to ops, and our markers' timestamps for the clock calibration."""
+
     kernels: List[KernelRecord]
     launches: List[LaunchRecord]          # runtime / driver calls
     cpu_ops: List[LaunchRecord]           # CPU op events (fallback link through linked ids)

@@ -76,6 +76,9 @@ def _release(lock: Any) -> None:
 
 
 class NativeEngine:
+    """The native engine behind the ``Engine`` seam: a C++ RecordFunction observer records the ops
+    (one per process at a time: it is claimed when made), the native function mode the calls."""
+
     name = "native"
 
     def __init__(self, choice: EngineChoice) -> None:
@@ -126,9 +129,10 @@ class NativeEngine:
         if cap is not None and getattr(cap, "native", False):
             cap.engine = self   # call_end drains the observer's per-op warnings
             try:   # the observer reads the source location of c10 errors its ops raise
-                if not cap.arm_error_sites(self) and cap.sites_reason not in ("ok", ""):
-                    if not cap.sites_reason.startswith("TORCH_SHOW_CPP_STACKTRACES"):
-                        ctx.rec.notes.append(f"C++ error locations unavailable: {cap.sites_reason}")
+                armed = cap.arm_error_sites(self)
+                why = cap.sites_reason
+                if not armed and why not in ("ok", "") and not why.startswith("TORCH_SHOW_CPP_STACKTRACES"):
+                    ctx.rec.notes.append(f"C++ error locations unavailable: {why}")
             except Exception as e:
                 ctx.rec.notes.append(f"C++ error locations unavailable: {type(e).__name__}: {e}")
 
@@ -461,7 +465,7 @@ def _decode_args(enc: Sequence[int], shapes: Sequence[Tuple[int, ...]]) -> Tuple
         elif tag == TAG_TENSOR:
             out.append(shapes[enc[i]])
             i += 1
-        elif tag == TAG_NONE or tag == TAG_OTHER:
+        elif tag in (TAG_NONE, TAG_OTHER):
             out.append(None)
         elif tag == TAG_BOOL:
             out.append(bool(enc[i]))

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 
 class PythonEngine:
+    """The python engine behind the ``Engine`` seam: a TorchDispatchMode records the ops and a
+    TorchFunctionMode the calls, both in Python."""
+
     name = "python"
 
     def __init__(self, choice: EngineChoice) -> None:

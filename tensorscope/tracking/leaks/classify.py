@@ -24,6 +24,8 @@ _PY313 = sys.version_info >= (3, 13)
 # Handlers, cached per type: never call isinstance() on arbitrary heap objects (a module-level
 # __getattr__ or a __class__ property can run code and warn: torch.distributed does).
 _GENERIC, _SKIP, _TENSOR, _NODE, _PYNODE, _FRAME, _TB, _FUNC, _CLASS, _NDARRAY, _STORAGE, _GEN, _DEFER = range(13)
+#: the autograd graph's node kinds (a C++ node, a Python custom Function's node)
+_NODES = frozenset((_NODE, _PYNODE))
 
 
 #: Packages whose *instances* are machinery, not user data: entering them walks the whole kernel.
@@ -89,9 +91,8 @@ def _classify(tp: type) -> int:
             h = _GEN
         elif issubclass(tp, (types.ModuleType, types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType,
                              types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
-                             types.MemberDescriptorType, weakref.ref)):
-            h = _SKIP
-        elif _root_pkg(getattr(tp, "__module__", "")) in _MACHINERY:
+                             types.MemberDescriptorType, weakref.ref)) \
+                or _root_pkg(getattr(tp, "__module__", "")) in _MACHINERY:
             h = _SKIP
         else:
             np = sys.modules.get("numpy")

@@ -21,7 +21,7 @@ from .classify import (
     _FUNC,
     _GEN,
     _NDARRAY,
-    _NODE,
+    _NODES,
     _PYNODE,
     _STORAGE,
     _T,
@@ -43,7 +43,7 @@ class _Expand(_Visited):
     def _special(self, o, h, i):
         if h == _TENSOR:
             return self._tensor(o, i)
-        if h == _NODE or h == _PYNODE:
+        if h in _NODES:
             self._node(o, i)
             return gc.get_referents(o) if h == _PYNODE else ()
         if h == _STORAGE:
@@ -206,7 +206,7 @@ class _Expand(_Visited):
             h = _types.get(type(k))
             if h is None:
                 h = _classify(type(k))
-            if h == _NODE or h == _PYNODE:
+            if h in _NODES:
                 self._deferred_edges.append((i, k, ("grad_fn", _node_name(k))))
             elif gc.is_tracked(k) or h == _NDARRAY:
                 self._enqueue(i, k, None)

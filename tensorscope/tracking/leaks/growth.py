@@ -73,11 +73,9 @@ def observe(rows, storage_of: Callable[[int], Any] = lambda ptr: None) -> None:
         if expected[i] or not root:
             continue
         items = elements.get(root)
-        per: Optional[int]
-        if items is not None and len(items) >= MIN_STEPS:   # a loop in this cell: bytes per step
-            per = gained[root] // len(items)
-        else:
-            per = per_cell(root)
+        # a loop in this cell: bytes per step; else per cell
+        per: Optional[int] = gained[root] // len(items) if items is not None and len(items) >= MIN_STEPS \
+            else per_cell(root)
         if per is not None:
             growing[i], per_row[i] = True, int(per)
 
