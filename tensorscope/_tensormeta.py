@@ -1,8 +1,8 @@
 """Tensor metadata helpers: memory-format labels and the dense check, in plain integers.
 
 Computed once per distinct ``(shape, stride)`` (the recorder interns metas), never per
-op: ``torch._prims_common.is_non_overlapping_and_dense`` costs 20-30 µs, these
-integer loops ~1-2 µs, and the cache makes repeats free.
+op, with integer loops instead of ``torch._prims_common`` (why: docs/architecture.md,
+"Measured decisions").
 
 Labels: ``empty`` (numel 0), ``scalar`` (dim 0), ``contiguous``, ``channels_last``
 (4-d NHWC), ``channels_last_3d`` (5-d NDHWC), ``strided`` (dense, another

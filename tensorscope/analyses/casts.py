@@ -1,47 +1,11 @@
 """The ``casts`` table: every dtype conversion of a trace, written or not.
 
-A pure function of ``ops`` and ``calls`` (no tensor is needed; torch is not
-imported). Kinds:
+``casts(ops, calls)`` is a pure function of the ``ops`` and ``calls`` tables (no tensor; torch
+is not imported): one row per conversion, with its kind (``explicit``, ``autocast``, ``copy``,
+``implicit_downcast``, ``promotion``), direction, elements, bytes and round trips;
+``round_trip_pairs`` counts the a -> b -> a pairs.
 
-``explicit``
-    ``_to_copy`` (``.to(dtype)``, ``.half()``, ``.float()``…; ``aten.to`` and
-    ``type_as`` as inference_mode delivers them undecomposed) that changes the
-    dtype, outside autocast's own casts.
-``autocast``
-    the same ops when autocast inserted them: the enclosing torch-level call
-    ran with autocast on (``calls.autocast``; inside ``__torch_dispatch__``
-    autocast reads as disabled, so the function level is where it is visible)
-    and is not itself a conversion the user wrote. CPU and CUDA autocast
-    cache the casts of leaf tensors that require grad (parameters) while the
-    autocast region is open: the first ``nn.Linear`` call shows three casts
-    (input, weight, bias), the next one only the input's (also under
-    ``no_grad``; under ``inference_mode`` nothing is cached, measured on 2.13).
-    Backward ops of a cast (``ToCopyBackward0``) inherit the kind of their
-    forward cast (via ``ops.fwd_seq``).
-``copy``
-    ``copy_`` into a tensor of another dtype (``dst.copy_(src)``, or an
-    assignment ``x[i] = y`` that widens).
-``implicit_downcast``
-    a value computed in a wider dtype written into a narrower tensor:
-    in-place and out= ops (``f16.add_(f32)``), and ``copy_`` that narrows
-    under a call other than ``copy_`` (``x_f16[:] = y_f32``).
-``promotion``
-    a pointwise op (or ``cat``/``stack``) with mixed input dtypes: the narrower
-    inputs are converted on the fly to the computation dtype (``f16 + f32`` is
-    one ``aten.add`` computing in float32). Zero-dim and bool inputs are not
-    counted (scalars and masks, not data).
-
-``direction``: ``up``/``down`` (wider/narrower float or complex), ``same_width``
-(float16 <-> bfloat16 trades range for precision; int8 <-> uint8),
-``int_narrowing`` (values may wrap: int64 -> int16), ``float_to_int``
-(truncation), ``int_to_float``, ``to_bool``, ``complex_to_real``.
-
-``numel`` counts the converted elements and ``bytes`` their size in the target
-dtype. ``round_trip`` marks both halves of an a -> b -> a pair on the same data
-(a materialised cast whose output storage is the source of a later cast back
-to the original dtype, e.g. ``x.bfloat16().float()``); it needs storage ids, so
-``storages=False`` traces report none. ``nonfinite_produced`` is the cast op's
-own verdict (an fp32 -> fp16 cast of 70000 produces inf), null when unscreened.
+Rules and details: docs/analyses.md#casts-analysescastspy
 """
 from __future__ import annotations
 

@@ -1,29 +1,11 @@
-"""Cell guards: ``expect=(...)`` and ``no_syncs``
-    no op forces a device->host synchronisation (``analyses/syncs.py``: a scalar read such as
-    ``.item()``/``if t:``, a data-dependent output shape such as ``nonzero``/``x[mask]``, a copy of a
-    device tensor to the CPU); on a CPU trace the same ops fail it (they would sync on a GPU).
-``max_casts=N`` checked against a finished trace.
+"""Cell guards: ``expect=(...)`` and ``max_casts=N`` checked against a finished trace.
 
-``check_guards(trace) -> list[str]`` returns one readable failure per broken
-expectation (empty when all hold); ``session.raise_for_guards`` turns them
-into a ``GuardError`` after the block ran, with the trace kept on the error.
-The options come from ``trace.metadata["options"]``, so a loaded trace can be
-re-checked. Expectations:
+``check_guards(trace) -> list[str]`` returns one readable failure per broken expectation
+(``channels_last``, ``no_nonfinite``, ``no_hidden_copies``, ``no_leaks``, ``no_syncs``,
+``max_casts``), empty when all hold; ``session.raise_for_guards`` raises them as a
+``GuardError``. The options come from the trace's metadata, so a loaded trace can be re-checked.
 
-``channels_last``
-    no op turned a channels_last (or channels_last_3d) tensor into another
-    format (the ``format_change`` rows of ``layout_changes``), and the cell did
-    use channels_last at all: 4-d/5-d data that never was channels_last is a
-    failure too (the usual cause is a model converted but not its input, or
-    neither).
-``no_nonfinite``
-    no op output held NaN/Inf; names the first op that produced one.
-``no_hidden_copies``
-    no ``hidden_copy`` rows in ``layout_changes``.
-``no_leaks``
-    the ``leaks`` table has no row but model/optimizer state (``expected``).
-``max_casts=N``
-    at most N rows in ``casts`` (every kind, promotions included).
+Rules and details: docs/analyses.md#cell-guards-analysesguardspy
 """
 from __future__ import annotations
 

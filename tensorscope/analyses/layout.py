@@ -1,36 +1,10 @@
 """The ``layout_changes`` table: memory-format changes, hidden copies and non-dense inputs.
 
-A pure function of the ``ops`` and ``calls`` tables (no tensor, no torch
-import). One row per finding, three kinds:
+``layout_changes(ops, calls)`` is a pure function of the ``ops`` and ``calls`` tables (no
+tensor, no torch import): one row per finding, of kind ``format_change``, ``hidden_copy`` or
+``non_dense_input``, with the formats, the reason and the bytes involved.
 
-``format_change``
-    an op whose dense input format differs from its output's: a channels_last
-    (or channels_last_3d) input and an output in another format (layer_norm,
-    softmax(dim=1), reductions, matmul, cat of mixed formats, contiguous(),
-    reshape/flatten copies), or an output in a channels_last format none of
-    its inputs had (``.to(memory_format=...)``, conv with channels_last
-    weights). Only tensors of the same rank are compared, and tensors whose
-    label is ambiguous because of size-1 dims never count, so ``(N, C, 1, 1)``
-    pooling outputs produce no false change. Views and in-place ops move no
-    data and are never format changes. A reshape-family op that copies
-    (``aten.reshape``/``flatten`` with a fresh output, as inference_mode
-    delivers them undecomposed) is compared like the ``clone`` grad mode shows
-    in its place: its copy is contiguous, so grad and inference mode agree.
-``hidden_copy``
-    an op the trace builder flagged ``hidden_copy`` (a copy under a torch-level
-    call users expect to be free: reshape, flatten, contiguous, matmul, …),
-    with the reason (the source shape, strides and format that made a view
-    impossible) and the bytes copied.
-``non_dense_input``
-    an expanded, gapped or overlapping input to a compute op (matmul family,
-    convolution, normalisation, indexing, …), which often means a slow path or
-    an internal copy. Pointwise and reduction ops (TensorIterator reads any
-    strides, and a zero stride is just broadcasting), views, copies and
-    factories are not compute ops here.
-
-``bytes`` is the output's size for format changes and hidden copies (what was
-written in the new layout) and the input's logical size for non-dense inputs
-(what a materialisation would copy).
+Rules and details: docs/analyses.md#layout-changes-analyseslayoutpy
 """
 from __future__ import annotations
 

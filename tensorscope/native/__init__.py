@@ -1,39 +1,13 @@
-"""Native hooks for the C++ -> Python exception and warning path, behind one facade.
+"""The native side behind one facade: C++ hooks for warnings and errors, the recording engine, the function mode.
 
-The tracer's modes talk to this package only through :func:`open_capture`::
+``open_capture`` gives the tracer's modes a capture per trace (the compiled hooks, or the
+pure-Python fallback with the same methods); ``engine``/``loaded_engine``/``engine_status`` and
+``function_mode`` reach the other libraries; ``status``/``build`` (``python -m tensorscope
+build-native``) report and compile; ``abi``/``abi_dtype``/``abi_flags``/``fields_dtype`` read the
+layouts the libraries share with Python. ``TENSORSCOPE_FORCE_FALLBACK=1`` forces the fallback.
+Importing this package imports neither torch nor the compiler tool chain, and builds nothing.
 
-    cap = tensorscope.native.open_capture(native=True, cpp_errors=False)
-    cap.native                      # True: compiled hooks; False: pure-Python fallback
-    cap.op_begin(); ...; ws = cap.op_end()      # around every ATen op (in a finally)
-    tok = cap.call_begin(func); ...; ws = cap.call_end(tok)   # around each outermost torch-level call
-    cap.count_call_warnings(fn)     # fn() after each Python warning collected (the C function mode's counter)
-    ws = cap.take_call_warnings(n, engine)   # a call's warnings: its n tap items + the engine's pending ones
-    cap.error_info(exc)             # {cpp_type, message, cpp_file, cpp_line, cpp_function, native, py_type}
-    cap.arm_error_sites(engine)     # native engine: its observer reads c10 errors' locations (until close)
-    cap.swallowed_count()           # c10 errors constructed but never surfaced (cpp_errors=True), else None
-    cap.close()                     # restores every handler / fetcher / hook it installed
-
-``call_begin`` takes the called function (optional): when it is a C binding
-(torch.add, Tensor.add_), the native path hands the op's C++ warnings to that
-binding's own PyWarningHandler, so Python reports them at the user's line (and
-"default"/"once" filters deduplicate as untraced) instead of at the function
-mode's frame. Its token is never None.
-
-``op_end``/``call_end`` return ``None`` or a list of warning dicts with keys
-message, category, cpp_file, cpp_line, cpp_function, deprecation, verbatim,
-native (fallback and call-level ones also carry the Python filename/lineno).
-
-The hooks (hooks.cpp, hooks_fetcher.cpp) are compiled on first use with
-``torch.utils.cpp_extension.load`` into a cache keyed on the torch version,
-Python version and the hash of every source and header (``$TENSORSCOPE_CACHE`` or
-``~/.cache/tensorscope/native``); ``python -m tensorscope build-native``
-compiles ahead of time. :func:`abi` / :func:`abi_dtype` read the layouts the
-libraries share with Python (abi.h) from a loaded library.
-``TENSORSCOPE_FORCE_FALLBACK=1`` forces the fallback so the whole test suite
-can run against both implementations.
-
-Importing this package is cheap: it imports neither torch nor the compiler
-tool chain, and builds nothing.
+Rules and details: docs/native.md
 """
 from __future__ import annotations
 

@@ -1,33 +1,11 @@
 """The native capture: the Python side of hooks.cpp and hooks_fetcher.cpp, one object per trace.
 
-How it sees what it reports (measured on torch 2.13, see docs/architecture.md):
+``NativeCapture`` binds ``op_begin``/``op_end`` straight to the extension's C functions, gathers
+each call's warnings (``call_begin``/``call_end``, shared with the fallback's warning tap),
+matches recorded c10 errors to Python exceptions (``error_info``) and arms the native engine's
+error sites (``arm_error_sites``; ``site_error_info`` completes an error with them).
 
-* Warnings: ``op_begin``/``op_end`` are the extension's own C functions (no
-  Python wrapper, so the per-op cost is two C calls). The handler they push
-  records each c10 warning and hands it down the chain, so torch's
-  PyWarningHandler still emits it to Python once. During an outermost call
-  entered from a C binding, it hands it to *that* binding's handler, so the
-  Python warning points at the user's line rather than at the function mode's
-  frame (and "default"/"once" filters deduplicate as they would untraced).
-* Errors: ops called through ``OpOverload.__call__`` (what a
-  TorchDispatchMode does) raise through pybind11, whose translators see the
-  real ``c10::Error``; ours records type, message and source location in a
-  thread-local slot that ``op_begin`` clears, and ``error_info`` matches it
-  to the Python exception by message. Errors raised before dispatch
-  (argument parsing, leaf in-place checks) are translated by torch's own
-  ``HANDLE_TH_ERRORS`` and never pass a translator: those rows are
-  ``native=False``, described from the Python exception alone.
-* Errors under the native engine: ops run through torch's own bindings,
-  whose ``HANDLE_TH_ERRORS`` translates the ``c10::Error`` without pybind11,
-  so no translator sees it. ``arm_error_sites`` installs the hooks' c10
-  stack-trace fetcher, which remembers where each PyTorch-style error will
-  hold its SourceLocation; the engine reads it when an op's kernel throws
-  (``take_error_seq``) and :func:`site_error_info` completes the Python
-  exception's description with it (the C++ type is the c10 class torch maps
-  that Python type from).
-* Python-level warnings (``warnings.warn`` in torch's Python code, or C++
-  ones raised outside any op) are collected per call by the same tap the
-  fallback uses, minus the C++ ones already captured at an op.
+Rules and details: docs/native.md#what-the-native-capture-sees-and-how
 """
 from __future__ import annotations
 

@@ -1,33 +1,13 @@
 """Compiled regions opened up: what torch.compile built while a trace recorded, and what ran it.
 
-Capture: while a trace records, one ``logging.Handler`` sits on PyTorch's
-structured-trace logger (``torch._logging._internal.trace_log``, the channel
-``TORCH_TRACE``/tlparse read). ``trace_structured`` only formats its payloads
-when that logger has a handler, so nothing is computed when no trace records.
-The handler keeps the few records tensorscope needs, as plain strings:
+``CompileCapture`` puts one handler on PyTorch's structured-trace logger while a trace records
+and keeps the records tensorscope reads as plain strings; ``graphs_from_records`` parses them
+into one record per graph (Dynamo/AOT graphs and their nodes, guards, recompile reasons,
+Inductor code). ``compiled_link.py`` builds the ``graphs``/``graph_nodes`` tables from them and
+links ops and calls to the graph that ran them.
 
-- ``dynamo_start`` / ``dynamo_output_graph`` (the Dynamo FX graph, readable, with
-  shapes/strides/dtypes), ``dynamo_cpp_guards_str`` (the guard tree),
-  ``recompile_reasons`` (the guard that failed), ``compilation_metrics`` and
-  ``bwd_compilation_metrics`` (compile times, frame name, file, line);
-- ``aot_forward_graph`` / ``aot_inference_graph`` / ``aot_backward_graph`` (the
-  AOTAutograd ATen graphs; emitted again from the cache on a cache hit);
-- ``inductor_output_code`` (the generated module: its file path and its kernels).
-
-Nothing here touches a tensor, a mode or a frame; the program is unchanged
-(the only cost is PyTorch formatting those payloads during compilation).
-
-Link: Inductor's generated ``call()`` runs the graph; the torch-level calls it
-makes (``extern_kernels.addmm`` …) come from that generated file, so a call whose
-``source_file`` is a graph's code file ran that graph. Backward ops of a
-``CompiledFunctionBackward`` node belong to the backward graph of the same
-compile (found through ``fwd_seq`` or their inherited location). Graphs compiled
-in an earlier trace of this process are remembered (bounded), so a later trace
-that only runs them still links to them.
-
-Tables (schema.py): ``graphs`` (one row per graph) and ``graph_nodes`` (one row
-per node); ``ops.graph_id`` and ``calls.graph_id`` point at the runtime graph
-(kind ``inductor``), whose ``compile_id``/``phase`` name its AOT and Dynamo graphs.
+Rules and details: docs/recording.md#torchcompile-capture-recordingcompiledpy and
+docs/architecture.md#compiled-regions-recordingcompiledpy
 """
 from __future__ import annotations
 

@@ -1,46 +1,13 @@
-"""Tracebacks as they are untraced: drop the traceback entries the tracer introduced.
+"""Tracebacks and warnings as they are untraced: drop the entries the tracer introduced.
 
-A traced exception passes through frames that do not exist untraced:
+``clean_traceback(exc)`` relinks ``tb_next`` past the tracer's entries (error path only,
+idempotent); ``clean_when_caught(depth)`` does it for an exception caught inside the traced
+block; ``register_tracer_code`` marks the modes' handlers. The trampoline (``call_as_caller``,
+``call_from``) makes warnings land on the user's line; ``exc_key`` / ``exc_mark`` / ``seen_exc``
+identify an exception without holding it.
 
-* the modes' own ``__torch_function__`` / ``__torch_dispatch__`` (any code
-  object registered with :func:`register_tracer_code`);
-* ``torch.overrides.handle_torch_function``, when the mode it called is one of
-  ours, and the frame of the Python-level torch function that called it
-  (``F.softmax`` checks ``has_torch_function`` and hands itself to the mode,
-  which calls it again: untraced only the second invocation exists);
-* the dynamo-disable wrappers torch puts around ``__torch_dispatch__``
-  (``torch/_compile.py:inner``, ``torch/_dynamo/eval_frame.py:_fn``), when
-  what they wrap is ours;
-* ``OpOverload.__call__`` (``torch/_ops.py``) when our dispatch mode called it;
-* the trampoline (below) through which the function mode calls torch functions.
-
-Each is recognised by what it is (its code object, the mode or function in
-its locals, its caller), never by its position alone, so a user's own modes
-and torch's own frames that also exist untraced are kept. Entries are removed
-by relinking ``tb_next`` (writable since Python 3.7); a bare ``raise`` after
-cleaning adds no entry, so the exception continues with the cleaned chain.
-
-Cleaning is idempotent and cheap (error path only). Each layer cleans what it
-can see: a mode sees only the entries below its own frame, so the entries
-above it (``handle_torch_function``, the duplicated caller) are removed by an
-outer layer: ``trace.__exit__`` or, in a traced notebook cell, the
-controller's exception hook before IPython displays the traceback.
-
-An exception the user catches *inside* the traced block reaches their ``except``
-before any outer layer runs, and the two entries above the mode are only
-created as it unwinds through those frames, after the mode re-raised.
-:func:`clean_when_caught` covers that case: the mode calls it on its error path
-when ``handle_torch_function`` called it, and it watches the user's frame (the
-one that called the Python-level torch function) for the moment the exception
-arrives there, through a one-shot trace function (``sys.settrace`` with
-``f_trace`` on that frame only, no line events anywhere else): the ``exception``
-event in that frame comes after the two entries exist and before an ``except``
-clause runs, and the entries are unlinked then. The watch ends at that event,
-or at the first line or return of the user's frame if the exception never
-arrives. It is not armed when a trace function is already installed (a
-debugger, coverage): that tool sees the frames untouched, and the user's
-``except`` sees the two extra entries, which the outer layers still remove
-from anything that leaves the block.
+Rules and details: docs/architecture.md ("Tracebacks, warnings and module paths as untraced")
+and docs/recording.md#tracebacks-recordingframespy
 """
 from __future__ import annotations
 

@@ -1,40 +1,11 @@
-"""The non-finite screen: a per-op probe the dispatch mode calls (``nonfinite=True``).
+"""The non-finite screen: the python engine's per-op probe (``nonfinite=True``).
 
-Both run inside ``__torch_dispatch__``, where the tracing modes are inactive,
-so the extra ops they dispatch are invisible to the trace. They read user
-tensors only (never write them), draw no random numbers, keep no strong
-reference to a tensor after the op returns, and build no autograd graph.
+``NonfiniteScreen``: ``pre()`` before in-place/out= ops, ``post()`` after every op (a cheap
+screen per floating output, an exact count only when it fires, and the produced/propagated
+verdict), ``finish()`` once at the end (CUDA counts read back in one copy). ``screen_finite``
+and ``count_nonfinite`` are the two passes. The numerics shadow (``numerics=``) is ``shadow.py``.
 
-``NonfiniteScreen`` (``nonfinite=True``): for every floating output, a cheap
-screen first and an exact count only when it fires:
-
-* float32/float64/bfloat16/complex: ``out.sum()``. torch accumulates 16-bit
-  sums in float32 internally, and bfloat16 has float32's range, so the sum
-  overflows only where float32 would. ``sum(dtype=float32)`` costs 2-3x more
-  on CPU (measured here) for no extra soundness.
-* float16: its sum *output* overflows at 65520 although every element is
-  finite (70000 ones), which would fire the exact count on ordinary data;
-  ``aminmax`` cannot overflow and costs about what a 1M-element ``relu``
-  does (measured here; ``sum(dtype=float32)`` costs twice that).
-* any non-finite element makes the screen non-finite (inf + finite = inf,
-  NaN propagates, inf - inf = NaN), so a finite screen proves the tensor finite;
-  a fired screen can be a false alarm (an overflowing sum), which the exact
-  count settles.
-
-The verdict: *produced* when no input held a non-finite value before the op
-(Python float arguments count: ``masked_fill(m, -inf)`` propagates what the
-user wrote), *propagated* otherwise. In-place ops overwrite their input, so
-``pre()`` screens the written tensor before the op, unless this screen saw
-that very tensor (same data pointer, shape, strides, dtype and version
-counter) come out of an earlier op, which is the usual case and costs nothing.
-
-On CUDA nothing is read back per op: exact finite counts are written into a
-device buffer (no host branch, so no sync) and ``finish()`` copies it to the
-host once. The produced/propagated verdict then comes from the screen's own
-dataflow: an input is bad when the screened output it came from was bad;
-tensors from outside the trace are screened once on the device.
-
-``NumericsShadow`` (``numerics=``) lives in ``shadow.py``.
+Rules and details: docs/recording.md#the-non-finite-screen-recordingnumericspy
 """
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """Chrome / Perfetto trace-event JSON export: ``t.to_perfetto(path)``.
 
-Role: draw a Trace as a timeline that ui.perfetto.dev and chrome://tracing
-open (the JSON "trace event" format, object form):
+Draws a Trace (calls and ops, kernels per CUDA stream with flow arrows from their ops, memory
+counters) as a timeline ui.perfetto.dev and chrome://tracing open. ``trace_events(trace)``
+builds the document, ``write_perfetto(trace, path)`` writes it (``.gz``: gzipped),
+``validate_trace_events(doc)`` lists its structural problems.
 
-* process "CPU (tensorscope)", one track: torch-level calls (``calls``) and
-  ATen ops (``ops``) as nested complete slices (``ph: "X"``); ops carry
-  shapes, dtypes, formats, module, source line, FLOPs and bytes in ``args``;
-* one process per CUDA device, one track per stream: kernels from the
-  ``kernels`` table, with flow arrows (``ph: "s"`` inside the launching op,
-  ``ph: "f"`` binding to the kernel) from each linked op;
-* the ``memory`` view, when it has rows, as counter tracks (``ph: "C"``),
-  one per device, stamped at the end of the op that changed it.
-
-Timestamps are µs (the format's unit) with ns precision, relative to the
-trace start. The format requires slices on one track to nest properly; our
-calls and ops are measured by separate clock reads, so a child that pokes
-past its parent by the cost of a clock read is clamped to the parent and
-counted in ``otherData.clamped_slices``. Kernels whose timestamp check
-failed (null ``start_ns``) are left out and counted, never drawn at a wrong
-place. Events are emitted in timestamp order.
-
-``trace_events(trace) -> dict`` builds the document; ``write_perfetto(trace,
-path) -> str`` writes it (gzip when the path ends in ``.gz``; Perfetto opens
-both) and raises ``tensorscope.errors.ExportError`` on an unwritable path;
-``validate_trace_events(doc) -> list[str]`` lists structural problems (used by
-the tests and the GPU check script). The trace object only needs
-``.tables``/``.table(name)`` (pyarrow tables in the schema.py schemas) and
-``.metadata``.
+Rules and details: docs/render.md#perfetto--chrome-trace-event-json-renderperfettopy
 """
 from __future__ import annotations
 

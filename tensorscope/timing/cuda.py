@@ -1,35 +1,11 @@
 """CUDA time per op: a pair of CUDA events around each op, resolved once per trace.
 
-Role: fill ``ops.cuda_ns`` for ops whose tensors live on a CUDA device without
-ever synchronising per op. ``begin`` records a start event on the *op's*
-stream (``torch.cuda.current_stream(device)`` at dispatch time), ``end``
-records the end event on that same stream, and ``resolve`` does one
-synchronise per device that was used and reads every pair's
-``elapsed_time``. Recording an event is asynchronous (~2-4 µs of CPU), so the
-program's timing on the GPU is unchanged apart from that launch overhead.
+Fills ``ops.cuda_ns`` without synchronising per op: ``CudaOpTimer`` (``begin_for`` / ``begin``
+at dispatch, ``end`` in ``finally``, ``resolve`` at the end of the trace: one synchronise per
+used device). The dispatch mode (``recording/dispatch.py``) calls it; its event, stream and
+synchronise hooks are injectable so the bookkeeping is testable without a GPU.
 
-Interface used by the dispatch mode (``recording/dispatch.py``) and the builder::
-
-    timer = CudaOpTimer()
-    tok = timer.begin_for(seq, input_tensors, kwargs)   # None unless a CUDA tensor / device= is involved
-    tok = timer.begin(seq, device_index)                 # the same, device known
-    ...run the op...
-    timer.end(tok)                                       # call in `finally`: also when the op raised
-    cuda_ns = timer.resolve()                            # {seq: ns}; one synchronise, events recycled
-
-Rules kept here:
-
-* The events are ours (a small recycled pool), never user tensors; a token is
-  a plain list ``[seq, start_event, end_event_or_None, stream, device]``.
-* An op that raised may have no end event (``end`` never ran) or an event
-  that was never recorded; ``resolve`` skips such pairs instead of failing,
-  and a failing ``synchronize`` (a sticky device error raised by the user's
-  own kernel) yields ``{}`` and a note, never an exception.
-* Nothing is recorded while the stream is being captured into a CUDA graph:
-  a timing event is illegal there and would break the user's capture.
-* ``event_factory``, ``current_stream``, ``synchronize`` and ``is_capturing``
-  are injectable so the bookkeeping is testable without a GPU (the CPU tests
-  use a fake event class and say so).
+Rules and details: docs/timing.md
 """
 from __future__ import annotations
 

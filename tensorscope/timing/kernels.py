@@ -1,53 +1,12 @@
 """CUDA kernels from Kineto/CUPTI (``torch.profiler``'s backend): collecting and decoding them.
 
-Role: fill the ``kernels`` table (schema.KERNELS): one row per GPU activity
-(kernels, and memcpy/memset, whose names say what they are) with device,
-stream, start, duration, grid/block and the ``seq`` of the ``ops`` row whose
-CPU window contains the kernel's launch. This module owns the profiler
-session and turns its events into records; linking them to the ops is
-``timing/kernel_link.py`` (pure).
+Fills the ``kernels`` table (one row per GPU activity, linked to the ``ops.seq`` that launched
+it). This module owns the profiler session and turns its events into records:
+``KernelCollector`` (``shared()``, ``begin_window``, ``end_window``, ``end_window_deferred`` ->
+``PendingKernels``, ``flush``, ``close``), ``KinetoBackend`` and ``split_events``. Linking the
+records to the ops and the clock map are ``timing/kernel_link.py`` (pure).
 
-Pieces
-------
-``split_events(events)``
-    Sorts ``_KinetoEvent``-like objects into kernel and launch records, CPU
-    op events and our calibration markers (``ProfilerEvents``).
-
-``KernelCollector``
-    Owns the Kineto session. ``KernelCollector.shared()`` is the process-wide
-    one used by ``trace(kernels=True)``: ``begin_window()`` at trace start,
-    ``end_window(t0_ns, ops) -> (table, notes)`` when the trace is built.
-    ``keep_alive=True`` (always-on mode) keeps the session running across
-    cells instead of starting and stopping Kineto per cell: every start
-    re-registers CUPTI's timestamp callback, and each re-registration
-    corrupts the first kernel records of the next session (pytorch#192021:
-    kernels stamped before their own launch, then dropped as out of range),
-    while stopping per cell also loses kernels still queued at the boundary.
-    torch (<= 2.13) has no way to read Kineto's buffers without ending the
-    session (``_enable_profiler`` without a new ``_prepare_profiler`` crashes,
-    measured here), so a kept-alive session is *harvested* rather than
-    stopped per cell: ``end_window_deferred()`` returns a ``PendingKernels``
-    whose ``resolve()`` harvests once for every window still pending (and
-    restarts the session), so N cells cost one restart, not N. ``flush()``
-    harvests now; ``close()`` ends the session.
-
-Clock conversion (documented because every link depends on it)
----------------------------------------------------------------
-``_KinetoEvent.start_ns()`` is Unix-epoch nanoseconds: torch stamps CPU
-events with its approximate clock (TSC) and converts them with
-``ApproximateClockToUnixTimeConverter``; Kineto's CUPTI timestamp callback
-puts GPU records on the same base. ``torch.autograd.profiler`` itself only
-subtracts ``result.trace_start_ns()`` to get relative times. Our ops'
-``start_ns`` are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC) minus the
-trace's ``t0``. We calibrate per window with two marker events
-(``torch._C._profiler._RecordFunctionFast``, which is not a dispatcher op
-so the dispatch mode never sees it) emitted at window begin and end with
-``perf_counter_ns`` read just before and after each: the marker's Kineto
-start lies in that bracket, giving two ``(kineto_ns, perf_ns)`` points; the
-map is the line through them (it absorbs the REALTIME/MONOTONIC offset and
-any NTP slew between the two). With one marker it is an offset; without
-markers (CPU activity off) ``time.time_ns() - time.perf_counter_ns()``,
-sampled in the tightest of a few brackets, is the offset.
+Rules and details (always-on harvesting, clock calibration): docs/timing.md
 """
 from __future__ import annotations
 

@@ -1,33 +1,12 @@
 """Leak finding: which tensor storages are alive, who holds them, and how to let go.
 
-One batched breadth-first search from the *roots* a notebook user can name (their
-globals, IPython's output cache, the last exception, user modules, live caller
-frames) over ``gc.get_referents`` plus the edges only C++ knows about (``grad_fn``,
-``.grad``, ``._base``, autograd saved tensors via ``_raw_saved_*`` whose ``.data``
-never runs unpack hooks, ``next_functions``, ``AccumulateGrad`` variables, sparse
-components, numpy ``.base``). Storages no root reaches are classified by a rarer
-second pass (reference cycles, owners gc cannot see).
+One batched search from the roots a notebook user can name to the live storages, then one row
+per storage with its holders, path and fix. Entry points: ``leak_table`` (end of a trace, from
+``rows``), ``find_leaks`` -> ``LeakReport`` (``report``; drawn by ``render.leaks``), the
+always-on discovery in ``boundary``. One module per part, in the order data flows: classify,
+roots, visited/expand/search, paths, unreached, known, rowset/holders/bulk/rows, growth, report.
 
-The parts, one module each, in the order data flows through them:
-
-``classify``   per-type handlers, library-vs-user code, graph and frame helpers, gc pausing
-``roots``      the named roots of a notebook and what releases each
-``visited``    the search's visited set: nodes, parents, roots, storages found
-``expand``     what the search follows from each kind of object (a holder's referents)
-``search``     the batched search (``_Search``) from the roots to the storages
-``paths``      holder paths: edge labels, path text, holder kind and the fix
-``unreached``  storages no root reaches: cycles, library globals, owners gc cannot see
-``known``      the tensor-free registry of storages traces and discovery saw being made
-``rowset``     the rows of a report in columns (``_RowSet``), merged and turned into the LEAKS table
-``holders``    one row at a time: a storage's holders, path text and fix
-``bulk``       rows in bulk for many plain tensors of one container
-``rows``       the rows of a search and ``leak_table`` (end of a trace)
-``report``     ``find_leaks`` → ``LeakReport`` (data; ``render.leaks`` draws it)
-``boundary``   always-on cell-boundary discovery (``gc.freeze()`` diffs, tracing off)
-
-Nothing here keeps a tensor, a storage or a frame after a call returns: every
-container that held one is cleared in ``finally`` blocks, and reports carry strings
-and integers only.
+Rules and details: docs/leaks.md and docs/architecture.md#leaks-tracking
 """
 from __future__ import annotations
 
