@@ -44,7 +44,7 @@ def _matches(recorded: str, text: str) -> bool:
 
 
 class NativeCapture:
-    """Capture backed by the compiled hooks (see the module docstring)."""
+    """Capture backed by the compiled hooks (the interface: docs/native.md, "The capture")."""
 
     native = True
     #: the native recording engine, when it records this trace: it captures C++ warnings per op itself

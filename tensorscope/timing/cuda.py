@@ -60,7 +60,7 @@ def _default_capturing(device_index):
 
 
 class CudaOpTimer:
-    """Per-trace CUDA event pairs; see the module docstring for the protocol."""
+    """Per-trace CUDA event pairs (the protocol and its rules: docs/timing.md)."""
 
     __slots__ = ("_new_event", "_stream", "_sync", "_capturing", "_pending", "_pool", "_devices",
                  "max_pending", "notes", "dropped", "_closed")

@@ -108,7 +108,7 @@ class KinetoBackend:
     """The Kineto session through torch's low-level profiler calls (no Python post-processing).
 
     ``stop()`` returns ``result.events()`` raw: torch.profiler's FunctionEvent
-    tree costs 7-20 µs per op and we need none of it.
+    tree costs microseconds per op to build and we need none of it.
     """
 
     def __init__(self, *, cuda: bool = True, cpu: bool = True):
@@ -153,8 +153,8 @@ _MARKER_REPEATS = 3
 def _marker(name: str, repeats: int = _MARKER_REPEATS) -> List[Tuple[int, int]]:
     """Emit ``repeats`` zero-length Kineto markers named ``name``; return each one's perf bracket.
 
-    The first emission after a pause is slow (cold caches: ~40 µs measured
-    here against ~1.5-2.5 µs warm), so the calibration uses the tightest one.
+    The first emission after a pause is slow (cold caches: an order of magnitude slower than
+    a warm one), so the calibration uses the tightest bracket.
     """
     import torch
 
