@@ -16,7 +16,20 @@ compiled artifact calls is then all we see, and the summary says so.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Dict, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,16 +37,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..tracking.storages import fake_key
 from ..tracking.storages import is_fake as _is_fake
 from .frames import clean_traceback, exc_mark, register_tracer_code
-from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
 from .source import called_from_compiled_code
 
 if TYPE_CHECKING:
+    from array import array
+
+    from torch.autograd.graph import Node
+
     from .context import RecordingContext
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided
 _perf = time.perf_counter_ns
-_current_node = torch._C._current_autograd_node
+#: None outside a backward pass (torch's stub says it always returns a node)
+_current_node: Callable[[], Optional[Node]] = torch._C._current_autograd_node
 _get_seq_nr = torch._C._autograd._get_sequence_nr
 
 try:
@@ -47,7 +65,7 @@ FLOP_REGISTRY: Dict[Any, Any] = _flop_registry
 SHAPE_FLOP_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
 
-def schema_inputs(func, args, kwargs) -> list:
+def schema_inputs(func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> List[Any]:
     """An op's arguments in schema order (kwarg-only ones from kwargs), as the native engine gives them."""
     out = list(args)
     try:
@@ -60,10 +78,10 @@ def schema_inputs(func, args, kwargs) -> list:
 
 #: OpOverload -> (flags, flop_at_build): facts of the op's schema, the same in every trace, so
 #: computed once per process (a schema walk: ~20 µs per op)
-_SCHEMA_FACTS: dict = {}
+_SCHEMA_FACTS: Dict[Any, Tuple[int, bool]] = {}
 
 
-def op_schema_facts(func) -> Tuple[int, bool, Any]:
+def op_schema_facts(func: Any) -> Tuple[int, bool, Optional[Callable[..., Any]]]:
     """``(flags, flop_at_build, flop)`` of ``func``: F_INPLACE/F_OUT_KW/F_VIEW from its schema;
     whether its FLOPs are counted from input shapes when the tables are built; else its
     flop_counter formula (None: no formula; looked up each time: formulas can be registered
@@ -102,7 +120,7 @@ class OpInfo:
 
     __slots__ = ("op_id", "flags", "flop", "flop_at_build", "hook")
 
-    def __init__(self, rec, func, hook_namespaces=frozenset()) -> None:
+    def __init__(self, rec: Recorder, func: Any, hook_namespaces: FrozenSet[str] = frozenset()) -> None:
         self.op_id = rec.funcs(func)
         self.hook = bool(hook_namespaces) and getattr(func, "namespace", None) in hook_namespaces
         self.flags, self.flop_at_build, self.flop = op_schema_facts(func)
@@ -114,17 +132,17 @@ _key_for_device = getattr(torch._C, "_dispatch_key_for_device", None)
 
 #: OpOverload -> {device type: decompose?} for ops with a CompositeImplicitAutograd kernel;
 #: None for every other op (the common case: one dict lookup per op)
-_COMPOSITE: dict = {}
+_COMPOSITE: Dict[Any, Optional[Dict[str, bool]]] = {}
 
 
-def _is_composite(func) -> bool:
+def _is_composite(func: Any) -> bool:
     try:
         return bool(_has_kernel(func.name(), "CompositeImplicitAutograd"))
     except Exception:
         return False
 
 
-def _call_device_type(args, kwargs) -> str:
+def _call_device_type(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> str:
     """The device type whose backend kernel eager would pick: the first tensor argument's (one
     level of lists), else a ``device`` argument, else the default device."""
     for a in args:
@@ -150,7 +168,7 @@ def _call_device_type(args, kwargs) -> str:
         return "cpu"
 
 
-def _eager_decomposes(func, device_type: str) -> bool:
+def _eager_decomposes(func: Any, device_type: str) -> bool:
     """Would eager run ``func``'s CompositeImplicitAutograd kernel on this backend?
 
     The dispatcher fills a backend's slot with the composite only when the op has no kernel of
@@ -171,7 +189,8 @@ def _eager_decomposes(func, device_type: str) -> bool:
         return True
 
 
-def _should_decompose(func, per_device, args, kwargs) -> bool:
+def _should_decompose(func: Any, per_device: Union[Dict[str, bool], None, Literal[False]], args: Sequence[Any],
+                      kwargs: Optional[Mapping[str, Any]]) -> bool:
     """``per_device`` is ``_COMPOSITE.get(func, False)``; the caller skips this call when it is None."""
     if per_device is False:
         per_device = _COMPOSITE[func] = {} if _is_composite(func) else None
@@ -184,7 +203,7 @@ def _should_decompose(func, per_device, args, kwargs) -> bool:
     return d and _dense_args(args, kwargs)
 
 
-def _dense_args(args, kwargs) -> bool:
+def _dense_args(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> bool:
     """Only plain strided tensors: nested/sparse/mkldnn inputs have their own kernels (linear has a
     NestedTensor one), which eager would run instead of the composite."""
     for a in list(args) + (list(kwargs.values()) if kwargs else []):
@@ -196,9 +215,9 @@ def _dense_args(args, kwargs) -> bool:
     return True
 
 
-def tensor_args(args, kwargs, skip_kw=()):
+def tensor_args(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], skip_kw: Tuple[str, ...] = ()) -> List[Tensor]:
     """The tensors among an op's arguments (one level of lists), in order; by hand, not pytree."""
-    out = []
+    out: List[Tensor] = []
     for a in args:
         if isinstance(a, Tensor):
             out.append(a)
@@ -219,13 +238,14 @@ def tensor_args(args, kwargs, skip_kw=()):
     return out
 
 
-class TracingDispatchMode(TorchDispatchMode):
+# torch's TorchDispatchMode.__init_subclass__ is untyped
+class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     @classmethod
-    def ignore_compile_internals(cls):
+    def ignore_compile_internals(cls) -> bool:
         return True
 
     def __init__(self, ctx: RecordingContext) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
         self.ctx = ctx   # the recording context (recording/context.py): all the mode reads and writes
         self._infos: Dict[Any, OpInfo] = {}   # OpOverload -> its facts
         # autograd's sequence counter as the last op left it: a forward op created a node (and may
@@ -233,7 +253,18 @@ class TracingDispatchMode(TorchDispatchMode):
         # never claims a node made before the trace or by an op we did not record
         self._seq_mark = _get_seq_nr()
 
-    def _describe(self, ts, alloc, stor, module_id, call_id):
+    def _new_info(self, func: Any) -> OpInfo:
+        s = self.ctx
+        info = self._infos[func] = OpInfo(s.rec, func, s.op_hooks.namespaces)
+        return info
+
+    def _new_node(self, nt: type, node: Node) -> int:
+        s = self.ctx
+        node_id = s.node_names[nt] = s.rec.nodes(node.name())
+        return node_id
+
+    def _describe(self, ts: Sequence[Tensor], alloc: bool, stor: array[int], module_id: int,
+                  call_id: int) -> Tuple[List[int], List[int]]:
         """Meta ids (and storage ids, appended to ``stor``) of tensors ``ts``; also their data pointers."""
         rec = self.ctx.rec
         metas = rec.metas
@@ -241,15 +272,15 @@ class TracingDispatchMode(TorchDispatchMode):
         tracker = self.ctx.tracker
         by_ptr = tracker.by_ptr if tracker is not None else None
         fake_keys = tracker is not None and tracker.fake_keys
-        mids = []
-        ptrs = []
+        mids: List[int] = []
+        ptrs: List[int] = []
         for t in ts:
             try:
                 st = t.stride() if t.layout is _STRIDED else None   # sparse/mkldnn: no meaningful strides
             except Exception:   # nested: no strides
                 st = None
             try:
-                key = (t.shape, st, t.dtype, t.device)
+                key: Tuple[Any, ...] = (t.shape, st, t.dtype, t.device)
             except Exception:   # nested tensors have no single shape
                 key = ((), st, t.dtype, t.device)
             mid = ids.get(key)
@@ -274,7 +305,8 @@ class TracingDispatchMode(TorchDispatchMode):
                 stor.append(sid)
         return mids, ptrs
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
         if kwargs is None:
             kwargs = {}
         s = self.ctx
@@ -287,7 +319,7 @@ class TracingDispatchMode(TorchDispatchMode):
         # linear, to...) reach this mode whole under inference_mode, and ops with a backend
         # kernel of their own (silu_backward) always do; decompose, with the mode re-entered as
         # FlopCounterMode does, exactly those eager would decompose on this backend
-        per_device = _COMPOSITE.get(func, False)
+        per_device: Union[Dict[str, bool], None, Literal[False]] = _COMPOSITE.get(func, False)
         if per_device is not None and _should_decompose(func, per_device, args, kwargs):
             # the C++ kernel eager runs, not func.decompose(): that prefers a Python
             # decomposition (upsample -> _unsafe_index) whose ops and bits differ from eager
@@ -297,9 +329,7 @@ class TracingDispatchMode(TorchDispatchMode):
         seq = s.seq
         s.seq = seq + 1
         try:
-            info = self._infos.get(func)
-            if info is None:
-                info = self._infos[func] = OpInfo(rec, func, s.op_hooks.namespaces)
+            info = self._infos.get(func) or self._new_info(func)   # an OpInfo is never falsy
             module_id = s.modules.current
             call_id = s.current_call
             stor = rec.storages
@@ -319,9 +349,7 @@ class TracingDispatchMode(TorchDispatchMode):
             else:
                 flags |= F_BACKWARD
                 nt = type(node)
-                node_id = s.node_names.get(nt)
-                if node_id is None:
-                    node_id = s.node_names[nt] = rec.nodes(node.name())
+                node_id = s.node_names.get(nt) or self._new_node(nt, node)   # interned ids are >= 1
                 seq_nr = node._sequence_nr()
                 if seq_nr >= 1 << 62:   # AccumulateGrad & co. carry UINT64_MAX: no forward op
                     seq_nr = -1
@@ -378,7 +406,7 @@ class TracingDispatchMode(TorchDispatchMode):
             return out
         try:
             if type(out) is Tensor or isinstance(out, Tensor):
-                outs = (out,)
+                outs: Sequence[Tensor] = (out,)
             elif type(out) is tuple or type(out) is list:
                 outs = [o for o in out if isinstance(o, Tensor)]
             else:
@@ -412,13 +440,15 @@ class TracingDispatchMode(TorchDispatchMode):
             rec.tracer_error("dispatch (after op)", e)
         return out
 
-    def _append(self, seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1):
+    def _append(self, seq: int, info: OpInfo, flags: int, module_id: int, call_id: int, node_id: int, seq_nr: int,
+                in_mids: List[int], in_ptrs: List[int], outs: Sequence[Tensor], flop: int, t0: int, t1: int) -> None:
         s = self.ctx
         rec = s.rec
         stor = rec.storages
         if outs:
+            out_mids: Sequence[int]
             out_mids, out_ptrs = self._describe(outs, True, stor, module_id, call_id)
-            alias = []
+            alias: List[int] = []
             for p in out_ptrs:
                 a = -1
                 if p:

@@ -14,19 +14,19 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from types import FrameType, FunctionType
-from typing import Any, Dict, List, Optional, Set, Tuple
+from types import CodeType, FrameType, FunctionType, TracebackType
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
 
 import torch
 
-_TRACER_CODES: Set[object] = set()
+_TRACER_CODES: Set[CodeType] = set()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _WRAPPER_FILES = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORCH_DIR, "_dynamo", "eval_frame.py"))
 _OPS_FILE = os.path.join(_TORCH_DIR, "_ops.py")
 _HTF_CODE = getattr(getattr(torch.overrides, "handle_torch_function", None), "__code__", None)
 
 
-def register_tracer_code(*fns) -> None:
+def register_tracer_code(*fns: object) -> None:
     """Mark functions whose frames exist only because tensorscope is tracing."""
     for fn in fns:
         fn = getattr(fn, "__func__", fn)
@@ -46,14 +46,14 @@ def register_tracer_code(*fns) -> None:
 # through a one-line function whose code carries the user's filename and line and which runs with
 # the user's globals: the frame a stacklevel lands on is then indistinguishable from the untraced one.
 _TRAMPOLINE_NAME = "_tensorscope_call"
-_TEMPLATE = compile(f"def {_TRAMPOLINE_NAME}(func, args, kwargs): return func(*args, **kwargs)",
+_TEMPLATE: CodeType = compile(f"def {_TRAMPOLINE_NAME}(func, args, kwargs): return func(*args, **kwargs)",
                     "<tensorscope>", "exec").co_consts[0]
 _TEMPLATE_BYTES = _TEMPLATE.co_code
-_trampolines: Dict[tuple, FunctionType] = {}
+_trampolines: Dict[Tuple[CodeType, int, int], FunctionType] = {}
 _getframe = sys._getframe
 
 
-def trampoline_for(caller) -> FunctionType:
+def trampoline_for(caller: FrameType) -> FunctionType:
     """``f(func, args, kwargs)`` whose frame has ``caller``'s filename, current line and globals."""
     g = caller.f_globals
     key = (caller.f_code, caller.f_lasti, id(g))   # the instruction, not the line: no line-table lookup
@@ -70,7 +70,7 @@ def trampoline_for(caller) -> FunctionType:
     return fn
 
 
-def caller_frame(depth: int):
+def caller_frame(depth: int) -> Optional[FrameType]:
     """The frame that called the torch function whose mode handler is ``depth`` frames above the
     caller of this function (past handle_torch_function and the function that called it)."""
     caller: Optional[FrameType] = _getframe(depth + 1)
@@ -80,14 +80,15 @@ def caller_frame(depth: int):
     return caller
 
 
-def call_from(caller, func, args, kwargs):
+def call_from(caller: Optional[FrameType], func: Callable[..., Any], args: Sequence[Any],
+              kwargs: Mapping[str, Any]) -> Any:
     """``func(*args, **kwargs)``, called from a frame that looks like ``caller``."""
     if caller is None:
         return func(*args, **kwargs)
     return trampoline_for(caller)(func, args, kwargs)
 
 
-def call_as_caller(depth: int, func, args, kwargs):
+def call_as_caller(depth: int, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     """Call ``func(*args, **kwargs)`` from a frame that looks like the one that called the torch
     function (``depth`` frames above the caller of this function, past handle_torch_function)."""
     return call_from(caller_frame(depth + 1), func, args, kwargs)
@@ -96,32 +97,32 @@ def call_as_caller(depth: int, func, args, kwargs):
 register_tracer_code(call_as_caller, call_from)
 
 
-def _is_trampoline(code) -> bool:
+def _is_trampoline(code: CodeType) -> bool:
     return code.co_name == _TRAMPOLINE_NAME and code.co_code == _TEMPLATE_BYTES
 
 
-def _is_tracer_code(code) -> bool:
+def _is_tracer_code(code: CodeType) -> bool:
     return code in _TRACER_CODES or _is_trampoline(code)
 
 
-def _is_tracer_callable(obj) -> bool:
+def _is_tracer_callable(obj: object) -> bool:
     obj = getattr(obj, "__func__", obj)
     return getattr(obj, "__code__", None) in _TRACER_CODES
 
 
-def _mode_is_ours(mode) -> bool:
+def _mode_is_ours(mode: object) -> bool:
     return _is_tracer_callable(getattr(type(mode), "__torch_function__", None)) or \
         _is_tracer_callable(getattr(type(mode), "__torch_dispatch__", None))
 
 
-def _locals(frame) -> dict:
+def _locals(frame: FrameType) -> Dict[str, Any]:
     try:
         return frame.f_locals
     except Exception:
         return {}
 
 
-def _introduced(tb) -> int:
+def _introduced(tb: TracebackType) -> int:
     """0: keep; 1: introduced by the tracer; 2: handle_torch_function that called one of our modes."""
     frame = tb.tb_frame
     code = frame.f_code
@@ -143,22 +144,28 @@ class _CaughtCleaner:
 
     __slots__ = ("frame", "saved", "done")
 
-    def __init__(self, frame):
+    frame: Optional[FrameType]   # None once disarmed
+    saved: Tuple[Any, bool, bool]   # the frame's f_trace, f_trace_lines, f_trace_opcodes
+    done: bool
+
+    def __init__(self, frame: FrameType) -> None:
         self.frame = frame
         self.saved = (frame.f_trace, frame.f_trace_lines, frame.f_trace_opcodes)
         self.done = False
 
     def arm(self) -> None:
         f = self.frame
+        if f is None:   # disarmed already: nothing to watch
+            return
         f.f_trace = self.local
         f.f_trace_lines = True    # a line in the user's frame: the exception did not come (nothing to do)
         f.f_trace_opcodes = False
         sys.settrace(self.global_)
 
-    def global_(self, frame, event, arg):
+    def global_(self, frame: FrameType, event: str, arg: Any) -> None:
         return None   # frames called meanwhile (a context manager's __exit__) are not traced
 
-    def local(self, frame, event, arg):
+    def local(self, frame: FrameType, event: str, arg: Any) -> None:
         if frame is not self.frame or self.done:
             return None
         if event == "exception":
@@ -180,7 +187,8 @@ class _CaughtCleaner:
         try:
             if sys.gettrace() == self.global_:
                 sys.settrace(None)
-            f.f_trace, f.f_trace_lines, f.f_trace_opcodes = self.saved
+            if f is not None:
+                f.f_trace, f.f_trace_lines, f.f_trace_opcodes = self.saved
         except Exception:
             pass
 
@@ -242,10 +250,10 @@ def _clean_one(exc: BaseException) -> None:
         exc.__traceback__ = head
 
 
-def _relink(tb, before=None):
+def _relink(tb: Optional[TracebackType], before: Optional[TracebackType] = None) -> Optional[TracebackType]:
     """Unlink the tracer's entries from the chain starting at ``tb`` (``before``: the entry linking to
     it, relinked too); returns the new first entry."""
-    entries = []
+    entries: List[TracebackType] = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
@@ -282,7 +290,7 @@ def _relink(tb, before=None):
     return kept[0] if kept else None
 
 
-def exc_key(e: BaseException):
+def exc_key(e: BaseException) -> Tuple[int, Type[BaseException], Optional[str]]:
     """Identity of an exception without a reference to it (which would keep its frames and
     tensors alive). CPython reuses the id of a freed exception, so type and message join it."""
     try:

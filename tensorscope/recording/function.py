@@ -16,7 +16,8 @@ without the frames tracing added.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from .frames import (
     trampoline_for,
 )
 from .modules import _MOD_CODE, _GraphModule
-from .recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore
+from .recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore, Recorder
 from .source import user_location_from
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ except AttributeError:  # torch < 2.3
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-def _classify(func):
+def _classify(func: Callable[..., Any]) -> Tuple[int, object]:
     """(kind, the object the calls table names it by)."""
     name = getattr(func, "__name__", None)
     if name is None:
@@ -91,7 +92,7 @@ def _classify(func):
     return (DIRECT if name in NOISE_NAMES else RECORD), func
 
 
-def autocast_state():
+def autocast_state() -> Optional[str]:
     """'cpu:bfloat16' / 'cuda:float16' when autocast is on, else None."""
     if _any_autocast is not None and not _any_autocast():
         return None
@@ -108,9 +109,10 @@ class TracingFunctionMode(TorchFunctionMode):
     def __init__(self, ctx: RecordingContext) -> None:
         super().__init__()
         self.ctx = ctx   # the recording context (recording/context.py): all the mode reads and writes
-        self._kinds: dict = {}
+        self._kinds: Dict[Callable[..., Any], Tuple[int, object]] = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
         if kwargs is None:
             kwargs = {}
         # While Dynamo traces this handler, is_compiling() is True: it then inlines a plain call
@@ -135,6 +137,9 @@ class TracingFunctionMode(TorchFunctionMode):
                 raise
         rec = s.rec
         calls = rec.calls
+        cap: Any   # the warning/error capture (s.capture)
+        token: Optional[int]
+        caller: Optional[FrameType]
         cap = token = caller = None
         try:
             caller = caller_frame(1)
@@ -221,7 +226,7 @@ class TracingFunctionMode(TorchFunctionMode):
                     rec.tracer_error("function mode (exit)", e)
 
 
-def _drop_if_empty(rec, calls, cid) -> None:
+def _drop_if_empty(rec: Recorder, calls: CallStore, cid: int) -> None:
     """Forget call ``cid`` if it dispatched no op, raised nothing and nothing nested was recorded."""
     data = calls.data
     base = (cid - calls.base) * CALL_WIDTH
@@ -250,9 +255,9 @@ class _LiveCalls(CallStore):
     over, then in the structured array it handed over, read a field at a time (no per-row Python
     work either way, and no int64 matrix of every call: a build reads columns)."""
 
-    def __init__(self, fm):
+    def __init__(self, fm: Any) -> None:
         super().__init__(CALL_FIELDS)
-        self._fm = fm
+        self._fm = fm   # the C function mode until it hands the rows over, then None
         self._rows: Optional[np.ndarray] = None
 
     def field(self, call_id: int, k: int) -> int:
@@ -321,28 +326,29 @@ class NativeFunctionMode(TorchFunctionMode):
         self._bound = fm.bind(self)
         self.__dict__["__torch_function__"] = self._bound   # the instance attribute torch calls (its __self__ is the mode)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
         if kwargs is None:
             kwargs = {}
         if _is_compiling():   # Dynamo traces this (the instance attribute is hidden while it compiles)
             return func(*args, **kwargs)
         return self._fm.torch_function(func, types, args, kwargs)
 
-    def __enter__(self):
+    def __enter__(self) -> NativeFunctionMode:
         s = self.ctx
         self._fm.configure(self, s.ext.fmode_state, s.t0, bool(s.want_source), bool(s.want_modules))
         try:
             self._compile_callbacks(True)
             if s.capture is not None:
                 s.capture.count_call_warnings(self._fm.warning)
-            return super().__enter__()
+            return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]  # torch's TorchFunctionMode.__enter__ is untyped
         except BaseException:
             self.finish()
             raise
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         try:
-            return super().__exit__(*exc)
+            return super().__exit__(*exc)  # type: ignore[no-untyped-call,no-any-return]  # torch's TorchFunctionMode.__exit__ is untyped
         finally:
             self.finish()
 
@@ -368,14 +374,14 @@ class NativeFunctionMode(TorchFunctionMode):
                                         lambda *a, **k: self.__dict__.__setitem__("__torch_function__", self._bound))
 
     # -- what the C code calls -------------------------------------------------------------------
-    def _classify(self, func) -> int:
+    def _classify(self, func: Callable[..., Any]) -> int:
         kind, named = _classify(func)
         if kind == LAZY and getattr(named, "__name__", None) in PRINTING:
             kind = _C_PRINTING
         fid = self._rec.call_funcs(named) if kind != DIRECT else 0
         return kind | (fid << 3)
 
-    def _on_error(self, cid, e, _htf) -> Optional[int]:
+    def _on_error(self, cid: int, e: BaseException, _htf: bool) -> Optional[int]:
         s = self.ctx
         try:
             if seen_exc(s.last_exc_key, e, cid):
@@ -390,7 +396,7 @@ class NativeFunctionMode(TorchFunctionMode):
             if _htf:   # handle_torch_function called us (no frame of ours between): watch the user's
                 clean_when_caught(1)   # frame, so an except in the block sees the untraced traceback
 
-    def _on_warnings(self, cid, n_tap) -> int:
+    def _on_warnings(self, cid: int, n_tap: int) -> int:
         s = self.ctx
         cap = s.capture
         if cap is not None:
@@ -402,7 +408,7 @@ class NativeFunctionMode(TorchFunctionMode):
         return len(ws)
 
 
-def _plain_modules(inner, outer) -> bool:
+def _plain_modules(inner: torch.nn.Module, outer: torch.nn.Module) -> bool:
     """Whether the module path of a call between these two module calls depends on them alone."""
     for m in (inner, outer):
         if type(m).__name__ == "OptimizedModule" or (_GraphModule is not None and isinstance(m, _GraphModule)):

@@ -17,9 +17,13 @@ Frames are read while they execute and never kept (they hold the user's tensors)
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional
+from types import FrameType
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Type
 
 import torch
+
+if TYPE_CHECKING:
+    from .recorder import Recorder
 
 _Module = torch.nn.Module
 _WRAPPED_CODE = getattr(getattr(_Module, "_wrapped_call_impl", None), "__code__", None)
@@ -29,7 +33,7 @@ _IMPL_CODE = getattr(getattr(_Module, "_call_impl", None), "__code__", None)
 _NEAR = 64
 
 
-def _module_of(frame) -> Optional[_Module]:
+def _module_of(frame: FrameType) -> Optional[_Module]:
     try:
         m = frame.f_locals.get("self")
     except Exception:
@@ -37,43 +41,45 @@ def _module_of(frame) -> Optional[_Module]:
     return m if isinstance(m, _Module) else None
 
 
-def _unwrap(m):
+def _unwrap(m: _Module) -> _Module:
     """The user's module behind a torch.compile wrapper (OptimizedModule keeps it as _orig_mod)."""
     orig = getattr(m, "_orig_mod", None) if type(m).__name__ == "OptimizedModule" else None
     return orig if isinstance(orig, _Module) else m
 
 
-def _is_artifact(m) -> bool:
+def _is_artifact(m: _Module) -> bool:
     return isinstance(m, _GraphModule) if _GraphModule is not None else False
 
 
+#: torch.fx's GraphModule (the compiled graphs' modules), None on a torch without torch.fx
+_GraphModule: Optional[Type[_Module]]
 try:
     from torch.fx import GraphModule as _GraphModule
 except Exception:  # pragma: no cover
-    _GraphModule = None  # type: ignore[assignment,misc]  # torch without torch.fx
+    _GraphModule = None
 
 
 _MOD_CODE = _WRAPPED_CODE or _IMPL_CODE   # one frame per module call (Module.__call__)
 
 
 class ModuleTracker:
-    def __init__(self, rec) -> None:
+    def __init__(self, rec: Recorder) -> None:
         self.rec = rec
         self.stack: List[int] = []       # kept for callers that look at it; always empty now
         self.current = 0                 # module id of the innermost running module (0: none)
         # (id(root), id(module)) -> (weakref(module), weakref(root), module path id)
-        self._ids: Dict[tuple, tuple] = {}
+        self._ids: Dict[Tuple[int, int], Tuple[weakref.ref[_Module], weakref.ref[_Module], int]] = {}
         # id(root) -> (weakref(root), {id(module): qualified name})
-        self._trees: Dict[int, tuple] = {}
+        self._trees: Dict[int, Tuple[weakref.ref[_Module], Dict[int, str]]] = {}
         # id(root) -> weakref(root): every root module the trace saw (kept past remove() for the build)
-        self.roots_seen: Dict[int, weakref.ref] = {}
+        self.roots_seen: Dict[int, weakref.ref[_Module]] = {}
 
     def install(self) -> None:
         """Nothing to install: modules are read from the stack (see the module docstring)."""
 
     def roots(self) -> List[_Module]:
         """The root modules (outermost on the stack) the trace saw that are still alive."""
-        out = []
+        out: List[_Module] = []
         for ref in list(self.roots_seen.values()):
             m = ref()
             if m is not None:
@@ -85,7 +91,7 @@ class ModuleTracker:
         self._ids = {}
         self._trees = {}
 
-    def at(self, frame) -> int:
+    def at(self, frame: Optional[FrameType]) -> int:
         """Module path id for code running at ``frame`` (0 outside any module). Sets ``current``."""
         try:
             mid = self._at(frame)
@@ -95,9 +101,9 @@ class ModuleTracker:
         self.current = mid
         return mid
 
-    def _at(self, frame) -> int:
+    def _at(self, frame: Optional[FrameType]) -> int:
         # the Module.__call__ frames between the caller and top-level code (a cell, a script)
-        calls = []
+        calls: List[FrameType] = []
         f = frame
         n = _NEAR
         while f is not None and n:
@@ -110,7 +116,7 @@ class ModuleTracker:
             n -= 1
         if not calls:
             return 0
-        mod = root = None
+        mod: Optional[_Module] = None
         inner = 0
         for i, fr in enumerate(calls):   # innermost user module (compiled graphs are no module of the user's)
             m = _module_of(fr)
@@ -119,6 +125,7 @@ class ModuleTracker:
                 break
         if mod is None:
             return 0
+        root = mod   # calls[inner] is the last the walk below reads: the root is found there at the latest
         for fr in reversed(calls[inner:]):   # outermost: the root whose names are the paths
             m = _module_of(fr)
             if m is not None and not _is_artifact(m):
@@ -149,7 +156,7 @@ class ModuleTracker:
         self._ids[key] = (weakref.ref(mod), weakref.ref(root), mid)
         return mid
 
-    def _tree(self, root) -> Dict[int, str]:
+    def _tree(self, root: _Module) -> Dict[int, str]:
         ent = self._trees.get(id(root))
         if ent is not None and ent[0]() is root:
             return ent[1]

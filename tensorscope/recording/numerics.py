@@ -10,7 +10,7 @@ Rules and details: docs/recording.md#the-non-finite-screen-recordingnumericspy
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,11 +53,17 @@ _SEEDED_NAMES = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_drop
 
 _NOSCREEN, _SCREEN, _MAYBE_ALIAS = 0, 1, 2
 _REL = Tuple[float, float]
+#: what identifies a tensor's data for the memos: (data pointer, shape, strides, dtype)
+_TensorKey = Tuple[int, torch.Size, Tuple[int, ...], torch.dtype]
+#: what ``pre`` hands ``post``: (a written tensor was non-finite before the op, the written data
+#: pointers, the device slots describing them)
+_PreState = Tuple[bool, FrozenSet[int], List[int]]
 
 
-def _op_name(func) -> str:
+def _op_name(func: Any) -> str:
     try:
-        return func._schema.name.split("::", 1)[-1]
+        name: str = func._schema.name
+        return name.split("::", 1)[-1]
     except Exception:
         return str(func).split(".")[1] if "." in str(func) else str(func)
 
@@ -71,7 +77,13 @@ class _FuncInfo:
 
     __slots__ = ("screen", "write_pos", "write_kw", "inplace", "overwrites")
 
-    def __init__(self, func):
+    screen: int
+    write_pos: Tuple[int, ...]
+    write_kw: Tuple[str, ...]
+    inplace: bool
+    overwrites: bool
+
+    def __init__(self, func: Any) -> None:
         name = _op_name(func)
         view = bool(getattr(func, "is_view", False))
         if name in _UNINIT_OPS or name in _ALIAS_OPS:
@@ -82,7 +94,8 @@ class _FuncInfo:
             self.screen = _MAYBE_ALIAS if _is_composite(func) else _NOSCREEN
         else:
             self.screen = _SCREEN
-        wp, wk = [], []
+        wp: List[int] = []
+        wk: List[str] = []
         inplace = False
         try:
             for i, a in enumerate(func._schema.arguments):
@@ -105,7 +118,7 @@ _NO_DISPATCH = Tensor.__torch_dispatch__
 _STRIDED = torch.strided
 
 
-def _plain(t) -> bool:
+def _plain(t: Tensor) -> bool:
     """A strided tensor whose data we may read: no wrapper subclass (fake, functional, DTensor), not meta."""
     tt = type(t)
     if tt is not Tensor and tt is not torch.nn.Parameter and getattr(tt, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
@@ -113,12 +126,12 @@ def _plain(t) -> bool:
     return t.layout == torch.strided and not t.is_meta
 
 
-def _is_float(t) -> bool:
+def _is_float(t: Tensor) -> bool:
     dt = t.dtype
     return dt.is_floating_point or dt.is_complex
 
 
-def _scalar_nonfinite(args, kwargs) -> bool:
+def _scalar_nonfinite(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> bool:
     """A non-finite Python float among the arguments (what the user wrote)."""
     for a in args:
         if type(a) is float and not _isfinite(a):
@@ -137,7 +150,7 @@ def _scalar_nonfinite(args, kwargs) -> bool:
 SMALL = 64
 
 
-def _finite_values(v) -> bool:
+def _finite_values(v: Iterable[Any]) -> bool:
     # Python's sum of floats is non-finite iff an element is (or it overflows:
     # a false alarm the exact count settles)
     s = sum(v)
@@ -181,11 +194,11 @@ def count_nonfinite(t: Tensor) -> int:
     return int(torch.count_nonzero(torch.sub(t, t).ne_(0)))
 
 
-def _key(t):
+def _key(t: Tensor) -> _TensorKey:
     return (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
-def _version(t):
+def _version(t: Tensor) -> Optional[int]:
     try:
         return t._version
     except Exception:   # inference tensors have no version counter: never trust a memo for them
@@ -203,26 +216,27 @@ class NonfiniteScreen:
 
     def __init__(self) -> None:
         # key -> (version, finite) for CPU tensors that came out of a screened op
-        self._memo: Dict[tuple, tuple] = {}
+        self._memo: Dict[_TensorKey, Tuple[int, bool]] = {}
         self._cuda: Optional[_CudaFlags] = None
         self.n_screened = 0      # outputs screened
         self.n_fired = 0         # ops that held a non-finite value
         self.n_pre_screened = 0  # in-place targets screened before the op (memo misses)
         self._deferred = 0       # ops whose verdict came from the device buffer at finish()
 
-    def _info(self, func) -> _FuncInfo:
+    def _info(self, func: Any) -> _FuncInfo:
         info = _FUNC_INFOS.get(func)
         if info is None:
             info = _FUNC_INFOS[func] = _FuncInfo(func)
         return info
 
-    def screens(self, func) -> bool:
+    def screens(self, func: Any) -> bool:
         """Whether ``post`` screens this op's outputs at all (views, aliases and ops returning
         uninitialised memory are not): the trace builder can leave those rows null."""
         return self._info(func).screen != _NOSCREEN
 
     # -- per-op probes -----------------------------------------------------
-    def pre(self, func, args, kwargs, inplace: bool = True):
+    def pre(self, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
+            inplace: bool = True) -> Optional[_PreState]:
         """Before an in-place/out= op: the finiteness of what it will overwrite (and then read)."""
         try:
             info = self._info(func)
@@ -240,7 +254,7 @@ class NonfiniteScreen:
                     return None
             ptrs: List[int] = []
             bad = False
-            cuda_refs = []
+            cuda_refs: List[int] = []
             for t in written:
                 if not _plain(t) or not _is_float(t):
                     continue
@@ -263,7 +277,8 @@ class NonfiniteScreen:
         except Exception:
             return None
 
-    def post(self, seq, func, args, kwargs, outs, state) -> Optional[Tuple[int, bool]]:
+    def post(self, seq: int, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
+             outs: Sequence[Tensor], state: Optional[_PreState]) -> Optional[Tuple[int, bool]]:
         """After an op: ``(count, produced)`` when a floating output holds NaN/Inf, else None."""
         info = _FUNC_INFOS.get(func)
         if info is None:
@@ -278,7 +293,7 @@ class NonfiniteScreen:
                 ptrs = {t.data_ptr() for t in tensor_args(args, kwargs)}
                 targets = [t for t in targets if t.data_ptr() not in ptrs]
             count = 0
-            cuda_outs = None
+            cuda_outs: Optional[List[Tensor]] = None
             memo = self._memo
             for t in targets:
                 dt = t.dtype
@@ -325,8 +340,8 @@ class NonfiniteScreen:
 
     # -- helpers -------------------------------------------------------------
     @staticmethod
-    def _written(info, args, kwargs) -> List[Tensor]:
-        out = []
+    def _written(info: _FuncInfo, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> List[Tensor]:
+        out: List[Tensor] = []
         for i in info.write_pos:
             if i < len(args):
                 a = args[i]
@@ -342,7 +357,7 @@ class NonfiniteScreen:
                 out.extend(b for b in a if isinstance(b, Tensor))
         return out
 
-    def _known(self, t) -> Optional[bool]:
+    def _known(self, t: Tensor) -> Optional[bool]:
         """Finiteness of ``t`` as last screened, if nothing wrote to it since (version counter); else None."""
         rec = self._memo.get(_key(t))
         if rec is None:
@@ -350,10 +365,11 @@ class NonfiniteScreen:
         v = _version(t)
         return rec[1] if (v is not None and rec[0] == v) else None
 
-    def _inputs_nonfinite(self, info, args, kwargs, state) -> bool:
+    def _inputs_nonfinite(self, info: _FuncInfo, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
+                          state: Optional[_PreState]) -> bool:
         if _scalar_nonfinite(args, kwargs):
             return True
-        written_ptrs: frozenset = frozenset()
+        written_ptrs: FrozenSet[int] = frozenset()
         if state is not None:
             if state[0]:
                 return True
@@ -395,12 +411,12 @@ class _CudaFlags:
 
     GROW = 4096
 
-    def __init__(self, defer_cpu: bool = False):
+    def __init__(self, defer_cpu: bool = False) -> None:
         self.defer_cpu = defer_cpu
-        self._bufs: Dict[Any, Tensor] = {}
-        self._used: Dict[Any, int] = {}
-        self._slots: List[Tuple[Any, int, int]] = []      # slot id -> (device, index, numel)
-        self._memo: Dict[tuple, tuple] = {}                # tensor key -> (version, slot id)
+        self._bufs: Dict[torch.device, Tensor] = {}
+        self._used: Dict[torch.device, int] = {}
+        self._slots: List[Tuple[torch.device, int, int]] = []   # slot id -> (device, index, numel)
+        self._memo: Dict[_TensorKey, Tuple[int, int]] = {}      # tensor key -> (version, slot id)
         self._ops: List[Tuple[int, Tuple[int, ...], Tuple[int, ...], bool]] = []
 
     def _capturing(self) -> bool:
@@ -438,10 +454,11 @@ class _CudaFlags:
             self._memo[k] = (v, sid)
         return sid
 
-    def record(self, seq, args, kwargs, outs, state, info):
+    def record(self, seq: int, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], outs: Sequence[Tensor],
+               state: Optional[_PreState], info: _FuncInfo) -> None:
         if self._capturing():
             return   # extra kernels would become part of the user's CUDA graph
-        written_ptrs = state[1] if state is not None else frozenset()
+        written_ptrs: FrozenSet[int] = state[1] if state is not None else frozenset()
         in_slots = list(state[2]) if state is not None else []
         scalar_bad = _scalar_nonfinite(args, kwargs)
         for t in tensor_args(args, kwargs, skip_kw=info.write_kw):
@@ -450,7 +467,7 @@ class _CudaFlags:
             if info.inplace and t.data_ptr() in written_ptrs:
                 continue
             in_slots.append(self.input_ref(t))
-        out_slots = []
+        out_slots: List[int] = []
         for t in outs:
             sid = self._slot(t)
             out_slots.append(sid)

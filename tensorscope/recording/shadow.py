@@ -15,7 +15,7 @@ back synchronises once per op.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -71,7 +71,7 @@ class NumericsShadow:
         self.n_compared = 0
         self._kinds: Dict[Any, Optional[str]] = {}
 
-    def _kind(self, func) -> Optional[str]:
+    def _kind(self, func: Any) -> Optional[str]:
         """None: shadow it; "" skip silently (nothing to compare); else the reason it is skipped."""
         k = self._kinds.get(func, "?")   # "?": not seen yet (None and "" are verdicts)
         if k != "?":
@@ -99,12 +99,13 @@ class NumericsShadow:
         return {"mode": self.mode, "compared": self.n_compared, "skipped": dict(self.skipped),
                 "skip_reasons": dict(self.skip_reasons)}
 
-    def _skip(self, func, reason: str):
+    def _skip(self, func: Any, reason: str) -> None:
         name = str(func)
         self.skipped[name] = self.skipped.get(name, 0) + 1
         self.skip_reasons.setdefault(name, reason)
 
-    def compare(self, seq, func, args, kwargs, outs) -> Optional[_REL]:
+    def compare(self, seq: int, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
+                outs: Sequence[Tensor]) -> Optional[_REL]:
         if not outs:
             return None
         try:
@@ -155,7 +156,8 @@ class NumericsShadow:
                 pass
             return None
 
-    def _up(self, a):
+    def _up(self, a: Any) -> Any:
+        """``a`` with its low-precision tensors and dtypes (inside lists and tuples) widened to the reference dtype."""
         if isinstance(a, Tensor):
             if a.dtype in self.low and _plain(a):
                 return a.to(self.ref_dtype)
@@ -167,7 +169,7 @@ class NumericsShadow:
             return type(a)(self._up(b) for b in a)
         return a
 
-    def _reference(self, func, args, kwargs):
+    def _reference(self, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> Any:
         new_args = [self._up(a) for a in args]
         new_kwargs = {k: self._up(v) for k, v in kwargs.items()} if kwargs else {}
         name = _op_name(func)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from types import FrameType
+from types import CodeType, FrameType, TracebackType
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -36,7 +36,7 @@ def is_internal_file(f: str) -> bool:
             or f.startswith("<frozen") or f.startswith("<eval_with_key"))
 
 
-def _is_internal(code) -> bool:
+def _is_internal(code: CodeType) -> bool:
     e = _internal.get(id(code))
     if e is not None and e[0] is code:
         return e[1]
@@ -54,7 +54,7 @@ def user_frame_location(depth: int = 2) -> Tuple[Optional[str], Optional[int]]:
     return user_location_from(f)
 
 
-def user_location_from(f) -> Tuple[Optional[str], Optional[int]]:
+def user_location_from(f: Optional[FrameType]) -> Tuple[Optional[str], Optional[int]]:
     """(filename, line) of the innermost user frame at or above frame ``f``."""
     while f is not None:
         code = f.f_code
@@ -72,7 +72,7 @@ _DISABLE_WRAPPERS = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORC
 _compiled: Dict[int, Tuple[object, Optional[bool]]] = {}   # keyed by id(code), as _internal
 
 
-def _compiled_verdict(code) -> Optional[bool]:
+def _compiled_verdict(code: CodeType) -> Optional[bool]:
     e = _compiled.get(id(code))
     if e is not None and e[0] is code:
         return e[1]   # a cached None or False is a hit too
@@ -106,7 +106,7 @@ def called_from_compiled_code(depth: int = 2, limit: int = 24) -> bool:
     return False
 
 
-def user_traceback_location(tb) -> Tuple[Optional[str], Optional[int]]:
+def user_traceback_location(tb: Optional[TracebackType]) -> Tuple[Optional[str], Optional[int]]:
     """(filename, line) of the innermost traceback entry outside torch and tensorscope: where the
     user's code raised; (None, None) when every entry is internal."""
     file = line = None
