@@ -34,7 +34,7 @@ __all__ = ["allocator_rows", "allocator_table", "snapshot_tables", "allocator_ti
            "cuda_index"]
 
 #: slack (ns) between the allocator's clock (unix microseconds) and ours (perf_counter_ns)
-SLACK_NS = 1_000_000
+SLACK_NS = 100_000
 _INF = np.iinfo(np.int64).max
 _NINF = np.iinfo(np.int64).min
 
@@ -126,16 +126,14 @@ class _Storages:
             v.sort(key=lambda r: r[0])
 
 
-def _events(snapshot: Mapping[str, Any], anchor_unix_ns: int, end_unix_ns: Optional[int]
-            ) -> List[Tuple[int, Dict[str, Any]]]:
-    """(device index, entry) of the snapshot's events inside the trace window, in order."""
+def _events(snapshot: Mapping[str, Any], anchor_unix_ns: int) -> List[Tuple[int, Dict[str, Any]]]:
+    """(device index, entry) of the snapshot's events since the trace started, in order."""
     out = []
     lo_us = (anchor_unix_ns - 1000) // 1000 if anchor_unix_ns else None
-    hi_us = (end_unix_ns + 1000) // 1000 if end_unix_ns else None
     for d, trace in enumerate(snapshot.get("device_traces") or []):
         for e in trace or []:
             t = e.get("time_us")
-            if isinstance(t, int) and ((lo_us is not None and t < lo_us) or (hi_us is not None and t > hi_us)):
+            if isinstance(t, int) and lo_us is not None and t < lo_us:
                 continue
             out.append((d, e))
     return out
@@ -186,11 +184,10 @@ def _match_events(evs: Sequence[Tuple[int, Dict[str, Any]]], starts_ns: Sequence
     return out
 
 
-def snapshot_tables(snapshot: Mapping[str, Any], *, anchor_unix_ns: int, end_unix_ns: Optional[int] = None,
-                    tensors: Optional[pa.Table] = None, ops: Optional[pa.Table] = None) -> Dict[str, pa.Table]:
+def snapshot_tables(snapshot: Mapping[str, Any], *, anchor_unix_ns: int, tensors: Optional[pa.Table] = None, ops: Optional[pa.Table] = None) -> Dict[str, pa.Table]:
     """``allocator_segments``, ``allocator_blocks`` and ``allocator_events`` of a
     ``torch.cuda.memory._snapshot()`` dict. ``anchor_unix_ns``: the trace start on the unix clock
-    (``ops.start_ns == 0``); events outside [start, ``end_unix_ns``] (older history) are left out."""
+    (``ops.start_ns == 0``); events before it (older history) are left out."""
     st = _Storages(tensors, ops)
     seg_rows: List[Dict[str, Any]] = []
     block_rows: List[Dict[str, Any]] = []
@@ -212,7 +209,7 @@ def snapshot_tables(snapshot: Mapping[str, Any], *, anchor_unix_ns: int, end_uni
             block_rows.append({"device": dev, "segment_address": base, "address": addr, "size": b.get("size"),
                                "requested_size": b.get("requested_size"), "state": b.get("state"),
                                "storage_id": sid, "category": cat})
-    evs = _events(snapshot, anchor_unix_ns, end_unix_ns)
+    evs = _events(snapshot, anchor_unix_ns)
     starts_ns: List[Optional[int]] = [int(e["time_us"]) * 1000 - anchor_unix_ns
                                       if isinstance(e.get("time_us"), int) else None for _d, e in evs]
     matched = _match_events(evs, starts_ns, st)

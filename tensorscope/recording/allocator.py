@@ -11,8 +11,7 @@ Converting the snapshot to tables (no pickle, no frames) is ``analyses/allocator
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 #: events the allocator keeps while we record its history (its ring buffer drops the oldest past this)
 MAX_ENTRIES = 1_000_000
@@ -26,6 +25,26 @@ def _cuda() -> Any:
         return torch.cuda if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
     except Exception:
         return None
+
+
+class HistoryAPI(NamedTuple):
+    """torch's allocator-history functions (one seam: the CPU tests hand a stand-in)."""
+
+    record: Callable[..., None]          # torch.cuda.memory._record_memory_history
+    snapshot: Callable[[], Dict[str, Any]]   # torch.cuda.memory._snapshot
+    is_enabled: Callable[[], bool]       # torch._C._cuda_isHistoryEnabled
+
+
+def _history_api() -> Optional[HistoryAPI]:
+    """The history functions when this torch has them and a CUDA device exists, else None."""
+    import torch
+
+    mem = getattr(torch.cuda, "memory", None)
+    enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if not (torch.cuda.is_available() and mem is not None and enabled is not None
+            and hasattr(mem, "_record_memory_history") and hasattr(mem, "_snapshot")):
+        return None
+    return HistoryAPI(mem._record_memory_history, mem._snapshot, enabled)
 
 
 def _stats(cuda: Any) -> Dict[int, Dict[str, Any]]:
@@ -45,9 +64,9 @@ class AllocatorProbe:
         self.snapshot: Optional[Dict[str, Any]] = None
         self.enabled_by_us = False
         self.recorded_by_us = False
-        self.end_unix_ns: Optional[int] = None
         self.notes: List[str] = []
         self._started = self._stopped = False
+        self._api: Optional[HistoryAPI] = None
 
     def start(self) -> None:
         self._started = True
@@ -59,12 +78,8 @@ class AllocatorProbe:
                 self.notes.append(f"CUDA allocator stats unavailable: {type(e).__name__}: {e}")
         if not self.history:
             return
-        import torch
-
-        mem = getattr(torch.cuda, "memory", None)
-        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
-        if not (torch.cuda.is_available() and mem is not None and enabled is not None
-                and hasattr(mem, "_record_memory_history") and hasattr(mem, "_snapshot")):
+        api = self._api = _history_api()
+        if api is None:
             self.notes.append("memory_history: no CUDA allocator history here (no CUDA device, or this torch "
                               "has no torch.cuda.memory._record_memory_history): nothing recorded")
             self.history = False
@@ -76,8 +91,8 @@ class AllocatorProbe:
             self.history = False
             return
         try:
-            if not enabled():
-                mem._record_memory_history(enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
+            if not api.is_enabled():
+                api.record(enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
                 self.enabled_by_us = self.recorded_by_us = True
         except Exception as e:
             self.notes.append(f"memory_history: could not turn the allocator's history on: {type(e).__name__}: {e}")
@@ -89,13 +104,10 @@ class AllocatorProbe:
         if self._stopped or not self._started:
             return
         self._stopped = True
-        self.end_unix_ns = time.time_ns()
         try:
-            if self.history:
+            if self.history and self._api is not None:
                 try:
-                    import torch
-
-                    self.snapshot = torch.cuda.memory._snapshot()
+                    self.snapshot = self._api.snapshot()
                 except Exception as e:
                     self.notes.append(f"memory_history: snapshot failed: {type(e).__name__}: {e}")
             cuda = _cuda()
@@ -105,11 +117,9 @@ class AllocatorProbe:
                 except Exception as e:
                     self.notes.append(f"CUDA allocator stats unavailable at the end: {type(e).__name__}: {e}")
         finally:
-            if self.enabled_by_us:
+            if self.enabled_by_us and self._api is not None:
                 self.enabled_by_us = False
-                import torch
-
-                torch.cuda.memory._record_memory_history(enabled=None, context=None, stacks="python")
+                self._api.record(enabled=None, context=None, stacks="python")
         if self.snapshot is not None and self.recorded_by_us:
             n = sum(len(t or ()) for t in self.snapshot.get("device_traces") or ())
             if n >= MAX_ENTRIES:

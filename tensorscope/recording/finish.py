@@ -141,8 +141,7 @@ def _allocator_tables(f: Finishing, tables: Dict[str, Any]) -> Dict[str, pa.Tabl
     allocator = allocator_table(allocator_rows(probe.start_stats, probe.end_stats, touched))
     if probe.snapshot is not None:
         anchor = int(getattr(f.dist, "anchor_unix_ns", 0) or 0)
-        snap = snapshot_tables(probe.snapshot, anchor_unix_ns=anchor, end_unix_ns=probe.end_unix_ns,
-                               tensors=tensors, ops=tables["ops"])
+        snap = snapshot_tables(probe.snapshot, anchor_unix_ns=anchor, tensors=tensors, ops=tables["ops"])
         out.update(snap)
         timeline = allocator_timeline(snap["allocator_events"], allocator)
         allocator = with_history(allocator, timeline, tables["ops"], tensors)
