@@ -141,6 +141,10 @@ class Trace:
     graph_nodes = property(lambda self: self.table("graph_nodes"))
     api = property(lambda self: self.table("api"))
     collectives = property(lambda self: self.table("collectives"))
+    allocator = property(lambda self: self.table("allocator"))
+    allocator_segments = property(lambda self: self.table("allocator_segments"))
+    allocator_blocks = property(lambda self: self.table("allocator_blocks"))
+    allocator_events = property(lambda self: self.table("allocator_events"))
 
     # -- what memory is made of (analyses/memory_categories.py) -------------------------------------
     def memory_timeline(self) -> pa.Table:
@@ -152,6 +156,16 @@ class Trace:
             from .analyses.memory_categories import memory_timeline
 
             got = self._derived["memory_timeline"] = memory_timeline(self.tensors, self.ops)
+        return got
+
+    def allocator_timeline(self) -> pa.Table:
+        """The CUDA caching allocator's reserved and allocated bytes after each of its events, per
+        device (``memory_history=True``; empty otherwise; schema ``ALLOCATOR_TIMELINE``)."""
+        got = self._derived.get("allocator_timeline")
+        if got is None:
+            from .analyses.allocator import allocator_timeline
+
+            got = self._derived["allocator_timeline"] = allocator_timeline(self.allocator_events, self.allocator)
         return got
 
     def memory_at(self, seq: Optional[int] = None) -> pa.Table:

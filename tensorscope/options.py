@@ -81,6 +81,11 @@ class TraceOptions:
                                       type=str, choices=NUMERICS, metavar="{fp32,fp64,off}")
     cuda_timing: bool = _opt(True, "time ops on CUDA tensors with event pairs, resolved once at the end")
     kernels: bool = _opt(False, "collect CUDA kernels from the profiler (Kineto/CUPTI)")
+    memory_history: bool = _opt(False, "record the CUDA caching allocator's history while the block runs "
+                                       "(torch.cuda.memory._record_memory_history) and save its snapshot, taken "
+                                       "at the end, also after an out-of-memory error, as the allocator_segments, "
+                                       "allocator_blocks and allocator_events tables joined to ours by address "
+                                       "and time (CUDA must be initialised before the block; a note otherwise)")
     native: bool = _opt(True, "use the native C++ warning/error hooks when they are built")
     engine: str = _opt("auto", "recording engine: 'native' (C++ RecordFunction observer), 'python' (TorchDispatchMode), "
                                "'auto' (native when it builds; TENSORSCOPE_FORCE_FALLBACK=1 forces python)",

@@ -17,6 +17,10 @@ dictionary-encoded UTF-8 columns, so every engine reads them as strings
 (pyarrow restores the dictionary type, pandas shows it as ``category``).
 Files of 1.1 and earlier hold plain strings; ``conform`` casts them.
 Since 1.3 ``tensors.category`` says what each storage is (``MEMORY_CATEGORIES``).
+Since 1.4 ``tensors.address`` is each storage's data pointer, and the CUDA caching allocator's
+view is recorded beside ours: ``allocator`` (its counters at the trace's start and end, always
+on CUDA) and, with ``memory_history=True``, its snapshot: ``allocator_segments``,
+``allocator_blocks`` and ``allocator_events``, joined to ``tensors`` by address and time.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 #: "major.minor". Bump major when a column changes meaning or type.
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 _i64 = pa.int64()
@@ -130,6 +134,7 @@ TENSORS = _schema("tensors", [
     ("source_file", _dstr),
     ("source_line", _i64),
     ("category", _dstr),            # 1.3: what the memory is (MEMORY_CATEGORIES); null in older files
+    ("address", _i64),              # 1.4: the storage's data pointer (joins allocator_blocks/events); null in older files
 ])
 
 LEAKS = _schema("leaks", [
@@ -313,6 +318,68 @@ COLLECTIVES = _schema("collectives", [
     ("coll_index", _i64),           # k-th collective on this process group in the trace (matches across ranks)
 ])
 
+# -- the CUDA caching allocator's view (1.4; recording/allocator.py, analyses/allocator.py) -----
+#: One row per CUDA device the trace touched: ``torch.cuda.memory_stats`` read at the trace's start
+#: and end (nothing reset: the allocator's peaks are since the program's last reset_peak_memory_stats).
+ALLOCATOR = _schema("allocator", [
+    ("device", _str),               # cuda:0 ...
+    ("source", _str),               # stats (counters only) / history (memory_history=True: the snapshot too)
+    ("allocated_start", _i64),      # allocated_bytes.all.current at the start (blocks handed out, rounded sizes)
+    ("allocated_end", _i64),
+    ("allocated_peak", _i64),       # allocated_bytes.all.peak at the end: since the program's last reset
+    ("reserved_start", _i64),       # reserved_bytes.all.current: segments cudaMalloc'd by the cache
+    ("reserved_end", _i64),
+    ("reserved_peak", _i64),
+    ("peak_in_trace", _bool),       # the allocated peak rose during the trace: allocated_peak is the trace's own
+    ("inactive_split_bytes", _i64),  # at the end: cached, unusable pieces of split blocks
+    ("fragmentation_bytes", _i64),  # reserved - allocated at our peak (history) or at the end (stats)
+    ("fragmentation_seq", _i64),    # the op (ops.seq) after which it was measured: our peak; null: the end
+    ("num_alloc_retries", _i64),    # cudaMalloc failures that flushed the cache and retried, during the trace
+    ("num_ooms", _i64),             # out-of-memory errors the allocator raised during the trace
+])
+
+#: One row per segment of the snapshot taken at the trace's end (``memory_history=True``).
+ALLOCATOR_SEGMENTS = _schema("allocator_segments", [
+    ("device", _str),
+    ("address", _i64),
+    ("total_size", _i64),           # what cudaMalloc returned
+    ("allocated_size", _i64),       # in blocks in use
+    ("active_size", _i64),          # in use or awaiting free on another stream
+    ("requested_size", _i64),
+    ("stream", _i64),
+    ("segment_type", _str),         # large / small
+    ("is_expandable", _bool),
+    ("n_blocks", _i64),
+])
+
+#: One row per block of those segments, with the storage of ours at its address.
+ALLOCATOR_BLOCKS = _schema("allocator_blocks", [
+    ("device", _str),
+    ("segment_address", _i64),
+    ("address", _i64),
+    ("size", _i64),
+    ("requested_size", _i64),
+    ("state", _str),                # active_allocated / active_pending_free / inactive
+    ("storage_id", _i64),           # tensors.storage_id alive at the end at this address, or null
+    ("category", _str),             # its tensors.category
+])
+
+#: One row per allocator event of the trace (``memory_history=True``), with the storage it was for.
+ALLOCATOR_EVENTS = _schema("allocator_events", [
+    ("device", _str),
+    ("action", _str),               # alloc / free_requested / free_completed / segment_alloc / segment_free /
+                                    # segment_map / segment_unmap / oom / snapshot
+    ("address", _i64),              # null for oom
+    ("size", _i64),                 # bytes requested (oom: what failed)
+    ("stream", _i64),
+    ("time_us", _i64),              # the allocator's clock: unix time in microseconds
+    ("start_ns", _i64),             # the same, relative to the trace start (ops.start_ns's clock)
+    ("seq", _i64),                  # the last op started before it (ops.seq), null before the first
+    ("device_free", _i64),          # oom: bytes CUDA still reported free
+    ("storage_id", _i64),           # our tensors row at this address then (alloc/free events), or null
+    ("category", _str),
+])
+
 #: Every table a Trace carries, in display order. ``memory`` is derived.
 TABLES: Dict[str, pa.Schema] = {
     "ops": OPS,
@@ -328,6 +395,10 @@ TABLES: Dict[str, pa.Schema] = {
     "graph_nodes": GRAPH_NODES,
     "api": API,
     "collectives": COLLECTIVES,
+    "allocator": ALLOCATOR,
+    "allocator_segments": ALLOCATOR_SEGMENTS,
+    "allocator_blocks": ALLOCATOR_BLOCKS,
+    "allocator_events": ALLOCATOR_EVENTS,
 }
 
 #: Columns a file of each table must have whatever its minor version: the ones that identify a
@@ -343,10 +414,15 @@ REQUIRED: Dict[str, Tuple[str, ...]] = {
     "layout_changes": ("seq", "op"),
     "memory": ("seq", "device", "live_bytes"),
     "collectives": ("seq", "op"),
+    "allocator": ("device",),
+    "allocator_segments": ("device", "address"),
+    "allocator_blocks": ("device", "address"),
+    "allocator_events": ("device", "action"),
 }
 
 #: Tables recorded directly; the rest are derived by analyses from these.
-RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks", "graphs", "graph_nodes", "collectives")
+RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks", "graphs", "graph_nodes", "collectives",
+            "allocator", "allocator_segments", "allocator_blocks", "allocator_events")
 DERIVED = ("casts", "layout_changes", "memory", "api")
 
 
@@ -515,6 +591,17 @@ MEMORY_TIMELINE = _schema("memory_timeline", [
     ("live_bytes", _i64),           # every category: the ``memory`` table's live_bytes
 ] + [(f"{c}_bytes", _i64) for c in MEMORY_CATEGORIES] + [
     ("is_peak", _bool),             # the first op after which live_bytes was largest on this device
+])
+
+#: Not a trace table: ``t.allocator_timeline()``, the allocator's reserved and allocated bytes after
+#: each of its events (``memory_history=True``), one row per (device, event).
+ALLOCATOR_TIMELINE = _schema("allocator_timeline", [
+    ("device", _str),
+    ("time_us", _i64),
+    ("start_ns", _i64),
+    ("seq", _i64),
+    ("reserved_bytes", _i64),       # segments held by the cache
+    ("allocated_bytes", _i64),      # live blocks, at the sizes asked for
 ])
 
 #: Not a trace table: ``t.memory_at(seq)`` (default: each device's peak), what was alive after op ``seq``.

@@ -410,6 +410,7 @@ def tensors_table(ctx: Decoder) -> pa.Table:
         source_file=ctx.src_files.take(src_idx),
         source_line=ctx._lines(src_idx),
         category=pa.nulls(n, S.TENSORS.field("category").type),   # filled by _with_categories
+        address=pa.nulls(n, pa.int64()),   # filled by finish._with_addresses (the trackers' data pointers)
     )
     return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
 

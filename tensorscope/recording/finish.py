@@ -27,6 +27,7 @@ from .decode import decode_tables
 if TYPE_CHECKING:
     from ..options import TraceOptions
     from ..timing.kernels import KernelCollector
+    from .allocator import AllocatorProbe
     from .collectives import CollectiveProbe
     from .engines import EngineChoice
 
@@ -46,6 +47,8 @@ class Finishing(Protocol):
     deferred_kernels: bool
     compile_capture: Any
     collectives: CollectiveProbe
+    allocator: AllocatorProbe
+    dist: Any   # ranks.DistContext: anchor_unix_ns, the trace start on the unix clock
 
 
 def finish_tables(f: Finishing) -> Tuple[Dict[str, Any], Optional[str], List[str]]:
@@ -86,8 +89,64 @@ def finish_tables(f: Finishing) -> Tuple[Dict[str, Any], Optional[str], List[str
         tables["tensors"] = _with_categories(f, tables)
     except Exception as e:
         rec.tracer_error("memory categories", e)
+    try:
+        tables["tensors"] = _with_addresses(f, tables["tensors"])
+    except Exception as e:
+        rec.tracer_error("storage addresses", e)
     tables["collectives"] = f.collectives.table(ctx.t0, tables.get("ops"))
+    try:
+        tables.update(_allocator_tables(f, tables))
+    except Exception as e:
+        rec.tracer_error("CUDA allocator", e)
+    notes.extend(f.allocator.notes)
     return tables, ops_file, notes
+
+
+def _with_addresses(f: Finishing, tensors: pa.Table) -> pa.Table:
+    """``tensors`` with its ``address`` column: each storage's data pointer, which the trackers of both
+    engines keyed it by (``tracker.ptrs``; fake tensors' keys are not addresses: null)."""
+    tracker = f.ctx.tracker
+    n = tensors.num_rows
+    if tracker is None or n == 0:
+        return tensors
+    ptrs = list(tracker.ptrs[:n])
+    try:
+        arr = np.asarray(ptrs, dtype=np.int64)
+    except OverflowError:
+        return tensors
+    if len(arr) < n:
+        arr = np.concatenate([arr, np.zeros(n - len(arr), np.int64)])
+    col = nullable_array(arr, arr <= 0)
+    return tensors.set_column(tensors.schema.get_field_index("address"), S.TENSORS.field("address"), col)
+
+
+def _allocator_tables(f: Finishing, tables: Dict[str, Any]) -> Dict[str, pa.Table]:
+    """The CUDA caching allocator's view (analyses/allocator.py): its counters per device the trace
+    touched, and with ``memory_history=True`` its snapshot joined to ``tensors``."""
+    from ..analyses.allocator import (
+        allocator_rows,
+        allocator_table,
+        allocator_timeline,
+        cuda_index,
+        snapshot_tables,
+        with_history,
+    )
+
+    probe = f.allocator
+    out: Dict[str, pa.Table] = {}
+    if not probe.start_stats and not probe.end_stats:
+        return out
+    tensors = tables["tensors"]
+    touched = [i for i in (cuda_index(d) for d in tensors.column("device").unique().to_pylist()) if i is not None]
+    allocator = allocator_table(allocator_rows(probe.start_stats, probe.end_stats, touched))
+    if probe.snapshot is not None:
+        anchor = int(getattr(f.dist, "anchor_unix_ns", 0) or 0)
+        snap = snapshot_tables(probe.snapshot, anchor_unix_ns=anchor, tensors=tensors, ops=tables["ops"])
+        out.update(snap)
+        timeline = allocator_timeline(snap["allocator_events"], allocator)
+        allocator = with_history(allocator, timeline, tables["ops"], tensors)
+    out["allocator"] = allocator
+    return out
 
 
 def _with_categories(f: Finishing, tables: Dict[str, pa.Table]) -> pa.Table:

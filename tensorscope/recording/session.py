@@ -87,6 +87,10 @@ class Session:
             # weakly: the recorder is reachable from the modes, which hold no reference to the session
             self.ctx.rec.on_spill = _weak_call(self._spill_to_dataset)
         self.kernels: Optional[KernelCollector] = None
+        from .allocator import AllocatorProbe
+
+        #: the CUDA caching allocator's counters at start and end; its history with memory_history=True
+        self.allocator = AllocatorProbe(history=options.memory_history)
         self.compile_capture: Any = None   # torch.compile artifacts (recording/compiled.py)
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.wall_ns = 0
@@ -197,11 +201,19 @@ class Session:
             except Exception as e:
                 self.kernels = None
                 self.ctx.rec.notes.append(f"kernel collection unavailable: {e}")
+        try:
+            self.allocator.start()   # last: its history records the block, not the probes' setup
+        except Exception as e:
+            self.ctx.rec.tracer_error("allocator (start)", e)
 
     def _restore(self) -> None:
         """Undo modes and hooks, innermost first. Safe to call twice."""
         self.ctx.recording = False
         errors: List[BaseException] = []
+        try:   # the allocator's snapshot before its history is turned off (an OOM in the block included)
+            self.allocator.stop()
+        except BaseException as e:
+            errors.append(e)
         try:   # also when it never started: it gives the native observer back (idempotent)
             self.engine.stop()
         except BaseException as e:

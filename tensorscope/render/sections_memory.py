@@ -7,6 +7,8 @@ mark that also counts what ops allocated and freed within themselves.
 "memory" also says what was alive at each peak by category (``tensors.category``) and draws the
 timeline stacked by category (render/svg_memory.py, HTML only); "memory per module" reads
 ``t.module_memory()``: activations each module saved for backward and its forward/backward peaks.
+"CUDA allocator" reads ``t.allocator`` (CUDA only): allocated vs reserved, the fragmentation (reserved −
+allocated at our peak, or at the end), retries and OOMs, and the snapshot's tables when recorded.
 "leaks" groups ``t.leaks`` (storages the cell created that are still alive) by
 holder: bytes, kind, the path and the fix, largest first.
 Both return None when there is nothing to say.
@@ -60,6 +62,38 @@ def memory_section(t) -> Optional[Section]:
              "per module: t.module_memory()"]
     return Section("memory (storages this trace saw)", rows, header + ("at the peak",), notes,
                    svg=lambda: memory_timeline_svg(t.memory_timeline()))
+
+
+def allocator_section(t) -> Optional[Section]:
+    """The CUDA caching allocator beside our view: one row per device the trace touched."""
+    al = t.allocator
+    if al.num_rows == 0:
+        return None
+    rows = []
+    history = False
+    for r in al.to_pylist():
+        history |= r["source"] == "history"
+        frag = fmt_bytes(r["fragmentation_bytes"]) if r["fragmentation_bytes"] is not None else "-"
+        frag += f" (at our peak, op {r['fragmentation_seq']})" if r["fragmentation_seq"] is not None else " (at the end)"
+        peak = fmt_bytes(r["allocated_peak"]) + ("" if r["peak_in_trace"] else " (before the trace)")
+        rows.append((r["device"], f"{fmt_bytes(r['allocated_start'])} → {fmt_bytes(r['allocated_end'])}", peak,
+                     f"{fmt_bytes(r['reserved_start'])} → {fmt_bytes(r['reserved_end'])}",
+                     fmt_bytes(r["reserved_peak"]), frag, str(r["num_alloc_retries"]), str(r["num_ooms"])))
+    notes = ["the allocator's peaks are since the program last called torch.cuda.reset_peak_memory_stats "
+             "(tensorscope resets nothing); fragmentation: reserved − allocated"]
+    if any((r["num_ooms"] or 0) > 0 for r in al.to_pylist()):
+        notes.append("out of memory during the trace" + (": t.allocator_events (action 'oom') and "
+                     "t.allocator_blocks show the cache at that point" if history else
+                     "; memory_history=True (--memory-history) keeps the allocator's snapshot"))
+    if history:
+        ev = t.allocator_events
+        joined = ev.column("storage_id").null_count
+        notes.append(f"history: {ev.num_rows} allocator events ({ev.num_rows - joined} joined to our storages), "
+                     f"{t.allocator_segments.num_rows} segments: t.allocator_events, t.allocator_blocks, "
+                     "t.allocator_timeline()")
+    return Section("CUDA caching allocator", rows, ("device", "allocated start → end", "allocated peak",
+                                                    "reserved start → end", "reserved peak", "fragmentation",
+                                                    "retries", "OOMs"), notes)
 
 
 def _made_of(t) -> dict:

@@ -172,7 +172,8 @@ def errors_section(t) -> Optional[Section]:
 SECTIONS: Tuple[Callable[..., Optional[Section]], ...] = (
     overview, top_ops, modules_section, errors_section,
     sections_precision.layout_section, sections_precision.precision_section,
-    sections_memory.memory_section, sections_memory.module_memory_section, sections_memory.leaks_section,
+    sections_memory.memory_section, sections_memory.allocator_section, sections_memory.module_memory_section,
+    sections_memory.leaks_section,
     sections_timing.timing_section, sections_timing.icicle_section,
     sections_compiled.compiled_section,
     sections_api.api_section,

@@ -15,6 +15,10 @@ traces a small conv net forward+backward on the GPU and checks, for real:
 5. ops on a side stream are timed on that stream, and a cell whose op raises
    still resolves the other ops' CUDA times;
 6. the Perfetto export of the GPU trace is well-formed with flow arrows;
+7. the caching allocator's view: an ``allocator`` row per device (allocated <= reserved, nothing
+   reset), and with ``memory_history=True`` an out-of-memory error in the block leaves the
+   snapshot (an ``oom`` event, segments, blocks and events joined to our categories) and the
+   allocator's history as it was;
 and prints the tracing overhead. Exit status: 0 all passed, 1 a check
 failed, 77 no CUDA device (skipped).
 """
@@ -183,6 +187,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         t1.to_perfetto(os.path.join(d, "gpu.json"))
 
+    print("CUDA caching allocator:")
+    check_allocator(m, x)
+
     print("overhead:")
     def timed(fn, n=7):
         ts = []
@@ -229,6 +236,52 @@ def check_native_unchanged():
     devs = set(t.tensors.column("device").to_pylist())
     check(any((d or "").startswith("cuda") for d in devs),
           f"native engine on CUDA: storage records include device storages ({sorted(map(str, devs))[:4]})")
+
+
+def check_allocator(m, x):
+    peak = torch.cuda.max_memory_allocated()
+    with tensorscope.trace(leaks=False) as ts:
+        step(m, x)
+    t = ts.result
+    rows = t.allocator.to_pylist()
+    check(len(rows) == 1 and rows[0]["source"] == "stats",
+          f"one allocator row from memory_stats ({[(r['device'], r['source']) for r in rows]})")
+    r = rows[0] if rows else {}
+    check(0 < (r.get("allocated_end") or 0) <= (r.get("reserved_end") or 0) and (r.get("fragmentation_bytes") or 0) >= 0,
+          f"allocated {r.get('allocated_end')} <= reserved {r.get('reserved_end')}, fragmentation "
+          f"{r.get('fragmentation_bytes')}")
+    check(torch.cuda.max_memory_allocated() >= peak, "the allocator's peak counters were not reset")
+    cuda_rows = t.tensors.filter(t.tensors.column("device") != "cpu")
+    check(cuda_rows.num_rows > 0 and cuda_rows.column("address").null_count == 0,
+          f"every CUDA storage has its address ({cuda_rows.num_rows} storages)")
+    was = torch._C._cuda_isHistoryEnabled()
+    tr = tensorscope.trace(memory_history=True, leaks=False)
+    try:
+        with tr:
+            step(m, x)
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        check(False, "the too-big allocation raised OutOfMemoryError")
+    except torch.OutOfMemoryError:
+        pass
+    check(torch._C._cuda_isHistoryEnabled() == was, f"the allocator's history recording restored ({was})")
+    t = tr.result
+    a = (t.allocator.to_pylist() or [{}])[0]
+    check(a.get("source") == "history" and (a.get("num_ooms") or 0) >= 1 and a.get("fragmentation_seq") is not None,
+          f"allocator row from the history: {a}")
+    ev = t.allocator_events.to_pylist()
+    joined = [e for e in ev if e["storage_id"] is not None]
+    check(any(e["action"] == "oom" for e in ev), f"the snapshot has the oom event ({len(ev)} events)")
+    check(len(joined) > 0 and {e["category"] for e in joined} <= set(tensorscope.schema.MEMORY_CATEGORIES),
+          f"{len(joined)}/{len(ev)} events joined to our storages, categories "
+          f"{sorted({str(e['category']) for e in joined})}")
+    blocks = t.allocator_blocks.to_pylist()
+    check(t.allocator_segments.num_rows > 0 and any(b["category"] == "parameter" for b in blocks),
+          f"{t.allocator_segments.num_rows} segments; parameter blocks joined "
+          f"({sum(b['category'] == 'parameter' for b in blocks)})")
+    check(t.allocator_timeline().num_rows == len(ev), "allocator_timeline() has a row per event")
+    with tempfile.TemporaryDirectory() as d:
+        back = tensorscope.load(t.save(os.path.join(d, "oom")))
+        check(back.allocator_events.equals(t.allocator_events), "allocator tables survive save/load")
 
 
 def _trace_only(m, x, kernels):
