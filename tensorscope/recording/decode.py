@@ -1,4 +1,4 @@
-"""Decode a trace's buffers (the recorder's interned columns) into the Arrow tables of ``schema.py``.
+"""Decode a trace's buffers (the recorder's interned columns) into the Arrow tables of ``schema``.
 
 ``decode_tables(rec, ...)`` takes the buffers and what the options say about them, never the
 session. Everything the hot path left for later is derived here, vectorised: op names and

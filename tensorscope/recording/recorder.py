@@ -9,7 +9,7 @@ module paths, autograd node names, source locations) are interned once.
 Columns grow until ``chunk_rows``; a full chunk is frozen into numpy arrays
 (compact, not gc-tracked) and, past ``spill_rows`` rows in memory, written to an
 Arrow IPC file in a spill directory. ``decode.py``
-decodes the ids into the Arrow tables of ``schema.py``.
+decodes the ids into the Arrow tables of ``schema``.
 """
 from __future__ import annotations
 
