@@ -29,7 +29,8 @@ test: setup
 	# warning/error capture (both implementations are tested; ~6 min a pass)
 	TENSORSCOPE_FORCE_FALLBACK=1 $(PY) -m pytest -q tests
 
-# ruff (pyflakes, bugbear, isort; pyproject.toml [tool.ruff]) over everything that is Python
+# ruff (pyflakes, bugbear, isort, pyupgrade, simplify, docstring presence; pyproject.toml [tool.ruff]) over
+# everything that is Python
 lint: setup
 	$(PY) -m ruff check tensorscope tests benchmarks examples tools
 

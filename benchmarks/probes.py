@@ -13,7 +13,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Dict, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,7 +45,7 @@ class _CaptureMode(TorchDispatchMode):
             self.op_end()
 
 
-def per_op_ns(cap, n: int = 20000, repeats: int = 3, block: int = 500) -> Dict[str, float]:
+def per_op_ns(cap, n: int = 20000, repeats: int = 3, block: int = 500) -> dict[str, float]:
     """Per-op time of a small op inside a real TorchDispatchMode, without and with op_begin/op_end.
 
     ``n`` ops per variant per repeat, run as alternating blocks of ``block`` ops in this
@@ -87,7 +86,7 @@ def _screen_cases(x, y, one, x2):
     }
 
 
-def screen_cost_ratios(n: int = 1 << 20) -> Dict[Tuple[str, str], float]:
+def screen_cost_ratios(n: int = 1 << 20) -> dict[tuple[str, str], float]:
     """(probe cost) / (op cost) per dtype and op on ``n`` elements, pre/op/post as the dispatch mode runs them."""
     from tensorscope.recording.numerics import NonfiniteScreen
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import Optional
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split_run(argv: List[str]):
+def _split_run(argv: list[str]):
     """``run [options] target [script args]``: everything after the target belongs to the script
     (argparse would otherwise take a script's ``--out`` or ``-o`` for ours)."""
     for i, a in enumerate(argv[1:], 1):
@@ -43,7 +43,7 @@ def _split_run(argv: List[str]):
     return argv, []
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["build-native"]:
         # Its options (--force, --status ...) belong to build_native_main's own parser;

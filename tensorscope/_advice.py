@@ -8,8 +8,9 @@ result draws itself through ``render/sections_advice.py``.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import pyarrow as pa
 
@@ -27,13 +28,13 @@ class Advice(Displayable):
     findings: pa.Table
     syncs: pa.Table
     roofline: pa.Table
-    outside: List[Optional[Dict[str, Any]]]
-    gpu_idle: List[Dict[str, Any]]
+    outside: list[Optional[dict[str, Any]]]
+    gpu_idle: list[dict[str, Any]]
     steps: Optional[int]
-    peaks: Dict[str, Dict[str, Any]]
+    peaks: dict[str, dict[str, Any]]
     peaks_source: str
     n_windows: int = 1
-    notes: List[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def section(self) -> Any:
         from .render.sections_advice import advice_to_section
@@ -56,9 +57,9 @@ def _is_trace(x: Any) -> bool:
     return not isinstance(x, (list, tuple)) and all(hasattr(x, n) for n in ("ops", "calls", "kernels", "metadata"))
 
 
-def _traces(x: Any) -> List[Any]:
+def _traces(x: Any) -> list[Any]:
     if isinstance(x, (list, tuple)):
-        out: List[Any] = []
+        out: list[Any] = []
         for t in x:
             out.extend(_traces(t))
         return out
@@ -70,7 +71,7 @@ def _traces(x: Any) -> List[Any]:
     raise OptionsError(f"advise() takes a Trace, a list of Traces or a tensorscope.schedule, not {type(x).__name__}")
 
 
-def _peaks_of(traces: Sequence[Any]) -> "tuple[Dict[str, Dict[str, Any]], str]":
+def _peaks_of(traces: Sequence[Any]) -> tuple[dict[str, dict[str, Any]], str]:
     for t in traces:
         dev = (t.metadata.get("device") or {})
         rec = dev.get("peaks") if hasattr(dev, "get") else None
@@ -82,7 +83,7 @@ def _peaks_of(traces: Sequence[Any]) -> "tuple[Dict[str, Dict[str, Any]], str]":
     return p, "measured on this machine" if p else "none (could not measure: a profiler was running)"
 
 
-def advise(traces: Any, *, peaks: Optional[Dict[str, Dict[str, Any]]] = None,
+def advise(traces: Any, *, peaks: Optional[dict[str, dict[str, Any]]] = None,
            steps: Union[None, int, Sequence[Optional[int]]] = None) -> Advice:
     """The advisor's findings for ``traces``: a ``Trace``, a list of them, or a ``tensorscope.schedule``.
 
@@ -98,7 +99,7 @@ def advise(traces: Any, *, peaks: Optional[Dict[str, Dict[str, Any]]] = None,
     if isinstance(steps, int) and not isinstance(steps, bool):
         if len(ts) != 1:
             raise OptionsError("steps=N takes one trace; give one count per trace for a list")
-        steps_each: List[Optional[int]] = [steps]
+        steps_each: list[Optional[int]] = [steps]
     elif steps is None:
         steps_each = [None] * len(ts)
     else:

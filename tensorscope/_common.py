@@ -11,13 +11,13 @@ from __future__ import annotations
 import gc
 import html
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional
 
 # -- dtypes ---------------------------------------------------------------------------------------
 #: every dtype a table names, by its torch name: (kind, bits per element). kind is "float",
 #: "complex", "int" (signed), "uint", "bool" or "quant". Packed sub-byte dtypes are left out
 #: (their size is not ``bits // 8`` per element): they read as unknown (itemsize 0).
-DTYPES: Dict[str, Tuple[str, int]] = {
+DTYPES: dict[str, tuple[str, int]] = {
     "float64": ("float", 64), "float32": ("float", 32), "float16": ("float", 16), "bfloat16": ("float", 16),
     "float8_e4m3fn": ("float", 8), "float8_e5m2": ("float", 8), "float8_e4m3fnuz": ("float", 8),
     "float8_e5m2fnuz": ("float", 8), "float8_e8m0fnu": ("float", 8),
@@ -28,11 +28,11 @@ DTYPES: Dict[str, Tuple[str, int]] = {
     "qint8": ("quant", 8), "quint8": ("quant", 8), "qint32": ("quant", 32), "quint4x2": ("quant", 8),
 }
 #: floating dtypes -> bits
-FLOAT_BITS: Dict[str, int] = {n: b for n, (k, b) in DTYPES.items() if k == "float"}
+FLOAT_BITS: dict[str, int] = {n: b for n, (k, b) in DTYPES.items() if k == "float"}
 #: complex dtypes -> bits (both parts)
-COMPLEX_BITS: Dict[str, int] = {n: b for n, (k, b) in DTYPES.items() if k == "complex"}
+COMPLEX_BITS: dict[str, int] = {n: b for n, (k, b) in DTYPES.items() if k == "complex"}
 #: integer dtypes -> (bits, signed)
-INT_BITS: Dict[str, Tuple[int, bool]] = {n: (b, k == "int") for n, (k, b) in DTYPES.items() if k in ("int", "uint")}
+INT_BITS: dict[str, tuple[int, bool]] = {n: (b, k == "int") for n, (k, b) in DTYPES.items() if k in ("int", "uint")}
 #: dtypes that can hold a non-finite value (floating and complex)
 INEXACT_DTYPES = frozenset(FLOAT_BITS) | frozenset(COMPLEX_BITS)
 
@@ -126,7 +126,7 @@ class Displayable:
     def to_html(self) -> str:
         raise NotImplementedError
 
-    def _repr_mimebundle_(self, include: object = None, exclude: object = None) -> Dict[str, str]:
+    def _repr_mimebundle_(self, include: object = None, exclude: object = None) -> dict[str, str]:
         return {"text/plain": self.to_text(), "text/html": self.to_html()}
 
     def __str__(self) -> str:
@@ -141,7 +141,7 @@ class CompileCallbacks:
     __slots__ = ("_cb",)
 
     def __init__(self, start: Any, end: Any) -> None:
-        self._cb: Optional[Tuple[Any, Any, Any]] = None
+        self._cb: Optional[tuple[Any, Any, Any]] = None
         try:
             import torch._dynamo.callback as dyn
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 
@@ -16,7 +16,7 @@ from .io.dataset import DATASET_TABLES, PathLike, has_parts, parts_glob, sql_str
 from .metadata import TraceMetadata, check_version
 
 
-def open_dataset(root: "PathLike") -> "Dataset":
+def open_dataset(root: PathLike) -> Dataset:
     """Open a dataset written with ``trace(dataset=root)`` / ``python -m tensorscope run --out root``."""
     return Dataset(root)
 
@@ -25,7 +25,7 @@ class Dataset:
     """All runs and ranks of a dataset directory. ``.sql()`` sees one DuckDB view per table
     (``ops``, ``collectives``, ``ranks``…) over every run and rank, with ``run`` and ``rank`` columns."""
 
-    def __init__(self, root: "PathLike") -> None:
+    def __init__(self, root: PathLike) -> None:
         import duckdb
 
         self.root = os.path.abspath(os.fspath(root))
@@ -52,7 +52,7 @@ class Dataset:
     def close(self) -> None:
         self._con.close()
 
-    def __enter__(self) -> "Dataset":
+    def __enter__(self) -> Dataset:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -70,7 +70,7 @@ class Dataset:
             return self._arrow(query)
         return self._con.sql(query).df()
 
-    def _arrow(self, query: str, params: Optional[List[Any]] = None) -> pa.Table:
+    def _arrow(self, query: str, params: Optional[list[Any]] = None) -> pa.Table:
         rel = self._con.sql(query, params=params)
         fetch = getattr(rel, "to_arrow_table", None) or rel.arrow
         return fetch()
@@ -87,7 +87,7 @@ class Dataset:
                         "ORDER BY start_unix_ns, run, rank, attempt, trace_id")
 
     @property
-    def runs(self) -> List[str]:
+    def runs(self) -> list[str]:
         """Run ids, oldest first."""
         rows = self._con.execute("SELECT run, min(start_unix_ns) s FROM ranks GROUP BY run ORDER BY s, run").fetchall()
         if not rows:
@@ -111,7 +111,7 @@ class Dataset:
         """One rank's ``Trace`` (the latest attempt; pass ``trace_id=`` when the rank wrote several)."""
         run = self._pick_run(run)
         where = "run = ? AND rank = ?"
-        params: List[Any] = [run, int(rank)]
+        params: list[Any] = [run, int(rank)]
         keys = self._con.execute(f"SELECT DISTINCT attempt, trace_id FROM ranks WHERE {where} ORDER BY 1, 2",
                                  params).fetchall()
         if not keys:
@@ -139,7 +139,7 @@ class Dataset:
             tables[name] = S.conform(name, t)
         md_rows = self._con.execute(f"SELECT metadata_json FROM ranks WHERE {cond}", params).fetchall()
         where = f"{self.root!r} (ranks.metadata_json of run {run!r}, rank {int(rank)})"
-        md: Dict[str, Any] = {}
+        md: dict[str, Any] = {}
         if md_rows and md_rows[0][0]:
             try:
                 md = json.loads(md_rows[0][0])
@@ -152,7 +152,7 @@ class Dataset:
         return Trace(tables, TraceMetadata.from_dict(md, where=where))
 
     # -- views -------------------------------------------------------------------
-    def to_perfetto(self, path: "PathLike", run: Optional[str] = None) -> str:
+    def to_perfetto(self, path: PathLike, run: Optional[str] = None) -> str:
         """All ranks of one run on one timeline (rank 0's clock), a process per rank."""
         from .render.perfetto_ranks import write_dataset_perfetto
 
@@ -165,6 +165,6 @@ class Dataset:
 
         return dataset_summary(self, run)
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Dict[str, str]:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         s = self.summary()
         return {"text/plain": s.to_text(), "text/html": s.to_html()}

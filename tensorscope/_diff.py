@@ -3,7 +3,7 @@ drawing in ``render/diff.py``). Named ``_diff`` so the module never shadows the 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ._trace import Trace
 
 
-def as_trace(x: Any) -> "Trace":
+def as_trace(x: Any) -> Trace:
     """A Trace from a Trace, a finished ``trace()`` object, or a saved trace directory."""
     from ._trace import Trace
 
@@ -30,7 +30,7 @@ def as_trace(x: Any) -> "Trace":
     raise TypeError(f"expected a tensorscope Trace or a saved trace directory, got {type(x).__name__}")
 
 
-def diff(a, b) -> "TraceDiff":
+def diff(a, b) -> TraceDiff:
     """Compare run ``a`` with run ``b`` (Traces, ``trace()`` objects or saved directories).
 
     Matched by (module, phase, op), casts and layout changes by kind, never by row,
@@ -55,7 +55,7 @@ def _label(t, default: str) -> str:
 class TraceDiff(Displayable):
     """``a`` → ``b``: ``table`` (one row per (section, key)), ``totals_a``/``totals_b``, text and HTML."""
 
-    def __init__(self, table: pa.Table, totals_a: Dict[str, Any], totals_b: Dict[str, Any], label_a: str,
+    def __init__(self, table: pa.Table, totals_a: dict[str, Any], totals_b: dict[str, Any], label_a: str,
                  label_b: str):
         self.table = table
         self.totals_a = totals_a
@@ -69,7 +69,7 @@ class TraceDiff(Displayable):
             return self.table
         return self.table.filter(pc.not_equal(self.table.column("status"), "same"))
 
-    def regressions(self, time: float = 0.2, memory: float = 0.1) -> List[str]:
+    def regressions(self, time: float = 0.2, memory: float = 0.1) -> list[str]:
         """Baseline-guard failures (see ``analyses.diff.regressions``), as sentences."""
         from .analyses.diff import regressions
 

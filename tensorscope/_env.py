@@ -22,15 +22,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 from ._common import Displayable
 
 __all__ = ["env", "EnvReport", "GpuInfo", "arch_support"]
 
 
-def arch_support(capability: Tuple[int, int], arch_list: Sequence[str]) -> Tuple[str, Optional[str]]:
+def arch_support(capability: tuple[int, int], arch_list: Sequence[str]) -> tuple[str, Optional[str]]:
     """How a torch build runs on a GPU of compute ``capability`` given ``torch.cuda.get_arch_list()``.
 
     Returns ``("sass", "sm_80")`` when the build ships machine code that runs
@@ -101,12 +102,12 @@ class EnvReport(Displayable):
     cuda_available: bool
     cuda_initialized: bool
     device_count: int
-    arch_list: List[str]
-    gpus: List[GpuInfo]
+    arch_list: list[str]
+    gpus: list[GpuInfo]
     gpu_details: str                        # reported / skipped (CUDA not initialised) / unavailable
     tf32_matmul: Optional[bool]             # torch.backends.cuda.matmul.allow_tf32
     tf32_cudnn: Optional[bool]              # torch.backends.cudnn.allow_tf32
-    fp32_precision: Dict[str, Optional[str]]  # the newer per-backend precision switches where present
+    fp32_precision: dict[str, Optional[str]]  # the newer per-backend precision switches where present
     float32_matmul_precision: Optional[str]
     cudnn_enabled: Optional[bool]
     cudnn_benchmark: Optional[bool]
@@ -120,11 +121,11 @@ class EnvReport(Displayable):
     cpu_bf16: Optional[bool]
     mkldnn: Optional[bool]
     openmp: Optional[bool]
-    notes: List[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     #: measured machine peaks per device type (``_peaks.all_peaks``): None when not measured/cached
-    peaks: Optional[Dict[str, Dict[str, Any]]] = None
+    peaks: Optional[dict[str, dict[str, Any]]] = None
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_text(self) -> str:
@@ -145,7 +146,7 @@ def _try(fn, default=None):
         return default
 
 
-def _gpu_infos(torch, count: int, arch_list: List[str], notes: List[str]) -> List[GpuInfo]:
+def _gpu_infos(torch, count: int, arch_list: list[str], notes: list[str]) -> list[GpuInfo]:
     out = []
     for i in range(count):
         try:
@@ -176,14 +177,14 @@ def env(init_cuda: bool = True) -> EnvReport:
     """The report for this process now. ``init_cuda=False``: never initialise CUDA just to describe GPUs."""
     import torch
 
-    notes: List[str] = []
+    notes: list[str] = []
     cuda_rt = getattr(torch.version, "cuda", None)
     hip = getattr(torch.version, "hip", None)
     available = bool(_try(torch.cuda.is_available, False))
     initialized = bool(_try(torch.cuda.is_initialized, False))
     count = int(_try(torch.cuda.device_count, 0) or 0) if available else 0
     arch_list = list(_try(torch.cuda.get_arch_list, []) or []) if (available and (init_cuda or initialized)) else []
-    gpus: List[GpuInfo] = []
+    gpus: list[GpuInfo] = []
     if count and (init_cuda or initialized):
         gpus = _gpu_infos(torch, count, arch_list, notes)
         details = "reported"
@@ -193,7 +194,7 @@ def env(init_cuda: bool = True) -> EnvReport:
         details = "none"
     cudnn_ver = _try(torch.backends.cudnn.version) if (cuda_rt or hip) else None
 
-    fp32: Dict[str, Optional[str]] = {}
+    fp32: dict[str, Optional[str]] = {}
     # the per-backend fp32_precision settings are newer than some supported torch versions (_try
     # guards them) and torch's stubs do not declare the cudnn/mkldnn sub-modules
     for key, getter in (("matmul", lambda: torch.backends.cuda.matmul.fp32_precision),

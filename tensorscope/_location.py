@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Optional
 
 from ._common import ipython_shell
 
 _IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-[0-9a-f]+>$")
 
 
-def live_cell_files() -> Dict[str, int]:
+def live_cell_files() -> dict[str, int]:
     """The running IPython's cell file → execution count map ({} outside IPython)."""
     shell = ipython_shell()
     if shell is None:
@@ -29,7 +30,7 @@ def live_cell_files() -> Dict[str, int]:
         return {}
 
 
-def cell_files_for(files: Iterable[Optional[str]]) -> Dict[str, int]:
+def cell_files_for(files: Iterable[Optional[str]]) -> dict[str, int]:
     """The entries of the live map for ``files`` (what a trace stores in its metadata)."""
     live = live_cell_files()
     if not live:

@@ -24,13 +24,13 @@ import json
 import os
 import platform
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional
 
 RECIPE = 1
-_MEMO: Dict[str, Dict[str, Any]] = {}
+_MEMO: dict[str, dict[str, Any]] = {}
 
 #: (name substring, lower case) -> dense FLOP/s (fp32 without TF32, bf16 and fp16 tensor cores) and bytes/s
-SPEC_SHEETS: Tuple[Tuple[str, Dict[str, float]], ...] = (
+SPEC_SHEETS: tuple[tuple[str, dict[str, float]], ...] = (
     ("h200", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12, "bytes_per_s": 4.8e12}),
     ("h100 pcie", {"float32": 51e12, "bfloat16": 756e12, "float16": 756e12, "bytes_per_s": 2.0e12}),
     ("h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12, "bytes_per_s": 3.35e12}),
@@ -45,7 +45,7 @@ SPEC_SHEETS: Tuple[Tuple[str, Dict[str, float]], ...] = (
 )
 
 
-def spec_sheet(name: str) -> Optional[Dict[str, float]]:
+def spec_sheet(name: str) -> Optional[dict[str, float]]:
     """The spec-sheet figures of a GPU by its name (``NVIDIA H200``), or None when unknown."""
     low = name.lower()
     for key, figs in SPEC_SHEETS:
@@ -65,7 +65,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _identity(device: str) -> Dict[str, Any]:
+def _identity(device: str) -> dict[str, Any]:
     import torch
 
     if device == "cuda":
@@ -77,14 +77,14 @@ def _identity(device: str) -> Dict[str, Any]:
             "recipe": RECIPE}
 
 
-def cache_path(ident: Dict[str, Any]) -> str:
+def cache_path(ident: dict[str, Any]) -> str:
     from .native import cache_dir
 
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), f"peaks-{ident['device']}-{key}.json")
 
 
-def _read(path: str, ident: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def _read(path: str, ident: dict[str, Any]) -> Optional[dict[str, Any]]:
     try:
         with open(path) as f:
             d = json.load(f)
@@ -95,7 +95,7 @@ def _read(path: str, ident: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return d
 
 
-def _write(path: str, d: Dict[str, Any]) -> None:
+def _write(path: str, d: dict[str, Any]) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -106,7 +106,7 @@ def _write(path: str, d: Dict[str, Any]) -> None:
         pass   # a read-only cache: measured again next process
 
 
-def machine_peaks(device: str = "cpu", *, measure: bool = True, refresh: bool = False) -> Optional[Dict[str, Any]]:
+def machine_peaks(device: str = "cpu", *, measure: bool = True, refresh: bool = False) -> Optional[dict[str, Any]]:
     """This machine's peaks on ``device`` (``cpu`` or ``cuda``: the current CUDA device); cached on disk.
 
     None when ``measure=False`` and nothing is cached, when CUDA is asked for but unavailable, or when
@@ -142,7 +142,7 @@ def machine_peaks(device: str = "cpu", *, measure: bool = True, refresh: bool = 
     return dict(d)
 
 
-def _best_of(old: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
+def _best_of(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """A peak is the best the machine reached: a refresh on a busy machine only raises what is cached."""
     out = dict(new)
     fl = dict(old.get("flops") or {})
@@ -155,11 +155,11 @@ def _best_of(old: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def all_peaks(measure: bool = True) -> Dict[str, Dict[str, Any]]:
+def all_peaks(measure: bool = True) -> dict[str, dict[str, Any]]:
     """``{"cpu": ..., "cuda": ...}``: the devices with peaks (CUDA only when the program initialised it)."""
     import torch
 
-    out: Dict[str, Dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {}
     p = machine_peaks("cpu", measure=measure)
     if p:
         out["cpu"] = p
@@ -174,14 +174,14 @@ def all_peaks(measure: bool = True) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def _hidden(fn: Callable[[], Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+def _hidden(fn: Callable[[], Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
     """``fn()`` with every Python mode off, no autograd/autocast, RecordFunction off when we can."""
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
     from .native import loaded_engine
 
-    def run() -> Optional[Dict[str, Any]]:
+    def run() -> Optional[dict[str, Any]]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_disable_current_modes())
             stack.enter_context(torch._C.DisableTorchFunction())
@@ -193,7 +193,7 @@ def _hidden(fn: Callable[[], Optional[Dict[str, Any]]]) -> Optional[Dict[str, An
 
     ext = loaded_engine()
     if ext is not None and hasattr(ext, "unobserved"):
-        out: Optional[Dict[str, Any]] = ext.unobserved(run)
+        out: Optional[dict[str, Any]] = ext.unobserved(run)
         return out
     if torch.autograd._profiler_enabled():
         return None   # the profiler would record the benchmark: measure another time
@@ -216,11 +216,11 @@ def _best_ns(fn: Callable[[], Any], budget_s: float, sync: Callable[[], Any] = l
     return max(best, 1.0)
 
 
-def _measure_cpu() -> Optional[Dict[str, Any]]:
+def _measure_cpu() -> Optional[dict[str, Any]]:
     import torch
 
     t0 = time.perf_counter()
-    flops: Dict[str, float] = {}
+    flops: dict[str, float] = {}
     for dtype, n, budget in ((torch.float32, 512, 0.15), (torch.bfloat16, 256, 0.1)):
         try:
             a = torch.empty(n, n, dtype=dtype).fill_(0.5)
@@ -251,13 +251,13 @@ def _measure_cpu() -> Optional[Dict[str, Any]]:
             "torch.add on 1 element"}
 
 
-def _measure_cuda() -> Optional[Dict[str, Any]]:
+def _measure_cuda() -> Optional[dict[str, Any]]:
     import torch
 
     t0 = time.perf_counter()
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = torch.cuda.synchronize
-    flops: Dict[str, float] = {}
+    flops: dict[str, float] = {}
     for dtype, n in ((torch.float32, 4096), (torch.bfloat16, 8192), (torch.float16, 8192)):
         try:
             a = torch.empty(n, n, dtype=dtype, device=dev).fill_(0.5)

@@ -16,8 +16,8 @@ channels_last; the label then follows torch's own tie-break
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import gcd
-from typing import Sequence, Tuple
 
 
 def _is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
@@ -145,7 +145,7 @@ _CL2 = (1, 3, 2, 0)
 _CL3 = (1, 4, 3, 2, 0)
 
 
-def memory_format(shape: Tuple[int, ...], stride: Tuple[int, ...]) -> Tuple[str, bool]:
+def memory_format(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[str, bool]:
     """``(label, ambiguous)`` for a strided tensor's shape and stride."""
     nd = len(shape)
     if nd == 0:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import shutil
 import weakref
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional, Union
 
 import pyarrow as pa
 
@@ -21,7 +22,7 @@ from . import schema as S
 from .metadata import TraceMetadata
 
 
-def _derive(name: str, tables: Dict[str, pa.Table]) -> pa.Table:
+def _derive(name: str, tables: dict[str, pa.Table]) -> pa.Table:
     try:
         if name == "casts":
             from .analyses.casts import casts
@@ -49,26 +50,26 @@ class _Resolver:
 
     __slots__ = ("fn",)
 
-    def __init__(self, fn: Callable[[], Tuple[pa.Table, Sequence[str]]]) -> None:
+    def __init__(self, fn: Callable[[], tuple[pa.Table, Sequence[str]]]) -> None:
         self.fn = fn
 
 
 class Trace:
     """One recording. ``t.ops``, ``t.calls``… are ``pyarrow.Table``s (empty, right schema, when nothing)."""
 
-    _tables: Dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
+    _tables: dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
     _metadata: TraceMetadata    # as built; never replaced
-    _later: Dict[str, Any]      # saved_to (Trace.save) and notes (the kernels resolver), when they come
+    _later: dict[str, Any]      # saved_to (Trace.save) and notes (the kernels resolver), when they come
     _plot: Any
-    _derived: Dict[str, pa.Table]   # views that are no table of the trace (memory_timeline ...), cached
+    _derived: dict[str, pa.Table]   # views that are no table of the trace (memory_timeline ...), cached
 
-    def __init__(self, tables: Dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
-                 kernels: Optional[Callable[[], Tuple[pa.Table, Sequence[str]]]] = None,
+    def __init__(self, tables: dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
+                 kernels: Optional[Callable[[], tuple[pa.Table, Sequence[str]]]] = None,
                  _spill_file: Optional[str] = None):
         """``tables``: the recorded tables by name (missing ones are empty); ``kernels``: instead of a
         ``kernels`` table, its resolver, run once on first read (always-on cells link CUDA kernels
         at the next harvest), returning the table and the notes it adds to the metadata."""
-        tabs: Dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
+        tabs: dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
                                 for name in S.RECORDED}
         for name in S.DERIVED:
             if tables.get(name) is not None:
@@ -125,7 +126,7 @@ class Trace:
         raise AttributeError(f"a Trace is read-only: cannot delete {name!r}")
 
     @property
-    def tables(self) -> Dict[str, pa.Table]:
+    def tables(self) -> dict[str, pa.Table]:
         return {name: self.table(name) for name in S.TABLES}
 
     ops = property(lambda self: self.table("ops"))

@@ -1,7 +1,8 @@
 """The exception hierarchy: every error tensorscope raises is a TensorscopeError."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 class TensorscopeError(Exception):

@@ -24,8 +24,9 @@ import copy
 import dataclasses
 import json
 import types
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from . import schema as S
 from .errors import OptionsError, SchemaVersionError, TraceFormatError
@@ -62,7 +63,7 @@ def _freeze(o: Any) -> Any:
     return o
 
 
-def check_version(version: Any, where: str) -> Tuple[int, int]:
+def check_version(version: Any, where: str) -> tuple[int, int]:
     """The (major, minor) of a schema version string; refuses one newer than this tensorscope reads."""
     try:
         major, minor = S.parse_version(version)
@@ -138,7 +139,7 @@ class TraceMetadata(Mapping[str, Any]):
     n_calls: int = _f(0, _int, "rows of calls")
     spilled_rows: int = _f(0, _int, "rows spilled to disk while recording")
     tracer_errors: int = _f(0, _int, "internal tracer errors contained")
-    tracer_error_messages: Tuple[str, ...] = _f((), _strs, "their first messages")
+    tracer_error_messages: tuple[str, ...] = _f((), _strs, "their first messages")
     native: Optional[Mapping[str, Any]] = _f(None, _opt_map, "native hook status")
     engine: str = _f("python", _str, "the engine that recorded the ops: native or python")
     engine_reason: str = _f("", _str, "why that engine")
@@ -146,7 +147,7 @@ class TraceMetadata(Mapping[str, Any]):
     compiled_ops: Optional[int] = _f(None, _opt_int, "of those, dispatched by torch.compile'd code")
     nonfinite_screen: Optional[Mapping[str, Any]] = _f(None, _opt_map, "NaN/Inf screen counters")
     numerics: Optional[Mapping[str, Any]] = _f(None, _opt_map, "numerics shadow counters")
-    notes: Tuple[str, ...] = _f((), _strs, "what the trace could not see, and why")
+    notes: tuple[str, ...] = _f((), _strs, "what the trace could not see, and why")
     distributed: Optional[Mapping[str, Any]] = _f(None, _opt_map, "rank identity, run id and clock offsets")
     dataset: Optional[Mapping[str, Any]] = _f(None, _opt_map, "where dataset= wrote the trace (or it was read from)")
     saved_to: Optional[str] = _f(None, _opt_str,
@@ -164,7 +165,7 @@ class TraceMetadata(Mapping[str, Any]):
     # -- construction ----------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "trace metadata",
-                  require_format: bool = False) -> "TraceMetadata":
+                  require_format: bool = False) -> TraceMetadata:
         """Validate a metadata document (``options`` may be a dict or a ``TraceOptions``); errors
         name ``where``. Keys this version does not know go to ``extra``."""
         if not isinstance(d, _MAP):
@@ -179,14 +180,14 @@ class TraceMetadata(Mapping[str, Any]):
             raise TraceFormatError(f"{where}: {e}") from None
 
     @classmethod
-    def from_json(cls, text: str, *, where: str) -> "TraceMetadata":
+    def from_json(cls, text: str, *, where: str) -> TraceMetadata:
         try:
             d = json.loads(text)
         except ValueError as e:
             raise TraceFormatError(f"{where}: trace metadata is not valid JSON: {e}") from None
         return cls.from_dict(d, where=where, require_format=True)
 
-    def replace(self, **changes: Any) -> "TraceMetadata":
+    def replace(self, **changes: Any) -> TraceMetadata:
         """A validated copy with ``changes`` (for tensorscope's own use while it builds or saves a
         trace); names this version does not know go to ``extra``. Only the changes are checked:
         the rest was checked and frozen when this one was made."""
@@ -201,9 +202,9 @@ class TraceMetadata(Mapping[str, Any]):
         return out
 
     # -- output ----------------------------------------------------------------------
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The JSON document (plain dicts and lists; unknown keys of ``extra`` at the top level again)."""
-        out: Dict[str, Any] = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name == "extra":
                 continue
@@ -247,7 +248,7 @@ _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TraceMetadata))
 _FIELD_SET = frozenset(_FIELD_NAMES)
 
 
-def _set_checked(md: "TraceMetadata", name: str, v: Any) -> None:
+def _set_checked(md: TraceMetadata, name: str, v: Any) -> None:
     """Check ``v`` against field ``name``'s declaration and set it, frozen (``TraceFormatError`` if wrong)."""
     if name == "extra":
         if not isinstance(v, _MAP):
@@ -266,10 +267,10 @@ def _set_checked(md: "TraceMetadata", name: str, v: Any) -> None:
     object.__setattr__(md, name, v)
 
 
-def _split(d: Mapping[str, Any], where: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def _split(d: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The known fields of ``d`` (options parsed into a ``TraceOptions``), and the unknown ones."""
-    kw: Dict[str, Any] = {}
-    extra: Dict[str, Any] = dict(d["extra"]) if isinstance(d.get("extra"), _MAP) else {}
+    kw: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(d["extra"]) if isinstance(d.get("extra"), _MAP) else {}
     for k, v in d.items():
         if k == "extra":
             continue

@@ -21,8 +21,9 @@ import argparse
 import dataclasses
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Optional, Union
 
 from .errors import OptionsError
 
@@ -37,7 +38,7 @@ ORIGINS = ("api", "magic", "always_on", "cli")
 LEGACY_OPTIONS = frozenset({"numerics_threshold"})
 
 
-def _opt(default: Any, help: str, *, type: Optional[Type[Any]] = None, choices: Optional[Sequence[str]] = None,
+def _opt(default: Any, help: str, *, type: Optional[type[Any]] = None, choices: Optional[Sequence[str]] = None,
          metavar: Optional[str] = None) -> Any:
     """A field with its command-line declaration. ``type=None`` means a boolean switch."""
     return field(default=default, metadata={"help": help, "type": type, "choices": choices, "metavar": metavar})
@@ -91,7 +92,7 @@ class TraceOptions:
                                "'auto' (native when it builds; TENSORSCOPE_FORCE_FALLBACK=1 forces python)",
                        type=str, choices=ENGINES, metavar="{auto,native,python}")
     cpp_errors: bool = _opt(False, "count every c10::Error constructed, including ones C++ swallows (slow)")
-    expect: Tuple[str, ...] = _opt((), "cell guard: fail after the cell unless it holds (%s)" % ", ".join(EXPECTATIONS),
+    expect: tuple[str, ...] = _opt((), "cell guard: fail after the cell unless it holds ({})".format(", ".join(EXPECTATIONS)),
                                    type=str, choices=EXPECTATIONS, metavar="WHAT")
     max_casts: Optional[int] = _opt(None, "cell guard: fail when more than N casts ran", type=int, metavar="N")
     #: A Trace, a saved trace directory, or (in the magic, before it is resolved) a variable name or
@@ -153,25 +154,25 @@ class TraceOptions:
             raise OptionsError("chunk_rows must be >= 1 and spill_rows >= chunk_rows")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TraceOptions":
+    def from_dict(cls, d: Mapping[str, Any]) -> TraceOptions:
         """The options stored in a trace's metadata. Names this version does not know (a setting of
         an older version that is a display option now, or an option of a newer minor version) are
         ignored; a known name with a bad value is an ``OptionsError``."""
         names = {f.name for f in dataclasses.fields(cls)}
-        kw: Dict[str, Any] = {k: (tuple(v) if k == "expect" and isinstance(v, list) else v)
+        kw: dict[str, Any] = {k: (tuple(v) if k == "expect" and isinstance(v, list) else v)
                               for k, v in d.items() if k in names}
         return cls(**kw)
 
-    def replace(self, **changes: Any) -> "TraceOptions":
+    def replace(self, **changes: Any) -> TraceOptions:
         """A copy with ``changes`` (validated, unknown names refused)."""
         _refuse_unknown(changes, (type(self),))
         return dataclasses.replace(self, **changes)
 
-    def changed(self) -> Dict[str, Any]:
+    def changed(self) -> dict[str, Any]:
         """The options that differ from their defaults."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
-    def for_record(self) -> "TraceOptions":
+    def for_record(self) -> TraceOptions:
         """These options as a trace records them: a baseline Trace becomes its label, so the trace's
         metadata never keeps another trace alive."""
         b = self.baseline
@@ -179,7 +180,7 @@ class TraceOptions:
             return self
         return dataclasses.replace(self, baseline=baseline_label(b))
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready: tuples as lists, a baseline Trace as its label."""
         rec = self.for_record()
         return {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(rec)
@@ -237,10 +238,10 @@ class RunContext:
                 raise OptionsError(f"{name} must be True or False, not {getattr(self, name)!r}")
 
 
-OPTION_CLASSES: Tuple[Type[Any], ...] = (TraceOptions, DisplayOptions)
+OPTION_CLASSES: tuple[type[Any], ...] = (TraceOptions, DisplayOptions)
 
 
-def _refuse_unknown(kwargs: Mapping[str, Any], classes: Sequence[Type[Any]]) -> None:
+def _refuse_unknown(kwargs: Mapping[str, Any], classes: Sequence[type[Any]]) -> None:
     names = {f.name for cls in classes for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - names)
     if unknown:
@@ -248,7 +249,7 @@ def _refuse_unknown(kwargs: Mapping[str, Any], classes: Sequence[Type[Any]]) -> 
 
 
 def resolve(options: Optional[TraceOptions] = None, display: Optional[DisplayOptions] = None,
-            keywords: Optional[Mapping[str, Any]] = None) -> Tuple[TraceOptions, DisplayOptions]:
+            keywords: Optional[Mapping[str, Any]] = None) -> tuple[TraceOptions, DisplayOptions]:
     """What ``trace(options, display=..., **keywords)`` records and shows by: the objects given,
     with the keywords replacing their fields. Objects already built are used as they are (they
     validated themselves once); an unknown keyword is an ``OptionsError``."""
@@ -272,12 +273,12 @@ def resolve(options: Optional[TraceOptions] = None, display: Optional[DisplayOpt
     return opts, disp
 
 
-def fields(classes: Sequence[Type[Any]] = OPTION_CLASSES) -> List["dataclasses.Field[Any]"]:
+def fields(classes: Sequence[type[Any]] = OPTION_CLASSES) -> list[dataclasses.Field[Any]]:
     """Every flag-bearing field of ``classes``: the trace options, then the display options."""
     return [f for cls in classes for f in dataclasses.fields(cls)]
 
 
-def cli_flag(f: "dataclasses.Field[Any]") -> Tuple[str, ...]:
+def cli_flag(f: dataclasses.Field[Any]) -> tuple[str, ...]:
     """The command-line spelling of an option: booleans on by default get ``--no-x``."""
     name = f.name.replace("_", "-")
     if f.metadata.get("type") is None and f.default is True:
@@ -285,17 +286,17 @@ def cli_flag(f: "dataclasses.Field[Any]") -> Tuple[str, ...]:
     return (f"--{name}",)
 
 
-def argparse_arguments(classes: Sequence[Type[Any]] = OPTION_CLASSES
-                       ) -> List[Tuple[Tuple[str, ...], Dict[str, Any]]]:
+def argparse_arguments(classes: Sequence[type[Any]] = OPTION_CLASSES
+                       ) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
     """(flags, kwargs) pairs for ``argparse.add_argument`` / ``magic_arguments.argument``."""
-    out: List[Tuple[Tuple[str, ...], Dict[str, Any]]] = []
+    out: list[tuple[tuple[str, ...], dict[str, Any]]] = []
     for f in fields(classes):
         md = f.metadata
         flags = cli_flag(f)
         help_ = md["help"]
         if md.get("type") is None and f.default is True:
             help_ = "don't " + help_
-        kw: Dict[str, Any] = {"dest": f.name, "help": help_}
+        kw: dict[str, Any] = {"dest": f.name, "help": help_}
         if md.get("type") is None:  # boolean switch
             kw.update(action="store_const", const=f.default is not True, default=None)
         elif f.name == "expect":
@@ -312,18 +313,18 @@ def argparse_arguments(classes: Sequence[Type[Any]] = OPTION_CLASSES
     return out
 
 
-def add_to_parser(parser: argparse.ArgumentParser, classes: Sequence[Type[Any]] = OPTION_CLASSES) -> None:
+def add_to_parser(parser: argparse.ArgumentParser, classes: Sequence[type[Any]] = OPTION_CLASSES) -> None:
     """The flags of ``classes`` (all options; ``(DisplayOptions,)`` for commands that only show a trace)."""
     for flags, kw in argparse_arguments(classes):
         parser.add_argument(*flags, **kw)
 
 
-def parse_namespace(ns: argparse.Namespace, **overrides: Any) -> Tuple[TraceOptions, DisplayOptions]:
+def parse_namespace(ns: argparse.Namespace, **overrides: Any) -> tuple[TraceOptions, DisplayOptions]:
     """The typed options of parsed flags (unset ones keep their defaults), validated once.
 
     ``overrides`` replace trace options (the CLI's ``--out`` is the dataset).
     Raises ``OptionsError`` on a bad value."""
-    given: Dict[str, Any] = {}
+    given: dict[str, Any] = {}
     for f in fields():
         v = getattr(ns, f.name, None)
         if v is None:
@@ -334,10 +335,10 @@ def parse_namespace(ns: argparse.Namespace, **overrides: Any) -> Tuple[TraceOpti
 
 
 def to_flags(options: TraceOptions, display: Optional[DisplayOptions] = None, *,
-             skip: Sequence[str] = ()) -> List[str]:
+             skip: Sequence[str] = ()) -> list[str]:
     """The command-line flags that reproduce ``options`` (and ``display``): the inverse of
     ``parse_namespace`` for every option that differs from its default."""
-    out: List[str] = []
+    out: list[str] = []
     for obj in (options, display or DisplayOptions()):
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)

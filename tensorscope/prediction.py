@@ -15,7 +15,8 @@ What cannot be predicted: an op whose output shape or value depends on the data 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from .errors import OptionsError, TensorscopeError
 
@@ -26,8 +27,8 @@ class PredictionError(TensorscopeError, RuntimeError):
     """The step cannot be predicted without running it (a data-dependent op)."""
 
 
-def _closure_objects(fn: Any) -> List[Any]:
-    out: List[Any] = []
+def _closure_objects(fn: Any) -> list[Any]:
+    out: list[Any] = []
     code = getattr(fn, "__code__", None)
     glb = getattr(fn, "__globals__", None)
     if code is not None and isinstance(glb, dict):
@@ -43,7 +44,7 @@ def _closure_objects(fn: Any) -> List[Any]:
     return out
 
 
-def _state(fn: Any, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tuple[List[Any], List[Any]]:
+def _state(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
     """(modules, optimizers) the step can reach: its arguments, globals and closure, the user's names."""
     import torch
 
@@ -52,7 +53,7 @@ def _state(fn: Any, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tuple[L
 
     objs = list(args) + list(kwargs.values()) + _closure_objects(fn) + user_objects()
     try:
-        mods: Dict[int, Any] = {}
+        mods: dict[int, Any] = {}
         for o in objs:
             if issubclass(type(o), torch.nn.Module):
                 mods[id(o)] = o
@@ -79,10 +80,10 @@ class _Swap:
 
     def __init__(self, mode: Any) -> None:
         self.mode = mode
-        self.fakes: Dict[int, Any] = {}
-        self.keep: List[Any] = []            # the real tensors, while their fakes are keyed by id
-        self.real: Dict[int, int] = {}
-        self.undo: List[Tuple[Any, ...]] = []
+        self.fakes: dict[int, Any] = {}
+        self.keep: list[Any] = []            # the real tensors, while their fakes are keyed by id
+        self.real: dict[int, int] = {}
+        self.undo: list[tuple[Any, ...]] = []
 
     def fake(self, t: Any) -> Any:
         f = self.fakes.get(id(t))
@@ -98,7 +99,7 @@ class _Swap:
                 pass
         return f
 
-    def apply(self, modules: List[Any], optimizers: List[Any]) -> None:
+    def apply(self, modules: list[Any], optimizers: list[Any]) -> None:
         import torch
 
         seen = set()
@@ -119,7 +120,7 @@ class _Swap:
             state = opt.state
             if not isinstance(state, dict):
                 continue
-            new: Dict[Any, Any] = defaultdict(dict)   # what Optimizer.__init__ makes
+            new: dict[Any, Any] = defaultdict(dict)   # what Optimizer.__init__ makes
             for k, v in state.items():
                 fk = self.fake(k) if isinstance(k, torch.Tensor) else k
                 new[fk] = {n: self.fake(x) if isinstance(x, torch.Tensor) else x for n, x in v.items()} \

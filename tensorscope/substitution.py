@@ -25,7 +25,7 @@ divergence: kind, phase, op, the call, plain vs subclass value, the user line),
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 import pyarrow as pa
 
@@ -53,8 +53,8 @@ class SubstitutionReport(Displayable):
     def ok(self) -> bool:
         return self.table.num_rows == 0
 
-    def counts(self) -> Dict[str, int]:
-        out: Dict[str, int] = {}
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
         for k in self.table.column("kind").to_pylist():
             out[k] = out.get(k, 0) + 1
         return out
@@ -115,7 +115,7 @@ def _run(fn, args, kwargs, trace_options):
 
 def check_substitution(fn: Callable, *args, wrap: Callable, rtol: float = 1e-5, atol: float = 1e-6,
                        check_values: bool = True, unwrap: Optional[Callable] = None,
-                       trace_options: Optional[Dict[str, Any]] = None, **kwargs) -> SubstitutionReport:
+                       trace_options: Optional[dict[str, Any]] = None, **kwargs) -> SubstitutionReport:
     """Run ``fn(*args, **kwargs)`` on plain tensors and on ``wrap``-ped ones; report every divergence.
 
     ``wrap`` turns a plain tensor into the subclass; ``unwrap`` (optional) turns a
@@ -149,7 +149,7 @@ def check_substitution(fn: Callable, *args, wrap: Callable, rtol: float = 1e-5, 
     finally:
         torch.set_rng_state(after)   # as if fn ran once
 
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     _compare_exceptions(plain_exc, wrapped_exc, rows, plain_t, wrapped_t)
     _compare_ops(plain_t, wrapped_t, rows)
     if plain_exc is None and wrapped_exc is None:
@@ -209,7 +209,7 @@ def _exc_location(e):
     return user_traceback_location(e.__traceback__ if e is not None else None)
 
 
-def _op_rows(t) -> List[Dict[str, Any]]:
+def _op_rows(t) -> list[dict[str, Any]]:
     ops = t.ops
     if ops.num_rows == 0:
         return []
@@ -244,7 +244,7 @@ def _compare_ops(pt, wt, rows):
             continue
         only_a.extend(a[i1:i2])
         only_b.extend(b[j1:j2])
-    pending: Dict[Any, List[Dict[str, Any]]] = {}
+    pending: dict[Any, list[dict[str, Any]]] = {}
     for rb in only_b:
         pending.setdefault((rb["op"], rb["phase"]), []).append(rb)
     for ra in only_a:

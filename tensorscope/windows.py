@@ -18,7 +18,7 @@ writes each window into the dataset as its own trace; ``expect=`` checks each wi
 """
 from __future__ import annotations
 
-from typing import Any, List, Literal, Optional, Type
+from typing import Any, Literal, Optional
 
 from .errors import OptionsError
 from .options import resolve
@@ -37,8 +37,8 @@ class Schedule:
                 raise OptionsError(f"schedule({name}=...) must be an integer >= {low}, not {v!r}")
         self.wait, self.warmup, self.active, self.repeat, self.skip_first = wait, warmup, active, repeat, skip_first
         self.options, self.display = resolve(None, None, trace_options)   # a bad option fails before the loop
-        self.traces: List[Any] = []
-        self.windows: List[List[int]] = []
+        self.traces: list[Any] = []
+        self.windows: list[list[int]] = []
         self._step = 0
         self._open: Optional[Any] = None
         self._entered = False
@@ -60,7 +60,7 @@ class Schedule:
         return "active"
 
     @property
-    def steps(self) -> List[int]:
+    def steps(self) -> list[int]:
         """Steps each window traced (the advisor's per-step counts divide by them)."""
         return [len(w) for w in self.windows]
 
@@ -69,7 +69,7 @@ class Schedule:
         return self._step
 
     # -- the loop ------------------------------------------------------------------------------
-    def __enter__(self) -> "Schedule":
+    def __enter__(self) -> Schedule:
         if self._entered:
             raise OptionsError("a tensorscope.schedule runs one loop; make a new one for another loop")
         self._entered = True
@@ -85,7 +85,7 @@ class Schedule:
             self._close(None, None, None)
         self._begin()
 
-    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException], tb: Any) -> Literal[False]:
+    def __exit__(self, et: Optional[type[BaseException]], ev: Optional[BaseException], tb: Any) -> Literal[False]:
         if self._open is not None:
             # the loop ended after step(): the step step() began never ran (with an error, it did)
             phantom = ev is None and self._step > 0 and self.windows and self.windows[-1] == [self._step]

@@ -29,13 +29,14 @@ import ast
 import pathlib
 import sys
 import textwrap
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "tensorscope"
 
-Layers = Tuple[Tuple[str, Tuple[str, ...], str], ...]
+Layers = tuple[tuple[str, tuple[str, ...], str], ...]
 
 #: bottom first: (name, module prefixes, role). The longest matching prefix decides; the bare
 #: package name matches only its ``__init__`` (a new top-level module must be given a layer here).
@@ -72,11 +73,11 @@ LAYERS: Layers = (
 )
 
 #: function-level imports allowed to go up a layer: (importer, imported) -> why
-ALLOWED_UP: Dict[Tuple[str, str], str] = {}
+ALLOWED_UP: dict[tuple[str, str], str] = {}
 
 #: private names still imported across packages: (importer, "module.name") -> what to do. Each is a
 #: name to make public in its own module (a rename in a module another change was rewriting meanwhile)
-KNOWN_PRIVATE: Dict[Tuple[str, str], str] = {}
+KNOWN_PRIVATE: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -104,25 +105,25 @@ def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def modules(root: pathlib.Path = ROOT, package: str = PACKAGE) -> Dict[str, pathlib.Path]:
+def modules(root: pathlib.Path = ROOT, package: str = PACKAGE) -> dict[str, pathlib.Path]:
     return {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
 
 
-def imports(root: pathlib.Path = ROOT, package: str = PACKAGE) -> List[Import]:
+def imports(root: pathlib.Path = ROOT, package: str = PACKAGE) -> list[Import]:
     """Every import of a ``package`` module by a ``package`` module, module-level and in functions."""
     mods = modules(root, package)
-    out: List[Import] = []
+    out: list[Import] = []
     for mod, path in mods.items():
         out.extend(_imports_in(mod, path, root, mods, package))
     return out
 
 
-def _imports_in(mod: str, path: pathlib.Path, root: pathlib.Path, mods: Dict[str, pathlib.Path],
-                package: str) -> List[Import]:
+def _imports_in(mod: str, path: pathlib.Path, root: pathlib.Path, mods: dict[str, pathlib.Path],
+                package: str) -> list[Import]:
     is_pkg = path.name == "__init__.py"
     rel = str(path.relative_to(root))
-    out: List[Import] = []
-    todo: List[Tuple[ast.AST, bool, bool]] = [(ast.parse(path.read_text(encoding="utf-8"), filename=rel), False,
+    out: list[Import] = []
+    todo: list[tuple[ast.AST, bool, bool]] = [(ast.parse(path.read_text(encoding="utf-8"), filename=rel), False,
                                                 False)]
     while todo:
         node, lazy, typing_only = todo.pop()
@@ -206,21 +207,21 @@ def _private(imp: Import, package: str) -> Optional[str]:
     return None
 
 
-_PKG_DIRS: Set[str] = set()   # the package directories of the tree being checked
+_PKG_DIRS: set[str] = set()   # the package directories of the tree being checked
 
 
-def _cycles(edges: Iterable[Tuple[str, str]]) -> List[List[str]]:
+def _cycles(edges: Iterable[tuple[str, str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan, iterative)."""
-    graph: Dict[str, Set[str]] = {}
+    graph: dict[str, set[str]] = {}
     for a, b in edges:
         if a != b:
             graph.setdefault(a, set()).add(b)
             graph.setdefault(b, set())
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    on: Set[str] = set()
-    stack: List[str] = []
-    out: List[List[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
     counter = 0
     for start in sorted(graph):
         if start in index:
@@ -260,8 +261,8 @@ def _cycles(edges: Iterable[Tuple[str, str]]) -> List[List[str]]:
 
 
 def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = LAYERS,
-               allowed_up: Optional[Dict[Tuple[str, str], str]] = None,
-               known_private: Optional[Dict[Tuple[str, str], str]] = None) -> List[str]:
+               allowed_up: Optional[dict[tuple[str, str], str]] = None,
+               known_private: Optional[dict[tuple[str, str], str]] = None) -> list[str]:
     """Every broken rule, one line each naming the import (file:line) that breaks it."""
     allowed_up = ALLOWED_UP if allowed_up is None else allowed_up
     known_private = KNOWN_PRIVATE if known_private is None else known_private
@@ -269,7 +270,7 @@ def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers
     _PKG_DIRS.clear()
     _PKG_DIRS.update(m for m, p in mods.items() if p.name == "__init__.py")
     names = [n for n, _, _ in layers]
-    out: List[str] = []
+    out: list[str] = []
     for m in mods:
         if layer_of(m, layers) < 0:
             out.append(f"{mods[m].relative_to(root)}: module {m} is in no layer (add it to LAYERS)")
@@ -280,7 +281,7 @@ def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers
                 out.append(f"LAYERS: {name} names {pfx}, a module inside package {'.'.join(parts[:2])}: "
                            "a folder is one layer (move the module to a package of that layer)")
     imps = imports(root, package)
-    kept: List[Tuple[str, str]] = []
+    kept: list[tuple[str, str]] = []
     for imp in imps:
         a, b = layer_of(imp.importer, layers), layer_of(imp.imported, layers)
         allowed = (imp.importer, imp.imported) in allowed_up
@@ -291,7 +292,7 @@ def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers
         priv = _private(imp, package)
         if priv and (imp.importer, priv) not in known_private:
             out.append(f"{imp.where()}: private {priv} imported from outside its package")
-    by_edge: Dict[Tuple[str, str], Import] = {}
+    by_edge: dict[tuple[str, str], Import] = {}
     for imp in imps:
         by_edge.setdefault((imp.importer, imp.imported), imp)
     for comp in _cycles(kept):
@@ -310,11 +311,11 @@ def picture(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = 
     """The layer diagram, top layer first: modules of each layer and the layers it imports."""
     mods = modules(root, package)
     names = [n for n, _, _ in layers]
-    members: Dict[int, List[str]] = {}
+    members: dict[int, list[str]] = {}
     for m in mods:
         members.setdefault(layer_of(m, layers), []).append(m)
-    uses: Dict[int, Set[int]] = {}
-    ups: Dict[int, Set[str]] = {}
+    uses: dict[int, set[int]] = {}
+    ups: dict[int, set[str]] = {}
     for imp in imports(root, package):
         a, b = layer_of(imp.importer, layers), layer_of(imp.imported, layers)
         if b > a:
@@ -323,7 +324,7 @@ def picture(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = 
             uses.setdefault(a, set()).add(b)
     width = max(len(n) for n in names)
     pad = " " * (width + 2)
-    lines: List[str] = []
+    lines: list[str] = []
 
     def put(first: str, text: str) -> None:
         lines.extend(textwrap.wrap(text, 108, initial_indent=first, subsequent_indent=pad + "    ",
@@ -341,10 +342,10 @@ def picture(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = 
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _group(mods: Sequence[str], package: str, paths: Dict[str, pathlib.Path]) -> str:
+def _group(mods: Sequence[str], package: str, paths: dict[str, pathlib.Path]) -> str:
     """``io, io.dataset, io.parquet`` -> ``io/{__init__,dataset,parquet}``."""
-    groups: Dict[str, List[str]] = {}
-    order: List[str] = []
+    groups: dict[str, list[str]] = {}
+    order: list[str] = []
     for m in mods:
         s = _short(m, package)
         head, _, tail = s.rpartition(".")

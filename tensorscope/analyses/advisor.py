@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextvars
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -54,7 +55,7 @@ _SYNC_FIX = {
 
 
 #: the cell-file map of the traces being advised (``metadata["cell_files"]``), set for one advise_tables call
-_CELLS: "contextvars.ContextVar[Optional[Mapping[str, int]]]" = contextvars.ContextVar("cells", default=None)
+_CELLS: contextvars.ContextVar[Optional[Mapping[str, int]]] = contextvars.ContextVar("cells", default=None)
 
 
 def _where(file: Optional[str], line: Optional[int]) -> str:
@@ -64,10 +65,10 @@ def _where(file: Optional[str], line: Optional[int]) -> str:
     return format_location(file, line, _CELLS.get()) or "line unknown"
 
 
-Pairs = Union[Sequence[Tuple[int, int]], Tuple[np.ndarray, np.ndarray]]
+Pairs = Union[Sequence[tuple[int, int]], tuple[np.ndarray, np.ndarray]]
 
 
-def _arrays(pairs: Pairs) -> Tuple[np.ndarray, np.ndarray]:
+def _arrays(pairs: Pairs) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(pairs, tuple) and len(pairs) == 2 and isinstance(pairs[0], np.ndarray):
         return pairs[0], pairs[1]
     a = np.array(list(pairs), dtype=np.int64).reshape(-1, 2)
@@ -83,7 +84,7 @@ def _evidence(w: np.ndarray, s: np.ndarray, multi: bool, what: str = "ops seq") 
 
 def _finding(kind: str, subject: str, seen: str, pairs: Pairs, multi: bool, cost: Optional[int],
              fix: str, steps: Optional[int], module: Optional[str] = None, file: Optional[str] = None,
-             line: Optional[int] = None, what: str = "ops seq") -> Dict[str, Any]:
+             line: Optional[int] = None, what: str = "ops seq") -> dict[str, Any]:
     w, s = _arrays(pairs)
     if module and module not in seen:
         seen += f" (module {module})"
@@ -93,7 +94,7 @@ def _finding(kind: str, subject: str, seen: str, pairs: Pairs, multi: bool, cost
             "fix": fix, "module": module, "source_file": file, "source_line": line}
 
 
-def _sync_findings(syncs: pa.Table, noise_ops: "frozenset[str]", multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
     if syncs.num_rows == 0:
         return []
     noise = np.array([short_name(o) in noise_ops for o in syncs.column("op").to_pylist()], dtype=bool)
@@ -124,11 +125,11 @@ def _sync_findings(syncs: pa.Table, noise_ops: "frozenset[str]", multi: bool, st
     return out
 
 
-def _rows_of(w: int, view: OpView, names: "frozenset[str]", cols: List[str]) -> List[Dict[str, Any]]:
+def _rows_of(w: int, view: OpView, names: frozenset[str], cols: list[str]) -> list[dict[str, Any]]:
     return [dict(r, window=w) for r in view.rows(view.short_in(names), cols)]
 
 
-def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
     cols = ["seq", "op", "in_formats", "in_ambiguous", "in_shapes", "out_formats", "cpu_ns", "module",
             "source_file", "source_line"]
     mixed, copies = [], []
@@ -162,7 +163,7 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
                             [(r["window"], r["seq"]) for r in rs], multi, cost if copies else None, fix, steps,
                             first["module"], first["source_file"], first["source_line"]))
     taken = {(r["window"], r["seq"]) for r in mixed + copies}
-    groups: "OrderedDict[Tuple[Any, ...], List[Dict[str, Any]]]" = OrderedDict()
+    groups: OrderedDict[tuple[Any, ...], list[dict[str, Any]]] = OrderedDict()
     for w, win in enumerate(wins):
         lc = win.get("layout_changes")
         if lc is None or lc.num_rows == 0:
@@ -180,8 +181,8 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
     return out
 
 
-def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
-    groups: "OrderedDict[Tuple[Any, ...], List[Dict[str, Any]]]" = OrderedDict()
+def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
+    groups: OrderedDict[tuple[Any, ...], list[dict[str, Any]]] = OrderedDict()
     for w, win in enumerate(wins):
         for r in _rows_of(w, win["view"], frozenset({"zero_", "_foreach_zero_"}),
                           ["seq", "op", "in_storages", "cpu_ns", "module", "source_file", "source_line"]):
@@ -200,12 +201,12 @@ def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: O
 
 
 def _overhead_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int],
-                       cuda: bool) -> List[Dict[str, Any]]:
-    ws: List[np.ndarray] = []
-    ss: List[np.ndarray] = []
+                       cuda: bool) -> list[dict[str, Any]]:
+    ws: list[np.ndarray] = []
+    ss: list[np.ndarray] = []
     cost = 0
     n_work = 0
-    names: Dict[Tuple[str, Optional[str], Optional[int]], int] = {}
+    names: dict[tuple[str, Optional[str], Optional[int]], int] = {}
     optim = 0
     for w, win in enumerate(wins):
         ops, view = win["ops"], win["view"]
@@ -244,8 +245,8 @@ def _overhead_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Op
     return [_finding("overhead", f"{n_tiny} tiny ops", seen, pairs, multi, cost, "; ".join(fixes), steps)]
 
 
-def _outside_findings(outs: List[Optional[Dict[str, Any]]], wins: Sequence[Mapping[str, Any]],
-                      multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+def _outside_findings(outs: list[Optional[dict[str, Any]]], wins: Sequence[Mapping[str, Any]],
+                      multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
     wall = sum(o["span_ns"] for o in outs if o)
     outside = sum(o["outside_ns"] for o in outs if o)
     if not wall or outside < OUTSIDE_MIN_NS or outside / wall < OUTSIDE_SHARE:
@@ -254,7 +255,7 @@ def _outside_findings(outs: List[Optional[Dict[str, Any]]], wins: Sequence[Mappi
     if not gaps:
         return []
     lines = []
-    pairs: List[Tuple[int, int]] = []
+    pairs: list[tuple[int, int]] = []
     for g, w, a, b in gaps:
         ops = wins[w]["ops"]
         loc = S.plain_strings(ops.select(["seq", "op", "source_file", "source_line"]).filter(
@@ -279,10 +280,10 @@ def _outside_findings(outs: List[Optional[Dict[str, Any]]], wins: Sequence[Mappi
 
 
 def _roofline_findings(roof: pa.Table, wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], multi: bool,
-                       steps: Optional[int]) -> List[Dict[str, Any]]:
+                       steps: Optional[int]) -> list[dict[str, Any]]:
     ops_rows = [r for r in roof.to_pylist() if r["level"] == "op"]
     total = sum(r["time_ns"] or 0 for r in ops_rows)
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     if not total:
         return out
     fp32_gemm = sum(r["time_ns"] or 0 for r in ops_rows
@@ -318,7 +319,7 @@ def _roofline_findings(roof: pa.Table, wins: Sequence[Mapping[str, Any]], peaks:
     return out
 
 
-def _seqs_of(wins: Sequence[Mapping[str, Any]], op: str) -> Tuple[np.ndarray, np.ndarray]:
+def _seqs_of(wins: Sequence[Mapping[str, Any]], op: str) -> tuple[np.ndarray, np.ndarray]:
     ws, ss = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     for w, win in enumerate(wins):
         view = win["view"]
@@ -328,7 +329,7 @@ def _seqs_of(wins: Sequence[Mapping[str, Any]], op: str) -> Tuple[np.ndarray, np
     return np.concatenate(ws), np.concatenate(ss)
 
 
-def _host_to_device(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> List[Dict[str, Any]]:
+def _host_to_device(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
     rs = []
     for w, win in enumerate(wins):
         for r in _rows_of(w, win["view"], frozenset({"_to_copy", "copy_"}),
@@ -346,7 +347,7 @@ def _host_to_device(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optio
                      ".to(device, non_blocking=True)", steps, rs[0]["module"], rs[0]["source_file"], rs[0]["source_line"])]
 
 
-def _idle_findings(idle: List[Dict[str, Any]], multi: bool) -> List[Dict[str, Any]]:
+def _idle_findings(idle: list[dict[str, Any]], multi: bool) -> list[dict[str, Any]]:
     out = []
     for d in idle:
         if not d["span_ns"] or d["idle_ns"] / d["span_ns"] < OUTSIDE_SHARE or not d["gap_seqs"]:
@@ -362,11 +363,11 @@ def _idle_findings(idle: List[Dict[str, Any]], multi: bool) -> List[Dict[str, An
     return out
 
 
-def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] = None) -> Dict[str, Any]:
+def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] = None) -> dict[str, Any]:
     """Every finding of ``windows`` (one mapping per trace), with the tables behind them."""
     from .._common import NOISE_OPS
 
-    cells: Dict[str, int] = {}
+    cells: dict[str, int] = {}
     for w in windows:
         cells.update(w.get("cells") or {})
     token = _CELLS.set(cells or None)
@@ -376,9 +377,9 @@ def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] =
         _CELLS.reset(token)
 
 
-def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_OPS: "frozenset[str]") -> Dict[str, Any]:
+def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_OPS: frozenset[str]) -> dict[str, Any]:
     multi = len(windows) > 1
-    steps_each: List[Optional[int]] = [w.get("steps") if w.get("steps") is not None else infer_steps(w["calls"])
+    steps_each: list[Optional[int]] = [w.get("steps") if w.get("steps") is not None else infer_steps(w["calls"])
                                        for w in windows]
     steps = sum(int(s) for s in steps_each if s) if steps_each and all(steps_each) else None
     windows = [dict(w, view=OpView(w["ops"])) for w in windows]
@@ -401,7 +402,7 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
             for d in gpu_idle(w["ops"], k):
                 idle.append(dict(d, window=i))
     cuda = any(r == "cuda" for r in roof.column("device").to_pylist()) if roof.num_rows else False
-    found: List[Dict[str, Any]] = []
+    found: list[dict[str, Any]] = []
     found += _sync_findings(sync_t, NOISE_OPS, multi, steps)
     found += _layout_findings(windows, multi, steps)
     found += _zero_grad_findings(windows, multi, steps)
@@ -416,9 +417,9 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
 
 
 
-def _advice_table(found: List[Dict[str, Any]]) -> pa.Table:
+def _advice_table(found: list[dict[str, Any]]) -> pa.Table:
     """The ADVICE table; each finding's rows (numpy) become one list cell without a Python int per row."""
-    cols: Dict[str, Any] = {f.name: [f_[f.name] for f_ in found] for f in S.ADVICE if f.name != "rows"}
+    cols: dict[str, Any] = {f.name: [f_[f.name] for f_ in found] for f in S.ADVICE if f.name != "rows"}
     lens = np.array([len(f_["rows"]) for f_ in found], dtype=np.int32)
     offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     flat = pa.array(np.concatenate([np.asarray(f_["rows"], dtype=np.int64) for f_ in found]) if found

@@ -22,7 +22,8 @@ alive at the end.
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -53,7 +54,7 @@ def _stat(stats: Mapping[str, Any], key: str) -> int:
 
 
 def allocator_rows(start: Mapping[int, Mapping[str, Any]], end: Mapping[int, Mapping[str, Any]],
-                   touched: Iterable[int] = ()) -> List[Dict[str, Any]]:
+                   touched: Iterable[int] = ()) -> list[dict[str, Any]]:
     """``ALLOCATOR`` rows (``source = "stats"``) for the devices the trace touched: those ``touched``
     (its storages were on them) and those whose allocator counters moved during the trace. ``start``
     and ``end``: device index -> ``memory_stats`` (flat keys); a device missing from ``start`` had no
@@ -93,8 +94,8 @@ class _Storages:
     """Our CUDA storages by (device index, address): (lo, hi, nbytes, storage_id, category), by lo."""
 
     def __init__(self, tensors: Optional[pa.Table], ops: Optional[pa.Table]) -> None:
-        self.by_key: Dict[Tuple[int, int], List[Tuple[int, int, int, int, Optional[str]]]] = {}
-        self.alive_at_end: Dict[Tuple[int, int], Tuple[int, Optional[str]]] = {}
+        self.by_key: dict[tuple[int, int], list[tuple[int, int, int, int, Optional[str]]]] = {}
+        self.alive_at_end: dict[tuple[int, int], tuple[int, Optional[str]]] = {}
         if tensors is None or tensors.num_rows == 0 or "address" not in tensors.column_names:
             return
         addr = tensors.column("address")
@@ -126,7 +127,7 @@ class _Storages:
             v.sort(key=lambda r: r[0])
 
 
-def _events(snapshot: Mapping[str, Any], anchor_unix_ns: int) -> List[Tuple[int, Dict[str, Any]]]:
+def _events(snapshot: Mapping[str, Any], anchor_unix_ns: int) -> list[tuple[int, dict[str, Any]]]:
     """(device index, entry) of the snapshot's events since the trace started, in order."""
     out = []
     lo_us = (anchor_unix_ns - 1000) // 1000 if anchor_unix_ns else None
@@ -139,16 +140,16 @@ def _events(snapshot: Mapping[str, Any], anchor_unix_ns: int) -> List[Tuple[int,
     return out
 
 
-def _match_events(evs: Sequence[Tuple[int, Dict[str, Any]]], starts_ns: Sequence[Optional[int]],
-                  st: _Storages) -> List[Tuple[Optional[int], Optional[str]]]:
+def _match_events(evs: Sequence[tuple[int, dict[str, Any]]], starts_ns: Sequence[Optional[int]],
+                  st: _Storages) -> list[tuple[Optional[int], Optional[str]]]:
     """Per event, (storage_id, category) of ours it was for (see the module docstring)."""
-    nxt: Dict[Tuple[int, int], int] = {}        # next unmatched candidate per address
-    current: Dict[Tuple[int, int], Tuple[int, Optional[str]]] = {}
-    out: List[Tuple[Optional[int], Optional[str]]] = []
+    nxt: dict[tuple[int, int], int] = {}        # next unmatched candidate per address
+    current: dict[tuple[int, int], tuple[int, Optional[str]]] = {}
+    out: list[tuple[Optional[int], Optional[str]]] = []
     for (d, e), t in zip(evs, starts_ns):
         action = e.get("action")
         addr = e.get("addr")
-        got: Tuple[Optional[int], Optional[str]] = (None, None)
+        got: tuple[Optional[int], Optional[str]] = (None, None)
         if not isinstance(addr, int) or t is None:
             out.append(got)
             continue
@@ -184,13 +185,13 @@ def _match_events(evs: Sequence[Tuple[int, Dict[str, Any]]], starts_ns: Sequence
     return out
 
 
-def snapshot_tables(snapshot: Mapping[str, Any], *, anchor_unix_ns: int, tensors: Optional[pa.Table] = None, ops: Optional[pa.Table] = None) -> Dict[str, pa.Table]:
+def snapshot_tables(snapshot: Mapping[str, Any], *, anchor_unix_ns: int, tensors: Optional[pa.Table] = None, ops: Optional[pa.Table] = None) -> dict[str, pa.Table]:
     """``allocator_segments``, ``allocator_blocks`` and ``allocator_events`` of a
     ``torch.cuda.memory._snapshot()`` dict. ``anchor_unix_ns``: the trace start on the unix clock
     (``ops.start_ns == 0``); events before it (older history) are left out."""
     st = _Storages(tensors, ops)
-    seg_rows: List[Dict[str, Any]] = []
-    block_rows: List[Dict[str, Any]] = []
+    seg_rows: list[dict[str, Any]] = []
+    block_rows: list[dict[str, Any]] = []
     for seg in snapshot.get("segments") or []:
         d = int(seg.get("device", 0) or 0)
         dev = f"cuda:{d}"
@@ -210,7 +211,7 @@ def snapshot_tables(snapshot: Mapping[str, Any], *, anchor_unix_ns: int, tensors
                                "requested_size": b.get("requested_size"), "state": b.get("state"),
                                "storage_id": sid, "category": cat})
     evs = _events(snapshot, anchor_unix_ns)
-    starts_ns: List[Optional[int]] = [int(e["time_us"]) * 1000 - anchor_unix_ns
+    starts_ns: list[Optional[int]] = [int(e["time_us"]) * 1000 - anchor_unix_ns
                                       if isinstance(e.get("time_us"), int) else None for _d, e in evs]
     matched = _match_events(evs, starts_ns, st)
     seqs = _seq_of(starts_ns, ops)
@@ -226,7 +227,7 @@ def snapshot_tables(snapshot: Mapping[str, Any], *, anchor_unix_ns: int, tensors
             "allocator_events": _table("allocator_events", ev_rows)}
 
 
-def _table(name: str, rows: List[Dict[str, Any]]) -> pa.Table:
+def _table(name: str, rows: list[dict[str, Any]]) -> pa.Table:
     schema = S.TABLES[name]
     if not rows:
         return S.empty(name)
@@ -244,14 +245,14 @@ def _plain(v: Any, typ: pa.DataType) -> Any:
     return v if isinstance(v, str) else str(v)
 
 
-def _seq_of(starts_ns: Sequence[Optional[int]], ops: Optional[pa.Table]) -> List[Optional[int]]:
+def _seq_of(starts_ns: Sequence[Optional[int]], ops: Optional[pa.Table]) -> list[Optional[int]]:
     """The last op started at or before each time (null before the first, or without a time)."""
     if ops is None or ops.num_rows == 0:
         return [None] * len(starts_ns)
     st = np.asarray(pc.fill_null(ops.column("start_ns"), 0).to_numpy(zero_copy_only=False), np.int64)
     order = np.argsort(st, kind="stable")
     sorted_st = st[order]
-    out: List[Optional[int]] = []
+    out: list[Optional[int]] = []
     for t in starts_ns:
         if t is None:
             out.append(None)
@@ -273,11 +274,11 @@ def allocator_timeline(events: pa.Table, allocator: pa.Table) -> pa.Table:
     events since (segments; blocks at the sizes asked for, which the allocator rounds up)."""
     if events.num_rows == 0:
         return S.ALLOCATOR_TIMELINE.empty_table()
-    base: Dict[str, Tuple[int, int]] = {}
+    base: dict[str, tuple[int, int]] = {}
     for r in allocator.select(["device", "reserved_start", "allocated_start"]).to_pylist():
         base[r["device"]] = (int(r["reserved_start"] or 0), int(r["allocated_start"] or 0))
     cols = events.select(["device", "action", "size", "time_us", "start_ns", "seq"]).to_pydict()
-    running: Dict[str, List[int]] = {}
+    running: dict[str, list[int]] = {}
     res, alc = [], []
     for dev, action, size in zip(cols["device"], cols["action"], cols["size"]):
         cur = running.get(dev)

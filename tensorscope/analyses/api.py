@@ -15,7 +15,7 @@ look: hidden copies, many ops per call, non-core ops.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -66,7 +66,7 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     api_str = pc.coalesce(_nonempty(calls.column("qualname")), _nonempty(calls.column("name")), pa.scalar("?"))
     enc = pc.dictionary_encode(api_str)
     api_codes = np.asarray(enc.indices.to_numpy(), dtype=np.int64)
-    api_names: List[str] = enc.dictionary.to_pylist()
+    api_names: list[str] = enc.dictionary.to_pylist()
     n_api = len(api_names)
     first_call = np.full(n_api, n_calls_total, dtype=np.int64)
     np.minimum.at(first_call, api_codes, np.arange(n_calls_total, dtype=np.int64))
@@ -91,7 +91,7 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     no_op_call = (total == 0) & (direct == 0)
     api_calls = np.bincount(api_codes, minlength=n_api)
     api_no_op = np.bincount(api_codes, weights=no_op_call.astype(np.float64), minlength=n_api).astype(np.int64)
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     seen_api = np.zeros(n_api, dtype=bool)
     sel = np.nonzero(ok)[0]
     if len(sel):
@@ -122,14 +122,14 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=S.API) if rows else S.empty("api")
 
 
-def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> List[Dict[str, Any]]:
+def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> list[dict[str, Any]]:
     """APIs whose expansion is worth a look, most surprising first.
 
     Reasons: hidden copies under it; more than ``min_ops_per_call`` ATen ops per
     call; non-core ATen ops. ``backward`` (the whole autograd graph) and bookkeeping
     ops (``detach``, ``alias``…) are left out.
     """
-    by: Dict[str, Dict[str, Any]] = {}
+    by: dict[str, dict[str, Any]] = {}
     for r in api.to_pylist():
         a = by.setdefault(r["qualname"], dict(api=r["qualname"], n_calls=r["n_calls"], no_op=r["no_op_calls"],
                                                ops=[], per_call=0.0, hidden=0, non_core=[], cpu_ns=0))

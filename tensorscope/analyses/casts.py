@@ -10,7 +10,7 @@ Rules and details: docs/analyses.md#casts-analysescastspy
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -123,7 +123,7 @@ def promote(a: Optional[str], b: Optional[str]) -> Optional[str]:
     return a
 
 
-def computation_dtype(dtypes: List[str], shapes: List[List[int]]) -> Optional[str]:
+def computation_dtype(dtypes: list[str], shapes: list[list[int]]) -> Optional[str]:
     """TensorIterator's common dtype (c10 ResultTypeState): a 0-dim tensor only lifts the category."""
     dim_res = zero_res = None
     for dt, sh in zip(dtypes, shapes):
@@ -162,10 +162,10 @@ def round_trip_pairs(ops: pa.Table, calls: pa.Table) -> int:
 
 # the last analysis, keyed by the identity of its input tables (held weakly): the summary
 # and the guards ask for the pair count right after the table was derived
-_last: Optional[Tuple[Callable[[], Any], Callable[[], Any], pa.Table, int]] = None
+_last: Optional[tuple[Callable[[], Any], Callable[[], Any], pa.Table, int]] = None
 
 
-def _analyse(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
+def _analyse(ops: pa.Table, calls: pa.Table) -> tuple[pa.Table, int]:
     global _last
     if _last is not None and _last[0]() is ops and _last[1]() is calls:
         return _last[2], _last[3]
@@ -177,7 +177,7 @@ def _analyse(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
     return res
 
 
-def _analyse_uncached(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
+def _analyse_uncached(ops: pa.Table, calls: pa.Table) -> tuple[pa.Table, int]:
     if ops is None or ops.num_rows == 0:
         return S.empty("casts"), 0
     names = call_names(calls)
@@ -195,17 +195,17 @@ def _analyse_uncached(ops: pa.Table, calls: pa.Table) -> Tuple[pa.Table, int]:
         return _cast_rows(take_rows(ops, idx, _COLS), names, autocast)
 
 
-def _cast_rows(rows: List[Dict[str, Any]], names: CallNames,
-               autocast: Any) -> Tuple[pa.Table, int]:
-    out: Dict[str, List[Any]] = {f.name: [] for f in S.CASTS}
+def _cast_rows(rows: list[dict[str, Any]], names: CallNames,
+               autocast: Any) -> tuple[pa.Table, int]:
+    out: dict[str, list[Any]] = {f.name: [] for f in S.CASTS}
     #: kind of each forward materialised cast by seq (backward casts inherit it)
-    fwd_kind: Dict[int, str] = {}
+    fwd_kind: dict[int, str] = {}
     #: output storage of a materialised cast -> (row index in out, from_dtype, to_dtype)
-    produced_by: Dict[int, Tuple[int, str, str]] = {}
-    round_trip: List[bool] = []
+    produced_by: dict[int, tuple[int, str, str]] = {}
+    round_trip: list[bool] = []
     pairs = [0]
 
-    def emit(r: Dict[str, Any], frm: str, to: str, kind: str, n: int, produced: Optional[bool] = None,
+    def emit(r: dict[str, Any], frm: str, to: str, kind: str, n: int, produced: Optional[bool] = None,
              src_storage: Optional[int] = None, dst_storage: Optional[int] = None) -> None:
         cid = r.get("call_id")
         k = len(out["seq"])

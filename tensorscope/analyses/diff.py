@@ -17,7 +17,7 @@ device's peak live bytes grow by more than ``memory`` (and at least
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -32,7 +32,7 @@ TIME_SHIFT = 0.2
 MIN_SHIFT_NS = 50_000
 
 
-def _group(t: pa.Table, keys: List[str], sums: List[str]) -> Dict[Tuple[Any, ...], Dict[str, int]]:
+def _group(t: pa.Table, keys: list[str], sums: list[str]) -> dict[tuple[Any, ...], dict[str, int]]:
     if t.num_rows == 0:
         return {}
     aggs = [(keys[0], "count")] + [(c, "sum") for c in sums]
@@ -59,13 +59,13 @@ def _hidden(w: pa.Table) -> pa.Table:
     return w.filter(pc.fill_null(w.column("hidden_copy"), False)) if w.num_rows else w
 
 
-def _peak(t: Any) -> Dict[str, int]:
+def _peak(t: Any) -> dict[str, int]:
     from .memory import memory_peak
 
     return {d: int(p["peak_bytes"]) for d, p in memory_peak(t.memory, t.ops).items()}
 
 
-def totals(t: Any) -> Dict[str, Any]:
+def totals(t: Any) -> dict[str, Any]:
     """Cell-level numbers of one Trace."""
     work = _ops_work(t.ops)
     leaks = t.leaks
@@ -82,11 +82,11 @@ def totals(t: Any) -> Dict[str, Any]:
     )
 
 
-_Groups = Dict[Tuple[Any, ...], Dict[str, int]]
+_Groups = dict[tuple[Any, ...], dict[str, int]]
 
 
-def _rows(section: str, ga: _Groups, gb: _Groups, keycols: List[str],
-          label: Callable[[Dict[str, Any]], Optional[str]]) -> List[Dict[str, Any]]:
+def _rows(section: str, ga: _Groups, gb: _Groups, keycols: list[str],
+          label: Callable[[dict[str, Any]], Optional[str]]) -> list[dict[str, Any]]:
     rows = []
     for key in set(ga) | set(gb):
         a, b = ga.get(key), gb.get(key)
@@ -114,9 +114,9 @@ def _timing(na: Optional[int], nb: Optional[int]) -> str:
     return "same"
 
 
-def compare(a: Any, b: Any) -> Tuple[pa.Table, Dict[str, Any], Dict[str, Any]]:
+def compare(a: Any, b: Any) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
     """(changes table, totals of a, totals of b) for two Traces (see the module docstring)."""
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     wa, wb = _ops_work(a.ops), _ops_work(b.ops)
     key = ["module", "phase", "op"]
     rows += _rows("ops", _group(wa, key, ["cpu_ns", "bytes"]), _group(wb, key, ["cpu_ns", "bytes"]), key,
@@ -137,7 +137,7 @@ def compare(a: Any, b: Any) -> Tuple[pa.Table, Dict[str, Any], Dict[str, Any]]:
     return table, totals(a), totals(b)
 
 
-def regressions(ta: Dict[str, Any], tb: Dict[str, Any], time: float = 0.2, memory: float = 0.1) -> List[Dict[str, Any]]:
+def regressions(ta: dict[str, Any], tb: dict[str, Any], time: float = 0.2, memory: float = 0.1) -> list[dict[str, Any]]:
     """Failures of the baseline guard: CPU time in ops up by more than ``time`` (a fraction) and
     ``MIN_TIME_NS``; a device's peak live bytes up by more than ``memory`` and ``MIN_BYTES``."""
     out = []

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from collections.abc import Hashable, Sequence
+from typing import Any, Callable, Optional
 
 import pyarrow.compute as pc
 
@@ -21,7 +22,7 @@ CL = ("channels_last", "channels_last_3d")
 _MAX_LISTED = 5
 
 
-def _where(r: Dict[str, Any]) -> str:
+def _where(r: dict[str, Any]) -> str:
     parts = []
     f, line = r.get("source_file"), r.get("source_line")
     if f is not None or line is not None:
@@ -31,9 +32,9 @@ def _where(r: Dict[str, Any]) -> str:
     return ", ".join(parts) if parts else "location unknown"
 
 
-def group_rows(rows: List[Dict[str, Any]], key: Callable[[Dict[str, Any]], Hashable]) -> List[List[Any]]:
+def group_rows(rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], Hashable]) -> list[list[Any]]:
     """[[first row, count, total bytes]] grouped by ``key(row)``, in order of first appearance."""
-    groups: "OrderedDict[Hashable, List[Any]]" = OrderedDict()
+    groups: OrderedDict[Hashable, list[Any]] = OrderedDict()
     for r in rows:
         k = key(r)
         g = groups.get(k)
@@ -45,13 +46,13 @@ def group_rows(rows: List[Dict[str, Any]], key: Callable[[Dict[str, Any]], Hasha
     return list(groups.values())
 
 
-def _grouped(rows: List[Dict[str, Any]], key_fields: Sequence[str],
-             limit: int = _MAX_LISTED) -> List[Tuple[Any, ...]]:
+def _grouped(rows: list[dict[str, Any]], key_fields: Sequence[str],
+             limit: int = _MAX_LISTED) -> list[tuple[Any, ...]]:
     groups = group_rows(rows, lambda r: tuple(r.get(f) for f in key_fields))
     return [tuple(v) for v in groups[:limit]] + ([("more", len(groups) - limit, 0)] if len(groups) > limit else [])
 
 
-def _listing(groups: List[Tuple[Any, ...]]) -> str:
+def _listing(groups: list[tuple[Any, ...]]) -> str:
     lines = []
     for r, n, nb in groups:
         if r == "more":
@@ -199,10 +200,10 @@ _CHECKS = {
 }
 
 
-def check_guards(trace: Any) -> List[str]:
+def check_guards(trace: Any) -> list[str]:
     """Failures of the guards in ``trace.metadata['options']`` (empty list: all hold)."""
-    opts: Dict[str, Any] = (trace.metadata or {}).get("options") or {}
-    failures: List[str] = []
+    opts: dict[str, Any] = (trace.metadata or {}).get("options") or {}
+    failures: list[str] = []
     for e in opts.get("expect") or ():
         fn = _CHECKS.get(e)
         if fn is None:

@@ -16,7 +16,7 @@ and queueing). Needs the ``kernels`` table (``trace(kernels=True)`` on CUDA).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -37,7 +37,7 @@ def _np(col: Any, fill: Any = 0) -> np.ndarray:
 
 
 def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
-                tracer_ns: int = 0) -> Optional[Dict[str, Any]]:
+                tracer_ns: int = 0) -> Optional[dict[str, Any]]:
     """``{wall_ns, span_ns, in_ops_ns, outside_ns, share, gaps: [(gap_ns, seq_before, seq_after)], dataloader_ns}``:
     the advisor adds ``tiny_ops`` and ``steps``. The span runs from the first op's start to the last op's end (the trace's own start and stop are
     not the program's), ``share`` is ``outside_ns / span_ns``."""
@@ -87,7 +87,7 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
             "share": outside / span if span else 0.0, "gaps": gaps, "dataloader_ns": dl}
 
 
-def gpu_idle(ops: pa.Table, kernels: pa.Table) -> List[Dict[str, Any]]:
+def gpu_idle(ops: pa.Table, kernels: pa.Table) -> list[dict[str, Any]]:
     """One dict per device: ``device, busy_ns, idle_ns, host_wait_ns, launch_ns, n_gaps, span_ns, n_kernels,
     gap_seqs`` (the ops that launched the kernels after the largest gaps)."""
     if kernels.num_rows == 0:
@@ -95,7 +95,7 @@ def gpu_idle(ops: pa.Table, kernels: pa.Table) -> List[Dict[str, Any]]:
     k = kernels.filter(pc.invert(pc.is_null(kernels.column("start_ns"))))
     if k.num_rows == 0:
         return []
-    op_start: Dict[int, int] = {}
+    op_start: dict[int, int] = {}
     if ops.num_rows:
         op_start = dict(zip(_np(ops.column("seq")).tolist(), _np(ops.column("start_ns")).tolist()))
     out = []
@@ -110,7 +110,7 @@ def gpu_idle(ops: pa.Table, kernels: pa.Table) -> List[Dict[str, Any]]:
         run_end = np.maximum.accumulate(e)
         busy = 0
         host_wait = launch = n_gaps = 0
-        gap_list: List[Any] = []
+        gap_list: list[Any] = []
         cur_s, cur_e = int(s[0]), int(e[0])
         for i in range(1, len(s)):
             if s[i] <= run_end[i - 1]:

@@ -8,7 +8,8 @@ Rules and details: docs/analyses.md#layout-changes-analyseslayoutpy
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -120,7 +121,7 @@ def call_names(calls: Optional[pa.Table]) -> CallNames:
     return CallNames(calls)
 
 
-def take_rows(ops: pa.Table, idx: np.ndarray, cols: Sequence[str] = _COLS) -> List[Dict[str, Any]]:
+def take_rows(ops: pa.Table, idx: np.ndarray, cols: Sequence[str] = _COLS) -> list[dict[str, Any]]:
     """Rows ``idx`` of ``ops`` as dicts of the columns ``cols`` (column-wise: several times faster)."""
     if len(idx) == 0:
         return []
@@ -163,7 +164,7 @@ def _comparable(fmt: Optional[str], amb: Any) -> bool:
     return fmt in DENSE_FORMATS and not amb
 
 
-def _format_change(r: Dict[str, Any]) -> Optional[Tuple[str, str, int]]:
+def _format_change(r: dict[str, Any]) -> Optional[tuple[str, str, int]]:
     """(from_format, to_format, bytes) when the op changed a memory format, else None."""
     name = short_name(r["op"])
     reshape_copy = name in RESHAPE_FAMILY
@@ -203,7 +204,7 @@ def _format_change(r: Dict[str, Any]) -> Optional[Tuple[str, str, int]]:
     return None
 
 
-def _out_bytes(r: Dict[str, Any], j: int) -> int:
+def _out_bytes(r: dict[str, Any], j: int) -> int:
     sh = (r.get("out_shapes") or [])
     dt = (r.get("out_dtypes") or [])
     if j >= len(sh):
@@ -211,7 +212,7 @@ def _out_bytes(r: Dict[str, Any], j: int) -> int:
     return numel(sh[j]) * itemsize(dt[j] if j < len(dt) else None)
 
 
-def _in_bytes(r: Dict[str, Any], i: int) -> int:
+def _in_bytes(r: dict[str, Any], i: int) -> int:
     sh = (r.get("in_shapes") or [])
     dt = (r.get("in_dtypes") or [])
     if i >= len(sh):
@@ -219,19 +220,19 @@ def _in_bytes(r: Dict[str, Any], i: int) -> int:
     return numel(sh[i]) * itemsize(dt[i] if i < len(dt) else None)
 
 
-def _copy_target(r: Dict[str, Any], nxt: Optional[Dict[str, Any]]) -> Optional[List[int]]:
+def _copy_target(r: dict[str, Any], nxt: Optional[dict[str, Any]]) -> Optional[list[int]]:
     """The shape the user asked for: the ``_unsafe_view`` right after a clone, else the copy's output."""
     if nxt is not None and short_name(nxt["op"]) == "_unsafe_view" and nxt.get("call_id") == r.get("call_id"):
         st_out = (r.get("out_storages") or [None])[0]
         st_in = (nxt.get("in_storages") or [None])[0]
         if st_out is not None and st_out == st_in and st_out >= 0:
-            shape: Optional[List[int]] = (nxt.get("out_shapes") or [None])[0]
+            shape: Optional[list[int]] = (nxt.get("out_shapes") or [None])[0]
             return shape
     shape = (r.get("out_shapes") or [None])[0]
     return shape
 
 
-def _hidden_reason(r: Dict[str, Any], call: Optional[str], target: Optional[List[int]]) -> str:
+def _hidden_reason(r: dict[str, Any], call: Optional[str], target: Optional[list[int]]) -> str:
     sh = (r.get("in_shapes") or [[]])[0]
     st = (r.get("in_strides") or [[]])[0]
     fmt = (r.get("in_formats") or ["?"])[0]
@@ -274,9 +275,9 @@ def _layout_rows(ops: pa.Table, names: CallNames, want: np.ndarray, fmt_idx: np.
     rows = dict(zip(want.tolist(), take_rows(ops, want)))
     fmt_set, hid_set, nd_set = set(fmt_idx.tolist()), set(hid_idx.tolist()), set(nd_idx.tolist())
 
-    out: Dict[str, List[Any]] = {f.name: [] for f in S.LAYOUT_CHANGES}
+    out: dict[str, list[Any]] = {f.name: [] for f in S.LAYOUT_CHANGES}
 
-    def emit(r: Dict[str, Any], kind: str, frm: Optional[str], to: Optional[str], reason: str,
+    def emit(r: dict[str, Any], kind: str, frm: Optional[str], to: Optional[str], reason: str,
              nbytes: int) -> None:
         cid = r.get("call_id")
         out["seq"].append(r["seq"])
@@ -318,7 +319,7 @@ def _layout_rows(ops: pa.Table, names: CallNames, want: np.ndarray, fmt_idx: np.
     return pa.Table.from_pydict(out, schema=S.LAYOUT_CHANGES)
 
 
-def _non_dense_input(r: Dict[str, Any]) -> Optional[Tuple[int, str, str, int]]:
+def _non_dense_input(r: dict[str, Any]) -> Optional[tuple[int, str, str, int]]:
     name = short_name(r["op"])
     if r.get("is_view") or name in _NOT_COMPUTE or name.startswith("_foreach_"):
         return None

@@ -15,7 +15,7 @@ allocated and released within itself (temporaries, in-place resizes).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +39,7 @@ def _sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(index, weights=weights.astype(np.float64), minlength=n)[:n].astype(np.int64)
 
 
-def _devices(tensors: pa.Table) -> Tuple[List[str], np.ndarray]:
+def _devices(tensors: pa.Table) -> tuple[list[str], np.ndarray]:
     """(device names in first-seen order, per-row device index)."""
     col = pc.fill_null(tensors.column("device"), "unknown").combine_chunks()
     enc = col.dictionary_encode()
@@ -79,12 +79,12 @@ def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
                                  pa.array((live - prev).reshape(-1))], schema=S.MEMORY)
 
 
-def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> Dict[str, Dict[str, Any]]:
+def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> dict[str, dict[str, Any]]:
     """Per device: ``peak_bytes`` and ``peak_seq`` (first op after which live bytes were largest),
     ``peak_op`` (its name, when ``ops`` is given), ``start_bytes`` (before seq 0), ``end_bytes``
     (after the last op) and, when ``tensors`` is given, ``high_water_bytes``/``high_water_seq``,
     which also count storages an op allocated and freed within itself."""
-    out: Dict[str, Dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {}
     if memory.num_rows == 0:
         return out
     seq = memory.column("seq").to_numpy()
@@ -116,7 +116,7 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
     return out
 
 
-def _high_water(tensors: pa.Table) -> Dict[str, Tuple[int, int]]:
+def _high_water(tensors: pa.Table) -> dict[str, tuple[int, int]]:
     """Per device (bytes, seq) of live-before-op + allocated-by-op: an upper bound on the peak inside ops."""
     if tensors.num_rows == 0:
         return {}
@@ -125,7 +125,7 @@ def _high_water(tensors: pa.Table) -> Dict[str, Tuple[int, int]]:
     free = _int_column(tensors, "free_seq", -1)
     names, dev = _devices(tensors)
     n = int(max(alloc.max(initial=-1), free.max(initial=-1))) + 1
-    out: Dict[str, Tuple[int, int]] = {}
+    out: dict[str, tuple[int, int]] = {}
     if n <= 0:
         return out
     for di, d in enumerate(names):

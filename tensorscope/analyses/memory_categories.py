@@ -26,7 +26,8 @@ and the peaks while its forward and backward ops ran, children rolled into paren
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +51,7 @@ def _ints(table: pa.Table, name: str, fill: int) -> np.ndarray:
     return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
-def _codes(col: Any) -> Tuple[np.ndarray, List[Optional[str]]]:
+def _codes(col: Any) -> tuple[np.ndarray, list[Optional[str]]]:
     """(per-row index into values, -1 for null; values) of a string or dictionary column."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if not pa.types.is_dictionary(arr.type):
@@ -67,7 +68,7 @@ def _is(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
     return out
 
 
-def _flat(col: Any) -> Tuple[np.ndarray, np.ndarray]:
+def _flat(col: Any) -> tuple[np.ndarray, np.ndarray]:
     """(values, row of each value) of a list<int64> column."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if len(arr) == 0:
@@ -97,7 +98,7 @@ def backward_region(ops: pa.Table, calls: Optional[pa.Table]) -> np.ndarray:
 
 
 def _first_shown(sid: np.ndarray, npos: int, ins: np.ndarray, rows: np.ndarray, outs: np.ndarray,
-                 orow: np.ndarray, n_ops: int) -> Tuple[np.ndarray, np.ndarray]:
+                 orow: np.ndarray, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     """Per tensors row: the first op that showed the storage at all, and the first as an output
     (``n_ops``: never)."""
     firsts = []
@@ -111,7 +112,7 @@ def _first_shown(sid: np.ndarray, npos: int, ins: np.ndarray, rows: np.ndarray, 
     return np.minimum(firsts[0], firsts[1]), firsts[1]
 
 
-def made_by_out_argument(tensors: pa.Table, ops: pa.Table) -> Tuple[np.ndarray, np.ndarray]:
+def made_by_out_argument(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """(rows of ``tensors``, seq) of storages without ``alloc_seq`` first shown as an op's ``out=``
     argument: a buffer made for that op by code the trace does not see (a ``torch.compile``d
     region's kernels allocate their outputs without dispatching an op)."""
@@ -236,7 +237,7 @@ def _category_codes(tensors: pa.Table) -> np.ndarray:
     return out
 
 
-def _live(tensors: pa.Table, n_ops: int) -> Tuple[List[str], np.ndarray]:
+def _live(tensors: pa.Table, n_ops: int) -> tuple[list[str], np.ndarray]:
     """(devices, live[d, c, s]): bytes of category c on device d alive after op s."""
     from .memory import _devices
 
@@ -259,9 +260,9 @@ def _live(tensors: pa.Table, n_ops: int) -> Tuple[List[str], np.ndarray]:
     return names, live.reshape(D, C, n_ops)
 
 
-def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> Dict[str, pa.Array]:
+def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> dict[str, pa.Array]:
     idx = pa.array(rows)
-    out: Dict[str, pa.Array] = {}
+    out: dict[str, pa.Array] = {}
     for name in ("op", "phase", "module", "source_file"):
         col = ops.column(name).take(idx)
         out[name] = S.plain_strings(pa.table({name: col})).column(name)
@@ -281,7 +282,7 @@ def memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
     peak[np.arange(D), np.argmax(total, axis=1)] = True
     rows = np.tile(np.arange(n_ops, dtype=np.int64), D)
     opc = _op_columns(ops, n_ops, rows)
-    cols: Dict[str, Any] = dict(seq=pa.array(rows), device=pa.array(np.repeat(names, n_ops).tolist(), pa.string()),
+    cols: dict[str, Any] = dict(seq=pa.array(rows), device=pa.array(np.repeat(names, n_ops).tolist(), pa.string()),
                                 live_bytes=pa.array(total.reshape(-1)), is_peak=pa.array(peak.reshape(-1)))
     cols.update(opc)
     for ci, c in enumerate(CATS):
@@ -289,22 +290,22 @@ def memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
     return pa.Table.from_arrays([cols[f.name] for f in S.MEMORY_TIMELINE], schema=S.MEMORY_TIMELINE)
 
 
-def peaks(timeline: pa.Table) -> List[Dict[str, Any]]:
+def peaks(timeline: pa.Table) -> list[dict[str, Any]]:
     """One dict per device: the timeline's peak row (``is_peak``) as plain values."""
     if timeline.num_rows == 0:
         return []
-    rows: List[Dict[str, Any]] = timeline.filter(timeline.column("is_peak")).to_pylist()
+    rows: list[dict[str, Any]] = timeline.filter(timeline.column("is_peak")).to_pylist()
     return rows
 
 
-def storage_modules(tensors: pa.Table, ops: pa.Table) -> Tuple[np.ndarray, List[Optional[str]]]:
+def storage_modules(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, list[Optional[str]]]:
     """(per storage an index into the names, -1 for none; names): the module that made it (the
     op's module: backward ops carry their forward op's), or for one the trace did not make, the
     module whose op first read it. Vectorised: one lookup table per dictionary."""
-    names: List[Optional[str]] = []
-    index: Dict[Optional[str], int] = {}
+    names: list[Optional[str]] = []
+    index: dict[Optional[str], int] = {}
 
-    def lut(values: List[Optional[str]]) -> np.ndarray:
+    def lut(values: list[Optional[str]]) -> np.ndarray:
         return np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values] + [-1],
                         dtype=np.int64)
 
@@ -342,7 +343,7 @@ def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa
     cat = _category_codes(tensors)
     mcodes, mnames = storage_modules(tensors, ops)
     M = len(mnames) + 1
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for di, d in enumerate(names):
         s = at.get(d)
         if s is None:
@@ -363,7 +364,7 @@ def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa
 
 # -- per module ----------------------------------------------------------------------------------
 
-def _ancestors(path: str) -> List[str]:
+def _ancestors(path: str) -> list[str]:
     parts = path.split(".")
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
@@ -377,9 +378,9 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
     total = live.sum(axis=1)              # [device, seq]
     mcodes, mvalues = _codes(ops.column("module"))
     bwd = backward_region(ops, calls)
-    rows: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
 
-    def row(m: str, d: str) -> Dict[str, Any]:
+    def row(m: str, d: str) -> dict[str, Any]:
         r = rows.get((m, d))
         if r is None:
             r = rows[(m, d)] = dict(module=m, device=d, depth=m.count("."), activation_bytes=0,

@@ -20,7 +20,7 @@ the ops reading it are ``from_constant``; ``where`` with it as a 0-d operand is 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -49,7 +49,7 @@ def _short(op: str) -> str:
     return parts[1] if len(parts) >= 2 else op
 
 
-def nonfinite_verdicts(ops: pa.Table) -> List[Dict[str, Any]]:
+def nonfinite_verdicts(ops: pa.Table) -> list[dict[str, Any]]:
     """One dict per op whose outputs held NaN/Inf, in seq order: seq, op, nonfinite, verdict,
     module, source_file, source_line."""
     if ops.num_rows == 0 or "nonfinite" not in ops.column_names or ops.column("nonfinite").null_count == ops.num_rows:

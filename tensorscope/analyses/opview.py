@@ -7,7 +7,8 @@ costs a few numpy operations, not a string per row.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -29,8 +30,8 @@ class OpView:
     def __init__(self, ops: pa.Table) -> None:
         self.ops = ops
         self.n = ops.num_rows
-        names: List[str] = []
-        where: Dict[str, int] = {}
+        names: list[str] = []
+        where: dict[str, int] = {}
         parts = []
         col = ops.column("op")
         for chunk in col.chunks:
@@ -60,12 +61,12 @@ class OpView:
     def short_in(self, names: Any, work_only: bool = True) -> np.ndarray:
         return self.mask(lambda n: short_name(n) in names, work_only)
 
-    def rows(self, mask: np.ndarray, cols: Sequence[str]) -> List[Dict[str, Any]]:
+    def rows(self, mask: np.ndarray, cols: Sequence[str]) -> list[dict[str, Any]]:
         """The rows under ``mask`` as dicts of plain values (only for small selections)."""
         if not mask.any():
             return []
         idx = pa.array(np.flatnonzero(mask))
-        out: List[Dict[str, Any]] = S.plain_strings(self.ops.select(list(cols)).take(idx)).to_pylist()
+        out: list[dict[str, Any]] = S.plain_strings(self.ops.select(list(cols)).take(idx)).to_pylist()
         return out
 
 
@@ -103,7 +104,7 @@ def first_of(col: Any, raw: bool = False) -> pa.Array:
     return out if raw else out.cast(pa.string())
 
 
-def codes_of(arr: Any) -> "tuple[np.ndarray, List[Any]]":
+def codes_of(arr: Any) -> tuple[np.ndarray, list[Any]]:
     """(per-row code, -1 for null; the distinct values) of a string or dictionary column."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)

@@ -20,7 +20,8 @@ Time is ``cuda_ns`` where it was measured, else ``cpu_ns``. Rows with ``is_noise
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +40,7 @@ def device_type(dev: Optional[str]) -> Optional[str]:
     return dev.split(":", 1)[0] if dev else None
 
 
-def peak_for(peaks: Optional[Peaks], dev: Optional[str], dtype: Optional[str]) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+def peak_for(peaks: Optional[Peaks], dev: Optional[str], dtype: Optional[str]) -> tuple[Optional[float], Optional[float], Optional[float]]:
     """(FLOP/s for ``dtype`` (float32's when the dtype was not measured), bytes/s, overhead ns) on ``dev``."""
     p = (peaks or {}).get(device_type(dev) or "")
     if not p:
@@ -50,7 +51,7 @@ def peak_for(peaks: Optional[Peaks], dev: Optional[str], dtype: Optional[str]) -
             float(p["overhead_ns"]) if p.get("overhead_ns") else None)
 
 
-def _groups(ops: pa.Table) -> List[Dict[str, Any]]:
+def _groups(ops: pa.Table) -> list[dict[str, Any]]:
     cols = ["op", "module", "out_dtypes", "in_dtypes", "in_devices", "out_devices", "cuda_ns", "cpu_ns", "flops",
             "bytes_read", "bytes_written"]
     work = ops.select(cols)
@@ -92,10 +93,10 @@ def _groups(ops: pa.Table) -> List[Dict[str, Any]]:
         sums[name] = acc
     first = np.full(len(ids) + 1, n, dtype=np.int64)
     np.minimum.at(first, inv, np.arange(n))
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for j in range(len(ids)):
         i = int(first[j])
-        r: Dict[str, Any] = {name: int(v[j]) for name, v in sums.items()}
+        r: dict[str, Any] = {name: int(v[j]) for name, v in sums.items()}
         for field, (codes, values) in zip(("op", "module", "dtype", "device"), keys):
             c = int(codes[i])
             r[field] = values[c] if c >= 0 else None
@@ -103,7 +104,7 @@ def _groups(ops: pa.Table) -> List[Dict[str, Any]]:
     return out
 
 
-def _first_codes(t: pa.Table, a: str, b: str) -> "tuple[np.ndarray, List[Any]]":
+def _first_codes(t: pa.Table, a: str, b: str) -> tuple[np.ndarray, list[Any]]:
     """Codes of the first element of list column ``a``, else of ``b`` (read only where ``a`` is empty)."""
     ca, va = codes_of(first_of(t.column(a), raw=True))
     if (ca >= 0).all():
@@ -115,7 +116,7 @@ def _first_codes(t: pa.Table, a: str, b: str) -> "tuple[np.ndarray, List[Any]]":
 def _row(level: str, name: str, dtype: Optional[str], dev: Optional[str], n: int, time: int, cpu: int,
          cuda: Optional[int], n_cuda: int, flops: int, nbytes: int, compute_ns: Optional[float],
          memory_ns: Optional[float], overhead_ns: Optional[float], pf: Optional[float],
-         bw: Optional[float]) -> Dict[str, Any]:
+         bw: Optional[float]) -> dict[str, Any]:
     sec = time / 1e9 if time else None
     ideal = max(compute_ns or 0.0, memory_ns or 0.0) if (compute_ns is not None and memory_ns is not None) else None
     bound = None
@@ -153,9 +154,9 @@ def roofline(ops: pa.Table, peaks: Optional[Peaks] = None, flops_known: bool = T
         g["pf"], g["bw"], g["ov"] = pf, bw, ov
         g["compute_ns"] = (g["flops_sum"] / pf * 1e9) if (pf and flops_known) else None
         g["memory_ns"] = (g["bytes_sum"] / bw * 1e9) if bw else None
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for level, key in (("op", lambda g: (g["op"], g["dtype"], g["device"])), ("module", lambda g: (g["module"],))):
-        agg: Dict[Any, Dict[str, Any]] = {}
+        agg: dict[Any, dict[str, Any]] = {}
         for g in groups:
             k = key(g)
             if k[0] is None:

@@ -18,7 +18,7 @@ and the advisor names the torch-level call that read the value as its subject.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -45,7 +45,7 @@ def _candidate(op: str) -> bool:
     return n == "repeat_interleave" and op.endswith(".Tensor")
 
 
-def _kind(r: Dict[str, Any], op: str) -> Optional[str]:
+def _kind(r: dict[str, Any], op: str) -> Optional[str]:
     n = short_name(op)
     if n in SCALAR_READ:
         return "scalar_read"
@@ -70,7 +70,7 @@ def sync_table(ops: pa.Table, calls: pa.Table, window: int = 0, view: Optional[O
                         or (short_name(o) == "repeat_interleave" and o.endswith(".Tensor")), work_only=False)
     by_args = view.mask(lambda o: short_name(o) in MASK_INDEX or short_name(o) in COPY_OPS, work_only=False)
     keep = by_name.copy()
-    kinds: Dict[int, str] = {}
+    kinds: dict[int, str] = {}
     for i, r in zip(np.flatnonzero(by_args).tolist(), view.rows(by_args, _COLS)):
         k = _kind(r, view.names[view.codes[i]])
         if k:
@@ -100,12 +100,12 @@ def sync_table(ops: pa.Table, calls: pa.Table, window: int = 0, view: Optional[O
     }, schema=S.SYNCS)
 
 
-def call_names(calls: pa.Table, call_ids: Any) -> List[Optional[str]]:
+def call_names(calls: pa.Table, call_ids: Any) -> list[Optional[str]]:
     """The qualname (``Tensor.item``) of each call id (None where unknown)."""
     if calls.num_rows == 0 or not len(call_ids):
         return [None] * len(call_ids)
     idx = pc.index_in(call_ids, value_set=calls.column("call_id"))
-    out: List[Optional[str]] = S.plain_strings(pa.table({"q": calls.column("qualname").take(idx)})).column("q").to_pylist()
+    out: list[Optional[str]] = S.plain_strings(pa.table({"q": calls.column("qualname").take(idx)})).column("q").to_pylist()
     return out
 
 

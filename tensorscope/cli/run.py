@@ -18,7 +18,7 @@ import runpy
 import shlex
 import sys
 import traceback
-from typing import List, Optional, Tuple
+from typing import Optional
 
 from .. import options as O
 
@@ -37,7 +37,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _options(ns: argparse.Namespace) -> Tuple[O.TraceOptions, O.DisplayOptions]:
+def _options(ns: argparse.Namespace) -> tuple[O.TraceOptions, O.DisplayOptions]:
     """The command line's options, parsed once (bad ones fail here, before anything runs)."""
     given = getattr(ns, "dataset", None)
     if given and os.path.abspath(given) != os.path.abspath(ns.out):
@@ -57,7 +57,7 @@ def main(ns: argparse.Namespace) -> int:
     return run_script(target, list(ns.args), opts)
 
 
-def run_script(path: str, args: List[str], opts: O.TraceOptions) -> int:
+def run_script(path: str, args: list[str], opts: O.TraceOptions) -> int:
     from ..recording.session import trace
 
     path = os.path.abspath(path)
@@ -89,7 +89,7 @@ def run_script(path: str, args: List[str], opts: O.TraceOptions) -> int:
     return code
 
 
-def run_notebook(path: str, out: str, flags: List[str], kernel: Optional[str] = None,
+def run_notebook(path: str, out: str, flags: list[str], kernel: Optional[str] = None,
                  timeout: Optional[float] = None) -> int:
     import nbformat
     from nbclient import NotebookClient

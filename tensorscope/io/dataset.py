@@ -27,7 +27,7 @@ import json
 import os
 import re
 import uuid
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -108,7 +108,7 @@ def to_dataset_table(name: str, table: pa.Table, attempt: int, trace_id: int) ->
     return pa.Table.from_arrays(cols, schema=S.dataset_schema(name))
 
 
-def _check_root(root: "PathLike") -> str:
+def _check_root(root: PathLike) -> str:
     root = os.path.abspath(os.fspath(root))
     if os.path.exists(root) and not os.path.isdir(root):
         raise ExportError(f"cannot write the dataset to {root!r}: a file with that name exists "
@@ -116,7 +116,7 @@ def _check_root(root: "PathLike") -> str:
     return root
 
 
-def ranks_row(trace: TraceTables, ident: Dict[str, Any], dist: Any, trace_id: int) -> pa.Table:
+def ranks_row(trace: TraceTables, ident: dict[str, Any], dist: Any, trace_id: int) -> pa.Table:
     md = trace.metadata
     clock = getattr(dist, "clock", None)
     clock_end = getattr(dist, "clock_end", None)
@@ -141,14 +141,14 @@ def ranks_row(trace: TraceTables, ident: Dict[str, Any], dist: Any, trace_id: in
     return pa.Table.from_pylist([row], schema=S.RANKS)
 
 
-def reserve_trace_id(root: "PathLike", ident: Dict[str, Any]) -> int:
+def reserve_trace_id(root: PathLike, ident: dict[str, Any]) -> int:
     """The trace_id of this rank's next trace (its ranks part number), fixed before any part is written."""
     root = _check_root(root)
     return _next_part(partition_dir(root, "ranks", ident["run_id"], int(ident["rank"])), int(ident["attempt"]))
 
 
-def write_table_parts(root: "PathLike", name: str, ident: Dict[str, Any], trace_id: int, table: pa.Table,
-                      metadata: Union[TraceMetadata, bytes, None] = None) -> List[str]:
+def write_table_parts(root: PathLike, name: str, ident: dict[str, Any], trace_id: int, table: pa.Table,
+                      metadata: Union[TraceMetadata, bytes, None] = None) -> list[str]:
     """``table`` (a Trace table ``name``) as parts of at most PART_ROWS rows; an empty table writes
     one empty part with the full schema. ``metadata``: the trace's (see ``write_part``)."""
     root = _check_root(root)
@@ -166,8 +166,8 @@ def write_table_parts(root: "PathLike", name: str, ident: Dict[str, Any], trace_
     return out
 
 
-def write_trace(trace: TraceTables, root: "PathLike", *, ident: Dict[str, Any], dist: Any = None, trace_id: Optional[int] = None,
-                ops_written: int = 0) -> Dict[str, Any]:
+def write_trace(trace: TraceTables, root: PathLike, *, ident: dict[str, Any], dist: Any = None, trace_id: Optional[int] = None,
+                ops_written: int = 0) -> dict[str, Any]:
     """Write every table of ``trace`` (this rank) into dataset ``root``. Returns where it went.
 
     ``trace_id``/``ops_written``: parts of this trace's first ``ops_written`` ops rows were already

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,8 +32,8 @@ __all__ = ["FORMAT", "METADATA_FILE", "check_version", "check_columns", "read", 
            "kv_metadata"]
 
 
-def kv_metadata(schema_metadata: Optional[Dict[bytes, bytes]], md: TraceMetadata,
-                md_json: Optional[bytes] = None) -> Dict[bytes, bytes]:
+def kv_metadata(schema_metadata: Optional[dict[bytes, bytes]], md: TraceMetadata,
+                md_json: Optional[bytes] = None) -> dict[bytes, bytes]:
     """A table's key-value metadata with the trace metadata added (``b"tensorscope"``, as JSON;
     ``md_json``: that JSON already encoded, when one trace writes many files)."""
     return {**(schema_metadata or {}), PARQUET_VERSION_KEY: md.schema_version.encode(),
@@ -173,7 +173,7 @@ def check_columns(name: str, schema: pa.Schema, file: str) -> None:
         raise TraceFormatError(f"{file!r} is not a tensorscope {name} table: " + "; ".join(problems))
 
 
-def read(path: PathLike) -> Tuple[Dict[str, pa.Table], TraceMetadata]:
+def read(path: PathLike) -> tuple[dict[str, pa.Table], TraceMetadata]:
     """The tables and metadata of a trace directory written by ``save`` (every table validated and
     conformed; ``saved_to`` set to ``path``). ``tensorscope.load`` builds the Trace from them."""
     path = os.path.abspath(os.fspath(path))

@@ -12,12 +12,12 @@ import itertools
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Optional
 
 from ..options import DisplayOptions, RunContext, TraceOptions
 
 _CELL_RE = re.compile(r"^\s*%%tensorscope(?:\s+(?P<args>.*))?$")
-_controllers: Dict[int, "Controller"] = {}
+_controllers: dict[int, Controller] = {}
 
 
 @dataclass
@@ -40,7 +40,7 @@ class CellRequest:
     ended: bool = False
 
 
-def get_controller(shell, create: bool = True) -> Optional["Controller"]:
+def get_controller(shell, create: bool = True) -> Optional[Controller]:
     ctl = _controllers.get(id(shell))
     if ctl is None and create:
         ctl = _controllers[id(shell)] = Controller(shell)
@@ -56,7 +56,7 @@ class Controller:
         self.shell = shell
         self.installed = False
         self._tokens = itertools.count(1)
-        self.pending: Dict[int, CellRequest] = {}
+        self.pending: dict[int, CellRequest] = {}
         self.active: Optional[CellRequest] = None
         self.finished: Optional[CellRequest] = None
         self.always_on: Optional[CellRequest] = None   # the parsed line of %tensorscope on, or None

@@ -12,7 +12,8 @@ Rules and details: docs/native.md
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from . import _build
 
@@ -30,7 +31,7 @@ def forced_fallback() -> bool:
     return os.environ.get(FORCE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def status() -> Dict[str, Any]:
+def status() -> dict[str, Any]:
     """``{'state': 'built'|'building'|'fallback', 'reason': str, 'path': str|None, ...}``.
 
     'built' with ``loaded=False`` means a cached build exists and will be
@@ -54,7 +55,7 @@ def status() -> Dict[str, Any]:
     return out
 
 
-def build(verbose: bool = False, force: bool = False) -> Dict[str, Any]:
+def build(verbose: bool = False, force: bool = False) -> dict[str, Any]:
     """Compile (or load from the cache) the hooks now, blocking; returns :func:`status`.
 
     Builds even when the fallback is forced, so the binary is ready later.
@@ -64,7 +65,7 @@ def build(verbose: bool = False, force: bool = False) -> Dict[str, Any]:
     return status()
 
 
-def engine(wait: bool = True) -> Tuple[Any, str]:
+def engine(wait: bool = True) -> tuple[Any, str]:
     """(the native recording engine's extension module or None, reason); builds it on first use
     (``wait=False`` never blocks on a build in progress). Does not look at :data:`FORCE_ENV`."""
     return _build.ensure(_build.ENGINE, wait=wait)
@@ -81,12 +82,12 @@ def loaded_engine() -> Any:
     return _build._STATES[_build.ENGINE.kind].module
 
 
-def engine_status() -> Dict[str, Any]:
+def engine_status() -> dict[str, Any]:
     """The engine library's build state (``state``, ``reason``, ``path`` …). Never compiles."""
     return _build.lib_status(_build.ENGINE)
 
 
-def abi(lib: Optional[str] = None) -> Optional[Dict[str, Any]]:
+def abi(lib: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The layouts the C++ libraries share with Python (abi.h) as a dict, read from the loaded
     library ``lib`` ("engine", "fmode", "hooks"; None: the first loaded); None when none is loaded.
     Never compiles. Keys: row/row_size, call/call_size/call_fields, flags, tags, packed, tensors, meta,
@@ -104,7 +105,7 @@ def abi_dtype(kind: str, lib: Optional[str] = None) -> Any:
     return impl(kind, lib)
 
 
-def fields_dtype(fields: Sequence[Tuple[str, int, int, str]], size: int) -> Any:
+def fields_dtype(fields: Sequence[tuple[str, int, int, str]], size: int) -> Any:
     """A numpy structured dtype laid out as a C struct: ``fields`` are (name, offset, size, kind), as
     ``abi()`` reports them; ``size`` is the struct's size."""
     from ._abi import fields_dtype as impl
@@ -112,7 +113,7 @@ def fields_dtype(fields: Sequence[Tuple[str, int, int, str]], size: int) -> Any:
     return impl(list(fields), size)
 
 
-def abi_flags(lib: Optional[str] = None) -> Optional[Dict[str, int]]:
+def abi_flags(lib: Optional[str] = None) -> Optional[dict[str, int]]:
     """The engine's row flags by name (``F_BACKWARD``, ``F_THREW``, ``F_OTHER_THREAD``) from the loaded
     library; None when none is loaded."""
     from ._abi import abi_flags as impl
@@ -148,8 +149,8 @@ def open_capture(native: bool = True, cpp_errors: bool = False):
     return NativeCapture(ext, cpp_errors=cpp_errors, reason=reason)
 
 
-def site_error_info(exc: BaseException, info: Optional[Dict[str, Any]], file: Optional[str],
-                    line: Optional[int], func: Optional[str]) -> Optional[Dict[str, Any]]:
+def site_error_info(exc: BaseException, info: Optional[dict[str, Any]], file: Optional[str],
+                    line: Optional[int], func: Optional[str]) -> Optional[dict[str, Any]]:
     """``info`` completed with the c10 source location the native engine read (see _capture)."""
     from ._capture import site_error_info as impl
 
@@ -192,7 +193,7 @@ def load_test_ops(source: str):
     return torch.ops.tensorscope_test
 
 
-def _describe(st: Dict[str, Any]) -> str:
+def _describe(st: dict[str, Any]) -> str:
     line = f"native hooks: {st['state']} ({st['reason']})"
     if st.get("path"):
         line += f"\n  path: {st['path']}"

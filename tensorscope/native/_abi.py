@@ -11,7 +11,7 @@ tests/native/test_abi.py checks that they agree field for field.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 from . import _build
 
@@ -21,7 +21,7 @@ _LIBS = ("engine", "fmode", "hooks")
 _ROWS = {"row": ("row", "row_size"), "call": ("call", "call_size")}
 
 
-def abi(lib: Optional[str] = None) -> Optional[Dict[str, Any]]:
+def abi(lib: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The ABI dict of the loaded library ``lib`` ("engine", "fmode", "hooks"), or of the first one
     loaded when ``lib`` is None; None when it is not loaded (nothing is compiled or loaded here)."""
     for kind in ((lib,) if lib is not None else _LIBS):
@@ -31,7 +31,7 @@ def abi(lib: Optional[str] = None) -> Optional[Dict[str, Any]]:
     return None
 
 
-def fields_dtype(fields: List[Tuple[str, int, int, str]], size: int) -> Any:
+def fields_dtype(fields: list[tuple[str, int, int, str]], size: int) -> Any:
     """A numpy structured dtype laid out as the C struct: ``fields`` are (name, offset, size, kind)."""
     import numpy as np
 
@@ -52,7 +52,7 @@ def abi_dtype(kind: str, lib: Optional[str] = None) -> Any:
     return fields_dtype(d[fields_key], d[size_key])
 
 
-def abi_flags(lib: Optional[str] = None) -> Optional[Dict[str, int]]:
+def abi_flags(lib: Optional[str] = None) -> Optional[dict[str, int]]:
     """The engine's row flags (``{"F_BACKWARD": 8, ...}``) from the loaded library; None when none is loaded."""
     d = abi(lib)
     return None if d is None else dict(d["flags"])

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
 #: Bump when the build recipe changes in a way the key would not see.
 BUILD_RECIPE = "1"
@@ -42,17 +42,17 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 class LibSpec:
     kind: str            # "hooks" / "test_ops": the cache directory's prefix
     name: str            # extension (and PyInit_) name
-    source: Union[str, Tuple[str, ...]]   # its translation unit(s): files in this package, or absolute paths
+    source: Union[str, tuple[str, ...]]   # its translation unit(s): files in this package, or absolute paths
     python_module: bool  # False: a TORCH_LIBRARY .so loaded with torch.ops.load_library
     what: str            # for messages
-    headers: Tuple[str, ...] = ()   # the headers its sources include (hashed into the build key)
+    headers: tuple[str, ...] = ()   # the headers its sources include (hashed into the build key)
 
     @property
-    def sources(self) -> Tuple[str, ...]:
+    def sources(self) -> tuple[str, ...]:
         return (self.source,) if isinstance(self.source, str) else tuple(self.source)
 
     @property
-    def files(self) -> Tuple[str, ...]:
+    def files(self) -> tuple[str, ...]:
         """Every file the build reads from this package: sources, then headers."""
         return self.sources + self.headers
 
@@ -87,7 +87,7 @@ class _LibState:
         self.compiled = False        # compiled in this process (vs loaded from the cache)
 
 
-_STATES: Dict[str, _LibState] = {HOOKS.kind: _LibState(), "test_ops": _LibState(), ENGINE.kind: _LibState(),
+_STATES: dict[str, _LibState] = {HOOKS.kind: _LibState(), "test_ops": _LibState(), ENGINE.kind: _LibState(),
                                  FMODE.kind: _LibState()}
 
 
@@ -115,7 +115,7 @@ def file_path(name: str) -> str:
     return os.path.join(_HERE, name)   # an absolute path stays what it is
 
 
-def source_paths(spec: LibSpec) -> List[str]:
+def source_paths(spec: LibSpec) -> list[str]:
     return [file_path(s) for s in spec.sources]
 
 
@@ -378,7 +378,7 @@ def _load(spec: LibSpec, st: _LibState, *, verbose: bool = False, force: bool = 
 
 
 def ensure(spec: LibSpec, *, wait: bool = True, verbose: bool = False, force: bool = False,
-           announce: bool = True) -> Tuple[Any, str]:
+           announce: bool = True) -> tuple[Any, str]:
     """(module or None, reason). ``wait=False`` never blocks on a build in progress."""
     st = _STATES[spec.kind]
     if st.state == "built" and not force:
@@ -405,9 +405,9 @@ def ensure(spec: LibSpec, *, wait: bool = True, verbose: bool = False, force: bo
     return (st.module, st.reason) if st.state == "built" else (None, st.reason)
 
 
-def lib_status(spec: LibSpec) -> Dict[str, Any]:
+def lib_status(spec: LibSpec) -> dict[str, Any]:
     st = _STATES[spec.kind]
-    out: Dict[str, Any] = {"path": st.path, "loaded": st.state == "built", "seconds": st.seconds}
+    out: dict[str, Any] = {"path": st.path, "loaded": st.state == "built", "seconds": st.seconds}
     if st.state == "built":
         out.update(state="built", reason=st.reason, compiled=st.compiled)
         return out

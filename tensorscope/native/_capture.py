@@ -10,7 +10,7 @@ Rules and details: docs/native.md#what-the-native-capture-sees-and-how
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from ._fallback import (
     TAP,
@@ -55,7 +55,7 @@ class NativeCapture:
         self.reason = reason
         self.cpp_errors = bool(cpp_errors)
         self._closed = False
-        self._errors: Dict[int, tuple] = {}
+        self._errors: dict[int, tuple] = {}
         self._surfaced = 0
         self._baseline: Optional[int] = None
         self._final_constructed: Optional[int] = None
@@ -102,7 +102,7 @@ class NativeCapture:
         self._ext.call_begin(type(func) in _C_CALLABLE_TYPES)
         return TAP.push() if self._tapped else -1
 
-    def call_end(self, token: Any) -> Optional[List[Dict[str, Any]]]:
+    def call_end(self, token: Any) -> Optional[list[dict[str, Any]]]:
         self._ext.call_end()
         eng = self.engine
         out = eng.take_warnings() if (eng is not None and eng.ext.warnings_pending()) else []
@@ -117,10 +117,10 @@ class NativeCapture:
     def count_call_warnings(self, fn: Any) -> None:
         count_call_warnings(fn)
 
-    def take_call_warnings(self, n_tap: int, engine: Any = None) -> List[Dict[str, Any]]:
+    def take_call_warnings(self, n_tap: int, engine: Any = None) -> list[dict[str, Any]]:
         return take_call_warnings(n_tap, engine, self._native_seen)
 
-    def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
+    def error_info(self, exc: Optional[BaseException]) -> Optional[dict[str, Any]]:
         if not isinstance(exc, BaseException):
             return None
         try:
@@ -128,7 +128,7 @@ class NativeCapture:
         except Exception:
             return None
 
-    def _error_info(self, exc: BaseException) -> Dict[str, Any]:
+    def _error_info(self, exc: BaseException) -> dict[str, Any]:
         text = exc_text(exc)
         # The same exception is asked about by the op (dispatch mode) and by
         # every enclosing call (function mode). No reference to it is kept:
@@ -213,8 +213,8 @@ def _closed_noop() -> None:
     return None
 
 
-def site_error_info(exc: BaseException, info: Optional[Dict[str, Any]], file: Optional[str],
-                    line: Optional[int], func: Optional[str]) -> Optional[Dict[str, Any]]:
+def site_error_info(exc: BaseException, info: Optional[dict[str, Any]], file: Optional[str],
+                    line: Optional[int], func: Optional[str]) -> Optional[dict[str, Any]]:
     """``info`` (an ``error_info`` dict or None) completed with a c10 error's source location.
 
     The native engine found the location on the op whose kernel raised ``exc``; the C++ type
@@ -229,6 +229,6 @@ def site_error_info(exc: BaseException, info: Optional[Dict[str, Any]], file: Op
     cpp_type = c10_type_of(exc)
     if cpp_type is None:
         return info
-    out: Dict[str, Any] = dict(info) if info is not None else {"message": exc_text(exc), "py_type": py_type_name(exc)}
+    out: dict[str, Any] = dict(info) if info is not None else {"message": exc_text(exc), "py_type": py_type_name(exc)}
     out.update(cpp_type=cpp_type, cpp_file=file, cpp_line=int(line), cpp_function=func, native=True)
     return out

@@ -22,7 +22,7 @@ import dis
 import re
 import threading
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 _TRIGGERED = " (Triggered internally at "
 _CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".hh", ".cu", ".cuh", ".mm")
@@ -33,7 +33,7 @@ _RAISED_FROM = re.compile(r"\nException raised from (?P<func>.*?) at (?P<file>[^
 # parsing
 # ---------------------------------------------------------------------------
 
-def split_triggered(text: str) -> Tuple[str, Optional[str], Optional[int]]:
+def split_triggered(text: str) -> tuple[str, Optional[str], Optional[int]]:
     """``"msg (Triggered internally at f.cpp:12.)"`` -> ``("msg", "f.cpp", 12)``."""
     i = text.rfind(_TRIGGERED)
     if i < 0 or not text.endswith(".)"):
@@ -49,7 +49,7 @@ def is_cpp_file(filename: Any) -> bool:
     return isinstance(filename, str) and filename.lower().endswith(_CPP_SUFFIXES)
 
 
-def shown_warning_dict(text: str, category: type, filename: Any, lineno: Any) -> Dict[str, Any]:
+def shown_warning_dict(text: str, category: type, filename: Any, lineno: Any) -> dict[str, Any]:
     """A warning dict (the facade's contract) from a warning Python showed."""
     msg, cpp_file, cpp_line = split_triggered(text)
     verbatim = False
@@ -144,11 +144,11 @@ def raised_in_c(exc: BaseException) -> bool:
     return op.startswith("CALL") or op == "PRECALL"
 
 
-def fallback_error_info(exc: BaseException, text: Optional[str] = None) -> Dict[str, Any]:
+def fallback_error_info(exc: BaseException, text: Optional[str] = None) -> dict[str, Any]:
     """What the Python exception alone says (``native`` False)."""
     if text is None:
         text = exc_text(exc)
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "cpp_type": None, "message": text, "cpp_file": None, "cpp_line": None, "cpp_function": None,
         "native": False, "py_type": py_type_name(exc),
     }
@@ -233,7 +233,7 @@ class _WarningTap:
         d["depth"] += 1
         return len(items)
 
-    def pop(self, token: Any) -> List[tuple]:
+    def pop(self, token: Any) -> list[tuple]:
         d = self._local.__dict__
         items = d.get("items")
         if items is None or not d.get("depth"):
@@ -247,7 +247,7 @@ class _WarningTap:
         del items[token:]
         return out
 
-    def take_last(self, n: int) -> List[tuple]:
+    def take_last(self, n: int) -> list[tuple]:
         """Remove and return the last ``n`` warnings collected on this thread (the native function
         mode's per-call share: it counted them through ``notify``)."""
         items = self._local.__dict__.get("items")
@@ -294,7 +294,7 @@ class FallbackCapture:
             return None
         return TAP.push()
 
-    def call_end(self, token: Any) -> Optional[List[Dict[str, Any]]]:
+    def call_end(self, token: Any) -> Optional[list[dict[str, Any]]]:
         if token is None:
             return None
         items = TAP.pop(token)
@@ -305,10 +305,10 @@ class FallbackCapture:
     def count_call_warnings(self, fn: Any) -> None:
         count_call_warnings(fn)
 
-    def take_call_warnings(self, n_tap: int, engine: Any = None) -> List[Dict[str, Any]]:
+    def take_call_warnings(self, n_tap: int, engine: Any = None) -> list[dict[str, Any]]:
         return take_call_warnings(n_tap, engine)
 
-    def error_info(self, exc: Optional[BaseException]) -> Optional[Dict[str, Any]]:
+    def error_info(self, exc: Optional[BaseException]) -> Optional[dict[str, Any]]:
         if not isinstance(exc, BaseException):
             return None
         try:
@@ -333,7 +333,7 @@ class FallbackCapture:
         self.close()
 
 
-def merge_call_warnings(out: List[Dict[str, Any]], items, *seen_fns) -> List[Dict[str, Any]]:
+def merge_call_warnings(out: list[dict[str, Any]], items, *seen_fns) -> list[dict[str, Any]]:
     """A call's warnings: the ones ops recorded natively (``out``) plus the ones the Python tap saw
     (``items``), minus the tap's copies of C++ warnings an op already reported natively
     (``seen_fns``: message -> bool, None skipped)."""
@@ -354,7 +354,7 @@ def count_call_warnings(fn: Any) -> None:
         TAP.notify = None
 
 
-def take_call_warnings(n_tap: int, engine: Any = None, native_seen: Any = None) -> List[Dict[str, Any]]:
+def take_call_warnings(n_tap: int, engine: Any = None, native_seen: Any = None) -> list[dict[str, Any]]:
     """The warnings of a call that just returned: the recording engine's pending per-op ones plus
     the last ``n_tap`` the tap collected on this thread (those it counted during the call)."""
     ext = getattr(engine, "ext", None)

@@ -11,7 +11,7 @@ Converting the snapshot to tables (no pickle, no frames) is ``analyses/allocator
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 #: events the allocator keeps while we record its history (its ring buffer drops the oldest past this)
 MAX_ENTRIES = 1_000_000
@@ -31,7 +31,7 @@ class HistoryAPI(NamedTuple):
     """torch's allocator-history functions (one seam: the CPU tests hand a stand-in)."""
 
     record: Callable[..., None]          # torch.cuda.memory._record_memory_history
-    snapshot: Callable[[], Dict[str, Any]]   # torch.cuda.memory._snapshot
+    snapshot: Callable[[], dict[str, Any]]   # torch.cuda.memory._snapshot
     is_enabled: Callable[[], bool]       # torch._C._cuda_isHistoryEnabled
 
 
@@ -47,8 +47,8 @@ def _history_api() -> Optional[HistoryAPI]:
     return HistoryAPI(mem._record_memory_history, mem._snapshot, enabled)
 
 
-def _stats(cuda: Any) -> Dict[int, Dict[str, Any]]:
-    out: Dict[int, Dict[str, Any]] = {}
+def _stats(cuda: Any) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
     for d in range(cuda.device_count()):
         out[d] = dict(cuda.memory_stats(d))
     return out
@@ -59,12 +59,12 @@ class AllocatorProbe:
 
     def __init__(self, history: bool) -> None:
         self.history = history
-        self.start_stats: Dict[int, Dict[str, Any]] = {}
-        self.end_stats: Dict[int, Dict[str, Any]] = {}
-        self.snapshot: Optional[Dict[str, Any]] = None
+        self.start_stats: dict[int, dict[str, Any]] = {}
+        self.end_stats: dict[int, dict[str, Any]] = {}
+        self.snapshot: Optional[dict[str, Any]] = None
         self.enabled_by_us = False
         self.recorded_by_us = False
-        self.notes: List[str] = []
+        self.notes: list[str] = []
         self._started = self._stopped = False
         self._api: Optional[HistoryAPI] = None
 

@@ -23,7 +23,8 @@ decoded to ``pg_name``/``pg_size``/``reduce_op``. Nothing keeps a tensor or a
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
 
 import pyarrow as pa
 
@@ -79,7 +80,7 @@ def _pg_from_name(name: str) -> Any:
         return None
 
 
-_OVERLOADS: Dict[str, Any] = {}
+_OVERLOADS: dict[str, Any] = {}
 
 
 def _overload(op: Any) -> Any:
@@ -126,11 +127,11 @@ class CollectiveProbe:
     """Collects collective rows while a trace records. ``on_first`` runs once, at the first one."""
 
     def __init__(self, on_first: Optional[Callable[[], None]] = None) -> None:
-        self.rows: List[Tuple[Any, ...]] = []   # the columns of table(), in its order
-        self.done: Dict[int, int] = {}          # row index -> perf_counter_ns at completion
-        self.counts: Dict[str, int] = {}        # pg_name -> collectives seen
+        self.rows: list[tuple[Any, ...]] = []   # the columns of table(), in its order
+        self.done: dict[int, int] = {}          # row index -> perf_counter_ns at completion
+        self.counts: dict[str, int] = {}        # pg_name -> collectives seen
         self._on_first = on_first
-        self._names: Dict[Any, Optional[str]] = {}
+        self._names: dict[Any, Optional[str]] = {}
 
     def __len__(self) -> int:
         return len(self.rows)

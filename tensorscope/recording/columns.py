@@ -7,7 +7,8 @@ pass when the native engine is loaded, numpy otherwise; both give the same buffe
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +31,7 @@ class _Dict:
     __slots__ = ("dictionary", "codes", "values")
 
     def __init__(self, values: Sequence[Optional[str]]) -> None:
-        index: Dict[str, int] = {}
+        index: dict[str, int] = {}
         codes = np.empty(len(values), dtype=np.int32)
         for i, v in enumerate(values):
             codes[i] = -1 if v is None else index.setdefault(v, len(index))
@@ -53,10 +54,10 @@ _PHASES = pa.array(["forward", "backward"], pa.string())
 
 
 #: op -> (name, namespace, overload, tags, short name, noise?): the same in every trace
-_FUNC_NAMES: Dict[Any, Tuple[str, str, str, List[str], str, bool]] = {}
+_FUNC_NAMES: dict[Any, tuple[str, str, str, list[str], str, bool]] = {}
 
 
-def _func_names(func: Any) -> Tuple[str, str, str, List[str], str, bool]:
+def _func_names(func: Any) -> tuple[str, str, str, list[str], str, bool]:
     got = _FUNC_NAMES.get(func)
     if got is not None:
         return got
@@ -75,13 +76,13 @@ def _func_names(func: Any) -> Tuple[str, str, str, List[str], str, bool]:
     return got
 
 
-def _op_dicts(rec: Recorder) -> Dict[str, Any]:
-    names: List[str] = []
-    nss: List[str] = []
-    ovls: List[str] = []
-    tags: List[List[str]] = []
-    noise: List[bool] = []
-    short: List[str] = []
+def _op_dicts(rec: Recorder) -> dict[str, Any]:
+    names: list[str] = []
+    nss: list[str] = []
+    ovls: list[str] = []
+    tags: list[list[str]] = []
+    noise: list[bool] = []
+    short: list[str] = []
     for func in rec.funcs.values:
         name, ns, ovl, tg, sn, nz = _func_names(func)
         names.append(name)
@@ -123,7 +124,7 @@ def _native_gather() -> Any:
 
 
 def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat: np.ndarray
-           ) -> Tuple[np.ndarray, np.ndarray]:
+           ) -> tuple[np.ndarray, np.ndarray]:
     """List rows as Arrow buffers: ``(offsets, values)`` where row ``i`` is
     ``flat[starts[k]:starts[k] + lens[k]]`` with ``k = ids[i]`` (``k = i`` when ``ids`` is None).
 
@@ -156,7 +157,7 @@ def _list(offsets: np.ndarray, values: Any) -> pa.ListArray:
                                  children=[values])
 
 
-def _list_columns(t: Dict[str, Any], tuple_ids: np.ndarray, side: str, cols: Dict[str, Any]) -> np.ndarray:
+def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dict[str, Any]) -> np.ndarray:
     """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
     returns the rows' offsets (tensors per row, cumulated) as numpy."""
     off1, metas = gather(tuple_ids, t["tup_start"], t["tup_len"], t["tup_flat"])
@@ -284,7 +285,7 @@ class _Links:
         self.vals[self.size:need] = vals
         self.size = need
 
-    def resolve(self, chunk: Mapping[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def resolve(self, chunk: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(fwd_seq, module, call) of the chunk's rows: forward rows keep their own module/call."""
         module = np.asarray(chunk["module"], dtype=np.int64).copy()
         call = np.asarray(chunk["call"], dtype=np.int64).copy()

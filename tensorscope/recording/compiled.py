@@ -19,10 +19,10 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Optional
 
 #: one structured-trace record kept: (name, metadata, compile key, payload, perf_counter_ns)
-Record = Tuple[str, Any, Tuple[Any, ...], Any, int]
+Record = tuple[str, Any, tuple[Any, ...], Any, int]
 
 _KEEP = frozenset({
     "dynamo_start", "dynamo_output_graph", "dynamo_cpp_guards_str", "dynamo_guards", "compilation_metrics",
@@ -35,8 +35,8 @@ _KEEP_ARTIFACTS = frozenset({
 })
 
 #: graphs compiled in earlier traces of this process, by generated code file (bounded)
-_REGISTRY: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
-_REGISTRY_BY_HASH: Dict[str, str] = {}
+_REGISTRY: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+_REGISTRY_BY_HASH: dict[str, str] = {}
 _REGISTRY_MAX = 256
 _REGISTRY_LOCK = threading.Lock()
 #: Inductor's generated module names: c<hash>.py
@@ -46,7 +46,7 @@ _GENERATED = re.compile(r"^c[a-z0-9]{20,}\.py$")
 class _Handler(logging.Handler):
     """Keeps the structured-trace records tensorscope reads. Never raises into PyTorch."""
 
-    def __init__(self, sink: List[Record]) -> None:
+    def __init__(self, sink: list[Record]) -> None:
         super().__init__(level=logging.DEBUG)
         self.sink = sink
         self.errors = 0
@@ -78,7 +78,7 @@ class CompileCapture:
     """Installed by the session for the duration of a trace; ``close()`` removes it (idempotent)."""
 
     def __init__(self) -> None:
-        self.records: List[Record] = []
+        self.records: list[Record] = []
         self._handler: Optional[_Handler] = None
         self._logger: Optional[logging.Logger] = None
 
@@ -119,7 +119,7 @@ _PARAM = re.compile(r'(\w+)\s*:\s*"([^"]*)"')
 _FILE = re.compile(r"^\s*# File: (.+?):(\d+) in ")
 
 
-def _dims(text: str) -> List[int]:
+def _dims(text: str) -> list[int]:
     out = []
     for d in text.split(","):
         d = d.strip()
@@ -132,11 +132,11 @@ def _dims(text: str) -> List[int]:
     return out
 
 
-def parse_annotation(ann: Optional[str]) -> Tuple[List[List[int]], List[List[int]], List[str]]:
+def parse_annotation(ann: Optional[str]) -> tuple[list[list[int]], list[list[int]], list[str]]:
     """``"f32[3, 8][8, 1]cpu"`` -> ([[3, 8]], [[8, 1]], ["float32"]) (several for tuple outputs)."""
-    shapes: List[List[int]] = []
-    strides: List[List[int]] = []
-    dtypes: List[str] = []
+    shapes: list[list[int]] = []
+    strides: list[list[int]] = []
+    dtypes: list[str] = []
     for m in _ANN_TENSOR.finditer(ann or ""):
         code = m.group(1)
         if code not in _DTYPES and not code.startswith(("f", "i", "u", "b", "c")):
@@ -147,7 +147,7 @@ def parse_annotation(ann: Optional[str]) -> Tuple[List[List[int]], List[List[int
     return shapes, strides, dtypes
 
 
-def _short_target(target: str, locals_: Set[str]) -> str:
+def _short_target(target: str, locals_: set[str]) -> str:
     if target.startswith("torch.ops."):
         return target[len("torch.ops."):]
     head = target.split(".", 1)[0]
@@ -156,16 +156,16 @@ def _short_target(target: str, locals_: Set[str]) -> str:
     return target
 
 
-def parse_graph(text: Optional[str]) -> List[Dict[str, Any]]:
+def parse_graph(text: Optional[str]) -> list[dict[str, Any]]:
     """Nodes of a readable FX graph (``GraphModule.print_readable(include_stride=True)``), in order.
 
     Placeholders are ``op="input"``, the return is ``op="output"``; call nodes carry
     their target (``aten.addmm.default``, ``torch._C._nn.linear``, ``Tensor.sum``).
     """
-    nodes: List[Dict[str, Any]] = []
+    nodes: list[dict[str, Any]] = []
     if not text:
         return nodes
-    locals_: Set[str] = set()
+    locals_: set[str] = set()
     src_file: Optional[str] = None
     src_line: Optional[int] = None
     in_sig = False
@@ -213,7 +213,7 @@ def parse_graph(text: Optional[str]) -> List[Dict[str, Any]]:
     return nodes
 
 
-def _add_node(nodes: List[Dict[str, Any]], name: str, op: str, ann: Optional[str], src_file: Optional[str],
+def _add_node(nodes: list[dict[str, Any]], name: str, op: str, ann: Optional[str], src_file: Optional[str],
               src_line: Optional[int]) -> None:
     shapes, strides, dtypes = parse_annotation(ann)
     nodes.append(dict(idx=len(nodes), name=name, op=op, shapes=shapes, strides=strides, dtypes=dtypes,
@@ -225,7 +225,7 @@ _EXTERN = re.compile(r"\bextern_kernels\.(\w+)\(")
 _FALLBACK = re.compile(r"\btorch\.ops\.(\w+\.\w+\.\w+)\(|\baten\.(\w+\.\w+)\(")
 
 
-def parse_output_code(code: Optional[str]) -> Dict[str, Any]:
+def parse_output_code(code: Optional[str]) -> dict[str, Any]:
     """Kernels the generated ``call()`` launches, in order: fused kernels, extern kernels, ATen fallbacks."""
     if not code:
         return dict(kernels=[], aot_id=None)
@@ -238,7 +238,7 @@ def parse_output_code(code: Optional[str]) -> Dict[str, Any]:
         k = code.find("\nif __name__", i)
         ends = [e for e in (j, k) if e > 0]
         body = code[i:min(ends)] if ends else code[i:]
-    kernels: List[str] = []
+    kernels: list[str] = []
     if defined:
         call_re = re.compile(r"\b(" + "|".join(sorted(map(re.escape, defined), key=len, reverse=True))
                              + r")(?:\.run)?\(")
@@ -259,7 +259,7 @@ def parse_output_code(code: Optional[str]) -> Dict[str, Any]:
     return dict(kernels=kernels, aot_id=aot.group(1) if aot else None)
 
 
-def _guard_lines(text: Optional[str]) -> List[str]:
+def _guard_lines(text: Optional[str]) -> list[str]:
     out = []
     for line in (text or "").splitlines():
         m = re.match(r"^[|\s]*\+- ([A-Z_]+): (.*)$", line)
@@ -285,7 +285,7 @@ def _reason(payload: Any) -> Optional[str]:
     return str(v)
 
 
-def _cid(key: Tuple[Any, ...]) -> str:
+def _cid(key: tuple[Any, ...]) -> str:
     frame, fcid, _attempt, ca = key
     s = f"{frame}/{fcid}" if frame is not None else "?"
     return f"!{ca}/{s}" if ca is not None else s
@@ -293,11 +293,11 @@ def _cid(key: Tuple[Any, ...]) -> str:
 
 # -- records -> graph rows -------------------------------------------------------------------------------------
 
-def graphs_from_records(records: List[Record]) -> List[Dict[str, Any]]:
+def graphs_from_records(records: list[Record]) -> list[dict[str, Any]]:
     """One dict per graph (with its ``nodes``), in compile order. Pure: strings in, dicts out."""
-    comps: "OrderedDict[Tuple[Any, ...], Dict[str, Any]]" = OrderedDict()
+    comps: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
 
-    def comp(key: Tuple[Any, ...]) -> Dict[str, Any]:
+    def comp(key: tuple[Any, ...]) -> dict[str, Any]:
         ck = key[:2] + (key[3],)
         c = comps.get(ck)
         if c is None:
@@ -340,19 +340,19 @@ def graphs_from_records(records: List[Record]) -> List[Dict[str, Any]]:
             c["bwd_metrics"] = info if isinstance(info, dict) else None
         elif name.startswith(("fx_graph_cache_", "aotautograd_cache_")):
             c["cache"].append(name)
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for c in comps.values():
         if not c["graphs"]:
             continue
         m = c["metrics"] or {}
         bm = c["bwd_metrics"] or {}
 
-        def secs(d: Dict[str, Any], k: str) -> Optional[int]:
+        def secs(d: dict[str, Any], k: str) -> Optional[int]:
             v = d.get(k)
             return int(round(float(v) * 1e9)) if isinstance(v, (int, float)) else None
 
         cid = _cid(c["key"])
-        seen_inductor: Set[Optional[str]] = set()
+        seen_inductor: set[Optional[str]] = set()
         for g in c["graphs"]:
             g["compile_id"] = cid
             g["frame"] = m.get("co_name")
@@ -376,9 +376,9 @@ def graphs_from_records(records: List[Record]) -> List[Dict[str, Any]]:
     return out
 
 
-def _remember(graphs: List[Dict[str, Any]]) -> None:
+def _remember(graphs: list[dict[str, Any]]) -> None:
     """Keep this trace's compiles for later traces that only run them (bounded, oldest dropped)."""
-    by_cid: Dict[str, List[Dict[str, Any]]] = {}
+    by_cid: dict[str, list[dict[str, Any]]] = {}
     for g in graphs:
         by_cid.setdefault(g["compile_id"], []).append(g)
     with _REGISTRY_LOCK:

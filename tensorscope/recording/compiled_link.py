@@ -8,7 +8,7 @@ remembers the graphs for later traces, and fills ``ops/calls.graph_id`` and ``ca
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +27,7 @@ from .compiled import (
 )
 
 
-def graph_tables(graphs: List[Dict[str, Any]]) -> Tuple[pa.Table, pa.Table]:
+def graph_tables(graphs: list[dict[str, Any]]) -> tuple[pa.Table, pa.Table]:
     rows, nrows = [], []
     for gid, g in enumerate(graphs):
         nodes = g.get("nodes") or []
@@ -52,13 +52,13 @@ def graph_tables(graphs: List[Dict[str, Any]]) -> Tuple[pa.Table, pa.Table]:
     return g, n
 
 
-def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table) -> Tuple[np.ndarray, np.ndarray]:
+def _link(graphs: list[dict[str, Any]], ops: pa.Table, calls: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """graph_id per call and per op (numpy int64, -1 = none), and the graphs actually used from earlier traces."""
     n_calls, n_ops = calls.num_rows, ops.num_rows
     call_gid = np.full(n_calls, -1, np.int64)
     op_gid = np.full(n_ops, -1, np.int64)
-    by_file: Dict[str, int] = {}
-    by_md5: Dict[str, int] = {}
+    by_file: dict[str, int] = {}
+    by_md5: dict[str, int] = {}
     for gid, g in enumerate(graphs):
         if g["kind"] == "inductor":
             if g.get("code_file"):
@@ -154,7 +154,7 @@ def _link(graphs: List[Dict[str, Any]], ops: pa.Table, calls: pa.Table) -> Tuple
     return call_gid, op_gid
 
 
-def _note_unknown_regions(notes: List[str], calls: pa.Table, call_gid: np.ndarray) -> None:
+def _note_unknown_regions(notes: list[str], calls: pa.Table, call_gid: np.ndarray) -> None:
     """Calls from Inductor-generated code whose compile this process never saw: say why there is no graph."""
     if calls.num_rows == 0:
         return
@@ -175,7 +175,7 @@ def _note_unknown_regions(notes: List[str], calls: pa.Table, call_gid: np.ndarra
             "graphs are unknown: compile inside a traced cell (or call torch._dynamo.reset() first) to see them")
 
 
-def _user_location(table: pa.Table, gid: np.ndarray, graphs: List[Dict[str, Any]]) -> pa.Table:
+def _user_location(table: pa.Table, gid: np.ndarray, graphs: list[dict[str, Any]]) -> pa.Table:
     """Rows that ran in a compiled region point at Inductor's generated file (the first frame outside torch):
     show the compiled function's file and first line instead (the generated file is ``graphs.code_file``)."""
     linked = gid >= 0
@@ -195,7 +195,7 @@ def _user_location(table: pa.Table, gid: np.ndarray, graphs: List[Dict[str, Any]
     return table
 
 
-def attach(records: List[Record], tables: Dict[str, pa.Table], notes: List[str]) -> Dict[str, pa.Table]:
+def attach(records: list[Record], tables: dict[str, pa.Table], notes: list[str]) -> dict[str, pa.Table]:
     """``tables`` with ``graphs``/``graph_nodes`` built from the capture's ``records`` and ``graph_id``
     (and ``calls.compiled``) filled; a note is appended to ``notes`` for calls from code compiled
     before any trace saw it."""

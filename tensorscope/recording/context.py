@@ -19,7 +19,8 @@ Two classes, one per engine:
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Protocol
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from ..native import site_error_info
 from ..tracking.storages import StorageTracker
@@ -37,11 +38,11 @@ class ObserverEngine(Protocol):
 
     ext: Any
 
-    def take_warnings(self) -> List[Dict[str, Any]]: ...
+    def take_warnings(self) -> list[dict[str, Any]]: ...
 
 #: the fields of :class:`RecordingContext`, each with who writes it (tests/modes/test_context.py
 #: checks ``__slots__`` against this table)
-FIELDS: Dict[str, str] = {
+FIELDS: dict[str, str] = {
     "rec": "the Recorder: the columnar buffers every observer appends to (set once)",
     "seq": "the number of the next ops row (the dispatch mode counts it; natively the observer's row count)",
     "recording": "whether the modes record now (the session sets it at start/stop and around its own work)",
@@ -79,8 +80,8 @@ class RecordingContext:
     seq: int
     recording: bool
     current_call: int
-    call_stack: List[int]
-    node_names: Dict[type, int]
+    call_stack: list[int]
+    node_names: dict[type, int]
     opaque_ops: int
     compiled_ops: int
     last_exc_key: Any
@@ -181,7 +182,7 @@ _CURRENT_CALL = RecordingContext.__dict__["current_call"]   # the slot, under th
 _RECORDING = RecordingContext.__dict__["recording"]
 
 #: the fields :class:`NativeRecordingContext` adds
-NATIVE_FIELDS: Dict[str, str] = {
+NATIVE_FIELDS: dict[str, str] = {
     "engine": "the NativeEngine: the observer that records the ops (its warnings are drained by the "
               "function mode)",
     "ext": "engine.ext, the compiled extension: seq(), set_call(), set_module(), take_error_seq() (with the "

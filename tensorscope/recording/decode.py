@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +45,7 @@ EXPECT_FREE_CALLS = frozenset({
 
 
 
-def _tuple_dicts(rec: Recorder) -> Dict[str, Any]:
+def _tuple_dicts(rec: Recorder) -> dict[str, Any]:
     """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays.
 
     Rows are expanded with numpy segment gathers instead of ``take`` over nested
@@ -109,12 +110,12 @@ class Decoder:
         self.screened = screen is not None
         self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
                                      for f in rec.funcs.values] or [False], dtype=bool)
-        self._g: Optional[Dict[str, np.ndarray]] = None
-        self._null_cache: Dict[Any, pa.Array] = {}
+        self._g: Optional[dict[str, np.ndarray]] = None
+        self._null_cache: dict[Any, pa.Array] = {}
         self.links = links
 
     @property
-    def g(self) -> Dict[str, np.ndarray]:
+    def g(self) -> dict[str, np.ndarray]:
         """Whole-trace columns some tables index by seq (``op``: a tensor's allocating op, a
         warning's op), read once, only the columns needed, on first use."""
         if self._g is None:
@@ -122,7 +123,7 @@ class Decoder:
             self._g = {"op": np.concatenate(ops) if ops else np.zeros(0, np.int32)}
         return self._g
 
-    def decode(self, chunk: Dict[str, np.ndarray], start: int) -> pa.RecordBatch:
+    def decode(self, chunk: dict[str, np.ndarray], start: int) -> pa.RecordBatch:
         rec = self.rec
         n = len(chunk["op"])
         seq = np.arange(start, start + n, dtype=np.int64)
@@ -139,7 +140,7 @@ class Decoder:
         if len(self.call_src):
             src_idx[~call_null] = self.call_src[call[~call_null]]
         t = self.tup
-        cols: Dict[str, Any] = {}
+        cols: dict[str, Any] = {}
         cols["seq"] = pa.array(seq)
         cols["cell"] = self._nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
         for k in ("op", "namespace", "overload"):
@@ -227,7 +228,7 @@ class Decoder:
         m = self.rec.metas
         tv = self.rec.tuples.values
         short = self.ops["short"]
-        cache: Dict[Tuple[int, int], int] = {}
+        cache: dict[tuple[int, int], int] = {}
         for i in todo:
             key = (int(op[i]), int(ins[i]))
             v = cache.get(key)
@@ -246,7 +247,7 @@ class Decoder:
             arr = self._null_cache[key] = pa.nulls(n, typ)
         return arr
 
-    def _sparse_int(self, d: Dict[int, int], start: int, n: int) -> pa.Array:
+    def _sparse_int(self, d: dict[int, int], start: int, n: int) -> pa.Array:
         if not d:
             return self._nulls(n, pa.int64())
         vals = np.zeros(n, dtype=np.int64)
@@ -279,11 +280,11 @@ class Decoder:
         return cand
 
 
-def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> Tuple[pa.Table, Optional[str]]:
+def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> tuple[pa.Table, Optional[str]]:
     """The ops table; past ``spill_rows`` decoded into a memory-mapped Arrow IPC file under
     ``spill_dir``, whose path is returned (the Trace owns it) with the table."""
     rec = ctx.rec
-    batches: List[pa.RecordBatch] = []
+    batches: list[pa.RecordBatch] = []
     start = 0
     spilled = bool(rec.spilled_chunks)
     sink: Any = None
@@ -415,7 +416,7 @@ def tensors_table(ctx: Decoder) -> pa.Table:
     return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
 
 
-def _shape_rows(shape: Tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> Tuple[np.ndarray, pa.Array]:
+def _shape_rows(shape: tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> tuple[np.ndarray, pa.Array]:
     lens, starts, flat = shape
     off, vals = gather(metas, starts, lens, flat)
     return off, pa.array(vals, pa.int64())
@@ -427,8 +428,8 @@ def errors_table(ctx: Decoder) -> pa.Table:
         return S.empty("errors")
     names = ctx.ops["names"]
     g_op = ctx.g["op"]
-    folded: List[Dict[str, Any]] = []
-    index: Dict[Tuple[Any, ...], int] = {}
+    folded: list[dict[str, Any]] = []
+    index: dict[tuple[Any, ...], int] = {}
     for r in rows:
         r = dict(r)
         if r.get("op") is None and r.get("seq") is not None and 0 <= r["seq"] < len(g_op) and r["kind"] == "warning":
@@ -449,7 +450,7 @@ def errors_table(ctx: Decoder) -> pa.Table:
 
 
 def decode_tables(rec: Recorder, *, cell: Optional[int], screen: Any, links: _Links,
-                  spill_dir: Optional[str]) -> Tuple[Dict[str, pa.Table], Optional[str]]:
+                  spill_dir: Optional[str]) -> tuple[dict[str, pa.Table], Optional[str]]:
     """The ``ops``, ``calls``, ``tensors`` and ``errors`` tables of a finished trace's buffers, and
     the path of the memory-mapped ops file when the ops were spilled (else None)."""
     rec.end_chunk()

@@ -16,18 +16,13 @@ compiled artifact calls is then all we see, and the summary says so.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
-    Dict,
-    FrozenSet,
-    List,
     Literal,
-    Mapping,
     Optional,
-    Sequence,
-    Tuple,
     Union,
 )
 
@@ -59,13 +54,13 @@ try:
 except Exception:  # older torch
     _flop_registry = {}
 #: torch.utils.flop_counter's formulas by op packet (the same dict: formulas registered later count)
-FLOP_REGISTRY: Dict[Any, Any] = _flop_registry
+FLOP_REGISTRY: dict[Any, Any] = _flop_registry
 
 #: ops whose FLOPs decode.py computes from input shapes (same formulas as torch.utils.flop_counter)
 SHAPE_FLOP_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
 
-def schema_inputs(func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> List[Any]:
+def schema_inputs(func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> list[Any]:
     """An op's arguments in schema order (kwarg-only ones from kwargs), as the native engine gives them."""
     out = list(args)
     try:
@@ -78,10 +73,10 @@ def schema_inputs(func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, 
 
 #: OpOverload -> (flags, flop_at_build): facts of the op's schema, the same in every trace, so
 #: computed once per process (a schema walk: ~20 µs per op)
-_SCHEMA_FACTS: Dict[Any, Tuple[int, bool]] = {}
+_SCHEMA_FACTS: dict[Any, tuple[int, bool]] = {}
 
 
-def op_schema_facts(func: Any) -> Tuple[int, bool, Optional[Callable[..., Any]]]:
+def op_schema_facts(func: Any) -> tuple[int, bool, Optional[Callable[..., Any]]]:
     """``(flags, flop_at_build, flop)`` of ``func``: F_INPLACE/F_OUT_KW/F_VIEW from its schema;
     whether its FLOPs are counted from input shapes when the tables are built; else its
     flop_counter formula (None: no formula; looked up each time: formulas can be registered
@@ -120,7 +115,7 @@ class OpInfo:
 
     __slots__ = ("op_id", "flags", "flop", "flop_at_build", "hook")
 
-    def __init__(self, rec: Recorder, func: Any, hook_namespaces: FrozenSet[str] = frozenset()) -> None:
+    def __init__(self, rec: Recorder, func: Any, hook_namespaces: frozenset[str] = frozenset()) -> None:
         self.op_id = rec.funcs(func)
         self.hook = bool(hook_namespaces) and getattr(func, "namespace", None) in hook_namespaces
         self.flags, self.flop_at_build, self.flop = op_schema_facts(func)
@@ -132,7 +127,7 @@ _key_for_device = getattr(torch._C, "_dispatch_key_for_device", None)
 
 #: OpOverload -> {device type: decompose?} for ops with a CompositeImplicitAutograd kernel;
 #: None for every other op (the common case: one dict lookup per op)
-_COMPOSITE: Dict[Any, Optional[Dict[str, bool]]] = {}
+_COMPOSITE: dict[Any, Optional[dict[str, bool]]] = {}
 
 
 def _is_composite(func: Any) -> bool:
@@ -189,7 +184,7 @@ def _eager_decomposes(func: Any, device_type: str) -> bool:
         return True
 
 
-def _should_decompose(func: Any, per_device: Union[Dict[str, bool], None, Literal[False]], args: Sequence[Any],
+def _should_decompose(func: Any, per_device: Union[dict[str, bool], None, Literal[False]], args: Sequence[Any],
                       kwargs: Optional[Mapping[str, Any]]) -> bool:
     """``per_device`` is ``_COMPOSITE.get(func, False)``; the caller skips this call when it is None."""
     if per_device is False:
@@ -215,9 +210,9 @@ def _dense_args(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> boo
     return True
 
 
-def tensor_args(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], skip_kw: Tuple[str, ...] = ()) -> List[Tensor]:
+def tensor_args(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], skip_kw: tuple[str, ...] = ()) -> list[Tensor]:
     """The tensors among an op's arguments (one level of lists), in order; by hand, not pytree."""
-    out: List[Tensor] = []
+    out: list[Tensor] = []
     for a in args:
         if isinstance(a, Tensor):
             out.append(a)
@@ -240,6 +235,9 @@ def tensor_args(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], skip_k
 
 # torch's TorchDispatchMode.__init_subclass__ is untyped
 class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The python engine's op observer: a TorchDispatchMode that runs each ATen op unchanged and records
+    its row (shapes, dtypes, strides, aliasing, phase, module, time) into the recording context."""
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
@@ -247,7 +245,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, ctx: RecordingContext) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
         self.ctx = ctx   # the recording context (recording/context.py): all the mode reads and writes
-        self._infos: Dict[Any, OpInfo] = {}   # OpOverload -> its facts
+        self._infos: dict[Any, OpInfo] = {}   # OpOverload -> its facts
         # autograd's sequence counter as the last op left it: a forward op created a node (and may
         # claim ``counter - 1``) only if the counter advanced since, so an op that created none
         # never claims a node made before the trace or by an op we did not record
@@ -264,7 +262,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return node_id
 
     def _describe(self, ts: Sequence[Tensor], alloc: bool, stor: array[int], module_id: int,
-                  call_id: int) -> Tuple[List[int], List[int]]:
+                  call_id: int) -> tuple[list[int], list[int]]:
         """Meta ids (and storage ids, appended to ``stor``) of tensors ``ts``; also their data pointers."""
         rec = self.ctx.rec
         metas = rec.metas
@@ -272,15 +270,15 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tracker = self.ctx.tracker
         by_ptr = tracker.by_ptr if tracker is not None else None
         fake_keys = tracker is not None and tracker.fake_keys
-        mids: List[int] = []
-        ptrs: List[int] = []
+        mids: list[int] = []
+        ptrs: list[int] = []
         for t in ts:
             try:
                 st = t.stride() if t.layout is _STRIDED else None   # sparse/mkldnn: no meaningful strides
             except Exception:   # nested: no strides
                 st = None
             try:
-                key: Tuple[Any, ...] = (t.shape, st, t.dtype, t.device)
+                key: tuple[Any, ...] = (t.shape, st, t.dtype, t.device)
             except Exception:   # nested tensors have no single shape
                 key = ((), st, t.dtype, t.device)
             mid = ids.get(key)
@@ -306,7 +304,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return mids, ptrs
 
     def __torch_dispatch__(self, func: Any, types: Sequence[type], args: Sequence[Any] = (),
-                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
         if kwargs is None:
             kwargs = {}
         s = self.ctx
@@ -319,7 +317,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # linear, to...) reach this mode whole under inference_mode, and ops with a backend
         # kernel of their own (silu_backward) always do; decompose, with the mode re-entered as
         # FlopCounterMode does, exactly those eager would decompose on this backend
-        per_device: Union[Dict[str, bool], None, Literal[False]] = _COMPOSITE.get(func, False)
+        per_device: Union[dict[str, bool], None, Literal[False]] = _COMPOSITE.get(func, False)
         if per_device is not None and _should_decompose(func, per_device, args, kwargs):
             # the C++ kernel eager runs, not func.decompose(): that prefers a Python
             # decomposition (upsample -> _unsafe_index) whose ops and bits differ from eager
@@ -441,14 +439,14 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
     def _append(self, seq: int, info: OpInfo, flags: int, module_id: int, call_id: int, node_id: int, seq_nr: int,
-                in_mids: List[int], in_ptrs: List[int], outs: Sequence[Tensor], flop: int, t0: int, t1: int) -> None:
+                in_mids: list[int], in_ptrs: list[int], outs: Sequence[Tensor], flop: int, t0: int, t1: int) -> None:
         s = self.ctx
         rec = s.rec
         stor = rec.storages
         if outs:
             out_mids: Sequence[int]
             out_mids, out_ptrs = self._describe(outs, True, stor, module_id, call_id)
-            alias: List[int] = []
+            alias: list[int] = []
             for p in out_ptrs:
                 a = -1
                 if p:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -51,7 +51,7 @@ class Finishing(Protocol):
     dist: Any   # ranks.DistContext: anchor_unix_ns, the trace start on the unix clock
 
 
-def finish_tables(f: Finishing) -> Tuple[Dict[str, Any], Optional[str], List[str]]:
+def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str]]:
     """Every recorded table of the trace (``kernels`` may be a pending value with a ``resolve()``:
     always-on cells link kernels at the next harvest), the memory-mapped ops file (or None), and
     the notes the steps here add."""
@@ -69,7 +69,7 @@ def finish_tables(f: Finishing) -> Tuple[Dict[str, Any], Optional[str], List[str
             rec.tracer_error("non-finite screen finish", e)
     tables, ops_file = decode_tables(rec, cell=f.cell, screen=ctx.screen, links=f.links,
                                      spill_dir=f.options.spill_dir)
-    notes: List[str] = []
+    notes: list[str] = []
     try:
         from .compiled_link import attach
 
@@ -120,7 +120,7 @@ def _with_addresses(f: Finishing, tensors: pa.Table) -> pa.Table:
     return tensors.set_column(tensors.schema.get_field_index("address"), S.TENSORS.field("address"), col)
 
 
-def _allocator_tables(f: Finishing, tables: Dict[str, Any]) -> Dict[str, pa.Table]:
+def _allocator_tables(f: Finishing, tables: dict[str, Any]) -> dict[str, pa.Table]:
     """The CUDA caching allocator's view (analyses/allocator.py): its counters per device the trace
     touched, and with ``memory_history=True`` its snapshot joined to ``tensors``."""
     from ..analyses.allocator import (
@@ -133,7 +133,7 @@ def _allocator_tables(f: Finishing, tables: Dict[str, Any]) -> Dict[str, pa.Tabl
     )
 
     probe = f.allocator
-    out: Dict[str, pa.Table] = {}
+    out: dict[str, pa.Table] = {}
     if not probe.start_stats and not probe.end_stats:
         return out
     tensors = tables["tensors"]
@@ -149,7 +149,7 @@ def _allocator_tables(f: Finishing, tables: Dict[str, Any]) -> Dict[str, pa.Tabl
     return out
 
 
-def _with_categories(f: Finishing, tables: Dict[str, pa.Table]) -> pa.Table:
+def _with_categories(f: Finishing, tables: dict[str, pa.Table]) -> pa.Table:
     """``tensors`` with its ``category`` column (analyses/memory_categories.py), from the lifetimes and
     the model/optimizer state alive now (tracking/state.py): read once, here, never per op."""
     from ..analyses.memory_categories import categorize, made_by_out_argument
@@ -167,7 +167,7 @@ def _with_categories(f: Finishing, tables: Dict[str, pa.Table]) -> pa.Table:
                                      nullable_array(alloc, alloc < 0))
         tensors = tensors.set_column(tensors.schema.get_field_index("alloc_op"), S.TENSORS.field("alloc_op"),
                                      alloc_op)
-    known: Dict[int, str] = {}
+    known: dict[int, str] = {}
     tracker = f.ctx.tracker
     if tracker is not None:
         from ..tracking.leaks.roots import user_objects
@@ -185,8 +185,8 @@ def _with_categories(f: Finishing, tables: Dict[str, pa.Table]) -> pa.Table:
         known = state_storages(modules, optimizers, live)
         del modules, optimizers
     lk = tables.get("leaks")
-    graph_held: List[int] = []
-    opt_held: List[int] = []
+    graph_held: list[int] = []
+    opt_held: list[int] = []
     if lk is not None and lk.num_rows:
         for sid, kind in zip(lk.column("storage_id").to_pylist(), lk.column("holder_kind").to_pylist()):
             if sid is None:
@@ -201,7 +201,7 @@ def _with_categories(f: Finishing, tables: Dict[str, pa.Table]) -> pa.Table:
 
 
 
-def _kernels_table(f: Finishing, ops: pa.Table) -> Tuple[pa.Table, List[str]]:
+def _kernels_table(f: Finishing, ops: pa.Table) -> tuple[pa.Table, list[str]]:
     if f.kernels is None:
         return S.empty("kernels"), []
     try:
@@ -232,7 +232,7 @@ def _leaks_table(f: Finishing, tensors: pa.Table) -> pa.Table:
     # objects cost ~1 ms per 300 storages)
     cols = ("nbytes", "device", "dtype", "shape", "alloc_seq", "alloc_op", "cell", "source_file", "source_line")
     t = tensors.select(list(cols)).take(pa.array([sid for sid, _ref in live], pa.int64())).to_pydict()
-    records: List[Any] = []   # tracking.storages.LiveStorage
+    records: list[Any] = []   # tracking.storages.LiveStorage
     for i, (sid, ref) in enumerate(live):
         row = {k: t[k][i] for k in cols}
         records.append(LiveStorage(
@@ -245,10 +245,10 @@ def _leaks_table(f: Finishing, tensors: pa.Table) -> pa.Table:
         return leak_table(records, shell=ipython_shell())
 
 
-_DEVICE: Optional[Dict[str, Any]] = None
+_DEVICE: Optional[dict[str, Any]] = None
 
 
-def _device_description() -> Dict[str, Any]:
+def _device_description() -> dict[str, Any]:
     """env() once per process, hidden from every mode and profiler (it runs a probe op)."""
     global _DEVICE
     if _DEVICE is not None:
@@ -262,7 +262,7 @@ def _device_description() -> Dict[str, Any]:
                 pass
         return dict(_DEVICE)
 
-    def describe() -> Dict[str, Any]:
+    def describe() -> dict[str, Any]:
         import torch
         from torch.utils._python_dispatch import _disable_current_modes
 
@@ -280,7 +280,7 @@ def _device_description() -> Dict[str, Any]:
     return dict(_DEVICE)
 
 
-def metadata(f: Finishing, ops_rows: int, notes: List[str], **extra: Any) -> Dict[str, Any]:
+def metadata(f: Finishing, ops_rows: int, notes: list[str], **extra: Any) -> dict[str, Any]:
     """The trace's metadata (``TraceMetadata`` fields) as a dict; ``extra``: fields the caller knows
     (``distributed``...)."""
     import torch
@@ -333,7 +333,7 @@ def metadata(f: Finishing, ops_rows: int, notes: List[str], **extra: Any) -> Dic
     }
 
 
-def _cell_files(f: Finishing) -> Optional[Dict[str, Any]]:
+def _cell_files(f: Finishing) -> Optional[dict[str, Any]]:
     """Which source files are notebook cells, and their numbers (``Cell In[3], line 11``)."""
     rec = f.ctx.rec
     try:

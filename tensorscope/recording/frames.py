@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from types import CodeType, FrameType, FunctionType, TracebackType
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
+from typing import Any, Callable, Optional
 
 import torch
 
-_TRACER_CODES: Set[CodeType] = set()
+_TRACER_CODES: set[CodeType] = set()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _WRAPPER_FILES = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORCH_DIR, "_dynamo", "eval_frame.py"))
 _OPS_FILE = os.path.join(_TORCH_DIR, "_ops.py")
@@ -49,7 +50,7 @@ _TRAMPOLINE_NAME = "_tensorscope_call"
 _TEMPLATE: CodeType = compile(f"def {_TRAMPOLINE_NAME}(func, args, kwargs): return func(*args, **kwargs)",
                     "<tensorscope>", "exec").co_consts[0]
 _TEMPLATE_BYTES = _TEMPLATE.co_code
-_trampolines: Dict[Tuple[CodeType, int, int], FunctionType] = {}
+_trampolines: dict[tuple[CodeType, int, int], FunctionType] = {}
 _getframe = sys._getframe
 
 
@@ -115,7 +116,7 @@ def _mode_is_ours(mode: object) -> bool:
         _is_tracer_callable(getattr(type(mode), "__torch_dispatch__", None))
 
 
-def _locals(frame: FrameType) -> Dict[str, Any]:
+def _locals(frame: FrameType) -> dict[str, Any]:
     try:
         return frame.f_locals
     except Exception:
@@ -145,7 +146,7 @@ class _CaughtCleaner:
     __slots__ = ("frame", "saved", "done")
 
     frame: Optional[FrameType]   # None once disarmed
-    saved: Tuple[Any, bool, bool]   # the frame's f_trace, f_trace_lines, f_trace_opcodes
+    saved: tuple[Any, bool, bool]   # the frame's f_trace, f_trace_lines, f_trace_opcodes
     done: bool
 
     def __init__(self, frame: FrameType) -> None:
@@ -229,7 +230,7 @@ def clean_traceback(exc: BaseException) -> BaseException:
     """Remove the tracer's entries from ``exc``'s traceback (and its cause/context chain), in place."""
     seen = set()
     e: Optional[BaseException] = exc
-    todo: List[Optional[BaseException]] = [exc]
+    todo: list[Optional[BaseException]] = [exc]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
@@ -253,7 +254,7 @@ def _clean_one(exc: BaseException) -> None:
 def _relink(tb: Optional[TracebackType], before: Optional[TracebackType] = None) -> Optional[TracebackType]:
     """Unlink the tracer's entries from the chain starting at ``tb`` (``before``: the entry linking to
     it, relinked too); returns the new first entry."""
-    entries: List[TracebackType] = []
+    entries: list[TracebackType] = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
@@ -290,7 +291,7 @@ def _relink(tb: Optional[TracebackType], before: Optional[TracebackType] = None)
     return kept[0] if kept else None
 
 
-def exc_key(e: BaseException) -> Tuple[int, Type[BaseException], Optional[str]]:
+def exc_key(e: BaseException) -> tuple[int, type[BaseException], Optional[str]]:
     """Identity of an exception without a reference to it (which would keep its frames and
     tensors alive). CPython reuses the id of a freed exception, so type and message join it."""
     try:
@@ -300,7 +301,7 @@ def exc_key(e: BaseException) -> Tuple[int, Type[BaseException], Optional[str]]:
     return (id(e), type(e), msg)
 
 
-def exc_mark(e: BaseException, call_id: Optional[int]) -> Tuple[Any, Optional[int]]:
+def exc_mark(e: BaseException, call_id: Optional[int]) -> tuple[Any, Optional[int]]:
     """What ``last_exc_key`` holds: :func:`exc_key` and the calls row that recorded ``e``."""
     return (exc_key(e), call_id)
 

@@ -16,8 +16,9 @@ without the frames tracing added.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -77,7 +78,7 @@ except AttributeError:  # torch < 2.3
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-def _classify(func: Callable[..., Any]) -> Tuple[int, object]:
+def _classify(func: Callable[..., Any]) -> tuple[int, object]:
     """(kind, the object the calls table names it by)."""
     name = getattr(func, "__name__", None)
     if name is None:
@@ -106,13 +107,16 @@ def autocast_state() -> Optional[str]:
 
 
 class TracingFunctionMode(TorchFunctionMode):
+    """The python engine's call observer: a TorchFunctionMode that records each torch-level call (name,
+    module, source line, parent call) and the warnings and errors crossing it."""
+
     def __init__(self, ctx: RecordingContext) -> None:
         super().__init__()
         self.ctx = ctx   # the recording context (recording/context.py): all the mode reads and writes
-        self._kinds: Dict[Callable[..., Any], Tuple[int, object]] = {}
+        self._kinds: dict[Callable[..., Any], tuple[int, object]] = {}
 
     def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
-                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
         if kwargs is None:
             kwargs = {}
         # While Dynamo traces this handler, is_compiling() is True: it then inlines a plain call
@@ -327,7 +331,7 @@ class NativeFunctionMode(TorchFunctionMode):
         self.__dict__["__torch_function__"] = self._bound   # the instance attribute torch calls (its __self__ is the mode)
 
     def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
-                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
         if kwargs is None:
             kwargs = {}
         if _is_compiling():   # Dynamo traces this (the instance attribute is hidden while it compiles)

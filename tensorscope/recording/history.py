@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from .._common import fmt_bytes
 
 # Traces are typed Any here: the recording layer sits below the Trace class (tensorscope._trace)
 _last: Any = None
-_history: List[Any] = []
-_sizes: List[int] = []
+_history: list[Any] = []
+_sizes: list[int] = []
 _HISTORY_MAX = 64
 
 
@@ -37,7 +37,7 @@ def last() -> Any:
     return _last
 
 
-def history() -> List[Any]:
+def history() -> list[Any]:
     """Traces kept by ``%tensorscope on`` and ``%%tensorscope``, oldest first (at most 64 traces and
     1 GiB of tables by default: ``set_history_limits``)."""
     return list(_history)

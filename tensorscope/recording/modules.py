@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from types import FrameType
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -52,7 +52,7 @@ def _is_artifact(m: _Module) -> bool:
 
 
 #: torch.fx's GraphModule (the compiled graphs' modules), None on a torch without torch.fx
-_GraphModule: Optional[Type[_Module]]
+_GraphModule: Optional[type[_Module]]
 try:
     from torch.fx import GraphModule as _GraphModule
 except Exception:  # pragma: no cover
@@ -63,23 +63,26 @@ _MOD_CODE = _WRAPPED_CODE or _IMPL_CODE   # one frame per module call (Module.__
 
 
 class ModuleTracker:
+    """The nn.Module path of the running code, read from the call stack (no module hooks): interns each
+    (root, module) pair's path once and gives the recorder its id."""
+
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
-        self.stack: List[int] = []       # kept for callers that look at it; always empty now
+        self.stack: list[int] = []       # kept for callers that look at it; always empty now
         self.current = 0                 # module id of the innermost running module (0: none)
         # (id(root), id(module)) -> (weakref(module), weakref(root), module path id)
-        self._ids: Dict[Tuple[int, int], Tuple[weakref.ref[_Module], weakref.ref[_Module], int]] = {}
+        self._ids: dict[tuple[int, int], tuple[weakref.ref[_Module], weakref.ref[_Module], int]] = {}
         # id(root) -> (weakref(root), {id(module): qualified name})
-        self._trees: Dict[int, Tuple[weakref.ref[_Module], Dict[int, str]]] = {}
+        self._trees: dict[int, tuple[weakref.ref[_Module], dict[int, str]]] = {}
         # id(root) -> weakref(root): every root module the trace saw (kept past remove() for the build)
-        self.roots_seen: Dict[int, weakref.ref[_Module]] = {}
+        self.roots_seen: dict[int, weakref.ref[_Module]] = {}
 
     def install(self) -> None:
         """Nothing to install: modules are read from the stack (see the module docstring)."""
 
-    def roots(self) -> List[_Module]:
+    def roots(self) -> list[_Module]:
         """The root modules (outermost on the stack) the trace saw that are still alive."""
-        out: List[_Module] = []
+        out: list[_Module] = []
         for ref in list(self.roots_seen.values()):
             m = ref()
             if m is not None:
@@ -103,7 +106,7 @@ class ModuleTracker:
 
     def _at(self, frame: Optional[FrameType]) -> int:
         # the Module.__call__ frames between the caller and top-level code (a cell, a script)
-        calls: List[FrameType] = []
+        calls: list[FrameType] = []
         f = frame
         n = _NEAR
         while f is not None and n:
@@ -156,7 +159,7 @@ class ModuleTracker:
         self._ids[key] = (weakref.ref(mod), weakref.ref(root), mid)
         return mid
 
-    def _tree(self, root: _Module) -> Dict[int, str]:
+    def _tree(self, root: _Module) -> dict[int, str]:
         ent = self._trees.get(id(root))
         if ent is not None and ent[0]() is root:
             return ent[1]

@@ -10,7 +10,8 @@ Rules and details: docs/recording.md#the-non-finite-screen-recordingnumericspy
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -52,12 +53,12 @@ _SEEDED_NAMES = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_drop
                            "rrelu", "rrelu_"})
 
 _NOSCREEN, _SCREEN, _MAYBE_ALIAS = 0, 1, 2
-_REL = Tuple[float, float]
+_REL = tuple[float, float]
 #: what identifies a tensor's data for the memos: (data pointer, shape, strides, dtype)
-_TensorKey = Tuple[int, torch.Size, Tuple[int, ...], torch.dtype]
+_TensorKey = tuple[int, torch.Size, tuple[int, ...], torch.dtype]
 #: what ``pre`` hands ``post``: (a written tensor was non-finite before the op, the written data
 #: pointers, the device slots describing them)
-_PreState = Tuple[bool, FrozenSet[int], List[int]]
+_PreState = tuple[bool, frozenset[int], list[int]]
 
 
 def _op_name(func: Any) -> str:
@@ -69,7 +70,7 @@ def _op_name(func: Any) -> str:
 
 
 #: OpOverload -> its _FuncInfo (facts of the op alone: shared by every screen of the process)
-_FUNC_INFOS: Dict[Any, "_FuncInfo"] = {}
+_FUNC_INFOS: dict[Any, _FuncInfo] = {}
 
 
 class _FuncInfo:
@@ -78,8 +79,8 @@ class _FuncInfo:
     __slots__ = ("screen", "write_pos", "write_kw", "inplace", "overwrites")
 
     screen: int
-    write_pos: Tuple[int, ...]
-    write_kw: Tuple[str, ...]
+    write_pos: tuple[int, ...]
+    write_kw: tuple[str, ...]
     inplace: bool
     overwrites: bool
 
@@ -94,8 +95,8 @@ class _FuncInfo:
             self.screen = _MAYBE_ALIAS if _is_composite(func) else _NOSCREEN
         else:
             self.screen = _SCREEN
-        wp: List[int] = []
-        wk: List[str] = []
+        wp: list[int] = []
+        wk: list[str] = []
         inplace = False
         try:
             for i, a in enumerate(func._schema.arguments):
@@ -216,7 +217,7 @@ class NonfiniteScreen:
 
     def __init__(self) -> None:
         # key -> (version, finite) for CPU tensors that came out of a screened op
-        self._memo: Dict[_TensorKey, Tuple[int, bool]] = {}
+        self._memo: dict[_TensorKey, tuple[int, bool]] = {}
         self._cuda: Optional[_CudaFlags] = None
         self.n_screened = 0      # outputs screened
         self.n_fired = 0         # ops that held a non-finite value
@@ -252,9 +253,9 @@ class NonfiniteScreen:
                 written = [t for t in written if t.data_ptr() in read]
                 if not written:
                     return None
-            ptrs: List[int] = []
+            ptrs: list[int] = []
             bad = False
-            cuda_refs: List[int] = []
+            cuda_refs: list[int] = []
             for t in written:
                 if not _plain(t) or not _is_float(t):
                     continue
@@ -278,7 +279,7 @@ class NonfiniteScreen:
             return None
 
     def post(self, seq: int, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
-             outs: Sequence[Tensor], state: Optional[_PreState]) -> Optional[Tuple[int, bool]]:
+             outs: Sequence[Tensor], state: Optional[_PreState]) -> Optional[tuple[int, bool]]:
         """After an op: ``(count, produced)`` when a floating output holds NaN/Inf, else None."""
         info = _FUNC_INFOS.get(func)
         if info is None:
@@ -293,7 +294,7 @@ class NonfiniteScreen:
                 ptrs = {t.data_ptr() for t in tensor_args(args, kwargs)}
                 targets = [t for t in targets if t.data_ptr() not in ptrs]
             count = 0
-            cuda_outs: Optional[List[Tensor]] = None
+            cuda_outs: Optional[list[Tensor]] = None
             memo = self._memo
             for t in targets:
                 dt = t.dtype
@@ -327,7 +328,7 @@ class NonfiniteScreen:
         except Exception:
             return None
 
-    def finish(self) -> Dict[int, Tuple[int, bool]]:
+    def finish(self) -> dict[int, tuple[int, bool]]:
         """CUDA: one device-to-host read of every flag; ``{seq: (count, produced)}`` for bad ops."""
         self._memo.clear()
         if self._cuda is None:
@@ -340,8 +341,8 @@ class NonfiniteScreen:
 
     # -- helpers -------------------------------------------------------------
     @staticmethod
-    def _written(info: _FuncInfo, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> List[Tensor]:
-        out: List[Tensor] = []
+    def _written(info: _FuncInfo, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> list[Tensor]:
+        out: list[Tensor] = []
         for i in info.write_pos:
             if i < len(args):
                 a = args[i]
@@ -369,7 +370,7 @@ class NonfiniteScreen:
                           state: Optional[_PreState]) -> bool:
         if _scalar_nonfinite(args, kwargs):
             return True
-        written_ptrs: FrozenSet[int] = frozenset()
+        written_ptrs: frozenset[int] = frozenset()
         if state is not None:
             if state[0]:
                 return True
@@ -384,12 +385,12 @@ class NonfiniteScreen:
                 return True
         return False
 
-    def _cuda_flags(self) -> "_CudaFlags":
+    def _cuda_flags(self) -> _CudaFlags:
         if self._cuda is None:
             self._cuda = _CudaFlags(self.defer_cpu)
         return self._cuda
 
-    def report(self) -> Dict[str, int]:
+    def report(self) -> dict[str, int]:
         """Counters for the trace metadata."""
         out = {"screened": self.n_screened, "fired": self.n_fired, "pre_screened": self.n_pre_screened}
         if self._deferred:
@@ -413,11 +414,11 @@ class _CudaFlags:
 
     def __init__(self, defer_cpu: bool = False) -> None:
         self.defer_cpu = defer_cpu
-        self._bufs: Dict[torch.device, Tensor] = {}
-        self._used: Dict[torch.device, int] = {}
-        self._slots: List[Tuple[torch.device, int, int]] = []   # slot id -> (device, index, numel)
-        self._memo: Dict[_TensorKey, Tuple[int, int]] = {}      # tensor key -> (version, slot id)
-        self._ops: List[Tuple[int, Tuple[int, ...], Tuple[int, ...], bool]] = []
+        self._bufs: dict[torch.device, Tensor] = {}
+        self._used: dict[torch.device, int] = {}
+        self._slots: list[tuple[torch.device, int, int]] = []   # slot id -> (device, index, numel)
+        self._memo: dict[_TensorKey, tuple[int, int]] = {}      # tensor key -> (version, slot id)
+        self._ops: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]] = []
 
     def _capturing(self) -> bool:
         try:
@@ -458,7 +459,7 @@ class _CudaFlags:
                state: Optional[_PreState], info: _FuncInfo) -> None:
         if self._capturing():
             return   # extra kernels would become part of the user's CUDA graph
-        written_ptrs: FrozenSet[int] = state[1] if state is not None else frozenset()
+        written_ptrs: frozenset[int] = state[1] if state is not None else frozenset()
         in_slots = list(state[2]) if state is not None else []
         scalar_bad = _scalar_nonfinite(args, kwargs)
         for t in tensor_args(args, kwargs, skip_kw=info.write_kw):
@@ -467,7 +468,7 @@ class _CudaFlags:
             if info.inplace and t.data_ptr() in written_ptrs:
                 continue
             in_slots.append(self.input_ref(t))
-        out_slots: List[int] = []
+        out_slots: list[int] = []
         for t in outs:
             sid = self._slot(t)
             out_slots.append(sid)
@@ -480,12 +481,12 @@ class _CudaFlags:
                 del self._memo[k]
         self._ops.append((seq, tuple(out_slots), tuple(in_slots), scalar_bad))
 
-    def resolve(self) -> Dict[int, Tuple[int, bool]]:
+    def resolve(self) -> dict[int, tuple[int, bool]]:
         host = {dev: buf[: self._used.get(dev, 0)].cpu().tolist() for dev, buf in self._bufs.items()}
         bad = [0] * len(self._slots)
         for sid, (dev, idx, n) in enumerate(self._slots):
             bad[sid] = n - host[dev][idx]
-        out: Dict[int, Tuple[int, bool]] = {}
+        out: dict[int, tuple[int, bool]] = {}
         for seq, oslots, islots, scalar_bad in self._ops:
             c = sum(bad[s] for s in oslots)
             if c:

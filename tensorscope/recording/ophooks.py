@@ -5,12 +5,13 @@ namespaces, on the recording thread; see docs/architecture.md ("Op hooks").
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Tuple, Union
+from collections.abc import Iterable
+from typing import Any, Callable, Union
 
 #: an op hook: ``fn(seq, op name, inputs, outputs)``
 OpHook = Callable[[int, str, Any, Any], Any]
 
-_OP_HOOKS: Dict[int, Tuple[FrozenSet[str], OpHook]] = {}
+_OP_HOOKS: dict[int, tuple[frozenset[str], OpHook]] = {}
 _next_hook = [0]
 
 
@@ -42,7 +43,7 @@ class OpHooks:
     def __init__(self) -> None:
         self.hooks = list(_OP_HOOKS.values())
         self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
-        self.errors: List[str] = []
+        self.errors: list[str] = []
 
     def __bool__(self) -> bool:
         return bool(self.hooks)

@@ -29,7 +29,7 @@ import socket
 import time
 import uuid
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _process_run_id: Optional[str] = None
@@ -44,7 +44,7 @@ def sanitize_run_id(s: str) -> str:
     return s[:128]
 
 
-def env_identity() -> Dict[str, Any]:
+def env_identity() -> dict[str, Any]:
     """Rank identity from the environment a launcher sets."""
     e = os.environ
     for src, r, w, lr in (("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -106,9 +106,9 @@ class DistContext:
         self.backend: Optional[str] = None
         self.sync_clocks = sync_clocks
         self.sync_timeout_s = sync_timeout_s
-        self.clock: Optional[Tuple[int, int]] = None       # (offset_ns, error_ns) at the start
-        self.clock_end: Optional[Tuple[int, int]] = None
-        self.notes: List[str] = []
+        self.clock: Optional[tuple[int, int]] = None       # (offset_ns, error_ns) at the start
+        self.clock_end: Optional[tuple[int, int]] = None
+        self.notes: list[str] = []
         self.anchor_unix_ns = 0
         self.anchor_perf_ns = 0
 
@@ -154,7 +154,7 @@ class DistContext:
             self.notes.append(f"could not agree the run id through the process group's store: {e}")
 
     @staticmethod
-    def _fixed_run_id() -> Optional[Tuple[str, str]]:
+    def _fixed_run_id() -> Optional[tuple[str, str]]:
         e = os.environ
         if e.get("TENSORSCOPE_RUN_ID"):
             return sanitize_run_id(e["TENSORSCOPE_RUN_ID"]), "env"
@@ -163,7 +163,7 @@ class DistContext:
             return sanitize_run_id(rid), "torchelastic"
         return None
 
-    def resolve(self) -> Dict[str, Any]:
+    def resolve(self) -> dict[str, Any]:
         """Identity, run id and attempt as decided now (at write time)."""
         if self.run_id is None:
             fixed = self._fixed_run_id()
@@ -178,7 +178,7 @@ class DistContext:
                 "host": socket.gethostname(), "pid": os.getpid(), "device": _device(), "backend": self.backend}
 
     # -- clocks -----------------------------------------------------------------
-    def _sync(self, dist: Any) -> Optional[Tuple[int, int]]:
+    def _sync(self, dist: Any) -> Optional[tuple[int, int]]:
         try:
             return ping_pong(dist, timeout_s=self.sync_timeout_s)
         except Exception as e:
@@ -196,7 +196,7 @@ def _gloo(dist: Any) -> Any:
     return _gloo_group
 
 
-def ping_pong(dist: Any, rounds: int = 16, timeout_s: float = 10.0) -> Tuple[int, int]:
+def ping_pong(dist: Any, rounds: int = 16, timeout_s: float = 10.0) -> tuple[int, int]:
     """(offset_ns, error_ns): add offset_ns to this rank's ``time_ns`` to get rank 0's; error is half
     the shortest round trip. Collective: every rank of the default group must call it."""
     import torch
@@ -209,7 +209,7 @@ def ping_pong(dist: Any, rounds: int = 16, timeout_s: float = 10.0) -> Tuple[int
 
     # invisible to every Python mode, to the native engine and to a user's torch.profiler: the
     # send/recv run with RecordFunction off on this thread (engines.unobserved)
-    def run() -> Tuple[int, int]:
+    def run() -> tuple[int, int]:
         with _disable_current_modes(), torch._C.DisableTorchFunction():
             group = _gloo(dist)
             buf = torch.zeros(2, dtype=torch.int64)
@@ -221,7 +221,7 @@ def ping_pong(dist: Any, rounds: int = 16, timeout_s: float = 10.0) -> Tuple[int
 
             if rank == 0:
                 for r in range(1, world):
-                    best: Optional[Tuple[int, int]] = None
+                    best: Optional[tuple[int, int]] = None
                     for _ in range(rounds):
                         t1 = time.time_ns()
                         wait(dist.isend(buf, dst=r, group=group))

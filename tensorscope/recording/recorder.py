@@ -17,18 +17,13 @@ import os
 import shutil
 import tempfile
 from array import array
+from collections.abc import Collection, Iterator, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
-    Collection,
-    Dict,
-    Iterator,
-    List,
     Literal,
     Optional,
-    Sequence,
-    Tuple,
     Union,
     overload,
 )
@@ -56,7 +51,7 @@ TENSOR_COLUMNS = (
 )
 
 #: a frozen column: (base, narrow array) from ``pack``; ``unpack`` widens it back to int64
-Packed = Tuple[int, np.ndarray]
+Packed = tuple[int, np.ndarray]
 
 
 def pack(a: np.ndarray) -> Packed:
@@ -89,8 +84,8 @@ class Interner:
     __slots__ = ("ids", "values")
 
     def __init__(self, reserve_none: bool = False) -> None:
-        self.ids: Dict[Any, int] = {}
-        self.values: List[Any] = []
+        self.ids: dict[Any, int] = {}
+        self.values: list[Any] = []
         if reserve_none:
             self.ids[None] = 0
             self.values.append(None)
@@ -116,17 +111,17 @@ class TensorMetas:
     __slots__ = ("ids", "shapes", "strides", "dtypes", "devices", "formats", "ambiguous", "nbytes", "itemsize")
 
     def __init__(self) -> None:
-        self.ids: Dict[Tuple[Any, ...], int] = {}
-        self.shapes: List[Tuple[int, ...]] = []
-        self.strides: List[Optional[Tuple[int, ...]]] = []   # None: not strided
-        self.dtypes: List[str] = []
-        self.devices: List[str] = []
-        self.formats: List[str] = []
-        self.ambiguous: List[bool] = []
-        self.nbytes: List[int] = []
-        self.itemsize: List[int] = []
+        self.ids: dict[tuple[Any, ...], int] = {}
+        self.shapes: list[tuple[int, ...]] = []
+        self.strides: list[Optional[tuple[int, ...]]] = []   # None: not strided
+        self.dtypes: list[str] = []
+        self.devices: list[str] = []
+        self.formats: list[str] = []
+        self.ambiguous: list[bool] = []
+        self.nbytes: list[int] = []
+        self.itemsize: list[int] = []
 
-    def add(self, key: Tuple[Any, ...], shape: Sequence[int], stride: Optional[Sequence[int]], dtype: Any,
+    def add(self, key: tuple[Any, ...], shape: Sequence[int], stride: Optional[Sequence[int]], dtype: Any,
             device: Any) -> int:
         i = len(self.shapes)
         self.ids[key] = i
@@ -172,7 +167,7 @@ class RowBuffer:
     def column(self, name: str) -> np.ndarray:
         return self.matrix()[:, self.fields.index(name)]
 
-    def freeze(self) -> Dict[str, np.ndarray]:
+    def freeze(self) -> dict[str, np.ndarray]:
         m = self.matrix()
         chunk = {name: m[:, i].copy() for i, name in enumerate(self.fields)}
         self.data = array("q")
@@ -190,7 +185,7 @@ class CallStore(RowBuffer):
     def __init__(self, fields: Sequence[str]) -> None:
         super().__init__(fields)
         self.base = 0
-        self.frozen: List[Dict[str, Packed]] = []
+        self.frozen: list[dict[str, Packed]] = []
 
     def freeze_below(self, keep_from: int) -> None:
         n = keep_from - self.base
@@ -235,10 +230,10 @@ class CallStore(RowBuffer):
 class _Columns:
     """A set of ``array`` columns with chunk freezing."""
 
-    def __init__(self, spec: Sequence[Tuple[str, str]]) -> None:
+    def __init__(self, spec: Sequence[tuple[str, str]]) -> None:
         self.spec = spec
         self.reset()
-        self.frozen: List[Dict[str, np.ndarray]] = []
+        self.frozen: list[dict[str, np.ndarray]] = []
 
     if TYPE_CHECKING:   # the columns are attributes named by ``spec`` (reset() sets them)
         def __getattr__(self, name: str) -> array[int]: ...
@@ -248,7 +243,7 @@ class _Columns:
         for name, code in self.spec:
             setattr(self, name, array(code))
 
-    def freeze(self) -> Dict[str, np.ndarray]:
+    def freeze(self) -> dict[str, np.ndarray]:
         chunk = {name: np.frombuffer(getattr(self, name), dtype=np.int32 if code == "i" else np.int64).copy()
                  for name, code in self.spec}
         self.reset()
@@ -276,9 +271,9 @@ class Recorder:
         self._spill_parent = spill_dir
         self.spill_path: Optional[str] = None
         self.n_spilled = 0
-        self.spilled_chunks: List[str] = []
-        self.spilled_counts: List[int] = []          # rows of each spilled chunk
-        self.mem_chunks: List[Dict[str, Packed]] = []   # frozen chunks: column -> pack()ed
+        self.spilled_chunks: list[str] = []
+        self.spilled_counts: list[int] = []          # rows of each spilled chunk
+        self.mem_chunks: list[dict[str, Packed]] = []   # frozen chunks: column -> pack()ed
         self.mem_rows = 0
         self.on_spill: Optional[Callable[[], None]] = None   # called after each spill (dataset=: decode the spilled rows into parts)
 
@@ -303,14 +298,14 @@ class Recorder:
         self.tensors = _Columns(TENSOR_COLUMNS)
 
         # sparse per-op facts: seq -> value
-        self.op_errors: Dict[int, int] = {}
-        self.cuda_ns: Dict[int, int] = {}
-        self.nonfinite: Dict[int, Tuple[int, bool]] = {}
-        self.numerics: Dict[int, Tuple[float, float]] = {}
-        self.errors: List[Dict[str, Any]] = []
-        self.tracer_errors: List[str] = []     # the first messages
+        self.op_errors: dict[int, int] = {}
+        self.cuda_ns: dict[int, int] = {}
+        self.nonfinite: dict[int, tuple[int, bool]] = {}
+        self.numerics: dict[int, tuple[float, float]] = {}
+        self.errors: list[dict[str, Any]] = []
+        self.tracer_errors: list[str] = []     # the first messages
         self.n_tracer_errors = 0
-        self.notes: List[str] = []
+        self.notes: list[str] = []
 
     # -- ops ---------------------------------------------------------------
     def end_chunk(self) -> None:
@@ -333,7 +328,7 @@ class Recorder:
         for chunk in self.mem_chunks:
             path = os.path.join(self.spill_path, f"chunk-{len(self.spilled_chunks):06d}.npz")
             # Any: mypy would match a '**' dict of arrays against savez's keyword allow_pickle: bool
-            arrays: Dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
+            arrays: dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
             arrays["__bases__"] = np.array([chunk[k][0] for k in sorted(chunk)], dtype=np.int64)
             np.savez(path, **arrays)   # numeric arrays only: no pickle is written or read
             self.spilled_chunks.append(path)
@@ -350,14 +345,14 @@ class Recorder:
 
     @overload
     def iter_op_chunks(self, columns: Optional[Collection[str]] = None, from_seq: int = 0,
-                       with_start: Literal[False] = False) -> Iterator[Dict[str, np.ndarray]]: ...
+                       with_start: Literal[False] = False) -> Iterator[dict[str, np.ndarray]]: ...
 
     @overload
     def iter_op_chunks(self, columns: Optional[Collection[str]] = None, from_seq: int = 0, *,
-                       with_start: Literal[True]) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]: ...
+                       with_start: Literal[True]) -> Iterator[tuple[int, dict[str, np.ndarray]]]: ...
 
     def iter_op_chunks(self, columns: Optional[Collection[str]] = None, from_seq: int = 0, with_start: bool = False
-                       ) -> Iterator[Union[Dict[str, np.ndarray], Tuple[int, Dict[str, np.ndarray]]]]:
+                       ) -> Iterator[Union[dict[str, np.ndarray], tuple[int, dict[str, np.ndarray]]]]:
         """Every op chunk in order as int64 columns (only ``columns`` when given), spilled ones
         read back from disk; chunks that end before ``from_seq`` are skipped unread. With
         ``with_start``: ``(seq of the chunk's first row, chunk)`` pairs."""

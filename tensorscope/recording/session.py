@@ -14,7 +14,8 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, Optional, Type
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 
@@ -82,7 +83,7 @@ class Session:
         # both engines hand c10d / _c10d_functional ops to the op hooks (engines.OpHooks)
         self.ctx.op_hooks.add(COLLECTIVE_NAMESPACES, _collective_hook(self.collectives))
         self.dataset_error: Optional[BaseException] = None
-        self._ds: Optional[Dict[str, Any]] = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
+        self._ds: Optional[dict[str, Any]] = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
         if options.dataset:
             # weakly: the recorder is reachable from the modes, which hold no reference to the session
             self.ctx.rec.on_spill = _weak_call(self._spill_to_dataset)
@@ -97,8 +98,8 @@ class Session:
         self.trace: Optional[Trace] = None
         self._fmode: Any = None   # the function mode (python or native)
         self._warn_token: Any = None
-        self._entered: List[str] = []
-        self._ident: Dict[str, Any] = {}
+        self._entered: list[str] = []
+        self._ident: dict[str, Any] = {}
 
     def _begin_cell_warnings(self) -> None:
         """Collect every warning shown while tracing that no torch-level call claims: a plain
@@ -209,7 +210,7 @@ class Session:
     def _restore(self) -> None:
         """Undo modes and hooks, innermost first. Safe to call twice."""
         self.ctx.recording = False
-        errors: List[BaseException] = []
+        errors: list[BaseException] = []
         try:   # the allocator's snapshot before its history is turned off (an OOM in the block included)
             self.allocator.stop()
         except BaseException as e:
@@ -334,7 +335,7 @@ class Session:
                              notes=("written while the trace was recording: counts and notes are in the ranks "
                                     "row's metadata_json",))
 
-    def _distributed(self) -> Dict[str, Any]:
+    def _distributed(self) -> dict[str, Any]:
         """The rank identity and clock alignment for the metadata (``distributed``, with the notes
         the distributed context made); nothing when it cannot be described."""
         try:
@@ -348,7 +349,7 @@ class Session:
                 self.dataset_error = e
             return {}
 
-    def _complete(self, tables: Dict[str, Any], md: Dict[str, Any], ops_file: Optional[str]) -> Trace:
+    def _complete(self, tables: dict[str, Any], md: dict[str, Any], ops_file: Optional[str]) -> Trace:
         """The finished Trace, built whole: with ``dataset=DIR`` this rank's tables are written into
         the multi-rank dataset first (io/dataset.py), and the Trace says where they went."""
         from .._trace import Trace
@@ -531,7 +532,7 @@ class trace:
         self._session.start()
         return self
 
-    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException], tb: Any) -> Literal[False]:
+    def __exit__(self, et: Optional[type[BaseException]], ev: Optional[BaseException], tb: Any) -> Literal[False]:
         session = self._session
         assert session is not None   # __enter__ made it
         self._trace = session.stop(ev)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from types import CodeType, FrameType, TracebackType
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -22,7 +22,7 @@ _STDLIB_WRAPPERS = tuple(os.path.join(os.path.dirname(os.__file__), m) for m in 
 #: never reused while cached): a dict keyed by the code object itself hashes it on every lookup
 #: (name, consts recursively, names...: ~0.5 µs for ``Module._call_impl``), and two code objects
 #: with the same body in different files compare equal
-_internal: Dict[int, Tuple[object, bool]] = {}
+_internal: dict[int, tuple[object, bool]] = {}
 
 
 def is_internal_file(f: str) -> bool:
@@ -45,7 +45,7 @@ def _is_internal(code: CodeType) -> bool:
     return r
 
 
-def user_frame_location(depth: int = 2) -> Tuple[Optional[str], Optional[int]]:
+def user_frame_location(depth: int = 2) -> tuple[Optional[str], Optional[int]]:
     """(filename, line) of the innermost user frame above the caller."""
     try:
         f = sys._getframe(depth)
@@ -54,7 +54,7 @@ def user_frame_location(depth: int = 2) -> Tuple[Optional[str], Optional[int]]:
     return user_location_from(f)
 
 
-def user_location_from(f: Optional[FrameType]) -> Tuple[Optional[str], Optional[int]]:
+def user_location_from(f: Optional[FrameType]) -> tuple[Optional[str], Optional[int]]:
     """(filename, line) of the innermost user frame at or above frame ``f``."""
     while f is not None:
         code = f.f_code
@@ -69,7 +69,7 @@ def user_location_from(f: Optional[FrameType]) -> Tuple[Optional[str], Optional[
 # ---------------------------------------------------------------------------
 _COMPILED_DIRS = tuple(os.path.join(_TORCH_DIR, d) + os.sep for d in ("_inductor", "_functorch", "_higher_order_ops", "fx"))
 _DISABLE_WRAPPERS = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORCH_DIR, "_dynamo", "eval_frame.py"))
-_compiled: Dict[int, Tuple[object, Optional[bool]]] = {}   # keyed by id(code), as _internal
+_compiled: dict[int, tuple[object, Optional[bool]]] = {}   # keyed by id(code), as _internal
 
 
 def _compiled_verdict(code: CodeType) -> Optional[bool]:
@@ -106,7 +106,7 @@ def called_from_compiled_code(depth: int = 2, limit: int = 24) -> bool:
     return False
 
 
-def user_traceback_location(tb: Optional[TracebackType]) -> Tuple[Optional[str], Optional[int]]:
+def user_traceback_location(tb: Optional[TracebackType]) -> tuple[Optional[str], Optional[int]]:
     """(filename, line) of the innermost traceback entry outside torch and tensorscope: where the
     user's code raised; (None, None) when every entry is internal."""
     file = line = None

@@ -4,8 +4,6 @@
 """
 from __future__ import annotations
 
-from typing import List, Tuple
-
 from .html import BOX_STYLE, TITLE_STYLE, html_table
 
 
@@ -44,7 +42,7 @@ def peak_text(p) -> str:
     return out
 
 
-def env_rows(rep) -> List[Tuple[str, str]]:
+def env_rows(rep) -> list[tuple[str, str]]:
     """The report as (what, value) rows, in reading order."""
     def yn(v):
         return "?" if v is None else ("yes" if v else "no")

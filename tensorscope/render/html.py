@@ -12,7 +12,8 @@ Every cell is escaped here (``_common.esc``).
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from .._common import esc
 

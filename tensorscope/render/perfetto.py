@@ -12,7 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 from ..errors import ExportError
 
@@ -46,11 +46,11 @@ def _loc(file, line, cells=None) -> Optional[str]:
     return format_location(file, line, cells or {})
 
 
-def _clean(d: Dict[str, Any]) -> Dict[str, Any]:
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None and v != []}
 
 
-def _flat_metadata(md: Dict[str, Any]) -> Dict[str, Any]:
+def _flat_metadata(md: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in (md or {}).items():
         if v is None or isinstance(v, (str, int, float, bool)):
@@ -60,7 +60,7 @@ def _flat_metadata(md: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def trace_events(trace) -> Dict[str, Any]:
+def trace_events(trace) -> dict[str, Any]:
     """The trace-event JSON document (a dict) for ``trace``."""
     ops = _table(trace, "ops")
     calls = _table(trace, "calls")
@@ -68,7 +68,7 @@ def trace_events(trace) -> Dict[str, Any]:
     memory = _table(trace, "memory")
     md = getattr(trace, "metadata", {}) or {}
 
-    slices: List[Tuple[int, int, int, Dict[str, Any]]] = []  # (start, end, order, payload)
+    slices: list[tuple[int, int, int, dict[str, Any]]] = []  # (start, end, order, payload)
     if calls is not None and calls.num_rows:
         cols = calls.select([c for c in ("call_id", "name", "qualname", "module", "source_file", "source_line",
                                           "start_ns", "dur_ns", "n_ops", "autocast", "error_id")
@@ -83,8 +83,8 @@ def trace_events(trace) -> Dict[str, Any]:
                            "line": _loc(c("source_file", i), c("source_line", i), md.get("cell_files")), "n_ops": c("n_ops", i),
                            "autocast": c("autocast", i), "error_id": c("error_id", i)})
             slices.append((s, e, 0, {"name": c("name", i) or "?", "cat": "call", "args": args}))
-    op_names: Dict[int, str] = {}
-    op_span: Dict[int, Tuple[int, int]] = {}
+    op_names: dict[int, str] = {}
+    op_span: dict[int, tuple[int, int]] = {}
     if ops is not None and ops.num_rows:
         want = ("seq", "op", "phase", "module", "source_file", "source_line", "in_shapes", "in_dtypes", "in_formats",
                 "out_shapes", "out_dtypes", "out_formats", "flops", "bytes_read", "bytes_written", "start_ns",
@@ -112,9 +112,9 @@ def trace_events(trace) -> Dict[str, Any]:
 
     # nest: a child never outlives its parent on the one CPU track
     slices.sort(key=lambda x: (x[0], -x[1], x[2]))
-    stack: List[int] = []
+    stack: list[int] = []
     clamped = 0
-    events: List[Tuple[Tuple, Dict[str, Any]]] = []
+    events: list[tuple[tuple, dict[str, Any]]] = []
     for s, e, _order, p in slices:
         while stack and s >= stack[-1]:
             stack.pop()
@@ -128,7 +128,7 @@ def trace_events(trace) -> Dict[str, Any]:
         ev = {"ph": "X", "pid": CPU_PID, "tid": CPU_TID, "ts": _us(s), "dur": _us(e - s), **p}
         events.append(((s, 0, -(e - s)), ev))
 
-    gpu_tracks: Dict[int, set] = {}
+    gpu_tracks: dict[int, set] = {}
     dropped_kernels = 0
     flows = 0
     if kernels is not None and kernels.num_rows:
@@ -177,7 +177,7 @@ def trace_events(trace) -> Dict[str, Any]:
                                              "args": {"live_bytes": int(m["live_bytes"][i])}}))
 
     events.sort(key=lambda x: x[0])
-    meta: List[Dict[str, Any]] = [
+    meta: list[dict[str, Any]] = [
         {"ph": "M", "pid": CPU_PID, "name": "process_name", "args": {"name": "CPU (tensorscope)"}},
         {"ph": "M", "pid": CPU_PID, "name": "process_sort_index", "args": {"sort_index": 0}},
         {"ph": "M", "pid": CPU_PID, "tid": CPU_TID, "name": "thread_name", "args": {"name": "torch calls + ATen ops"}},
@@ -214,7 +214,7 @@ def write_perfetto(trace, path) -> str:
 _PHASES = {"X", "M", "C", "s", "f", "t", "i", "I", "B", "E"}
 
 
-def validate_trace_events(doc) -> List[str]:
+def validate_trace_events(doc) -> list[str]:
     """Structural problems of a trace-event document (empty list: well-formed).
 
     Checks: the object form; every event's required fields and types; slices
@@ -224,13 +224,13 @@ def validate_trace_events(doc) -> List[str]:
     slice of its own track, and each finish lands on a slice start of its
     track; counter values numeric.
     """
-    probs: List[str] = []
+    probs: list[str] = []
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         return ["document is not an object with a traceEvents list"]
     last_ts = None
-    tracks: Dict[Tuple[Any, Any], List[Tuple[float, float]]] = {}
-    flows_s: Dict[Any, Dict] = {}
-    flows_f: Dict[Any, Dict] = {}
+    tracks: dict[tuple[Any, Any], list[tuple[float, float]]] = {}
+    flows_s: dict[Any, dict] = {}
+    flows_f: dict[Any, dict] = {}
     for i, e in enumerate(doc["traceEvents"]):
         if not isinstance(e, dict):
             probs.append(f"event {i} is not an object")
@@ -274,7 +274,7 @@ def validate_trace_events(doc) -> List[str]:
                 probs.append(f"event {i}: counter args must be numbers")
     eps = 1e-6
     for key, sl in tracks.items():
-        stack: List[float] = []
+        stack: list[float] = []
         prev = None
         for s, e in sl:
             if prev is not None and s < prev - eps:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any
 
 from ..errors import ExportError
 from .perfetto import CPU_PID, GPU_PID_BASE, trace_events
@@ -19,13 +19,13 @@ from .perfetto import CPU_PID, GPU_PID_BASE, trace_events
 PID_STRIDE = 1000
 
 
-def dataset_events(ds, run: str) -> Dict[str, Any]:
+def dataset_events(ds, run: str) -> dict[str, Any]:
     keys = ds._con.execute("SELECT rank, attempt, trace_id, start_unix_ns FROM ranks WHERE run = ? "
                            "ORDER BY rank, attempt, trace_id", [run]).fetchall()
     if not keys:
         return {"traceEvents": [], "displayTimeUnit": "ns", "otherData": {"run": run}}
     t_min = min(k[3] or 0 for k in keys)
-    events: List[Dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
     ranks_seen = set()
     lanes_named = set()
     for rank, attempt, trace_id, start in keys:
@@ -51,7 +51,7 @@ def dataset_events(ds, run: str) -> Dict[str, Any]:
         coll = t.table("collectives").to_pylist()
         # call-to-completion spans of async collectives overlap without nesting: one lane (track)
         # per overlap depth, so every track's slices stay properly nested
-        lanes: List[int] = []
+        lanes: list[int] = []
         for c in sorted(coll, key=lambda c: c["start_ns"]):
             end = c["done_ns"] if c["done_ns"] is not None else c["start_ns"] + (c["enqueue_ns"] or 0)
             end = max(end, c["start_ns"])

@@ -25,7 +25,7 @@ compact timeline to PNG in memory for the notebook summary (no file).
 from __future__ import annotations
 
 import io
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 __all__ = ["PlotAccessor", "timeline_png", "TOP_BY"]
 
@@ -73,12 +73,12 @@ def _fmt_value(v: float, by: str) -> str:
 
 def _timeline_rows(trace, max_bars: int):
     """[(label, [(start_ms, dur_ms)], colors)] and a note, from calls/ops/kernels."""
-    rows: List[Tuple[str, List[Tuple[float, float]], List[str]]] = []
+    rows: list[tuple[str, list[tuple[float, float]], list[str]]] = []
     note = None
     calls = _table(trace, "calls")
     if calls is not None and calls.num_rows:
         c = calls.select(["start_ns", "dur_ns", "depth"]).to_pydict()
-        by_depth: Dict[int, List[Tuple[float, float]]] = {}
+        by_depth: dict[int, list[tuple[float, float]]] = {}
         for s, d, dep in zip(c["start_ns"], c["dur_ns"], c["depth"]):
             if s is None:
                 continue
@@ -99,7 +99,7 @@ def _timeline_rows(trace, max_bars: int):
     kernels = _table(trace, "kernels")
     if kernels is not None and kernels.num_rows:
         k = kernels.select(["device", "stream", "start_ns", "dur_ns"]).to_pydict()
-        tracks: Dict[Tuple[int, int], List[Tuple[float, float]]] = {}
+        tracks: dict[tuple[int, int], list[tuple[float, float]]] = {}
         for dev, st, s, d in zip(k["device"], k["stream"], k["start_ns"], k["dur_ns"]):
             if s is None:
                 continue   # failed its timestamp check: not drawn at a wrong place
@@ -217,7 +217,7 @@ class PlotAccessor:
         if cats.null_count < len(cats):
             return _memory_stacked(fig, ax, self._t.memory_timeline(), device)
         m = mem.select(["seq", "device", "live_bytes"]).to_pydict()
-        by_dev: Dict[str, Tuple[List[int], List[int]]] = {}
+        by_dev: dict[str, tuple[list[int], list[int]]] = {}
         for s, d, v in zip(m["seq"], m["device"], m["live_bytes"]):
             if s is None or v is None:
                 continue

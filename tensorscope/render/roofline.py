@@ -8,7 +8,7 @@ dtype of each device; dots: the ``op`` rows of the ROOFLINE table with FLOPs and
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 
@@ -20,7 +20,7 @@ BOUND_COLORS = {"compute": ("#3b75af", "compute-bound"), "memory": ("#ef8636", "
 _FONT = 'font-family="system-ui,sans-serif" font-size="10"'
 
 
-def roofline_svg(roof: pa.Table, peaks: Optional[Dict[str, Dict[str, Any]]], width: int = 640, height: int = 320,
+def roofline_svg(roof: pa.Table, peaks: Optional[dict[str, dict[str, Any]]], width: int = 640, height: int = 320,
                  max_dots: int = 200) -> str:
     rows = [r for r in roof.to_pylist() if r["level"] == "op" and r["flops"] and r["bytes"] and r["flops_per_s"]]
     rows = sorted(rows, key=lambda r: -(r["time_ns"] or 0))[:max_dots]
@@ -47,7 +47,7 @@ def roofline_svg(roof: pa.Table, peaks: Optional[Dict[str, Dict[str, Any]]], wid
     def py(y: float) -> float:
         return mt + ph * (1 - (math.log10(max(y, y0)) - math.log10(y0)) / (math.log10(y1) - math.log10(y0)))
 
-    parts: List[str] = [f'<svg class="tensorscope-roofline" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">',
+    parts: list[str] = [f'<svg class="tensorscope-roofline" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">',
                         f'<title>{_e("roofline: achieved FLOP/s against arithmetic intensity")}</title>',
                         f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>']
     e = math.floor(math.log10(x0))

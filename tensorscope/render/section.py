@@ -7,7 +7,7 @@ HTML is escaped (op names, module names, messages and cell source are user-contr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 from .._common import Displayable, esc
 from .html import BOX_STYLE, IMG_STYLE, NOTE_STYLE, TITLE_STYLE, html_table
@@ -19,9 +19,9 @@ class Section:
     (inline SVG or PNG, drawn only in HTML)."""
 
     title: str
-    rows: List[Tuple] = field(default_factory=list)
-    header: Optional[Tuple[str, ...]] = None
-    notes: List[str] = field(default_factory=list)
+    rows: list[tuple] = field(default_factory=list)
+    header: Optional[tuple[str, ...]] = None
+    notes: list[str] = field(default_factory=list)
     image_png: Any = None    # PNG bytes, or a callable making them, drawn only for HTML (data URI)
     svg: Any = None          # inline SVG markup (escaped by its maker, render/svg.py), or a callable making it
 
@@ -30,7 +30,7 @@ class Section:
 class Summary(Displayable):
     """A result's summary as sections, drawn as text (``str``) or HTML (the notebook display)."""
 
-    sections: List[Section]
+    sections: list[Section]
 
     def to_text(self) -> str:
         out = []
@@ -67,7 +67,7 @@ class Summary(Displayable):
         return "".join(parts)
 
 
-def _made(drawing, what: str, parts: List[str]):
+def _made(drawing, what: str, parts: list[str]):
     """A drawing given as a callable is made now, for HTML only; if that fails, a note says so
     and the section's tables still show."""
     if not callable(drawing):

@@ -7,7 +7,7 @@ drawn only for HTML. Every string goes through the section drawing (escaped).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from .._common import fmt_ns
 from .section import Section
@@ -15,7 +15,7 @@ from .section import Section
 TITLE = "why is it slow: the advisor"
 
 
-def peaks_line(peaks: Any) -> List[str]:
+def peaks_line(peaks: Any) -> list[str]:
     from .env import peak_text
 
     return [f"{dev}: {peak_text(p)}" for dev, p in sorted((peaks or {}).items())]
@@ -26,7 +26,7 @@ def advice_to_section(a: Any) -> Section:
     for r in a.findings.to_pylist():
         per = f" ({r['per_step']:g}/step)" if r.get("per_step") is not None else ""
         rows.append((r["kind"], r["seen"], r["evidence"] + per, fmt_ns(r["cost_ns"]), r["fix"]))
-    notes: List[str] = list(a.notes)
+    notes: list[str] = list(a.notes)
     outs = [o for o in a.outside or [] if o]
     if outs:
         span = sum(o["span_ns"] for o in outs)

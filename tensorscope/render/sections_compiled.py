@@ -10,7 +10,7 @@ listed with the guard that failed. Reads ``graphs``/``graph_nodes``/``ops``.
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Optional
 
 import pyarrow.compute as pc
 
@@ -31,7 +31,7 @@ def compiled_section(t) -> Optional[Section]:
         return None
     g = graphs.to_pylist()
     ops = t.ops
-    ran: Dict[int, list] = {}
+    ran: dict[int, list] = {}
     if ops.num_rows and "graph_id" in ops.column_names:
         linked = ops.filter(pc.and_(pc.invert(pc.is_null(ops.column("graph_id"))),
                                     pc.invert(pc.fill_null(ops.column("is_noise"), False))))
@@ -39,7 +39,7 @@ def compiled_section(t) -> Optional[Section]:
             agg = linked.group_by("graph_id").aggregate([("cpu_ns", "sum"), ("cpu_ns", "count")])
             for r in agg.to_pylist():
                 ran[r["graph_id"]] = [r["cpu_ns_count"], r["cpu_ns_sum"]]
-    regions: Dict[str, Dict] = {}
+    regions: dict[str, dict] = {}
     for r in g:
         reg = regions.setdefault(r["compile_id"], dict(rows=[], compile_ns=0, in_trace=True))
         reg["rows"].append(r)

@@ -14,7 +14,7 @@ whose relative error against the wide reference exceeds the threshold.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Optional
+from typing import Optional
 
 import pyarrow.compute as pc
 
@@ -76,8 +76,8 @@ def layout_section(t) -> Optional[Section]:
 
 def precision_section(t, display=None) -> Optional[Section]:
     cells = trace_cells(t)
-    rows: List[tuple] = []
-    notes: List[str] = []
+    rows: list[tuple] = []
+    notes: list[str] = []
     # -- casts by kind and direction
     cs = t.casts
     if cs.num_rows:

@@ -7,7 +7,7 @@ never hides the others.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import pyarrow.compute as pc
 
@@ -169,7 +169,7 @@ def errors_section(t) -> Optional[Section]:
     return Section("exceptions and warnings", rows, ("kind", "type", "where", "message", "count"))
 
 
-SECTIONS: Tuple[Callable[..., Optional[Section]], ...] = (
+SECTIONS: tuple[Callable[..., Optional[Section]], ...] = (
     overview, top_ops, modules_section, errors_section,
     sections_precision.layout_section, sections_precision.precision_section,
     sections_memory.memory_section, sections_memory.allocator_section, sections_memory.module_memory_section,

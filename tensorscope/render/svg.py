@@ -13,7 +13,7 @@ so); the icicle drops nodes narrower than a pixel.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import pyarrow.compute as pc
 
@@ -21,7 +21,7 @@ from .._common import esc as _e
 from .._common import fmt_ns as _fmt_ns
 
 #: one place for the colours of the views, with the legend text of each
-COLORS: Dict[str, Tuple[str, str]] = {
+COLORS: dict[str, tuple[str, str]] = {
     "call": ("#8c8c8c", "torch-level call"),
     "forward": ("#3b75af", "ATen op, forward"),
     "backward": ("#ef8636", "ATen op, backward"),
@@ -43,7 +43,7 @@ COLORS: Dict[str, Tuple[str, str]] = {
 _FONT = 'font-family="system-ui,sans-serif" font-size="10"'
 
 
-def _legend(keys: List[str], x: float, y: float, width: float) -> Tuple[str, float]:
+def _legend(keys: list[str], x: float, y: float, width: float) -> tuple[str, float]:
     """Swatches + labels, wrapped to ``width``; returns (markup, height)."""
     parts, cx, cy = [], x, y
     for k in keys:
@@ -101,12 +101,12 @@ def timeline_svg(trace, width: int = 720, max_bars: int = 20000) -> Optional[str
     ops, calls, kernels = trace.ops, trace.calls, trace.kernels
     label_w, row_h, top = 90, 16, 6
     plot_w = width - label_w - 10
-    rows: List[Tuple[str, List[Tuple[int, int, str, str]]]] = []   # label, [(start, dur, colour key, title)]
+    rows: list[tuple[str, list[tuple[int, int, str, str]]]] = []   # label, [(start, dur, colour key, title)]
     end = 0
     note = None
     if calls.num_rows:
         c = calls.select(["start_ns", "dur_ns", "depth", "name", "qualname", "source_file", "source_line"]).to_pylist()
-        by_depth: Dict[int, list] = {}
+        by_depth: dict[int, list] = {}
         for r in c:
             if r["start_ns"] is None:
                 continue
@@ -142,7 +142,7 @@ def timeline_svg(trace, width: int = 720, max_bars: int = 20000) -> Optional[str
         rows.append(("ATen ops", bars))
     if kernels.num_rows:
         k = kernels.select(["device", "stream", "start_ns", "dur_ns", "name"]).to_pylist()
-        tracks: Dict[Tuple[int, int], list] = {}
+        tracks: dict[tuple[int, int], list] = {}
         for r in k:
             if r["start_ns"] is None:
                 continue

@@ -7,7 +7,7 @@ the op with the most live bytes in it (so the peak is never averaged away). Colo
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -36,7 +36,7 @@ def memory_timeline_svg(timeline: Any, device: Optional[str] = None, width: int 
     cols = timeline.to_pydict()
     devs = cols["device"]
     if device is None:
-        best: Dict[str, int] = {}
+        best: dict[str, int] = {}
         for d, v in zip(devs, cols["live_bytes"]):
             best[d] = max(best.get(d, 0), v or 0)
         device = max(best, key=best.__getitem__)
@@ -58,8 +58,8 @@ def memory_timeline_svg(timeline: Any, device: Optional[str] = None, width: int 
     def y(v: np.ndarray) -> np.ndarray:
         return top_pad + plot_h - v / top * plot_h
 
-    parts: List[str] = []
-    used: List[str] = []
+    parts: list[str] = []
+    used: list[str] = []
     below = np.zeros(len(drawn))
     for ci, c in enumerate(CATEGORIES):
         vals = live[ci, drawn]

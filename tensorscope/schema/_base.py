@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Tuple
+from typing import Any
 
 import pyarrow as pa
 
@@ -25,10 +25,10 @@ _dstr = pa.dictionary(pa.int32(), pa.string())
 _dstrs = pa.list_(_dstr)
 
 
-def _schema(name: str, fields: Iterable[Tuple[str, Any]]) -> pa.Schema:
+def _schema(name: str, fields: Iterable[tuple[str, Any]]) -> pa.Schema:
     return pa.schema([pa.field(n, t, nullable=True) for n, t in fields], metadata={b"tensorscope_table": name.encode()})
 
 
-def parse_version(v: str) -> Tuple[int, int]:
+def parse_version(v: str) -> tuple[int, int]:
     major, _, minor = str(v).partition(".")
     return int(major), int(minor or 0)

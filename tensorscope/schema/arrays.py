@@ -1,14 +1,14 @@
 """Arrow helpers every builder and reader shares: nullable arrays, empty and conformed tables, dictionaries."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from .tables import TABLES
 
-_EMPTY: Dict[str, pa.Table] = {}
+_EMPTY: dict[str, pa.Table] = {}
 
 
 _NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}

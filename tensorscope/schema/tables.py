@@ -1,8 +1,6 @@
 """The tables a Trace carries (recorded and derived), the registry of them and their required columns."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
 import pyarrow as pa
 
 from ._base import _bool, _bools, _dstr, _dstrs, _f64, _i32s, _i64, _i64s, _schema, _shapes, _str, _strs
@@ -304,7 +302,7 @@ ALLOCATOR_EVENTS = _schema("allocator_events", [
 ])
 
 #: Every table a Trace carries, in display order. ``memory`` is derived.
-TABLES: Dict[str, pa.Schema] = {
+TABLES: dict[str, pa.Schema] = {
     "ops": OPS,
     "calls": CALLS,
     "tensors": TENSORS,
@@ -326,7 +324,7 @@ TABLES: Dict[str, pa.Schema] = {
 
 #: Columns a file of each table must have whatever its minor version: the ones that identify a
 #: row. A file without them is not that table (``load`` refuses it rather than fill them with nulls).
-REQUIRED: Dict[str, Tuple[str, ...]] = {
+REQUIRED: dict[str, tuple[str, ...]] = {
     "ops": ("seq", "op"),
     "calls": ("call_id", "name"),
     "tensors": ("storage_id", "nbytes"),

@@ -9,7 +9,8 @@ Rules and details: docs/timing.md
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 __all__ = ["CudaOpTimer"]
 
@@ -32,7 +33,7 @@ class _StreamCache:
         import torch
 
         self._get = getattr(torch._C, "_cuda_getCurrentStream", None)
-        self._streams: Dict[tuple, Any] = {}
+        self._streams: dict[tuple, Any] = {}
 
     def __call__(self, device_index):
         import torch
@@ -74,12 +75,12 @@ class CudaOpTimer:
         self._stream = current_stream or _StreamCache()
         self._sync = synchronize or _default_sync
         self._capturing = is_capturing or _default_capturing
-        self._pending: List[list] = []
-        self._pool: List[Any] = []
+        self._pending: list[list] = []
+        self._pool: list[Any] = []
         self._devices: set = set()
         #: a bound on outstanding pairs (two events each): past it, ops go untimed rather than exhausting the driver
         self.max_pending = max_pending
-        self.notes: List[str] = []
+        self.notes: list[str] = []
         self.dropped = 0
         self._closed = False
 
@@ -146,7 +147,7 @@ class CudaOpTimer:
             self.notes.append(f"CUDA event {where} failed: {type(e).__name__}: {e}")
 
     # -- end of trace -------------------------------------------------------------
-    def resolve(self) -> Dict[int, int]:
+    def resolve(self) -> dict[int, int]:
         """One synchronise per used device, then ``{seq: cuda_ns}`` for every complete pair.
 
         Pairs without an end event (the op raised before ``end``), or whose
@@ -163,7 +164,7 @@ class CudaOpTimer:
             except Exception as e:  # a sticky device error from the user's kernels: no timings, no crash
                 self.notes.append(f"CUDA op timings dropped: synchronize(cuda:{d}) failed: {type(e).__name__}: {e}")
                 return {}
-        out: Dict[int, int] = {}
+        out: dict[int, int] = {}
         skipped = 0
         pool = self._pool
         for tok in pending:

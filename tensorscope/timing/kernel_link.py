@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Callable, NamedTuple, Optional
 
 import pyarrow as pa
 
@@ -42,8 +43,8 @@ class KernelRecord(NamedTuple):
     end_ns: int
     correlation_id: int          # CUPTI correlation id, shared with the launching runtime call
     linked_id: int = 0           # external id: correlation id of the enclosing ATen op's CPU event
-    grid: Optional[Tuple[int, int, int]] = None
-    block: Optional[Tuple[int, int, int]] = None
+    grid: Optional[tuple[int, int, int]] = None
+    block: Optional[tuple[int, int, int]] = None
     kind: str = "kernel"         # kernel / memcpy / memset
 
 
@@ -59,12 +60,12 @@ class LaunchRecord(NamedTuple):
 
 class OpWindows(NamedTuple):
     """Ops' CPU windows on the trace clock (ns since the trace's t0), sorted by start."""
-    seq: List[int]
-    start: List[int]
-    end: List[int]
+    seq: list[int]
+    start: list[int]
+    end: list[int]
 
     @classmethod
-    def from_ops(cls, ops) -> "OpWindows":
+    def from_ops(cls, ops) -> OpWindows:
         """From an ``ops`` table (``seq``, ``start_ns``, ``cpu_ns``) or a ``(seq, start_ns, cpu_ns)`` triple."""
         if isinstance(ops, OpWindows):
             return ops
@@ -99,7 +100,7 @@ class ClockMap:
 
     __slots__ = ("k0", "p0", "slope", "t0")
 
-    def __init__(self, points: Sequence[Tuple[int, ...]], t0_ns: int = 0):
+    def __init__(self, points: Sequence[tuple[int, ...]], t0_ns: int = 0):
         pts = sorted((p[0], p[1], p[2] if len(p) > 2 else 0) for p in points)
         if not pts:
             raise ValueError("ClockMap needs at least one (kineto_ns, perf_ns) point")
@@ -115,7 +116,7 @@ class ClockMap:
         self.t0 = t0_ns
 
     @classmethod
-    def from_wall_clock(cls, t0_ns: int = 0) -> "ClockMap":
+    def from_wall_clock(cls, t0_ns: int = 0) -> ClockMap:
         """The REALTIME - MONOTONIC offset, read in the tightest of a few brackets."""
         best = None
         for _ in range(5):
@@ -157,8 +158,8 @@ _CHECK_TEXT = {
 
 
 def link_kernels(kernel_events: Sequence[KernelRecord], op_windows, launch_events: Sequence[LaunchRecord], *,
-                 clock: Optional[Callable[[int], int]] = None, window: Optional[Tuple[int, int]] = None,
-                 cpu_ops: Sequence[LaunchRecord] = (), tolerance_ns: int = 2_000) -> Tuple[pa.Table, List[str]]:
+                 clock: Optional[Callable[[int], int]] = None, window: Optional[tuple[int, int]] = None,
+                 cpu_ops: Sequence[LaunchRecord] = (), tolerance_ns: int = 2_000) -> tuple[pa.Table, list[str]]:
     """Link GPU activities to ops and check their timestamps (pure function).
 
     kernel_events: ``KernelRecord``s (Kineto clock). op_windows: ``OpWindows``,
@@ -185,7 +186,7 @@ def link_kernels(kernel_events: Sequence[KernelRecord], op_windows, launch_event
         if c[1] is None:
             c[1] = name
 
-    rows: Dict[str, list] = {f: [] for f in ("seq", "name", "device", "stream", "start_ns", "dur_ns", "grid", "block", "correlation_id")}
+    rows: dict[str, list] = {f: [] for f in ("seq", "name", "device", "stream", "start_ns", "dur_ns", "grid", "block", "correlation_id")}
     for k in kernel_events:
         start, end = k.start_ns, k.end_ns
         launch_t = None

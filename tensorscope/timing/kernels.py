@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Optional
 
 import pyarrow as pa
 
@@ -38,13 +39,13 @@ class ProfilerEvents(NamedTuple):
     """What one profiler window gave: kernels, the launches (runtime/driver calls) and CPU op events
     that link them to ops, and our markers' timestamps for the clock calibration."""
 
-    kernels: List[KernelRecord]
-    launches: List[LaunchRecord]          # runtime / driver calls
-    cpu_ops: List[LaunchRecord]           # CPU op events (fallback link through linked ids)
-    markers: Dict[str, List[int]]         # our marker name -> Kineto start ns of each emission, in order
+    kernels: list[KernelRecord]
+    launches: list[LaunchRecord]          # runtime / driver calls
+    cpu_ops: list[LaunchRecord]           # CPU op events (fallback link through linked ids)
+    markers: dict[str, list[int]]         # our marker name -> Kineto start ns of each emission, in order
 
 
-def _ints3(m) -> Optional[Tuple[int, int, int]]:
+def _ints3(m) -> Optional[tuple[int, int, int]]:
     return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
@@ -57,10 +58,10 @@ def _grid_block(metadata_json: str):
 
 def split_events(events: Iterable[Any], marker_prefix: str = MARKER) -> ProfilerEvents:
     """Sort ``_KinetoEvent``-like objects (``result.events()``) into kernels, launches, CPU ops and markers."""
-    kernels: List[KernelRecord] = []
-    launches: List[LaunchRecord] = []
-    cpu_ops: List[LaunchRecord] = []
-    markers: Dict[str, List[int]] = {}
+    kernels: list[KernelRecord] = []
+    launches: list[LaunchRecord] = []
+    cpu_ops: list[LaunchRecord] = []
+    markers: dict[str, list[int]] = {}
     for e in events:
         try:
             at = str(e.activity_type()).lower()
@@ -150,7 +151,7 @@ class KinetoBackend:
 _MARKER_REPEATS = 3
 
 
-def _marker(name: str, repeats: int = _MARKER_REPEATS) -> List[Tuple[int, int]]:
+def _marker(name: str, repeats: int = _MARKER_REPEATS) -> list[tuple[int, int]]:
     """Emit ``repeats`` zero-length Kineto markers named ``name``; return each one's perf bracket.
 
     The first emission after a pause is slow (cold caches: an order of magnitude slower than
@@ -174,7 +175,7 @@ def _marker(name: str, repeats: int = _MARKER_REPEATS) -> List[Tuple[int, int]]:
     return out
 
 
-def _calibration_point(starts: Optional[List[int]], brackets: Optional[List[Tuple[int, int]]]):
+def _calibration_point(starts: Optional[list[int]], brackets: Optional[list[tuple[int, int]]]):
     """(kineto_ns, perf_mid, width) of the tightest marker emission, or None."""
     if not starts or not brackets or len(starts) != len(brackets):
         return None
@@ -191,7 +192,7 @@ class _Window:
         self.begin_name = f"{MARKER}#{k}:begin"
         self.end_name = f"{MARKER}#{k}:end"
         self.begin_perf = begin_perf
-        self.end_perf: Optional[List[Tuple[int, int]]] = None
+        self.end_perf: Optional[list[tuple[int, int]]] = None
         self.events: Optional[ProfilerEvents] = None
         self.result = None
 
@@ -203,18 +204,18 @@ class PendingKernels:
     window) when needed. ``ready`` tells whether it would.
     """
 
-    def __init__(self, collector: "KernelCollector", win: _Window, t0_ns: int, op_windows: OpWindows):
+    def __init__(self, collector: KernelCollector, win: _Window, t0_ns: int, op_windows: OpWindows):
         self._c = collector
         self._w = win
         self._t0 = t0_ns
         self._ops: Optional[OpWindows] = op_windows
-        self._result: Optional[Tuple[pa.Table, List[str]]] = None
+        self._result: Optional[tuple[pa.Table, list[str]]] = None
 
     @property
     def ready(self) -> bool:
         return self._result is not None or self._w.events is not None
 
-    def resolve(self) -> Tuple[pa.Table, List[str]]:
+    def resolve(self) -> tuple[pa.Table, list[str]]:
         if self._result is None:
             if self._w.events is None:
                 self._c.flush()
@@ -227,7 +228,7 @@ class PendingKernels:
 class KernelCollector:
     """One Kineto session; windows (one per traced cell) are cut out of it. See the module docstring."""
 
-    _shared: Optional["KernelCollector"] = None
+    _shared: Optional[KernelCollector] = None
     _shared_lock = threading.Lock()
 
     def __init__(self, *, keep_alive: bool = False, backend: Any = None, require_cuda: bool = True,
@@ -237,14 +238,14 @@ class KernelCollector:
         self._backend = backend if backend is not None else (KinetoBackend() if self.reason is None else None)
         self._k = 0
         self._current: Optional[_Window] = None
-        self._open: List[_Window] = []        # windows whose events are still in the live session
+        self._open: list[_Window] = []        # windows whose events are still in the live session
         self.max_pending = max_pending
         self.restarts = 0
-        self.notes: List[str] = []
+        self.notes: list[str] = []
         self._lock = threading.Lock()
 
     @classmethod
-    def shared(cls) -> "KernelCollector":
+    def shared(cls) -> KernelCollector:
         """The process-wide collector (so always-on cells share one session)."""
         with cls._shared_lock:
             if cls._shared is None:
@@ -300,7 +301,7 @@ class KernelCollector:
             self.flush()
         return pending
 
-    def end_window(self, t0_ns: int, ops) -> Tuple[pa.Table, List[str]]:
+    def end_window(self, t0_ns: int, ops) -> tuple[pa.Table, list[str]]:
         """Builder entry point: ``(kernels table, notes)`` for the trace that started at ``t0_ns``
         (``perf_counter_ns()``; ``ops`` times are relative to it), harvested now."""
         if not self.available:
@@ -351,9 +352,9 @@ class KernelCollector:
         if KernelCollector._shared is self:
             KernelCollector._shared = None
 
-    def _link_window(self, w: _Window, t0_ns: int, ops: OpWindows) -> Tuple[pa.Table, List[str]]:
+    def _link_window(self, w: _Window, t0_ns: int, ops: OpWindows) -> tuple[pa.Table, list[str]]:
         ev = w.events
-        notes: List[str] = []
+        notes: list[str] = []
         if ev is None:
             return S.empty("kernels"), ["kernel collection: the window was never harvested"]
         pb = _calibration_point(ev.markers.get(w.begin_name), w.begin_perf)
@@ -383,7 +384,7 @@ class KernelCollector:
         return table, notes + warns
 
 
-def cuda_devices_of(ops) -> List[int]:
+def cuda_devices_of(ops) -> list[int]:
     """CUDA device indexes named in an ops table's device columns (so only those are synchronised)."""
     out = set()
     if isinstance(ops, pa.Table) and ops.num_rows:

@@ -12,7 +12,8 @@ reaches a user's ``TorchFunctionMode`` or dispatches an op (no profiler event).
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, Iterable, List
+from collections.abc import Iterable
+from typing import Any
 
 from .storages import fake_key, is_fake
 
@@ -33,18 +34,18 @@ def _ptr(t: Any) -> int:
         return 0
 
 
-def find_optimizers(objects: Iterable[Any], depth: int = 2, limit: int = 20000) -> List[Any]:
+def find_optimizers(objects: Iterable[Any], depth: int = 2, limit: int = 20000) -> list[Any]:
     """The ``torch.optim.Optimizer`` instances among ``objects`` and up to ``depth`` attributes or
     items below them (plain objects' ``__dict__``, lists, tuples, dicts), each once."""
     import torch
 
     opt_type = torch.optim.Optimizer
-    found: Dict[int, Any] = {}
+    found: dict[int, Any] = {}
     seen: set = set()
     frontier = list(objects)
     budget = limit
     for level in range(depth + 1):
-        nxt: List[Any] = []
+        nxt: list[Any] = []
         for obj in frontier:
             budget -= 1
             if budget < 0:
@@ -76,13 +77,13 @@ def find_optimizers(objects: Iterable[Any], depth: int = 2, limit: int = 20000) 
     return list(found.values())
 
 
-def state_storages(modules: Iterable[Any], optimizers: Iterable[Any], live: Dict[int, int]) -> Dict[int, str]:
+def state_storages(modules: Iterable[Any], optimizers: Iterable[Any], live: dict[int, int]) -> dict[int, str]:
     """storage id -> category for the parameters, registered buffers and ``.grad`` of ``modules``
     and the state (and parameters) of ``optimizers``; only storages in ``live`` (data pointer ->
     storage id of the storages alive at the end of the trace)."""
     import torch
 
-    out: Dict[int, str] = {}
+    out: dict[int, str] = {}
 
     def put(t: Any, cat: str) -> None:
         sid = live.get(_ptr(t))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Optional
 
 #: ``fake.on`` is true on a thread while ``tensorscope.predict`` runs a step under FakeTensorMode: the
 #: trackers made then key FakeTensors' storages (no memory, data pointer 0) by their StorageImpl;
@@ -53,7 +53,7 @@ class LiveStorage:
     nbytes: int
     device: str
     dtype: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     alloc_seq: Optional[int]
     alloc_op: Optional[str]
     cell: Optional[int]
@@ -68,13 +68,13 @@ class StorageTracker:
         self.rec = rec
         self.cols = rec.tensors
         self._seq = seq_fn
-        self.by_ptr: Dict[int, int] = {}          # live data_ptr -> storage id
-        self.refs: Dict[int, weakref.ref] = {}    # storage id -> weakref (live ones)
-        self.ptrs: List[int] = []                 # storage id -> data_ptr
-        self.devices: List[str] = []
+        self.by_ptr: dict[int, int] = {}          # live data_ptr -> storage id
+        self.refs: dict[int, weakref.ref] = {}    # storage id -> weakref (live ones)
+        self.ptrs: list[int] = []                 # storage id -> data_ptr
+        self.devices: list[str] = []
         self.closed = False
         self.fake_keys = bool(getattr(fake, "on", False))
-        self._cb_cache: Dict[int, Callable] = {}
+        self._cb_cache: dict[int, Callable] = {}
 
     def _freed(self, sid: int):
         # Runs from the weakref callback, at an arbitrary point: keep it tiny.
@@ -118,7 +118,7 @@ class StorageTracker:
         cols.call.append(call_id)
         return sid
 
-    def live_created(self) -> List[Tuple[int, Any]]:
+    def live_created(self) -> list[tuple[int, Any]]:
         """(storage id, weakref) of storages the trace created that are still alive."""
         alloc = self.cols.alloc_seq
         free = self.cols.free_seq

@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 from .base import Engine, EngineChoice, exit_mode
 from .native import (
@@ -32,7 +32,7 @@ _T = TypeVar("_T")
 assert _FLOPS is not None   # re-exported: the per-process FLOP formula cache (tests read it)
 
 
-def _native_ext(wait: bool = True) -> Tuple[Any, str]:
+def _native_ext(wait: bool = True) -> tuple[Any, str]:
     from ...native import FORCE_ENV, engine, forced_fallback
 
     if forced_fallback():

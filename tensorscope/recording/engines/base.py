@@ -14,8 +14,9 @@ Everything an engine keeps between those calls is the context (never the session
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, List, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from ...options import TraceOptions
@@ -64,7 +65,7 @@ def exit_mode(mode: Any, stack_fn: Callable[[], Sequence[Any]]) -> None:
     stack = stack_fn()
     if not any(m is mode for m in stack):
         return
-    above: List[Any] = []
+    above: list[Any] = []
     if stack and stack[-1] is not mode:
         while stack_fn() and stack_fn()[-1] is not mode:
             top = stack_fn()[-1]

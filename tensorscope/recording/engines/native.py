@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import weakref
 from array import array
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class NativeEngine:
         self.choice = choice
         self.ext = choice.ext
         self.running = False
-        self.data: Optional[Dict[str, Any]] = None
+        self.data: Optional[dict[str, Any]] = None
         self._options: Optional[TraceOptions] = None
         self._reset(None)
 
@@ -98,7 +99,7 @@ class NativeEngine:
         self._ctx = ctx      # what _on_full hands the chunks to (the recorder is ctx.rec)
         self._flops = flops  # options.flops: FLOP formulas of the ops recorded with their arguments
         self._op_flags = np.zeros(0, dtype=np.int64)   # per engine op id: schema flags | 1<<40 (FLOPs at build)
-        self._encs: List[Tuple[int, ...]] = []                 # interned argument encodings (FLOP formulas)
+        self._encs: list[tuple[int, ...]] = []                 # interned argument encodings (FLOP formulas)
         self._row_args = np.zeros((0, 2), dtype=np.int64)   # (seq, encoding id)
         self.opaque_rows = 0
 
@@ -163,11 +164,11 @@ class NativeEngine:
                 cb.remove()
         self._unclaim()   # the observer is free for the next trace (idempotent)
 
-    def take_warnings(self) -> List[Dict[str, Any]]:
+    def take_warnings(self) -> list[dict[str, Any]]:
         raw = self.ext.take_warnings()
         if not raw:
             return []
-        out: List[Dict[str, Any]] = []
+        out: list[dict[str, Any]] = []
         for seq, msg, file, line, func, dep in raw:
             out.append({"seq": seq if seq >= 0 else None, "message": msg,
                         "category": "DeprecationWarning" if dep else "UserWarning",
@@ -192,13 +193,13 @@ class NativeEngine:
         except Exception as e:
             rec.tracer_error("native spill", e)
 
-    def _sync_dicts(self, rec: Recorder, d: Dict[str, Any]) -> None:
+    def _sync_dicts(self, rec: Recorder, d: dict[str, Any]) -> None:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
         import torch
 
         from ..dispatch import op_schema_facts
 
-        flags_of: List[int] = []
+        flags_of: list[int] = []
         for name in d["ops"]:
             func = _resolve_op(name)
             try:
@@ -214,7 +215,7 @@ class NativeEngine:
             self._op_flags = np.concatenate([self._op_flags, np.array(flags_of, dtype=np.int64)])
         metas = rec.metas
         base = len(metas.shapes)
-        dt_objs: Dict[int, Any] = {}   # scalar type -> torch.dtype
+        dt_objs: dict[int, Any] = {}   # scalar type -> torch.dtype
         for i, v in enumerate(_seqs(d["metas"])):
             ndim, st, dev_t, dev_i, strided = v[:5]
             shape = tuple(v[5:5 + ndim])
@@ -307,13 +308,13 @@ class NativeEngine:
 class NativeStorages:
     """The storage view the leak finder reads (``ptrs``, ``live_created()``), from the native engine."""
 
-    def __init__(self, ext: Any, ptrs: List[int]) -> None:
+    def __init__(self, ext: Any, ptrs: list[int]) -> None:
         self._ext = ext
         self.ptrs = ptrs
         self._live = None
 
-    def live_created(self) -> List[Tuple[int, Any]]:
-        out: List[Tuple[int, Any]] = []
+    def live_created(self) -> list[tuple[int, Any]]:
+        out: list[tuple[int, Any]] = []
         for sid, storage in self._ext.live_created():
             try:
                 out.append((sid, weakref.ref(storage)))
@@ -331,7 +332,7 @@ class NativeStorages:
 class NativeScreen:
     """The native non-finite screen's counters, with the python screen's op classification for decode.py."""
 
-    def __init__(self, counters: Dict[str, int]) -> None:
+    def __init__(self, counters: dict[str, int]) -> None:
         from ..numerics import NonfiniteScreen
 
         self._cls = NonfiniteScreen()
@@ -343,11 +344,11 @@ class NativeScreen:
         except Exception:
             return False
 
-    def finish(self) -> Dict[int, Tuple[int, bool]]:
+    def finish(self) -> dict[int, tuple[int, bool]]:
         return {}
 
-    def report(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {k: int(v) for k, v in self.counters.items() if k != "device_unscreened" or v}
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: int(v) for k, v in self.counters.items() if k != "device_unscreened" or v}
         out["engine"] = "native"
         return out
 
@@ -368,7 +369,7 @@ class _UnknownOp:
         return self._name
 
 
-_OP_CACHE: Dict[str, Any] = {}
+_OP_CACHE: dict[str, Any] = {}
 
 
 def _resolve_op(name: str) -> Any:
@@ -401,7 +402,7 @@ def _dtype(torch: Any, st: int) -> Any:
     return dt
 
 
-def _seqs(pair: Sequence[Any]) -> List[Tuple[int, ...]]:
+def _seqs(pair: Sequence[Any]) -> list[tuple[int, ...]]:
     """An interner's (arena, offsets) as tuples; offsets may start past 0 (a delta: the arena
     slice from the first entry handed over)."""
     arena = np.frombuffer(pair[0], dtype=np.int64)
@@ -411,16 +412,16 @@ def _seqs(pair: Sequence[Any]) -> List[Tuple[int, ...]]:
     return [tuple(vals[offs[i]:offs[i + 1]]) for i in range(len(offs) - 1)]
 
 
-_FLOP_NAMES: Optional[Tuple[str, ...]] = None
+_FLOP_NAMES: Optional[tuple[str, ...]] = None
 
 
-def _flop_op_names() -> Tuple[str, ...]:
+def _flop_op_names() -> tuple[str, ...]:
     """'aten::convolution'... : ops whose FLOP formula needs their arguments (recorded natively)."""
     global _FLOP_NAMES
     if _FLOP_NAMES is None:
         from ..dispatch import FLOP_REGISTRY, SHAPE_FLOP_OPS
 
-        names: List[str] = []
+        names: list[str] = []
         for packet in FLOP_REGISTRY:
             q = getattr(packet, "_qualified_op_name", None)
             if q and q.split("::")[-1] not in SHAPE_FLOP_OPS:
@@ -452,11 +453,11 @@ def abi_mismatch(ext: Any) -> Optional[str]:
     return "; ".join(found) or None
 
 
-def _decode_args(enc: Sequence[int], shapes: Sequence[Tuple[int, ...]]) -> Tuple[List[Any], Any]:
+def _decode_args(enc: Sequence[int], shapes: Sequence[tuple[int, ...]]) -> tuple[list[Any], Any]:
     """(arguments, outputs) with shapes for tensors, from engine.cpp's encoding."""
-    out: List[Any] = []
+    out: list[Any] = []
     i = 0
-    outs: Optional[List[Any]] = None
+    outs: Optional[list[Any]] = None
     while i < len(enc):
         tag = enc[i]
         i += 1
@@ -489,7 +490,7 @@ def _decode_args(enc: Sequence[int], shapes: Sequence[Tuple[int, ...]]) -> Tuple
 
 
 def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_seq: int, row_args: np.ndarray,
-                   encs: Sequence[Tuple[int, ...]], rec: Recorder) -> None:
+                   encs: Sequence[tuple[int, ...]], rec: Recorder) -> None:
     """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
     (op, arguments, outputs), for the chunk of rows from ``first_seq``: the formulas take shapes,
     so the interned metas suffice. ``row_args``: (seq, argument encoding id) rows."""
@@ -531,7 +532,7 @@ def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_se
 
 #: (op, arguments, outputs) -> FLOPs: the formulas are pure functions of shapes and scalars, and
 #: torch's shape wrapper tree-maps every argument (~0.1 ms a call), so each is computed once per process
-_FLOPS: Dict[Tuple[Any, Any, Any], int] = {}
+_FLOPS: dict[tuple[Any, Any, Any], int] = {}
 
 
 def _frozen(v: Any) -> Any:

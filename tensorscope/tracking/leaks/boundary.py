@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any, List, Optional, Set
+from typing import Any, Optional
 
 from .classify import _TENSOR, _classify, _clear_type_caches, _saved_names, _tensor_meta, _types
 from .known import _KNOWN, _register
@@ -131,7 +131,7 @@ class BoundaryDiscovery:
         objs = gc.get_objects()
         self.last_scanned = len(objs)
         tcache = _types
-        new_tensors: List[Any] = []
+        new_tensors: list[Any] = []
         sentinel = self._sentinel
         seen = False
         try:
@@ -145,8 +145,8 @@ class BoundaryDiscovery:
                 if h == _TENSOR:
                     new_tensors.append(o)
             objs.clear()
-            seen_nodes: Set[int] = set()
-            nodes: List[Any] = []
+            seen_nodes: set[int] = set()
+            nodes: list[Any] = []
             for t in new_tensors:
                 self._note(t, cell)
                 try:
@@ -164,7 +164,7 @@ class BoundaryDiscovery:
             _clear_type_caches()
         return seen
 
-    def _walk_graph(self, nodes: List[Any], seen: Set[int], cell):
+    def _walk_graph(self, nodes: list[Any], seen: set[int], cell):
         # saved outputs have no Python tensor of their own: only the graph reaches their storage
         k = 0
         while k < len(nodes) and k < self.MAX_GRAPH_NODES:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from itertools import chain, compress, groupby, repeat
 from operator import attrgetter, itemgetter
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from ..._common import fmt_bytes
 from .classify import _DEV_STR, _DTYPE_STR, _T, _TENSOR, _types
@@ -94,7 +94,7 @@ def _by_parent(search: _Search):
     return generic, direct, nested
 
 
-def _plain_top(desc: "_Describer", p: int):
+def _plain_top(desc: _Describer, p: int):
     """The path state of ``p`` when it is a plain container under a global name (``tensors``,
     ``data['train']``): what it holds is named by index and key steps alone. None otherwise."""
     ps = desc.state(p)
@@ -104,7 +104,7 @@ def _plain_top(desc: "_Describer", p: int):
     return ps
 
 
-def _child_steps(search: _Search, desc: "_Describer", p: int, objs: List[Any]) -> Optional[List[str]]:
+def _child_steps(search: _Search, desc: _Describer, p: int, objs: list[Any]) -> Optional[list[str]]:
     """The path step (``[3]``, ``['x']``) from node ``p`` to each of ``objs`` (children of ``p``); None
     when an edge is not a plain index or key."""
     o = search.order[p]
@@ -122,13 +122,13 @@ def _child_steps(search: _Search, desc: "_Describer", p: int, objs: List[Any]) -
     if m is None:
         desc.lab.label(search.idx[id(objs[0])])
         m = desc.lab.cache.get(p) or {}
-    labs: List[Any] = list(map(m.get, map(id, objs)))
+    labs: list[Any] = list(map(m.get, map(id, objs)))
     if None in labs or not {lab[0] for lab in labs} <= {"index", "key"}:
         return None
     return [f"[{lab[1]}]" for lab in labs]
 
 
-def _tensors_of(search: _Search, keys: List[int]) -> Optional[List[Any]]:
+def _tensors_of(search: _Search, keys: list[int]) -> Optional[list[Any]]:
     """The tensor holding each storage (its first node); None unless all are tensors."""
     order, found = search.order, search.found
     ts = list(map(order.__getitem__, map(itemgetter(0), map(found.__getitem__, keys))))
@@ -137,7 +137,7 @@ def _tensors_of(search: _Search, keys: List[int]) -> Optional[List[Any]]:
     return ts
 
 
-def _bulk_rows(search: _Search, desc: "_Describer", p: int, keys: List[int], key_meta, rows: _RowSet) -> bool:
+def _bulk_rows(search: _Search, desc: _Describer, p: int, keys: list[int], key_meta, rows: _RowSet) -> bool:
     """Many plain tensors directly in one global container (a list of 100k tensors): one description
     of the container, then each column in one C-level pass. False (nothing added) when the path
     needs the general rules."""
@@ -159,8 +159,8 @@ _SMALL_SEQ = (tuple, list)
 _NESTABLE = frozenset((tuple, list, dict))
 
 
-def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int], keys: List[int],
-                 kowner: List[int], key_meta, rows: _RowSet) -> bool:
+def _bulk_nested(search: _Search, desc: _Describer, gp: int, parents: list[int], keys: list[int],
+                 kowner: list[int], key_meta, rows: _RowSet) -> bool:
     """Tensors in many small plain containers (``parents``) of one global container (a dataset as a
     list of ``(x, y)`` tuples, a list of ``{'x': x, 'y': y}`` dicts): ``data[3][0]``, without a path
     per tensor. ``kowner[k]`` indexes the parent of ``keys[k]``. False (nothing added) when some
@@ -181,10 +181,10 @@ def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int
         lens = list(map(len, pobjs))
         item_ids = list(map(id, chain.from_iterable(pobjs)))
         pos = list(chain.from_iterable(map(range, lens)))
-        where: Dict[Any, int] = dict(zip(reversed(item_ids), reversed(pos)))   # first occurrence
+        where: dict[Any, int] = dict(zip(reversed(item_ids), reversed(pos)))   # first occurrence
         if len(where) == len(item_ids):   # every item in one place (the usual dataset): by id alone
             del pobjs, item_ids, pos
-            at: List[Any] = list(map(where.get, map(id, ts)))
+            at: list[Any] = list(map(where.get, map(id, ts)))
         else:   # an item in several containers: by (container, item)
             owners = list(chain.from_iterable(map(repeat, range(len(pobjs)), lens)))
             where = dict(zip(zip(reversed(owners), reversed(item_ids)), reversed(pos)))
@@ -203,10 +203,10 @@ def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int
             lens = list(map(len, pobjs))
             owners = list(chain.from_iterable(map(repeat, range(len(pobjs)), lens)))
             val_ids = list(map(id, chain.from_iterable(map(dict.values, pobjs))))
-            where2: Dict[Any, int] = dict(zip(zip(reversed(owners), reversed(val_ids)), range(len(val_ids) - 1, -1, -1)))
+            where2: dict[Any, int] = dict(zip(zip(reversed(owners), reversed(val_ids)), range(len(val_ids) - 1, -1, -1)))
             texts = [f"[{t}]" for t in map(_short_repr, dkeys)]
             del pobjs, owners, val_ids, dkeys
-            at2: List[Any] = list(map(where2.get, zip(kowner, map(id, ts))))
+            at2: list[Any] = list(map(where2.get, zip(kowner, map(id, ts))))
             del where2
             if None in at2:
                 return False
@@ -227,7 +227,7 @@ def _bulk_nested(search: _Search, desc: "_Describer", gp: int, parents: List[int
     return _emit_plain(search, ps, keys, ts, steps, key_meta, rows)
 
 
-def _emit_plain(search: _Search, ps, keys: List[int], ts: List[Any], steps: List[str], key_meta,
+def _emit_plain(search: _Search, ps, keys: list[int], ts: list[Any], steps: list[str], key_meta,
                 rows: _RowSet) -> bool:
     """Rows for tensors named ``ps`` + a step each, all of kind ``global``: columns in C-level passes."""
     root = ps.root

@@ -15,7 +15,7 @@ import sys
 import types
 import weakref
 from operator import itemgetter
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Optional
 
 _PY313 = sys.version_info >= (3, 13)
 
@@ -45,7 +45,7 @@ _MACHINERY = frozenset((
 
 #: Per-type caches. They hold classes strongly, and a notebook class can own tensors (class
 #: attributes): every public entry point clears them when it is done (``_clear_type_caches``).
-_types: Dict[type, int] = {}
+_types: dict[type, int] = {}
 
 
 _torch = None
@@ -107,7 +107,7 @@ def _classify(tp: type) -> int:
 #: Untracked (atomic-only) objects cannot hold tensors, except numpy arrays (``.base``), which gc
 #: does not track.
 #: types whose untracked instances hold nothing of interest (filled as met, cleared with the caches)
-_PLAIN_UNTRACKED: Set[type] = {int, str, float, bytes, bool, type(None), complex}
+_PLAIN_UNTRACKED: set[type] = {int, str, float, bytes, bool, type(None), complex}
 _PLAIN_BASE = frozenset(_PLAIN_UNTRACKED)
 
 
@@ -123,7 +123,7 @@ def _untracked_interest_type(tp: type) -> bool:
 
 
 # -- library vs user code ------------------------------------------------------------------------
-def _library_prefixes() -> Tuple[str, ...]:
+def _library_prefixes() -> tuple[str, ...]:
     import site
     import sysconfig
 
@@ -142,11 +142,11 @@ def _library_prefixes() -> Tuple[str, ...]:
     return tuple(os.path.abspath(p) + os.sep for p in paths if p)
 
 
-_LIB: Optional[Tuple[str, ...]] = None
+_LIB: Optional[tuple[str, ...]] = None
 
 
 #: file path -> is it library code (paths are few and stable; thousands of modules share prefixes)
-_LIBFILE: Dict[str, bool] = {}
+_LIBFILE: dict[str, bool] = {}
 
 
 def _is_library_file(path) -> bool:
@@ -165,7 +165,7 @@ def _is_library_file(path) -> bool:
 
 #: sys.modules as last classified: (its names, its modules' ids, the names of the user's modules
 #: among them). No module is held: ids and names only.
-_UM_CACHE: Optional[Tuple[List[str], List[int], List[str]]] = None
+_UM_CACHE: Optional[tuple[list[str], list[int], list[str]]] = None
 
 
 def _module_file(mod) -> Optional[str]:
@@ -175,7 +175,7 @@ def _module_file(mod) -> Optional[str]:
     return f if isinstance(f, str) else None
 
 
-def _user_modules() -> List[Tuple[str, types.ModuleType]]:
+def _user_modules() -> list[tuple[str, types.ModuleType]]:
     """Imported modules that are the user's own code (not stdlib, not site-packages, not ours).
 
     With a big library imported (transformers: thousands of modules) the classification costs
@@ -210,7 +210,7 @@ def _is_user_class(cls, user_modnames) -> bool:
     return isinstance(m, str) and (m in ("__main__", "__mp_main__") or m in user_modnames)
 
 
-_saved_attrs: Dict[type, Tuple[str, ...]] = {}
+_saved_attrs: dict[type, tuple[str, ...]] = {}
 
 
 def _node_name(node) -> str:
@@ -218,7 +218,7 @@ def _node_name(node) -> str:
     return n[len("torch::autograd::"):] if n.startswith("torch::autograd::") else n
 
 
-def _saved_names(node) -> Tuple[str, ...]:
+def _saved_names(node) -> tuple[str, ...]:
     """The ``_raw_saved_*`` attributes of an autograd node type (dir() is slow: once per type)."""
     tp = type(node)
     names = _saved_attrs.get(tp)
@@ -228,9 +228,9 @@ def _saved_names(node) -> Tuple[str, ...]:
     return names
 
 
-def _other_threads_frames() -> Set[int]:
+def _other_threads_frames() -> set[int]:
     """ids of frames executing on other threads (their locals are live holders)."""
-    out: Set[int] = set()
+    out: set[int] = set()
     me = None
     try:
         import threading
@@ -248,7 +248,7 @@ def _other_threads_frames() -> Set[int]:
     return out
 
 
-def _running_frames() -> Set[Any]:
+def _running_frames() -> set[Any]:
     out = set()
     f: Optional[types.FrameType] = sys._getframe(0)
     while f is not None:
@@ -257,7 +257,7 @@ def _running_frames() -> Set[Any]:
     return out
 
 
-_isa_cache: Dict[Tuple[type, str], bool] = {}
+_isa_cache: dict[tuple[type, str], bool] = {}
 
 
 def _isa(obj, what: str) -> bool:
@@ -274,10 +274,10 @@ def _isa(obj, what: str) -> bool:
     return r
 
 
-_DTYPE_STR: Dict[Any, str] = {}
+_DTYPE_STR: dict[Any, str] = {}
 
 
-_DEV_STR: Dict[Any, str] = {}
+_DEV_STR: dict[Any, str] = {}
 
 
 def _dev_str(x) -> str:
@@ -288,7 +288,7 @@ def _dev_str(x) -> str:
     return r
 
 
-def _tensor_meta(t) -> Tuple[str, Optional[str], Optional[Tuple[int, ...]]]:
+def _tensor_meta(t) -> tuple[str, Optional[str], Optional[tuple[int, ...]]]:
     try:
         dt = t.dtype
         ds = _DTYPE_STR.get(dt)
@@ -326,7 +326,7 @@ class _GcPaused:
 _CO_OPTIMIZED = 0x1
 
 
-def _live_frame_locals(fr) -> List[Tuple[str, Any]]:
+def _live_frame_locals(fr) -> list[tuple[str, Any]]:
     """(name, value) of a running function frame's locals, leaving nothing behind.
 
     gc cannot see a running frame's locals (its thread owns them), so ``f_locals`` is the only

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import gc
 import types
+from collections.abc import Sequence
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_
-from typing import Any, List, Sequence, Tuple
+from typing import Any
 
 from .classify import (
     _CLASS,
@@ -244,7 +245,7 @@ class _Expand(_Visited):
         """Tensors without a plain storage: sparse layouts and wrapper subclasses."""
         torch = _T()
         lay = t.layout
-        parts: List[Tuple[str, Any]] = []
+        parts: list[tuple[str, Any]] = []
         if lay is torch.sparse_coo:
             parts = [("_indices()", t._indices()), ("_values()", t._values())]
         elif lay in (torch.sparse_csr, torch.sparse_bsr):

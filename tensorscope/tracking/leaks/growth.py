@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Optional
 
 #: root label -> (consecutive traces that gained bytes and kept the old, bytes gained over them)
-_STREAKS: Dict[str, Tuple[int, int]] = {}
+_STREAKS: dict[str, tuple[int, int]] = {}
 #: root label -> weak references to the storages charged to it (they never keep memory alive)
-_HELD: Dict[str, List[Any]] = {}
+_HELD: dict[str, list[Any]] = {}
 _MAX_ROOTS = 10_000
 _MAX_REFS = 100_000
 MIN_STREAK = 2
@@ -38,9 +38,9 @@ def observe(rows, storage_of: Callable[[int], Any] = lambda ptr: None) -> None:
     c = rows.cols
     expected, roots, nbytes, kinds, holders, ptrs = (c["expected"], c["root_label"], c["nbytes"], c["holder_kind"],
                                                      c["holder"], c["data_ptr"])
-    gained: Dict[str, int] = {}
-    elements: Dict[str, set] = {}
-    new_refs: Dict[str, List[Any]] = {}
+    gained: dict[str, int] = {}
+    elements: dict[str, set] = {}
+    new_refs: dict[str, list[Any]] = {}
     for i in range(len(rows)):
         root = roots[i]
         if expected[i] or not root:

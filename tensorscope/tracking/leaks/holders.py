@@ -8,7 +8,7 @@ root reached, as ``unreached`` classifies them. The many plain tensors of one co
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Optional
 
 from .classify import _TENSOR, _dev_str, _tensor_meta, _types
 from .known import _KNOWN, _meta_from_known
@@ -18,7 +18,7 @@ from .search import _Search
 from .unreached import _classify_groups
 
 
-def _view_of(t, s) -> Optional[Tuple[int, int]]:
+def _view_of(t, s) -> Optional[tuple[int, int]]:
     """(view bytes, storage bytes) when a tensor is a small window on a big storage."""
     if _types.get(type(t)) != _TENSOR:
         return None
@@ -38,17 +38,17 @@ def _below(search: _Search, n: int, top: int) -> bool:
     return False
 
 
-def _holders(search: _Search, desc: "_Describer", key: int) -> Tuple[_Steps, str, str]:
+def _holders(search: _Search, desc: _Describer, key: int) -> tuple[_Steps, str, str]:
     """(main description, holder text, complete fix) for a storage the search reached."""
     nodes = search.found[key]
     j = nodes[0]
     main = desc.describe(j, _view_of(search.order[j], search.storages[key]))
-    extra_text: List[str] = []
+    extra_text: list[str] = []
     fixes = [main.fix]
     cross = search.cross
     if cross:
         # roots that also reach the path at or below the cut: the fix must name them too
-        others: Set[int] = set()
+        others: set[int] = set()
         k, pos = j, desc.state(j).pos
         while k >= 0 and pos >= main.cut:
             c = cross.get(k)
@@ -76,7 +76,7 @@ def _holders(search: _Search, desc: "_Describer", key: int) -> Tuple[_Steps, str
     return main, text, (_merge_fixes(fixes) if len(fixes) > 1 else main.fix)
 
 
-def _row_generic(search: _Search, desc: "_Describer", key: int, key_meta: Dict[int, dict]) -> "_Row":
+def _row_generic(search: _Search, desc: _Describer, key: int, key_meta: dict[int, dict]) -> _Row:
     s = search.storages[key]
     try:
         main, text, fix = _holders(search, desc, key)
@@ -87,7 +87,7 @@ def _row_generic(search: _Search, desc: "_Describer", key: int, key_meta: Dict[i
     return _make_row(search, key, s, key_meta.get(key), text, kind, fix, root_label, root_fix)
 
 
-def _make_row(search, key, s, meta, text, kind, fix, root_label, root_fix) -> "_Row":
+def _make_row(search, key, s, meta, text, kind, fix, root_label, root_fix) -> _Row:
     if meta is None:
         first = search.order[search.found[key][0]]
         dev, dt, shape = _tensor_meta(first) if _types.get(type(first)) == _TENSOR else (_dev_str(s), None, None)
@@ -101,7 +101,7 @@ def _make_row(search, key, s, meta, text, kind, fix, root_label, root_fix) -> "_
     return row
 
 
-def _own_shape(row: "_Row", t) -> None:
+def _own_shape(row: _Row, t) -> None:
     """The storage's own shape: the holding tensor's when it spans the whole storage. The recorded
     shape is the allocating op's output, which can be another view of it (a bias ``.grad`` made
     as ``[1, 256]`` and kept as ``(256,)``)."""
@@ -114,15 +114,15 @@ def _own_shape(row: "_Row", t) -> None:
         pass
 
 
-def _fallback_rows(storages: Dict[int, Any], tensors: Dict[int, List[Any]], key_meta: Dict[int, dict],
-                   ours: Set[int]) -> List[_Row]:
+def _fallback_rows(storages: dict[int, Any], tensors: dict[int, list[Any]], key_meta: dict[int, dict],
+                   ours: set[int]) -> list[_Row]:
     """Rows for storages no root reached; ``storages``/``tensors`` (from ``_heap_tensors``) are consumed."""
-    rows: List[_Row] = []
+    rows: list[_Row] = []
     if not storages:
         return rows
     keys = list(storages)
     metas = []
-    groups: List[List[Any]] = []
+    groups: list[list[Any]] = []
     for key in keys:
         ts = tensors.pop(key, None) or []
         s = storages[key]

@@ -7,8 +7,9 @@ storage without keeping it alive.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 
 # -- the known-storage registry (tensor-free) ----------------------------------------------------
@@ -19,7 +20,7 @@ class _Known:
     nbytes: int
     device: str
     dtype: Optional[str]
-    shape: Optional[Tuple[int, ...]]
+    shape: Optional[tuple[int, ...]]
     alloc_seq: Optional[int]
     alloc_op: Optional[str]
     cell: Optional[int]
@@ -29,7 +30,7 @@ class _Known:
     traced: bool
 
 
-_KNOWN: Dict[int, _Known] = {}
+_KNOWN: dict[int, _Known] = {}
 
 
 def _forget(key: int, entry: _Known):

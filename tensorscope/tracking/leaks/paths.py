@@ -11,8 +11,9 @@ import gc
 import os
 import re
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Optional
 
 from ..._common import fmt_bytes
 from .classify import _PY313, _TENSOR, _isa, _live_frame_locals, _running_frames, _types
@@ -42,11 +43,11 @@ class _Labeler:
 
     def __init__(self, search: _Search):
         self.s = search
-        self.cache: Dict[int, Dict[int, Tuple[str, str]]] = {}
+        self.cache: dict[int, dict[int, tuple[str, str]]] = {}
         self.describer: Optional[_Describer] = None
-        self._keying: Set[int] = set()
+        self._keying: set[int] = set()
 
-    def label(self, j: int) -> Tuple[str, str]:
+    def label(self, j: int) -> tuple[str, str]:
         s = self.s
         lab = s.synth.get(j)
         if lab is not None:
@@ -60,11 +61,11 @@ class _Labeler:
         lab = m.get(id(s.order[j]))
         return lab if lab is not None else ("obj", type(s.order[j]).__name__)
 
-    def _build(self, p: int) -> Dict[int, Tuple[str, str]]:
+    def _build(self, p: int) -> dict[int, tuple[str, str]]:
         s = self.s
         o = s.order[p]
         gp = s.order[s.par[p]] if s.par[p] >= 0 else None
-        m: Dict[int, Tuple[str, str]] = {}
+        m: dict[int, tuple[str, str]] = {}
         try:
             if isinstance(o, dict):
                 as_attrs = gp is not None and _instance_dict(gp) is o
@@ -206,16 +207,16 @@ class _PathState:
         self.pos = 0
         self.expr = root.expr
         self.flags: frozenset = frozenset()
-        self.marks: Dict[str, tuple] = {}
+        self.marks: dict[str, tuple] = {}
         self.first_kind: Optional[str] = None
         self.last_kind: Optional[str] = None
         self.nsteps = 0
         self.text = root.label
-        self.run: Tuple[str, ...] = ()
+        self.run: tuple[str, ...] = ()
         self.inst = False          # the last raw step entered an instance's __dict__
         self.moddict: Optional[tuple] = None        # (what, expr, pos, parent) while a Module's _parameters/_buffers/_modules waits for its key
 
-    def copy(self) -> "_PathState":
+    def copy(self) -> _PathState:
         n = _PathState.__new__(_PathState)
         n.root, n.pos, n.expr, n.flags, n.marks = self.root, self.pos, self.expr, self.flags, self.marks
         n.first_kind, n.last_kind, n.nsteps, n.text, n.run = (self.first_kind, self.last_kind, self.nsteps,
@@ -226,7 +227,7 @@ class _PathState:
     def full_text(self) -> str:
         return self.text + _render_run(self.run)
 
-    def extend(self, kind: str, text: str, parent, grandparent) -> "_PathState":
+    def extend(self, kind: str, text: str, parent, grandparent) -> _PathState:
         n = self.copy()
         n.pos = self.pos + 1
         if (kind == "index" or kind == "key") and self.moddict is None and not self.inst:
@@ -312,7 +313,7 @@ def _is_scalar(t) -> bool:
         return False
 
 
-def _render_run(run: Tuple[str, ...]) -> str:
+def _render_run(run: tuple[str, ...]) -> str:
     if not run:
         return ""
     if len(run) > 3:
@@ -365,7 +366,7 @@ class _Describer:
         self.s = search
         self.lab = _Labeler(search)
         self.lab.describer = self
-        self.memo: Dict[int, _PathState] = {}
+        self.memo: dict[int, _PathState] = {}
 
     def state(self, j: int) -> _PathState:
         memo = self.memo
@@ -434,7 +435,7 @@ def _kind(group: str, flags) -> str:
     return group if group in ("global", "local") else "unknown"
 
 
-def _fix(st: _PathState, kind: str, view) -> Tuple[str, int]:
+def _fix(st: _PathState, kind: str, view) -> tuple[str, int]:
     """(fix, cut): a concrete statement, and the chain position whose references it removes."""
     root = st.root
     if root.group in ("out_cache", "traceback") or (root.group == "local" and root.expr is None):
@@ -445,7 +446,7 @@ def _fix(st: _PathState, kind: str, view) -> Tuple[str, int]:
     return fix, cut
 
 
-def _fix_path(st: _PathState, kind: str, view) -> Tuple[str, int]:
+def _fix_path(st: _PathState, kind: str, view) -> tuple[str, int]:
     root = st.root
     full = st.expr
     last = st.pos
@@ -502,12 +503,12 @@ def _fix_path(st: _PathState, kind: str, view) -> Tuple[str, int]:
     return root.fix, 0
 
 
-def _split_fix(fix: str) -> List[str]:
+def _split_fix(fix: str) -> list[str]:
     """``a; b  (advice; more); c`` → the ``; ``-separated parts outside parentheses and quotes."""
     if "; " not in fix:
         return [fix] if fix else []
-    parts: List[str] = []
-    cur: List[str] = []
+    parts: list[str] = []
+    cur: list[str] = []
     depth, quote = 0, None
     i, n = 0, len(fix)
     while i < n:
@@ -534,7 +535,7 @@ def _split_fix(fix: str) -> List[str]:
 
 def _merge_fixes(fixes: Iterable[str]) -> str:
     """One statement list that releases every holder, in an order that runs: ``a; b; c``."""
-    out: List[str] = []
+    out: list[str] = []
     for f in fixes:
         for part in _split_fix(f) if f else ():
             if part and part not in out:

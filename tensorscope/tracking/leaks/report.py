@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 
@@ -37,9 +37,9 @@ class LeakGroup:
     fix: str
     n_storages: int
     nbytes: int
-    by_device: Dict[str, int]
-    cells: List[int]
-    sources: List[str]
+    by_device: dict[str, int]
+    cells: list[int]
+    sources: list[str]
     growth_bytes: Optional[int] = None   # bytes per cell while the holder grows across traced cells
 
 
@@ -50,8 +50,8 @@ class LeakReport(Displayable):
     holders, largest first; ``totals`` the live bytes per device (each buffer counted once).
     """
 
-    def __init__(self, table: pa.Table, groups: List[LeakGroup], totals: Dict[str, int], elapsed_s: float,
-                 visited: int, notes: List[str]):
+    def __init__(self, table: pa.Table, groups: list[LeakGroup], totals: dict[str, int], elapsed_s: float,
+                 visited: int, notes: list[str]):
         self.table = table
         self.groups = groups
         self.totals = totals
@@ -83,14 +83,14 @@ class LeakReport(Displayable):
         return self.to_text()
 
 
-def _totals(rows: _RowSet) -> Dict[str, int]:
+def _totals(rows: _RowSet) -> dict[str, int]:
     """Live bytes per device, each byte once: intervals of overlapping buffers are merged (vectorised:
     after sorting by start, each interval adds what reaches past the furthest end before it)."""
     import numpy as np
 
     c = rows.cols
     n = len(rows)
-    out: Dict[str, int] = {}
+    out: dict[str, int] = {}
     if not n:
         return out
     devs = c["device"]
@@ -116,7 +116,7 @@ def _totals(rows: _RowSet) -> Dict[str, int]:
     return out
 
 
-def _groups(rows: _RowSet) -> List[LeakGroup]:
+def _groups(rows: _RowSet) -> list[LeakGroup]:
     """One group per (kind, root), largest first: a list of losses with all its graphs is one holder.
 
     Rows are grouped first (codes per group, numpy sums) and only each group's distinct fixes, cells
@@ -160,12 +160,12 @@ def _groups(rows: _RowSet) -> List[LeakGroup]:
     by_code = np.argsort(codes_np, kind="stable")
     bounds = np.searchsorted(codes_np[by_code], np.arange(ng + 1))
     fix_col = c["fix"]
-    cells: List[Dict[int, None]] = [{} for _ in range(ng)]
+    cells: list[dict[int, None]] = [{} for _ in range(ng)]
     if c["cell"].count(None) != n:   # storages nobody recorded have none: skip the pass
         for g, cell in dict.fromkeys(zip(codes, take("cell"))):
             if cell is not None:
                 cells[g][cell] = None
-    sources: List[Dict[str, None]] = [{} for _ in range(ng)]
+    sources: list[dict[str, None]] = [{} for _ in range(ng)]
     if c["alloc_op"].count(None) != n or c["source_line"].count(None) != n:
         for g, op, f, line in dict.fromkeys(zip(codes, take("alloc_op"), take("source_file"), take("source_line"))):
             if line is not None:
@@ -216,11 +216,11 @@ def _find_leaks(min_bytes, device, shell, user_ns, max_nodes, frames) -> LeakRep
     if user_ns is None:  # an explicit namespace means: search that, not some running shell
         shell = _get_shell(shell)
     ns = _user_namespace(shell, user_ns)
-    want: Dict[int, Any] = {}
+    want: dict[int, Any] = {}
     search = None
-    unreached: Dict[int, Any] = {}
-    tensors: Dict[int, List[Any]] = {}
-    notes: List[str] = []
+    unreached: dict[int, Any] = {}
+    tensors: dict[int, list[Any]] = {}
+    notes: list[str] = []
     try:
         for key, k in list(_KNOWN.items()):
             s = k.ref()

@@ -12,7 +12,7 @@ import re
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 from ..._common import ipython_shell
 from .classify import _is_library_file, _live_frame_locals, _user_modules
@@ -59,9 +59,9 @@ _INTERNAL_FILE_HINTS = (os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.s
 _USER_PSEUDO_FILES = ("<ipython-input-", "<string>", "<stdin>", "<console>")
 
 
-def _stack_frames() -> List[types.FrameType]:
+def _stack_frames() -> list[types.FrameType]:
     """Running user frames above us (function frames only: a module frame's locals are globals)."""
-    out: List[types.FrameType] = []
+    out: list[types.FrameType] = []
     try:
         f: Optional[types.FrameType] = sys._getframe(1)
     except ValueError:
@@ -78,7 +78,7 @@ def _stack_frames() -> List[types.FrameType]:
     return out
 
 
-def user_objects(shell=None) -> List[Any]:
+def user_objects(shell=None) -> list[Any]:
     """The values of the user's names: the notebook's (or ``__main__``'s) globals and the locals of
     the running user functions above the caller (read without keeping a frame's locals alive).
     The caller must clear the list."""
@@ -90,10 +90,10 @@ def user_objects(shell=None) -> List[Any]:
     return out
 
 
-def _collect_roots(shell, user_ns, frames: bool = True, user_modules=None) -> Tuple[List[Any], List[_Root]]:
+def _collect_roots(shell, user_ns, frames: bool = True, user_modules=None) -> tuple[list[Any], list[_Root]]:
     """(objects, descriptions) in search priority order. The caller must clear ``objects``."""
-    objs: List[Any] = []
-    roots: List[_Root] = []
+    objs: list[Any] = []
+    roots: list[_Root] = []
 
     def add(obj, label, group, expr, fix):
         if obj is None:

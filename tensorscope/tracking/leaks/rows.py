@@ -7,7 +7,8 @@ by ``unreached``, storages over one buffer merged, largest first (``rowset``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Set, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -24,7 +25,7 @@ from .search import _run_search, _Search
 from .unreached import _heap_tensors
 
 
-def _rows_for(search: _Search, key_meta: Dict[int, dict]) -> Tuple[_RowSet, Set[int]]:
+def _rows_for(search: _Search, key_meta: dict[int, dict]) -> tuple[_RowSet, set[int]]:
     """Rows for every storage the search reached; returns the reached keys."""
     desc = _Describer(search)
     rows = _RowSet()
@@ -58,11 +59,11 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
     if user_ns is None:
         shell = _get_shell(shell)
     ns = _user_namespace(shell, user_ns)
-    want: Dict[int, Any] = {}
-    key_meta: Dict[int, dict] = {}
+    want: dict[int, Any] = {}
+    key_meta: dict[int, dict] = {}
     search = None
-    unreached: Dict[int, Any] = {}
-    tensors: Dict[int, List[Any]] = {}
+    unreached: dict[int, Any] = {}
+    tensors: dict[int, list[Any]] = {}
     try:
         for rec in live:
             try:

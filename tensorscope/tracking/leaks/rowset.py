@@ -7,8 +7,9 @@ largest first (``_rows_to_table``). Building the rows is ``holders`` (one at a t
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Optional
 
 import pyarrow as pa
 
@@ -46,7 +47,7 @@ class _Row:
         self.data_ptr = g("data_ptr", 0)
 
     @classmethod
-    def plain(cls, holder, holder_kind, fix, root_label, root_fix, nbytes, data_ptr, device, dtype, shape) -> "_Row":
+    def plain(cls, holder, holder_kind, fix, root_label, root_fix, nbytes, data_ptr, device, dtype, shape) -> _Row:
         """A row for a storage no trace or discovery recorded: no creation site."""
         r = cls.__new__(cls)
         r.holder, r.holder_kind, r.fix, r.root_label, r.root_fix = holder, holder_kind, fix, root_label, root_fix
@@ -73,20 +74,20 @@ class _RowSet:
 
     __slots__ = ("cols",)
 
-    def __init__(self, rows: Iterable["_Row"] = ()):
-        self.cols: Dict[str, list] = {f: [] for f in _FIELDS}
+    def __init__(self, rows: Iterable[_Row] = ()):
+        self.cols: dict[str, list] = {f: [] for f in _FIELDS}
         for r in rows:
             self.add(r)
 
     def __len__(self) -> int:
         return len(self.cols["nbytes"])
 
-    def add(self, r: "_Row") -> None:
+    def add(self, r: _Row) -> None:
         for f, c in self.cols.items():
             c.append(getattr(r, f))
 
-    def add_plain(self, holders: List[str], fixes: List[str], nbytes: List[int], ptrs: List[int], devices: List[str],
-                  dtypes: List[Optional[str]], shapes: List[Optional[tuple]], kind: str, root_label: str,
+    def add_plain(self, holders: list[str], fixes: list[str], nbytes: list[int], ptrs: list[int], devices: list[str],
+                  dtypes: list[Optional[str]], shapes: list[Optional[tuple]], kind: str, root_label: str,
                   root_fix: str) -> None:
         """Rows for storages no trace or discovery recorded (no creation site), all of one holder root."""
         c = self.cols
@@ -106,7 +107,7 @@ class _RowSet:
         c["expected"].extend(repeat(kind in STATE_KINDS, n))
         c["growing"].extend(repeat(False, n))
 
-    def extend(self, other: "_RowSet") -> None:
+    def extend(self, other: _RowSet) -> None:
         for f, c in self.cols.items():
             c.extend(other.cols[f])
 
@@ -160,7 +161,7 @@ def _merge_same_buffer(rows: _RowSet) -> None:
     cand = np.zeros(n, dtype=bool)
     cand[o[1:][same]] = True
     cand[o[:-1][same]] = True
-    by: Dict[Tuple[str, int, int], int] = {}
+    by: dict[tuple[str, int, int], int] = {}
     keep = [True] * n
     dev, ptrs, nbs, holder, fix = c["device"], c["data_ptr"], c["nbytes"], c["holder"], c["fix"]
     for i in np.flatnonzero(cand).tolist():   # in row order: the first row of a buffer keeps it

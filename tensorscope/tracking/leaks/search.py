@@ -13,7 +13,7 @@ set is ``visited``, the expansion of each kind of node ``expand``.
 from __future__ import annotations
 
 import gc
-from typing import Any, Dict, Optional, Set
+from typing import Any, Optional
 
 from .classify import (
     _DEFER,
@@ -49,7 +49,7 @@ class _Search(_Expand):
         max_nodes = self.max_nodes
         big = self.BIG_CONTAINER if self.n_want else 0
         plain = _PLAIN_UNTRACKED
-        expanded: Set[int] = set()
+        expanded: set[int] = set()
         bulk = self.BULK
         tensor = _T().Tensor
         no_run = 0
@@ -173,7 +173,7 @@ class _Search(_Expand):
             edges.clear()
 
 
-def _run_search(shell, user_ns, want: Optional[Dict[int, Any]], collect_all: bool,
+def _run_search(shell, user_ns, want: Optional[dict[int, Any]], collect_all: bool,
                 max_nodes: int = _Search.MAX_NODES_DEFAULT, frames: bool = True):
     user_modules = _user_modules()
     root_objs, roots = _collect_roots(shell, user_ns, frames, user_modules)

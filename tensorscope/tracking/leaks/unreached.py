@@ -14,15 +14,15 @@ import sys
 import types
 from array import array
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Optional
 
 from .classify import _T, _other_threads_frames, _running_frames
 
 
 # -- the unreached: cycles and owners gc cannot see ----------------------------------------------
-def _tensor_types() -> Set[type]:
+def _tensor_types() -> set[type]:
     todo = [_T().Tensor]
-    out: Set[type] = set()
+    out: set[type] = set()
     while todo:
         tp = todo.pop()
         if tp in out:
@@ -35,8 +35,8 @@ def _tensor_types() -> Set[type]:
     return out
 
 
-def _heap_tensors(keep, skip_ids: Optional[Dict[int, int]] = None,
-                  n_skip: Optional[int] = None) -> Tuple[Dict[int, Any], Dict[int, List[Any]]]:
+def _heap_tensors(keep, skip_ids: Optional[dict[int, int]] = None,
+                  n_skip: Optional[int] = None) -> tuple[dict[int, Any], dict[int, list[Any]]]:
     """Storages and Python tensors in the whole gc heap, by ``id(storage)``, for keys ``keep(key)`` accepts.
 
     One ``gc.get_objects()`` pass, filtered at C speed (``compress``/``map``): the tensor types are
@@ -58,8 +58,8 @@ def _heap_tensors(keep, skip_ids: Optional[Dict[int, int]] = None,
     finally:
         objs.clear()
         del objs
-    storages: Dict[int, Any] = {}
-    tensors: Dict[int, List[Any]] = {}
+    storages: dict[int, Any] = {}
+    tensors: dict[int, list[Any]] = {}
     try:
         for t in ts:
             try:
@@ -101,7 +101,7 @@ _HIDDEN_FIX = ("release the C++ owner (an autograd graph or hook no Python objec
                "state, or a C extension holding the tensor)")
 
 
-def _module_dicts() -> Dict[int, str]:
+def _module_dicts() -> dict[int, str]:
     out = {}
     for name, mod in list(sys.modules.items()):
         d = getattr(mod, "__dict__", None) if mod is not None else None
@@ -110,15 +110,15 @@ def _module_dicts() -> Dict[int, str]:
     return out
 
 
-def _find(uf: List[int], a: int) -> int:
+def _find(uf: list[int], a: int) -> int:
     while uf[a] != a:
         uf[a] = uf[uf[a]]
         a = uf[a]
     return a
 
 
-def _internal_counts(members: List[Any], midx: Dict[int, int]) -> Dict[int, int]:
-    internal: Dict[int, int] = {}
+def _internal_counts(members: list[Any], midx: dict[int, int]) -> dict[int, int]:
+    internal: dict[int, int] = {}
     for p in members:
         for c in gc.get_referents(p):
             n = midx.get(id(c))
@@ -127,12 +127,12 @@ def _internal_counts(members: List[Any], midx: Dict[int, int]) -> Dict[int, int]
     return internal
 
 
-def _unexplained(members: List[Any], internal: Dict[int, int], n: int) -> int:
+def _unexplained(members: list[Any], internal: dict[int, int], n: int) -> int:
     # getrefcount's argument and the members list each add one reference; nothing else of ours holds it
     return sys.getrefcount(members[n]) - 2 - internal.get(n, 0)
 
 
-def _classify_groups(groups: List[List[Any]], ours: Set[int], max_levels: int = 6) -> List[_Fallback]:
+def _classify_groups(groups: list[list[Any]], ours: set[int], max_levels: int = 6) -> list[_Fallback]:
     """Classify groups of unreached objects (the Python tensors and storage object of one storage each).
 
     One batched ``gc.get_referrers`` per level for all groups; groups whose referrer closures touch
@@ -142,12 +142,12 @@ def _classify_groups(groups: List[List[Any]], ours: Set[int], max_levels: int = 
     """
     G = len(groups)
     uf = list(range(G))
-    members: List[Any] = []
+    members: list[Any] = []
     label = array("q")
-    is_storage: Set[int] = set()
-    child: Dict[int, int] = {}
-    midx: Dict[int, int] = {}
-    hits: Dict[int, Tuple[int, str]] = {}
+    is_storage: set[int] = set()
+    child: dict[int, int] = {}
+    midx: dict[int, int] = {}
+    hits: dict[int, tuple[int, str]] = {}
     st_type = _T().UntypedStorage
     ours = set(ours)
     for b in (members, groups):
@@ -173,7 +173,7 @@ def _classify_groups(groups: List[List[Any]], ours: Set[int], max_levels: int = 
         del o, grp
         groups.clear()
         frontier = list(range(len(members)))
-        growing: Set[int] = set()
+        growing: set[int] = set()
         for _level in range(max_levels):
             if not frontier:
                 break
@@ -183,7 +183,7 @@ def _classify_groups(groups: List[List[Any]], ours: Set[int], max_levels: int = 
             refs = gc.get_referrers(*fobjs)
             fobjs.clear()
             ours.add(id(refs))
-            new: List[int] = []
+            new: list[int] = []
             for r in refs:
                 rid = id(r)
                 if rid in ours:
@@ -215,13 +215,13 @@ def _classify_groups(groups: List[List[Any]], ours: Set[int], max_levels: int = 
         growing = {label[n] for n in frontier}
         frontier = []
         # resolve classes
-        cls_hits: Dict[int, Tuple[int, str]] = {}
+        cls_hits: dict[int, tuple[int, str]] = {}
         for g, h in hits.items():
             cls_hits.setdefault(_find(uf, g), h)
         cls_growing = {_find(uf, g) for g in growing}
         internal = _internal_counts(members, midx)
-        cls_external: Dict[int, bool] = {}
-        cls_size: Dict[int, int] = {}
+        cls_external: dict[int, bool] = {}
+        cls_size: dict[int, int] = {}
         for n in range(len(members)):
             c = _find(uf, label[n])
             cls_size[c] = cls_size.get(c, 0) + 1
@@ -229,7 +229,7 @@ def _classify_groups(groups: List[List[Any]], ours: Set[int], max_levels: int = 
                 continue  # torch preserves a storage's Python object from C++: its count is not ours to balance
             if _unexplained(members, internal, n) > 0:
                 cls_external[c] = True
-        out: List[_Fallback] = []
+        out: list[_Fallback] = []
         for g in range(G):
             c = _find(uf, g)
             if c in cls_hits:

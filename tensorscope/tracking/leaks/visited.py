@@ -13,7 +13,7 @@ import gc
 from array import array
 from itertools import compress, repeat
 from operator import not_, or_
-from typing import Any, Dict, List, Optional, Set, Tuple, cast
+from typing import Any, Optional, cast
 
 from .classify import _PLAIN_UNTRACKED, _other_threads_frames, _running_frames, _untracked_interest_type
 from .roots import _Root
@@ -24,27 +24,27 @@ class _Visited:
 
     MAX_NODES_DEFAULT = 20_000_000
 
-    def __init__(self, root_objs: List[Any], roots: List[_Root], want: Optional[Dict[int, Any]],
-                 collect_all: bool, user_modnames: Set[str], max_nodes: int = MAX_NODES_DEFAULT):
+    def __init__(self, root_objs: list[Any], roots: list[_Root], want: Optional[dict[int, Any]],
+                 collect_all: bool, user_modnames: set[str], max_nodes: int = MAX_NODES_DEFAULT):
         self.roots = roots
-        self.order: List[Any] = []
+        self.order: list[Any] = []
         self.par = array("q")
         self.own = array("q")
-        self.idx: Dict[int, int] = {}
-        self.cross: Dict[int, Set[int]] = {}      # node -> other roots that reach it
-        self.synth: Dict[int, Tuple[str, str]] = {}  # node -> label of a C++ edge that created it
+        self.idx: dict[int, int] = {}
+        self.cross: dict[int, set[int]] = {}      # node -> other roots that reach it
+        self.synth: dict[int, tuple[str, str]] = {}  # node -> label of a C++ edge that created it
         self.want = want                        # id(storage) -> storage (targets) or None
         self.collect_all = collect_all
-        self.found: Dict[int, List[int]] = {}   # id(storage) -> tensor nodes holding it (first = primary)
-        self.storages: Dict[int, Any] = {}      # id(storage) -> storage (kept alive during the search)
+        self.found: dict[int, list[int]] = {}   # id(storage) -> tensor nodes holding it (first = primary)
+        self.storages: dict[int, Any] = {}      # id(storage) -> storage (kept alive during the search)
         self.user_modnames = user_modnames
-        self.running: Set[int] = {id(f) for f in _running_frames()} | _other_threads_frames()
+        self.running: set[int] = {id(f) for f in _running_frames()} | _other_threads_frames()
         self.max_nodes = max_nodes
         self.truncated = False
         self.errors = 0
         self.n_tensors = 0                      # tensor nodes visited
-        self._deferred_objs: List[int] = []
-        self._deferred_edges: List[Tuple[int, Any, Tuple[str, str]]] = []
+        self._deferred_objs: list[int] = []
+        self._deferred_edges: list[tuple[int, Any, tuple[str, str]]] = []
         # with targets only (a trace's leak table), stop once each has a holder
         self.n_want = len(want) if (want and not collect_all) else 0
         self.complete = False
@@ -59,7 +59,7 @@ class _Visited:
             elif own[j] != r:
                 self.cross.setdefault(j, set()).add(r)
 
-    def _enqueue(self, parent: int, child, label: Optional[Tuple[str, str]]):
+    def _enqueue(self, parent: int, child, label: Optional[tuple[str, str]]):
         kid = id(child)
         j = self.idx.get(kid)
         if j is not None:
@@ -74,7 +74,7 @@ class _Visited:
         if label is not None:
             self.synth[j] = label
 
-    def _add_synth(self, parent: int, child, label: Tuple[str, str], defer: bool = False):
+    def _add_synth(self, parent: int, child, label: tuple[str, str], defer: bool = False):
         """A C++ edge: its label is known now, so no search for it later. Graph edges wait their turn."""
         if child is None:
             return
@@ -83,7 +83,7 @@ class _Visited:
         else:
             self._enqueue(parent, child, label)
 
-    def _enqueue_many(self, i: int, kids: List[Any], pars: Optional[List[int]] = None) -> None:
+    def _enqueue_many(self, i: int, kids: list[Any], pars: Optional[list[int]] = None) -> None:
         """Enqueue children with C-level passes, as the per-child loop would: a child met before (or
         listed twice) only notes this root as another holder. ``kids`` are node ``i`` 's children, or,
         with ``pars`` (the parent of each), those of several nodes."""
@@ -110,7 +110,7 @@ class _Visited:
         idx, own = self.idx, self.own
         ids = list(map(id, kids))
         js = list(map(idx.get, ids))
-        dup_of: Dict[int, int] = {}
+        dup_of: dict[int, int] = {}
         start = len(self.order)
         if js.count(None) == n:
             # none met before: register them all; the index grew by n unless one is listed twice
@@ -133,7 +133,7 @@ class _Visited:
                 else:
                     c.add(own[pk])
         if len(set(ids)) != n:   # listed twice: the first is the node, a later one another holder
-            first: Dict[int, int] = {}
+            first: dict[int, int] = {}
             for k, (x, new) in enumerate(zip(ids, keep)):
                 if new:
                     f = first.get(x)
@@ -144,7 +144,7 @@ class _Visited:
                         if pars is not None:
                             dup_of[k] = f
         if dup_of:
-            dup_pars = {k: cast(List[int], pars)[k] for k in dup_of}
+            dup_pars = {k: cast(list[int], pars)[k] for k in dup_of}
         kids = list(compress(kids, keep))
         ids = list(compress(ids, keep))
         if pars is not None:
@@ -165,7 +165,7 @@ class _Visited:
                 if own[j] != own[pk]:
                     self.cross.setdefault(j, set()).add(own[pk])
 
-    def _adopt(self, i: int, kids: List[Any], pars: Optional[List[int]], own: Any) -> None:
+    def _adopt(self, i: int, kids: list[Any], pars: Optional[list[int]], own: Any) -> None:
         """Append ``kids`` as new nodes: their parent is ``i`` (or ``pars[k]`` each), their root its."""
         n = len(kids)
         self.order.extend(kids)
