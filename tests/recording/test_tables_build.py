@@ -100,6 +100,10 @@ def _ops_rows(t):
     return t.ops.select(cols).to_pylist()
 
 
+def _tensor_rows(t):
+    return t.tensors.drop_columns(["address"]).to_pylist()
+
+
 def test_native_engine_spills_past_spill_rows_and_builds_the_same_tables():
     _native()
     with tensorscope.trace(engine="native", leaks=False) as plain:
@@ -113,7 +117,8 @@ def test_native_engine_spills_past_spill_rows_and_builds_the_same_tables():
     assert spilled.metadata["spilled_rows"] >= 512   # rows were written out while recording
     assert spilled.ops.num_rows == plain.ops.num_rows > 700
     assert _ops_rows(spilled) == _ops_rows(plain)
-    assert spilled.tensors.to_pylist() == plain.tensors.to_pylist()
+    # tensors.address is where this run's allocator put each storage: a fact of the run, not of the build
+    assert _tensor_rows(spilled) == _tensor_rows(plain)
     bwd = [r for r in _ops_rows(spilled) if r["phase"] == "backward" and r["fwd_seq"] is not None]
     assert bwd and all(r["fwd_seq"] < r["seq"] for r in bwd)
 
