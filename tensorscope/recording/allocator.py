@@ -68,14 +68,20 @@ class AllocatorProbe:
         self._started = self._stopped = False
         self._api: Optional[HistoryAPI] = None
 
+    def _read_stats(self, cuda: Any, when: str) -> dict[int, dict[str, Any]]:
+        """Every device's ``memory_stats`` ({} without CUDA, or with a note when reading them failed)."""
+        if cuda is None:
+            return {}
+        try:
+            return _stats(cuda)
+        except Exception as e:
+            self.notes.append(f"CUDA allocator stats unavailable{when}: {type(e).__name__}: {e}")
+            return {}
+
     def start(self) -> None:
         self._started = True
         cuda = _cuda()
-        if cuda is not None:
-            try:
-                self.start_stats = _stats(cuda)
-            except Exception as e:
-                self.notes.append(f"CUDA allocator stats unavailable: {type(e).__name__}: {e}")
+        self.start_stats = self._read_stats(cuda, "")
         if not self.history:
             return
         api = self._api = _history_api()
@@ -110,12 +116,7 @@ class AllocatorProbe:
                     self.snapshot = self._api.snapshot()
                 except Exception as e:
                     self.notes.append(f"memory_history: snapshot failed: {type(e).__name__}: {e}")
-            cuda = _cuda()
-            if cuda is not None:
-                try:
-                    self.end_stats = _stats(cuda)
-                except Exception as e:
-                    self.notes.append(f"CUDA allocator stats unavailable at the end: {type(e).__name__}: {e}")
+            self.end_stats = self._read_stats(_cuda(), " at the end")
         finally:
             if self.enabled_by_us and self._api is not None:
                 self.enabled_by_us = False
