@@ -20,7 +20,7 @@ from . import _build
 __all__ = [
     "open_capture", "status", "build", "build_native_main", "engine", "loaded_engine", "engine_status",
     "forced_fallback", "load_test_ops", "FORCE_ENV", "function_mode", "PY_FUNCTION_MODE_ENV", "site_error_info",
-    "abi", "abi_dtype", "abi_flags", "fields_dtype",
+    "abi", "abi_dtype", "abi_flags", "fields_dtype", "cache_root",
 ]
 
 #: Set to 1 to force the pure-Python fallback (read at every call, not at import).
@@ -80,6 +80,11 @@ def cache_dir() -> str:
 def loaded_engine() -> Any:
     """The native recording engine's module if this process has loaded it, else None. Never compiles."""
     return _build._STATES[_build.ENGINE.kind].module
+
+
+def cache_root() -> str:
+    """Where the compiled libraries are cached: ``$TENSORSCOPE_CACHE``, else ``~/.cache/tensorscope/native``."""
+    return _build.cache_root()
 
 
 def engine_status() -> dict[str, Any]:

@@ -78,3 +78,21 @@ def test_the_running_trace_object_is_never_walked_and_changes_no_row():
     named, unnamed = _leaks_of(True), _leaks_of(False)
     assert named == unnamed and named, named
     assert not [r for r in named if "t." in r[0] or "_session" in r[0]], named
+
+
+def test_tensorscope_s_own_compiled_libraries_are_not_user_modules():
+    """The engine, function-mode and hooks libraries load from the build cache as modules of their own:
+    they are tensorscope's, so the leak search never takes their globals for the user's."""
+    with tensorscope.trace() as t:
+        torch.ones(2) + 1
+    from tensorscope.native import cache_root
+
+    root = cache_root()
+    loaded = [n for n, m in list(sys.modules.items())
+              if isinstance(getattr(m, "__file__", None), str) and m.__file__.startswith(root)]
+    if not loaded:
+        import pytest
+
+        pytest.skip(f"no compiled library is loaded (engine: {t.metadata['engine']}): nothing to misclassify")
+    for name in loaded:
+        assert name not in _names(), f"{name} (from {root}) was classified as user code"

@@ -139,6 +139,12 @@ def _library_prefixes() -> tuple[str, ...]:
     except Exception:
         pass
     paths.add(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tensorscope itself
+    try:   # and its compiled libraries (tensorscope_engine, _fmode, _hooks: modules loaded from the build cache)
+        from ...native import cache_root
+
+        paths.add(cache_root())
+    except Exception:
+        pass
     return tuple(os.path.abspath(p) + os.sep for p in paths if p)
 
 
