@@ -69,10 +69,10 @@ def allocator_section(t) -> Optional[Section]:
     al = t.allocator
     if al.num_rows == 0:
         return None
+    devices = al.to_pylist()
+    history = any(r["source"] == "history" for r in devices)
     rows = []
-    history = False
-    for r in al.to_pylist():
-        history |= r["source"] == "history"
+    for r in devices:
         frag = fmt_bytes(r["fragmentation_bytes"]) if r["fragmentation_bytes"] is not None else "-"
         frag += f" (at our peak, op {r['fragmentation_seq']})" if r["fragmentation_seq"] is not None else " (at the end)"
         peak = fmt_bytes(r["allocated_peak"]) + ("" if r["peak_in_trace"] else " (before the trace)")
@@ -81,7 +81,7 @@ def allocator_section(t) -> Optional[Section]:
                      fmt_bytes(r["reserved_peak"]), frag, str(r["num_alloc_retries"]), str(r["num_ooms"])))
     notes = ["the allocator's peaks are since the program last called torch.cuda.reset_peak_memory_stats "
              "(tensorscope resets nothing); fragmentation: reserved − allocated"]
-    if any((r["num_ooms"] or 0) > 0 for r in al.to_pylist()):
+    if any((r["num_ooms"] or 0) > 0 for r in devices):
         notes.append("out of memory during the trace" + (": t.allocator_events (action 'oom') and "
                      "t.allocator_blocks show the cache at that point" if history else
                      "; memory_history=True (--memory-history) keeps the allocator's snapshot"))
