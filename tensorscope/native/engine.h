@@ -109,6 +109,8 @@ struct OpFacts {
   bool no_screen = false;    // returns uninitialised memory
   bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
   bool py_hook = false;      // the Python op hook wants it (c10d collectives)
+  int8_t rule = 0;           // engine_known.h BoundRule: how a bound on its inputs bounds its outputs
+  std::vector<bool> arg_writes;   // per schema argument: written (Tensor(a!)); empty: unknown
   int32_t n_args = -1;       // schema arguments / returns (-1: vararg/varret or unknown): a boxed call's
   int32_t n_rets = -1;       // event carries its whole stack, the op's own values are its tail
   std::string name;          // "aten::add.Tensor"
@@ -187,7 +189,25 @@ struct Pending {
   c10::WarningHandler* prev_handler = nullptr;
   bool handler_pushed = false;
   bool pre_nonfinite = false;
+  std::vector<const c10::StorageImpl*> written;   // storages of the written arguments (engine_known.h)
+  double bound = -1;   // engine_known.h: a bound on every output's magnitude from its inputs' (-1: none)
+  double terms = 1;    // engine_known.h: the terms an output sums over
   const OpFacts* facts = nullptr;
+};
+
+// What the screen knows of a float tensor's values: finite or not, and a bound on their magnitude,
+// valid while the tensor still shows the same memory region at the same version and no op wrote
+// its storage since (engine_known.h). `pin` (a weak reference: the StorageImpl object, never its
+// memory) keeps the storage's address from being reused by another storage while the entry lives.
+struct Known {
+  c10::weak_intrusive_ptr<c10::StorageImpl> pin{c10::intrusive_ptr<c10::StorageImpl>()};
+  const c10::StorageImpl* storage = nullptr;
+  const void* data = nullptr;
+  uint64_t storage_gen = 0;
+  int64_t version = -1, offset = 0;
+  int32_t meta = -1;
+  bool finite = false;
+  double bound = -1;
 };
 
 struct Engine {
@@ -254,8 +274,10 @@ struct Engine {
   std::atomic<size_t> n_warnings{0};   // warnings.size(), readable without the lock
   size_t warnings_taken = 0;
   std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> nonfinite;  // seq -> (count, produced)
-  int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0;
-  std::unordered_map<const c10::TensorImpl*, std::pair<int64_t, bool>> memo;  // impl -> (version, finite)
+  int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0, n_proven = 0;
+  std::unordered_map<const c10::TensorImpl*, Known> memo;
+  std::unordered_map<const c10::StorageImpl*, uint64_t> storage_gen;   // the clock at its last write
+  uint64_t write_clock = 0;
 
   void clear();   // engine.cpp
 };

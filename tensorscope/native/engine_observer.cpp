@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "engine.h"
+#include "engine_known.h"
 #include "engine_screen.h"
 #include "engine_storages.h"
 
@@ -86,6 +87,8 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   p.held.clear();
   p.py_inputs = nullptr;
   p.pre_nonfinite = false;
+  p.written.clear();
+  p.bound = -1;
   p.handler_pushed = false;
   p.prev_handler = nullptr;
   p.facts = f;
@@ -102,8 +105,10 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   p.uncaught = std::uncaught_exceptions();
   p.args_id = -1;
   if (f->want_args) encode_args(fn, f, p.args_enc);   // outputs are appended and the whole interned at commit
-  for (const auto& v : args_of(fn, f)) {
-    for_each_tensor(v, [&](const at::Tensor& t) {
+  const Values args = args_of(fn, f);
+  for (size_t ai = 0; ai < args.size(); ++ai) {
+    const bool written = f->writes && (f->arg_writes.size() != args.size() || f->arg_writes[ai]);
+    for_each_tensor(args[ai], [&](const at::Tensor& t) {
       uintptr_t ptr;
       const c10::StorageImpl* si;
       int64_t nb;
@@ -118,6 +123,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
         p.in_nbytes.push_back(nb);
       }
       if (g.want_screen) p.held.push_back(t.unsafeGetTensorImpl());
+      if (written && g.want_screen) p.written.push_back(si);
     });
   }
   if (g.want_screen) {
@@ -135,18 +141,24 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   }
   if (g.want_screen && f->writes && !f->no_screen) {
     // in-place / out=: whether what the op overwrites was already non-finite
-    for (const c10::TensorImpl* t : p.held) {
-      auto it = g.memo.find(t);
-      int64_t v = version_of(t);
-      if (it != g.memo.end() && v >= 0 && it->second.first == v) {
-        if (!it->second.second) p.pre_nonfinite = true;
+    for (size_t k = 0; k < p.held.size(); ++k) {
+      const c10::TensorImpl* t = p.held[k];
+      const Known* kn = known(t, int32_t(p.in_metas[k]));
+      if (kn != nullptr) {
+        if (!kn->finite) p.pre_nonfinite = true;
       } else {
-        int64_t c = nonfinite_count(t);
+        int64_t c = screen_and_learn(t, int32_t(p.in_metas[k]));
         if (c >= 0) g.n_pre++;
         if (c > 0) p.pre_nonfinite = true;
       }
     }
   }
+  // a bound on what the op can write, from what is known of its inputs (engine_known.h)
+  if (g.want_screen && f->rule != BR_NONE && !f->no_screen) {
+    p.bound = input_bound(fn, f, p.in_metas);
+    if (p.bound >= 0) p.terms = terms_of(fn, f);
+  }
+  for (const c10::StorageImpl* si : p.written) bump(si);   // again at commit: an op that throws still wrote
   r.start = t_start;
   s.frames.push_back(Frame{kind, int64_t(s.npending - 1), f, g.gen});
   s.kept_depth++;
@@ -352,6 +364,9 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
     n_stor++;
   }
   r.ins = g.tuples.get(p.in_metas.data(), p.in_metas.size());
+  if (g.want_screen) {
+    for (const c10::StorageImpl* si : p.written) bump(si);
+  }
   int64_t out_metas[64];
   int64_t alias[64];
   size_t n_out = 0;
@@ -380,20 +395,28 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
       stor.push_back(storage_id(si, ptr, m, nb, true, seq));
       n_stor++;
       n_out++;
-      if (g.want_screen && !p.facts->no_screen && (a < 0 || p.facts->writes)) {
-        int64_t c = nonfinite_count(t.unsafeGetTensorImpl());
+      if (!g.want_screen) return;
+      const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      if (a < 0 || p.facts->writes) bump(si);   // new memory, or written: what was known of it is stale
+      if (!p.facts->no_screen && (a < 0 || p.facts->writes)) {
+        if (p.bound >= 0 && impl->device().type() == c10::DeviceType::CPU &&
+            proves(p.facts, p.bound, p.terms, impl->dtype().toScalarType())) {
+          g.n_proven++;   // finite by its inputs' bound: not read
+          learn(impl, m, true, p.bound);
+          return;
+        }
+        int64_t c = screen_and_learn(impl, m);
         if (c == -2) {
           device_out = true;
         } else if (c >= 0) {
           screened_any = true;
           g.n_screened++;
           count += c;
-          int64_t ver = version_of(t.unsafeGetTensorImpl());
-          if (ver >= 0) {
-            if (g.memo.size() > 4096) g.memo.clear();
-            g.memo[t.unsafeGetTensorImpl()] = {ver, c == 0};
-          }
+        } else {
+          forget(impl);
         }
+      } else {
+        forget(impl);   // a view, or uninitialised memory: nothing known
       }
     });
   }

@@ -17,6 +17,7 @@
 #include <variant>
 
 #include "engine.h"
+#include "engine_known.h"
 #include "engine_storages.h"
 
 // Declared here instead of including torch/csrc/jit/python/pybind_utils.h (~25 CPU-s
@@ -67,8 +68,11 @@ OpFacts* make_facts(const at::RecordFunction& fn) {
         if (!sch.is_varret()) f->n_rets = int32_t(sch.returns().size());
         for (const auto& a : sch.arguments()) {
           const auto* ai = a.alias_info();
-          if (ai != nullptr && ai->isWrite()) f->writes = true;
+          const bool w = ai != nullptr && ai->isWrite();
+          if (w) f->writes = true;
+          f->arg_writes.push_back(w);
         }
+        if (sch.is_vararg()) f->arg_writes.clear();
       }
     }
   } catch (...) {
@@ -82,6 +86,7 @@ OpFacts* make_facts(const at::RecordFunction& fn) {
   for (const char* const* u = kUninit; *u; ++u) {
     if (base == *u) f->no_screen = true;
   }
+  f->rule = bound_rule(base, opname->overload_name);
   g.ops.push_back(f);
   g.facts_by_name.emplace(key, f);
   return f;

@@ -1,8 +1,9 @@
 // tensorscope native recording engine: the non-finite screen (per op, so inline here).
 //
 // Counts the NaN/Inf values of a CPU float tensor (exactly: an exponent-bits test on the raw
-// integers, vectorised), so the observer can say which op first produced one. Device tensors are
-// not screened here (-2: counted and noted); anything else unscreenable is -1.
+// integers, vectorised), so the observer can say which op first produced one, and gives the
+// largest magnitude of a finite one (engine_known.h proves later ops finite from it). Device
+// tensors are not screened here (-2: counted and noted); anything else unscreenable is -1.
 
 #pragma once
 
@@ -10,8 +11,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "abi.h"
 
@@ -23,6 +27,11 @@ inline bool bad(T x) {
 }
 inline bool bad(float x) { return !std::isfinite(x); }
 inline bool bad(double x) { return !std::isfinite(x); }
+template <typename T>
+inline double mag(T x) {
+  return std::fabs(double(static_cast<float>(x)));
+}
+inline double mag(double x) { return std::fabs(x); }
 
 // Contiguous runs: an exponent-bits test on the raw integers, counted into a 32-bit accumulator
 // per block of 2^20 values: GCC vectorises that loop at -O3 (8x faster than the int64 count at
@@ -58,9 +67,87 @@ inline int64_t count_run(const c10::BFloat16* p, int64_t n) {
   return count_exp_all_ones<uint16_t, 0x7f80u>(reinterpret_cast<const uint16_t*>(p), n);
 }
 
+// The largest |x| bit pattern of a run (sign bit masked off): for IEEE floats the integer order of
+// those patterns is the order of the magnitudes, and a pattern >= the all-ones exponent is a
+// NaN/Inf; one vectorised max pass, counted (a second pass) only when it finds one.
+template <typename U, U kAbs>
+TS_VECTORISE U max_abs_bits(const U* u, int64_t n) {
+  // signed lanes (the masked patterns are below the sign bit: pcmpgt, no unsigned fix-up) and 16
+  // independent maxima, so the loop is bound by loads, not by one max's latency chain
+  using S = std::make_signed_t<U>;
+  const S* v = reinterpret_cast<const S*>(u);
+  constexpr int kLanes = 16;
+  S m[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const S x = S(v[i + j] & S(kAbs));
+      m[j] = x > m[j] ? x : m[j];
+    }
+  }
+  S r = 0;
+  for (; i < n; ++i) {
+    const S x = S(v[i] & S(kAbs));
+    r = x > r ? x : r;
+  }
+  for (int j = 0; j < kLanes; ++j) r = m[j] > r ? m[j] : r;
+  return U(r);
+}
+inline double bits_value(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+inline double bits_value(uint64_t b) {
+  double d;
+  std::memcpy(&d, &b, 8);
+  return d;
+}
+inline int64_t scan_run(const float* p, int64_t n, double* mx) {
+  const auto* u = reinterpret_cast<const uint32_t*>(p);
+  const uint32_t m = max_abs_bits<uint32_t, 0x7fffffffu>(u, n);
+  if (m < 0x7f800000u) {
+    *mx = std::max(*mx, bits_value(m));
+    return 0;
+  }
+  return count_run(p, n);
+}
+inline int64_t scan_run(const double* p, int64_t n, double* mx) {
+  const auto* u = reinterpret_cast<const uint64_t*>(p);
+  const uint64_t m = max_abs_bits<uint64_t, 0x7fffffffffffffffull>(u, n);
+  if (m < 0x7ff0000000000000ull) {
+    *mx = std::max(*mx, bits_value(m));
+    return 0;
+  }
+  return count_run(p, n);
+}
+inline int64_t scan_run(const c10::Half* p, int64_t n, double* mx) {
+  const auto* u = reinterpret_cast<const uint16_t*>(p);
+  const uint16_t m = max_abs_bits<uint16_t, 0x7fffu>(u, n);
+  if (m < 0x7c00u) {
+    *mx = std::max(*mx, double(static_cast<float>(c10::Half(m, c10::Half::from_bits()))));
+    return 0;
+  }
+  return count_run(p, n);
+}
+inline int64_t scan_run(const c10::BFloat16* p, int64_t n, double* mx) {
+  const auto* u = reinterpret_cast<const uint16_t*>(p);
+  const uint16_t m = max_abs_bits<uint16_t, 0x7fffu>(u, n);
+  if (m < 0x7f80u) {
+    *mx = std::max(*mx, double(static_cast<float>(c10::BFloat16(m, c10::BFloat16::from_bits()))));
+    return 0;
+  }
+  return count_run(p, n);
+}
+
+// mx: the largest finite magnitude seen (only meaningful when the count is 0)
 template <typename T>
-inline int64_t count_strided(const T* base, const int64_t* sz, const int64_t* st, int64_t nd) {
-  if (nd == 0) return bad(*base) ? 1 : 0;
+inline int64_t count_strided(const T* base, const int64_t* sz, const int64_t* st, int64_t nd, double* mx) {
+  if (nd == 0) {
+    if (bad(*base)) return 1;
+    *mx = std::max(*mx, mag(*base));
+    return 0;
+  }
   // innermost dim in a tight loop; outer dims by an index vector
   int64_t inner = sz[nd - 1], istr = st[nd - 1];
   int64_t idx[32] = {0};
@@ -70,9 +157,15 @@ inline int64_t count_strided(const T* base, const int64_t* sz, const int64_t* st
     for (int64_t d = 0; d < nd - 1; ++d) off += idx[d] * st[d];
     const T* p = base + off;
     if (istr == 1) {
-      count += count_run(p, inner);
+      count += scan_run(p, inner, mx);
     } else {
-      for (int64_t i = 0; i < inner; ++i) count += bad(p[i * istr]) ? 1 : 0;
+      for (int64_t i = 0; i < inner; ++i) {
+        if (bad(p[i * istr])) {
+          count++;
+        } else {
+          *mx = std::max(*mx, mag(p[i * istr]));
+        }
+      }
     }
     int64_t d = nd - 2;
     while (d >= 0) {
@@ -85,8 +178,12 @@ inline int64_t count_strided(const T* base, const int64_t* sz, const int64_t* st
   return count;
 }
 
-// -1: not screenable (not a plain float CPU tensor); else the number of NaN/Inf values
-inline int64_t nonfinite_count(const c10::TensorImpl* impl) {
+// -1: not screenable (not a plain float CPU tensor); else the number of NaN/Inf values. *max_abs:
+// the largest magnitude when that number is 0 and the dtype is real, else -1 (nothing known).
+inline int64_t nonfinite_count(const c10::TensorImpl* impl, double* max_abs = nullptr) {
+  double unused = -1;
+  double* mx = max_abs != nullptr ? max_abs : &unused;
+  *mx = -1;
   if (impl->layout() != c10::kStrided || impl->is_nested() || impl->has_symbolic_sizes_strides()) return -1;
   if (!impl->has_storage()) return -1;
   auto st = impl->dtype().toScalarType();
@@ -98,7 +195,10 @@ inline int64_t nonfinite_count(const c10::TensorImpl* impl) {
   if (dt != c10::DeviceType::CPU) return -2;      // device tensors: not screened here (counted, noted)
   int64_t nd = impl->dim();
   if (nd > 30) return -1;
-  if (impl->numel() == 0) return 0;
+  if (impl->numel() == 0) {
+    *mx = 0;
+    return 0;
+  }
   const c10::StorageImpl* si = impl->unsafe_storage().unsafeGetStorageImpl();
   if (si == nullptr || si->data_ptr().get() == nullptr) return -1;
   const char* data = static_cast<const char*>(si->data_ptr().get());
@@ -119,15 +219,29 @@ inline int64_t nonfinite_count(const c10::TensorImpl* impl) {
     sd[0] = 1;
     nd = 1;
   }
+  double m = 0;
+  int64_t c = -1;
   switch (st) {
     case c10::kFloat:
-      return count_strided(reinterpret_cast<const float*>(data) + off, sz, sd, nd);
+      c = count_strided(reinterpret_cast<const float*>(data) + off, sz, sd, nd, &m);
+      break;
     case c10::kDouble:
-      return count_strided(reinterpret_cast<const double*>(data) + off, sz, sd, nd);
+      c = count_strided(reinterpret_cast<const double*>(data) + off, sz, sd, nd, &m);
+      break;
     case c10::kHalf:
-      return count_strided(reinterpret_cast<const c10::Half*>(data) + off, sz, sd, nd);
+      c = count_strided(reinterpret_cast<const c10::Half*>(data) + off, sz, sd, nd, &m);
+      break;
     case c10::kBFloat16:
-      return count_strided(reinterpret_cast<const c10::BFloat16*>(data) + off, sz, sd, nd);
+      c = count_strided(reinterpret_cast<const c10::BFloat16*>(data) + off, sz, sd, nd, &m);
+      break;
+    default:
+      break;
+  }
+  if (c >= 0) {
+    if (c == 0) *mx = m;
+    return c;
+  }
+  switch (st) {
     case c10::kComplexFloat: {
       if (nd == 1 && sd[0] == 1)   // dense: real and imaginary parts side by side, one run
         return count_run(reinterpret_cast<const float*>(data) + 2 * off, 2 * sz[0]) > 0 ? 1 : 0;
@@ -135,7 +249,7 @@ inline int64_t nonfinite_count(const c10::TensorImpl* impl) {
       sz[nd] = 2;
       sd[nd] = 1;
       for (int64_t i = 0; i < nd; ++i) sd[i] *= 2;
-      return count_strided(reinterpret_cast<const float*>(data) + 2 * off, sz, sd, nd + 1) > 0 ? 1 : 0;
+      return count_strided(reinterpret_cast<const float*>(data) + 2 * off, sz, sd, nd + 1, &m) > 0 ? 1 : 0;
     }
     case c10::kComplexDouble: {
       if (nd == 1 && sd[0] == 1)
@@ -143,7 +257,7 @@ inline int64_t nonfinite_count(const c10::TensorImpl* impl) {
       sz[nd] = 2;
       sd[nd] = 1;
       for (int64_t i = 0; i < nd; ++i) sd[i] *= 2;
-      return count_strided(reinterpret_cast<const double*>(data) + 2 * off, sz, sd, nd + 1) > 0 ? 1 : 0;
+      return count_strided(reinterpret_cast<const double*>(data) + 2 * off, sz, sd, nd + 1, &m) > 0 ? 1 : 0;
     }
     default:
       return -1;
