@@ -54,7 +54,9 @@ def spec_sheet(name: str) -> Optional[dict[str, float]]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_model() -> str:
+    """The CPU's model name (read once per process: every trace's metadata asks for it)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -80,8 +82,13 @@ def _identity(device: str) -> dict[str, Any]:
 def cache_path(ident: dict[str, Any]) -> str:
     from .native import cache_dir
 
-    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(cache_dir(), f"peaks-{ident['device']}-{key}.json")
+    return _cache_path(cache_dir(), json.dumps(ident, sort_keys=True), ident["device"])
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_path(root: str, ident_json: str, device: str) -> str:
+    key = hashlib.sha256(ident_json.encode()).hexdigest()[:16]
+    return os.path.join(root, f"peaks-{device}-{key}.json")
 
 
 def _read(path: str, ident: dict[str, Any]) -> Optional[dict[str, Any]]:

@@ -133,6 +133,15 @@ def _hooks(wait: bool = True):
     return _build.ensure(_build.HOOKS, wait=wait)
 
 
+def dict_identity(d: dict) -> Optional[int]:
+    """The identities of ``d``'s (key, value) pairs in order as one integer (equal while ``d`` holds
+    the same keys bound to the same objects), or None when the native hooks are not loaded (this
+    never builds or waits for them)."""
+    ext = _build._STATES[_build.HOOKS.kind].module if not forced_fallback() else None
+    fn = getattr(ext, "dict_identity", None)
+    return fn(d) if fn is not None else None
+
+
 def open_capture(native: bool = True, cpp_errors: bool = False):
     """A capture for one trace: native when asked for and available, else the fallback.
 

@@ -17,6 +17,8 @@ import weakref
 from operator import itemgetter
 from typing import Any, Optional
 
+from ...native import dict_identity
+
 _PY313 = sys.version_info >= (3, 13)
 
 
@@ -170,8 +172,9 @@ def _is_library_file(path) -> bool:
 
 
 #: sys.modules as last classified: (its names, its modules' ids, the names of the user's modules
-#: among them). No module is held: ids and names only.
-_UM_CACHE: Optional[tuple[list[str], list[int], list[str]]] = None
+#: among them), or with the native hooks loaded (its identity, None, the names). No module is held:
+#: ids and names only.
+_UM_CACHE: Optional[tuple[Any, Optional[list[int]], list[str]]] = None
 
 
 def _module_file(mod) -> Optional[str]:
@@ -186,11 +189,16 @@ def _user_modules() -> list[tuple[str, types.ModuleType]]:
 
     With a big library imported (transformers: thousands of modules) the classification costs
     ~1.5 µs a module, so it is kept from one call to the next: while ``sys.modules`` holds the same
-    names bound to the same objects (two C-level list compares), only the user's modules are read
-    again (their ``__file__``); any other change classifies every module again."""
+    names bound to the same objects (one C pass with the native hooks, ``native.dict_identity``,
+    else two C-level list compares), only the user's modules are read again (their ``__file__``);
+    any other change classifies every module again."""
     global _UM_CACHE
-    names = list(sys.modules)
-    ids = list(map(id, sys.modules.values()))
+    sig = dict_identity(sys.modules)
+    names: Any = sig
+    ids: Optional[list[int]] = None
+    if sig is None:
+        names = list(sys.modules)
+        ids = list(map(id, sys.modules.values()))
     cached = _UM_CACHE
     if cached is not None and cached[0] == names and cached[1] == ids:
         mods = sys.modules
@@ -199,8 +207,9 @@ def _user_modules() -> list[tuple[str, types.ModuleType]]:
             return out
     out = []
     items = list(sys.modules.items())
-    names = list(map(itemgetter(0), items))
-    ids = list(map(id, map(itemgetter(1), items)))
+    if sig is None:
+        names = list(map(itemgetter(0), items))
+        ids = list(map(id, map(itemgetter(1), items)))
     for name, mod in items:
         if mod is None or name in ("__main__", "__mp_main__") or name.startswith("_"):
             continue
