@@ -54,7 +54,7 @@ def spec_sheet(name: str) -> Optional[dict[str, float]]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name (read once per process: every trace's metadata asks for it)."""
     try:
