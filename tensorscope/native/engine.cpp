@@ -68,7 +68,7 @@ void Engine::clear() {
   n_warnings.store(0);
   warnings_taken = 0;
   nonfinite.clear();
-  n_screened = n_fired = n_pre = n_unscreened_device = n_proven = 0;
+  n_screened = n_fired = n_pre = n_unscreened_device = n_proven = n_inputs_read = 0;
   memo.clear();
   storage_gen.clear();
   write_clock = 0;
@@ -269,7 +269,8 @@ PyObject* py_take(PyObject*, PyObject*) {
   put("hook_errors", PyLong_FromLongLong(g.hook_errors));
   put("on_full_errors", PyLong_FromLongLong(g.on_full_errors));
   put("n_rows", PyLong_FromLongLong(g.n_rows));
-  PyObject* screen = Py_BuildValue("{s:L,s:L,s:L,s:L,s:L}", "proven", (long long)g.n_proven, "screened", (long long)g.n_screened, "fired",
+  PyObject* screen = Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L}", "proven", (long long)g.n_proven, "inputs_screened",
+                                   (long long)g.n_inputs_read, "screened", (long long)g.n_screened, "fired",
                                    (long long)g.n_fired, "pre_screened", (long long)g.n_pre, "device_unscreened",
                                    (long long)g.n_unscreened_device);
   put("screen", screen);

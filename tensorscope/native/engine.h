@@ -274,7 +274,7 @@ struct Engine {
   std::atomic<size_t> n_warnings{0};   // warnings.size(), readable without the lock
   size_t warnings_taken = 0;
   std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> nonfinite;  // seq -> (count, produced)
-  int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0, n_proven = 0;
+  int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0, n_proven = 0, n_inputs_read = 0;
   std::unordered_map<const c10::TensorImpl*, Known> memo;
   std::unordered_map<const c10::StorageImpl*, uint64_t> storage_gen;   // the clock at its last write
   uint64_t write_clock = 0;

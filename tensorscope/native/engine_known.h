@@ -177,10 +177,11 @@ inline double wrapped_abs(const c10::TensorImpl* t) {
 }
 
 // Screens t (the count) and learns what it found
-inline int64_t screen_and_learn(const c10::TensorImpl* t, int32_t meta) {
+inline int64_t screen_and_learn(const c10::TensorImpl* t, int32_t meta, double* bound = nullptr) {
   double mx = -1;
   const int64_t c = nonfinite_count(t, &mx);
   if (c >= 0) learn(t, meta, c == 0, c == 0 ? mx : -1);
+  if (bound != nullptr) *bound = c == 0 ? mx : -1;
   return c;
 }
 
@@ -218,6 +219,10 @@ inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const 
   int64_t inner[kMax];   // tensors: the last dim's size
   const Values args = args_of(fn, f);
   if (args.size() > size_t(kMax)) return -1;
+  // an input nothing is known of is read when it is small beside the others (a conv's weight
+  // beside its activations): one read of it lets every output be proven, here and in later ops
+  double total = 0;
+  for (const auto& v : args) for_each_tensor(v, [&](const at::Tensor& t) { total += double(t.numel()); });
   size_t k = 0;   // index into metas
   bool ok = true;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -244,6 +249,9 @@ inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const 
         double tb = kn != nullptr && kn->finite ? kn->bound : -1;
         if (kn == nullptr && impl->numel() <= 64) {   // a scalar or a small tensor: cheaper to read than to track
           if (nonfinite_count(impl, &tb) != 0) tb = -1;
+        } else if (kn == nullptr && double(impl->numel()) * 4 <= total) {
+          if (screen_and_learn(impl, int32_t(metas[mi]), &tb) != 0) tb = -1;
+          g.n_inputs_read++;
         }
         if (tb < 0) {
           ok = false;

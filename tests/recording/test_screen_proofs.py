@@ -164,3 +164,27 @@ def test_means_are_proven_only_when_their_sum_cannot_overflow():
     found = _findings(tn)
     assert found == _findings(tp)
     assert [op for op, _, _ in found] == ["aten.mean.default", "aten.mean.dim", "aten.mean.default", "aten.mean.dim"]
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_a_small_input_nothing_is_known_of_is_read_to_prove_the_output(poisoned):
+    """A conv's weight (made before the trace: unknown) is read when it is small beside the
+    activations; the output is then proven. A NaN in that weight is found, as the python engine does."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+    if poisoned:
+        with torch.no_grad():
+            conv.weight[2, 1, 0, 0] = float("nan")
+    x = torch.randn(4, 3, 32, 32)
+
+    def run():
+        y = conv(x * 1.0)           # an activation the screen read: known
+        y.relu().sum().backward()
+
+    tp, tn = _trace("python", run), _trace("native", run)
+    assert _findings(tn) == _findings(tp)
+    assert tn.metadata["nonfinite_screen"]["inputs_screened"] > 0
+    if poisoned:
+        assert _findings(tn)[0][0] == "aten.convolution.default"
+    else:
+        assert _findings(tn) == [] and _proven(tn) > 0
