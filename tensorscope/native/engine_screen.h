@@ -103,41 +103,30 @@ inline double bits_value(uint64_t b) {
   std::memcpy(&d, &b, 8);
   return d;
 }
-inline int64_t scan_run(const float* p, int64_t n, double* mx) {
-  const auto* u = reinterpret_cast<const uint32_t*>(p);
-  const uint32_t m = max_abs_bits<uint32_t, 0x7fffffffu>(u, n);
-  if (m < 0x7f800000u) {
-    *mx = std::max(*mx, bits_value(m));
+// A run's count, via its largest |x| pattern first (m < kInf: every value finite, none counted)
+template <typename U, U kAbs, U kInf, typename T, typename Value>
+inline int64_t scan_bits(const T* p, int64_t n, double* mx, Value value) {
+  const U m = max_abs_bits<U, kAbs>(reinterpret_cast<const U*>(p), n);
+  if (m < kInf) {
+    *mx = std::max(*mx, value(m));
     return 0;
   }
   return count_run(p, n);
+}
+inline int64_t scan_run(const float* p, int64_t n, double* mx) {
+  return scan_bits<uint32_t, 0x7fffffffu, 0x7f800000u>(p, n, mx, [](uint32_t b) { return bits_value(b); });
 }
 inline int64_t scan_run(const double* p, int64_t n, double* mx) {
-  const auto* u = reinterpret_cast<const uint64_t*>(p);
-  const uint64_t m = max_abs_bits<uint64_t, 0x7fffffffffffffffull>(u, n);
-  if (m < 0x7ff0000000000000ull) {
-    *mx = std::max(*mx, bits_value(m));
-    return 0;
-  }
-  return count_run(p, n);
+  return scan_bits<uint64_t, 0x7fffffffffffffffull, 0x7ff0000000000000ull>(p, n, mx,
+                                                                        [](uint64_t b) { return bits_value(b); });
 }
 inline int64_t scan_run(const c10::Half* p, int64_t n, double* mx) {
-  const auto* u = reinterpret_cast<const uint16_t*>(p);
-  const uint16_t m = max_abs_bits<uint16_t, 0x7fffu>(u, n);
-  if (m < 0x7c00u) {
-    *mx = std::max(*mx, double(static_cast<float>(c10::Half(m, c10::Half::from_bits()))));
-    return 0;
-  }
-  return count_run(p, n);
+  return scan_bits<uint16_t, 0x7fffu, 0x7c00u>(
+      p, n, mx, [](uint16_t b) { return double(static_cast<float>(c10::Half(b, c10::Half::from_bits()))); });
 }
 inline int64_t scan_run(const c10::BFloat16* p, int64_t n, double* mx) {
-  const auto* u = reinterpret_cast<const uint16_t*>(p);
-  const uint16_t m = max_abs_bits<uint16_t, 0x7fffu>(u, n);
-  if (m < 0x7f80u) {
-    *mx = std::max(*mx, double(static_cast<float>(c10::BFloat16(m, c10::BFloat16::from_bits()))));
-    return 0;
-  }
-  return count_run(p, n);
+  return scan_bits<uint16_t, 0x7fffu, 0x7f80u>(
+      p, n, mx, [](uint16_t b) { return double(static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits()))); });
 }
 
 // mx: the largest finite magnitude seen (only meaningful when the count is 0)
