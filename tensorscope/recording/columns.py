@@ -7,7 +7,7 @@ pass when the native engine is loaded, numpy otherwise; both give the same buffe
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -28,25 +28,59 @@ class _Dict:
     dictionary entry, so every reader sees plain nullable strings.
     """
 
-    __slots__ = ("dictionary", "codes", "values")
+    __slots__ = ("dictionary", "codes", "values", "has_null")
 
     def __init__(self, values: Sequence[Optional[str]]) -> None:
         index: dict[str, int] = {}
-        codes = np.empty(len(values), dtype=np.int32)
-        for i, v in enumerate(values):
-            codes[i] = -1 if v is None else index.setdefault(v, len(index))
+        codes = [-1 if v is None else index.setdefault(v, len(index)) for v in values]
         self.values = values
         self.dictionary = pa.array(list(index), pa.string())
-        self.codes = codes
+        self.codes = np.array(codes, dtype=np.int32)
+        self.has_null = -1 in codes
 
     def take(self, ids: np.ndarray, null_mask: Optional[np.ndarray] = None) -> pa.DictionaryArray:
         c = self.codes[ids] if len(ids) else np.zeros(0, np.int32)
-        null = c < 0
-        if null_mask is not None:
-            null |= null_mask
-        indices = nullable_array(c, null, pa.int32())
+        if null_mask is None and not self.has_null:
+            indices = _numeric(c, pa.int32())   # no null possible: no mask to count or pack
+        else:
+            null = c < 0
+            if null_mask is not None:
+                null |= null_mask
+            indices = nullable_array(c, null, pa.int32())
         # codes index the dictionary by construction: skip the O(n) bounds validation
         return pa.DictionaryArray.from_arrays(indices, self.dictionary, safe=False)
+
+
+#: what decoding built from a trace's interned values, keyed by those values: a workload traced
+#: again interns the same op overloads, metas and module paths in the same order, and rebuilding
+#: their dictionaries is much of a small trace's decode. Entries are read-only once built; past
+#: _MEMO_SIZE the oldest goes. Only small sets of values are kept (at most _MEMO_VALUES each): a
+#: big trace's decode is not dominated by them, and 64 of its dictionaries would hold real memory.
+_MEMO: dict[Any, Any] = {}
+_MEMO_SIZE = 64
+_MEMO_VALUES = 4096
+
+
+def _memo(key: Any, build: Callable[[], Any], n: int) -> Any:
+    """``build()``, shared with earlier calls of the same ``key`` (made of ``n`` interned values)."""
+    if n > _MEMO_VALUES:
+        return build()
+    try:
+        got = _MEMO.get(key)
+    except TypeError:   # an unhashable interned value (a stand-in op): built every time
+        return build()
+    if got is None:
+        got = build()
+        if len(_MEMO) >= _MEMO_SIZE:
+            del _MEMO[next(iter(_MEMO))]
+        _MEMO[key] = got
+    return got
+
+
+def _dict(values: Sequence[Optional[str]]) -> _Dict:
+    """``_Dict(values)``, shared with earlier decodes of the same values."""
+    key = tuple(values)
+    return _memo(("dict", key), lambda: _Dict(key), len(key))  # type: ignore[no-any-return]
 
 
 #: the phase column's dictionary: index 1 for rows flagged F_BACKWARD
@@ -77,13 +111,20 @@ def _func_names(func: Any) -> tuple[str, str, str, list[str], str, bool]:
 
 
 def _op_dicts(rec: Recorder) -> dict[str, Any]:
+    """Per-op names, tags and flags of the trace's interned op overloads (shared with earlier
+    decodes of the same overloads)."""
+    funcs = rec.funcs.values
+    return _memo(("ops", tuple(funcs)), lambda: _build_op_dicts(funcs), len(funcs))  # type: ignore[no-any-return]
+
+
+def _build_op_dicts(funcs: Sequence[Any]) -> dict[str, Any]:
     names: list[str] = []
     nss: list[str] = []
     ovls: list[str] = []
     tags: list[list[str]] = []
     noise: list[bool] = []
     short: list[str] = []
-    for func in rec.funcs.values:
+    for func in funcs:
         name, ns, ovl, tg, sn, nz = _func_names(func)
         names.append(name)
         nss.append(ns)
@@ -92,7 +133,8 @@ def _op_dicts(rec: Recorder) -> dict[str, Any]:
         short.append(sn)
         noise.append(nz)
     return dict(op=_Dict(names), namespace=_Dict(nss), overload=_Dict(ovls), tags=tags,
-                is_noise=np.array(noise or [False], dtype=bool), short=short, names=names)
+                tag_lists=_ListDict(tags, None), is_noise=np.array(noise or [False], dtype=bool), short=short,
+                names=names)
 
 
 def _segments(starts: np.ndarray, lens: np.ndarray, offsets: Optional[np.ndarray] = None) -> np.ndarray:
@@ -164,7 +206,7 @@ def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dic
     for key, name in (("shape", "shapes"), ("stride", "strides")):
         lens, starts, flat = t[key]
         off2, vals = gather(metas, starts, lens, flat)
-        cols[f"{side}_{name}"] = _list(off1, _list(off2, pa.array(vals, pa.int64())))
+        cols[f"{side}_{name}"] = _list(off1, _list(off2, _numeric(vals)))
     for name in ("dtypes", "devices", "formats"):
         cols[f"{side}_{name}"] = _list(off1, t[name].take(metas))
     cols[f"{side}_ambiguous"] = _list(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
@@ -211,10 +253,17 @@ class _ListDict:
             off, pos = gather(idx, self.starts, self.lens, self.pos)
             return _list(off, self.strings.take(pos))
         off, vals = gather(idx, self.starts, self.lens, self.flat)
-        return _list(off, pa.array(vals, self.value_type))
+        return _list(off, _numeric(vals, self.value_type))
 
 
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
+
+
+def _numeric(values: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
+    """An int32/int64 numpy column as an Arrow array over the same buffer: what ``pa.array`` makes,
+    without its checks for pandas types (~0.5 µs a call, some fifty calls a decode)."""
+    values = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[typ])
+    return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(values)], null_count=0)
 
 
 class _CallColumns(dict[str, np.ndarray]):   # a plain dict subclass at run time
@@ -260,8 +309,12 @@ class _Links:
         self.n_seen = start + n
         if not len(fwd):
             return
-        keys, first = np.unique(seq_nr[fwd], return_index=True)
-        rows = fwd[first]
+        keys = seq_nr[fwd]
+        if len(keys) > 1 and not (keys[1:] > keys[:-1]).all():   # repeated or out of order: sort, first row
+            keys, first = np.unique(keys, return_index=True)
+            rows = fwd[first]
+        else:
+            rows = fwd
         vals = np.stack([rows + start + lo, np.asarray(chunk["module"][lo:])[rows],
                          np.asarray(chunk["call"][lo:])[rows]], axis=1)
         if self.size:   # keep the first row of a key seen before

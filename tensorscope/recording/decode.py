@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from itertools import chain
 from typing import Any, Optional
 
 import numpy as np
@@ -22,14 +23,18 @@ from .. import schema as S
 from .._common import COPYING_OPS, INEXACT_DTYPES
 from ..schema import nullable_array
 from .columns import (
+    _MEMO_VALUES,
     _PHASES,
     _CallColumns,
     _Dict,
+    _dict,
     _Links,
     _list,
     _list_columns,
     _ListDict,
     _matmul_flops,
+    _memo,
+    _numeric,
     _offsets,
     _op_dicts,
     gather,
@@ -43,29 +48,63 @@ EXPECT_FREE_CALLS = frozenset({
     "movedim", "swapaxes", "bmm", "mm", "tensordot", "ravel", "T", "mT",
 })
 
+#: column names in schema order (iterating a pyarrow schema wraps every field: ~0.4 µs each)
+_OPS_NAMES = tuple(S.OPS.names)
+_CALLS_NAMES = tuple(S.CALLS.names)
+_TENSORS_NAMES = tuple(S.TENSORS.names)
+_CATEGORY_TYPE = S.TENSORS.field("category").type
+
+
+def _sparse_rows(d: dict[int, Any], start: int, n: int, dtype: Any, width: int = 1
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The entries of a sparse per-op dict (seq -> a value, or a tuple of ``width`` values) that
+    fall in the rows ``[start, start + n)``: (row positions, values as a ``(rows, width)`` array)."""
+    seqs = np.fromiter(d, np.int64, len(d))
+    sel = (seqs >= start) & (seqs < start + n)
+    vals = np.array(list(d.values()), dtype=dtype).reshape(len(d), width)
+    return seqs[sel] - start, vals[sel]
+
+
+
+def _int_lists(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, concatenated items) of int sequences as int64 arrays; lengths is ``[0]`` for no
+    sequence (ids index it)."""
+    if not seqs:
+        return np.zeros(1, np.int64), np.zeros(0, np.int64)
+    lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
+    return lens, np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum()))
 
 
 def _tuple_dicts(rec: Recorder) -> dict[str, Any]:
-    """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays.
+    """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays
+    (shared with earlier decodes of the same metas and tuples).
 
     Rows are expanded with numpy segment gathers instead of ``take`` over nested
     list arrays (which costs ~1.7 µs a row for the twelve list columns).
     """
     m = rec.metas
-    tuples = rec.tuples.values
-    tup_len = np.array([len(t) for t in tuples] or [0], dtype=np.int64)
-    tup_flat = np.array([i for t in tuples for i in t], dtype=np.int64)
-    tup_start = _offsets(tup_len)[:-1]
-    shape_len = np.array([len(s) for s in m.shapes] or [0], dtype=np.int64)
-    shape_flat = np.array([d for s in m.shapes for d in s], dtype=np.int64)
-    strides = [st if st is not None else () for st in m.strides]
-    stride_len = np.array([len(st) for st in strides] or [0], dtype=np.int64)
-    stride_flat = np.array([d for st in strides for d in st], dtype=np.int64)
+    n = len(rec.tuples.values) + len(m.shapes)
+    if n > _MEMO_VALUES:   # not kept: no key to build
+        return _build_tuple_dicts(rec)
+    key = ("tuples", tuple(rec.tuples.values), tuple(m.shapes), tuple(m.strides), tuple(m.dtypes), tuple(m.devices),
+           tuple(m.formats), tuple(m.ambiguous), tuple(m.nbytes))
+    return _memo(key, lambda: _build_tuple_dicts(rec), n)  # type: ignore[no-any-return]
+
+
+def _build_tuple_dicts(rec: Recorder) -> dict[str, Any]:
+    m = rec.metas
+    tup_len, tup_flat = _int_lists(rec.tuples.values)
+    tup_off = _offsets(tup_len)
+    shape_len, shape_flat = _int_lists(m.shapes)
+    stride_len, stride_flat = _int_lists([st if st is not None else () for st in m.strides])
     meta_nbytes = np.array(m.nbytes or [0], dtype=np.int64)
     meta_float = np.array([d in INEXACT_DTYPES for d in m.dtypes] or [False], dtype=bool)
-    nbytes = np.array([int(meta_nbytes[list(t)].sum()) if t else 0 for t in tuples] or [0], dtype=np.int64)
-    has_float = np.array([bool(meta_float[list(t)].any()) if t else False for t in tuples] or [False], dtype=bool)
-    return dict(tup_len=tup_len, tup_flat=tup_flat, tup_start=tup_start,
+    # per tuple: its metas' bytes summed, and whether any is floating (running sums at the tuple bounds)
+    cum_bytes = _offsets(meta_nbytes[tup_flat])
+    cum_float = _offsets(meta_float[tup_flat])
+    nbytes = cum_bytes[tup_off[1:]] - cum_bytes[tup_off[:-1]]
+    has_float = cum_float[tup_off[1:]] > cum_float[tup_off[:-1]]
+    return dict(tup_len=tup_len, tup_flat=tup_flat, tup_start=tup_off[:-1],
                 shape=(shape_len, _offsets(shape_len)[:-1], shape_flat),
                 stride=(stride_len, _offsets(stride_len)[:-1], stride_flat),
                 dtypes=_Dict(m.dtypes), devices=_Dict(m.devices), formats=_Dict(m.formats),
@@ -87,19 +126,20 @@ class Decoder:
         self.rec = rec
         self.ops = _op_dicts(rec)
         self.tup = _tuple_dicts(rec)
-        self.alias_lists = _ListDict(rec.aliases.values, pa.int32())
-        self.tags = _ListDict(self.ops["tags"], None)
+        aliases = rec.aliases.values
+        self.alias_lists = _memo(("aliases", tuple(aliases)), lambda: _ListDict(aliases, pa.int32()), len(aliases))
+        self.tags = self.ops["tag_lists"]
         self.alias_fresh = np.array([all(x < 0 for x in a) for a in rec.aliases.values] or [True], dtype=bool)
-        self.modules = _Dict(rec.modules.values)
-        self.nodes = _Dict(rec.nodes.values)
+        self.modules = _dict(rec.modules.values)
+        self.nodes = _dict(rec.nodes.values)
         n_calls = rec.n_calls
         self.call_cols = _CallColumns(rec)
         call_src = self.call_cols["src"]
         src_vals = rec.sources.values
-        self.src_files = _Dict([None if v is None else v[0] for v in src_vals])
+        self.src_files = _dict([None if v is None else v[0] for v in src_vals])
         self.src_lines = np.array([-1 if v is None or v[1] is None else v[1] for v in src_vals] or [-1], dtype=np.int64)
         self.call_src = call_src
-        func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
+        self.call_names = func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
         call_func = self.call_cols["func"][:n_calls]
         func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
         self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
@@ -141,13 +181,13 @@ class Decoder:
             src_idx[~call_null] = self.call_src[call[~call_null]]
         t = self.tup
         cols: dict[str, Any] = {}
-        cols["seq"] = pa.array(seq)
-        cols["cell"] = self._nulls(n, pa.int64()) if self.cell is None else pa.array(np.full(n, self.cell, np.int64))
+        cols["seq"] = _numeric(seq)
+        cols["cell"] = self._cells(n)
         for k in ("op", "namespace", "overload"):
             cols[k] = self.ops[k].take(op)
         cols["tags"] = self.tags.take(op)
         backward = (flags & F_BACKWARD) != 0
-        cols["phase"] = pa.DictionaryArray.from_arrays(pa.array(backward.astype(np.int32), pa.int32()), _PHASES,
+        cols["phase"] = pa.DictionaryArray.from_arrays(_numeric(backward, pa.int32()), _PHASES,
                                                        safe=False)
         cols["autograd_node"] = self.nodes.take(node)
         seq_nr = chunk["seq_nr"]
@@ -168,7 +208,7 @@ class Decoder:
         for key, starts, lens in (("in_storages", row_start, np.diff(in_off)),
                                   ("out_storages", row_start + np.diff(in_off), np.diff(out_off))):
             off, vals = gather(None, starts, lens, stor)
-            cols[key] = _list(off, pa.array(vals, pa.int64()))
+            cols[key] = _list(off, _numeric(vals))
         cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
         cols["is_view"] = pa.array(is_view)
@@ -179,48 +219,50 @@ class Decoder:
         flops = self._shape_flops(chunk["flops"], op, ins)
         cols["flops"] = nullable_array(flops, flops < 0)
         no_bytes = is_view | noise
-        cols["bytes_read"] = pa.array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
-        cols["bytes_written"] = pa.array(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
-        cols["start_ns"] = pa.array(chunk["start"])
-        cols["cpu_ns"] = pa.array(chunk["dur"])
+        cols["bytes_read"] = _numeric(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
+        cols["bytes_written"] = _numeric(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
+        cols["start_ns"] = _numeric(chunk["start"])
+        cols["cpu_ns"] = _numeric(chunk["dur"])
         cols["cuda_ns"] = self._sparse_int(rec.cuda_ns, start, n)
         cols["error_id"] = self._sparse_int(rec.op_errors, start, n)
         if self.screened:
             screened = self.screened_op[op] & t["has_float"][outs] if n else np.zeros(0, bool)
             nf = np.where(screened, 0, -1)   # null: not screened (views, aliases, empty*, no float output)
-            prod = np.zeros(n, dtype=bool)
-            prod_null = np.ones(n, dtype=bool)
-            for s, (cnt, produced) in rec.nonfinite.items():
-                if start <= s < start + n:
-                    nf[s - start] = cnt
-                    prod[s - start] = bool(produced)
-                    prod_null[s - start] = False
+            if rec.nonfinite:
+                prod = np.zeros(n, dtype=bool)
+                prod_null = np.ones(n, dtype=bool)
+                rows, vals = _sparse_rows(rec.nonfinite, start, n, np.int64, 2)
+                nf[rows] = vals[:, 0]
+                prod[rows] = vals[:, 1] != 0
+                prod_null[rows] = False
+                cols["nonfinite_produced"] = nullable_array(prod, prod_null, pa.bool_())
+            else:
+                cols["nonfinite_produced"] = self._nulls(n, pa.bool_())
             cols["nonfinite"] = nullable_array(nf.astype(np.int64), nf < 0)
-            cols["nonfinite_produced"] = nullable_array(prod, prod_null, pa.bool_())
         else:
             cols["nonfinite"] = self._nulls(n, pa.int64())
             cols["nonfinite_produced"] = self._nulls(n, pa.bool_())
         if rec.numerics:
             rel = np.full(n, np.nan)
             mx = np.full(n, np.nan)
-            for s, (r, m) in rec.numerics.items():
-                if start <= s < start + n:
-                    rel[s - start] = r
-                    mx[s - start] = m
+            rows, vals = _sparse_rows(rec.numerics, start, n, np.float64, 2)
+            rel[rows] = vals[:, 0]
+            mx[rows] = vals[:, 1]
             cols["num_rel_err"] = nullable_array(rel, np.isnan(rel), pa.float64())
             cols["num_max_abs_err"] = nullable_array(mx, np.isnan(mx), pa.float64())
         else:
             cols["num_rel_err"] = self._nulls(n, pa.float64())
             cols["num_max_abs_err"] = self._nulls(n, pa.float64())
         cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
-        return pa.RecordBatch.from_arrays([cols[f.name] for f in S.OPS], schema=S.OPS)
+        return pa.RecordBatch.from_arrays([cols[name] for name in _OPS_NAMES], schema=S.OPS)
 
     def _lines(self, src_idx: np.ndarray) -> pa.Array:
         lines = self.src_lines[src_idx] if len(src_idx) else np.zeros(0, np.int64)
         return nullable_array(lines, lines < 0)
 
     def _shape_flops(self, flops: np.ndarray, op: np.ndarray, ins: np.ndarray) -> np.ndarray:
-        """Fill the rows the dispatch mode left for later (-2): matmul FLOPs from input shapes."""
+        """Fill the rows the dispatch mode left for later (-2): matmul FLOPs from input shapes,
+        once per distinct (op, input metas) pair."""
         todo = np.nonzero(flops == -2)[0]
         if not len(todo):
             return flops
@@ -228,15 +270,17 @@ class Decoder:
         m = self.rec.metas
         tv = self.rec.tuples.values
         short = self.ops["short"]
-        cache: dict[tuple[int, int], int] = {}
-        for i in todo:
-            key = (int(op[i]), int(ins[i]))
-            v = cache.get(key)
-            if v is None:
-                shapes = [m.shapes[j] for j in tv[key[1]]]
-                v = cache[key] = _matmul_flops(short[key[0]], shapes)
-            flops[i] = v
+        n_tup = len(tv)
+        keys, inverse = np.unique(op[todo] * n_tup + ins[todo], return_inverse=True)
+        vals = [_matmul_flops(short[k // n_tup], [m.shapes[j] for j in tv[k % n_tup]]) for k in keys.tolist()]
+        flops[todo] = np.array(vals, dtype=np.int64)[inverse]
         return flops
+
+    def _cells(self, n: int) -> pa.Array:
+        """The ``cell`` column: one value on every row, or null outside a notebook cell."""
+        if self.cell is None:
+            return self._nulls(n, pa.int64())
+        return _numeric(np.full(n, self.cell, np.int64))
 
     def _nulls(self, n: int, typ: Any) -> pa.Array:
         """An all-null column, one per (length, type) for the whole build (Arrow arrays are
@@ -252,10 +296,9 @@ class Decoder:
             return self._nulls(n, pa.int64())
         vals = np.zeros(n, dtype=np.int64)
         mask = np.ones(n, dtype=bool)
-        for s, v in d.items():
-            if start <= s < start + n:
-                vals[s - start] = v
-                mask[s - start] = False
+        rows, v = _sparse_rows(d, start, n, np.int64)
+        vals[rows] = v[:, 0]
+        mask[rows] = False
         return nullable_array(vals, mask)
 
     def _hidden_copy(self, op: np.ndarray, ins: np.ndarray, outs: np.ndarray, alias: np.ndarray, call: np.ndarray,
@@ -334,34 +377,34 @@ def calls_table(ctx: Decoder) -> pa.Table:
         return S.empty("calls")
     a = {k: ctx.call_cols[k][:n] for k in c.fields}
     funcs = rec.call_funcs.values
-    names = _Dict([getattr(f, "__name__", str(f)) for f in funcs])
-    qual = _Dict([_qualname(f) for f in funcs])
+    names = _dict(ctx.call_names)
+    qual = _dict([_qualname(f) for f in funcs])
     parent = a["parent"]
     depth = np.zeros(n, dtype=np.int64)
     for i in np.nonzero(parent >= 0)[0]:  # nested calls are rare; parents precede children
         depth[i] = depth[parent[i]] + 1
     src = a["src"].astype(np.int64)
-    autocasts = _Dict(rec.autocasts.values)
+    autocasts = _dict(rec.autocasts.values)
     cols = dict(
-        call_id=pa.array(np.arange(n, dtype=np.int64)),
+        call_id=_numeric(np.arange(n, dtype=np.int64)),
         parent_id=nullable_array(parent, parent < 0),
-        depth=pa.array(depth),
-        cell=pa.nulls(n, pa.int64()) if ctx.cell is None else pa.array(np.full(n, ctx.cell, np.int64)),
+        depth=_numeric(depth),
+        cell=ctx._cells(n),
         name=names.take(a["func"]),
         qualname=qual.take(a["func"]),
         module=ctx.modules.take(a["module"]),
         source_file=ctx.src_files.take(src),
         source_line=ctx._lines(src),
-        start_ns=pa.array(a["start"]),
-        dur_ns=pa.array(a["dur"]),
+        start_ns=_numeric(a["start"]),
+        dur_ns=_numeric(a["dur"]),
         first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
-        n_ops=pa.array(a["n_ops"]),
+        n_ops=_numeric(a["n_ops"]),
         autocast=autocasts.take(a["autocast"]),
         compiled=pa.nulls(n, pa.bool_()),   # filled by recording/compiled.attach
         error_id=nullable_array(a["error"], a["error"] < 0),
         graph_id=pa.nulls(n, pa.int64()),   # filled by recording/compiled.attach
     )
-    return pa.Table.from_arrays([cols[f.name] for f in S.CALLS], schema=S.CALLS)
+    return pa.Table.from_arrays([cols[name] for name in _CALLS_NAMES], schema=S.CALLS)
 
 
 
@@ -399,27 +442,27 @@ def tensors_table(ctx: Decoder) -> pa.Table:
     g_op = ctx.g["op"] if n else np.zeros(0, np.int32)
     alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
     cols = dict(
-        storage_id=pa.array(np.arange(n, dtype=np.int64)),
-        nbytes=pa.array(np.frombuffer(c.nbytes, dtype=np.int64)),
+        storage_id=_numeric(np.arange(n, dtype=np.int64)),
+        nbytes=_numeric(np.frombuffer(c.nbytes, dtype=np.int64)),
         device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
         alloc_seq=nullable_array(alloc, alloc < 0),
         alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
         pa.nulls(n, S.TENSORS.field("alloc_op").type),
         free_seq=nullable_array(free, free < 0),
-        cell=pa.nulls(n, pa.int64()) if ctx.cell is None else pa.array(np.full(n, ctx.cell, np.int64)),
+        cell=ctx._cells(n),
         module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
         source_file=ctx.src_files.take(src_idx),
         source_line=ctx._lines(src_idx),
-        category=pa.nulls(n, S.TENSORS.field("category").type),   # filled by _with_categories
+        category=pa.nulls(n, _CATEGORY_TYPE),   # filled by _with_categories
         address=pa.nulls(n, pa.int64()),   # filled by finish._with_addresses (the trackers' data pointers)
     )
-    return pa.Table.from_arrays([cols[f.name] for f in S.TENSORS], schema=S.TENSORS)
+    return pa.Table.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=S.TENSORS)
 
 
 def _shape_rows(shape: tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> tuple[np.ndarray, pa.Array]:
     lens, starts, flat = shape
     off, vals = gather(metas, starts, lens, flat)
-    return off, pa.array(vals, pa.int64())
+    return off, _numeric(vals)
 
 
 def errors_table(ctx: Decoder) -> pa.Table:

@@ -11,6 +11,7 @@ from .tables import TABLES
 _EMPTY: dict[str, pa.Table] = {}
 
 
+_BOOL = pa.bool_()
 _NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
 
 
@@ -20,12 +21,16 @@ def nullable_array(values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int6
     imports pandas on first use)."""
     values = np.ascontiguousarray(values, dtype=_NP_OF[typ])
     nulls = int(np.count_nonzero(null_mask))
+    is_bool = typ == _BOOL
     if nulls == 0:
-        return pa.array(values, typ)
+        if is_bool:
+            return pa.array(values, typ)
+        # what pa.array makes, without its checks for pandas types (~0.5 µs)
+        return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(values)], null_count=0)
     if nulls == len(values):
         return pa.nulls(nulls, typ)
     valid = np.packbits(~null_mask, bitorder="little")
-    data = np.packbits(values, bitorder="little") if typ == pa.bool_() else values
+    data = np.packbits(values, bitorder="little") if is_bool else values
     return pa.Array.from_buffers(typ, len(values), [pa.py_buffer(valid), pa.py_buffer(data)], null_count=nulls)
 
 
