@@ -44,21 +44,37 @@ BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "Tensor.backward", "torch.a
                             "torch.autograd.grad", "torch.autograd.__init__.backward", "torch.autograd.__init__.grad"})
 
 
+def _array(col: Any) -> pa.Array:
+    """One array of a column (a table's column is chunked; one chunk is taken as is, not copied)."""
+    if isinstance(col, pa.ChunkedArray):
+        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    return col
+
+
+def _filled(arr: pa.Array, fill: int) -> np.ndarray:
+    """An integer array as a new int64 array, nulls as ``fill``: read from its buffers, a few numpy
+    calls where ``pc.fill_null`` and ``to_numpy`` are heavier (the end of every trace converts a dozen)."""
+    n, off = len(arr), arr.offset
+    if n == 0:
+        return np.zeros(0, np.int64)
+    validity, data = arr.buffers()[:2]
+    out = np.frombuffer(data, dtype=arr.type.to_pandas_dtype())[off:off + n].astype(np.int64)   # a copy
+    if arr.null_count:
+        valid = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[off:off + n]
+        out[valid == 0] = fill
+    return out
+
+
 def _ints(table: pa.Table, name: str, fill: int) -> np.ndarray:
-    col = table.column(name)
-    if col.null_count:
-        col = pc.fill_null(col, fill)
-    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.int64)
+    return _filled(_array(table.column(name)), fill)
 
 
 def _codes(col: Any) -> tuple[np.ndarray, list[Optional[str]]]:
     """(per-row index into values, -1 for null; values) of a string or dictionary column."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    arr = _array(col)
     if not pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_encode()
-    idx = arr.indices
-    codes = np.asarray(pc.fill_null(idx, -1).to_numpy(zero_copy_only=False), dtype=np.int64)
-    return codes, arr.dictionary.to_pylist()
+    return _filled(arr.indices, -1), arr.dictionary.to_pylist()
 
 
 def _is(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
@@ -70,9 +86,15 @@ def _is(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
 
 def _flat(col: Any) -> tuple[np.ndarray, np.ndarray]:
     """(values, row of each value) of a list<int64> column."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    arr = _array(col)
     if len(arr) == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if arr.null_count == 0 and arr.values.null_count == 0:
+        # from the offsets: two compute calls fewer (a null list may own values, so not then)
+        offsets = _filled(arr.offsets, 0)
+        vals = _filled(arr.values.slice(offsets[0], offsets[-1] - offsets[0]), -1)
+        rows = np.repeat(np.arange(len(arr), dtype=np.int64), offsets[1:] - offsets[:-1])
+        return vals, rows
     vals = np.asarray(pc.list_flatten(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
     rows = np.asarray(pc.list_parent_indices(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
     return vals, rows
@@ -87,32 +109,61 @@ def backward_region(ops: pa.Table, calls: Optional[pa.Table]) -> np.ndarray:
     if calls is not None and calls.num_rows:
         flag = _is(calls.column("qualname"), lambda v: v in BACKWARD_CALLS)
         if flag.any():
-            parent = _ints(calls, "parent_id", -1)
-            for i in np.nonzero(parent >= 0)[0]:   # parents precede children
-                flag[i] |= flag[parent[i]]
+            under = flag.tolist()   # plain lists: one step per call, no numpy scalars
+            for i, p in enumerate(_ints(calls, "parent_id", -1).tolist()):   # parents precede children
+                if p >= 0 and under[p]:
+                    under[i] = True
+            flag = np.array(under, dtype=bool)
             cid = _ints(ops, "call_id", -1)
             ok = (cid >= 0) & (cid < len(flag))
-            bwd = bwd.copy()
             bwd[ok] |= flag[cid[ok]]
     return bwd
 
 
-def _first_shown(sid: np.ndarray, npos: int, ins: np.ndarray, rows: np.ndarray, outs: np.ndarray,
-                 orow: np.ndarray, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per tensors row: the first op that showed the storage at all, and the first as an output
-    (``n_ops``: never)."""
-    firsts = []
-    for vals, rws in ((ins, rows), (outs, orow)):
-        first = np.full(npos, n_ops, np.int64)
-        ok = (vals >= 0) & (vals < npos)
-        np.minimum.at(first, vals[ok], rws[ok])
-        got = np.full(len(sid), n_ops, np.int64)
-        got[sid >= 0] = first[np.clip(sid[sid >= 0], 0, npos - 1)]
-        firsts.append(got)
-    return np.minimum(firsts[0], firsts[1]), firsts[1]
+def _clamp(x: np.ndarray, hi: int) -> np.ndarray:
+    """``x`` clipped to [0, hi] (``np.clip``'s dispatch costs more than the two ufuncs on short arrays)."""
+    out: np.ndarray = np.minimum(np.maximum(x, 0), hi)
+    return out
 
 
-def made_by_out_argument(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+class Lifetimes:
+    """What ``categorize`` and ``made_by_out_argument`` read of ``tensors`` and ``ops``, as numpy,
+    converted once: the end of every trace runs both on the same tables. ``alloc`` is writable: the
+    caller that moves a storage's ``alloc_seq`` sets it here too."""
+
+    def __init__(self, tensors: pa.Table, ops: pa.Table) -> None:
+        self.n_ops = ops.num_rows
+        self.sid = sid = _ints(tensors, "storage_id", -1)
+        self.alloc = _ints(tensors, "alloc_seq", -1)
+        self.free = _ints(tensors, "free_seq", -1)
+        #: storage id -> row of tensors (-1: none)
+        self.pos = np.full(int(sid.max(initial=-1)) + 1, -1, dtype=np.int64)
+        self.pos[sid[sid >= 0]] = np.nonzero(sid >= 0)[0]
+        self.ins, self.rows = _flat(ops.column("in_storages"))
+        self.outs, self.orow = _flat(ops.column("out_storages"))
+        #: per tensors row: the first op that showed the storage, as an input or an output
+        self.first = self.first_shown((self.ins, self.rows), (self.outs, self.orow))
+
+    def first_shown(self, *shown: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """Per tensors row: the first op that showed the storage in ``shown`` ((storage ids, op rows)
+        of flattened list columns), ``n_ops`` where none did."""
+        npos = max(len(self.pos), 1)
+        first = np.full(npos, self.n_ops, np.int64)
+        for vals, rows in shown:
+            ok = (vals >= 0) & (vals < npos)
+            np.minimum.at(first, vals[ok], rows[ok])
+        has = self.sid >= 0
+        got = np.full(len(self.sid), self.n_ops, np.int64)
+        got[has] = first[self.sid[has]]
+        return got
+
+
+def _out_like(v: str) -> bool:
+    return v == "out" or v.endswith("_out")
+
+
+def made_by_out_argument(tensors: pa.Table, ops: pa.Table,
+                         lifetimes: Optional[Lifetimes] = None) -> tuple[np.ndarray, np.ndarray]:
     """(rows of ``tensors``, seq) of storages without ``alloc_seq`` first shown as an op's ``out=``
     argument: a buffer made for that op by code the trace does not see (a ``torch.compile``d
     region's kernels allocate their outputs without dispatching an op)."""
@@ -120,62 +171,58 @@ def made_by_out_argument(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, 
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     if n_ops == 0 or tensors.num_rows == 0:
         return empty
-    sid = _ints(tensors, "storage_id", -1)
-    alloc = _ints(tensors, "alloc_seq", -1)
-    npos = int(sid.max(initial=-1)) + 1
-    ins, rows = _flat(ops.column("in_storages"))
-    outs, orow = _flat(ops.column("out_storages"))
-    fs, fo = _first_shown(sid, max(npos, 1), ins, rows, outs, orow, n_ops)
-    out_variant = _is(ops.column("overload"), lambda v: v == "out" or v.endswith("_out"))
-    hit = np.nonzero((alloc < 0) & (fs < n_ops) & (fo == fs) & out_variant[np.minimum(fs, n_ops - 1)])[0]
-    return hit, fs[hit]
+    overload = _array(ops.column("overload"))
+    if pa.types.is_dictionary(overload.type) and not any(
+            v is not None and _out_like(v) for v in overload.dictionary.to_pylist()):
+        return empty   # no out= overload ran (most traces): nothing to look up
+    out_variant = _is(overload, _out_like)
+    lt = lifetimes if lifetimes is not None else Lifetimes(tensors, ops)
+    fs, fo = lt.first, lt.first_shown((lt.outs, lt.orow))
+    rows = np.nonzero((lt.alloc < 0) & (fs < n_ops) & (fo == fs) & out_variant[np.minimum(fs, n_ops - 1)])[0]
+    return rows, fs[rows]
 
 
 def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None,
                known: Optional[Mapping[int, str]] = None, graph_held: Iterable[int] = (),
-               optimizer_held: Iterable[int] = ()) -> pa.Array:
+               optimizer_held: Iterable[int] = (), lifetimes: Optional[Lifetimes] = None) -> pa.Array:
     """The ``tensors.category`` column (dictionary strings, one per row of ``tensors``).
 
     ``known``: storage id -> parameter / buffer / gradient / optimizer_state; ``graph_held``: ids of
     storages alive at the end that only an autograd graph holds; ``optimizer_held``: ids an
-    optimizer holds (both from the leak finder)."""
+    optimizer holds (both from the leak finder); ``lifetimes``: the columns already converted."""
     n = tensors.num_rows
     cat = np.full(n, _CAT["other"], dtype=np.int32)
     if n == 0:
         return _dict_array(cat)
-    sid = _ints(tensors, "storage_id", -1)
-    pos = np.full(int(sid.max(initial=-1)) + 1, -1, dtype=np.int64)
-    pos[sid[sid >= 0]] = np.nonzero(sid >= 0)[0]
+    lt = lifetimes if lifetimes is not None else Lifetimes(tensors, ops)
+    pos, alloc, free = lt.pos, lt.alloc, lt.free
 
     def rows_of(ids: Iterable[int]) -> np.ndarray:
-        a = np.fromiter((int(i) for i in ids), dtype=np.int64)
+        a = ids.astype(np.int64) if isinstance(ids, np.ndarray) else np.fromiter((int(i) for i in ids), dtype=np.int64)
         a = a[(a >= 0) & (a < len(pos))]
         r = pos[a]
         return r[r >= 0]
 
-    alloc = _ints(tensors, "alloc_seq", -1)
-    free = _ints(tensors, "free_seq", -1)
-    n_ops = ops.num_rows
+    n_ops = lt.n_ops
     made = (alloc >= 0) & (alloc < n_ops)
     cat[~made] = _CAT["input"]
     grads = np.zeros(0, np.int64)
     if n_ops:
         bwd = backward_region(ops, calls)
-        seg = np.concatenate([[0], np.cumsum(bwd[1:] != bwd[:-1])])
-        ins, rows = _flat(ops.column("in_storages"))
-        outs, orow = _flat(ops.column("out_storages"))
+        seg = np.zeros(n_ops, np.int64)   # the phase run of each op
+        np.cumsum(bwd[1:] != bwd[:-1], out=seg[1:])
+        ins, rows, outs, orow = lt.ins, lt.rows, lt.outs, lt.orow
         acc = _is(ops.column("autograd_node"), lambda v: v.endswith("AccumulateGrad"))
         # the op that first showed each storage (as input or output)
-        fs, _ = _first_shown(sid, len(pos), ins, rows, outs, orow, n_ops)
+        fs = lt.first
         seen = fs < n_ops
         fsc = np.minimum(fs, n_ops - 1)
-        made = (alloc >= 0) & (alloc < n_ops)
-        a = np.clip(alloc, 0, n_ops - 1)
-        f = np.clip(free, 0, n_ops - 1)
+        a = _clamp(alloc, n_ops - 1)
+        f = _clamp(free, n_ops - 1)
         freed = made & (free >= 0)
-        cat[made] = _CAT["other"]
-        cat[freed & (seg[a] == seg[f])] = _CAT["temporary"]
-        saved = freed & ~bwd[a] & bwd[f] & (seg[f] > seg[a])
+        seg_a, seg_f, bwd_a, bwd_f = seg[a], seg[f], bwd[a], bwd[f]
+        cat[freed & (seg_a == seg_f)] = _CAT["temporary"]
+        saved = freed & ~bwd_a & bwd_f & (seg_f > seg_a)
         # freed at the last op of a backward that accumulated a gradient: released when the backward
         # call returned (an unnamed loss), not by a node (AccumulateGrad saves nothing)
         last = np.zeros(n_ops, bool)
@@ -186,27 +233,29 @@ def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = Non
         # existing before the trace and freed by its backward: saved by a forward run before it; but
         # one first seen in a backward after the trace's own forward and freed in it was made there by
         # code the trace does not see (a recomputation cut short, a compiled backward's buffers)
-        fwd_before = np.concatenate([[False], np.cumsum(~bwd)[:-1] > 0])
-        pre_freed = ~made & seen & (free >= 0) & bwd[f]
+        fwd_before = np.zeros(n_ops, bool)
+        fwd_before[1:] = np.logical_or.accumulate(~bwd)[:-1]
+        pre_freed = ~made & seen & (free >= 0) & bwd_f
         cat[pre_freed] = _CAT["activation"]
-        cat[pre_freed & (seg[fsc] == seg[f]) & fwd_before[fsc]] = _CAT["temporary"]
+        cat[pre_freed & (seg[fsc] == seg_f) & fwd_before[fsc]] = _CAT["temporary"]
         # made outside every module, outside backward, read by a module's op: the step's input
         mod_codes, _ = _codes(ops.column("module"))
-        read_in_mod = np.zeros(len(pos), bool)
         m = (ins >= 0) & (ins < len(pos)) & (mod_codes[rows] >= 0)
-        read_in_mod[ins[m]] = True
+        r = pos[ins[m]]
         r_in = np.zeros(n, bool)
-        r_in[sid >= 0] = read_in_mod[sid[sid >= 0]]
-        cat[made & r_in & (mod_codes[a] < 0) & ~bwd[a]] = _CAT["input"]
+        r_in[r[r >= 0]] = True
+        cat[made & r_in & (mod_codes[a] < 0) & ~bwd_a] = _CAT["input"]
         # what AccumulateGrad wrote is a gradient (also one zero_grad() freed before the end)
         if acc.any():
             grads = rows_of(outs[acc[orow]])
     held = rows_of(graph_held)
-    held = held[made[held] & (free[held] < 0) & (cat[held] == _CAT["other"])]
-    cat[held] = _CAT["activation"]
+    if len(held):
+        held = held[made[held] & (free[held] < 0) & (cat[held] == _CAT["other"])]
+        cat[held] = _CAT["activation"]
     # state outranks what the lifetimes say (CATS is in precedence order)
     for r, c in ((grads, "gradient"), (rows_of(optimizer_held), "optimizer_state")):
-        cat[r] = np.minimum(cat[r], _CAT[c])
+        if len(r):
+            cat[r] = np.minimum(cat[r], _CAT[c])
     if known:
         ks = np.fromiter(known.keys(), dtype=np.int64, count=len(known))
         kc = np.array([_CAT.get(c, _CAT["other"]) for c in known.values()], dtype=np.int32)
@@ -222,7 +271,7 @@ _CAT_DICT = pa.array(list(CATS), pa.string())
 
 
 def _dict_array(codes: np.ndarray) -> pa.DictionaryArray:
-    return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32), pa.int32()), _CAT_DICT)
+    return pa.DictionaryArray.from_arrays(codes.astype(np.int32, copy=False), _CAT_DICT)
 
 
 # -- the timeline --------------------------------------------------------------------------------

@@ -152,14 +152,15 @@ def _allocator_tables(f: Finishing, tables: dict[str, Any]) -> dict[str, pa.Tabl
 def _with_categories(f: Finishing, tables: dict[str, pa.Table]) -> pa.Table:
     """``tensors`` with its ``category`` column (analyses/memory_categories.py), from the lifetimes and
     the model/optimizer state alive now (tracking/state.py): read once, here, never per op."""
-    from ..analyses.memory_categories import categorize, made_by_out_argument
+    from ..analyses.memory_categories import Lifetimes, categorize, made_by_out_argument
 
     tensors = tables["tensors"]
     if tensors.num_rows == 0:
         return tensors
-    rows, seqs = made_by_out_argument(tensors, tables["ops"])
+    lt = Lifetimes(tensors, tables["ops"])   # the columns every step below reads, converted once
+    rows, seqs = made_by_out_argument(tensors, tables["ops"], lt)
     if len(rows):   # buffers compiled code made for an op's out=: made there, not before the trace
-        alloc = np.asarray(pc.fill_null(tensors.column("alloc_seq"), -1).to_numpy(zero_copy_only=False)).copy()
+        alloc = lt.alloc   # categorize reads the moved alloc_seq from here
         alloc[rows] = seqs
         op_names = tables["ops"].column("op").take(pa.array(np.maximum(alloc, 0)))
         alloc_op = pc.if_else(pa.array(alloc >= 0), op_names, pa.nulls(len(alloc), op_names.type))
@@ -173,9 +174,9 @@ def _with_categories(f: Finishing, tables: dict[str, pa.Table]) -> pa.Table:
         from ..tracking.leaks.roots import user_objects
         from ..tracking.state import find_optimizers, state_storages
 
-        free = np.asarray(pc.fill_null(tensors.column("free_seq"), -1).to_numpy(zero_copy_only=False))
         ptrs = tracker.ptrs
-        live = {int(ptrs[i]): i for i in np.nonzero(free < 0)[0].tolist() if i < len(ptrs)}
+        alive = np.nonzero(lt.free < 0)[0]
+        live = {int(ptrs[i]): i for i in alive[alive < len(ptrs)].tolist()}
         modules = f.ctx.modules.roots() if f.ctx.modules is not None else []
         objs = user_objects(ipython_shell())
         try:
@@ -195,7 +196,7 @@ def _with_categories(f: Finishing, tables: dict[str, pa.Table]) -> pa.Table:
                 graph_held.append(sid)
             elif kind == "optimizer_state":
                 opt_held.append(sid)
-    col = categorize(tensors, tables["ops"], tables.get("calls"), known, graph_held, opt_held)
+    col = categorize(tensors, tables["ops"], tables.get("calls"), known, graph_held, opt_held, lifetimes=lt)
     return tensors.set_column(tensors.schema.get_field_index("category"), S.TENSORS.field("category"), col)
 
 
