@@ -35,6 +35,10 @@
 
 namespace tsengine TS_HIDDEN {
 
+// Below this many elements a tensor is read rather than proven or remembered: the vectorised read
+// of 16 KiB costs less than the bookkeeping (map updates, a weak reference) that proving needs.
+constexpr double kProveMin = 4096;
+
 enum BoundRule : int8_t {
   BR_NONE = 0,
   BR_SAME,       // copies, selections, sign changes: the largest input
@@ -176,11 +180,11 @@ inline double wrapped_abs(const c10::TensorImpl* t) {
   return std::isfinite(v) ? std::fabs(v) : -1;
 }
 
-// Screens t (the count) and learns what it found
+// Screens t (the count) and learns what it found (a small tensor: not remembered, read again)
 inline int64_t screen_and_learn(const c10::TensorImpl* t, int32_t meta, double* bound = nullptr) {
   double mx = -1;
   const int64_t c = nonfinite_count(t, &mx);
-  if (c >= 0) learn(t, meta, c == 0, c == 0 ? mx : -1);
+  if (c >= 0 && double(t->numel()) >= kProveMin) learn(t, meta, c == 0, c == 0 ? mx : -1);
   if (bound != nullptr) *bound = c == 0 ? mx : -1;
   return c;
 }
@@ -223,6 +227,7 @@ inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const 
   // beside its activations): one read of it lets every output be proven, here and in later ops
   double total = 0;
   for (const auto& v : args) for_each_tensor(v, [&](const at::Tensor& t) { total += double(t.numel()); });
+  if (total < kProveMin) return -1;   // small inputs, small outputs: reading them costs less than proving
   size_t k = 0;   // index into metas
   bool ok = true;
   for (size_t i = 0; i < args.size(); ++i) {

@@ -35,9 +35,10 @@ def _sgd_steps(poison):
     """Four SGD-with-momentum steps on a small net; ``poison(step, model)`` may corrupt something."""
     def run():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        # big enough to be proven (engine_known.h kProveMin: smaller tensors are simply read)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        x = torch.randn(5, 8)
+        x = torch.randn(64, 64)
         for step in range(4):
             opt.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
@@ -75,26 +76,29 @@ def test_a_write_after_what_was_known_is_seen(how):
 
 
 def test_bounds_that_could_overflow_are_screened():
+    n = 4096   # engine_known.h kProveMin: smaller tensors are read, never proven
+
     def run():
-        x = torch.full((16,), 3e37)
+        x = torch.full((n,), 3e37)
         y = x * 2                    # a bound of 6e37 is too close to float32's 3.4e38: read
         z = y * 10                   # overflows
-        h = torch.full((64,), 60.0, dtype=torch.float16)
-        h.sum()                      # 3840: fine in float16 (read: the bound's margin is larger)
-        (h * 1200).sum()             # the product overflows float16 elementwise
-        torch.full((4096,), 60.0, dtype=torch.float16).sum()   # the sum overflows float16
-        a = torch.full((4, 4), 1e20)
-        a @ a                        # 4 * 1e40: inf
+        h = torch.full((n,), 0.5, dtype=torch.float16)
+        h.sum()                      # 2048: fine in float16 (read: the bound's margin is larger)
+        (h * 1e5).sum()              # each product is finite, their sum overflows float16
+        torch.full((n,), 60.0, dtype=torch.float16).sum()   # the sum overflows float16
+        a = torch.full((64, 64), 1e20)
+        a @ a                        # 64 * 1e40: inf
         z.relu()                     # inf in: propagated, not produced
-        torch.ones(3).add_(z[:3])
-        torch.zeros(3).mul_(float("inf"))   # 0 * inf: nan from a scalar argument
+        torch.ones(n).add_(z)
+        torch.zeros(n).mul_(float("inf"))   # 0 * inf: nan from a scalar argument
 
     tp, tn, _ = both(run)
-    found = dict(((op, n), prod) for op, n, prod in _findings(tn))
-    assert found[("aten.mul.Tensor", 16)] is True
-    assert ("aten.mm.default", 16) in found
-    assert any(op == "aten.sum.default" for op, _ in found)
-    assert ("aten.relu.default", 16) in found and found[("aten.relu.default", 16)] is False
+    found = {(op, k): prod for op, k, prod in _findings(tn)}
+    assert found == {(op, k): prod for op, k, prod in _findings(tp)}
+    assert found[("aten.mul.Tensor", n)] is True
+    assert ("aten.mm.default", n) in found
+    assert [op for op, _k, _p in _findings(tn)].count("aten.sum.default") == 2
+    assert found[("aten.relu.default", n)] is False
 
 
 def test_chains_of_proven_ops_keep_their_bound():
