@@ -228,6 +228,14 @@ inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const 
   double total = 0;
   for (const auto& v : args) for_each_tensor(v, [&](const at::Tensor& t) { total += double(t.numel()); });
   if (total < kProveMin) return -1;   // small inputs, small outputs: reading them costs less than proving
+  // convolution_backward's weight: read when the op computes its gradient (output_mask[1]), which
+  // has the weight's size, so the read costs what screening that gradient would, and the optimizer
+  // step that updates the weight in place later knows it instead of reading it again
+  bool read_weight = false;
+  if (f->rule == BR_CONV_BWD && args.size() > 10 && args[10].isBoolList()) {
+    const auto mask = args[10].toBoolList();
+    read_weight = mask.size() > 1 && mask.get(1);
+  }
   size_t k = 0;   // index into metas
   bool ok = true;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -254,7 +262,7 @@ inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const 
         double tb = kn != nullptr && kn->finite ? kn->bound : -1;
         if (kn == nullptr && impl->numel() <= 64) {   // a scalar or a small tensor: cheaper to read than to track
           if (nonfinite_count(impl, &tb) != 0) tb = -1;
-        } else if (kn == nullptr && double(impl->numel()) * 4 <= total) {
+        } else if (kn == nullptr && (double(impl->numel()) * 4 <= total || (read_weight && i == 2))) {
           if (screen_and_learn(impl, int32_t(metas[mi]), &tb) != 0) tb = -1;
           g.n_inputs_read++;
         }

@@ -192,3 +192,32 @@ def test_a_small_input_nothing_is_known_of_is_read_to_prove_the_output(poisoned)
         assert _findings(tn)[0][0] == "aten.convolution.default"
     else:
         assert _findings(tn) == [] and _proven(tn) > 0
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_conv_backward_reads_the_weight_its_gradient_replaces(poisoned):
+    """convolution_backward reads an unknown weight (its gradient, the same size, is then proven),
+    so the optimizer's in-place update of that weight needs no read before it: only the momentum
+    buffer (and its scalar) are read first. A NaN in the weight is found as the python engine finds it."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1, bias=False)
+    opt = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(2, 64, 8, 8)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        (conv(x * 1.0) * 1.0).sum().backward()
+        opt.step()
+
+    step()   # the momentum buffer exists before the trace
+    if poisoned:
+        with torch.no_grad():
+            conv.weight[3, 2, 1, 1] = float("nan")
+    tp, tn = _trace("python", step), _trace("native", step)
+    assert _findings(tn) == _findings(tp)
+    screen = tn.metadata["nonfinite_screen"]
+    if poisoned:
+        assert _findings(tn)[0][0] == "aten.convolution.default"
+    else:
+        assert _findings(tn) == []
+        assert screen["inputs_screened"] >= 1 and screen["pre_screened"] <= 2 and _proven(tn) > 0
