@@ -120,8 +120,9 @@ def _child_steps(search: _Search, desc: _Describer, p: int, objs: list[Any]) -> 
     del o
     m = desc.lab.cache.get(p)
     if m is None:
-        desc.lab.label(search.idx[id(objs[0])])
-        m = desc.lab.cache.get(p) or {}
+        if search.idx[id(objs[0])] in search.synth:
+            return None   # a C++ edge's child: its label is not the container's
+        m = desc.lab.labels(p)
     labs: list[Any] = list(map(m.get, map(id, objs)))
     if None in labs or not {lab[0] for lab in labs} <= {"index", "key"}:
         return None

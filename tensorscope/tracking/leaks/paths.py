@@ -13,6 +13,7 @@ import re
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Optional
 
 from ..._common import fmt_bytes
@@ -28,6 +29,13 @@ def _short_repr(k, n=40) -> str:
     except Exception:
         r = f"<{type(k).__name__}>"
     return r if len(r) <= n else r[: n - 1] + "…"
+
+
+#: objects _build does not label as an instance with a ``__dict__`` (none of the exact types can be subclassed)
+_NOT_INSTANCE = (dict, list, tuple, set, frozenset, type, types.CellType, types.TracebackType, types.FrameType,
+                 types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType, types.MethodType,
+                 types.FunctionType)
+_INSTDICT = ("instdict", "")
 
 
 def _instance_dict(o):
@@ -46,6 +54,7 @@ class _Labeler:
         self.cache: dict[int, dict[int, tuple[str, str]]] = {}
         self.describer: Optional[_Describer] = None
         self._keying: set[int] = set()
+        self._peeked: set[int] = set()   # dicts whose first asked child was found without a map
 
     def label(self, j: int) -> tuple[str, str]:
         s = self.s
@@ -55,11 +64,49 @@ class _Labeler:
         p = s.par[j]
         m = self.cache.get(p)
         if m is None:
+            o = s.order[p]
+            child = s.order[j]
+            if not isinstance(o, _NOT_INSTANCE) and _instance_dict(o) is child:
+                # an instance (a module) is entered through its __dict__, whose label _build puts
+                # first: no map of every attribute for it
+                return _INSTDICT
+            if isinstance(o, dict) and p not in self._peeked:
+                # the first child asked of a dict (a module's __dict__, its _parameters): found by
+                # identity among the values; a map only when a second child is asked
+                self._peeked.add(p)
+                lab = self._dict_label(p, o, child)
+                if lab is not None:
+                    return lab
+            m = self.labels(p)
+        lab = m.get(id(s.order[j]))
+        return lab if lab is not None else ("obj", type(s.order[j]).__name__)
+
+    def _dict_label(self, p: int, o: dict, child) -> Optional[tuple[str, str]]:
+        """The label ``_build`` gives ``child`` of dict ``o``, found without a map: the first key
+        whose value it is, when that key and every one before it is a string (never a holder, named
+        without side effects: a tensor key is named by its own path). None: ask ``_build``."""
+        try:
+            items = list(o.items())
+            n = list(map(id, map(itemgetter(1), items))).index(id(child))
+        except ValueError:
+            return None
+        if set(map(type, map(itemgetter(0), items[:n + 1]))) != {str}:
+            return None
+        k = items[n][0]
+        s = self.s
+        gp = s.order[s.par[p]] if s.par[p] >= 0 else None
+        if gp is not None and (_instance_dict(gp) is o or isinstance(gp, type)):
+            return ("attr", k)
+        return ("key", _short_repr(k))
+
+    def labels(self, p: int) -> dict[int, tuple[str, str]]:
+        """id(child) -> label of every child of node ``p`` (built once)."""
+        m = self.cache.get(p)
+        if m is None:
             self.cache[p] = {}  # re-entry (a tensor key's own path) sees no labels rather than recursing
             m = self._build(p)
             self.cache[p] = m
-        lab = m.get(id(s.order[j]))
-        return lab if lab is not None else ("obj", type(s.order[j]).__name__)
+        return m
 
     def _build(self, p: int) -> dict[int, tuple[str, str]]:
         s = self.s
