@@ -13,6 +13,7 @@ set is ``visited``, the expansion of each kind of node ``expand``.
 from __future__ import annotations
 
 import gc
+from collections import OrderedDict
 from typing import Any, Optional
 
 from .classify import (
@@ -29,6 +30,9 @@ from .classify import (
 )
 from .expand import _Expand
 from .roots import _collect_roots
+
+#: exact container types whose emptiness is read without running user code (``not k``)
+_EMPTY_KINDS = frozenset((dict, list, tuple, set, frozenset, OrderedDict))
 
 
 class _Search(_Expand):
@@ -49,6 +53,7 @@ class _Search(_Expand):
         max_nodes = self.max_nodes
         big = self.BIG_CONTAINER if self.n_want else 0
         plain = _PLAIN_UNTRACKED
+        empty_kinds = _EMPTY_KINDS
         expanded: set[int] = set()
         bulk = self.BULK
         tensor = _T().Tensor
@@ -131,6 +136,8 @@ class _Search(_Expand):
                         self.complete = True
                 oi = own[i]
                 for k in kids:
+                    if type(k) in empty_kinds and not k:
+                        continue   # an empty container holds nothing: never on a path (modules' hook dicts)
                     if not is_tracked(k):
                         # ints and strings of the user's data: never a holder (numpy arrays are, untracked)
                         tk = type(k)
