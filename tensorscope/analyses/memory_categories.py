@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from .memory import _array, _devices, _filled, _int_column
 
 __all__ = ["categorize", "memory_timeline", "memory_at", "module_memory", "BACKWARD_CALLS"]
 
@@ -42,31 +43,6 @@ _CAT = {c: i for i, c in enumerate(CATS)}
 #: torch-level calls that run autograd's engine: ops they make outside it belong to the backward
 BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "Tensor.backward", "torch.autograd.backward",
                             "torch.autograd.grad", "torch.autograd.__init__.backward", "torch.autograd.__init__.grad"})
-
-
-def _array(col: Any) -> pa.Array:
-    """One array of a column (a table's column is chunked; one chunk is taken as is, not copied)."""
-    if isinstance(col, pa.ChunkedArray):
-        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-    return col
-
-
-def _filled(arr: pa.Array, fill: int) -> np.ndarray:
-    """An integer array as a new int64 array, nulls as ``fill``: read from its buffers, a few numpy
-    calls where ``pc.fill_null`` and ``to_numpy`` are heavier (the end of every trace converts a dozen)."""
-    n, off = len(arr), arr.offset
-    if n == 0:
-        return np.zeros(0, np.int64)
-    validity, data = arr.buffers()[:2]
-    out = np.frombuffer(data, dtype=arr.type.to_pandas_dtype())[off:off + n].astype(np.int64)   # a copy
-    if arr.null_count:
-        valid = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[off:off + n]
-        out[valid == 0] = fill
-    return out
-
-
-def _ints(table: pa.Table, name: str, fill: int) -> np.ndarray:
-    return _filled(_array(table.column(name)), fill)
 
 
 def _codes(col: Any) -> tuple[np.ndarray, list[Optional[str]]]:
@@ -110,11 +86,11 @@ def backward_region(ops: pa.Table, calls: Optional[pa.Table]) -> np.ndarray:
         flag = _is(calls.column("qualname"), lambda v: v in BACKWARD_CALLS)
         if flag.any():
             under = flag.tolist()   # plain lists: one step per call, no numpy scalars
-            for i, p in enumerate(_ints(calls, "parent_id", -1).tolist()):   # parents precede children
+            for i, p in enumerate(_int_column(calls, "parent_id", -1).tolist()):   # parents precede children
                 if p >= 0 and under[p]:
                     under[i] = True
             flag = np.array(under, dtype=bool)
-            cid = _ints(ops, "call_id", -1)
+            cid = _int_column(ops, "call_id", -1)
             ok = (cid >= 0) & (cid < len(flag))
             bwd[ok] |= flag[cid[ok]]
     return bwd
@@ -133,9 +109,9 @@ class Lifetimes:
 
     def __init__(self, tensors: pa.Table, ops: pa.Table) -> None:
         self.n_ops = ops.num_rows
-        self.sid = sid = _ints(tensors, "storage_id", -1)
-        self.alloc = _ints(tensors, "alloc_seq", -1)
-        self.free = _ints(tensors, "free_seq", -1)
+        self.sid = sid = _int_column(tensors, "storage_id", -1)
+        self.alloc = _int_column(tensors, "alloc_seq", -1)
+        self.free = _int_column(tensors, "free_seq", -1)
         #: storage id -> row of tensors (-1: none)
         self.pos = np.full(int(sid.max(initial=-1)) + 1, -1, dtype=np.int64)
         self.pos[sid[sid >= 0]] = np.nonzero(sid >= 0)[0]
@@ -288,11 +264,9 @@ def _category_codes(tensors: pa.Table) -> np.ndarray:
 
 def _live(tensors: pa.Table, n_ops: int) -> tuple[list[str], np.ndarray]:
     """(devices, live[d, c, s]): bytes of category c on device d alive after op s."""
-    from .memory import _devices
-
-    nbytes = _ints(tensors, "nbytes", 0)
-    alloc = _ints(tensors, "alloc_seq", -1)
-    free = _ints(tensors, "free_seq", -1)
+    nbytes = _int_column(tensors, "nbytes", 0)
+    alloc = _int_column(tensors, "alloc_seq", -1)
+    free = _int_column(tensors, "free_seq", -1)
     names, dev = _devices(tensors)
     cat = _category_codes(tensors)
     D, C, W = len(names), len(CATS), n_ops + 1
@@ -361,7 +335,7 @@ def storage_modules(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, list[
     tcodes, tvals = _codes(tensors.column("module"))
     codes = lut(tvals)[tcodes]
     if ops.num_rows:
-        alloc = _ints(tensors, "alloc_seq", -1)
+        alloc = _int_column(tensors, "alloc_seq", -1)
         made = (alloc >= 0) & (alloc < ops.num_rows)
         if made.any():
             ocodes, ovals = _codes(ops.column("module"))
@@ -378,17 +352,15 @@ def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa
     n_ops = ops.num_rows
     if n_ops == 0 or tensors.num_rows == 0:
         return S.MEMORY_AT.empty_table()
-    from .memory import _devices
-
     names, dev = _devices(tensors)
     if seq is None:
         tl = memory_timeline(tensors, ops)
         at = {p["device"]: p["seq"] for p in peaks(tl)}
     else:
         at = {d: int(seq) for d in names}
-    nbytes = _ints(tensors, "nbytes", 0)
-    alloc = _ints(tensors, "alloc_seq", -1)
-    free = _ints(tensors, "free_seq", -1)
+    nbytes = _int_column(tensors, "nbytes", 0)
+    alloc = _int_column(tensors, "alloc_seq", -1)
+    free = _int_column(tensors, "free_seq", -1)
     cat = _category_codes(tensors)
     mcodes, mnames = storage_modules(tensors, ops)
     M = len(mnames) + 1
@@ -461,14 +433,12 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
                     if r[f"{phase}_peak_bytes"] is None or b > r[f"{phase}_peak_bytes"] or (
                             b == r[f"{phase}_peak_bytes"] and int(sel[j]) < r[f"{phase}_peak_seq"]):
                         r[f"{phase}_peak_bytes"], r[f"{phase}_peak_seq"] = b, int(sel[j])
-    from .memory import _devices
-
     _, dev = _devices(tensors)
     cat = _category_codes(tensors)
     act = np.nonzero(cat == _CAT["activation"])[0]
     if len(act):
         mcodes, mnames = storage_modules(tensors, ops)
-        nbytes = _ints(tensors, "nbytes", 0)
+        nbytes = _int_column(tensors, "nbytes", 0)
         act = act[mcodes[act] >= 0]
         M = len(mnames)
         key = dev[act] * M + mcodes[act]

@@ -189,34 +189,12 @@ inline int64_t screen_and_learn(const c10::TensorImpl* t, int32_t meta, double* 
   return c;
 }
 
-// The terms an output's value sums over (rounding accumulates per term); 1 for elementwise rules.
-// At the start callback: the only place the inputs are valid.
-inline double terms_of(const at::RecordFunction& fn, const OpFacts* f) {
-  const Values args = args_of(fn, f);
-  auto numel = [&](size_t i) -> double {
-    return i < args.size() && args[i].isTensor() && args[i].toTensor().defined() ? double(args[i].toTensor().numel())
-                                                                                 : 0;
-  };
-  auto inner = [&](size_t i) -> double {
-    if (i >= args.size() || !args[i].isTensor() || !args[i].toTensor().defined()) return 0;
-    const auto& t = args[i].toTensor();
-    return t.dim() > 0 ? double(t.size(-1)) : 1;
-  };
-  switch (f->rule) {
-    case BR_MM: return inner(0);
-    case BR_ADDMM: return inner(1) + 1;
-    case BR_SUM:
-    case BR_MEAN: return numel(0);
-    case BR_CONV: return numel(1) + 1;
-    case BR_CONV_BWD: return numel(0) + numel(2);
-    default: return 1;
-  }
-}
-
 // A bound on the magnitude of every value the op can write, from what is known of its inputs at
 // the start (the written targets' before-states learnt by the pre-screen), or -1. `metas`: the
-// inputs' interned metas in for_each_tensor order (Pending::in_metas).
-inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const std::vector<int64_t>& metas) {
+// inputs' interned metas in for_each_tensor order (Pending::in_metas). With a bound, `*terms` is
+// the number of terms an output's value sums over (rounding accumulates per term; 1 elementwise).
+inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const std::vector<int64_t>& metas,
+                          double* terms) {
   constexpr int kMax = 12;
   double ab[kMax];       // per argument: its bound (tensors, tensor lists, numbers); -1 unknown
   int64_t numel[kMax];   // tensors: the element count
@@ -286,6 +264,15 @@ inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const 
       ab[i] = v.toBool() ? 1 : 0;
     }
   }
+  switch (f->rule) {
+    case BR_MM: *terms = double(inner[0]); break;
+    case BR_ADDMM: *terms = double(inner[1]) + 1; break;
+    case BR_SUM:
+    case BR_MEAN: *terms = double(numel[0]); break;
+    case BR_CONV: *terms = double(numel[1]) + 1; break;
+    case BR_CONV_BWD: *terms = double(numel[0] + numel[2]); break;
+    default: *terms = 1;
+  }
   auto arg = [&](size_t i, double dflt) -> double { return i < args.size() ? ab[i] : dflt; };
   auto need = [&](std::initializer_list<double> xs) {
     for (double x : xs) {
@@ -344,7 +331,7 @@ inline double input_bound(const at::RecordFunction& fn, const OpFacts* f, const 
   }
 }
 
-// Whether an output of dtype st is proven finite by bound b (terms: terms_of at the start)
+// Whether an output of dtype st is proven finite by bound b (terms: input_bound's, at the start)
 inline bool proves(const OpFacts* f, double b, double terms, c10::ScalarType st) {
   if (b < 0 || !std::isfinite(b) || !real_float(st)) return false;
   if (f->rule == BR_SAME || f->rule == BR_ZERO || f->rule == BR_FILL) return b <= max_finite(st);

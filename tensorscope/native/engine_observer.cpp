@@ -155,8 +155,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   }
   // a bound on what the op can write, from what is known of its inputs (engine_known.h)
   if (g.want_screen && f->rule != BR_NONE && !f->no_screen) {
-    p.bound = input_bound(fn, f, p.in_metas);
-    if (p.bound >= 0) p.terms = terms_of(fn, f);
+    p.bound = input_bound(fn, f, p.in_metas, &p.terms);
   }
   for (const c10::StorageImpl* si : p.written) bump(si);   // again at commit: an op that throws still wrote
   r.start = t_start;
@@ -397,7 +396,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
       n_out++;
       if (!g.want_screen) return;
       const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-      if (a < 0 || p.facts->writes) bump(si);   // new memory, or written: what was known of it is stale
+      if (a < 0) bump(si);   // new memory: what was known of its address is stale (written ones: p.written)
       if (!p.facts->no_screen && (a < 0 || p.facts->writes)) {
         if (p.bound >= 0 && impl->device().type() == c10::DeviceType::CPU &&
             proves(p.facts, p.bound, p.terms, impl->dtype().toScalarType())) {

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from .._common import NOISE_OPS
 from ..native import forced_fallback, loaded_engine
-from ..schema import nullable_array
+from ..schema import dense_array, nullable_array
 from .recorder import Recorder
 
 
@@ -41,7 +41,7 @@ class _Dict:
     def take(self, ids: np.ndarray, null_mask: Optional[np.ndarray] = None) -> pa.DictionaryArray:
         c = self.codes[ids] if len(ids) else np.zeros(0, np.int32)
         if null_mask is None and not self.has_null:
-            indices = _numeric(c, pa.int32())   # no null possible: no mask to count or pack
+            indices = dense_array(c, pa.int32())   # no null possible: no mask to count or pack
         else:
             null = c < 0
             if null_mask is not None:
@@ -206,7 +206,7 @@ def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dic
     for key, name in (("shape", "shapes"), ("stride", "strides")):
         lens, starts, flat = t[key]
         off2, vals = gather(metas, starts, lens, flat)
-        cols[f"{side}_{name}"] = _list(off1, _list(off2, _numeric(vals)))
+        cols[f"{side}_{name}"] = _list(off1, _list(off2, dense_array(vals)))
     for name in ("dtypes", "devices", "formats"):
         cols[f"{side}_{name}"] = _list(off1, t[name].take(metas))
     cols[f"{side}_ambiguous"] = _list(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
@@ -253,17 +253,10 @@ class _ListDict:
             off, pos = gather(idx, self.starts, self.lens, self.pos)
             return _list(off, self.strings.take(pos))
         off, vals = gather(idx, self.starts, self.lens, self.flat)
-        return _list(off, _numeric(vals, self.value_type))
+        return _list(off, dense_array(vals, self.value_type))
 
 
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
-
-
-def _numeric(values: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
-    """An int32/int64 numpy column as an Arrow array over the same buffer: what ``pa.array`` makes,
-    without its checks for pandas types (~0.5 µs a call, some fifty calls a decode)."""
-    values = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[typ])
-    return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(values)], null_count=0)
 
 
 class _CallColumns(dict[str, np.ndarray]):   # a plain dict subclass at run time

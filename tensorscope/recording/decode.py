@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from .. import schema as S
 from .._common import COPYING_OPS, INEXACT_DTYPES
-from ..schema import nullable_array
+from ..schema import dense_array, nullable_array
 from .columns import (
     _MEMO_VALUES,
     _PHASES,
@@ -34,7 +34,6 @@ from .columns import (
     _ListDict,
     _matmul_flops,
     _memo,
-    _numeric,
     _offsets,
     _op_dicts,
     gather,
@@ -181,13 +180,13 @@ class Decoder:
             src_idx[~call_null] = self.call_src[call[~call_null]]
         t = self.tup
         cols: dict[str, Any] = {}
-        cols["seq"] = _numeric(seq)
+        cols["seq"] = dense_array(seq)
         cols["cell"] = self._cells(n)
         for k in ("op", "namespace", "overload"):
             cols[k] = self.ops[k].take(op)
         cols["tags"] = self.tags.take(op)
         backward = (flags & F_BACKWARD) != 0
-        cols["phase"] = pa.DictionaryArray.from_arrays(_numeric(backward, pa.int32()), _PHASES,
+        cols["phase"] = pa.DictionaryArray.from_arrays(dense_array(backward, pa.int32()), _PHASES,
                                                        safe=False)
         cols["autograd_node"] = self.nodes.take(node)
         seq_nr = chunk["seq_nr"]
@@ -208,7 +207,7 @@ class Decoder:
         for key, starts, lens in (("in_storages", row_start, np.diff(in_off)),
                                   ("out_storages", row_start + np.diff(in_off), np.diff(out_off))):
             off, vals = gather(None, starts, lens, stor)
-            cols[key] = _list(off, _numeric(vals))
+            cols[key] = _list(off, dense_array(vals))
         cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
         cols["is_view"] = pa.array(is_view)
@@ -219,10 +218,10 @@ class Decoder:
         flops = self._shape_flops(chunk["flops"], op, ins)
         cols["flops"] = nullable_array(flops, flops < 0)
         no_bytes = is_view | noise
-        cols["bytes_read"] = _numeric(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
-        cols["bytes_written"] = _numeric(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
-        cols["start_ns"] = _numeric(chunk["start"])
-        cols["cpu_ns"] = _numeric(chunk["dur"])
+        cols["bytes_read"] = dense_array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
+        cols["bytes_written"] = dense_array(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
+        cols["start_ns"] = dense_array(chunk["start"])
+        cols["cpu_ns"] = dense_array(chunk["dur"])
         cols["cuda_ns"] = self._sparse_int(rec.cuda_ns, start, n)
         cols["error_id"] = self._sparse_int(rec.op_errors, start, n)
         if self.screened:
@@ -280,7 +279,7 @@ class Decoder:
         """The ``cell`` column: one value on every row, or null outside a notebook cell."""
         if self.cell is None:
             return self._nulls(n, pa.int64())
-        return _numeric(np.full(n, self.cell, np.int64))
+        return dense_array(np.full(n, self.cell, np.int64))
 
     def _nulls(self, n: int, typ: Any) -> pa.Array:
         """An all-null column, one per (length, type) for the whole build (Arrow arrays are
@@ -386,19 +385,19 @@ def calls_table(ctx: Decoder) -> pa.Table:
     src = a["src"].astype(np.int64)
     autocasts = _dict(rec.autocasts.values)
     cols = dict(
-        call_id=_numeric(np.arange(n, dtype=np.int64)),
+        call_id=dense_array(np.arange(n, dtype=np.int64)),
         parent_id=nullable_array(parent, parent < 0),
-        depth=_numeric(depth),
+        depth=dense_array(depth),
         cell=ctx._cells(n),
         name=names.take(a["func"]),
         qualname=qual.take(a["func"]),
         module=ctx.modules.take(a["module"]),
         source_file=ctx.src_files.take(src),
         source_line=ctx._lines(src),
-        start_ns=_numeric(a["start"]),
-        dur_ns=_numeric(a["dur"]),
+        start_ns=dense_array(a["start"]),
+        dur_ns=dense_array(a["dur"]),
         first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
-        n_ops=_numeric(a["n_ops"]),
+        n_ops=dense_array(a["n_ops"]),
         autocast=autocasts.take(a["autocast"]),
         compiled=pa.nulls(n, pa.bool_()),   # filled by recording/compiled.attach
         error_id=nullable_array(a["error"], a["error"] < 0),
@@ -442,8 +441,8 @@ def tensors_table(ctx: Decoder) -> pa.Table:
     g_op = ctx.g["op"] if n else np.zeros(0, np.int32)
     alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
     cols = dict(
-        storage_id=_numeric(np.arange(n, dtype=np.int64)),
-        nbytes=_numeric(np.frombuffer(c.nbytes, dtype=np.int64)),
+        storage_id=dense_array(np.arange(n, dtype=np.int64)),
+        nbytes=dense_array(np.frombuffer(c.nbytes, dtype=np.int64)),
         device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
         alloc_seq=nullable_array(alloc, alloc < 0),
         alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
@@ -462,7 +461,7 @@ def tensors_table(ctx: Decoder) -> pa.Table:
 def _shape_rows(shape: tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> tuple[np.ndarray, pa.Array]:
     lens, starts, flat = shape
     off, vals = gather(metas, starts, lens, flat)
-    return off, _numeric(vals)
+    return off, dense_array(vals)
 
 
 def errors_table(ctx: Decoder) -> pa.Table:

@@ -29,7 +29,7 @@ on CUDA) and, with ``memory_history=True``, its snapshot: ``allocator_segments``
 from __future__ import annotations
 
 from ._base import SCHEMA_MAJOR, SCHEMA_VERSION, parse_version
-from .arrays import conform, empty, nullable_array, plain_strings, plain_type, unify_dictionaries
+from .arrays import conform, dense_array, empty, nullable_array, plain_strings, plain_type, unify_dictionaries
 from .dataset import DATASET_KEYS, RANKS, dataset_schema
 from .tables import (
     ALLOCATOR,
@@ -75,5 +75,5 @@ __all__ = [
     "SUBSTITUTION", "DIFF", "MEMORY_TIMELINE", "ALLOCATOR_TIMELINE", "MEMORY_AT", "MODULE_MEMORY", "SYNCS",
     "ROOFLINE", "ADVICE",
     "DATASET_KEYS", "RANKS", "dataset_schema",
-    "nullable_array", "empty", "conform", "unify_dictionaries", "plain_type", "plain_strings",
+    "nullable_array", "dense_array", "empty", "conform", "unify_dictionaries", "plain_type", "plain_strings",
 ]

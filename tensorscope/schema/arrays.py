@@ -15,6 +15,13 @@ _BOOL = pa.bool_()
 _NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
 
 
+def dense_array(values: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
+    """``values`` (numpy) as an Arrow array of the numeric ``typ`` (not bool) with no nulls, over the
+    same buffer: what ``pa.array`` makes, without its checks for pandas types (~0.5 µs a call)."""
+    values = np.ascontiguousarray(values, dtype=_NP_OF[typ])
+    return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(values)], null_count=0)
+
+
 def nullable_array(values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
     """``values`` (numpy) as an Arrow array of ``typ``, null where ``null_mask``: the validity bitmap is
     packed by numpy and the values buffer shared (``pa.array(mask=)`` converts row by row and
@@ -23,10 +30,7 @@ def nullable_array(values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int6
     nulls = int(np.count_nonzero(null_mask))
     is_bool = typ == _BOOL
     if nulls == 0:
-        if is_bool:
-            return pa.array(values, typ)
-        # what pa.array makes, without its checks for pandas types (~0.5 µs)
-        return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(values)], null_count=0)
+        return pa.array(values, typ) if is_bool else dense_array(values, typ)
     if nulls == len(values):
         return pa.nulls(nulls, typ)
     valid = np.packbits(~null_mask, bitorder="little")
