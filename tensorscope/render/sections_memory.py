@@ -170,6 +170,8 @@ def leaks_section(t) -> Optional[Section]:
     groups: dict = {}
     state_bytes = n_state = 0
     for r in lk.to_pylist():
+        if r.get("holder_kind") == "value":   # a small value a name keeps (loss): not a leak, not state
+            continue
         if r.get("expected"):   # model/optimizer state: one line, not a leak
             state_bytes += r.get("nbytes") or 0
             n_state += 1
@@ -211,6 +213,6 @@ def leaks_section(t) -> Optional[Section]:
         notes.append(state_line(state_bytes, n_state))
     if not groups:
         return Section("still alive after the cell: no leaks", [], None, notes)
-    n_leaks = lk.num_rows - n_state
+    n_leaks = sum(g["n"] for g in groups.values())
     return Section(f"still alive after the cell: {fmt_bytes(total)} in {n_leaks} storage{'s' if n_leaks != 1 else ''}",
                    rows, ("bytes", "kind", "holder", "storages", "created", "fix"), notes)
