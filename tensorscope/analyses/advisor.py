@@ -147,11 +147,22 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
                 if src in _CL and dst == "contiguous":
                     copies.append(r)
     out = []
-    if mixed or copies:
-        data_cl = sum(1 for r in mixed if (r["in_formats"] or [None])[0] in _CL and short_name(r["op"]) != "convolution_backward")
-        fix = ("convert the model too: model.to(memory_format=torch.channels_last), so weights, gradients and "
-               "inputs agree" if data_cl or copies else
-               "convert the input too: x.to(memory_format=torch.channels_last) (the weights already are)")
+    if not mixed:
+        copies = []   # no convolution mixes formats: each copy is its own layout_changes finding below
+    if mixed:
+        # which side to convert, from the formats the convolutions actually got: channels_last data with
+        # contiguous weights -> the model; contiguous data with channels_last weights -> the input
+        fwd = [r for r in mixed if short_name(r["op"]) != "convolution_backward"]
+        data_cl = sum(1 for r in fwd if (r["in_formats"] or [None])[0] in _CL)
+        weight_cl = sum(1 for r in fwd if len(r["in_formats"] or []) > 1 and r["in_formats"][1] in _CL)
+        if data_cl and not weight_cl:
+            fix = ("convert the model too: model.to(memory_format=torch.channels_last), so weights, gradients and "
+                   "inputs agree")
+        elif weight_cl and not data_cl:
+            fix = "convert the input too: x.to(memory_format=torch.channels_last) (the weights already are)"
+        else:
+            fix = ("convert model and input to one format: model.to(memory_format=torch.channels_last) and "
+                   "x.to(memory_format=torch.channels_last)")
         rs = mixed + copies
         cost = sum(r["cpu_ns"] or 0 for r in copies)
         seen = (f"{len(mixed)} convolution(s) mixing channels_last and contiguous 4-d/5-d inputs (the kernel "

@@ -145,7 +145,9 @@ def _kind_text(kind, g) -> str:
     if growth is None:
         return kind or ""
     # within one cell the growth is per loop step: the holder's bytes over its elements
-    per_step = len(g["items"]) > 1 and growth == g["bytes"] // len(g["items"])
+    # (the bytes of the container's own elements, joined into the group, grow as their own holder)
+    n = len(g["items"])
+    per_step = n > 1 and abs(growth * n - (g["bytes"] - g.get("elem_bytes", 0))) < n
     return f"{kind}, growing {fmt_bytes(growth)}/{'step' if per_step else 'cell'}"
 
 
@@ -202,6 +204,7 @@ def leaks_section(t) -> Optional[Section]:
             del groups[(kind, holder)]
             into["n"] += g["n"]
             into["bytes"] += g["bytes"]
+            into["elem_bytes"] = into.get("elem_bytes", 0) + g["bytes"]
             into["items"].add(int(m.group(2)))
     ordered = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])
     rows = [(fmt_bytes(g["bytes"]), _kind_text(kind, g), _holder_text(kind, holder, g["items"]), str(g["n"]),

@@ -44,7 +44,7 @@ class BoundaryDiscovery:
         self.errors = 0
         #: the cell discovery was enabled in (its post_run_cell comes without our freeze): what exists by
         #: then was made before discovery, at an unknown cell
-        self.enabled_in: Optional[int] = getattr(shell, "execution_count", None) if shell is not None else None
+        self.enabled_in: Optional[int] = None
         self.undated_cells = 0
 
     # events
@@ -79,6 +79,8 @@ class BoundaryDiscovery:
                 # no freeze before this cell (discovery enabled inside it, or the user's own freeze): the
                 # heap holds tensors of earlier cells too, and dating them with this cell would be wrong
                 self.undated_cells += 1
+                if self.cells == 0:
+                    self.enabled_in = cell
         except Exception:
             self.errors += 1
         finally:

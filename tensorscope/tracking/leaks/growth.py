@@ -14,9 +14,9 @@ is alive, but ``losses`` holds it, not ``loss``). Streaks are per holder root *a
 kind, so a list's graphs and its scalar elements each carry their own number. A
 holder is ``growing`` once that happened in two traces in a row (bytes per cell: the
 mean gain over the streak). Within
-one trace, an autograd-graph holder whose container gained three or more elements is
-growing too (however it was before), and its ``growth_bytes_per_cell`` is then per loop
-step (its bytes over the elements).
+one trace, a holder whose container gained three or more elements (graphs, or the
+elements themselves) is growing too (however it was before), and its
+``growth_bytes_per_cell`` is then per loop step (its bytes over the elements).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def observe(rows, storage_of: Callable[[int], Any] = lambda ptr: None,
             except TypeError:
                 pass
         del s
-        if kinds[i] == "autograd_graph":
+        if kinds[i] in ("autograd_graph", "global", "local"):
             k = _element(holders[i], root)
             if k is not None:
                 elements.setdefault(key, set()).add(k)
