@@ -185,11 +185,22 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
                 groups.setdefault((r["kind"], r["op"], r["source_file"], r["source_line"]), []).append(dict(r, window=w))
     for (kind, op, f, line), rs in groups.items():
         seen = f"{len(rs)}x {rs[0].get('reason') or op} at {_where(f, line)}, {fmt_bytes(sum(r['bytes'] or 0 for r in rs))}"
-        fix = ("use an op that keeps the layout, or make the tensor contiguous once before the loop"
-               if kind == "hidden_copy" else "keep one memory format end to end (convert model and input once)")
+        fix = _layout_fix(kind, rs[0])
         out.append(_finding("layout", f"{op} ({kind.replace('_', ' ')})", seen, [(r["window"], r["seq"]) for r in rs],
                             multi, None, fix, steps, rs[0]["module"], f, line))
     return out
+
+
+def _layout_fix(kind: str, r: Mapping[str, Any]) -> str:
+    """The change that removes a layout_changes finding (each one executed in tests/analyses/test_fixes_executed.py)."""
+    call = r.get("call") or ""
+    if kind == "hidden_copy" and call in ("flatten", "reshape", "view") and r.get("from_format") in _CL:
+        # a channels_last activation flattened for a linear head: its (c, h, w) order must be gathered
+        return ("x.permute(0, 2, 3, 1).flatten(1) is a view of a channels_last tensor (no copy); the features then "
+                "come in (h, w, c) order, so the next layer must be trained on that order")
+    if kind == "hidden_copy":
+        return "make the tensor contiguous once before the loop (x = x.contiguous()), or use an op that keeps the layout"
+    return "keep one memory format end to end: convert the other operand (or model and input) once"
 
 
 def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
