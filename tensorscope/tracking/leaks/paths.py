@@ -607,7 +607,8 @@ def _graph_fix(root: _Root, mark: tuple) -> tuple[str, int]:
                     f"tensor with its graph)"), gpos
         if ckind in ("list", "dict", "mapping", "sequence"):
             what = "" if tensors else ", which also holds other objects"
-            return (f"{owner} = {owner}.detach()  ({cexpr} is a {tname}{what}: release the graph of this "
+            art = "an" if tname[:1].lower() in "aeiou" else "a"
+            return (f"{owner} = {owner}.detach()  ({cexpr} is {art} {tname}{what}: release the graph of this "
                     f"element where it sits)"), gpos
         if ckind == "tuple":
             return (f"del {root.expr}  ({cexpr} is a tuple that also holds other objects: its elements cannot be "
