@@ -360,9 +360,9 @@ class _Producers:
             outs = r.get("out_storages") or []
             for j, sid in enumerate(outs):
                 if sid in sids and (r.get("out_shapes") or [None] * len(outs))[j] == shape \
-                        and (r.get("out_strides") or [None] * len(outs))[j] == strides:
-                    if best is None or r["seq"] > best["seq"]:
-                        best = r
+                        and (r.get("out_strides") or [None] * len(outs))[j] == strides \
+                        and (best is None or r["seq"] > best["seq"]):
+                    best = r
         return best
 
 

@@ -20,10 +20,9 @@ from .classify import _GcPaused
 from .holders import _fallback_rows
 from .known import _KNOWN
 from .paths import STATE_KINDS, _merge_fixes
-from .rowset import VALUE_KIND
 from .roots import _get_shell, _user_namespace
 from .rows import _rows_for
-from .rowset import _int_array, _mark_values, _merge_same_buffer, _rows_to_table, _RowSet
+from .rowset import VALUE_KIND, _int_array, _mark_values, _merge_same_buffer, _rows_to_table, _RowSet
 from .search import _run_search, _Search
 from .unreached import _heap_tensors
 
