@@ -86,7 +86,7 @@ def test_cell_ending_in_a_tensor_expression_is_held_by_the_output_cache(k):
 
 
 def test_function_that_raises_with_a_big_local_is_held_by_the_last_traceback(k):
-    ok(k, "def boom():\n    big = torch.ones(500, 500)\n    raise ValueError('boom')")
+    n = ok(k, "def boom():\n    big = torch.ones(500, 500)\n    raise ValueError('boom')").execution_count
     r = k.run("boom()")
     assert r.status == "error" and r.error["ename"] == "ValueError"
     ok(k, "tb = sys.last_traceback\nwhile tb.tb_next is not None:\n    tb = tb.tb_next\n"
@@ -95,6 +95,8 @@ def test_function_that_raises_with_a_big_local_is_held_by_the_last_traceback(k):
     nbytes, kind, holder, fix = row
     assert kind == "traceback"
     assert holder.startswith("sys.last_traceback → boom()") and "→ local big" in holder
+    # the one location format (issue 29): the cell, not ipykernel's temporary file name
+    assert f"boom() (Cell In[{n}], line 3)" in holder, holder
     assert "sys.last_traceback = None" in fix and "InteractiveTB.tb = None" in fix and fix.endswith("gc.collect()")
     apply(k, fix)
     assert k.value("w_tb() is None") is True

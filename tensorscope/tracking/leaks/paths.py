@@ -8,7 +8,6 @@ small extension per element. ``_fix`` turns a path into a concrete statement;
 from __future__ import annotations
 
 import gc
-import os
 import re
 import types
 from collections.abc import Iterable
@@ -17,6 +16,7 @@ from operator import itemgetter
 from typing import Optional
 
 from ..._common import fmt_bytes
+from ..._location import format_location
 from .classify import _PY313, _TENSOR, _isa, _live_frame_locals, _running_frames, _types
 from .roots import _HIDDEN_UNDERS, _NEXT_CELL, _Root
 from .search import _Search
@@ -144,7 +144,7 @@ class _Labeler:
             elif type(o) is types.TracebackType:
                 m[id(o.tb_next)] = ("tbnext", "")
                 co = o.tb_frame.f_code
-                m[id(o.tb_frame)] = ("frame", f"{co.co_name}() ({os.path.basename(co.co_filename)}:{o.tb_lineno})")
+                m[id(o.tb_frame)] = ("frame", f"{co.co_name}() ({format_location(co.co_filename, o.tb_lineno)})")
             elif type(o) is types.FrameType:
                 for name, v in self._frame_locals(o):
                     m.setdefault(id(v), ("local", name))
