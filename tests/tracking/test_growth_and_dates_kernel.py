@@ -72,3 +72,20 @@ def test_tensors_made_before_discovery_are_not_dated_with_its_cell(k):
         assert any(f"made before discovery was enabled (in cell {n2})" in n for n in notes), notes
     finally:
         ok(k, "L.disable_discovery(get_ipython())\ndel early, same_cell, late")
+
+
+def test_a_graph_chained_across_cells_is_growing_with_its_own_number(k):
+    ok(k, "m2 = torch.nn.Linear(32, 256)\nxs2 = torch.randn(64, 32)\ntotal = 0")
+    ok(k, "%tensorscope on -q")
+    try:
+        for _ in range(3):   # `total = total + loss`: each cell's graph keeps every earlier one
+            ok(k, "total = total + m2(xs2).relu().mean()")
+    finally:
+        ok(k, "%tensorscope off")
+    rows = k.value("[(r['holder_kind'], r['growing'], r['growth_bytes_per_cell'], r['nbytes']) "
+                   "for r in tensorscope.last().leaks.to_pylist() if r['holder'].startswith('global total')]")
+    graph = [r for r in rows if r[0] == "autograd_graph"]
+    assert graph and all(g and b >= 64 * 256 * 4 for _k, g, b, _n in graph), rows
+    # the 4 B total itself: a name binds one tensor, it never keeps the old one (not "growing 4 B/cell")
+    assert all(not g for kind, g, _b, _n in rows if kind != "autograd_graph"), rows
+    ok(k, "del m2, xs2, total")

@@ -32,6 +32,9 @@ _MAX_ROOTS = 10_000
 _MAX_REFS = 100_000
 #: old storages per holder searched for again (the newest: a holder that keeps what it held keeps these)
 PROBES_PER_HOLDER = 16
+#: holders whose storages a name binds itself (``global loss``): a name holds one object, so rebinding it
+#: never keeps the old one (a graph it keeps is an ``autograd_graph`` holder, reached through the tensor)
+_DIRECT: set[tuple[str, str]] = set()
 MIN_STREAK = 2
 MIN_STEPS = 3
 
@@ -42,7 +45,9 @@ def probes() -> dict[int, Any]:
     """id(storage) -> storage: the newest old storages of each holder still alive, to search for with the
     next trace's (the caller drops them when the search is done)."""
     out: dict[int, Any] = {}
-    for refs in _HELD.values():
+    for key, refs in _HELD.items():
+        if key in _DIRECT:
+            continue   # cannot keep what it held: nothing to search for
         for w in refs[-PROBES_PER_HOLDER:]:
             s = w()
             if s is not None:
@@ -63,11 +68,13 @@ def observe(rows, storage_of: Callable[[int], Any] = lambda ptr: None,
     gained: dict[tuple[str, str], int] = {}
     elements: dict[tuple[str, str], set] = {}
     new_refs: dict[tuple[str, str], list[Any]] = {}
+    direct: dict[tuple[str, str], bool] = {}
     for i in range(len(rows)):
         root = roots[i]
         if expected[i] or not root:
             continue
         key = (root, kinds[i])
+        direct[key] = direct.get(key, True) and holders[i].split("; also ", 1)[0] == root
         gained[key] = gained.get(key, 0) + (nbytes[i] or 0)
         s = storage_of(ptrs[i])
         if s is not None:
@@ -80,13 +87,17 @@ def observe(rows, storage_of: Callable[[int], Any] = lambda ptr: None,
             k = _element(holders[i], root)
             if k is not None:
                 elements.setdefault(key, set()).add(k)
-    old_streaks, old_held = dict(_STREAKS), dict(_HELD)
+    old_streaks, old_held, old_direct = dict(_STREAKS), dict(_HELD), set(_DIRECT)
     _STREAKS.clear()
     _HELD.clear()
+    _DIRECT.clear()
     for key, nb in gained.items():
         if len(_STREAKS) >= _MAX_ROOTS:
             break
-        kept = [w for w in old_held.get(key, ()) if _still_held(w, key[0], held_by)]
+        kept = [] if key in old_direct or direct[key] else \
+            [w for w in old_held.get(key, ()) if _still_held(w, key[0], held_by)]
+        if direct[key]:
+            _DIRECT.add(key)
         n, total = old_streaks.get(key, (0, 0)) if kept else (0, 0)
         _STREAKS[key] = (n + 1, total + nb)
         _HELD[key] = (kept + new_refs.get(key, []))[-_MAX_REFS:]
@@ -129,6 +140,7 @@ def per_cell(root_label: str, kind: Optional[str] = None) -> Optional[int]:
 def reset() -> None:
     _STREAKS.clear()
     _HELD.clear()
+    _DIRECT.clear()
 
 
 def _element(holder: str, root_label: str) -> Optional[int]:

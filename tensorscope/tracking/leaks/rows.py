@@ -130,7 +130,7 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
         _merge_same_buffer(rows)
         by_ptr = {m["data_ptr"]: want[k] for k, m in key_meta.items() if k in want}
         try:
-            _growth.observe(rows, by_ptr.get, lambda s: held.get(id(s), set()) if probe else None)
+            _growth.observe(rows, by_ptr.get, lambda s: held.get(id(s), set()))
         finally:
             by_ptr.clear()
             held.clear()
