@@ -157,3 +157,19 @@ def test_model_and_optimizer_state_are_never_told_to_del():
     grad_refs = [weakref.ref(p.grad.untyped_storage()) for p in ns["model"].parameters()]
     apply_fix(ns, next(r["fix"] for r in grads))
     assert all(r() is None for r in grad_refs)
+
+
+def test_tuples_are_rebuilt_or_released_never_assigned_into():
+    """A tuple's element cannot be assigned: all tensors → rebuilt with tuple(...); else the holder goes."""
+    ns = notebook("w = torch.randn(64, 64, requires_grad=True)\n"
+                  "pair = (torch.relu(torch.randn(512, 64) @ w), torch.tanh(torch.randn(512, 64) @ w))\n"
+                  "tagged = (torch.sigmoid(torch.randn(512, 64) @ w), 'step 3')\n")
+    refs_pair = _graph_refs(list(ns["pair"]))
+    refs_tagged = _graph_refs([ns["tagged"][0]])
+    fixes = {g.holder: g.fix for g in report(ns).groups if g.holder_kind == "autograd_graph"}
+    assert L.fix_code(fixes["global pair (autograd graphs)"]) == "pair = tuple(v.detach() for v in pair)"
+    assert L.fix_code(fixes["global tagged (autograd graphs)"]) == "del tagged"
+    for f in fixes.values():
+        apply_fix(ns, f)
+    assert all(r() is None for r in refs_pair + refs_tagged)
+    assert type(ns["pair"]) is tuple and "tagged" not in ns
