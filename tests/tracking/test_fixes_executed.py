@@ -151,6 +151,9 @@ def test_model_and_optimizer_state_are_never_told_to_del():
     # the leak (the graphs kept by losses) comes first; state after it, with nothing to run
     kinds = [g.holder_kind for g in rep.groups if g.holder.startswith(("global model", "global opt", "global losses"))]
     assert kinds[0] == "autograd_graph" and set(kinds[1:]) <= {"model_state", "optimizer_state", "global"}
+    text = rep.to_text(max_groups=1000)
+    assert text.index("global losses (autograd graphs)") < text.index("not leaks (model/optimizer state") \
+        < text.index("[model_state] global model")
     g = next(g for g in rep.groups if g.holder_kind == "model_state")
     assert L.fix_code(g.fix) in ("", "model.zero_grad(set_to_none=True)"), g.fix
     # the grad fix runs and frees the gradients
