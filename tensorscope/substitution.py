@@ -153,7 +153,8 @@ def check_substitution(fn: Callable, *args, wrap: Callable, rtol: float = 1e-5, 
     _compare_exceptions(plain_exc, wrapped_exc, rows, plain_t, wrapped_t)
     _compare_ops(plain_t, wrapped_t, rows)
     if plain_exc is None and wrapped_exc is None:
-        _compare_outputs(plain_out, wrapped_out, sub_type, rows, rtol, atol, check_values, unwrap)
+        _compare_outputs(plain_out, wrapped_out, sub_type, rows, rtol, atol, check_values, unwrap,
+                         producer=_Producers(wrapped_t))
         _compare_outputs(plain_grads, wrapped_grads, None, rows, rtol, atol, check_values, unwrap, what="grad")
     table = pa.Table.from_pylist(rows, schema=S.SUBSTITUTION) if rows else S.SUBSTITUTION.empty_table()
     name = f"{sub_type.__module__}.{sub_type.__qualname__}" if sub_type is not None else None
@@ -330,7 +331,42 @@ def _fmt_layout(t) -> str:
         return "non_strided"
 
 
-def _compare_outputs(po, wo, sub_type, rows, rtol, atol, check_values, unwrap, what="output"):
+class _Producers:
+    """The op of a run that made an output tensor: the last op that wrote the output's storage with
+    the output's shape and strides (a view: ``y.t()`` is ``aten.t``), else the storage's allocating op.
+    Looked up by the storage's address in the run's ``tensors`` table (the trace holds no tensor)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __call__(self, out) -> Optional[dict[str, Any]]:
+        t = self.t
+        if t is None:
+            return None
+        try:
+            addr = int(out.untyped_storage().data_ptr())
+            shape, strides = list(out.shape), list(out.stride())
+        except Exception:
+            return None
+        tens = t.tensors
+        if tens.num_rows == 0 or "address" not in tens.column_names:
+            return None
+        sids = [r["storage_id"] for r in tens.select(["storage_id", "address", "free_seq"]).to_pylist()
+                if r["address"] == addr and r["free_seq"] is None]
+        if not sids:
+            return None
+        best = None
+        for r in _op_rows(t):
+            outs = r.get("out_storages") or []
+            for j, sid in enumerate(outs):
+                if sid in sids and (r.get("out_shapes") or [None] * len(outs))[j] == shape \
+                        and (r.get("out_strides") or [None] * len(outs))[j] == strides \
+                        and (best is None or r["seq"] > best["seq"]):
+                    best = r
+        return best
+
+
+def _compare_outputs(po, wo, sub_type, rows, rtol, atol, check_values, unwrap, what="output", producer=None):
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -360,10 +396,15 @@ def _compare_outputs(po, wo, sub_type, rows, rtol, atol, check_values, unwrap, w
             rows.append(_row("output_type", op=name, plain=type(a).__name__, wrapped=type(b).__name__))
             continue
         if sub_type is not None and not isinstance(b, sub_type):
-            rows.append(_row("lost_subclass", op=name, plain=f"{sub_type.__name__} expected",
+            made = producer(b) if producer is not None else None
+            rows.append(_row("lost_subclass", op=made["op"] if made else name, call=made["call"] if made else None,
+                             plain=f"{sub_type.__name__} expected",
                              wrapped=f"{type(b).__module__}.{type(b).__qualname__}",
-                             detail="the subclass's __torch_function__/__torch_dispatch__ returned a tensor that is "
-                                    "not the subclass"))
+                             source_file=made["source_file"] if made else None,
+                             source_line=made["source_line"] if made else None,
+                             wrapped_seq=made["seq"] if made else None,
+                             detail=(f"{name}: " if made else "") + "the subclass's __torch_function__/"
+                                    "__torch_dispatch__ returned a tensor that is not the subclass"))
         if tuple(a.shape) != tuple(b.shape):
             rows.append(_row("shape", op=name, plain=list(a.shape), wrapped=list(b.shape)))
             continue

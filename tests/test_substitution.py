@@ -87,8 +87,13 @@ def test_torch_function_returning_plain_tensors():
     assert not r.ok
     assert _kinds(r) == {"lost_subclass": 2}       # both outputs; ops, dtypes and values are unchanged
     rows = r.table.to_pylist()
-    assert {row["op"] for row in rows} == {"output[0]", "output[1]"}
+    # each row names the op that made the plain output (issue 29: it named only "output[0]")
+    assert {(row["op"], row["call"]) for row in rows} == {("aten.sum.dim_IntList", "sum"), ("aten.t.default", "t")}
+    assert {row["detail"].split(":")[0] for row in rows} == {"output[0]", "output[1]"}
+    assert all(row["source_file"] == __file__ and row["source_line"] == f.__code__.co_firstlineno + 2 for row in rows)
     assert all("Plainifying" in row["plain"] for row in rows)
+    assert f"aten.t.default in t: plain Plainifying expected → subclass torch.Tensor (test_substitution.py:" \
+        f"{f.__code__.co_firstlineno + 2})" in r.to_text()
 
 
 def test_subclass_that_changes_dtype():

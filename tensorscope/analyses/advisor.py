@@ -147,11 +147,22 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
                 if src in _CL and dst == "contiguous":
                     copies.append(r)
     out = []
-    if mixed or copies:
-        data_cl = sum(1 for r in mixed if (r["in_formats"] or [None])[0] in _CL and short_name(r["op"]) != "convolution_backward")
-        fix = ("convert the model too: model.to(memory_format=torch.channels_last), so weights, gradients and "
-               "inputs agree" if data_cl or copies else
-               "convert the input too: x.to(memory_format=torch.channels_last) (the weights already are)")
+    if not mixed:
+        copies = []   # no convolution mixes formats: each copy is its own layout_changes finding below
+    if mixed:
+        # which side to convert, from the formats the convolutions actually got: channels_last data with
+        # contiguous weights -> the model; contiguous data with channels_last weights -> the input
+        fwd = [r for r in mixed if short_name(r["op"]) != "convolution_backward"]
+        data_cl = sum(1 for r in fwd if (r["in_formats"] or [None])[0] in _CL)
+        weight_cl = sum(1 for r in fwd if len(r["in_formats"] or []) > 1 and r["in_formats"][1] in _CL)
+        if data_cl and not weight_cl:
+            fix = ("convert the model too: model.to(memory_format=torch.channels_last), so weights, gradients and "
+                   "inputs agree")
+        elif weight_cl and not data_cl:
+            fix = "convert the input too: x.to(memory_format=torch.channels_last) (the weights already are)"
+        else:
+            fix = ("convert model and input to one format: model.to(memory_format=torch.channels_last) and "
+                   "x.to(memory_format=torch.channels_last)")
         rs = mixed + copies
         cost = sum(r["cpu_ns"] or 0 for r in copies)
         seen = (f"{len(mixed)} convolution(s) mixing channels_last and contiguous 4-d/5-d inputs (the kernel "
@@ -174,11 +185,22 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
                 groups.setdefault((r["kind"], r["op"], r["source_file"], r["source_line"]), []).append(dict(r, window=w))
     for (kind, op, f, line), rs in groups.items():
         seen = f"{len(rs)}x {rs[0].get('reason') or op} at {_where(f, line)}, {fmt_bytes(sum(r['bytes'] or 0 for r in rs))}"
-        fix = ("use an op that keeps the layout, or make the tensor contiguous once before the loop"
-               if kind == "hidden_copy" else "keep one memory format end to end (convert model and input once)")
+        fix = _layout_fix(kind, rs[0])
         out.append(_finding("layout", f"{op} ({kind.replace('_', ' ')})", seen, [(r["window"], r["seq"]) for r in rs],
                             multi, None, fix, steps, rs[0]["module"], f, line))
     return out
+
+
+def _layout_fix(kind: str, r: Mapping[str, Any]) -> str:
+    """The change that removes a layout_changes finding (each one executed in tests/analyses/test_fixes_executed.py)."""
+    call = r.get("call") or ""
+    if kind == "hidden_copy" and call in ("flatten", "reshape", "view") and r.get("from_format") in _CL:
+        # a channels_last activation flattened for a linear head: its (c, h, w) order must be gathered
+        return ("x.permute(0, 2, 3, 1).flatten(1) is a view of a channels_last tensor (no copy); the features then "
+                "come in (h, w, c) order, so the next layer must be trained on that order")
+    if kind == "hidden_copy":
+        return "make the tensor contiguous once before the loop (x = x.contiguous()), or use an op that keeps the layout"
+    return "keep one memory format end to end: convert the other operand (or model and input) once"
 
 
 def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:

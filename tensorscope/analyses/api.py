@@ -10,8 +10,11 @@ many of its rows were hidden copies. An API none of whose calls dispatched an
 op gets one row with ``op`` null. Ops are attributed to the innermost
 torch-level call around them (``ops.call_id``); ops outside any call are not
 in the table, and neither are calls made by torch.compile'd code (``calls.compiled``).
-``surprising(api)`` ranks the APIs whose expansion deserves a
-look: hidden copies, many ops per call, non-core ops.
+``surprising(api)`` ranks the APIs whose ATen ops do more work than
+their own op: hidden copies, extra copies beside the API's own op, a
+decomposition into many ops per call. An in-place or out= variant, a
+non-core overload or any 1:1 mapping (``Tensor.add_ → aten.add_.Tensor``,
+``Tensor.sum → aten.sum.default``) is not surprising.
 """
 from __future__ import annotations
 
@@ -123,23 +126,30 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
 
 
 def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> list[dict[str, Any]]:
-    """APIs whose expansion is worth a look, most surprising first.
+    """APIs whose ATen ops do more work than their own op, most surprising first.
 
-    Reasons: hidden copies under it; more than ``min_ops_per_call`` ATen ops per
-    call; non-core ATen ops. ``backward`` (the whole autograd graph) and bookkeeping
-    ops (``detach``, ``alias``…) are left out.
+    Reasons: hidden copies under it; extra copies (a copy op beside another op of the
+    same API: the copy is not what the API is for); more than ``min_ops_per_call`` ATen
+    ops per call (a decomposition). Non-core overloads, in-place/out variants and 1:1
+    mappings are not reasons (``non_core`` lists them for reference). ``backward`` (the whole
+    autograd graph) and bookkeeping ops (``detach``, ``alias``…) are left out.
     """
     by: dict[str, dict[str, Any]] = {}
     for r in api.to_pylist():
         a = by.setdefault(r["qualname"], dict(api=r["qualname"], n_calls=r["n_calls"], no_op=r["no_op_calls"],
-                                               ops=[], per_call=0.0, hidden=0, non_core=[], cpu_ns=0))
+                                               ops=[], per_call=0.0, hidden=0, non_core=[], cpu_ns=0,
+                                               copies=[]))
         if r["op"] is None or r["op"].split(".")[1:2] and r["op"].split(".")[1] in _BOOKKEEPING:
             continue
         a["ops"].append((r["op"], r["n_ops"]))
-        a["per_call"] += r["ops_per_call"]
+        if r["op"].split(".")[1] not in _VIEWS:   # a view moves no data: not part of a decomposition's work
+            a["per_call"] += r["ops_per_call"]
         a["hidden"] += r["hidden_copies"] or 0
         a["cpu_ns"] += r["cpu_ns"] or 0
         short = r["op"].split(".")
+        if len(short) > 1 and short[1] in _COPIES:
+            # copies not already counted as hidden ones
+            a["copies"].append((r["op"], max(0, (r["n_ops"] or 0) - (r["hidden_copies"] or 0))))
         if not r["core"] and short[0] == "aten" and (len(short) < 2 or short[1] not in _BOOKKEEPING):
             a["non_core"].append(r["op"])
     out = []
@@ -147,16 +157,21 @@ def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> l
         if a["api"].endswith(".backward"):
             continue   # backward runs the whole autograd graph: its expansion is the model's, not an API's
         reasons = []
+        if a["hidden"] and len(a["ops"]) == len(a["copies"]):
+            a["hidden"] = 0   # contiguous()/clone() copying: the copy is the API's own op
         if a["hidden"]:
             reasons.append(f"{a['hidden']} hidden copies")
+        # a copy beside another op of the API is extra work; a copy that is the API's only op is its own op
+        extra = sum(n for _op, n in a["copies"]) if len(a["ops"]) > len(a["copies"]) else 0
+        if extra:
+            names = ", ".join(sorted({op.split(".")[1] for op, n in a["copies"] if n}))
+            reasons.append(f"{extra} extra cop{'y' if extra == 1 else 'ies'} ({names})")
         if a["per_call"] > min_ops_per_call:
             reasons.append(f"{a['per_call']:.1f} ATen ops per call")
-        if a["non_core"]:
-            reasons.append("non-core ATen: " + ", ".join(sorted(set(a["non_core"]))[:4]))
         if not reasons:
             continue
         a["reasons"] = reasons
-        a["score"] = (a["hidden"] > 0, a["per_call"], len(a["non_core"]))
+        a["score"] = (a["hidden"] > 0, extra > 0, a["per_call"])
         out.append(a)
     out.sort(key=lambda a: a["score"], reverse=True)
     return out[:k]
@@ -165,3 +180,10 @@ def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> l
 #: ops every eager program shows that say nothing about an API's expansion: the noise ops (rows flagged
 #: ``is_noise``, never a finding's subject) and ``t``
 _BOOKKEEPING = NOISE_OPS | {"t"}
+#: views: no data moved (an API that dispatches a compute op and a few views is one op of work)
+_VIEWS = frozenset({"view", "expand", "t", "permute", "unsqueeze", "squeeze", "_unsafe_view", "as_strided", "slice",
+                    "select", "transpose", "alias", "_reshape_alias", "narrow", "unflatten", "expand_as", "view_as",
+                    "split", "split_with_sizes", "unbind", "chunk", "diagonal", "movedim", "unfold", "detach",
+                    "view_as_real", "view_as_complex", "_conj", "_neg_view", "lift_fresh"})
+#: ops that copy data: extra work when an API dispatches them beside its own op
+_COPIES = frozenset({"clone", "_to_copy", "copy_", "contiguous", "_copy_from", "_copy_from_and_resize"})

@@ -66,7 +66,8 @@ def _listing(groups: list[tuple[Any, ...]]) -> str:
 
 def _check_channels_last(t: Any) -> Optional[str]:
     lc = t.layout_changes
-    rows = [r for r in lc.to_pylist() if r["kind"] == "format_change" and r["from_format"] in CL
+    # a hidden copy that dropped the format is one row of kind hidden_copy (layout: one event, one row)
+    rows = [r for r in lc.to_pylist() if r["kind"] in ("format_change", "hidden_copy") and r["from_format"] in CL
             and r["to_format"] not in CL]
     if rows:
         groups = _grouped(rows, ("op", "call", "source_file", "source_line", "module"))

@@ -2,7 +2,9 @@
 
 ``layout_changes(ops, calls)`` is a pure function of the ``ops`` and ``calls`` tables (no
 tensor, no torch import): one row per finding, of kind ``format_change``, ``hidden_copy`` or
-``non_dense_input``, with the formats, the reason and the bytes involved.
+``non_dense_input``, with the formats, the reason and the bytes involved. One event is one
+row: a hidden copy that also changed the memory format (``flatten`` or ``contiguous()`` of a
+channels_last tensor) is the ``hidden_copy`` row, its from/to formats naming the change.
 
 Rules and details: docs/analyses.md#layout-changes-analyseslayoutpy
 """
@@ -294,8 +296,8 @@ def _layout_rows(ops: pa.Table, names: CallNames, want: np.ndarray, fmt_idx: np.
 
     for i in want.tolist():
         r = rows[i]
-        if i in fmt_set:
-            ch = _format_change(r)
+        if i in fmt_set and i not in hid_set:   # one event, one row: a hidden copy that changed the format
+            ch = _format_change(r)              # is the hidden copy (its from/to formats say the change)
             if ch is not None:
                 frm, to, nb = ch
                 cid = r.get("call_id")
@@ -310,7 +312,12 @@ def _layout_rows(ops: pa.Table, names: CallNames, want: np.ndarray, fmt_idx: np.
             target = _copy_target(r, rows.get(i + 1))
             frm = (r.get("in_formats") or [None])[0]
             to = "contiguous" if short_name(r["op"]) in RESHAPE_FAMILY else (r.get("out_formats") or [None])[0]
-            emit(r, "hidden_copy", frm, to, _hidden_reason(r, call, target), _out_bytes(r, 0))
+            why = _hidden_reason(r, call, target)
+            ch = _format_change(r) if i in fmt_set else None
+            if ch is not None:
+                frm, to = ch[0], ch[1]
+                why += f"; the copy is {to}, the source {frm}"
+            emit(r, "hidden_copy", frm, to, why, _out_bytes(r, 0))
         if i in nd_set:
             nd = _non_dense_input(r)
             if nd is not None:

@@ -38,11 +38,19 @@ def _group_kind(g) -> str:
     return g.holder_kind + (f", growing {fmt_bytes(g.growth_bytes)}/cell" if g.growth_bytes else "")
 
 
+#: group kinds that are not leaks (nothing to release): listed after the leaks, under their own line
+_NOT_LEAKS = frozenset(("model_state", "optimizer_state", "value"))
+
+
 def report_text(rep, max_groups: int = 30) -> str:
     if not rep.groups:
         return "tensorscope leaks: no live tensor storage found" + "".join(f"\nnote: {n}" for n in rep.notes)
     lines = [f"{_head(rep)} ({_cost(rep)})"]
+    said = False
     for g in rep.groups[:max_groups]:
+        if g.holder_kind in _NOT_LEAKS and not said:
+            lines.append("  not leaks (model/optimizer state, named values):")
+            said = True
         devs = ", ".join(f"{d} {fmt_bytes(b)}" for d, b in sorted(g.by_device.items()))
         where = ""
         if g.cells:

@@ -1,8 +1,8 @@
 """Summary section "torch API vs ATen": the APIs whose expansion at the dispatcher is surprising.
 
-Reads the derived ``api`` table (``analyses.api``): hidden copies under an API,
-many ATen ops per call, non-core ATen ops, and the count of calls that
-dispatched nothing (no-op conversions). The full table is ``t.api``.
+Reads the derived ``api`` table (``analyses.api``): APIs whose ATen ops do more
+work than their own op (hidden copies, extra copies, many ATen ops per call), and
+the count of calls that dispatched nothing (no-op conversions). The full table is ``t.api``.
 """
 from __future__ import annotations
 

@@ -145,7 +145,9 @@ def _kind_text(kind, g) -> str:
     if growth is None:
         return kind or ""
     # within one cell the growth is per loop step: the holder's bytes over its elements
-    per_step = len(g["items"]) > 1 and growth == g["bytes"] // len(g["items"])
+    # (the bytes of the container's own elements, joined into the group, grow as their own holder)
+    n = len(g["items"])
+    per_step = n > 1 and abs(growth * n - (g["bytes"] - g.get("elem_bytes", 0))) < n
     return f"{kind}, growing {fmt_bytes(growth)}/{'step' if per_step else 'cell'}"
 
 
@@ -170,6 +172,8 @@ def leaks_section(t) -> Optional[Section]:
     groups: dict = {}
     state_bytes = n_state = 0
     for r in lk.to_pylist():
+        if r.get("holder_kind") == "value":   # a small value a name keeps (loss): not a leak, not state
+            continue
         if r.get("expected"):   # model/optimizer state: one line, not a leak
             state_bytes += r.get("nbytes") or 0
             n_state += 1
@@ -200,6 +204,7 @@ def leaks_section(t) -> Optional[Section]:
             del groups[(kind, holder)]
             into["n"] += g["n"]
             into["bytes"] += g["bytes"]
+            into["elem_bytes"] = into.get("elem_bytes", 0) + g["bytes"]
             into["items"].add(int(m.group(2)))
     ordered = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])
     rows = [(fmt_bytes(g["bytes"]), _kind_text(kind, g), _holder_text(kind, holder, g["items"]), str(g["n"]),
@@ -211,6 +216,6 @@ def leaks_section(t) -> Optional[Section]:
         notes.append(state_line(state_bytes, n_state))
     if not groups:
         return Section("still alive after the cell: no leaks", [], None, notes)
-    n_leaks = lk.num_rows - n_state
+    n_leaks = sum(g["n"] for g in groups.values())
     return Section(f"still alive after the cell: {fmt_bytes(total)} in {n_leaks} storage{'s' if n_leaks != 1 else ''}",
                    rows, ("bytes", "kind", "holder", "storages", "created", "fix"), notes)

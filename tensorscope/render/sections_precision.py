@@ -29,13 +29,11 @@ _PLURAL = {"format_change": "format changes", "hidden_copy": "hidden copies", "n
 
 
 def _where(r, cells=None) -> str:
-    parts = []
+    # "Cell In[2], line 3 (module 7)": a bare module name ("7", a Sequential child) after the line
+    # read as part of it ("Cell In[2], line 3 7")
     loc = format_location(r.get("source_file"), r.get("source_line"), cells)
-    if loc:
-        parts.append(loc)
-    if r.get("module"):
-        parts.append(r["module"])
-    return " ".join(parts)
+    mod = f"module {r['module']}" if r.get("module") else ""
+    return f"{loc} ({mod})" if loc and mod else (loc or mod)
 
 
 _group = group_rows   # one grouping rule for guards and summary
@@ -64,7 +62,8 @@ def layout_section(t) -> Optional[Section]:
         c[1] += r.get("bytes") or 0
     parts = [f"{v[0]} {(_PLURAL if v[0] != 1 else _KIND_LABEL).get(k, k)} ({fmt_bytes(v[1])})" for k, v in tot.items()]
     notes.append("; ".join(parts))
-    lost = sum(1 for r in rows if r["kind"] == "format_change" and r.get("from_format", "").startswith("channels_last")
+    lost = sum(1 for r in rows if r["kind"] in ("format_change", "hidden_copy")
+               and (r.get("from_format") or "").startswith("channels_last")
                and not (r.get("to_format") or "").startswith("channels_last"))
     if lost:
         notes.append(f"{lost} op(s) dropped channels_last; ops after them run contiguous "

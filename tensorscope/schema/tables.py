@@ -108,7 +108,7 @@ LEAKS = _schema("leaks", [
     ("holder", _str),
     ("holder_kind", _str),
     ("fix", _str),
-    ("expected", _bool),            # model/optimizer state (holder_kind model_state/optimizer_state), not a leak
+    ("expected", _bool),            # not a leak: model/optimizer state (model_state/optimizer_state) or a named one-element value (value)
     ("growing", _bool),             # the holder kept more bytes cell after cell (or step after step)
     ("growth_bytes_per_cell", _i64),  # bytes the holder gained per cell (per step within one cell); null if not growing
 ])

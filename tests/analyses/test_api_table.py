@@ -101,3 +101,39 @@ def test_calls_out_of_order_and_ops_outside_calls():
                                pa.array(["" for _ in range(len(q))], pa.string()))
     names = set(api_table(t.ops, blank).column("qualname").to_pylist())
     assert names == set(t.calls.column("name").to_pylist())
+
+
+def test_in_place_variants_and_one_to_one_mappings_are_not_surprising():
+    """Issue 29: ``Tensor.add_ → aten.add_.Tensor`` and ``Tensor.sum → aten.sum.default`` were listed
+    ("non-core ATen"); an API is surprising only when its ops do more work than its own op."""
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    with tensorscope.trace(leaks=False) as t:
+        x.add_(y)
+        x.sum()
+        torch.mul(x, y, out=y)
+        x.mean(dim=0)
+    s = surprising(t.api)
+    assert s == [], s
+    assert "surprising expansions" not in t.summary().to_text()
+    # the non-core ops are still in the table (t.api), only not findings
+    assert {"aten.add_.Tensor", "aten.sum.default"} <= {r["op"] for r in t.api.to_pylist()}
+
+
+def test_a_decomposition_and_an_extra_copy_are_surprising():
+    x = torch.randn(32, 64)
+    w = torch.randn(64)
+    with tensorscope.trace(leaks=False) as t:
+        torch.nn.functional.layer_norm(x.t(), (32,))   # fine: one op
+        torch.cdist(x, x)                                # a decomposition into several ops per call
+        x.t().contiguous()                               # the copy is contiguous()'s own op: not extra
+        torch.nn.functional.normalize(x * w, dim=1)      # a few ops, no copy
+    s = {a["api"]: a["reasons"] for a in surprising(t.api)}
+    # cdist is one compute op and views; contiguous() copying is its own op: neither is surprising
+    assert s == {}, s
+    z = torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1)
+    with tensorscope.trace(leaks=False) as t2:
+        torch.nn.functional.cosine_similarity(x, x)        # a decomposition into several compute ops
+        z.flatten(1)                                       # flatten copies: a hidden copy under it
+    s = {a["api"]: a["reasons"] for a in surprising(t2.api)}
+    assert any("ATen ops per call" in r for r in next((v for k, v in s.items() if k.endswith("cosine_similarity")), [])), s
+    assert any("hidden cop" in r for r in s.get("Tensor.flatten", [])), s

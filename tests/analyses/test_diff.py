@@ -150,3 +150,64 @@ def test_same_count_time_shift_classification():
     assert _timing(1_000_000, 1_100_000) == "same"        # +10%: noise
     assert _timing(10_000, 40_000) == "same"              # +300% but only 30 µs
     assert _timing(None, 5) == "same"
+
+
+def _loaded(t, scale):
+    """Trace ``t`` as a loaded machine would have timed it: every op's cpu_ns scaled by ``scale(op)``
+    (the rows, counts and bytes are the real trace's; only the times move, as run-to-run noise does)."""
+    import types
+
+    import pyarrow as pa
+
+    ops = t.ops
+    cpu = [None if c is None else int(c * scale(o)) for o, c in zip(ops.column("op").to_pylist(),
+                                                                     ops.column("cpu_ns").to_pylist())]
+    ops = ops.set_column(ops.column_names.index("cpu_ns"), "cpu_ns", pa.array(cpu, pa.int64()))
+    return types.SimpleNamespace(ops=ops, casts=t.casts, layout_changes=t.layout_changes, leaks=t.leaks,
+                                 memory=t.memory, metadata=t.metadata)
+
+
+def test_structural_changes_rank_above_timing_noise():
+    """Issue 29: a +2.3 ms wobble of addmm outranked an added LayerNorm (+4 MiB, a new op)."""
+    from tensorscope.analyses.diff import compare
+
+    torch.manual_seed(0)
+    lin1, lin2, ln = torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512), torch.nn.LayerNorm(1024)
+    x = torch.randn(1024, 512)
+    with torch.no_grad(), tensorscope.trace(leaks=False) as a:
+        lin2(torch.relu(lin1(x)))
+    with torch.no_grad(), tensorscope.trace(leaks=False) as b:
+        lin2(torch.relu(ln(lin1(x))))
+    def addmm_ns(t):
+        return sum(c for o, c in zip(t.ops.column("op").to_pylist(), t.ops.column("cpu_ns").to_pylist())
+                   if o == "aten.addmm.default")
+
+    # b's addmm 2.3 ms slower than a's in all (a loaded machine); its count and bytes are the same
+    gap = addmm_ns(a) + 2_300_000 - addmm_ns(b)
+    bb = _loaded(b, lambda op: 1.0 + (gap / addmm_ns(b) if op == "aten.addmm.default" else 0.0))
+    table, _ta, _tb = compare(a, bb)
+    rows = table.to_pylist()
+    first = rows[0]
+    assert (first["section"], first["status"], first["op"]) == ("ops", "appeared", "aten.native_layer_norm.default"), \
+        rows[:3]
+    assert first["delta_bytes"] >= 4 * 1024 * 1024
+    addmm = next(i for i, r in enumerate(rows) if r["section"] == "ops" and r["op"] == "aten.addmm.default")
+    assert all(r["status"] not in ("appeared", "disappeared", "changed") for r in rows[addmm:])
+    assert rows[addmm]["status"] in ("slower", "same") and rows[addmm]["delta_cpu_ns"] > 2_000_000
+    # the text lists the new LayerNorm first
+    text = tensorscope.diff(a, b).to_text().split("biggest changes")[1]
+    assert text.index("native_layer_norm") < (text.index("addmm") if "addmm" in text else len(text))
+
+
+def test_a_uniform_slowdown_is_run_to_run_noise_not_a_change():
+    from tensorscope.analyses.diff import compare
+
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.Tanh())
+    with torch.no_grad(), tensorscope.trace(leaks=False) as a:
+        m(torch.randn(512, 256))
+    # every op 30% slower (past the 20% floor): what a busy machine does to a whole run
+    table, _ta, _tb = compare(a, _loaded(a, lambda op: 1.3))
+    assert {r["status"] for r in table.to_pylist()} == {"same"}
+    # one op 3x slower while the rest wobble by 30%: that op moved past the run's noise
+    table, _ta, _tb = compare(a, _loaded(a, lambda op: 3.0 if op == "aten.tanh.default" else 1.3))
+    assert {r["op"] for r in table.to_pylist() if r["status"] == "slower"} == {"aten.tanh.default"}

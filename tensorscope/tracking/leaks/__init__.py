@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .boundary import BoundaryDiscovery, disable_discovery, discovery, enable_discovery
 from .known import _KNOWN, known_storages, remember  # noqa: F401  (_KNOWN: the registry, for tests and tools)
-from .paths import fix_code
+from .paths import MODEL_STATE_FIX, OPTIMIZER_STATE_FIX, fix_code  # noqa: F401  (state "fixes": advice, no code)
 from .report import LeakGroup, LeakReport, find_leaks
 from .rows import leak_table
 

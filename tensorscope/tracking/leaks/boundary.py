@@ -42,6 +42,10 @@ class BoundaryDiscovery:
         self.last_cost_s = 0.0
         self.last_scanned = 0
         self.errors = 0
+        #: the cell discovery was enabled in (its post_run_cell comes without our freeze): what exists by
+        #: then was made before discovery, at an unknown cell
+        self.enabled_in: Optional[int] = None
+        self.undated_cells = 0
 
     # events
     def pre_run_cell(self, info=None):
@@ -69,7 +73,14 @@ class BoundaryDiscovery:
             cell = getattr(self.shell, "execution_count", None)
         sentinel_seen = None
         try:
-            sentinel_seen = self._scan(cell)
+            if self._froze:
+                sentinel_seen = self._scan(cell)
+            else:
+                # no freeze before this cell (discovery enabled inside it, or the user's own freeze): the
+                # heap holds tensors of earlier cells too, and dating them with this cell would be wrong
+                self.undated_cells += 1
+                if self.cells == 0:
+                    self.enabled_in = cell
         except Exception:
             self.errors += 1
         finally:

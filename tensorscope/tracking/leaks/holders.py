@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from .classify import _TENSOR, _dev_str, _tensor_meta, _types
 from .known import _KNOWN, _meta_from_known
-from .paths import _Describer, _merge_fixes, _Steps
+from .paths import STATE_KINDS, _Describer, _merge_fixes, _Steps
 from .rowset import _Row
 from .search import _Search
 from .unreached import _classify_groups
@@ -73,6 +73,10 @@ def _holders(search: _Search, desc: _Describer, key: int) -> tuple[_Steps, str, 
         shown = extra_text[:3]
         more = f" (+{len(extra_text) - 3} more)" if len(extra_text) > 3 else ""
         text += "; also " + "; ".join(shown) + more
+    if main.kind in STATE_KINDS:
+        # model/optimizer state stays alive with its owner whatever else also reaches it (a graph that saved
+        # a weight): releasing the others frees nothing, so their fixes are not this row's
+        return main, text, main.fix
     return main, text, (_merge_fixes(fixes) if len(fixes) > 1 else main.fix)
 
 

@@ -8,7 +8,6 @@ small extension per element. ``_fix`` turns a path into a concrete statement;
 from __future__ import annotations
 
 import gc
-import os
 import re
 import types
 from collections.abc import Iterable
@@ -17,6 +16,7 @@ from operator import itemgetter
 from typing import Optional
 
 from ..._common import fmt_bytes
+from ..._location import format_location
 from .classify import _PY313, _TENSOR, _isa, _live_frame_locals, _running_frames, _types
 from .roots import _HIDDEN_UNDERS, _NEXT_CELL, _Root
 from .search import _Search
@@ -144,7 +144,7 @@ class _Labeler:
             elif type(o) is types.TracebackType:
                 m[id(o.tb_next)] = ("tbnext", "")
                 co = o.tb_frame.f_code
-                m[id(o.tb_frame)] = ("frame", f"{co.co_name}() ({os.path.basename(co.co_filename)}:{o.tb_lineno})")
+                m[id(o.tb_frame)] = ("frame", f"{co.co_name}() ({format_location(co.co_filename, o.tb_lineno)})")
             elif type(o) is types.FrameType:
                 for name, v in self._frame_locals(o):
                     m.setdefault(id(v), ("local", name))
@@ -247,7 +247,7 @@ class _PathState:
     """The description of the path from a root to one node (immutable once built)."""
 
     __slots__ = ("root", "pos", "expr", "flags", "marks", "first_kind", "last_kind", "nsteps", "text", "run",
-                 "inst", "moddict")
+                 "inst", "moddict", "pexpr")
 
     def __init__(self, root: _Root):
         self.root = root
@@ -262,13 +262,14 @@ class _PathState:
         self.run: tuple[str, ...] = ()
         self.inst = False          # the last raw step entered an instance's __dict__
         self.moddict: Optional[tuple] = None        # (what, expr, pos, parent) while a Module's _parameters/_buffers/_modules waits for its key
+        self.pexpr: Optional[str] = None            # the expression of the node's container (the last step's base)
 
     def copy(self) -> _PathState:
         n = _PathState.__new__(_PathState)
         n.root, n.pos, n.expr, n.flags, n.marks = self.root, self.pos, self.expr, self.flags, self.marks
         n.first_kind, n.last_kind, n.nsteps, n.text, n.run = (self.first_kind, self.last_kind, self.nsteps,
                                                              self.text, self.run)
-        n.inst, n.moddict = self.inst, self.moddict
+        n.inst, n.moddict, n.pexpr = self.inst, self.moddict, self.pexpr
         return n
 
     def full_text(self) -> str:
@@ -281,6 +282,7 @@ class _PathState:
             # the parent is a list/tuple/dict: never a module or an optimizer; the common case
             e = self.expr
             n.expr = f"{e}[{text}]" if e is not None else None
+            n.pexpr = e
             if n.first_kind is None:
                 n.first_kind = kind
             n.last_kind = kind
@@ -325,7 +327,11 @@ class _PathState:
             n.marks = dict(n.marks, optimizer=(self.pos - (1 if self.inst else 0), self.expr))
         if kind in _GRAPH_KINDS and "graph" not in n.marks:
             n.flags = n.flags | {"autograd"}
-            n.marks = dict(n.marks, graph=(n.pos, self.expr, self.nsteps == 1, self.first_kind, _is_scalar(parent)))
+            # the graph's owner (``parent``, a tensor) and the container that holds it (``grandparent``):
+            # what the fix may walk (a comprehension only over a container of tensors)
+            cont = _container(grandparent) if self.last_kind in ("key", "index") else None
+            n.marks = dict(n.marks, graph=(n.pos, self.expr, self.nsteps == 1, self.first_kind, _is_scalar(parent),
+                                           self.pexpr, self.last_kind, cont))
         elif kind == "closure":
             n.flags = n.flags | {"closure"}
         elif kind == "genlocal" and "gen" not in n.marks:
@@ -337,6 +343,7 @@ class _PathState:
 
     def _append(self, kind: str, text: str, base_expr):
         self.expr = _apply_expr(base_expr, kind, text) if base_expr is not None else None
+        self.pexpr = base_expr
         if self.first_kind is None:
             self.first_kind = kind
         self.last_kind = kind
@@ -348,6 +355,42 @@ class _PathState:
             self.text = self.text + _render_run(self.run)
             self.run = ()
         self.text = self.text + _render_step(kind, text)
+
+
+#: id(container) -> what a fix may do with it (``_container``); ids are stable while the search holds
+#: every visited object, and the map is dropped with the describer (``_Describer.clear``)
+_CONTAINERS: dict[int, tuple[str, bool, bool, str]] = {}
+
+
+def _container(c) -> tuple[str, bool, bool, str]:
+    """(kind, every element is a tensor, every element is a real 0-dim tensor, type name) of the container
+    that holds a graph's owner. ``kind`` is ``list``/``dict``/``tuple`` for those exact types (a
+    comprehension rebuilds them), ``mapping``/``sequence`` for subclasses and other holders (a
+    comprehension would change their type: ``ModelOutput`` → dict), ``other`` otherwise. Element types
+    are read from the classification cache, never with isinstance on user objects."""
+    key = id(c)
+    r = _CONTAINERS.get(key)
+    if r is not None:
+        return r
+    tp = type(c)
+    if tp is list or tp is dict or tp is tuple:
+        kind = tp.__name__
+    elif isinstance(c, dict):
+        kind = "mapping"
+    elif isinstance(c, (list, tuple)):
+        kind = "sequence"
+    else:
+        kind = "other"
+    tensors = scalars = False
+    if kind != "other":
+        try:
+            vals = list(c.values()) if isinstance(c, dict) else list(c)
+            tensors = bool(vals) and all(_types.get(type(v)) == _TENSOR for v in vals)
+            scalars = tensors and all(_is_scalar(v) for v in vals)
+        except Exception:
+            tensors = scalars = False
+    r = _CONTAINERS[key] = (kind, tensors, scalars, tp.__name__)
+    return r
 
 
 def _is_scalar(t) -> bool:
@@ -457,6 +500,7 @@ class _Describer:
         return _Steps(st.full_text(), kind, fix, cut, root.label, root.fix)
 
     def clear(self):
+        _CONTAINERS.clear()
         self.memo.clear()
         self.lab.cache.clear()
         self.lab.describer = None
@@ -464,6 +508,10 @@ class _Describer:
 
 #: holder kinds that are a model's or an optimizer's state, not a leak (``expected`` rows)
 STATE_KINDS = frozenset(("model_state", "optimizer_state"))
+#: the "fix" of state: nothing to run (advice only, in parentheses: ``fix_code`` gives no statement)
+MODEL_STATE_FIX = "(model state, not a leak: parameters and buffers live as long as the model is used)"
+OPTIMIZER_STATE_FIX = ("(optimizer state, not a leak: the next {opt}.step() needs it; {opt}.state.clear() "
+                       "releases it once training is over)")
 
 
 def _kind(group: str, flags) -> str:
@@ -499,24 +547,11 @@ def _fix_path(st: _PathState, kind: str, view) -> tuple[str, int]:
     last = st.pos
     marks = st.marks
     if kind == "autograd_graph":
-        gpos, owner, owner_is_elem, first_kind, scalar = marks["graph"]
-        if owner is None:
-            return f"{root.fix}  (or store .detach()/.item() instead of the tensor)", 0
-        if owner_is_elem and first_kind == "index" and scalar:
-            return (f"{root.expr} = [l.item() for l in {root.expr}]  (append loss.item(), not loss: each "
-                    f"scalar loss keeps its whole autograd graph)"), gpos
-        if owner_is_elem and first_kind == "index":
-            return (f"{root.expr} = [v.detach() for v in {root.expr}]  (append loss.item() or loss.detach(), "
-                    f"not loss: each element keeps its autograd graph)"), gpos
-        if owner_is_elem and first_kind == "key":
-            return (f"{root.expr} = {{k: v.detach() for k, v in {root.expr}.items()}}  "
-                    f"(store .detach()/.item(), not the tensor with its graph)"), gpos
-        return f"{owner} = {owner}.detach()  (or .item(): keep the value, not its autograd graph)", gpos
+        return _graph_fix(root, marks["graph"])
     if kind == "optimizer_state":
         p, e = marks["optimizer"]
-        if e is not None:
-            return f"del {e}  (or {e}.state.clear(): its state is as big as the parameters)", p
-        return root.fix, 0
+        # state, not a leak: the next step needs it (never `del opt`)
+        return (OPTIMIZER_STATE_FIX.format(opt=e) if e is not None else OPTIMIZER_STATE_FIX.format(opt="opt")), 0
     if kind == "model_state":
         top_pos, top_e = marks.get("topmodule", (0, None))
         if "grad" in marks:
@@ -524,11 +559,8 @@ def _fix_path(st: _PathState, kind: str, view) -> tuple[str, int]:
             if top_e is not None:
                 return f"{top_e}.zero_grad(set_to_none=True)", g
             return (f"{tensor_e}.grad = None", g) if tensor_e else (root.fix, 0)
-        if "buffer" in st.flags and full is not None:
-            return f"del {full}", last
-        if top_e is not None:
-            return f"del {top_e}  (parameters live as long as their module)", top_pos
-        return root.fix, 0
+        # parameters and buffers are the model: never `del model` (nor del model.buf)
+        return MODEL_STATE_FIX, 0
     if kind == "module" and full is not None:
         return f"del {full}  (or keep .detach()/.item(), or nothing, instead of the activation)", last
     if kind == "closure":
@@ -548,6 +580,40 @@ def _fix_path(st: _PathState, kind: str, view) -> tuple[str, int]:
             g, tensor_e = marks["grad"]
             return f"{tensor_e}.grad = None", last
     return root.fix, 0
+
+
+def _graph_fix(root: _Root, mark: tuple) -> tuple[str, int]:
+    """The fix of an autograd graph kept by a tensor (``owner``), checked against what it acts on: a
+    comprehension only over an exact list/dict/tuple all of whose elements are tensors (``.item()`` only
+    when all are real 0-dim tensors); an element of any other holder (a ``ModelOutput``, a cache class
+    holding lists) is detached where it sits, and the holder is named."""
+    gpos, owner, _owner_is_elem, _first_kind, _scalar, cexpr, step, cont = mark
+    if owner is None:
+        return f"{root.fix}  (or store .detach()/.item() instead of the tensor)", 0
+    if cont is not None and cexpr is not None:
+        ckind, tensors, scalars, tname = cont
+        top = cexpr == root.expr   # a list the user appends to (losses), not one inside another holder
+        if tensors and ckind == "list" and scalars:
+            return (f"{cexpr} = [l.item() for l in {cexpr}]  (" + ("append loss.item(), not loss: " if top else "")
+                    + "each scalar keeps its whole autograd graph)"), gpos
+        if tensors and ckind == "list":
+            return (f"{cexpr} = [v.detach() for v in {cexpr}]  (" + ("append loss.item() or loss.detach(), not "
+                    "loss: " if top else "") + "each element keeps its autograd graph)"), gpos
+        if tensors and ckind == "tuple":
+            return (f"{cexpr} = tuple(v.detach() for v in {cexpr})  (each element keeps its autograd "
+                    f"graph)"), gpos
+        if tensors and ckind == "dict":
+            return (f"{cexpr} = {{k: v.detach() for k, v in {cexpr}.items()}}  (store .detach()/.item(), not the "
+                    f"tensor with its graph)"), gpos
+        if ckind in ("list", "dict", "mapping", "sequence"):
+            what = "" if tensors else ", which also holds other objects"
+            art = "an" if tname[:1].lower() in "aeiou" else "a"
+            return (f"{owner} = {owner}.detach()  ({cexpr} is {art} {tname}{what}: release the graph of this "
+                    f"element where it sits)"), gpos
+        if ckind == "tuple":
+            return (f"del {root.expr}  ({cexpr} is a tuple that also holds other objects: its elements cannot be "
+                    f"replaced; keep .detach()ed tensors instead)" if root.expr else root.fix), 0
+    return f"{owner} = {owner}.detach()  (or .item(): keep the value, not its autograd graph)", gpos
 
 
 def _split_fix(fix: str) -> list[str]:

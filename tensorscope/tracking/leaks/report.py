@@ -19,10 +19,10 @@ from . import growth as _growth
 from .classify import _GcPaused
 from .holders import _fallback_rows
 from .known import _KNOWN
-from .paths import _merge_fixes
+from .paths import STATE_KINDS, _merge_fixes
 from .roots import _get_shell, _user_namespace
 from .rows import _rows_for
-from .rowset import _int_array, _merge_same_buffer, _rows_to_table, _RowSet
+from .rowset import VALUE_KIND, _int_array, _mark_values, _merge_same_buffer, _rows_to_table, _RowSet
 from .search import _run_search, _Search
 from .unreached import _heap_tensors
 
@@ -193,8 +193,9 @@ def _groups(rows: _RowSet) -> list[LeakGroup]:
         groups.append(LeakGroup(
             holder=holder, holder_kind=kind, fix=fix, n_storages=int(counts[g]), nbytes=int(sums[g]),
             by_device={dev_names[d]: int(by_dev[g, d]) for d in np.flatnonzero(on_dev[g]).tolist()},
-            cells=sorted(cells[g]), sources=list(sources[g]), growth_bytes=_growth.per_cell(root_label)))
-    groups.sort(key=lambda g: -g.nbytes)
+            cells=sorted(cells[g]), sources=list(sources[g]), growth_bytes=_growth.per_cell(root_label, kind)))
+    # leaks first, model/optimizer state (not a leak: nothing to release) after them
+    groups.sort(key=lambda g: (g.holder_kind in STATE_KINDS or g.holder_kind == VALUE_KIND, -g.nbytes))
     return groups
 
 
@@ -248,10 +249,17 @@ def _find_leaks(min_bytes, device, shell, user_ns, max_nodes, frames) -> LeakRep
             c = rows.cols
             rows.select([(nb or 0) >= min_bytes and (device is None or _device_match(d, device))
                          for nb, d in zip(c["nbytes"], c["device"])])
+        _mark_values(rows, lambda root, kind: _growth.per_cell(root, kind) is not None)
         table = _rows_to_table(rows)
         groups = _groups(rows)
         totals = _totals(rows)
-        if _boundary.discovery() is None and not any(k.traced for k in _KNOWN.values()):
+        d = _boundary.discovery()
+        undated = sum(1 for c_, e in zip(rows.cols["cell"], rows.cols["expected"]) if c_ is None and not e)
+        if d is not None and undated:
+            since = f" (in cell {d.enabled_in})" if d.enabled_in is not None else ""
+            notes.append(f"{undated} storage{'s' if undated != 1 else ''} with no creating cell: made before "
+                         f"discovery was enabled{since} and never traced, so when is unknown")
+        if d is None and not any(k.traced for k in _KNOWN.values()):
             notes.append("no trace or cell-boundary discovery saw these tensors being made: creating cell/op unknown "
                          "(trace cells, or turn on cell-boundary discovery: tensorscope.tracking.leaks.enable_discovery())")
         return LeakReport(table, groups, totals, time.perf_counter() - t0, visited, notes)

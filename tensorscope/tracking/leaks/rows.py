@@ -20,7 +20,7 @@ from .holders import _fallback_rows, _row_generic
 from .known import remember
 from .paths import _Describer
 from .roots import _get_shell, _user_namespace
-from .rowset import _merge_same_buffer, _rows_to_table, _RowSet
+from .rowset import _mark_values, _merge_same_buffer, _rows_to_table, _RowSet
 from .search import _run_search, _Search
 from .unreached import _heap_tensors
 
@@ -42,6 +42,30 @@ def _rows_for(search: _Search, key_meta: dict[int, dict]) -> tuple[_RowSet, set[
     finally:
         desc.clear()
     return rows, set(search.found)
+
+
+def _probe_roots(search: _Search, probe: dict[int, Any]) -> dict[int, set]:
+    """id(storage) -> the root labels that reach it, for each probe the search found; the probes are then
+    removed from the search (they get no row)."""
+    out: dict[int, set] = {}
+    if not probe:
+        return out
+    roots, own, cross, par = search.roots, search.own, search.cross, search.par
+    for key in probe:
+        nodes = search.found.pop(key, None)
+        search.storages.pop(key, None)
+        if not nodes:
+            continue
+        labels = set()
+        for j in nodes:
+            labels.add(roots[own[j]].label)
+            k = j
+            while k >= 0:   # other roots that reach the path (a second name for the same list)
+                for r in cross.get(k, ()):
+                    labels.add(roots[r].label)
+                k = par[k]
+        out[key] = labels
+    return out
 
 
 def leak_table(live: Sequence[Any], *, shell=None, user_ns=None, frames: bool = True) -> pa.Table:
@@ -88,7 +112,11 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
         if not want:
             _growth.observe(_RowSet())
             return S.empty("leaks")
-        search = _run_search(shell, ns, want, False, frames=frames)
+        # the old storages of growing-candidate holders, searched for with this trace's: is each still
+        # held by the holder it was charged to? (found, they are dropped before any row is made)
+        probe = {k: s for k, s in _growth.probes().items() if k not in want}
+        search = _run_search(shell, ns, {**want, **probe} if probe else want, False, frames=frames)
+        held = _probe_roots(search, probe)
         rows, reached = _rows_for(search, key_meta)
         missing = {k for k in want if k not in reached}
         if missing:
@@ -102,9 +130,12 @@ def _leak_table(live, shell, user_ns, frames) -> pa.Table:
         _merge_same_buffer(rows)
         by_ptr = {m["data_ptr"]: want[k] for k, m in key_meta.items() if k in want}
         try:
-            _growth.observe(rows, by_ptr.get)
+            _growth.observe(rows, by_ptr.get, lambda s: held.get(id(s), set()))
         finally:
             by_ptr.clear()
+            held.clear()
+            probe.clear()
+        _mark_values(rows)
         return _rows_to_table(rows)
     finally:
         # nothing of ours may outlive the call, not even in a traceback's frames

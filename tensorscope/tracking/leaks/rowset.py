@@ -121,6 +121,37 @@ class _RowSet:
             c.clear()
 
 
+#: holder kind of a small value a name keeps (``loss`` after ``loss.backward()``): not a leak
+VALUE_KIND = "value"
+#: a value holds one element of at most this many bytes (a complex128 scalar)
+VALUE_MAX_BYTES = 16
+
+
+def _mark_values(rows: _RowSet, growing=None) -> None:
+    """A one-element tensor a name binds itself (``global loss``, ``f() local total``), keeping no autograd
+    graph (its holder has no ``autograd_graph`` row) and not growing, is a value the program uses, not
+    a leak: kind ``value``, ``expected``. ``growing(root, kind)`` says whether a holder grows across
+    cells (the whole-notebook report has no per-row growth)."""
+    c = rows.cols
+    kinds, roots, shapes, nbs, grow, exp, holders = (c["holder_kind"], c["root_label"], c["shape"], c["nbytes"],
+                                                     c["growing"], c["expected"], c["holder"])
+    graph_roots = {r for r, k in zip(roots, kinds) if k == "autograd_graph"}
+    for i in range(len(rows)):
+        if kinds[i] not in ("global", "local") or grow[i] or roots[i] in graph_roots:
+            continue
+        if holders[i].split("; also ", 1)[0] != roots[i]:
+            continue   # an element of a container (a list of 10^6 detached losses is a leak): not a named value
+        sh = shapes[i]
+        if sh is None or (nbs[i] or 0) > VALUE_MAX_BYTES:
+            continue
+        n = 1
+        for d in sh:
+            n *= d
+        if n <= 1 and not (growing is not None and growing(roots[i], kinds[i])):
+            kinds[i] = VALUE_KIND
+            exp[i] = True
+
+
 def _int_array(col: list, dtype=None):
     """A numpy array of an integer column, None read as 0."""
     import numpy as np

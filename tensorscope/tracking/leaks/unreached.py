@@ -9,13 +9,13 @@ see (``hidden_cpp_owner``).
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import types
 from array import array
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..._location import format_location
 from .classify import _T, _other_threads_frames, _running_frames
 
 
@@ -282,7 +282,7 @@ def _hit_text(members, child, n, what) -> _Fallback:
                     break
         return _Fallback(f"global {modname}.{nm} (library module)", "global", f"del {modname}.{nm}")
     co = r.f_code
-    return _Fallback(f"local in {co.co_name}() ({os.path.basename(co.co_filename)}:{r.f_lineno})", "local",
+    return _Fallback(f"local in {co.co_name}() ({format_location(co.co_filename, r.f_lineno)})", "local",
                      f"del the local in {co.co_name}() or return from it")
 
 
