@@ -566,10 +566,13 @@ def _report_failure(status_path: str) -> None:
     if tag in _BG.reported:
         return
     _BG.reported.add(tag)
-    bad = [f"{k}: {v.get('reason')}" for k, v in (st.get("libs") or {}).items() if v.get("state") != "built"]
-    _notice(f"the background build of the native parts failed ({'; '.join(bad) or st.get('error', '?')}; "
-            f"log: {st.get('log')}); traces keep the python engine. "
-            "`python -m tensorscope build-native --force` retries.")
+    why: dict[str, list[str]] = {}   # the reason (its per-library log path cut off) -> the libraries
+    for kind, v in (st.get("libs") or {}).items():
+        if v.get("state") != "built":
+            why.setdefault(re.sub(r" \(log: [^)]*\)$", "", str(v.get("reason", "?"))), []).append(kind)
+    said = "; ".join(f"{', '.join(kinds)}: {r}" for r, kinds in why.items()) or "?"
+    _notice(f"the background build of the native parts failed ({said}; log: {st.get('log')}); "
+            "traces keep the python engine; `python -m tensorscope build-native --force` retries.")
 
 
 def background(specs: tuple[LibSpec, ...] = TRACE_LIBS) -> Optional[str]:

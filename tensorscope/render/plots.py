@@ -5,7 +5,8 @@ group-by). Every plot returns a ``matplotlib.figure.Figure`` built with the
 object-oriented API: no ``pyplot``, no global state, no ``plt.show()``. The
 figure is a ``PlotFigure`` (a Figure with ``_repr_png_``), so in Jupyter it
 displays as an ``image/png`` output whatever the matplotlib backend (no
-``%matplotlib inline`` needed; a pyplot-free Figure has no display otherwise);
+``%matplotlib inline`` needed: a Figure made outside matplotlib's global
+figure manager has no notebook display of its own);
 elsewhere call ``fig.savefig(...)``. matplotlib is imported on first use only.
 
 ``PlotAccessor(trace)``:
