@@ -251,6 +251,9 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--status", action="store_true", help="only report the state; build nothing")
     p.add_argument("--cache-dir", action="store_true", help="print the cache directory and exit")
     args = p.parse_args(list(argv) if argv is not None else None)
+    import time
+
+    t0 = time.perf_counter()
     if args.cache_dir:
         print(_build.cache_root())
         return 0
@@ -282,6 +285,14 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
         tst = _build.lib_status(spec)
         print(f"test-op library: {tst['state']} ({tst['reason']})")
         ok = ok and tst["state"] == "built"
+    compiled = [(spec.what, _build._STATES[spec.kind]) for spec in _build.TRACE_LIBS]
+    took = ", ".join(f"{what} {st.seconds:.1f} s" for what, st in compiled if st.compiled and st.seconds is not None)
+    if took:
+        print(f"compiled in {time.perf_counter() - t0:.1f} s ({took}) on {os.cpu_count()} cores; "
+              f"traces load the cached builds in milliseconds from now on")
+    else:
+        print("nothing compiled: every library was already in the cache "
+              f"({_build.cache_root()}); a cold build takes {_build.BUILD_TIME}")
     if forced_fallback():
         print(f"note: {FORCE_ENV} is set, so traces use the pure-Python fallback anyway")
     return 0 if ok else 1

@@ -56,10 +56,11 @@ class TableView:
     """A ``pyarrow.Table`` that displays as a compact table (see the module docstring)."""
 
     __slots__ = ("_table", "title", "notes")
+    _table: pa.Table
 
     def __init__(self, table: pa.Table, title: str, notes: tuple[str, ...] = ()) -> None:
         if isinstance(table, TableView):
-            table = table._table
+            table = table.to_arrow()
         self._table = table
         self.title = title
         self.notes = tuple(notes)
@@ -113,7 +114,8 @@ class TableView:
     def _layout(self) -> tuple[list[str], list[int], list[str]]:
         """(columns shown, row indices shown (-1: the elision), notes)."""
         t = self._table
-        shown, hidden = [], []
+        shown: list[str] = []
+        hidden: list[str] = []
         for f in t.schema:
             col = t.column(f.name)
             empty = col.null_count == len(col) and len(col) > 0
