@@ -5,7 +5,7 @@ Each test uses its own empty TENSORSCOPE_CACHE. ``TENSORSCOPE_TEST_BUILD_DELAY``
 background builder hold its lock and sleep before compiling, so a trace certainly runs while the build
 is under way. The failure tests build with ``CXX=/bin/false`` (a real compile that fails in a second).
 ``test_kernel_first_cell_python_then_native`` is the suite's one real cold build (~25 s on 2 idle cores,
-up to ~2 min on busy ones), bounded by its timeout.
+up to ~2.5 min on busy ones), bounded by its timeout; marked `cold_build` (`-m "not cold_build"` skips it).
 """
 from __future__ import annotations
 
@@ -120,6 +120,16 @@ def test_foreground_env_and_forced_fallback_start_nothing(tmp_path):
         assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["None", "[]"], r.stdout + r.stderr
 
 
+def test_build_native_says_what_it_compiled(capsys):
+    from tensorscope import native
+
+    if _build.cached(_build.ENGINE) is None:
+        pytest.skip("the native parts are not in the cache")
+    assert native.build_native_main([]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "nothing compiled: every library was already in the cache" in out and _build.BUILD_TIME in out
+
+
 def _run(k, code, timeout=180):
     """(reply status, [(stream name, text)], results) of one cell."""
     streams, results = [], []
@@ -135,6 +145,7 @@ def _run(k, code, timeout=180):
 
 
 @pytest.mark.kernel
+@pytest.mark.cold_build
 @needs_toolchain
 def test_kernel_first_cell_python_then_native(tmp_path):
     """The suite's one real cold build: the first %%tensorscope cell runs at once with the python engine
