@@ -156,18 +156,23 @@ class Kernel:
                 out_bytes += len(json.dumps({"data": content["data"], "metadata": content.get("metadata", {})}).encode())
             elif kind == "error":
                 error = f"{content['ename']}: {content['evalue']}"
-        self.kc.get_shell_msg(timeout=timeout)   # the execute_reply
+        while self.kc.get_shell_msg(timeout=timeout)["parent_header"].get("msg_id") != msg_id:
+            pass   # the execute_reply of this cell
         return ms, out_bytes, error
 
     def value(self, expr):
-        self.kc.execute(f"__bench_value = repr({expr})", store_history=False)
-        reply = self.kc.get_shell_msg(timeout=60)
-        assert reply["content"]["status"] == "ok", reply["content"]
-        self.kc.execute("", user_expressions={"v": "__bench_value"}, store_history=False)
-        reply = self.kc.get_shell_msg(timeout=60)
+        """``expr`` evaluated in the kernel (a literal)."""
         import ast
 
-        return ast.literal_eval(ast.literal_eval(reply["content"]["user_expressions"]["v"]["data"]["text/plain"]))
+        msg_id = self.kc.execute("pass", user_expressions={"v": expr}, store_history=False)
+        while True:
+            reply = self.kc.get_shell_msg(timeout=60)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        got = reply["content"]["user_expressions"]["v"]
+        if got.get("status") != "ok":
+            raise RuntimeError(f"{expr}: {got}")
+        return ast.literal_eval(got["data"]["text/plain"])
 
     def close(self):
         try:

@@ -235,7 +235,8 @@ class Trace:
 
     @property
     def plot(self):
-        """Matplotlib plots: ``t.plot.timeline()``, ``top_ops()``, ``memory()``, ``modules()``."""
+        """Matplotlib plots: ``t.plot.timeline()``, ``top_ops()``, ``memory()``, ``modules()``; each a Figure
+        that a notebook displays as a PNG (no ``%matplotlib inline`` needed)."""
         if self._plot is None:
             from .render.plots import PlotAccessor
 
