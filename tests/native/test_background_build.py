@@ -171,8 +171,8 @@ def test_kernel_first_cell_python_then_native(tmp_path):
             assert k.value(f"{name}.ops.column('op').to_pylist()") == ["aten.mm.default", "aten.relu.default"]
         st = _wait_finished(cache, 540)
         assert st["state"] == "done", st
-        print(f"first traced cell {first_cell_s:.2f} s while the background build took {st['seconds']:.1f} s "
-              f"({', '.join(f'{k} {v['reason']}' for k, v in st['libs'].items())})")
+        libs = ", ".join(f"{k} {v['reason']}" for k, v in st["libs"].items())
+        print(f"first traced cell {first_cell_s:.2f} s while the background build took {st['seconds']:.1f} s ({libs})")
         status, streams, _ = _run(k, "%%tensorscope -q -o t3\ny = (x @ x).relu()")
         assert status == "ok" and not [s for n, s in streams if n == "stderr"], streams
         assert k.value("t3.metadata['engine']") == "native"
