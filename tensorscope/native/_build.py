@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 
 #: what a cold build of the three libraries (hooks, engine, function mode) takes, measured with an
 #: empty TENSORSCOPE_CACHE on a 2-core machine (docs/guide/display-and-build.md)
-BUILD_TIME = "~25 s on 2 idle cores, up to ~2 min on busy ones"
+BUILD_TIME = "~25 s on 2 idle cores, up to ~3 min on busy ones"
 
 #: Bump when the build recipe changes in a way the key would not see.
 BUILD_RECIPE = "1"

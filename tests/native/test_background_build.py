@@ -5,7 +5,7 @@ Each test uses its own empty TENSORSCOPE_CACHE. ``TENSORSCOPE_TEST_BUILD_DELAY``
 background builder hold its lock and sleep before compiling, so a trace certainly runs while the build
 is under way. The failure tests build with ``CXX=/bin/false`` (a real compile that fails in a second).
 ``test_kernel_first_cell_python_then_native`` is the suite's one real cold build (~25 s on 2 idle cores,
-up to ~2.5 min on busy ones), bounded by its timeout; marked `cold_build` (`-m "not cold_build"` skips it).
+up to ~3 min on busy ones), bounded by its timeout; marked `cold_build` (`-m "not cold_build"` skips it).
 """
 from __future__ import annotations
 
