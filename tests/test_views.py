@@ -56,6 +56,8 @@ def test_views_are_tables_that_display():
     zero = [c for c in tl.column_names if c.endswith("_bytes") and not any(tl.column(c).to_pylist())]
     assert zero and all(f"<th>{c}</th>" not in tl._repr_html_() for c in zero)
     assert ", ".join(zero) in repr(tl)
+    adv = t.advice()   # the advisor's result: its findings as the views give their table
+    assert adv.to_arrow() is adv.findings and list(adv.to_pandas().columns) == adv.findings.column_names
     # memory_at(seq) out of range stays an IndexError
     with pytest.raises(IndexError):
         t.memory_at(t.ops.num_rows)
