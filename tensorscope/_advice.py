@@ -51,6 +51,16 @@ class Advice(Displayable):
 
         return Summary([self.section()]).to_html()
 
+    def to_arrow(self) -> pa.Table:
+        """The findings (schema ``ADVICE``), as the views' ``to_arrow()``."""
+        return self.findings
+
+    def to_pandas(self) -> Any:
+        """The findings as a pandas DataFrame."""
+        from .render.views import TableView
+
+        return TableView(self.findings, "advice").to_pandas()
+
 
 def _is_trace(x: Any) -> bool:
     # duck-typed: importing _trace here would make a cycle (Trace.advice calls advise)

@@ -14,12 +14,21 @@ import os
 import shutil
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import pyarrow as pa
 
 from . import schema as S
 from .metadata import TraceMetadata
+
+if TYPE_CHECKING:
+    from .render.views import TableView
+
+
+def _view(table: pa.Table, title: str, notes: Sequence[str] = ()) -> TableView:
+    from .render.views import TableView
+
+    return TableView(table, title, tuple(notes))
 
 
 def _derive(name: str, tables: dict[str, pa.Table]) -> pa.Table:
@@ -148,7 +157,9 @@ class Trace:
     allocator_events = property(lambda self: self.table("allocator_events"))
 
     # -- what memory is made of (analyses/memory_categories.py) -------------------------------------
-    def memory_timeline(self) -> pa.Table:
+    # Each returns a ``TableView`` (render/views.py): the Arrow table, displayed as a compact table;
+    # ``.to_arrow()`` / ``.to_pandas()``, and everything a ``pyarrow.Table`` answers.
+    def memory_timeline(self) -> TableView:
         """Live bytes by category (``tensors.category``) after each op, one row per (op, device), with
         the op, phase, module and source line; ``is_peak`` marks each device's peak (schema
         ``MEMORY_TIMELINE``)."""
@@ -157,9 +168,10 @@ class Trace:
             from .analyses.memory_categories import memory_timeline
 
             got = self._derived["memory_timeline"] = memory_timeline(self.tensors, self.ops)
-        return got
+        return _view(got, "t.memory_timeline(): live bytes by category after each op",
+                     ("is_peak marks each device's peak; t.memory_at() breaks it down by module",))
 
-    def allocator_timeline(self) -> pa.Table:
+    def allocator_timeline(self) -> TableView:
         """The CUDA caching allocator's reserved and allocated bytes after each of its events, per
         device (``memory_history=True``; empty otherwise; schema ``ALLOCATOR_TIMELINE``)."""
         got = self._derived.get("allocator_timeline")
@@ -167,18 +179,20 @@ class Trace:
             from .analyses.allocator import allocator_timeline
 
             got = self._derived["allocator_timeline"] = allocator_timeline(self.allocator_events, self.allocator)
-        return got
+        notes = () if got.num_rows else ("recorded only with memory_history=True on a CUDA device",)
+        return _view(got, "t.allocator_timeline(): the CUDA caching allocator after each event", notes)
 
-    def memory_at(self, seq: Optional[int] = None) -> pa.Table:
+    def memory_at(self, seq: Optional[int] = None) -> TableView:
         """What was alive after op ``seq`` (default: each device's peak), bytes and storages by
         (device, category, module), largest first (schema ``MEMORY_AT``)."""
         from .analyses.memory_categories import memory_at
 
         if seq is not None and not (0 <= int(seq) < self.ops.num_rows):
             raise IndexError(f"seq {seq} is not an op of this trace (0..{self.ops.num_rows - 1})")
-        return memory_at(self.tensors, self.ops, seq)
+        where = "each device's peak" if seq is None else f"op {int(seq)}"
+        return _view(memory_at(self.tensors, self.ops, seq), f"t.memory_at(): alive after {where}")
 
-    def module_memory(self) -> pa.Table:
+    def module_memory(self) -> TableView:
         """Per module (children rolled into parents) and device: bytes of activations its forward
         saved for backward and the peaks while its forward and backward ops ran (``MODULE_MEMORY``)."""
         got = self._derived.get("module_memory")
@@ -186,7 +200,7 @@ class Trace:
             from .analyses.memory_categories import module_memory
 
             got = self._derived["module_memory"] = module_memory(self.tensors, self.ops, self.calls)
-        return got
+        return _view(got, "t.module_memory(): activations saved and peaks per module")
 
     def df(self, name: str = "ops"):
         """A table as a pandas DataFrame (nullable ints stay ints, strings are plain strings)."""
@@ -221,7 +235,8 @@ class Trace:
 
     @property
     def plot(self):
-        """Matplotlib plots: ``t.plot.timeline()``, ``top_ops()``, ``memory()``, ``modules()``."""
+        """Matplotlib plots: ``t.plot.timeline()``, ``top_ops()``, ``memory()``, ``modules()``; each a Figure
+        that a notebook displays as a PNG (no ``%matplotlib inline`` needed)."""
         if self._plot is None:
             from .render.plots import PlotAccessor
 

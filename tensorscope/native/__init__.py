@@ -20,8 +20,11 @@ from . import _build
 __all__ = [
     "open_capture", "status", "build", "build_native_main", "engine", "loaded_engine", "engine_status",
     "forced_fallback", "load_test_ops", "FORCE_ENV", "function_mode", "PY_FUNCTION_MODE_ENV", "site_error_info",
-    "abi", "abi_dtype", "abi_flags", "fields_dtype", "cache_root",
+    "abi", "abi_dtype", "abi_flags", "fields_dtype", "cache_root", "build_pending", "BUILD_ENV", "TEST_DELAY_ENV",
 ]
+
+BUILD_ENV = _build.BUILD_ENV
+TEST_DELAY_ENV = _build.TEST_DELAY_ENV
 
 #: Set to 1 to force the pure-Python fallback (read at every call, not at import).
 FORCE_ENV = "TENSORSCOPE_FORCE_FALLBACK"
@@ -126,6 +129,16 @@ def abi_flags(lib: Optional[str] = None) -> Optional[dict[str, int]]:
     return impl(lib)
 
 
+def build_pending() -> Optional[str]:
+    """Why a trace starting now cannot use the native parts yet: they are not built and are
+    compiling in a background process (started by this call when none runs; one calm line says so,
+    once). None when they are loaded, cached (a trace loads them in milliseconds), known not to build,
+    forced off (:data:`FORCE_ENV`), or ``TENSORSCOPE_NATIVE_BUILD=foreground``. Never blocks."""
+    if forced_fallback():
+        return None
+    return _build.background(_build.TRACE_LIBS)
+
+
 def _hooks(wait: bool = True):
     """(extension module or None, reason)."""
     if forced_fallback():
@@ -145,14 +158,18 @@ def dict_identity(d: dict) -> Optional[int]:
 def open_capture(native: bool = True, cpp_errors: bool = False):
     """A capture for one trace: native when asked for and available, else the fallback.
 
-    The first native capture of a process compiles the hooks if no cached
-    build exists (one line on stderr says so), unless another thread is compiling
-    them, in which case this capture uses the fallback instead of waiting.
+    When no cached build exists the hooks compile in a background process (``build_pending``)
+    and this capture is the fallback; with ``TENSORSCOPE_NATIVE_BUILD=foreground`` the first capture
+    compiles them (one line on stderr says so), unless another thread is compiling them, in which
+    case this capture uses the fallback instead of waiting.
     """
     from ._fallback import FallbackCapture
 
     if not native:
         return FallbackCapture(reason="native=False", cpp_errors=cpp_errors)
+    pending = build_pending()
+    if pending is not None:
+        return FallbackCapture(reason=pending, cpp_errors=cpp_errors)
     ext, reason = _hooks(wait=False)
     if ext is None and "still compiling" not in reason and not forced_fallback():
         ext, reason = _hooks(wait=True)
@@ -234,6 +251,9 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--status", action="store_true", help="only report the state; build nothing")
     p.add_argument("--cache-dir", action="store_true", help="print the cache directory and exit")
     args = p.parse_args(list(argv) if argv is not None else None)
+    import time
+
+    t0 = time.perf_counter()
     if args.cache_dir:
         print(_build.cache_root())
         return 0
@@ -265,6 +285,14 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
         tst = _build.lib_status(spec)
         print(f"test-op library: {tst['state']} ({tst['reason']})")
         ok = ok and tst["state"] == "built"
+    compiled = [(spec.what, _build._STATES[spec.kind]) for spec in _build.TRACE_LIBS]
+    took = ", ".join(f"{what} {st.seconds:.1f} s" for what, st in compiled if st.compiled and st.seconds is not None)
+    if took:
+        print(f"compiled in {time.perf_counter() - t0:.1f} s ({took}) on {os.cpu_count()} cores; "
+              f"traces load the cached builds in milliseconds from now on")
+    else:
+        print("nothing compiled: every library was already in the cache "
+              f"({_build.cache_root()}); a cold build takes {_build.BUILD_TIME}")
     if forced_fallback():
         print(f"note: {FORCE_ENV} is set, so traces use the pure-Python fallback anyway")
     return 0 if ok else 1

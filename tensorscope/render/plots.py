@@ -2,9 +2,12 @@
 
 Role: draw, never compute anything the tables do not already hold (beyond a
 group-by). Every plot returns a ``matplotlib.figure.Figure`` built with the
-object-oriented API: no ``pyplot``, no global state, no ``plt.show()`` — in
-Jupyter the returned Figure displays itself, elsewhere call
-``fig.savefig(...)``. matplotlib is imported on first use only.
+object-oriented API: no ``pyplot``, no global state, no ``plt.show()``. The
+figure is a ``PlotFigure`` (a Figure with ``_repr_png_``), so in Jupyter it
+displays as an ``image/png`` output whatever the matplotlib backend (no
+``%matplotlib inline`` needed: a Figure made outside matplotlib's global
+figure manager has no notebook display of its own);
+elsewhere call ``fig.savefig(...)``. matplotlib is imported on first use only.
 
 ``PlotAccessor(trace)``:
 
@@ -33,10 +36,36 @@ TOP_BY = ("cpu_ns", "cuda_ns", "flops", "bytes")
 _COLORS = {"call": "#8da0cb", "forward": "#fc8d62", "backward": "#66c2a5", "kernel": "#e78ac3", "other": "#b3b3b3"}
 
 
-def _figure(w: float = 9.0, h: float = 3.5, dpi: int = 100):
-    from matplotlib.figure import Figure
+_FIGURE_CLASS = None
 
-    return Figure(figsize=(w, h), dpi=dpi, layout="constrained")
+
+def figure_class():
+    """``PlotFigure``: a ``matplotlib.figure.Figure`` that IPython displays as ``image/png``
+    (``_repr_png_``; ``%matplotlib inline``'s own Figure formatter, when registered, takes precedence
+    and draws the same PNG). Made on first use, so importing this module imports no matplotlib."""
+    global _FIGURE_CLASS
+    if _FIGURE_CLASS is None:
+        from matplotlib.figure import Figure
+
+        class PlotFigure(Figure):
+            """A tensorscope plot: a matplotlib Figure that displays itself in Jupyter."""
+
+            def _repr_png_(self) -> bytes:
+                buf = io.BytesIO()
+                self.savefig(buf, format="png")
+                return buf.getvalue()
+
+            def __repr__(self) -> str:
+                w, h = self.get_size_inches() * self.dpi
+                return f"<tensorscope plot {w:.0f}x{h:.0f} px: {', '.join(a.get_title() for a in self.axes)}>"
+
+        PlotFigure.__module__ = __name__
+        _FIGURE_CLASS = PlotFigure
+    return _FIGURE_CLASS
+
+
+def _figure(w: float = 9.0, h: float = 3.5, dpi: int = 100):
+    return figure_class()(figsize=(w, h), dpi=dpi, layout="constrained")
 
 
 def _table(trace, name):

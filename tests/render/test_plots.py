@@ -159,6 +159,17 @@ def test_library_never_touches_pyplot_state():
         assert "pyplot" not in f.read().replace("no ``pyplot``", "")
 
 
+def test_figures_display_as_png_without_a_backend():
+    """IPython's own formatter (what a kernel sends) gives image/png for every plot, no ``%matplotlib``."""
+    from IPython.core.formatters import DisplayFormatter
+
+    acc = PlotAccessor(sample())
+    for fig in (acc.timeline(), acc.top_ops(), acc.memory(), acc.modules()):
+        data, _ = DisplayFormatter().format(fig)
+        assert data["image/png"].startswith(PNG) and data["image/png"] == fig._repr_png_()
+        assert data["text/plain"].startswith("<tensorscope plot ") and fig.axes[0].get_title() in data["text/plain"]
+
+
 def test_memory_of_a_categorised_trace_is_stacked_by_category_with_the_peak_marked():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))

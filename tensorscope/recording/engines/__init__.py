@@ -33,10 +33,13 @@ assert _FLOPS is not None   # re-exported: the per-process FLOP formula cache (t
 
 
 def _native_ext(wait: bool = True) -> tuple[Any, str]:
-    from ...native import FORCE_ENV, engine, forced_fallback
+    from ...native import FORCE_ENV, build_pending, engine, forced_fallback
 
     if forced_fallback():
         return None, f"{FORCE_ENV}=1 forces the python engine"
+    pending = build_pending()   # not built: a background process compiles it; this trace does not wait
+    if pending is not None:
+        return None, pending
     ext, reason = engine(wait=wait)
     if ext is not None:
         problem = abi_mismatch(ext)
