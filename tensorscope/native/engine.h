@@ -271,6 +271,12 @@ struct Engine {
   std::vector<int32_t> young;    // live storages first seen as outputs
   std::vector<int32_t> old;      // live storages first seen as inputs
   size_t young_rr = 0, old_rr = 0;
+  // the storages the last rows named: checked at every row, so a free right after the op that
+  // last used a storage (a temporary, a saved tensor autograd releases after its node) is dated
+  // exactly (engine_storages.h)
+  static constexpr size_t kRecent = 32;
+  std::vector<int32_t> recent = std::vector<int32_t>(kRecent, -1);
+  size_t recent_pos = 0;
 
   std::vector<WarnRec> warnings;
   std::atomic<size_t> n_warnings{0};   // warnings.size(), readable without the lock

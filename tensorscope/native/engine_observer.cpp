@@ -378,7 +378,8 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   s.seq_mark_epoch = int64_t(g.gen);
   // storage sweep: frees since the last row are dated to the row before this one
   if (g.want_storages) {
-    sweep_list(g.young, g.young_rr, 32, seq - 1);
+    sweep_recent(seq - 1);
+    sweep_list(g.young, g.young_rr, 32, seq - 1, 256);
     sweep_list(g.old, g.old_rr, 4, seq - 1);
   }
   if (g.block.size() >= g.block_rows) seal_block();
@@ -395,6 +396,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   }
   for (size_t i = 0; i < p.in_sids.size(); ++i) {
     stor.push_back(int32_t(p.in_sids[i]));
+    note_recent(int32_t(p.in_sids[i]));
     n_stor++;
   }
   r.ins = g.tuples.get(p.in_metas.data(), p.in_metas.size());
@@ -427,6 +429,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
       }
       alias[n_out] = a;
       stor.push_back(storage_id(si, ptr, m, nb, true, seq));
+      note_recent(stor.back());
       n_stor++;
       n_out++;
       if (!g.want_screen) return;

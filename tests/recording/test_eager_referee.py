@@ -24,9 +24,14 @@ The projection (eager's events -> the ops a dispatch mode would see), on the pro
    calls run with autograd excluded (``sequence_nr == -1``): kernel internals, no row. The
    profiler records the sequence number only while grad mode is on, so the workloads here run with
    grad enabled (in backward, grad mode is off and nothing nests at that level).
-4. A CompositeImplicitAutograd op with children and no kernel of its own for the CPU (``linear``,
-   ``to``, ``matmul``) is transparent: eager decomposed it, its children are considered at its
-   level. One with a CPU kernel (``silu_backward``) is a row, as eager ran that kernel.
+4. A CompositeImplicitAutograd op with no kernel of its own for the CPU (``linear``, ``to``,
+   ``matmul``) is transparent: eager decomposed it, its children are considered at its level; one
+   without children is no row (``.to`` to the dtype a tensor has dispatches nothing). One with a CPU
+   kernel (``silu_backward``) is a row, as eager ran that kernel. The profiler names ops without
+   their overload: the overloads whose arguments match the event's (as many, tensors where it
+   recorded a dtype, scalars where it recorded ``Scalar``: ``where(cond, x, 0.5)`` is a composite,
+   ``where(cond, x, y)`` is not) decide; if they still disagree, whether a child was dispatched at
+   the autograd level (a composite's children are, a kernel's are not).
 5. A row that has a row of the same op inside it is a shell (autocast re-issued the op on the cast
    inputs): the inner one is the row.
 6. Rows are ordered by their end (a dispatch mode sees the clone before the in-place op that
@@ -85,17 +90,21 @@ _COMPOSITE: dict[tuple[str, int], list[bool]] = {}
 
 
 def _transparent_composite(n: _Node) -> bool:
-    """Rule 4. The profiler names the op without its overload: the overloads with as many arguments
-    as the event recorded decide; when they disagree, whether the first child was dispatched at the
-    autograd level (a composite's children are; a kernel's are not)."""
-    key = (n.name, len(n.ev.shapes()))
+    """Rule 4 (see the module docstring)."""
+    types = tuple("T" if t in _DTYPES else "S" if t == "Scalar" else "?" for t in n.ev.dtypes())
+    key = (n.name, types)
     cands = _COMPOSITE.get(key)
     if cands is None:
         cands = []
         packet = getattr(torch.ops.aten, n.name.split("::", 1)[1], None)
         for ov in packet.overloads() if packet is not None else ():
             op = getattr(packet, ov)
-            if len(op._schema.arguments) != key[1] or any(a.is_out for a in op._schema.arguments):
+            args = op._schema.arguments
+            if len(args) != len(types) or any(a.is_out for a in args):
+                continue
+            kinds = ["T" if str(a.type) in ("Tensor", "Optional[Tensor]") else "S" if str(a.type) == "Scalar" else "?"
+                     for a in args]
+            if any(k != "?" and t != "?" and k != t for k, t in zip(kinds, types)):
                 continue
             name = op._schema.name + ("." + op._schema.overload_name if op._schema.overload_name else "")
             try:
@@ -107,7 +116,7 @@ def _transparent_composite(n: _Node) -> bool:
         return True
     if not any(cands):
         return False
-    return n.children[0].seq >= 0
+    return any(c.seq >= 0 for c in n.children)
 
 
 def _seen_memory(mem: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -173,7 +182,7 @@ def eager(run) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
             return
         if row is not None and n.seq < 0:                          # 3. kernel internals
             return
-        if n.children and _transparent_composite(n):         # 4.
+        if _transparent_composite(n):                             # 4.
             for c in n.children:
                 visit(c, row, depth + 1)
             return
@@ -273,6 +282,57 @@ class GPT2Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class Conv1D(nn.Module):
+    """GPT-2's projection as Hugging Face writes it: ``addmm`` on its own parameters (no ``linear``)."""
+
+    def __init__(self, n_out: int, n_in: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+class HFGPT2Block(nn.Module):
+    """A GPT-2 block as Hugging Face's GPT2Block computes it (Conv1D projections, matmul attention
+    with a ``where`` mask, tanh GELU): its matmuls are not composites, so autocast casts inside them."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = Conv1D(3 * d, d), Conv1D(d, d)
+        self.c_fc, self.c_out = Conv1D(4 * d, d), Conv1D(d, 4 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(D, 2)
+        q, k, v = (z.view(B, T, self.h, -1).permute(0, 2, 1, 3) for z in (q, k, v))
+        w = torch.matmul(q, k.transpose(-1, -2)) / (v.size(-1) ** 0.5)
+        w = torch.where(torch.ones(T, T, dtype=torch.bool).tril(), w, torch.finfo(w.dtype).min).softmax(-1)
+        a = torch.matmul(w, v).permute(0, 2, 1, 3).reshape(B, T, D)
+        x = x + self.c_proj(a)
+        return x + self.c_out(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class MobileBlock(nn.Module):
+    """A MobileNetV3 inverted residual: expand, depthwise, squeeze-excite, project; hardswish in place."""
+
+    def __init__(self, c: int = 8, e: int = 24) -> None:
+        super().__init__()
+        self.pw, self.bn1 = nn.Conv2d(c, e, 1, bias=False), nn.BatchNorm2d(e)
+        self.dw, self.bn2 = nn.Conv2d(e, e, 3, padding=1, groups=e, bias=False), nn.BatchNorm2d(e)
+        self.se1, self.se2 = nn.Conv2d(e, 4, 1), nn.Conv2d(4, e, 1)
+        self.pj, self.bn3 = nn.Conv2d(e, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.act = nn.Hardswish(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.bn2(self.dw(self.act(self.bn1(self.pw(x))))))
+        s = F.hardsigmoid(self.se2(F.relu(self.se1(y.mean((2, 3), keepdim=True)), inplace=True)), inplace=True)
+        return x + self.bn3(self.pj(y * s))
+
+
 class BasicBlock(nn.Module):
     def __init__(self, c: int = 8) -> None:
         super().__init__()
@@ -323,6 +383,39 @@ def test_autocast_gpt2_like_block():
     assert n_casts >= 8 and n_casts == [r["op"] for r in prof].count("aten::_to_copy")
     mm_like = [r for r in t.ops.to_pylist() if r["op"] in ("aten.addmm.default", "aten.bmm.default", "aten.mm.default")]
     assert mm_like and all(set(r["in_dtypes"]) == {"bfloat16"} for r in mm_like)
+
+
+def test_autocast_hf_gpt2_block_forward_backward():
+    torch.manual_seed(0)
+    m = nn.Sequential(HFGPT2Block(), HFGPT2Block())
+    x = torch.randn(2, 8, 32)
+
+    def run():
+        with torch.autocast("cpu", torch.bfloat16):
+            y = m(x)
+        y.float().sum().backward()
+        m.zero_grad(set_to_none=True)
+
+    t, prof = referee(run)
+    ops = _ops(t)
+    # every addmm/bmm ran on bfloat16, after its casts (the native engine used to record them on float32)
+    assert ops.count("aten._to_copy.default") == [r["op"] for r in prof].count("aten::_to_copy") >= 12
+    fwd = [r for r in t.ops.to_pylist() if r["phase"] == "forward" and r["op"] in ("aten.addmm.default", "aten.bmm.default")]
+    assert len(fwd) == 12 and all(set(r["in_dtypes"]) == {"bfloat16"} for r in fwd)
+
+
+def test_mobilenet_blocks_forward_backward():
+    torch.manual_seed(0)
+    m = nn.Sequential(MobileBlock(), MobileBlock())
+    x = torch.randn(2, 8, 8, 8)
+
+    def run():
+        m(x).sum().backward()
+        m.zero_grad(set_to_none=True)
+
+    t, prof = referee(run)
+    # each in-place hardswish and hardsigmoid under grad: autograd saves a clone of its input
+    assert _ops(t).count("aten.clone.default") == [r["op"] for r in prof].count("aten::clone") == 6
 
 
 @pytest.mark.parametrize("act", ["hardswish", "relu"])
