@@ -334,7 +334,7 @@ def test_peak_live_bytes_equal_in_both_engines_and_predict():
 
     for fn, args, expect in ((relu_step, (a,), 3 * 2 ** 20), (block_step, (block, x), None)):
         fn(*args)
-        tp, tn, _ = both(lambda: fn(*args))
+        tp, tn, _ = both(lambda fn=fn, args=args: fn(*args))
         pred = tensorscope.predict(fn, *args)
         assert _peak(tp) == _peak(tn) == _peak(pred), (fn.__name__, _peak(tp), _peak(tn), _peak(pred))
         if expect is not None:
