@@ -268,15 +268,18 @@ def test_autocast_casts_inside_non_composite_ops():
         assert t.casts.column("kind").to_pylist() == ["autocast"] * 3
 
 
-def test_autocast_gpt2_like_block_casts_and_dtypes():
-    from tests.recording.test_eager_referee import GPT2Block
+@pytest.mark.parametrize("grad", ["enabled", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("block", ["nn", "hf"])
+def test_autocast_gpt2_like_block_casts_and_dtypes(block, grad):
+    from tests.recording.test_eager_referee import GPT2Block, HFGPT2Block
 
     torch.manual_seed(0)
-    m = torch.nn.Sequential(GPT2Block(), GPT2Block())
+    m = torch.nn.Sequential(*(GPT2Block() if block == "nn" else HFGPT2Block() for _ in range(2)))
     x = torch.randn(2, 8, 32)
+    ctx = {"enabled": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[grad]
 
     def run():
-        with torch.autocast("cpu", torch.bfloat16):
+        with ctx(), torch.autocast("cpu", torch.bfloat16):
             m(x)
 
     tp, tn, (pr, nr) = both(run)   # every column, in_dtypes included
