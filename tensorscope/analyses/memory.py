@@ -1,17 +1,20 @@
-"""Memory over time: live bytes per device after each op, from the storages' alloc/free events.
+"""Memory over time: live bytes per device while each op runs, from the storages' alloc/free events.
 
 A pure function of the ``tensors`` table (one row per storage the trace saw):
 ``alloc_seq`` is the op whose output first showed the storage (null: it existed
-before the trace and was first seen as an input), ``free_seq`` the op during or
-after which it died (null: alive at the end). A storage is live *after* op ``s``
-when ``alloc_seq <= s < free_seq``; one that existed before the trace counts from
-the start. So ``live_bytes`` is the memory of the storages this trace saw, not the
-allocator's total (memory it never touched is not in the table); each storage's
-bytes count once, however many views share it.
+before the trace and was first seen as an input), ``free_seq`` the last op that
+started before it died (null: alive at the end). A storage is live *while* op ``s``
+runs when ``alloc_seq <= s <= free_seq`` (``live_mask``, the one rule every timeline
+here uses): an op's inputs count until it returns, also those that die when it
+does (``relu(a * 2)``: the product is live while relu writes its result), and an
+output freed right away counts during the op that made it. One that existed before
+the trace counts from the start. So ``live_bytes`` is the memory of the storages
+this trace saw, not the allocator's total (memory it never touched is not in the
+table); each storage's bytes count once, however many views share it. It is what
+torch.profiler's ``profile_memory`` allocation events give for the same storages.
 
 ``memory_peak`` reads the result: the largest ``live_bytes`` per device and the op
-after which it happened, and the high-water mark that also counts what an op
-allocated and released within itself (temporaries, in-place resizes).
+during which it happened.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 
-__all__ = ["memory_table", "memory_peak"]
+__all__ = ["memory_table", "memory_peak", "live_mask", "live_matrix"]
 
 
 def _array(col: Any) -> pa.Array:
@@ -58,6 +61,26 @@ def _sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(index, weights=weights.astype(np.float64), minlength=n)[:n].astype(np.int64)
 
 
+def live_mask(alloc: np.ndarray, free: np.ndarray, s: int) -> np.ndarray:
+    """The storages live while op ``s`` runs (``alloc``/``free``: ``alloc_seq``/``free_seq``, nulls as -1)."""
+    return (alloc <= s) & ((free < 0) | (free >= s))
+
+
+def live_matrix(key: np.ndarray, nbytes: np.ndarray, alloc: np.ndarray, free: np.ndarray, n_keys: int,
+                n_ops: int) -> tuple[np.ndarray, np.ndarray]:
+    """(live[k, s], baseline[k]): bytes of the storages of each key (device, or device and category)
+    live while op ``s`` runs (``live_mask``, for every op at once), and before the first op."""
+    W = n_ops + 1
+    pre = alloc < 0
+    baseline = _sum_by(key[pre], nbytes[pre], n_keys)
+    add = _sum_by(key[~pre] * W + np.minimum(alloc[~pre], n_ops), nbytes[~pre], n_keys * W)
+    freed = free >= 0
+    # a storage freed after op f started still counts during f: it stops counting at f + 1
+    rem = _sum_by(key[freed] * W + np.minimum(free[freed] + 1, n_ops), nbytes[freed], n_keys * W)
+    delta = (add - rem).reshape(n_keys, W)[:, :n_ops]
+    return baseline[:, None] + np.cumsum(delta, axis=1), baseline
+
+
 def _devices(tensors: pa.Table) -> tuple[list[str], np.ndarray]:
     """(device names in first-seen order, per-row device index)."""
     col = pc.fill_null(tensors.column("device"), "unknown").combine_chunks()
@@ -68,7 +91,8 @@ def _devices(tensors: pa.Table) -> tuple[list[str], np.ndarray]:
 
 
 def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
-    """MEMORY rows ``(seq, device, live_bytes, delta_bytes)``: one per op and device, seq order.
+    """MEMORY rows ``(seq, device, live_bytes, delta_bytes)``: one per op and device, seq order;
+    ``live_bytes`` while the op runs (``live_mask``).
 
     ``delta_bytes`` is the change against the previous op (against the pre-trace baseline for
     seq 0). Devices are listed in the order they first appear in ``tensors``.
@@ -80,16 +104,8 @@ def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
     alloc = _int_column(tensors, "alloc_seq", -1)
     free = _int_column(tensors, "free_seq", -1)
     dev_order, dev = _devices(tensors)
-    D, W = len(dev_order), n_ops + 1
-    # delta[d, s]: bytes that became live after op s minus those no longer live after it
     # (bincount's float64 sums are exact below 2**53 bytes)
-    pre = alloc < 0
-    baseline = _sum_by(dev[pre], nbytes[pre], D)
-    alloc_d = _sum_by(dev[~pre] * W + np.minimum(alloc[~pre], n_ops), nbytes[~pre], D * W)
-    freed = free >= 0
-    free_d = _sum_by(dev[freed] * W + np.minimum(free[freed], n_ops), nbytes[freed], D * W)
-    delta = (alloc_d - free_d).reshape(D, W)
-    live = baseline[:, None] + np.cumsum(delta[:, :n_ops], axis=1)
+    live, baseline = live_matrix(dev, nbytes, alloc, free, len(dev_order), n_ops)
     prev = np.concatenate([baseline[:, None], live[:, :-1]], axis=1)
     seqs = np.tile(np.arange(n_ops, dtype=np.int64), len(dev_order))
     dev_col = pa.DictionaryArray.from_arrays(np.repeat(np.arange(len(dev_order), dtype=np.int32), n_ops),
@@ -99,10 +115,11 @@ def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
 
 
 def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> dict[str, dict[str, Any]]:
-    """Per device: ``peak_bytes`` and ``peak_seq`` (first op after which live bytes were largest),
+    """Per device: ``peak_bytes`` and ``peak_seq`` (first op during which live bytes were largest),
     ``peak_op`` (its name, when ``ops`` is given), ``start_bytes`` (before seq 0), ``end_bytes``
-    (after the last op) and, when ``tensors`` is given, ``high_water_bytes``/``high_water_seq``,
-    which also count storages an op allocated and freed within itself."""
+    (during the last op) and, when ``tensors`` is given, ``high_water_bytes``/``high_water_seq``:
+    the same rule over every storage of ``tensors`` (equal to the peak since live bytes count what
+    an op allocates and what it frees within itself; kept for readers of the key)."""
     out: dict[str, dict[str, Any]] = {}
     if memory.num_rows == 0:
         return out
@@ -136,7 +153,8 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
 
 
 def _high_water(tensors: pa.Table) -> dict[str, tuple[int, int]]:
-    """Per device (bytes, seq) of live-before-op + allocated-by-op: an upper bound on the peak inside ops."""
+    """Per device (bytes, seq): the largest live bytes while an op runs, over every op a storage of
+    ``tensors`` names (``live_mask``)."""
     if tensors.num_rows == 0:
         return {}
     nbytes = _int_column(tensors, "nbytes", 0)
@@ -144,19 +162,7 @@ def _high_water(tensors: pa.Table) -> dict[str, tuple[int, int]]:
     free = _int_column(tensors, "free_seq", -1)
     names, dev = _devices(tensors)
     n = int(max(alloc.max(initial=-1), free.max(initial=-1))) + 1
-    out: dict[str, tuple[int, int]] = {}
     if n <= 0:
-        return out
-    for di, d in enumerate(names):
-        m = dev == di
-        nb, a, f = nbytes[m], alloc[m], free[m]
-        pre = a < 0
-        base = int(nb[pre].sum())
-        add = _sum_by(a[~pre], nb[~pre], n + 1)
-        rem = _sum_by(f[f >= 0], nb[f >= 0], n + 1)
-        live_after = base + np.cumsum(add - rem)[:n]
-        before = np.concatenate([[base], live_after[:-1]])
-        hw = before + add[:n]
-        k = int(np.argmax(hw))
-        out[d] = (int(hw[k]), k)
-    return out
+        return {}
+    live, _ = live_matrix(dev, nbytes, alloc, free, len(names), n)
+    return {d: (int(live[di].max()), int(np.argmax(live[di]))) for di, d in enumerate(names)}

@@ -20,7 +20,7 @@ Phases are runs of ops with the same ``phase``; ops under a ``Tensor.backward`` 
 the backward, so it is not an activation here (it is ``other``).
 
 ``memory_timeline`` is the ``memory`` view split by category, with the op, module, phase and source
-line of each row and each device's peak marked; ``memory_at`` what was alive after one op (the peak
+line of each row and each device's peak marked; ``memory_at`` what was live while one op ran (the peak
 by default) by category and module; ``module_memory`` per module the activations its forward saved
 and the peaks while its forward and backward ops ran, children rolled into parents by path.
 """
@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .memory import _array, _devices, _filled, _int_column
+from .memory import _array, _devices, _filled, _int_column, live_mask, live_matrix
 
 __all__ = ["categorize", "memory_timeline", "memory_at", "module_memory", "BACKWARD_CALLS"]
 
@@ -263,24 +263,15 @@ def _category_codes(tensors: pa.Table) -> np.ndarray:
 
 
 def _live(tensors: pa.Table, n_ops: int) -> tuple[list[str], np.ndarray]:
-    """(devices, live[d, c, s]): bytes of category c on device d alive after op s."""
+    """(devices, live[d, c, s]): bytes of category c on device d live while op s runs (``live_mask``)."""
     nbytes = _int_column(tensors, "nbytes", 0)
     alloc = _int_column(tensors, "alloc_seq", -1)
     free = _int_column(tensors, "free_seq", -1)
     names, dev = _devices(tensors)
     cat = _category_codes(tensors)
-    D, C, W = len(names), len(CATS), n_ops + 1
-    key = dev * C + cat
-    pre = alloc < 0
-    base = np.bincount(key[pre], weights=nbytes[pre].astype(np.float64), minlength=D * C)[:D * C]
-    add = np.bincount(key[~pre] * W + np.minimum(alloc[~pre], n_ops), weights=nbytes[~pre].astype(np.float64),
-                      minlength=D * C * W)[:D * C * W]
-    fr = free >= 0
-    rem = np.bincount(key[fr] * W + np.minimum(free[fr], n_ops), weights=nbytes[fr].astype(np.float64),
-                      minlength=D * C * W)[:D * C * W]
-    delta = (add - rem).reshape(D * C, W)[:, :n_ops]
-    live = (base[:, None] + np.cumsum(delta, axis=1)).astype(np.int64)
-    return names, live.reshape(D, C, n_ops)
+    D, C = len(names), len(CATS)
+    live, _ = live_matrix(dev * C + cat, nbytes, alloc, free, D * C, n_ops)
+    return names, live.astype(np.int64).reshape(D, C, n_ops)
 
 
 def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> dict[str, pa.Array]:
@@ -294,7 +285,7 @@ def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> dict[str, pa.Array]:
 
 
 def memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
-    """MEMORY_TIMELINE rows: per device, one row per op (seq order), live bytes per category after it."""
+    """MEMORY_TIMELINE rows: per device, one row per op (seq order), live bytes per category while it runs."""
     n_ops = ops.num_rows
     if n_ops == 0 or tensors.num_rows == 0:
         return S.MEMORY_TIMELINE.empty_table()
@@ -347,7 +338,7 @@ def storage_modules(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, list[
 
 
 def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa.Table:
-    """MEMORY_AT rows: storages alive after op ``seq`` grouped by (device, category, module), largest
+    """MEMORY_AT rows: storages live while op ``seq`` ran grouped by (device, category, module), largest
     first. ``seq`` None: each device at its own peak."""
     n_ops = ops.num_rows
     if n_ops == 0 or tensors.num_rows == 0:
@@ -369,7 +360,7 @@ def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa
         s = at.get(d)
         if s is None:
             continue
-        alive = np.nonzero((dev == di) & (alloc <= s) & ((free < 0) | (free > s)))[0]
+        alive = np.nonzero((dev == di) & live_mask(alloc, free, s))[0]
         if not len(alive):
             continue
         key = cat[alive] * M + (mcodes[alive] + 1)

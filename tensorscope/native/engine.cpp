@@ -64,6 +64,8 @@ void Engine::clear() {
   young.clear();
   old.clear();
   young_rr = old_rr = 0;
+  recent.assign(kRecent, -1);
+  recent_pos = 0;
   warnings.clear();
   n_warnings.store(0);
   warnings_taken = 0;

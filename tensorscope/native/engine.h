@@ -109,6 +109,7 @@ struct OpFacts {
   bool no_screen = false;    // returns uninitialised memory
   bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
   bool py_hook = false;      // the Python op hook wants it (c10d collectives)
+  bool autograd = false;     // has an autograd kernel: ops it calls before going below autograd are rows
   int8_t rule = 0;           // engine_known.h BoundRule: how a bound on its inputs bounds its outputs
   std::vector<bool> arg_writes;   // per schema argument: written (Tensor(a!)); empty: unknown
   int32_t n_args = -1;       // schema arguments / returns (-1: vararg/varret or unknown): a boxed call's
@@ -189,6 +190,7 @@ struct Pending {
   c10::WarningHandler* prev_handler = nullptr;
   bool handler_pushed = false;
   bool pre_nonfinite = false;
+  bool shell = false;   // re-issued itself above the Python key (autocast): the inner event is the row
   std::vector<const c10::StorageImpl*> written;   // storages of the written arguments (engine_known.h)
   double bound = -1;   // engine_known.h: a bound on every output's magnitude from its inputs' (-1: none)
   double terms = 1;    // engine_known.h: the terms an output sums over
@@ -269,6 +271,12 @@ struct Engine {
   std::vector<int32_t> young;    // live storages first seen as outputs
   std::vector<int32_t> old;      // live storages first seen as inputs
   size_t young_rr = 0, old_rr = 0;
+  // the storages the last rows named: checked at every row, so a free right after the op that
+  // last used a storage (a temporary, a saved tensor autograd releases after its node) is dated
+  // exactly (engine_storages.h)
+  static constexpr size_t kRecent = 32;
+  std::vector<int32_t> recent = std::vector<int32_t>(kRecent, -1);
+  size_t recent_pos = 0;
 
   std::vector<WarnRec> warnings;
   std::atomic<size_t> n_warnings{0};   // warnings.size(), readable without the lock

@@ -6,12 +6,17 @@
 //   * end callback (outputs valid here): timestamp first (so cpu_ns excludes
 //     the probes), then outputs, alias indexes, seq_nr claim, warnings, the
 //     non-finite screen.
-// Visibility (docs/architecture.md, recording engines): a schema event is kept when no kept event
-// encloses it; a CompositeImplicitAutograd op is transparent once it has a
-// child (eager decomposed it) and dropped if it ends childless without a
-// backend kernel; string events (autograd::engine::evaluate_function...) are
-// transparent; BACKWARD_FUNCTION events name the autograd node and carry its
-// sequence number for every op inside.
+// Visibility (docs/architecture.md, recording engines): a row is an op a Python dispatch mode would
+// see, i.e. an event whose dispatch reaches the Python key. A schema event is kept when no kept
+// event encloses it, or when the kept event enclosing it is still above the Python key: inside its
+// autocast kernel (the casts, and the op re-issued on them: the outer event is then a shell, not a
+// row) or inside its autograd kernel before that redispatches below autograd (the clone an in-place
+// op saves). Below that (the kernel's own internals) events are hidden. Which level an event starts
+// at is read from the thread's excluded dispatch keys, against those when the kept event started.
+// A CompositeImplicitAutograd op is transparent once it has a child (eager decomposed it) and
+// dropped if it ends childless without a backend kernel; string events
+// (autograd::engine::evaluate_function...) are transparent; BACKWARD_FUNCTION events name the
+// autograd node and carry its sequence number for every op inside.
 //
 // No Python object is touched here except through engine_ops.cpp's op hook and spill hand-over
 // (which take the GIL), so the callbacks are safe on threads without the GIL; the shared state is
@@ -41,7 +46,21 @@ struct Frame {
   int64_t row;       // kept/tentative: index into pending rows
   const OpFacts* facts;
   uint64_t gen;
+  uint64_t excluded = 0;   // kept/tentative: the thread's excluded dispatch keys when it started (raw)
+  bool autograd = false;   // kept/tentative: its dispatch runs its autograd kernel
 };
+
+// Whether an event starting now, inside kept row `fr`, is an op of its own to a dispatch mode: it
+// starts above the Python key. Autocast kernels exclude their key and call the op anew (casts first);
+// autograd kernels call ops (the clone an in-place op saves) before they exclude autograd and
+// redispatch; the kernel below runs with autograd excluded.
+inline bool above_python(const Frame& fr) {
+  const c10::DispatchKeySet now = c10::impl::tls_local_dispatch_key_set().excluded_;
+  const c10::DispatchKeySet added = now - c10::DispatchKeySet(c10::DispatchKeySet::RAW, fr.excluded);
+  if (!(added & c10::autocast_dispatch_keyset).empty()) return true;
+  if (!(added & c10::autograd_dispatch_keyset).empty()) return false;
+  return fr.autograd;
+}
 
 struct ThreadState {
   std::vector<Frame> frames;
@@ -87,6 +106,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   p.held.clear();
   p.py_inputs = nullptr;
   p.pre_nonfinite = false;
+  p.shell = false;
   p.written.clear();
   p.bound = -1;
   p.handler_pushed = false;
@@ -106,9 +126,11 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   p.args_id = -1;
   if (f->want_args) encode_args(fn, f, p.args_enc);   // outputs are appended and the whole interned at commit
   const Values args = args_of(fn, f);
+  c10::DispatchKeySet keys;
   for (size_t ai = 0; ai < args.size(); ++ai) {
     const bool written = f->writes && (f->arg_writes.size() != args.size() || f->arg_writes[ai]);
     for_each_tensor(args[ai], [&](const at::Tensor& t) {
+      keys = keys | t.key_set();
       uintptr_t ptr;
       const c10::StorageImpl* si;
       int64_t nb;
@@ -159,7 +181,11 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   }
   for (const c10::StorageImpl* si : p.written) bump(si);   // again at commit: an op that throws still wrote
   r.start = t_start;
-  s.frames.push_back(Frame{kind, int64_t(s.npending - 1), f, g.gen});
+  {
+    const auto tl = c10::impl::tls_local_dispatch_key_set();
+    const bool ag = f->autograd && !(((keys | tl.included_) - tl.excluded_) & c10::autograd_dispatch_keyset).empty();
+    s.frames.push_back(Frame{kind, int64_t(s.npending - 1), f, g.gen, tl.excluded_.raw_repr(), ag});
+  }
   s.kept_depth++;
   // per-op warnings: a handler that records and chains to the current one
   if (g.want_warnings) {
@@ -242,14 +268,21 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       s.frames.push_back(Frame{4, -1, nullptr, g.gen});
       return nullptr;
     }
-    // inside a kept op: its children are hidden (unless it is a tentative CIA op)
+    // inside a kept op: its kernel's children are hidden, those of its autocast/autograd kernels are
+    // rows (above_python); inside a tentative CIA op: a child (it decomposed)
+    int64_t parent = -1;   // the kept row this event is an op of its own inside
     if (!s.frames.empty()) {
       // find the innermost kept/tentative frame
       for (size_t i = s.frames.size(); i-- > 0;) {
-        int k = s.frames[i].kind;
-        if (k == 1 || k == 4) {
+        const Frame& fr = s.frames[i];
+        int k = fr.kind;
+        if (k == 4 || (k == 1 && !above_python(fr))) {
           s.frames.push_back(Frame{4, -1, nullptr, g.gen});
           return nullptr;
+        }
+        if (k == 1) {
+          parent = fr.row;
+          break;
         }
         if (k == 2) break;
         if (k == 3) break;
@@ -275,6 +308,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       s.frames.push_back(Frame{0, -1, nullptr, g.gen});
       return nullptr;
     }
+    // autocast re-issues the op on the cast inputs: the outer event never reaches the Python key
+    if (parent >= 0 && s.pool[size_t(parent)]->facts == f) s.pool[size_t(parent)]->shell = true;
     // a tentative CIA parent with a child: it decomposed, so it is transparent
     for (size_t i = s.frames.size(); i-- > 0;) {
       Frame& fr = s.frames[i];
@@ -343,7 +378,8 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   s.seq_mark_epoch = int64_t(g.gen);
   // storage sweep: frees since the last row are dated to the row before this one
   if (g.want_storages) {
-    sweep_list(g.young, g.young_rr, 32, seq - 1);
+    sweep_recent(seq - 1);
+    sweep_list(g.young, g.young_rr, 32, seq - 1, 256);
     sweep_list(g.old, g.old_rr, 4, seq - 1);
   }
   if (g.block.size() >= g.block_rows) seal_block();
@@ -360,6 +396,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   }
   for (size_t i = 0; i < p.in_sids.size(); ++i) {
     stor.push_back(int32_t(p.in_sids[i]));
+    note_recent(int32_t(p.in_sids[i]));
     n_stor++;
   }
   r.ins = g.tuples.get(p.in_metas.data(), p.in_metas.size());
@@ -392,6 +429,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
       }
       alias[n_out] = a;
       stor.push_back(storage_id(si, ptr, m, nb, true, seq));
+      note_recent(stor.back());
       n_stor++;
       n_out++;
       if (!g.want_screen) return;
@@ -504,8 +542,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
       drop_py_inputs(p);
       return;
     }
-    if (fr.kind == 2 && !p.facts->backend) {   // a childless composite eager ran as a decomposition
-      drop_py_inputs(p);
+    if ((fr.kind == 2 && !p.facts->backend) || p.shell) {   // a childless composite eager ran as a
+      drop_py_inputs(p);                                    // decomposition; an op autocast re-issued
       return;
     }
     int64_t seq;
@@ -514,8 +552,12 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
       commit(s, p, fn, t_end);
       seq = g.n_rows - 1;
     }
+
     if (p.py_inputs != nullptr) call_hook(p, fn, seq);
     if (C10_UNLIKELY(g.handover_due) && !(p.row.flags & (F_THREW | F_OTHER_THREAD))) call_on_full();
+    // a row inside another (the clone an in-place op's autograd kernel saves): the enclosing op's
+    // own time starts after it, as a dispatch mode times it
+    if (s.npending > 0) s.pool[s.npending - 1]->row.start = now_ns();
   } catch (...) {
   }
 }

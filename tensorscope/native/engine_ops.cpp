@@ -58,6 +58,7 @@ OpFacts* make_facts(const at::RecordFunction& fn) {
     auto h = c10::Dispatcher::singleton().findOp(*opname);
     if (h) {
       f->cia = h->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+      f->autograd = h->hasKernelForDispatchKey(c10::DispatchKey::Autograd);   // registered for the alias
       for (auto k : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::CompositeExplicitAutograd,
                      c10::DispatchKey::CompositeExplicitAutogradNonFunctional, c10::DispatchKey::Meta}) {
         if (h->hasKernelForDispatchKey(k)) f->backend = true;

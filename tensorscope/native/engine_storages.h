@@ -72,10 +72,13 @@ inline void mark_free(int32_t sid, int64_t seq) {
   r.weak.reset();
 }
 
-// checks up to `budget` entries (the newest first), drops the freed ones
-inline void sweep_list(std::vector<int32_t>& lst, size_t& rr, size_t budget, int64_t seq) {
+// checks up to `budget` entries (the newest first), every entry while there are at most `all` of
+// them (a free dated exactly: live bytes per op are compared with the allocator's events), drops
+// the freed ones
+inline void sweep_list(std::vector<int32_t>& lst, size_t& rr, size_t budget, int64_t seq, size_t all = 0) {
   size_t n = lst.size();
   if (n == 0) return;
+  if (n <= all) budget = n;
   auto check = [&](size_t i) -> bool {
     StorageRec& r = g.storages[size_t(lst[i])];
     if (r.weak.expired()) {
@@ -99,6 +102,21 @@ inline void sweep_list(std::vector<int32_t>& lst, size_t& rr, size_t budget, int
     rr = (rr + 1) % lst.size();
     check(rr);
   }
+}
+
+// the storages of the last rows (Engine::recent): checked every row, freed ones dated `seq`
+inline void sweep_recent(int64_t seq) {
+  for (int32_t sid : g.recent) {
+    if (sid < 0) continue;
+    StorageRec& r = g.storages[size_t(sid)];
+    if (r.free_seq < 0 && r.weak.expired()) mark_free(sid, seq);   // the list sweep drops it later
+  }
+}
+
+inline void note_recent(int32_t sid) {
+  if (sid < 0) return;
+  g.recent[g.recent_pos] = sid;
+  g.recent_pos = (g.recent_pos + 1) % Engine::kRecent;
 }
 
 inline int32_t storage_id(const c10::StorageImpl* si, uintptr_t ptr, int32_t meta, int64_t nbytes, bool alloc,

@@ -66,7 +66,7 @@ ALLOCATOR_TIMELINE = _schema("allocator_timeline", [
     ("allocated_bytes", _i64),      # live blocks, at the sizes asked for
 ])
 
-#: Not a trace table: ``t.memory_at(seq)`` (default: each device's peak), what was alive after op ``seq``.
+#: Not a trace table: ``t.memory_at(seq)`` (default: each device's peak), what was live while op ``seq`` ran.
 MEMORY_AT = _schema("memory_at", [
     ("seq", _i64),
     ("device", _str),

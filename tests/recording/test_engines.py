@@ -249,6 +249,106 @@ def test_autocast_bf16():
     assert "bfloat16" in [d for r in nr for d in r["out_dtypes"]]
 
 
+# -- what autocast and autograd dispatch inside another op, and live bytes (eager referees both: -----
+# tests/recording/test_eager_referee.py checks the native engine against torch.profiler's events) ----
+def test_autocast_casts_inside_non_composite_ops():
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    a, b = torch.randn(4, 4), torch.randn(4, 4, dtype=torch.bfloat16)
+
+    def run():
+        with torch.autocast("cpu", torch.bfloat16):
+            torch.mm(x, w)
+            torch.cat([a, b])
+
+    tp, tn, (pr, nr) = both(run)
+    ops = [r["op"] for r in nr]
+    assert ops == ["aten._to_copy.default"] * 2 + ["aten.mm.default", "aten._to_copy.default", "aten.cat.default"]
+    assert nr[2]["in_dtypes"] == ["bfloat16", "bfloat16"] and nr[2]["out_dtypes"] == ["bfloat16"]
+    for t in (tp, tn):
+        assert t.casts.column("kind").to_pylist() == ["autocast"] * 3
+
+
+@pytest.mark.parametrize("grad", ["enabled", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("block", ["nn", "hf"])
+def test_autocast_gpt2_like_block_casts_and_dtypes(block, grad):
+    from tests.recording.test_eager_referee import GPT2Block, HFGPT2Block
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*(GPT2Block() if block == "nn" else HFGPT2Block() for _ in range(2)))
+    x = torch.randn(2, 8, 32)
+    ctx = {"enabled": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[grad]
+
+    def run():
+        with ctx(), torch.autocast("cpu", torch.bfloat16):
+            m(x)
+
+    tp, tn, (pr, nr) = both(run)   # every column, in_dtypes included
+    n = [r["op"] for r in nr].count("aten._to_copy.default")
+    assert n >= 8 and n == [r["op"] for r in pr].count("aten._to_copy.default")
+    strip = lambda t: [{k: v for k, v in c.items() if k != "seq"} for c in t.casts.to_pylist()]  # noqa: E731
+    assert strip(tp) == strip(tn)   # seq: the python engine's detach rows shift it (difference 2)
+    assert tn.casts.column("kind").to_pylist().count("autocast") == n
+
+
+@pytest.mark.parametrize("act", ["hardswish", "relu"])
+def test_inplace_activation_under_grad_clone_is_a_row(act):
+    f = getattr(torch.nn.functional, act)
+
+    def run():
+        torch.manual_seed(0)
+        p = torch.randn(32, 32, requires_grad=True)
+        f(p * 2, inplace=True).sum().backward()
+
+    tp, tn, (pr, nr) = both(run)
+    ops = [r["op"] for r in nr]
+    assert ops.count("aten.clone.default") == (1 if act == "hardswish" else 0)
+    if act == "hardswish":
+        i = ops.index("aten.clone.default")
+        assert ops[i + 1] == "aten.hardswish_.default" and nr[i]["bytes_written"] == 32 * 32 * 4
+        # the clone's time is its own row's, not folded into hardswish_'s
+        assert nr[i + 1]["start_ns"] >= nr[i]["start_ns"] + nr[i]["cpu_ns"]
+
+
+def _peak(t):
+    from tensorscope.analyses.memory import memory_peak
+
+    return memory_peak(t.memory)["cpu"]["peak_bytes"]
+
+
+def _live(t):
+    return t.memory.column("live_bytes").to_pylist()
+
+
+def test_peak_live_bytes_equal_in_both_engines_and_predict():
+    from tests.recording.test_eager_referee import BasicBlock
+
+    a = torch.randn(256, 1024, requires_grad=True)   # 1 MiB
+
+    def relu_step(a):
+        torch.relu(a * 2)
+
+    torch.manual_seed(0)
+    block = BasicBlock()
+    x = torch.randn(2, 8, 8, 8)
+
+    def block_step(m, x):
+        m(x).sum().backward()
+        m.zero_grad(set_to_none=True)
+
+    for fn, args, expect in ((relu_step, (a,), 3 * 2 ** 20), (block_step, (block, x), None)):
+        fn(*args)
+        tp, tn, _ = both(lambda fn=fn, args=args: fn(*args))
+        pred = tensorscope.predict(fn, *args)
+        assert _peak(tp) == _peak(tn) == _peak(pred), (fn.__name__, _peak(tp), _peak(tn), _peak(pred))
+        if expect is not None:
+            assert _peak(tn) == expect   # relu's input a * 2 dies when relu returns: live while it runs
+        # the same timeline, op for op (the python engine's extra detach rows repeat the live bytes
+        # of the op before them)
+        pr, _, nr, _ = _align(tp, tn)
+        lp, ln = _live(tp), _live(tn)
+        assert [lp[r["seq"]] for r in pr] == [ln[r["seq"]] for r in nr]
+
+
 def test_inference_mode():
     def run():
         torch.manual_seed(0)

@@ -580,11 +580,12 @@ def test_memory_table_live_bytes_per_device_and_peak():
     d = m.to_pydict()
     assert d["seq"] == [0, 1, 2, 3] * 2
     assert d["device"] == ["cpu"] * 4 + ["cuda:0"] * 4
-    assert d["live_bytes"] == [110, 110, 10, 10, 0, 7, 7, 0]
-    assert d["delta_bytes"] == [10, 0, -100, 0, 0, 7, 0, -7]
+    # live while each op runs: a storage freed after op f started counts during f
+    assert d["live_bytes"] == [110, 160, 110, 10, 0, 7, 7, 7]
+    assert d["delta_bytes"] == [10, 50, -50, -100, 0, 7, 0, 0]
     ops = pa.table({"op": ["a", "b", "c", "d"]})
     p = memory_peak(m, ops, t)
-    assert p["cpu"] == {"peak_bytes": 110, "peak_seq": 0, "peak_op": "a", "start_bytes": 100, "end_bytes": 10,
+    assert p["cpu"] == {"peak_bytes": 160, "peak_seq": 1, "peak_op": "b", "start_bytes": 100, "end_bytes": 10,
                         "high_water_bytes": 160, "high_water_seq": 1}
     assert p["cuda:0"]["peak_bytes"] == 7 and p["cuda:0"]["peak_seq"] == 1
     assert memory_table(S.empty("tensors"), 5).num_rows == 0 and memory_table(t, 0).num_rows == 0
