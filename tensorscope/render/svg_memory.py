@@ -21,7 +21,7 @@ from ..schema import MEMORY_CATEGORIES as CATEGORIES
 from .svg import _FONT, COLORS, _legend, _where
 
 #: no memory chart for a trace whose peak live bytes are below this (the table says it all)
-MIN_CHART_BYTES = 64 * 1024
+MIN_CHART_BYTES = 4096
 
 
 def _columns(live: np.ndarray, width: int) -> np.ndarray:

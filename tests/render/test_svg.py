@@ -56,7 +56,7 @@ def test_summary_html_draws_both_views_as_escaped_svg_with_legends():
     t = _trace()
     # the notebook summary draws each view as an <img> of an SVG data URI (it survives JupyterLab's sanitizer)
     imgs = re.findall(r'<img class="ts-img" [^>]*src="data:image/svg\+xml,([^"]*)"', t.summary().to_html())
-    assert len(imgs) == 3 and "<svg" not in t.summary().to_html()   # timeline, icicle, roofline (memory: too small)
+    assert len(imgs) == 4 and "<svg" not in t.summary().to_html()   # timeline, icicle, memory, roofline
     # the report (full=True) draws them inline, with their hover titles
     from tensorscope.render.summary import summarize
 
@@ -64,8 +64,8 @@ def test_summary_html_draws_both_views_as_escaped_svg_with_legends():
     svgs = re.findall(r"<svg.*?</svg>", html, re.S)
     memory = [s for s in svgs if s.startswith('<svg class="tensorscope-memory"')]
     roofline = [s for s in svgs if s.startswith('<svg class="tensorscope-roofline"')]
-    # timeline, icicle and the advisor's roofline; no memory chart for a few KiB (the table says it)
-    assert memory == [] and len(roofline) == 1 and len(svgs) == 3
+    # timeline, icicle, the memory timeline and the advisor's roofline
+    assert len(memory) == 1 and len(roofline) == 1 and len(svgs) == 4
     assert "<script" not in html and "<img" not in html and "data:image/png" not in html
     assert "&lt;img src=x onerror=alert(1)&gt;" in html
     timeline, icicle = [s for s in svgs if s not in memory and s not in roofline]
@@ -117,6 +117,13 @@ def test_time_per_module_rolls_children_up_with_qualified_names():
     assert sec.notes[0].startswith("<Net>: ")   # the whole model: one line
     # the same cell gives the same rows, in the same order (ties by name)
     assert [r[0] for r in modules_section(t).rows] == [r[0] for r in sec.rows]
+
+
+def test_no_memory_chart_for_a_few_bytes():
+    with tensorscope.trace(leaks=False) as t:
+        torch.ones(1) + 1
+    html = t.summary().to_html()
+    assert "tensorscope-memory" not in html and "memory (storages this trace saw)" in html
 
 
 def test_views_on_empty_and_kernel_free_traces():
