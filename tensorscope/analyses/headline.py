@@ -53,7 +53,7 @@ def _first_line(msg: Optional[str], limit: int = 160) -> str:
 
 
 def _errors(errors: pa.Table, cells: Optional[Mapping[str, int]]) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     if errors.num_rows == 0:
         return out
     for r in errors.to_pylist():

@@ -93,7 +93,7 @@ class Summary(Displayable):
                 out.append("  " + " | ".join(s.header))
             for r in s.rows:
                 out.append("  " + _text_row(s, r))
-            for label, rows in s.children:
+            for _label, rows in s.children:
                 for r in rows:
                     out.append("    " + _text_row(s, r))
             for n in s.notes:

@@ -211,6 +211,30 @@ def summarize(t, display=None, full: bool = False) -> Summary:
     return Summary(out, head=head(t, ctx), inline_svg=full)
 
 
+def report_html(t, display=None) -> str:
+    """The standalone page of ``t.report``: the full summary, every section open."""
+    from .ranks import html_document
+
+    body = summarize(t, display, full=True).to_html().replace("<details>", "<details open>")
+    cell = t.metadata.get("cell")
+    return html_document(f"tensorscope report{f' of cell [{cell}]' if cell is not None else ''}", body)
+
+
+def write_report(t, path) -> str:
+    import os
+
+    from ..errors import ExportError
+
+    path = os.fspath(path)
+    doc = report_html(t)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(doc)
+    except OSError as e:
+        raise ExportError(f"cannot write the report to {path!r}: {e.strerror or e}") from e
+    return path
+
+
 def head(t, ctx: Optional[dict[str, Any]] = None) -> Head:
     """The headline (``analyses.headline``) and the totals line of ``t``."""
     from .._location import trace_cells
