@@ -217,7 +217,7 @@ def timeline_svg(trace, width: int = 720, hovers: int = 0) -> Optional[str]:
                      f'<text x="{x:.1f}" y="{axis_y + 13}" text-anchor="{anchor}" {_FONT} fill="#555">'
                      f'{_e(_fmt_ns(t))}</text>')
     ly = axis_y + 20
-    order = [k for k in ("call", "forward", "backward", "compiled", "kernel") if k in used]
+    order: list[str] = [k for k in ("call", "forward", "backward", "compiled", "kernel") if k in used]
     legend, lh = _legend(order, label_w, ly, plot_w)
     parts.append(legend)
     height = ly + lh + 2
