@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+import re
+
 import pyarrow as pa
 
 from .._common import fmt_bytes, fmt_ns
@@ -31,6 +33,7 @@ from .._location import format_location
 __all__ = ["headline", "MAX_LINES"]
 
 MAX_LINES = 5
+_ELEMENT = re.compile(r"^(.*)\[(\d+)\]$")
 
 
 def _where(module: Optional[str], op: Optional[str], file: Optional[str], line: Optional[int],
@@ -97,8 +100,12 @@ def _leaks(leaks: pa.Table, peak_bytes: int, cells: Optional[Mapping[str, int]],
         if r.get("expected"):
             continue
         holder = (r.get("holder") or "").split("; also ")[0].split(" → grad_fn")[0] or "(no holder found)"
+        m = _ELEMENT.match(holder)   # the elements of one container (kept[0], kept[1], ...): one finding
+        holder = m.group(1) if m else holder
         g = groups.setdefault(holder, {"bytes": 0, "n": 0, "growth": None, "fix": r.get("fix") or None,
-                                       "file": r.get("source_file"), "line": r.get("source_line")})
+                                       "file": r.get("source_file"), "line": r.get("source_line"), "items": set()})
+        if m:
+            g["items"].add(int(m.group(2)))
         g["bytes"] += int(r.get("nbytes") or 0)
         g["n"] += 1
         if r.get("growing") and r.get("growth_bytes_per_cell"):
@@ -109,8 +116,9 @@ def _leaks(leaks: pa.Table, peak_bytes: int, cells: Optional[Mapping[str, int]],
         if g["growth"] is None and g["bytes"] < big:
             continue
         grow = f", growing {fmt_bytes(g['growth'])} per cell/step" if g["growth"] is not None else ""
+        items = f" ({len(g['items'])} items)" if len(g["items"]) > 1 else ""
         out.append({"rank": 2 if g["growth"] is not None else 5, "kind": "leak",
-                    "what": f"still alive after the cell, held by {holder}",
+                    "what": f"still alive after the cell, held by {holder}{items}",
                     "where": _where(None, None, g["file"], g["line"], cells),
                     "how_much": f"{fmt_bytes(g['bytes'])} in {g['n']} storage{'s' * (g['n'] != 1)}{grow}",
                     "fix": g["fix"], "cost_ns": None, "bytes": g["bytes"]})
