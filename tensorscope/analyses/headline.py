@@ -20,10 +20,9 @@ line is a dict: ``rank`` (the class above), ``kind``, ``what``, ``where``, ``how
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
-
-import re
 
 import pyarrow as pa
 

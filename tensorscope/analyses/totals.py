@@ -74,6 +74,8 @@ def op_totals(ops: pa.Table, by: Union[str, Sequence[str]] = "op", *, include_no
         if k not in ops.column_names:
             raise KeyError(f"op_totals: no ops column {k!r}; columns: {', '.join(ops.column_names)}")
     work = _work(ops, include_noise)
+    if len(keys) == 1 and pa.types.is_dictionary(work.schema.field(keys[0]).type):
+        return _op_totals_codes(work, keys[0])
     cols = {k: _key_column(work, k) for k in keys}
     nums = {n: pc.fill_null(work.column(n), 0) for n in ("cpu_ns", "flops", "bytes_read", "bytes_written")}
     t = pa.table({**{f"k{i}": cols[k] for i, k in enumerate(keys)}, **nums, "cuda_ns": work.column("cuda_ns")})
@@ -97,6 +99,41 @@ def op_totals(ops: pa.Table, by: Union[str, Sequence[str]] = "op", *, include_no
     if res.num_rows:
         res = res.sort_by([("cpu_ns", "descending")] + [(k, "ascending") for k in keys])
     return res
+
+
+def _op_totals_codes(work: pa.Table, key: str) -> pa.Table:
+    """``op_totals`` by one dictionary column: its codes summed with ``np.bincount`` (no hash join)."""
+    col = work.column(key).combine_chunks() if work.num_rows else pa.array([], work.schema.field(key).type)
+    codes = pc.fill_null(col.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    names = col.dictionary.to_pylist() + [None]
+    codes[codes < 0] = len(names) - 1
+    n = len(names)
+
+    def sums(name: str) -> np.ndarray:
+        v = pc.fill_null(work.column(name), 0).to_numpy(zero_copy_only=False).astype(np.float64)
+        return np.bincount(codes, weights=v, minlength=n)
+
+    calls = np.bincount(codes, minlength=n)
+    cpu = sums("cpu_ns")
+    mx = np.zeros(n, dtype=np.int64)
+    np.maximum.at(mx, codes, pc.fill_null(work.column("cpu_ns"), 0).to_numpy(zero_copy_only=False).astype(np.int64))
+    cuda_col = work.column("cuda_ns")
+    has_cuda = np.bincount(codes, weights=pc.is_valid(cuda_col).to_numpy(zero_copy_only=False).astype(np.float64),
+                           minlength=n) > 0
+    cuda = sums("cuda_ns")
+    keep = calls > 0
+    total = float(cpu.sum()) or 1.0
+    cpu_i = cpu.astype(np.int64)
+    res = pa.table({
+        key: pa.array([names[i] for i in np.flatnonzero(keep)], _str),
+        "calls": pa.array(calls[keep], _i64), "cpu_ns": pa.array(cpu_i[keep], _i64),
+        "mean_cpu_ns": pa.array(cpu[keep] / np.maximum(calls[keep], 1), _f64),
+        "max_cpu_ns": pa.array(mx[keep], _i64), "share": pa.array(cpu[keep] / total, _f64),
+        "cuda_ns": pa.array(cuda[keep].astype(np.int64), _i64, mask=~has_cuda[keep]),
+        "flops": pa.array(sums("flops")[keep].astype(np.int64), _i64),
+        "bytes_read": pa.array(sums("bytes_read")[keep].astype(np.int64), _i64),
+        "bytes_written": pa.array(sums("bytes_written")[keep].astype(np.int64), _i64)})
+    return res.sort_by([("cpu_ns", "descending"), (key, "ascending")]) if res.num_rows else res
 
 
 def module_totals(ops: pa.Table) -> pa.Table:

@@ -44,7 +44,8 @@ def is_number_text(v) -> bool:
 
 #: the summary's stylesheet: one ``<style>`` block per output instead of a style attribute per cell (54 KB of a
 #: 438-op summary). Scoped under ``.tensorscope-summary`` so each rule outranks JupyterLab's and the classic
-#: Notebook's (``.jp-RenderedHTMLCommon td``, ``.rendered_html td``: one class and one element). An untrusted
+#: Notebook's (``.jp-RenderedHTMLCommon td``, ``.rendered_html td``: one class and one element; ours: two and
+#: two). An untrusted
 #: JupyterLab output loses the ``<style>`` element (its sanitizer): the tables then read as any DataFrame
 #: does there (Jupyter's own table style), the table keeps its one inline style (auto layout, left margin).
 SUMMARY_CSS = (
@@ -52,11 +53,12 @@ SUMMARY_CSS = (
     ".tensorscope-summary .ts-t{" + TITLE_STYLE + "}"
     ".tensorscope-summary .ts-note{" + NOTE_STYLE + "}"
     ".tensorscope-summary .ts-img{" + IMG_STYLE + "}"
-    ".tensorscope-summary td,.tensorscope-summary th{" + TD_STYLE + "}"
-    ".tensorscope-summary th{font-weight:600;vertical-align:bottom;white-space:nowrap}"
-    ".tensorscope-summary td.n,.tensorscope-summary th.n{text-align:right;white-space:nowrap;"
-    "font-variant-numeric:tabular-nums}"
-    ".tensorscope-summary td.k{white-space:nowrap}"
+    ".tensorscope-summary table.tensorscope-table td,.tensorscope-summary table.tensorscope-table th{"
+    + TD_STYLE + "}"
+    ".tensorscope-summary table.tensorscope-table th{font-weight:600;vertical-align:bottom;white-space:nowrap}"
+    ".tensorscope-summary table.tensorscope-table td.n,.tensorscope-summary table.tensorscope-table th.n"
+    "{text-align:right;white-space:nowrap;font-variant-numeric:tabular-nums}"
+    ".tensorscope-summary table.tensorscope-table td.k{white-space:nowrap}"
     ".tensorscope-summary details{margin:2px 0}"
     ".tensorscope-summary summary{cursor:pointer;font-weight:600}"
     ".tensorscope-summary .ts-head{font-size:13px;margin:0 0 2px}"
@@ -118,11 +120,15 @@ CLASS_TABLE_STYLE = "border-collapse:collapse;table-layout:auto;width:auto;margi
 def _class_table(header: Optional[Sequence[str]], rows: Sequence[Sequence[Any]]) -> str:
     numeric = _numeric(header, rows)
     kv = header is None and len(numeric) == 2
-    cls = ['<td class="n">' if n else ('<td class="k">' if kv and c == 0 else "<td>") for c, n in enumerate(numeric)]
+    # the two properties Jupyter's own table style gets wrong for us stay inline (they survive every sanitizer,
+    # and JupyterLab drops the <style> element of an output it does not trust): text left, numbers unwrapped
+    cls = ['<td class="n" style="white-space:nowrap">' if n else
+           ('<td class="k" style="text-align:left;white-space:nowrap">' if kv and c == 0 else
+            '<td style="text-align:left">') for c, n in enumerate(numeric)]
     parts = [f'<table class="tensorscope-table" style="{CLASS_TABLE_STYLE}">']
     if header:
         parts.append("<thead><tr>" + "".join(
-            ('<th class="n">' if c < len(numeric) and numeric[c] else "<th>") + f"{esc(h)}</th>"
+            ('<th class="n">' if c < len(numeric) and numeric[c] else '<th style="text-align:left">') + f"{esc(h)}</th>"
             for c, h in enumerate(header)) + "</tr></thead>")
     parts.append("<tbody>")
     for r in rows:

@@ -60,12 +60,13 @@ def timing_section(t, full: bool = False) -> Optional[Section]:
 
 def icicle_section(t, full: bool = False) -> Optional[Section]:
     """Where the time went: module → torch call → ATen op, width = CPU time (HTML only; the text
-    summary has the module and op tables)."""
-    if t.ops.num_rows == 0:
+    summary has the module and op tables). In the report (``full``) only: the notebook summary's module
+    and op tables say the same in numbers, within its budget (docs/guide/summary.md)."""
+    if t.ops.num_rows == 0 or not full:
         return None
     from .svg import icicle_svg
 
-    title = "where the time went (module → torch call → ATen op" + ("; hover for details)" if full else ")")
-    return Section(title, [], None, [], svg=lambda: icicle_svg(t, hovers=full, min_px=1.0 if full else 4.0),
+    title = "where the time went (module → torch call → ATen op; hover for details)"
+    return Section(title, [], None, [], svg=lambda: icicle_svg(t, hovers=True, min_px=1.0),
                    text_alt="icicle chart: module → torch call → ATen op, width = CPU time; in numbers: the "
                             "module and op tables above")

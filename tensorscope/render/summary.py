@@ -12,6 +12,7 @@ A trace whose ``metadata["predicted"]`` is true (FakeTensorMode) says so first a
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import pyarrow.compute as pc
@@ -295,6 +296,7 @@ def _totals_line(t, tot: dict[str, Any], peaks: list[dict[str, Any]], predicted:
     return " · ".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
 def _params(fn: Callable[..., Any]) -> frozenset[str]:
     import inspect
 

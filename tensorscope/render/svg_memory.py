@@ -37,14 +37,11 @@ def _columns(live: np.ndarray, width: int) -> np.ndarray:
 
 def _step(xs: np.ndarray, ys: np.ndarray, base: float, x_end: float) -> str:
     """The path of the area under a step line through (xs, ys): moves only where y changes."""
-    d = [f"M{xs[0]:.0f} {base:.0f}V{ys[0]:.0f}"]
-    last = ys[0]
-    for x, yv in zip(xs[1:].tolist(), ys[1:].tolist()):
-        if yv != last:
-            d.append(f"H{x:.0f}V{yv:.0f}")
-            last = yv
-    d.append(f"H{x_end:.0f}V{base:.0f}z")
-    return "".join(d)
+    change = np.flatnonzero(np.diff(ys)) + 1
+    xi = np.round(xs[change]).astype(np.int64).tolist()
+    yi = ys[change].astype(np.int64).tolist()
+    steps = "".join([f"H{x}V{v}" for x, v in zip(xi, yi)])
+    return f"M{xs[0]:.0f} {base:.0f}V{ys[0]:.0f}{steps}H{x_end:.0f}V{base:.0f}z"
 
 
 def memory_timeline_svg(timeline: Any, device: Optional[str] = None, width: int = 720, height: int = 160,
@@ -57,10 +54,13 @@ def memory_timeline_svg(timeline: Any, device: Optional[str] = None, width: int 
 
     dev_col = timeline.column("device")
     if device is None:
-        g = timeline.select(["device", "live_bytes"]).group_by("device", use_threads=False).aggregate(
-            [("live_bytes", "max")]).to_pylist()
-        g.sort(key=lambda r: (-(r["live_bytes_max"] or 0), str(r["device"])))
-        device = g[0]["device"]
+        names = pc.unique(dev_col).to_pylist()
+        if len(names) == 1:
+            device = names[0]
+        else:
+            live_all = pc.fill_null(timeline.column("live_bytes"), 0)
+            best = [(-(pc.max(pc.filter(live_all, pc.equal(dev_col, d))).as_py() or 0), str(d), d) for d in names]
+            device = min(best)[2]
     rows_of = np.flatnonzero(pc.fill_null(pc.equal(dev_col, device), False).to_numpy(zero_copy_only=False))
     if not len(rows_of):
         return ""

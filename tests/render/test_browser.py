@@ -50,7 +50,7 @@ window.addEventListener('load', function () {
     tb.querySelectorAll('td, th').forEach(function (c) {
       var text = c.textContent.trim();
       var got = getComputedStyle(c).textAlign;
-      var want = c.style.textAlign || 'left';
+      var want = c.style.textAlign || (c.classList.contains('n') ? 'right' : 'left');   // inline, or our class
       if (got === 'start') got = 'left';
       out.cells++;
       out.aligns.push(got);
@@ -66,20 +66,21 @@ window.addEventListener('load', function () {
       }
     });
   });
-  // the summary's timeline and icicle are inline SVG: drawn, with a size, nothing to fetch
-  document.querySelectorAll('.tensorscope-summary svg').forEach(function (svg) {
-    var r = svg.getBoundingClientRect();
-    out.images.push({complete: svg.querySelectorAll('rect').length > 0, width: Math.round(r.width),
-                     data: !svg.querySelector('[href],[src]')});
-  });
-  // the memory timeline: stacked areas with a size, the peak marked, a legend entry per area
-  document.querySelectorAll('.tensorscope-summary svg.tensorscope-memory').forEach(function (svg) {
-    var r = svg.getBoundingClientRect();
-    var areas = Array.prototype.filter.call(svg.querySelectorAll('polygon'), function (p) {
-      var b = p.getBBox(); return b.width > 0 && b.height > 0; });
-    out.memory.push({areas: areas.length, width: Math.round(r.width), height: Math.round(r.height),
-                     peak: !!svg.querySelector('line[stroke="#c00"]'),
-                     legend: svg.querySelectorAll('rect[width="10"]').length});
+  // the summary's charts are <img> of SVG data URIs: loaded, with a size, nothing to fetch
+  document.querySelectorAll('.tensorscope-summary img.ts-img').forEach(function (img) {
+    var r = img.getBoundingClientRect();
+    out.images.push({complete: img.complete && img.naturalWidth > 0, width: Math.round(r.width),
+                     data: /^data:image\/svg\+xml,/.test(img.getAttribute('src'))});
+    // the memory timeline, read from the image's own markup: stacked areas, the peak marked, a legend entry per area
+    var src = img.getAttribute('src');
+    var svg = new DOMParser().parseFromString(decodeURIComponent(src.slice(src.indexOf(',') + 1)), 'image/svg+xml');
+    var root = svg.documentElement;
+    if (root.getAttribute('class') === 'tensorscope-memory') {
+      out.memory.push({areas: root.querySelectorAll('path').length, width: Math.round(r.width),
+                       height: Math.round(r.height), peak: !!root.querySelector('line[stroke="#c00"]'),
+                       legend: root.querySelectorAll('rect[width="10"]').length,
+                       parsed: !root.querySelector('parsererror')});
+    }
   });
   performance.getEntriesByType('resource').forEach(function (e) { out.resources.push(e.name); });
   document.querySelectorAll('[src], [href]').forEach(function (el) {
@@ -236,7 +237,8 @@ LIVE_PROBE = r"""(function () {
           alts: imgs.map(function (i) { return i.alt; }),
           svg: box.querySelectorAll('svg').length,
           details: box.querySelectorAll('details').length,
-          styled: getComputedStyle(box.querySelector('td.n') || box).textAlign,
+          styled: getComputedStyle(box.querySelector('td:not(.n)') || box).textAlign,
+          stylesheet: box.querySelectorAll('style').length > 0,
           runon: /ATen op, forward: \d+ marks|live bytes by category after each op/.test(text),
           raw: /<tensorscope\.Trace|pyarrow\.Table|<Figure size/.test(page),
           leaks: leaks};
@@ -315,14 +317,16 @@ def test_the_summary_renders_in_jupyterlab_trusted_and_untrusted_and_the_noteboo
             seen[name] = p
             shot = b.screenshot(os.path.join(shots, f"summary-{name}-{stamp}.png"))
             with capsys.disabled():
-                print(f"\n{name}: {shot}")
+                print(f"\n{name}: {shot} (our <style> kept: {p['stylesheet']}, text cells {p['styled']})")
     finally:
         b.close()
     for name, p in seen.items():
         assert p["summaries"] == 1 and p["headline"] and p["items"] >= 1, (name, p)
         assert p["head_text"].startswith("tensorscope: cell [2]"), (name, p["head_text"])
-        # timeline, icicle, memory, the advisor's roofline: four images, all loaded; no inline SVG, no run-on titles
-        assert p["images"] == 4 and p["loaded"] == 4 and p["svg"] == 0 and not p["runon"], (name, p)
+        # timeline, memory, the advisor's roofline: three images, all loaded; no inline SVG, no run-on titles
+        assert p["images"] == 3 and p["loaded"] == 3 and p["svg"] == 0 and not p["runon"], (name, p)
         assert p["details"] >= 8 and not p["raw"] and p["leaks"] == 1, (name, p)
-    # the stylesheet: kept where the output is trusted (numbers right-aligned by our class)
-    assert seen["jupyterlab-trusted"]["styled"] == "right" and seen["nbclassic-trusted"]["styled"] == "right"
+    # text cells read left-aligned everywhere (Jupyter's own table style right-aligns every cell; the inline
+    # text-align survives the sanitizer, which drops the <style> element of an untrusted output)
+    assert all(p["styled"] == "left" for p in seen.values()), {k: p["styled"] for k, p in seen.items()}
+    assert seen["nbclassic-trusted"]["stylesheet"] and not seen["nbclassic-untrusted"]["stylesheet"]

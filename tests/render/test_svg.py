@@ -56,7 +56,7 @@ def test_summary_html_draws_both_views_as_escaped_svg_with_legends():
     t = _trace()
     # the notebook summary draws each view as an <img> of an SVG data URI (it survives JupyterLab's sanitizer)
     imgs = re.findall(r'<img class="ts-img" [^>]*src="data:image/svg\+xml,([^"]*)"', t.summary().to_html())
-    assert len(imgs) == 4 and "<svg" not in t.summary().to_html()   # timeline, icicle, memory, roofline
+    assert len(imgs) == 3 and "<svg" not in t.summary().to_html()   # timeline, memory, roofline (icicle: report)
     # the report (full=True) draws them inline, with their hover titles
     from tensorscope.render.summary import summarize
 
