@@ -73,7 +73,9 @@ def op_totals(ops: pa.Table, by: Union[str, Sequence[str]] = "op", *, include_no
     for k in keys:
         if k not in ops.column_names:
             raise KeyError(f"op_totals: no ops column {k!r}; columns: {', '.join(ops.column_names)}")
-    work = _work(ops, include_noise)
+    need = list(dict.fromkeys(keys + ["cpu_ns", "cuda_ns", "flops", "bytes_read", "bytes_written"]
+                              + (["is_noise"] if "is_noise" in ops.column_names else [])))
+    work = _work(ops.select(need), include_noise)   # the columns read, then the rows: no list column copied
     if len(keys) == 1 and pa.types.is_dictionary(work.schema.field(keys[0]).type):
         return _op_totals_codes(work, keys[0])
     cols = {k: _key_column(work, k) for k in keys}
@@ -116,7 +118,12 @@ def _op_totals_codes(work: pa.Table, key: str) -> pa.Table:
     calls = np.bincount(codes, minlength=n)
     cpu = sums("cpu_ns")
     mx = np.zeros(n, dtype=np.int64)
-    np.maximum.at(mx, codes, pc.fill_null(work.column("cpu_ns"), 0).to_numpy(zero_copy_only=False).astype(np.int64))
+    if len(codes):   # the max per code: sorted by code, then one reduceat (np.maximum.at is ~50x slower)
+        order = np.argsort(codes, kind="stable")
+        sc = codes[order]
+        starts = np.flatnonzero(np.concatenate(([True], sc[1:] != sc[:-1])))
+        cpu_v = pc.fill_null(work.column("cpu_ns"), 0).to_numpy(zero_copy_only=False).astype(np.int64)[order]
+        mx[sc[starts]] = np.maximum.reduceat(cpu_v, starts)
     cuda_col = work.column("cuda_ns")
     has_cuda = np.bincount(codes, weights=pc.is_valid(cuda_col).to_numpy(zero_copy_only=False).astype(np.float64),
                            minlength=n) > 0

@@ -123,9 +123,7 @@ def _runs(x0: np.ndarray, x1: np.ndarray, n_cols: int) -> list[tuple[int, int]]:
         return []
     c0 = np.clip(np.floor(x0).astype(np.int64), 0, n_cols - 1)
     c1 = np.clip(np.maximum(np.ceil(x1).astype(np.int64), c0 + 1), 1, n_cols)
-    diff = np.zeros(n_cols + 1, dtype=np.int64)
-    np.add.at(diff, c0, 1)
-    np.add.at(diff, c1, -1)
+    diff = np.bincount(c0, minlength=n_cols + 1) - np.bincount(c1, minlength=n_cols + 1)
     cov = np.cumsum(diff[:-1]) > 0
     edges = np.flatnonzero(np.diff(np.concatenate(([0], cov.astype(np.int8), [0]))))
     return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
