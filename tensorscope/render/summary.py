@@ -259,7 +259,7 @@ def head(t, ctx: Optional[dict[str, Any]] = None) -> Head:
                      findings=adv.findings if adv is not None else None, op_ns=tot["cpu_ns"], peak_bytes=peak,
                      predicted=predicted, cells=trace_cells(t))
     cell = md.get("cell")
-    title = f"tensorscope: cell [{cell}]" if cell is not None else "tensorscope trace"
+    title = f"tensorscope trace of cell [{cell}]" if cell is not None else "tensorscope trace"
     return Head(title, lines, _totals_line(t, tot, peaks, predicted), predicted,
                 clean="clean — no exception, no NaN/Inf produced, no leak, no performance finding above 1% of op time")
 

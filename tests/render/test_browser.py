@@ -327,7 +327,7 @@ def test_the_summary_renders_in_jupyterlab_trusted_and_untrusted_and_the_noteboo
         b.close()
     for name, p in seen.items():
         assert p["summaries"] == 1 and p["headline"] and p["items"] >= 1, (name, p)
-        assert p["head_text"].startswith("tensorscope: cell [2]"), (name, p["head_text"])
+        assert p["head_text"].startswith("tensorscope trace of cell [2]"), (name, p["head_text"])
         # timeline, memory, the advisor's roofline: three images, all loaded; no inline SVG, no run-on titles
         assert p["images"] == 3 and p["loaded"] == 3 and p["svg"] == 0 and not p["runon"], (name, p)
         assert p["details"] >= 8 and not p["raw"] and p["leaks"] == 1, (name, p)
