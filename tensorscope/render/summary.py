@@ -296,7 +296,7 @@ def _totals_line(t, tot: dict[str, Any], peaks: list[dict[str, Any]], predicted:
     return " · ".join(parts)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(fn: Callable[..., Any]) -> frozenset[str]:
     import inspect
 
