@@ -202,6 +202,15 @@ class Trace:
             got = self._derived["module_memory"] = module_memory(self.tensors, self.ops, self.calls)
         return _view(got, "t.module_memory(): activations saved and peaks per module")
 
+    def op_totals(self, by: Union[str, Sequence[str]] = "op", *, include_noise: bool = False) -> pa.Table:
+        """Totals per group of ATen ops, the largest CPU time first (torch.profiler's ``key_averages()``):
+        calls, CPU time (total, mean, max, share), CUDA time, FLOPs, bytes. ``by``: any ``ops`` column
+        or several (``("op", "in_shapes")``: ``group_by_input_shape``); bookkeeping rows are left out
+        unless ``include_noise``. The summary's op table reads the same numbers."""
+        from .analyses.totals import op_totals
+
+        return op_totals(self.ops, by, include_noise=include_noise)
+
     def df(self, name: str = "ops"):
         """A table as a pandas DataFrame (nullable ints stay ints, strings are plain strings)."""
         import pandas as pd
@@ -226,6 +235,13 @@ class Trace:
         self._later["saved_to"] = where
         self._later.pop("metadata", None)
         return where
+
+    def report(self, path: Any) -> str:
+        """Write the full summary as one standalone HTML file (every section open, more rows, charts with
+        their hover titles; no script, no network, everything escaped). Returns the path."""
+        from .render.summary import write_report
+
+        return write_report(self, path)
 
     def to_perfetto(self, path) -> str:
         """Chrome/Perfetto trace-event JSON (opens in ui.perfetto.dev and chrome://tracing)."""

@@ -43,7 +43,8 @@ def _loc(file, line, cells=None) -> Optional[str]:
         return None
     from .._location import format_location
 
-    return format_location(file, line, cells or {})
+    # the trace's cell map; without one (a trace made outside IPython) the running IPython is asked
+    return format_location(file, line, cells or None)
 
 
 def _clean(d: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ listed with the guard that failed. Reads ``graphs``/``graph_nodes``/``ops``.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import pyarrow.compute as pc
@@ -54,7 +53,9 @@ def compiled_section(t) -> Optional[Section]:
         frame = next((r for r in reg["rows"] if r["frame"]), None)
         where = ""
         if frame is not None:
-            where = f"{frame['frame']} ({os.path.basename(frame['source_file'] or '')}:{frame['source_line']})"
+            from .._location import format_location, trace_cells
+
+            where = f"{frame['frame']} ({format_location(frame['source_file'], frame['source_line'], trace_cells(t))})"
         parts = []
         n_run, ns_run = 0, 0
         for phase in ("forward", "inference", "backward"):

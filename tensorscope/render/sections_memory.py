@@ -25,7 +25,7 @@ from .svg_memory import memory_timeline_svg
 _TOP = 10
 
 
-def memory_section(t) -> Optional[Section]:
+def memory_section(t, full: bool = False) -> Optional[Section]:
     from ..analyses.memory import memory_peak
 
     mem = t.memory
@@ -60,8 +60,18 @@ def memory_section(t) -> Optional[Section]:
         return Section("memory (storages this trace saw)", rows, header)
     notes = ["by category and module at the peak: t.memory_at(); per op: t.memory_timeline(); "
              "per module: t.module_memory()"]
+    from .._location import trace_cells
+    from .svg_memory import MIN_CHART_BYTES
+
+    top = max(p["peak_bytes"] for p in peaks.values())
+    if top < MIN_CHART_BYTES:   # a chart of a few bytes says nothing the table does not
+        return Section("memory (storages this trace saw)", rows, header + ("at the peak",), notes)
+    alt = "memory chart: live bytes after each op by category; " + "; ".join(
+        f"{dev} peak {fmt_bytes(p['peak_bytes'])} after op {p['peak_seq']}" for dev, p in peaks.items())
     return Section("memory (storages this trace saw)", rows, header + ("at the peak",), notes,
-                   svg=lambda: memory_timeline_svg(t.memory_timeline()))
+                   svg=lambda: memory_timeline_svg(t.memory_timeline(), cells=trace_cells(t), hovers=full,
+                                                     px_per_column=1 if full else 3),
+                   text_alt=alt)
 
 
 def allocator_section(t) -> Optional[Section]:

@@ -17,7 +17,7 @@ from .._common import fmt_ns
 from .section import Section
 
 
-def timing_section(t) -> Optional[Section]:
+def timing_section(t, full: bool = False) -> Optional[Section]:
     ops = t.ops
     kernels = t.kernels
     md = t.metadata or {}
@@ -46,18 +46,27 @@ def timing_section(t) -> Optional[Section]:
     if ops.num_rows or kernels.num_rows:
         from .svg import timeline_svg
 
-        # inline SVG, drawn only when HTML is rendered (no matplotlib on the display path)
-        svg = lambda: timeline_svg(t)  # noqa: E731
+        # SVG, drawn only when HTML is rendered (no matplotlib on the display path); hovers in the report
+        svg = lambda: timeline_svg(t, hovers=200 if full else 0)  # noqa: E731
     if not rows and svg is None and not notes:
         return None
-    return Section("timeline", rows, None, notes, svg=svg)
+    alt = None
+    if ops.num_rows:
+        end = (md.get("wall_ns") or 0)
+        alt = f"timeline chart: {ops.num_rows} ops" + (f" over {fmt_ns(end)}" if end else "") + \
+            "; the longest: t.op_totals(), every op: t.ops"
+    return Section("timeline", rows, None, notes, svg=svg, text_alt=alt)
 
 
-def icicle_section(t) -> Optional[Section]:
-    """Where the time went: module → torch call → ATen op, width = CPU time (HTML only)."""
-    if t.ops.num_rows == 0:
+def icicle_section(t, full: bool = False) -> Optional[Section]:
+    """Where the time went: module → torch call → ATen op, width = CPU time (HTML only; the text
+    summary has the module and op tables). In the report (``full``) only: the notebook summary's module
+    and op tables say the same in numbers, within its budget (docs/guide/summary.md)."""
+    if t.ops.num_rows == 0 or not full:
         return None
     from .svg import icicle_svg
 
-    return Section("where the time went (module → torch call → ATen op; hover for details)", [], None, [],
-                   svg=lambda: icicle_svg(t))
+    title = "where the time went (module → torch call → ATen op; hover for details)"
+    return Section(title, [], None, [], svg=lambda: icicle_svg(t, hovers=True, min_px=1.0),
+                   text_alt="icicle chart: module → torch call → ATen op, width = CPU time; in numbers: the "
+                            "module and op tables above")

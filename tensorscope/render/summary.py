@@ -1,19 +1,25 @@
-"""The cell summary: the sections a Trace's summary shows, in order, and ``summarize``.
+"""The cell summary: the headline first, one line of totals, then the sections, collapsed.
 
-Each section is a function ``trace -> Section | None`` (render/section.py draws them);
-``SECTIONS`` lists every one explicitly, in display order: the overview, op and module
-tables and errors here, the rest one module per topic (``sections_*``). A broken section
-never hides the others.
+``summarize(t)`` builds a ``Summary`` (render/section.py) with a ``Head``: at most five findings
+ranked by ``analyses.headline`` from what the analyses return (exceptions, NaN/Inf produced, leaks,
+the advisor's findings), a clean cell saying so in one line, and the totals (``analyses.totals``
+and the memory peaks). Then each section is a function ``trace -> Section | None``; ``SECTIONS``
+lists every one explicitly, in display order: the cell's overview, the op and module tables (from
+``analyses.totals``) and errors here, the rest one module per topic (``sections_*``). A broken
+section never hides the others. ``full=True`` (``t.report(path)``) lists more rows and draws the
+charts with their hover titles; the notebook summary keeps to the budget (docs/guide/summary.md).
+A trace whose ``metadata["predicted"]`` is true (FakeTensorMode) says so first and in every title.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import pyarrow.compute as pc
 
 from .._common import fmt_bytes, fmt_ns
 from . import sections_advice, sections_api, sections_compiled, sections_memory, sections_precision, sections_timing
-from .section import Section, Summary
+from .section import Head, Section, Summary
 
 
 def _location(file, line, cells=None) -> str:
@@ -74,74 +80,58 @@ def overview(t) -> Section:
         notes.append(f"{md['tracer_errors']} internal tracer error(s) were contained; the trace may be incomplete.")
     for note in md.get("notes") or []:
         notes.append(note)
-    cell = md.get("cell")
-    return Section(f"tensorscope trace{f' of cell [{cell}]' if cell is not None else ''}", rows, None, notes)
+    return Section("the cell in numbers", rows, None, notes)
 
 
-def top_ops(t, k: int = 10) -> Optional[Section]:
-    ops = t.ops
-    if ops.num_rows == 0:
+def top_ops(t, k: int = 10, full: bool = False) -> Optional[Section]:
+    """The ops by CPU time (``analyses.totals.op_totals``: what ``t.op_totals()`` returns)."""
+    from ..analyses.totals import op_totals
+
+    if t.ops.num_rows == 0:
         return None
-    work = ops.filter(pc.invert(ops.column("is_noise")))
-    if work.num_rows == 0:
+    g = op_totals(t.ops)
+    if g.num_rows == 0:
         return None
-    g = work.group_by("op").aggregate([("cpu_ns", "sum"), ("cpu_ns", "count"), ("bytes_written", "sum")])
-    g = g.sort_by([("cpu_ns_sum", "descending")]).slice(0, k)
-    total = pc.sum(work.column("cpu_ns")).as_py() or 1
-    rows = []
-    for r in g.to_pylist():
-        rows.append((r["op"], str(r["cpu_ns_count"]), fmt_ns(r["cpu_ns_sum"]), f"{100 * r['cpu_ns_sum'] / total:.1f}%",
-                     fmt_bytes(r["bytes_written_sum"])))
-    return Section("top ops by CPU time", rows, ("op", "calls", "CPU", "share", "written"))
+    k = 100 if full else k
+    rows = [(r["op"], str(r["calls"]), fmt_ns(r["cpu_ns"]), f"{100 * r['share']:.1f}%", fmt_bytes(r["bytes_written"]))
+            for r in g.slice(0, k).to_pylist()]
+    notes = [f"{g.num_rows - k} more ops: t.op_totals()"] if g.num_rows > k else []
+    return Section("top ops by CPU time", rows, ("op", "calls", "CPU", "share", "written"), notes)
 
 
-def modules_section(t, k: int = 12) -> Optional[Section]:
-    """Time per module, children rolled up into their parents (``layer4`` is its blocks' total)."""
-    ops = t.ops
-    if ops.num_rows == 0:
+def modules_section(t, k: int = 12, full: bool = False) -> Optional[Section]:
+    """Time per module: the top-level modules by total time, each expanding to its children
+    (``analyses.totals.module_totals``, deterministic: ties by name)."""
+    from ..analyses.totals import module_totals
+
+    if t.ops.num_rows == 0:
         return None
-    with_mod = ops.filter(pc.invert(pc.is_null(ops.column("module"))))
-    if with_mod.num_rows == 0:
+    mt = module_totals(t.ops)
+    if mt.num_rows == 0:
         return None
-    g = with_mod.group_by(["module", "phase"]).aggregate([("cpu_ns", "sum"), ("cpu_ns", "count")]).to_pylist()
-    total: dict = {}
-    own: dict = {}
-    for r in g:
-        name, ns, n, bwd = r["module"], r["cpu_ns_sum"] or 0, r["cpu_ns_count"], r["phase"] == "backward"
-        own[name] = own.get(name, 0) + ns
-        parts = name.split(".")
-        for i in range(len(parts)):
-            key = ".".join(parts[: i + 1])
-            tot = total.setdefault(key, [0, 0, 0, 0])   # total ns, forward ns, backward ns, ops
-            tot[0] += ns
-            tot[2 if bwd else 1] += ns
-            tot[3] += n
-    grand = sum(own.values()) or 1
-    roots = [key for key in total if key.startswith("<") and "." not in key]
-    root = roots[0] if len(roots) == 1 else None   # the outermost module called: "<Net>"
-    if root is not None:
-        total[root] = [sum(v[i] for key, v in total.items() if "." not in key) for i in range(4)]
-    children: dict = {}
-    for key in total:
-        parent = key.rsplit(".", 1)[0] if "." in key else (root if key != root else None)
-        children.setdefault(parent, []).append(key)
-    order = []
+    recs = mt.to_pylist()
 
-    def walk(parent):
-        for key in sorted(children.get(parent, []), key=lambda c: -total[c][0]):
-            order.append(key)
-            walk(key)
+    def row(r, indent=0):
+        return ("  " * indent + r["module"], fmt_ns(r["total_ns"]), fmt_ns(r["self_ns"]), fmt_ns(r["forward_ns"]),
+                fmt_ns(r["backward_ns"]), str(r["ops"]), f"{100 * r['share']:.1f}%")
 
-    walk(None)
-    rows = []
-    for key in order[:k]:
-        tot = total[key]
-        rows.append((key, fmt_ns(tot[0]), fmt_ns(own.get(key, 0)), fmt_ns(tot[1]), fmt_ns(tot[2]), str(tot[3]),
-                     f"{100 * tot[0] / grand:.1f}%"))
-    notes = [f"{len(order) - k} more modules: t.sql(\"select module, sum(cpu_ns) from ops group by module\")"] \
-        if len(order) > k else []
+    top = [r for r in recs if r["depth"] == 0]
+    shown = top if full else top[:k]
+    rows = [row(r) for r in shown]
+    children = []
+    for r in shown:
+        kids = [c for c in recs if c["depth"] > 0 and c["module"].startswith(r["module"] + ".")]
+        if kids:
+            kids = kids if full else kids[:k]
+            children.append((f"{r['module']}: {len(kids)} submodule{'s' * (len(kids) != 1)}",
+                             [row(c, c["depth"]) for c in kids]))
+    notes = [f"{len(top) - len(shown)} more top-level modules: t.sql(\"select module, sum(cpu_ns) from ops group by "
+             "module\")"] if len(top) > len(shown) else []
+    root = [r for r in recs if r["depth"] == -1]
+    if root:
+        notes.insert(0, f"{root[0]['module']}: {fmt_ns(root[0]['total_ns'])} in {root[0]['ops']} ops (the whole model)")
     return Section("time per module (children rolled up into parents)", rows,
-                   ("module", "total", "self", "forward", "backward", "ops", "share"), notes)
+                   ("module", "total", "self", "forward", "backward", "ops", "share"), notes, children=children)
 
 
 def errors_section(t) -> Optional[Section]:
@@ -169,6 +159,12 @@ def errors_section(t) -> Optional[Section]:
     return Section("exceptions and warnings", rows, ("kind", "type", "where", "message", "count"))
 
 
+def _advice_section(t, ctx: dict[str, Any]) -> Optional[Section]:
+    if t.ops.num_rows == 0 or ctx.get("advice") is None:
+        return None
+    return sections_advice.advice_to_section(ctx["advice"])
+
+
 SECTIONS: tuple[Callable[..., Optional[Section]], ...] = (
     overview, top_ops, modules_section, errors_section,
     sections_precision.layout_section, sections_precision.precision_section,
@@ -181,27 +177,134 @@ SECTIONS: tuple[Callable[..., Optional[Section]], ...] = (
 )
 
 
-def summarize(t, display=None) -> Summary:
-    """Every section of ``t``; ``display`` (a ``DisplayOptions``, defaults when None) reaches the
-    sections that take a ``display`` keyword (how a result is shown is never part of the trace)."""
+def summarize(t, display=None, full: bool = False) -> Summary:
+    """The headline and every section of ``t``; ``display`` (a ``DisplayOptions``, defaults when None)
+    reaches the sections that take a ``display`` keyword (how a result is shown is never part of the
+    trace); ``full``: the report's detail (more rows, charts with hover titles)."""
     from ..options import DisplayOptions
 
     display = display if display is not None else DisplayOptions()
+    ctx: dict[str, Any] = {}
+    if t.ops.num_rows and hasattr(t, "advice"):
+        try:
+            ctx["advice"] = t.advice()
+        except Exception as e:   # the advisor failing must not hide the summary
+            ctx["advice_error"] = e
     out = []
     for fn in SECTIONS:
         try:
-            sec = fn(t, display=display) if _takes_display(fn) else fn(t)
+            if fn is sections_advice.advice_section:
+                if "advice_error" in ctx:
+                    raise ctx["advice_error"]
+                sec = _advice_section(t, ctx)
+            else:
+                kw: dict[str, Any] = {}
+                params = _params(fn)
+                if "display" in params:
+                    kw["display"] = display
+                if "full" in params:
+                    kw["full"] = full
+                sec = fn(t, **kw)
         except Exception as e:  # a broken section must not hide the others
             sec = Section(getattr(fn, "__name__", "section"), [], None, [f"could not render: {type(e).__name__}: {e}"])
         if sec is not None:
             out.append(sec)
-    return Summary(out)
+    return Summary(out, head=head(t, ctx), inline_svg=full)
 
 
-def _takes_display(fn: Callable[..., Any]) -> bool:
+def report_html(t, display=None) -> str:
+    """The standalone page of ``t.report``: the full summary, every section open."""
+    from .ranks import html_document
+
+    body = summarize(t, display, full=True).to_html().replace("<details>", "<details open>")
+    cell = t.metadata.get("cell")
+    return html_document(f"tensorscope report{f' of cell [{cell}]' if cell is not None else ''}", body)
+
+
+def write_report(t, path) -> str:
+    import os
+
+    from ..errors import ExportError
+
+    path = os.fspath(path)
+    doc = report_html(t)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(doc)
+    except OSError as e:
+        raise ExportError(f"cannot write the report to {path!r}: {e.strerror or e}") from e
+    return path
+
+
+def head(t, ctx: Optional[dict[str, Any]] = None) -> Head:
+    """The headline (``analyses.headline``) and the totals line of ``t``."""
+    from .._location import trace_cells
+    from ..analyses.headline import headline
+    from ..analyses.nonfinite import nonfinite_verdicts
+    from ..analyses.totals import cell_totals
+
+    ctx = ctx if ctx is not None else {}
+    md = t.metadata
+    predicted = bool(md.get("predicted"))
+    ops = t.ops
+    tot = cell_totals(ops, md.get("wall_ns"))
+    peaks = _peaks(t)
+    peak = max((p["live_bytes"] for p in peaks), default=0)
+    adv = ctx.get("advice")
+    try:
+        verdicts = nonfinite_verdicts(ops)
+    except Exception:
+        verdicts = []
+    lines = headline(errors=t.errors, verdicts=verdicts, leaks=t.leaks,
+                     findings=adv.findings if adv is not None else None, op_ns=tot["cpu_ns"], peak_bytes=peak,
+                     predicted=predicted, cells=trace_cells(t))
+    cell = md.get("cell")
+    title = f"tensorscope trace of cell [{cell}]" if cell is not None else "tensorscope trace"
+    return Head(title, lines, _totals_line(t, tot, peaks, predicted), predicted,
+                clean="clean — no exception, no NaN/Inf produced, no leak, no performance finding above 1% of op time")
+
+
+def _peaks(t) -> list[dict[str, Any]]:
+    try:
+        from ..analyses.memory_categories import peaks
+
+        return peaks(t.memory_timeline())
+    except Exception:
+        return []
+
+
+def _totals_line(t, tot: dict[str, Any], peaks: list[dict[str, Any]], predicted: bool) -> str:
+    from ..schema import MEMORY_CATEGORIES
+
+    parts = [f"{tot['ops']:,} ops ({tot['forward']:,} forward, {tot['backward']:,} backward)"]
+    if tot["ops"]:
+        when = "predicted " if predicted else ""
+        wall = f" of {fmt_ns(tot['wall_ns'])} wall" if tot.get("wall_ns") and not predicted else ""
+        parts.append(f"{fmt_ns(tot['cpu_ns'])} {when}in ops{wall}")
+    for p in peaks:
+        cats = sorted(((p.get(f"{c}_bytes") or 0, c) for c in MEMORY_CATEGORIES), reverse=True)
+        made = ", ".join(f"{c.replace('_', ' ')} {fmt_bytes(b)}" for b, c in cats if b)[:200]
+        dev = f" on {p['device']}" if len(peaks) > 1 else ""
+        parts.append(f"peak {fmt_bytes(p['live_bytes'])}{dev}" + (f" ({made})" if made else ""))
+    lk = t.leaks
+    if lk.num_rows:
+        exp = pc.fill_null(lk.column("expected"), False)
+        alive = lk.filter(pc.invert(exp))
+        if alive.num_rows:
+            nb = pc.sum(alive.column("nbytes")).as_py() or 0
+            parts.append(f"still alive {fmt_bytes(nb)} in {alive.num_rows} storage{'s' * (alive.num_rows != 1)}")
+    return " · ".join(parts)
+
+
+@functools.cache
+def _params(fn: Callable[..., Any]) -> frozenset[str]:
     import inspect
 
     try:
-        return "display" in inspect.signature(fn).parameters
+        return frozenset(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return False
+        return frozenset()
+
+
+def _takes_display(fn: Callable[..., Any]) -> bool:
+    return "display" in _params(fn)

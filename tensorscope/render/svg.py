@@ -1,24 +1,62 @@
-"""Inline SVG views for the summary: the timeline and an icicle of module → torch call → ATen op.
+"""SVG views for the summary and the report: the timeline and an icicle of module → torch call → ATen op.
 
-Plain SVG markup built as strings (inline in HTML5, so no ``xmlns``: the summary
-carries no URL at all): crisp at any zoom, no JavaScript, no
-matplotlib (``t.plot.*`` keeps matplotlib for figures). Every text and every
-hover ``<title>`` goes through ``_e`` (HTML-escaped: op names, module names,
-file names are user-controlled). Each colour used has a legend entry. Sizes are
-bounded: on the timeline, marks narrower than 2 px are merged per 2-px column and
-colour into one mark whose title counts them (the picture is the same at that
-resolution), and past ``max_bars`` only the longest ops are read (the SVG says
-so); the icicle drops nodes narrower than a pixel.
+Plain SVG markup built as strings, no JavaScript, no matplotlib (``t.plot.*`` keeps matplotlib for
+figures). Every text and every hover ``<title>`` goes through ``_e`` (HTML-escaped: op names, module
+names, file names are user-controlled). Each colour used has a legend entry. Sizes are bounded by
+the picture, not by the trace: each series (calls at one depth, forward ops, backward ops, a CUDA
+stream) is one ``<path>`` of the pixel columns it covers (vectorised over the rows), so a 20,000-op
+cell draws as many bytes as a 200-op one; ``hovers`` of the longest marks are drawn again on top,
+each with its hover title (the standalone report; an ``<img>`` has no hovers, so the summary
+asks for none). The icicle is computed by one group-by over the ops and drops nodes narrower than
+a pixel. Locations read as everywhere else: ``Cell In[N], line M`` or ``file.py:L`` (_location.py).
+
+``svg_img(svg)`` makes the ``<img>`` of an SVG data URI the summary shows: JupyterLab's sanitizer
+keeps it in an untrusted output, where an inline ``<svg>`` is stripped down to its titles' text.
 """
 from __future__ import annotations
 
-import os
-from typing import Optional
+import base64
+from collections.abc import Mapping
+from typing import Any, Optional
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from .._common import esc as _e
 from .._common import fmt_ns as _fmt_ns
+
+_SVG_NS = "http://www.w3.org/2000/svg"   # a namespace name, never fetched: an SVG file needs it
+
+
+def svg_img(svg: str, alt: str, encoding: str = "url") -> str:
+    """``<img src="data:image/svg+xml,…">`` of an SVG (the namespace added where missing).
+
+    ``encoding``: "url" (the markup percent-encoded where it must be: ``%``, ``&``, ``#``, ``<``, ``>``, and
+    its double quotes made single; ~10% larger than the SVG) or "base64" (33% larger)."""
+    if "xmlns=" not in svg[:200]:
+        svg = svg.replace("<svg ", f'<svg xmlns="{_SVG_NS}" ', 1)
+    w = _attr(svg, "width")
+    size = f' width="{w}"' if w else ""
+    if encoding == "base64":
+        src = "data:image/svg+xml;base64," + base64.b64encode(svg.encode("utf-8")).decode("ascii")
+    else:
+        # text is escaped with quote=True (no raw ' or " in it), so every " is an attribute quote
+        src = "data:image/svg+xml," + (svg.replace("%", "%25").replace("&", "%26").replace("#", "%23").replace("<", "%3C")
+                                       .replace(">", "%3E").replace('"', "'")
+                                       # the namespace name is no address to fetch: encoded, the page holds none
+                                       .replace(_SVG_NS, "http%3A%2F%2Fwww.w3.org%2F2000%2Fsvg"))
+    return f'<img class="ts-img" alt="{_e(alt)}"{size} src="{src}"/>'
+
+
+def _attr(svg: str, name: str) -> Optional[str]:
+    head = svg[: svg.find(">")]
+    i = head.find(f' {name}="')
+    if i < 0:
+        return None
+    j = head.find('"', i + len(name) + 3)
+    return head[i + len(name) + 3: j]
+
 
 #: one place for the colours of the views, with the legend text of each
 COLORS: dict[str, tuple[str, str]] = {
@@ -57,10 +95,19 @@ def _legend(keys: list[str], x: float, y: float, width: float) -> tuple[str, flo
     return "".join(parts), cy - y + 14
 
 
-def _where(file, line) -> str:
+def _where(file, line, cells: Optional[Mapping[str, int]] = None) -> str:
+    """``Cell In[N], line M`` / ``file.py:L`` (the one location format; ``cells``: a trace's cell map)."""
     if not file:
         return ""
-    return f"{os.path.basename(file)}:{line}" if line is not None else os.path.basename(file)
+    from .._location import format_location
+
+    return format_location(file, line, cells)
+
+
+def _cells(trace) -> Optional[Mapping[str, int]]:
+    from .._location import trace_cells
+
+    return trace_cells(trace)
 
 
 def _shape_txt(shapes) -> str:
@@ -72,102 +119,94 @@ def _shape_txt(shapes) -> str:
 
 # -- timeline ----------------------------------------------------------------------------------------------
 
-def _merge(bars, scale: float, min_px: float = 2.0):
-    """Marks under ``min_px`` wide merged per ``min_px`` column and colour; wider marks kept as they are."""
-    out: list = []
-    buckets: dict = {}
-    for start, dur, key, title in bars:
-        if dur * scale >= min_px:
-            out.append((start, dur, key, title))
-            continue
-        b = buckets.get((key, int(start * scale / min_px)))
-        if b is None:
-            buckets[(key, int(start * scale / min_px))] = [start, start + dur, key, 1, dur, title, dur]
-            continue
-        b[0], b[1] = min(b[0], start), max(b[1], start + dur)
-        b[3] += 1
-        b[4] += dur
-        if dur > b[6]:
-            b[5], b[6] = title, dur
-    for start, end, key, n, total, title, _ in buckets.values():
-        if n > 1:
-            title = f"{n} marks here, {_fmt_ns(total)} in all; the longest: {title}"
-        out.append((start, end - start, key, title))
-    return out
+def _runs(x0: np.ndarray, x1: np.ndarray, n_cols: int) -> list[tuple[int, int]]:
+    """The runs of pixel columns (start, end) covered by marks [x0, x1) (pixels from the plot's left)."""
+    if len(x0) == 0:
+        return []
+    c0 = np.clip(np.floor(x0).astype(np.int64), 0, n_cols - 1)
+    c1 = np.clip(np.maximum(np.ceil(x1).astype(np.int64), c0 + 1), 1, n_cols)
+    diff = np.bincount(c0, minlength=n_cols + 1) - np.bincount(c1, minlength=n_cols + 1)
+    cov = np.cumsum(diff[:-1]) > 0
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], cov.astype(np.int8), [0]))))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
-def timeline_svg(trace, width: int = 720, max_bars: int = 20000) -> Optional[str]:
-    """Calls by nesting depth, ATen ops (forward/backward/compiled) and GPU kernels over time."""
+def _series_path(runs: list[tuple[int, int]], x: float, y: float, h: float, color: str, title: str) -> str:
+    d = "".join(f"M{x + a:g} {y:g}h{b - a}v{h:g}h{a - b}z" for a, b in runs)
+    return f'<path d="{d}" fill="{color}"><title>{_e(title)}</title></path>' if d else ""
+
+
+def _np(col: Any, fill: int = 0) -> np.ndarray:
+    return pc.fill_null(col, fill).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def timeline_svg(trace, width: int = 720, hovers: int = 0) -> Optional[str]:
+    """Calls by nesting depth, ATen ops (forward/backward/compiled) and GPU kernels over time: one
+    path per series; ``hovers``: the longest ops drawn again each with its hover title."""
     ops, calls, kernels = trace.ops, trace.calls, trace.kernels
     label_w, row_h, top = 90, 16, 6
     plot_w = width - label_w - 10
-    rows: list[tuple[str, list[tuple[int, int, str, str]]]] = []   # label, [(start, dur, colour key, title)]
+    cells = _cells(trace)
+    # rows: label, [(key, start array, dur array)]
+    rows: list[tuple[str, list[tuple[str, np.ndarray, np.ndarray]]]] = []
     end = 0
-    note = None
     if calls.num_rows:
-        c = calls.select(["start_ns", "dur_ns", "depth", "name", "qualname", "source_file", "source_line"]).to_pylist()
-        by_depth: dict[int, list] = {}
-        for r in c:
-            if r["start_ns"] is None:
-                continue
-            d = max(r["dur_ns"] or 0, 0)
-            end = max(end, r["start_ns"] + d)
-            title = f"{r['qualname'] or r['name']} · {_fmt_ns(d)}"
-            w = _where(r["source_file"], r["source_line"])
-            by_depth.setdefault(r["depth"] or 0, []).append((r["start_ns"], d, "call", title + (f" · {w}" if w else "")))
-        for dep in sorted(by_depth)[:4]:
-            rows.append((f"calls (depth {dep})", sorted(by_depth[dep], key=lambda b: -b[1])[:max_bars]))
+        st, du = calls.column("start_ns"), calls.column("dur_ns")
+        ok = pc.invert(pc.is_null(st)).to_numpy(zero_copy_only=False)
+        s0, d0 = _np(st)[ok], np.maximum(_np(du)[ok], 0)
+        dep = _np(calls.column("depth"))[ok]
+        if len(s0):
+            end = max(end, int((s0 + d0).max()))
+        for d in sorted(set(dep.tolist()))[:4]:
+            m = dep == d
+            rows.append((f"calls (depth {d})", [("call", s0[m], d0[m])]))
+    op_series = []
     if ops.num_rows:
-        cols = ["start_ns", "cpu_ns", "phase", "op", "module", "in_shapes", "out_shapes", "source_file", "source_line"]
-        has_gid = "graph_id" in ops.column_names
-        o = ops.select(cols + (["graph_id"] if has_gid else []))
-        if o.num_rows > max_bars:
-            idx = pc.sort_indices(o, sort_keys=[("cpu_ns", "descending")]).slice(0, max_bars)
-            o = o.take(idx)
-            note = f"the longest {max_bars} of {ops.num_rows} ops are drawn"   # reading more costs seconds
-        bars = []
-        for r in o.to_pylist():
-            if r["start_ns"] is None:
-                continue
-            d = max(r["cpu_ns"] or 0, 0)
-            end = max(end, r["start_ns"] + d)
-            key = "compiled" if has_gid and r.get("graph_id") is not None else (
-                "backward" if r["phase"] == "backward" else "forward")
-            title = (f"{r['op']} · {r['phase']} · {_fmt_ns(d)}"
-                     + (f" · module {r['module']}" if r["module"] else "")
-                     + (f" · in {_shape_txt(r['in_shapes'])}" if r["in_shapes"] else "")
-                     + (f" → out {_shape_txt(r['out_shapes'])}" if r["out_shapes"] else ""))
-            w = _where(r["source_file"], r["source_line"])
-            bars.append((r["start_ns"], d, key, title + (f" · {w}" if w else "")))
-        rows.append(("ATen ops", bars))
+        st = ops.column("start_ns")
+        ok = pc.invert(pc.is_null(st)).to_numpy(zero_copy_only=False)
+        s0, d0 = _np(st)[ok], np.maximum(_np(ops.column("cpu_ns"))[ok], 0)
+        if len(s0):
+            end = max(end, int((s0 + d0).max()))
+        bwd = pc.fill_null(pc.equal(ops.column("phase"), "backward"), False).to_numpy(zero_copy_only=False)[ok]
+        comp = (pc.invert(pc.is_null(ops.column("graph_id"))).to_numpy(zero_copy_only=False)[ok]
+                if "graph_id" in ops.column_names else np.zeros(len(s0), dtype=bool))
+        for key, m in (("forward", ~bwd & ~comp), ("backward", bwd & ~comp), ("compiled", comp)):
+            if m.any():
+                op_series.append((key, s0[m], d0[m]))
+        rows.append(("ATen ops", op_series))
     if kernels.num_rows:
-        k = kernels.select(["device", "stream", "start_ns", "dur_ns", "name"]).to_pylist()
-        tracks: dict[tuple[int, int], list] = {}
-        for r in k:
-            if r["start_ns"] is None:
-                continue
-            d = max(r["dur_ns"] or 0, 0)
-            end = max(end, r["start_ns"] + d)
-            tracks.setdefault((r["device"] or 0, r["stream"] or 0), []).append(
-                (r["start_ns"], d, "kernel", f"{r['name']} · {_fmt_ns(d)}"))
-        for (dev, st) in sorted(tracks):
-            rows.append((f"cuda:{dev} stream {st}", sorted(tracks[(dev, st)], key=lambda b: -b[1])[:max_bars]))
+        st = kernels.column("start_ns")
+        ok = pc.invert(pc.is_null(st)).to_numpy(zero_copy_only=False)
+        s0, d0 = _np(st)[ok], np.maximum(_np(kernels.column("dur_ns"))[ok], 0)
+        if len(s0):
+            end = max(end, int((s0 + d0).max()))
+        dev, stream = _np(kernels.column("device"))[ok], _np(kernels.column("stream"))[ok]
+        for dv, sm in sorted(set(zip(dev.tolist(), stream.tolist()))):
+            m = (dev == dv) & (stream == sm)
+            rows.append((f"cuda:{dv} stream {sm}", [("kernel", s0[m], d0[m])]))
     if not rows or end <= 0:
         return None
     scale = plot_w / end
     used = set()
     parts = []
-    for i, (label, bars) in enumerate(rows):
+    op_row_y = None
+    for i, (label, series) in enumerate(rows):
         y = top + i * (row_h + 4)
+        if label == "ATen ops":
+            op_row_y = y
         parts.append(f'<text x="{label_w - 6}" y="{y + row_h - 4}" text-anchor="end" {_FONT} fill="#333">'
                      f'{_e(label)}</text>')
         parts.append(f'<rect x="{label_w}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f6f6f6"/>')
-        for start, dur, key, title in _merge(bars, scale):
-            used.add(key)
-            x = label_w + start * scale
-            w = max(dur * scale, 0.6)   # narrower than a pixel: still visible
-            parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{COLORS[key][0]}">'
-                         f'<title>{_e(title)}</title></rect>')
+        for key, s0, d0 in series:
+            x0 = s0 * scale
+            runs = _runs(x0, x0 + d0 * scale, plot_w)
+            if runs:
+                used.add(key)
+                n, tot = len(s0), int(d0.sum())
+                parts.append(_series_path(runs, label_w, y, row_h, COLORS[key][0],
+                                          f"{COLORS[key][1]}: {n} mark{'s' * (n != 1)}, {_fmt_ns(tot)} in all"))
+    if hovers and ops.num_rows and op_row_y is not None:
+        parts.extend(_op_hovers(ops, hovers, scale, label_w, op_row_y, row_h, cells))
     axis_y = top + len(rows) * (row_h + 4) + 2
     parts.append(f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + plot_w}" y2="{axis_y}" stroke="#999"/>')
     for j in range(6):
@@ -178,14 +217,33 @@ def timeline_svg(trace, width: int = 720, max_bars: int = 20000) -> Optional[str
                      f'<text x="{x:.1f}" y="{axis_y + 13}" text-anchor="{anchor}" {_FONT} fill="#555">'
                      f'{_e(_fmt_ns(t))}</text>')
     ly = axis_y + 20
-    order = [k for k in ("call", "forward", "backward", "compiled", "kernel") if k in used]
+    order: list[str] = [k for k in ("call", "forward", "backward", "compiled", "kernel") if k in used]
     legend, lh = _legend(order, label_w, ly, plot_w)
     parts.append(legend)
-    height = ly + lh + (14 if note else 2)
-    if note:
-        parts.append(f'<text x="{label_w}" y="{height - 4}" {_FONT} fill="#a15c00">{_e(note)}</text>')
-    return (f'<svg role="img" aria-label="timeline" width="{width}" '
+    height = ly + lh + 2
+    return (f'<svg class="tensorscope-timeline" role="img" aria-label="timeline" width="{width}" '
             f'height="{height:.0f}" viewBox="0 0 {width} {height:.0f}">' + "".join(parts) + "</svg>")
+
+
+def _op_hovers(ops: pa.Table, k: int, scale: float, x: float, y: float, h: float,
+               cells: Optional[Mapping[str, int]]) -> list[str]:
+    """The ``k`` longest ops as marks with their hover title (op, phase, time, module, shapes, line)."""
+    idx = pc.array_sort_indices(pc.fill_null(ops.column("cpu_ns"), 0), order="descending")
+    cols = ["start_ns", "cpu_ns", "phase", "op", "module", "in_shapes", "out_shapes", "source_file", "source_line"]
+    out = []
+    for r in ops.select(cols).take(idx.slice(0, k)).to_pylist():
+        if r["start_ns"] is None:
+            continue
+        d = max(r["cpu_ns"] or 0, 0)
+        key = "backward" if r["phase"] == "backward" else "forward"
+        title = (f"{r['op']} · {r['phase']} · {_fmt_ns(d)}"
+                 + (f" · module {r['module']}" if r["module"] else "")
+                 + (f" · in {_shape_txt(r['in_shapes'])}" if r["in_shapes"] else "")
+                 + (f" → out {_shape_txt(r['out_shapes'])}" if r["out_shapes"] else ""))
+        w = _where(r["source_file"], r["source_line"], cells)
+        out.append(f'<rect x="{x + r["start_ns"] * scale:.1f}" y="{y}" width="{max(d * scale, 1.0):.1f}" '
+                   f'height="{h}" fill="{COLORS[key][0]}"><title>{_e(title + (f" · {w}" if w else ""))}</title></rect>')
+    return out
 
 
 # -- icicle ------------------------------------------------------------------------------------------------
@@ -204,54 +262,74 @@ class _Node:
 
 
 def icicle_tree(trace) -> Optional[_Node]:
-    """module path (each level of the qualified name) → torch call → ATen op; weights are op CPU time."""
+    """module path (each level of the qualified name) → torch call → ATen op; weights are op CPU time.
+    One group-by over the ops (module, call name, op, colour), then a tree of the groups."""
     ops = trace.ops
     if ops.num_rows == 0:
         return None
     work = ops.filter(pc.invert(pc.fill_null(ops.column("is_noise"), False)))
     if work.num_rows == 0:
         return None
-    names = {}
     calls = trace.calls
     if calls.num_rows:
-        names = dict(zip(calls.column("call_id").to_pylist(), calls.column("name").to_pylist()))
-    has_gid = "graph_id" in work.column_names
-    cols = ["module", "call_id", "op", "phase", "cpu_ns", "in_shapes", "source_file", "source_line"]
-    mods = [m for m in work.column("module").unique().to_pylist() if m]
+        pos = pc.index_in(work.column("call_id"), value_set=calls.column("call_id"))
+        cname = pc.take(calls.column("name"), pos)
+    else:
+        cname = pa.nulls(work.num_rows, pa.string())
+    bwd = pc.fill_null(pc.equal(work.column("phase"), "backward"), False)
+    key = pc.if_else(bwd, "backward", "forward")
+    if "graph_id" in work.column_names:
+        key = pc.if_else(pc.is_null(work.column("graph_id")), key, "compiled")
+
+    def plain(c):
+        return c.cast(c.type.value_type) if pa.types.is_dictionary(c.type) else c
+
+    g = pa.table({"module": plain(work.column("module")), "call": plain(cname), "op": plain(work.column("op")),
+                  "key": key, "ns": pc.max_element_wise(pc.fill_null(work.column("cpu_ns"), 0), 0),
+                  "i": pa.array(np.arange(work.num_rows))}
+                 ).group_by(["module", "call", "op", "key"], use_threads=False).aggregate(
+        [("ns", "sum"), ([], "count_all"), ("i", "min")])
+    first = work.select(["in_shapes", "source_file", "source_line"]).take(g.column("i_min")).to_pylist()
+    cells = _cells(trace)
+    mods = [m for m in pc.unique(g.column("module")).to_pylist() if m]
     tops = [m for m in mods if m.startswith("<") and "." not in m]
     top = tops[0] if len(tops) == 1 else None   # the outermost module called ("<Net>") holds the others
     root = _Node("cell", "root")
-    for r in work.select(cols + (["graph_id"] if has_gid else [])).to_pylist():
-        ns = max(r["cpu_ns"] or 0, 0)
+    order = sorted(range(g.num_rows), key=lambda j: first_seq[j]) if (first_seq := g.column("i_min").to_pylist()) \
+        else []
+    cols = g.select(["module", "call", "op", "key", "ns_sum", "count_all"]).to_pydict()
+    for j in order:
+        ns, n = int(cols["ns_sum"][j] or 0), int(cols["count_all"][j])
         node = root
         node.ns += ns
-        node.count += 1
-        mod = r["module"]
+        node.count += n
+        mod = cols["module"][j]
         if mod:
             if top is not None and mod != top:
                 node = node.child(top, "module")
                 node.ns += ns
-                node.count += 1
+                node.count += n
             parts = mod.split(".")
             for i in range(len(parts)):
                 node = node.child(".".join(parts[: i + 1]), "module")
                 node.ns += ns
-                node.count += 1
-        call = names.get(r["call_id"]) if r["call_id"] is not None else None
+                node.count += n
+        call = cols["call"][j]
         node = node.child(call or "(no call)", "call" if call else "noop")
         node.ns += ns
-        node.count += 1
-        key = "compiled" if has_gid and r.get("graph_id") is not None else (
-            "backward" if r["phase"] == "backward" else "forward")
-        node = node.child(r["op"], key)
+        node.count += n
+        node = node.child(cols["op"][j], cols["key"][j])
         node.ns += ns
-        node.count += 1
+        node.count += n
         if node.info is None:
-            node.info = (r["in_shapes"], _where(r["source_file"], r["source_line"]))
+            f = first[j]
+            node.info = (f["in_shapes"], _where(f["source_file"], f["source_line"], cells))
     return root
 
 
-def icicle_svg(trace, width: int = 720, max_depth: int = 9) -> Optional[str]:
+def icicle_svg(trace, width: int = 720, max_depth: int = 9, hovers: bool = True, min_px: float = 1.0) -> Optional[str]:
+    """The icicle; ``hovers``: each node with its hover title (off for an ``<img>``, which has none);
+    nodes narrower than ``min_px`` are left out."""
     root = icicle_tree(trace)
     if root is None or root.ns <= 0:
         return None
@@ -277,7 +355,7 @@ def icicle_svg(trace, width: int = 720, max_depth: int = 9) -> Optional[str]:
         if depth > max_depth:
             return
         w = n.ns * scale
-        if w < 1.0:
+        if w < min_px:
             return
         depth_seen = max(depth_seen, depth)
         y = top + depth * (row_h + 1)
@@ -286,16 +364,16 @@ def icicle_svg(trace, width: int = 720, max_depth: int = 9) -> Optional[str]:
         label = n.name   # modules keep their qualified name: features.0, not 0
         if n.kind == "root":
             label = f"cell: {_fmt_ns(n.ns)} in {n.count} ATen ops"
-        parts.append(f'<g><title>{_e(title(n) if n.kind != "root" else label)}</title>'
-                     f'<rect x="{x:.2f}" y="{y}" width="{max(w - 0.5, 0.5):.2f}" height="{row_h}" '
-                     f'fill="{COLORS[key][0]}"/>')
+        rect = f'<rect x="{x:.1f}" y="{y}" width="{max(w - 0.5, 0.5):.1f}" height="{row_h}" fill="{COLORS[key][0]}"/>'
+        parts.append(f'<g><title>{_e(title(n) if n.kind != "root" else label)}</title>{rect}' if hovers else rect)
         max_chars = int((w - 6) / 6)
         if max_chars >= 3:
             txt = label if len(label) <= max_chars else label[: max_chars - 1] + "…"
-            parts.append(f'<text x="{x + 3:.2f}" y="{y + 13}" {_FONT} fill="#111">{_e(txt)}</text>')
-        parts.append("</g>")
+            parts.append(f'<text x="{x + 3:.1f}" y="{y + 13}" {_FONT} fill="#111">{_e(txt)}</text>')
+        if hovers:
+            parts.append("</g>")
         cx = x
-        for c in sorted(n.children.values(), key=lambda c: -c.ns):
+        for c in sorted(n.children.values(), key=lambda c: (-c.ns, c.kind, c.name)):
             draw(c, cx, depth + 1)
             cx += c.ns * scale
 
@@ -305,5 +383,5 @@ def icicle_svg(trace, width: int = 720, max_depth: int = 9) -> Optional[str]:
     legend, lh = _legend(order, 1, ly, width - 2)
     parts.append(legend)
     height = ly + lh + 2
-    return (f'<svg role="img" aria-label="icicle: module, call, op" '
+    return (f'<svg class="tensorscope-icicle" role="img" aria-label="icicle: module, call, op" '
             f'width="{width}" height="{height:.0f}" viewBox="0 0 {width} {height:.0f}">' + "".join(parts) + "</svg>")

@@ -1,9 +1,13 @@
-"""Inline SVG of the memory timeline: live bytes after each op, stacked by category, the peak marked.
+"""SVG of the memory timeline: live bytes after each op, stacked by category, the peak marked.
 
 Built by hand like ``render/svg.py`` (no matplotlib, no JavaScript, no URL); every text and hover
 ``<title>`` is escaped. The x axis is the op sequence; past ``width`` ops, each pixel column shows
-the op with the most live bytes in it (so the peak is never averaged away). Colours come from
-``svg.COLORS``, one legend entry per category drawn.
+the op with the most live bytes in it (so the peak is never averaged away). Each category is one
+``<path>``: the area under the running sum of the categories up to it, as a step line that only
+moves where the bytes change, drawn largest first so each covers the one below (a few hundred bytes
+per category, whatever the number of ops). Colours come from ``svg.COLORS``, one legend entry per
+category drawn. ``MIN_CHART_BYTES``: below it the summary draws no chart (a chart of 6 bytes says
+nothing the table does not).
 """
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from .._common import esc as _e
 from .._common import fmt_bytes
 from ..schema import MEMORY_CATEGORIES as CATEGORIES
 from .svg import _FONT, COLORS, _legend, _where
+
+#: no memory chart for a trace whose peak live bytes are below this (the table says it all)
+MIN_CHART_BYTES = 4096
 
 
 def _columns(live: np.ndarray, width: int) -> np.ndarray:
@@ -28,28 +35,47 @@ def _columns(live: np.ndarray, width: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
-def memory_timeline_svg(timeline: Any, device: Optional[str] = None, width: int = 720, height: int = 160) -> str:
+def _step(xs: np.ndarray, ys: np.ndarray, base: float, x_end: float) -> str:
+    """The path of the area under a step line through (xs, ys): moves only where y changes."""
+    change = np.flatnonzero(np.diff(ys)) + 1
+    xi = np.round(xs[change]).astype(np.int64).tolist()
+    yi = ys[change].astype(np.int64).tolist()
+    steps = "".join([f"H{x}V{v}" for x, v in zip(xi, yi)])
+    return f"M{xs[0]:.0f} {base:.0f}V{ys[0]:.0f}{steps}H{x_end:.0f}V{base:.0f}z"
+
+
+def memory_timeline_svg(timeline: Any, device: Optional[str] = None, width: int = 720, height: int = 160,
+                        cells: Any = None, hovers: bool = True, px_per_column: int = 1) -> str:
     """The SVG of one device's rows of a MEMORY_TIMELINE table (the device with the highest peak
     when ``device`` is None); "" when there is nothing to draw."""
     if timeline is None or timeline.num_rows == 0:
         return ""
-    cols = timeline.to_pydict()
-    devs = cols["device"]
+    import pyarrow.compute as pc
+
+    dev_col = timeline.column("device")
     if device is None:
-        best: dict[str, int] = {}
-        for d, v in zip(devs, cols["live_bytes"]):
-            best[d] = max(best.get(d, 0), v or 0)
-        device = max(best, key=best.__getitem__)
-    idx = [i for i, d in enumerate(devs) if d == device]
-    if not idx:
+        names = pc.unique(dev_col).to_pylist()
+        if len(names) == 1:
+            device = names[0]
+        else:
+            live_all = pc.fill_null(timeline.column("live_bytes"), 0)
+            best = [(-(pc.max(pc.filter(live_all, pc.equal(dev_col, d))).as_py() or 0), str(d), d) for d in names]
+            device = min(best)[2]
+    rows_of = np.flatnonzero(pc.fill_null(pc.equal(dev_col, device), False).to_numpy(zero_copy_only=False))
+    if not len(rows_of):
         return ""
-    live = np.array([[cols[f"{c}_bytes"][i] or 0 for i in idx] for c in CATEGORIES], dtype=np.float64)
-    peak_at = next((k for k, i in enumerate(idx) if cols["is_peak"][i]), int(np.argmax(live.sum(axis=0))))
+    sub = timeline.take(rows_of)
+    idx = list(range(sub.num_rows))
+    live = np.stack([pc.fill_null(sub.column(f"{c}_bytes"), 0).to_numpy(zero_copy_only=False).astype(np.float64)
+                     for c in CATEGORIES])
+    peaks_at = np.flatnonzero(pc.fill_null(sub.column("is_peak"), False).to_numpy(zero_copy_only=False))
+    peak_at = int(peaks_at[0]) if len(peaks_at) else int(np.argmax(live.sum(axis=0)))
+    cols = {name: _At(sub.column(name)) for name in ("seq", "op", "phase", "module", "source_file", "source_line")}
     total = live.sum(axis=0)
     top = float(total.max()) or 1.0
     left, right, top_pad, plot_h = 56, 8, 8, height
     plot_w = width - left - right
-    drawn = _columns(live, plot_w)
+    drawn = _columns(live, max(plot_w // max(px_per_column, 1), 1))
     if peak_at not in set(drawn.tolist()):
         drawn = np.sort(np.append(drawn, peak_at))
     n = len(idx)
@@ -60,32 +86,32 @@ def memory_timeline_svg(timeline: Any, device: Optional[str] = None, width: int 
 
     parts: list[str] = []
     used: list[str] = []
-    below = np.zeros(len(drawn))
-    for ci, c in enumerate(CATEGORIES):
-        vals = live[ci, drawn]
-        if not vals.any():
-            continue
-        used.append(f"mem_{c}")
-        upper = below + vals
-        pts = [f"{x:.1f},{yy:.1f}" for x, yy in zip(xs, y(upper))]
-        pts += [f"{x:.1f},{yy:.1f}" for x, yy in zip(xs[::-1], y(below)[::-1])]
-        color = _color(c)
-        parts.append(f'<polygon points="{" ".join(pts)}" stroke="none" fill="{color}">'
-                     f'<title>{_e(c.replace("_", " "))}: up to {_e(fmt_bytes(int(vals.max())))}</title></polygon>')
-        below = upper
-    if not used:
+    drawn_cats = [(ci, c) for ci, c in enumerate(CATEGORIES) if live[ci, drawn].any()]
+    if not drawn_cats:
         return ""
+    cum = np.cumsum(live[:, drawn], axis=0)
+    x_left = xs - (xs[1] - xs[0]) / 2 if len(xs) > 1 else xs - plot_w / 2.0
+    x_end = left + plot_w
+    areas = []
+    for ci, c in drawn_cats:
+        used.append(f"mem_{c}")
+        ys = np.round(y(cum[ci]))
+        title = f'<title>{_e(c.replace("_", " "))}: up to {_e(fmt_bytes(int(live[ci, drawn].max())))}</title>' \
+            if hovers else ""
+        areas.append(f'<path d="{_step(x_left, ys, top_pad + plot_h, x_end)}" fill="{_color(c)}">{title}</path>')
+    parts.extend(reversed(areas))   # the running sum of all categories first: each next one covers the part below
     # the peak: a line at its op, with what it was
     i = idx[peak_at]
     px = left + (peak_at + 0.5) * plot_w / max(n, 1) if n > 1 else left + plot_w / 2.0
-    where = _where(cols["source_file"][i], cols["source_line"][i])
+    where = _where(cols["source_file"][i], cols["source_line"][i], cells)
     what = [f"peak {fmt_bytes(int(total[peak_at]))} after op {cols['seq'][i]} {cols['op'][i] or ''}",
             f"{cols['phase'][i] or ''}" + (f", module {cols['module'][i]}" if cols["module"][i] else "")
             + (f", {where}" if where else "")]
     what += [f"{c.replace('_', ' ')} {fmt_bytes(int(live[ci, peak_at]))}" for ci, c in enumerate(CATEGORIES)
              if live[ci, peak_at]]
     parts.append(f'<line x1="{px:.1f}" y1="{top_pad}" x2="{px:.1f}" y2="{top_pad + plot_h}" stroke="#c00" '
-                 f'stroke-width="1" stroke-dasharray="3,2"><title>{_e(chr(10).join(what))}</title></line>')
+                 f'stroke-width="1" stroke-dasharray="3,2">'
+                 + (f"<title>{_e(chr(10).join(what))}</title>" if hovers else "") + "</line>")
     label = f"peak {fmt_bytes(int(total[peak_at]))} ({cols['op'][i] or ''})"
     anchor = "end" if px > left + plot_w * 0.6 else "start"
     lx = px - 3 if anchor == "end" else px + 3
@@ -101,6 +127,18 @@ def memory_timeline_svg(timeline: Any, device: Optional[str] = None, width: int 
     h = top_pad + plot_h + 20 + lh + 4
     return (f'<svg class="tensorscope-memory" width="{width}" height="{h:.0f}" viewBox="0 0 {width} {h:.0f}" '
             f'role="img"><title>{_e("live bytes by category after each op")}</title>{"".join(parts)}{legend}</svg>')
+
+
+class _At:
+    """One column read a value at a time (``col[i]``), without converting the column."""
+
+    __slots__ = ("col",)
+
+    def __init__(self, col: Any) -> None:
+        self.col = col
+
+    def __getitem__(self, i: int) -> Any:
+        return self.col[i].as_py()
 
 
 def _color(category: str) -> str:

@@ -185,7 +185,10 @@ def test_a_hostile_module_name_is_escaped_in_the_advice_section():
     assert "<img src=x" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
     import re
 
-    (roof,) = [s for s in re.findall(r"<svg.*?</svg>", html, re.S) if "roofline" in s]
+    from tensorscope.render.summary import summarize
+
+    full = summarize(t, full=True).to_html()   # the report draws the charts inline (the summary: SVG images)
+    (roof,) = [s for s in re.findall(r"<svg.*?</svg>", full, re.S) if "roofline" in s]
     dots = set(re.findall(r'<circle [^>]*fill="(#[0-9a-f]{6})" fill-opacity', roof))
     legend = set(re.findall(r'<circle [^>]*r="4" fill="(#[0-9a-f]{6})"/>', roof))
     assert dots and dots <= legend                      # every colour drawn has a legend entry

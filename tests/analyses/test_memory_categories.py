@@ -288,8 +288,10 @@ def test_the_summary_draws_the_timeline_and_the_module_table():
     s = t.summary()
     text = s.to_text()
     assert "at the peak" in text and "memory per module" in text and "activation" in text
-    html = s.to_html()
-    assert html.count('<svg class="tensorscope-memory"') == 1 and "<polygon" in html
+    from urllib.parse import unquote
+
+    html = unquote(s.to_html())   # the charts are SVG data URIs (percent-encoded)
+    assert html.count("<svg xmlns='http://www.w3.org/2000/svg' class='tensorscope-memory'") == 1 and "<path d='M" in html
     assert "activations (saved for backward)" in html
 
 

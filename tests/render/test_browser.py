@@ -50,7 +50,7 @@ window.addEventListener('load', function () {
     tb.querySelectorAll('td, th').forEach(function (c) {
       var text = c.textContent.trim();
       var got = getComputedStyle(c).textAlign;
-      var want = c.style.textAlign || 'left';
+      var want = c.style.textAlign || (c.classList.contains('n') ? 'right' : 'left');   // inline, or our class
       if (got === 'start') got = 'left';
       out.cells++;
       out.aligns.push(got);
@@ -66,20 +66,21 @@ window.addEventListener('load', function () {
       }
     });
   });
-  // the summary's timeline and icicle are inline SVG: drawn, with a size, nothing to fetch
-  document.querySelectorAll('.tensorscope-summary svg').forEach(function (svg) {
-    var r = svg.getBoundingClientRect();
-    out.images.push({complete: svg.querySelectorAll('rect').length > 0, width: Math.round(r.width),
-                     data: !svg.querySelector('[href],[src]')});
-  });
-  // the memory timeline: stacked areas with a size, the peak marked, a legend entry per area
-  document.querySelectorAll('.tensorscope-summary svg.tensorscope-memory').forEach(function (svg) {
-    var r = svg.getBoundingClientRect();
-    var areas = Array.prototype.filter.call(svg.querySelectorAll('polygon'), function (p) {
-      var b = p.getBBox(); return b.width > 0 && b.height > 0; });
-    out.memory.push({areas: areas.length, width: Math.round(r.width), height: Math.round(r.height),
-                     peak: !!svg.querySelector('line[stroke="#c00"]'),
-                     legend: svg.querySelectorAll('rect[width="10"]').length});
+  // the summary's charts are <img> of SVG data URIs: loaded, with a size, nothing to fetch
+  document.querySelectorAll('.tensorscope-summary img.ts-img').forEach(function (img) {
+    var r = img.getBoundingClientRect();
+    out.images.push({complete: img.complete && img.naturalWidth > 0, width: Math.round(r.width),
+                     data: /^data:image\/svg\+xml,/.test(img.getAttribute('src'))});
+    // the memory timeline, read from the image's own markup: stacked areas, the peak marked, a legend entry per area
+    var src = img.getAttribute('src');
+    var svg = new DOMParser().parseFromString(decodeURIComponent(src.slice(src.indexOf(',') + 1)), 'image/svg+xml');
+    var root = svg.documentElement;
+    if (root.getAttribute('class') === 'tensorscope-memory') {
+      out.memory.push({areas: root.querySelectorAll('path').length, width: Math.round(r.width),
+                       height: Math.round(r.height), peak: !!root.querySelector('line[stroke="#c00"]'),
+                       legend: root.querySelectorAll('rect[width="10"]').length,
+                       parsed: !root.querySelector('parsererror')});
+    }
   });
   performance.getEntriesByType('resource').forEach(function (e) { out.resources.push(e.name); });
   document.querySelectorAll('[src], [href]').forEach(function (el) {
@@ -166,7 +167,8 @@ def pages(tmp_path_factory):
     for h in htmls:
         assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", h, re.I), h[:300]
         assert "<script" not in h.lower() and "<link" not in h.lower() and "@import" not in h
-    result = {}
+    result = {"ipynb": str(out / "executed.ipynb")}
+    nbformat.write(nb, result["ipynb"])
     for template in ("lab", "classic"):
         exporter = nbconvert.HTMLExporter(template_name=template)
         body, _res = exporter.from_notebook_node(nb)
@@ -186,7 +188,7 @@ def pages(tmp_path_factory):
 
 @pytest.mark.parametrize("width", [1400, 760])
 def test_tables_read_the_same_in_jupyterlab_classic_notebook_and_a_bare_page(pages, width):
-    probes = {name: _probe(path, width) for name, path in pages.items()}
+    probes = {name: _probe(path, width) for name, path in pages.items() if name != "ipynb"}
     for name, p in probes.items():
         assert p["tables"] >= 3 and p["cells"] > 20, (name, p["tables"], p["cells"])
         assert p["misaligned"] == [], (name, p["misaligned"][:10])
@@ -212,3 +214,124 @@ def test_a_screenshot_of_the_jupyterlab_styled_page_is_kept_per_run(pages, capsy
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with capsys.disabled():
         print(f"\nbrowser screenshot: {shot}")
+
+
+# -- the same executed notebook in a real Jupyter server: JupyterLab (trusted, untrusted), Notebook 7, nbclassic --
+
+#: what the page says about our output: the summary, its headline, each chart as a loaded image, no inline SVG
+#: (JupyterLab's sanitizer strips one of an untrusted output down to its titles' run-on text), no raw repr
+LIVE_PROBE = r"""(function () {
+  var s = document.querySelectorAll('.tensorscope-summary');
+  if (!s.length) return null;
+  var box = s[0];
+  var leaks = document.querySelectorAll('.tensorscope-leaks').length;
+  var imgs = Array.prototype.slice.call(box.querySelectorAll('img.ts-img'));
+  var text = box.innerText;
+  var page = document.body.innerText;
+  return {summaries: s.length, headline: !!box.querySelector('.ts-head'),
+          head_text: (box.querySelector('.ts-head') || {}).innerText || '',
+          items: box.querySelectorAll('.ts-headline li').length,
+          images: imgs.length,
+          loaded: imgs.filter(function (i) { return i.complete && i.naturalWidth > 100 && i.naturalHeight > 30; }).length,
+          alts: imgs.map(function (i) { return i.alt; }),
+          svg: box.querySelectorAll('svg').length,
+          details: box.querySelectorAll('details').length,
+          styled: getComputedStyle(box.querySelector('td:not(.n)') || box).textAlign,
+          stylesheet: box.querySelectorAll('style').length > 0,
+          runon: /ATen op, forward: \d+ marks|live bytes by category after each op/.test(text),
+          raw: /<tensorscope\.Trace|pyarrow\.Table|<Figure size/.test(page),
+          leaks: leaks};
+})()"""
+
+#: (name, url path, signed): the two notebooks differ only in a metadata key, one signed (the server reports its
+#: cells trusted). JupyterLab 4.6 still rendered the signed copy's outputs through its sanitizer here (our <style>
+#: dropped), nbclassic did not: the assertions hold either way, and the test prints which kept the stylesheet.
+LIVE_PAGES = [("jupyterlab-untrusted", "/lab/tree/untrusted.ipynb", False),
+              ("jupyterlab-signed", "/lab/tree/trusted.ipynb", True),
+              ("notebook7-untrusted", "/notebooks/untrusted.ipynb", False),
+              ("nbclassic-untrusted", "/nbclassic/notebooks/untrusted.ipynb", False),
+              ("nbclassic-trusted", "/nbclassic/notebooks/trusted.ipynb", True)]
+
+
+@pytest.fixture(scope="module")
+def served(pages, tmp_path_factory):
+    """A Jupyter server on 127.0.0.1 holding the executed notebook twice: unsigned (untrusted) and signed."""
+    pytest.importorskip("jupyterlab", reason="jupyterlab is in the test extra")
+    import signal
+    import sys
+
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
+    from tests.render._cdp import free_port, wait_http
+
+    root = tmp_path_factory.mktemp("served")
+    data = root / "data"
+    data.mkdir()
+    nb = nbformat.read(pages["ipynb"], as_version=4)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(root / "untrusted.ipynb"))
+    nb.metadata["tensorscope_copy"] = "signed"    # another digest: signing it trusts only this copy
+    NotebookNotary(data_dir=str(data)).sign(nb)
+    nbformat.write(nb, str(root / "trusted.ipynb"))
+    port = free_port()
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(data), JUPYTER_CONFIG_DIR=str(root / "config"),
+               JUPYTER_RUNTIME_DIR=str(root / "runtime"))
+    log = open(root / "server.log", "w")
+    srv = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}",
+                            "--ip=127.0.0.1", "--ServerApp.port_retries=0", "--IdentityProvider.token=ts",
+                            f"--ServerApp.root_dir={root}", "--ServerApp.terminals_enabled=False"],
+                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/status?token=ts", 90)
+        # the server's own verdict on each copy (cells' "trusted" as the contents API returns them)
+        trust = {}
+        for name in ("untrusted", "trusted"):
+            model = json.loads(wait_http(f"http://127.0.0.1:{port}/api/contents/{name}.ipynb?token=ts", 30))
+            trust[name] = {c["metadata"].get("trusted") for c in model["content"]["cells"] if c["cell_type"] == "code"}
+        assert trust == {"untrusted": {False}, "trusted": {True}}, trust
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(srv.pid, signal.SIGTERM)
+        try:
+            srv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(srv.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_the_summary_renders_in_jupyterlab_trusted_and_untrusted_and_the_notebooks(served, capsys):
+    from tests.render._cdp import Browser
+
+    shots = os.path.join(ROOT, "runs", "browser")
+    os.makedirs(shots, exist_ok=True)
+    stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+    b = Browser(CHROMIUM)
+    seen = {}
+    try:
+        for name, path, _trusted in LIVE_PAGES:
+            b.goto(f"{served}{path}?token=ts")
+            p = b.wait_for(LIVE_PROBE, 90)
+            assert p, f"{name}: no tensorscope summary rendered within 90 s"
+            # every chart: the images have loaded (a few rows of layout later) and drawn at their size
+            p = b.wait_for(f"(function(){{var p={LIVE_PROBE}; return p && p.loaded === p.images && p.leaks ? p : null;}})()",
+                           30) or p
+            seen[name] = p
+            # the screenshot shows every section open (they start collapsed)
+            b.evaluate("document.querySelectorAll('.tensorscope-summary details').forEach(function (d) { d.open = true; })")
+            time.sleep(0.5)
+            shot = b.screenshot(os.path.join(shots, f"summary-{name}-{stamp}.png"))
+            with capsys.disabled():
+                print(f"\n{name}: {shot} (our <style> kept: {p['stylesheet']}, text cells {p['styled']})")
+    finally:
+        b.close()
+    for name, p in seen.items():
+        assert p["summaries"] == 1 and p["headline"] and p["items"] >= 1, (name, p)
+        assert p["head_text"].startswith("tensorscope trace of cell [2]"), (name, p["head_text"])
+        # timeline, memory, the advisor's roofline: three images, all loaded; no inline SVG, no run-on titles
+        assert p["images"] == 3 and p["loaded"] == 3 and p["svg"] == 0 and not p["runon"], (name, p)
+        assert p["details"] >= 8 and not p["raw"] and p["leaks"] == 1, (name, p)
+    # text cells read left-aligned everywhere (Jupyter's own table style right-aligns every cell; the inline
+    # text-align survives the sanitizer, which drops the <style> element of an untrusted output)
+    assert all(p["styled"] == "left" for p in seen.values()), {k: p["styled"] for k, p in seen.items()}
+    assert seen["nbclassic-trusted"]["stylesheet"] and not seen["nbclassic-untrusted"]["stylesheet"]

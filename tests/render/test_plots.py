@@ -139,7 +139,7 @@ def test_plots_of_a_real_trace():
     ax = t.plot.top_ops(by="cuda_ns").axes[0]
     assert "no CUDA timings" in ax.texts[0].get_text()
     html = t.summary().to_html()
-    assert "<svg" in html and "data:image/png" not in html   # the summary draws inline SVG; t.plot is matplotlib
+    assert "data:image/svg+xml," in html and "data:image/png" not in html   # the summary draws SVG images; t.plot is matplotlib
 
 
 def test_library_never_touches_pyplot_state():

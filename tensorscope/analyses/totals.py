@@ -1,0 +1,215 @@
+"""Totals a trace is read by, computed once and shared: per op (``key_averages()``), per module, and the cell.
+
+Pure functions of the trace tables (Arrow in, Arrow or plain values out), vectorised: the summary,
+the plots, ``t.report(path)`` and users (``t.op_totals(by=...)``) read the same numbers.
+
+* ``op_totals(ops, by)``: one row per group of ATen ops (by op name by default; any ``ops``
+  column, or several; shape columns are grouped by their text): calls, CPU time (total, mean, max,
+  share of the cell's op time), CUDA time, FLOPs and bytes. Eager's bookkeeping rows (``is_noise``)
+  are left out unless asked for. Sorted by CPU time, ties by the key: the same trace gives the
+  same rows in the same order.
+* ``module_totals(ops)``: one row per module path, children rolled into their parents (total,
+  self, forward, backward, ops), with its parent and depth, in display order: top-level modules by
+  total time (ties by name), each followed by its children the same way. The outermost module
+  called (``<Net>``) is the root: its children are the top level.
+* ``cell_totals(ops, wall_ns)``: ops, forward/backward/bookkeeping counts, CPU time, bytes, FLOPs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = ["op_totals", "module_totals", "cell_totals", "OP_TOTALS", "MODULE_TOTALS"]
+
+_i64, _f64, _str = pa.int64(), pa.float64(), pa.string()
+
+#: the numbers of each op group (after its key columns)
+OP_TOTALS = pa.schema([("calls", _i64), ("cpu_ns", _i64), ("mean_cpu_ns", _f64), ("max_cpu_ns", _i64),
+                       ("share", _f64), ("cuda_ns", _i64), ("flops", _i64), ("bytes_read", _i64),
+                       ("bytes_written", _i64)])
+MODULE_TOTALS = pa.schema([("module", _str), ("parent", _str), ("depth", _i64), ("total_ns", _i64),
+                           ("self_ns", _i64), ("forward_ns", _i64), ("backward_ns", _i64), ("ops", _i64),
+                           ("share", _f64)])
+
+_LIST_TYPES = (pa.types.is_list, pa.types.is_large_list)
+
+
+def _work(ops: pa.Table, include_noise: bool) -> pa.Table:
+    if include_noise or ops.num_rows == 0 or "is_noise" not in ops.column_names:
+        return ops
+    return ops.filter(pc.invert(pc.fill_null(ops.column("is_noise"), False)))
+
+
+def _key_column(ops: pa.Table, name: str) -> pa.Array:
+    """A column usable as a group key: dictionaries decoded, lists as their text (``[2, 3], [3]``)."""
+    col = ops.column(name)
+    typ = col.type
+    if pa.types.is_dictionary(typ):
+        return col.cast(typ.value_type)
+    if any(f(typ) for f in _LIST_TYPES):
+        return pa.array([_text(v) for v in col.to_pylist()], _str)
+    return col
+
+
+def _text(v: Any) -> Optional[str]:
+    if v is None:
+        return None
+    if isinstance(v, list):
+        return ", ".join(_text(x) or "None" for x in v) if not v or not isinstance(v[0], list) else \
+            ", ".join("[" + (_text(x) or "") + "]" for x in v)
+    return str(v)
+
+
+def op_totals(ops: pa.Table, by: Union[str, Sequence[str]] = "op", *, include_noise: bool = False) -> pa.Table:
+    """Totals per group of ops (``key_averages()``): the ``by`` columns, then ``OP_TOTALS``, the
+    largest CPU time first (ties by key)."""
+    keys = [by] if isinstance(by, str) else list(by)
+    if not keys:
+        raise ValueError("op_totals: by names no column")
+    for k in keys:
+        if k not in ops.column_names:
+            raise KeyError(f"op_totals: no ops column {k!r}; columns: {', '.join(ops.column_names)}")
+    need = list(dict.fromkeys(keys + ["cpu_ns", "cuda_ns", "flops", "bytes_read", "bytes_written"]
+                              + (["is_noise"] if "is_noise" in ops.column_names else [])))
+    work = _work(ops.select(need), include_noise)   # the columns read, then the rows: no list column copied
+    if len(keys) == 1 and pa.types.is_dictionary(work.schema.field(keys[0]).type):
+        return _op_totals_codes(work, keys[0])
+    cols = {k: _key_column(work, k) for k in keys}
+    nums = {n: pc.fill_null(work.column(n), 0) for n in ("cpu_ns", "flops", "bytes_read", "bytes_written")}
+    t = pa.table({**{f"k{i}": cols[k] for i, k in enumerate(keys)}, **nums, "cuda_ns": work.column("cuda_ns")})
+    kk = [f"k{i}" for i in range(len(keys))]
+    g = t.group_by(kk, use_threads=False).aggregate(
+        [([], "count_all"), ("cpu_ns", "sum"), ("cpu_ns", "max"), ("cuda_ns", "sum"),
+         ("flops", "sum"), ("bytes_read", "sum"), ("bytes_written", "sum")])
+    total = pc.sum(nums["cpu_ns"]).as_py() or 0
+    calls = g.column("count_all")
+    cpu = pc.fill_null(g.column("cpu_ns_sum"), 0)
+    out = {k: g.column(f"k{i}") for i, k in enumerate(keys)}
+    out.update({
+        "calls": calls.cast(_i64), "cpu_ns": cpu.cast(_i64),
+        "mean_cpu_ns": pc.divide(cpu.cast(_f64), pc.max_element_wise(calls, 1).cast(_f64)),
+        "max_cpu_ns": pc.fill_null(g.column("cpu_ns_max"), 0).cast(_i64),
+        "share": pc.divide(cpu.cast(_f64), float(total or 1)),
+        "cuda_ns": g.column("cuda_ns_sum").cast(_i64),   # null: no op of the group has a CUDA time
+        "flops": g.column("flops_sum").cast(_i64), "bytes_read": g.column("bytes_read_sum").cast(_i64),
+        "bytes_written": g.column("bytes_written_sum").cast(_i64)})
+    res = pa.table(out)
+    if res.num_rows:
+        res = res.sort_by([("cpu_ns", "descending")] + [(k, "ascending") for k in keys])
+    return res
+
+
+def _op_totals_codes(work: pa.Table, key: str) -> pa.Table:
+    """``op_totals`` by one dictionary column: its codes summed with ``np.bincount`` (no hash join)."""
+    col = work.column(key).combine_chunks() if work.num_rows else pa.array([], work.schema.field(key).type)
+    codes = pc.fill_null(col.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    names = col.dictionary.to_pylist() + [None]
+    codes[codes < 0] = len(names) - 1
+    n = len(names)
+
+    def sums(name: str) -> np.ndarray:
+        v = pc.fill_null(work.column(name), 0).to_numpy(zero_copy_only=False).astype(np.float64)
+        return np.bincount(codes, weights=v, minlength=n)
+
+    calls = np.bincount(codes, minlength=n)
+    cpu = sums("cpu_ns")
+    mx = np.zeros(n, dtype=np.int64)
+    if len(codes):   # the max per code: sorted by code, then one reduceat (np.maximum.at is ~50x slower)
+        order = np.argsort(codes, kind="stable")
+        sc = codes[order]
+        starts = np.flatnonzero(np.concatenate(([True], sc[1:] != sc[:-1])))
+        cpu_v = pc.fill_null(work.column("cpu_ns"), 0).to_numpy(zero_copy_only=False).astype(np.int64)[order]
+        mx[sc[starts]] = np.maximum.reduceat(cpu_v, starts)
+    cuda_col = work.column("cuda_ns")
+    has_cuda = np.bincount(codes, weights=pc.is_valid(cuda_col).to_numpy(zero_copy_only=False).astype(np.float64),
+                           minlength=n) > 0
+    cuda = sums("cuda_ns")
+    keep = calls > 0
+    total = float(cpu.sum()) or 1.0
+    cpu_i = cpu.astype(np.int64)
+    res = pa.table({
+        key: pa.array([names[i] for i in np.flatnonzero(keep)], _str),
+        "calls": pa.array(calls[keep], _i64), "cpu_ns": pa.array(cpu_i[keep], _i64),
+        "mean_cpu_ns": pa.array(cpu[keep] / np.maximum(calls[keep], 1), _f64),
+        "max_cpu_ns": pa.array(mx[keep], _i64), "share": pa.array(cpu[keep] / total, _f64),
+        "cuda_ns": pa.array(cuda[keep].astype(np.int64), _i64, mask=~has_cuda[keep]),
+        "flops": pa.array(sums("flops")[keep].astype(np.int64), _i64),
+        "bytes_read": pa.array(sums("bytes_read")[keep].astype(np.int64), _i64),
+        "bytes_written": pa.array(sums("bytes_written")[keep].astype(np.int64), _i64)})
+    return res.sort_by([("cpu_ns", "descending"), (key, "ascending")]) if res.num_rows else res
+
+
+def module_totals(ops: pa.Table) -> pa.Table:
+    """Per module path, children rolled into parents, in display order (``MODULE_TOTALS``)."""
+    if ops.num_rows == 0 or "module" not in ops.column_names:
+        return MODULE_TOTALS.empty_table()
+    mod = _key_column(ops, "module")
+    bwd = pc.fill_null(pc.equal(_key_column(ops, "phase"), "backward"), False)
+    t = pa.table({"module": mod, "bwd": bwd, "cpu": pc.fill_null(ops.column("cpu_ns"), 0)})
+    t = t.filter(pc.invert(pc.is_null(mod)))
+    if t.num_rows == 0:
+        return MODULE_TOTALS.empty_table()
+    g = t.group_by(["module", "bwd"], use_threads=False).aggregate([("cpu", "sum"), ([], "count_all")]).to_pylist()
+    total: dict[str, list[int]] = {}   # path -> [total, forward, backward, ops]
+    own: dict[str, int] = {}
+    for r in g:
+        name, ns, n, back = r["module"], int(r["cpu_sum"] or 0), int(r["count_all"]), bool(r["bwd"])
+        own[name] = own.get(name, 0) + ns
+        parts = name.split(".")
+        for i in range(len(parts)):
+            tot = total.setdefault(".".join(parts[: i + 1]), [0, 0, 0, 0])
+            tot[0] += ns
+            tot[2 if back else 1] += ns
+            tot[3] += n
+    roots = [k for k in total if k.startswith("<") and "." not in k]
+    root = roots[0] if len(roots) == 1 else None   # the outermost module called: "<Net>"
+    if root is not None:
+        total[root] = [sum(v[i] for k, v in total.items() if "." not in k) for i in range(4)]
+    children: dict[Optional[str], list[str]] = {}
+    for k in total:
+        parent = k.rsplit(".", 1)[0] if "." in k else (root if k != root else None)
+        children.setdefault(parent, []).append(k)
+    grand = sum(own.values()) or 1
+    rows: list[tuple[str, Optional[str], int]] = []
+
+    def walk(parent: Optional[str], depth: int) -> None:
+        for k in sorted(children.get(parent, []), key=lambda c: (-total[c][0], c)):
+            rows.append((k, parent, depth))
+            walk(k, depth + 1)
+
+    if root is not None:
+        rows.append((root, None, -1))   # the whole model: its children are the top level (depth 0)
+        walk(root, 0)
+    else:
+        walk(None, 0)
+    return pa.table({
+        "module": pa.array([r[0] for r in rows], _str), "parent": pa.array([r[1] for r in rows], _str),
+        "depth": pa.array([r[2] for r in rows], _i64),
+        "total_ns": pa.array([total[r[0]][0] for r in rows], _i64),
+        "self_ns": pa.array([own.get(r[0], 0) for r in rows], _i64),
+        "forward_ns": pa.array([total[r[0]][1] for r in rows], _i64),
+        "backward_ns": pa.array([total[r[0]][2] for r in rows], _i64),
+        "ops": pa.array([total[r[0]][3] for r in rows], _i64),
+        "share": pa.array([total[r[0]][0] / grand for r in rows], _f64)}, schema=MODULE_TOTALS)
+
+
+def cell_totals(ops: pa.Table, wall_ns: Optional[int] = None) -> dict[str, Any]:
+    """The cell in numbers: ops (forward, backward, bookkeeping), CPU time in ops, the wall, bytes, FLOPs."""
+    n = ops.num_rows
+    if n == 0:
+        return {"ops": 0, "forward": 0, "backward": 0, "noise": 0, "cpu_ns": 0, "wall_ns": wall_ns,
+                "bytes_read": 0, "bytes_written": 0, "flops": 0}
+
+    def count(mask: Any) -> int:
+        return int(np.count_nonzero(pc.fill_null(mask, False).to_numpy(zero_copy_only=False)))
+
+    bwd = count(pc.equal(_key_column(ops, "phase"), "backward"))
+    return {"ops": n, "forward": n - bwd, "backward": bwd, "noise": count(ops.column("is_noise")),
+            "cpu_ns": int(pc.sum(ops.column("cpu_ns")).as_py() or 0), "wall_ns": wall_ns,
+            "bytes_read": int(pc.sum(ops.column("bytes_read")).as_py() or 0),
+            "bytes_written": int(pc.sum(ops.column("bytes_written")).as_py() or 0),
+            "flops": int(pc.sum(ops.column("flops")).as_py() or 0)}
