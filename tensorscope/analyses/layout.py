@@ -4,7 +4,7 @@
 tensor, no torch import): one row per finding, of kind ``format_change``, ``hidden_copy`` or
 ``non_dense_input``, with the formats, the reason and the bytes involved.
 
-Rules and details: docs/analyses.md#layout-changes-analyseslayoutpy
+Rules and details: docs/development/analyses.md#layout-changes-analyseslayoutpy
 """
 from __future__ import annotations
 
