@@ -9,7 +9,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "_ext"))
 sys.path.insert(0, str(HERE.parent))   # this checkout's package, also when it is not installed
 
+import tsgen  # noqa: E402
+
 import tensorscope  # noqa: E402
+
+# the generated pages exist before autosummary scans the sources for its directives
+tsgen.generate()
 
 project = "tensorscope"
 author = "the tensorscope authors"
@@ -20,6 +25,7 @@ extensions = [
     "myst_nb",
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",
     "tsgen",
 ]
 
@@ -46,8 +52,10 @@ autosummary_generate = True
 autosummary_imported_members = True
 autodoc_default_options = {"members": True, "member-order": "bysource"}
 autodoc_typehints = "signature"
-autodoc_class_signature = "separated"
 add_module_names = False
+
+napoleon_google_docstring = False
+napoleon_numpy_docstring = True
 
 # HTML
 html_theme = "pydata_sphinx_theme"

@@ -55,7 +55,30 @@ class _Resolver:
 
 
 class Trace:
-    """One recording. ``t.ops``, ``t.calls``… are ``pyarrow.Table``s (empty, right schema, when nothing)."""
+    """One recording: the Arrow tables and the metadata of a traced block, read-only and tensor-free.
+
+    ``with tensorscope.trace() as t:`` gives one when the block ends, :func:`tensorscope.load` reads a
+    saved one back. Each table is a :class:`pyarrow.Table` with a fixed schema (empty, with every
+    column, when nothing was recorded): the recorded ``ops``, ``calls``, ``tensors``, ``errors``,
+    ``kernels``, ``leaks``, ``graphs``, ``graph_nodes``, ``collectives``, ``allocator``,
+    ``allocator_segments``, ``allocator_blocks``, ``allocator_events``, and the derived ``casts``,
+    ``layout_changes``, ``memory`` and ``api`` (computed on first access). Each is an attribute
+    (``t.ops``) and ``t.table(name)``; the user guide's tables page documents every column.
+
+    A Trace holds no reference to a tensor, so keeping one keeps no memory alive. Its attributes
+    cannot be assigned and it is never pickled: ``t.save(path)`` writes parquet.
+
+    Examples
+    --------
+    >>> import torch, tensorscope
+    >>> with tensorscope.trace(leaks=False) as t:
+    ...     y = torch.ones(4, 4).relu().sum()
+    >>> trace = tensorscope.last()
+    >>> trace.ops.column("op").to_pylist()[:2]
+    ['aten.ones.default', 'aten.relu.default']
+    >>> sorted(trace.tables)[:3]
+    ['allocator', 'allocator_blocks', 'allocator_events']
+    """
 
     _tables: dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
     _metadata: TraceMetadata    # as built; never replaced
@@ -66,9 +89,12 @@ class Trace:
     def __init__(self, tables: dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
                  kernels: Optional[Callable[[], tuple[pa.Table, Sequence[str]]]] = None,
                  _spill_file: Optional[str] = None):
-        """``tables``: the recorded tables by name (missing ones are empty); ``kernels``: instead of a
+        """Build a trace from its tables and metadata (the recording session and ``load`` do).
+
+        ``tables``: the recorded tables by name (missing ones are empty); ``kernels``: instead of a
         ``kernels`` table, its resolver, run once on first read (always-on cells link CUDA kernels
-        at the next harvest), returning the table and the notes it adds to the metadata."""
+        at the next harvest), returning the table and the notes it adds to the metadata.
+        """
         tabs: dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
                                 for name in S.RECORDED}
         for name in S.DERIVED:
@@ -91,6 +117,13 @@ class Trace:
 
     # -- tables ------------------------------------------------------------
     def table(self, name: str) -> pa.Table:
+        """The table ``name`` (``"ops"``, ``"casts"``, ...), derived on first access when it is a derived one.
+
+        Raises
+        ------
+        KeyError
+            ``name`` is not a table of a trace.
+        """
         if name not in S.TABLES:
             raise KeyError(f"no table {name!r}; tables: {', '.join(S.TABLES)}")
         t = self._tables.get(name)
@@ -108,9 +141,12 @@ class Trace:
     # -- metadata ------------------------------------------------------------------
     @property
     def metadata(self) -> TraceMetadata:
-        """The trace's ``TraceMetadata``: typed attributes (``t.metadata.options.modules``) and a
-        read-only mapping of its JSON form (``t.metadata["options"]["modules"]``). The metadata the
-        trace was built with, plus ``saved_to`` once ``save`` wrote it and the kernels' notes once read."""
+        """The trace's ``TraceMetadata``.
+
+        Typed attributes (``t.metadata.options.modules``) and a read-only mapping of its JSON form
+        (``t.metadata["options"]["modules"]``): the metadata the trace was built with, plus
+        ``saved_to`` once ``save`` wrote it and the kernels' notes once read.
+        """
         later = self._later
         if not later:
             return self._metadata
@@ -127,6 +163,7 @@ class Trace:
 
     @property
     def tables(self) -> dict[str, pa.Table]:
+        """Every table by name, the derived ones included."""
         return {name: self.table(name) for name in S.TABLES}
 
     ops = property(lambda self: self.table("ops"))
@@ -149,9 +186,11 @@ class Trace:
 
     # -- what memory is made of (analyses/memory_categories.py) -------------------------------------
     def memory_timeline(self) -> pa.Table:
-        """Live bytes by category (``tensors.category``) after each op, one row per (op, device), with
-        the op, phase, module and source line; ``is_peak`` marks each device's peak (schema
-        ``MEMORY_TIMELINE``)."""
+        """Live bytes by category (``tensors.category``) after each op.
+
+        One row per (op, device), with the op, phase, module and source line; ``is_peak`` marks each
+        device's peak (schema ``MEMORY_TIMELINE``).
+        """
         got = self._derived.get("memory_timeline")
         if got is None:
             from .analyses.memory_categories import memory_timeline
@@ -160,8 +199,10 @@ class Trace:
         return got
 
     def allocator_timeline(self) -> pa.Table:
-        """The CUDA caching allocator's reserved and allocated bytes after each of its events, per
-        device (``memory_history=True``; empty otherwise; schema ``ALLOCATOR_TIMELINE``)."""
+        """The CUDA caching allocator's reserved and allocated bytes after each of its events.
+
+        Per device, with ``memory_history=True``; empty otherwise (schema ``ALLOCATOR_TIMELINE``).
+        """
         got = self._derived.get("allocator_timeline")
         if got is None:
             from .analyses.allocator import allocator_timeline
@@ -170,8 +211,15 @@ class Trace:
         return got
 
     def memory_at(self, seq: Optional[int] = None) -> pa.Table:
-        """What was alive after op ``seq`` (default: each device's peak), bytes and storages by
-        (device, category, module), largest first (schema ``MEMORY_AT``)."""
+        """What was alive after op ``seq`` (default: each device's peak).
+
+        Bytes and storages by (device, category, module), largest first (schema ``MEMORY_AT``).
+
+        Raises
+        ------
+        IndexError
+            ``seq`` is not an op of this trace.
+        """
         from .analyses.memory_categories import memory_at
 
         if seq is not None and not (0 <= int(seq) < self.ops.num_rows):
@@ -179,8 +227,11 @@ class Trace:
         return memory_at(self.tensors, self.ops, seq)
 
     def module_memory(self) -> pa.Table:
-        """Per module (children rolled into parents) and device: bytes of activations its forward
-        saved for backward and the peaks while its forward and backward ops ran (``MODULE_MEMORY``)."""
+        """Memory per module (children rolled into parents) and device.
+
+        Bytes of activations its forward saved for backward and the peaks while its forward and
+        backward ops ran (schema ``MODULE_MEMORY``).
+        """
         got = self._derived.get("module_memory")
         if got is None:
             from .analyses.memory_categories import module_memory
@@ -229,7 +280,7 @@ class Trace:
         return self._plot
 
     def advice(self, peaks: Any = None, steps: Any = None) -> Any:
-        """Why this trace is slow: an ``Advice`` (``tensorscope.advise(self, ...)``; see README)."""
+        """Why this trace is slow: an ``Advice``, the same as ``tensorscope.advise(self, peaks=peaks, steps=steps)``."""
         from ._advice import advise
 
         return advise(self, peaks=peaks, steps=steps)
@@ -238,7 +289,8 @@ class Trace:
     def summary(self, display: Any = None) -> Any:
         """A Summary (sections of rows) — what the notebook shows after a traced cell.
 
-        ``display``: a ``DisplayOptions`` (how to show it, e.g. ``numerics_threshold``); the defaults when None."""
+        ``display``: a ``DisplayOptions`` (how to show it, e.g. ``numerics_threshold``); the defaults when None.
+        """
         from .render.summary import summarize
 
         return summarize(self, display)
@@ -257,9 +309,37 @@ class Trace:
 
 
 def load(path: Any) -> Trace:
-    """Load a trace directory written by ``Trace.save`` (its metadata and every table validated; no
-    pickle, no code run): ``TraceFormatError`` when it is damaged or foreign, ``SchemaVersionError``
-    when a newer tensorscope wrote it."""
+    """Load a trace directory written by :meth:`Trace.save`.
+
+    The metadata and every table are validated; nothing is unpickled and no code runs. Traces of
+    every earlier schema version load.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The directory ``t.save(path)`` (or ``%%tensorscope --save``) wrote.
+
+    Returns
+    -------
+    Trace
+        The trace, with ``metadata.saved_to`` set to ``path``.
+
+    Raises
+    ------
+    TraceFormatError
+        The directory is not a trace, or a file in it is damaged or has another table's schema.
+    SchemaVersionError
+        A newer major schema version wrote it.
+
+    Examples
+    --------
+    >>> import tempfile, os, torch, tensorscope
+    >>> with tensorscope.trace(leaks=False) as t:
+    ...     y = torch.ones(3) * 2
+    >>> path = t.save(os.path.join(tempfile.mkdtemp(), "run"))
+    >>> tensorscope.load(path).ops.equals(t.ops)
+    True
+    """
     from .io.parquet import read
 
     tables, md = read(path)

@@ -6,7 +6,8 @@
   dataset's ``ranks`` and the analysis views), every column with its Arrow type and the
   comment the schema declares it with.
 * ``_generated/cli.md``: the help of every ``python -m tensorscope`` subcommand, from its parser.
-* ``_generated/api.md``: the autosummary list of ``tensorscope.__all__``.
+* ``api/index.md``: the API reference page, an autosummary of ``tensorscope.__all__`` (autosummary
+  writes one page per name under ``api/generated/``).
 
 Run by Sphinx (``builder-inited``) or by hand: ``python docs/_ext/tsgen.py``.
 """
@@ -168,6 +169,12 @@ def api_md() -> str:
     names = [n for n in tensorscope.__all__ if not n.startswith("_")]
     body = "\n".join("   " + n for n in names)
     return textwrap.dedent("""\
+        # API reference
+
+        Every public name of the `tensorscope` package (`tensorscope.__all__`), generated from the
+        docstrings when this site was built. `import tensorscope` is cheap: torch, pyarrow and IPython are
+        imported on first use of a name that needs them.
+
         ```{eval-rst}
         .. currentmodule:: tensorscope
 
@@ -175,14 +182,25 @@ def api_md() -> str:
            :toctree: generated
            :nosignatures:
 
-        """) + body + "\n```\n"
+        """) + body + "\n```\n" + textwrap.dedent("""
+        ## The command line
+
+        `python -m tensorscope` (also installed as the `tensorscope` command): see the
+        {ref}`command reference <cli-reference>`.
+
+        ## The IPython extension
+
+        `%load_ext tensorscope` registers the `%%tensorscope` cell magic and the `%tensorscope` line
+        magic (see {doc}`../guide/usage`); `tensorscope.load_ipython_extension` is what it calls.
+        """)
 
 
 def generate() -> list[Path]:
     OUT.mkdir(exist_ok=True)
     written = []
-    for name, fn in (("options.md", options_md), ("tables.md", tables_md), ("cli.md", cli_md), ("api.md", api_md)):
-        path = OUT / name
+    for path, fn in ((OUT / "options.md", options_md), (OUT / "tables.md", tables_md), (OUT / "cli.md", cli_md),
+                     (DOCS / "api" / "index.md", api_md)):
+        path.parent.mkdir(exist_ok=True)
         text = fn()
         if not path.exists() or path.read_text(encoding="utf-8") != text:   # unchanged files keep their mtime
             path.write_text(text, encoding="utf-8")
@@ -194,8 +212,30 @@ def _on_init(app: object) -> None:
     generate()
 
 
+def option_fields_doc(cls: type) -> list[str]:
+    """Lines listing every field of an options dataclass: default, command-line flag and help."""
+    from tensorscope import options as O
+
+    lines = ["", ".. rubric:: Fields", ""]
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_ = f.metadata["help"].replace("%%", "%").replace("*", "\\*")
+        lines.append(f"- ``{f.name}`` (default ``{default!r}``, flag ``{O.cli_flag(f)[0]}``): {help_}")
+    return lines + [""]
+
+
+def _on_docstring(app: object, what: str, name: str, obj: object, options: object, lines: list[str]) -> None:
+    from tensorscope import options as O
+
+    if what == "class" and obj in O.OPTION_CLASSES:
+        lines.extend(option_fields_doc(obj))  # type: ignore[arg-type]
+
+
 def setup(app):  # type: ignore[no-untyped-def]
     app.connect("builder-inited", _on_init)
+    app.connect("autodoc-process-docstring", _on_docstring)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
 
 
