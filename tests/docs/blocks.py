@@ -51,11 +51,16 @@ def blocks(page: Path) -> list[Block]:
 
 
 def user_pages() -> list[Path]:
-    """README.md and every markdown page of the user guide (the developer notes are not examples)."""
+    """README.md and every markdown page of the user guide.
+
+    Not the developer notes (not examples), the walkthroughs (MyST notebooks: the site build executes
+    their cells) nor the generated API page.
+    """
     pages = [ROOT_PATH / "README.md"]
     for p in sorted(DOCS.rglob("*.md")):
         rel = p.relative_to(DOCS).parts
-        if rel[0] in ("_build", "_generated", "development", "jupyter_execute") or rel[0].startswith("."):
+        if rel[0] in ("_build", "_generated", "development", "jupyter_execute", "walkthroughs", "api") \
+                or rel[0].startswith("."):
             continue
         pages.append(p)
     return pages
