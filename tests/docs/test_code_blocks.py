@@ -70,6 +70,19 @@ def test_page_blocks_run_as_written(page, tmp_path):
     assert r.returncode == 0, f"{_id(page)}: a block failed\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
 
 
+def test_readme_is_a_landing_page():
+    """At most 150 lines, with its screenshot committed and small, and links into the site that exist."""
+    import re
+
+    text = (ROOT_PATH / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    for target in re.findall(r"\]\(([^)#]+)\)", text):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT_PATH / target).exists(), f"README links to {target}, which does not exist"
+    shot = ROOT_PATH / "docs" / "_static" / "summary.png"
+    assert shot.stat().st_size < 200_000
+
+
 def test_readme_quickstart_is_self_contained_and_short():
     """The README's first python block is the quickstart: it builds its own model and input, under 15 lines."""
     first = next(b for b in blocks(ROOT_PATH / "README.md") if b.skip is None)
