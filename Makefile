@@ -1,4 +1,4 @@
-# The commands: `make demo`, `make test`, `make lint` and `make typecheck`. Each sets
+# The commands: `make demo`, `make test`, `make lint`, `make typecheck` and `make docs`. Each sets
 # everything up from a machine that has nothing but Python.
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # torch is pinned here, in the install step, so pip never pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint typecheck bench clean
+.PHONY: setup demo test lint typecheck docs bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,14 +32,26 @@ test: setup
 # ruff (pyflakes, bugbear, isort, pyupgrade, simplify, docstring presence; pyproject.toml [tool.ruff]) over
 # everything that is Python
 lint: setup
-	$(PY) -m ruff check tensorscope tests benchmarks examples tools
+	$(PY) -m ruff check tensorscope tests benchmarks examples tools docs/conf.py docs/_ext
 
 # mypy (pyproject.toml [tool.mypy]): strict on the leaf packages, the rest clean without strict
 typecheck: setup
 	$(PY) -m mypy
 
+# the documentation site (Sphinx, MyST-NB, PyData theme; docs/conf.py) into docs/_build/html. -W: a warning
+# (a broken reference, a page in no toctree, a docstring that does not parse) fails the build; the walkthrough
+# notebooks execute during it (a cell that raises fails it too). --keep-going reports every warning at once.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e ".[docs]" "$(TORCH_PIN)"
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html"
+
 bench: setup
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info docs/_build docs/_generated docs/api/generated docs/jupyter_execute

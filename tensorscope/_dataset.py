@@ -17,7 +17,29 @@ from .metadata import TraceMetadata, check_version
 
 
 def open_dataset(root: PathLike) -> Dataset:
-    """Open a dataset written with ``trace(dataset=root)`` / ``python -m tensorscope run --out root``."""
+    """Open a dataset written with ``trace(dataset=root)`` / ``python -m tensorscope run --out root``.
+
+    Parameters
+    ----------
+    root : str or os.PathLike
+        The dataset directory: ``root/<table>/run=<id>/rank=<r>/part-*.parquet``.
+
+    Returns
+    -------
+    Dataset
+        Every run and rank of it: ``.runs``, ``.ranks``, ``.sql(...)``, ``.df(...)``,
+        ``.trace(rank=..., run=...)``, ``.summary()``, ``.to_perfetto(path)``.
+
+    Examples
+    --------
+    >>> import tempfile, torch, tensorscope
+    >>> root = tempfile.mkdtemp()
+    >>> with tensorscope.trace(dataset=root, leaks=False):
+    ...     y = torch.ones(4).relu()
+    >>> ds = tensorscope.open_dataset(root)
+    >>> len(ds.runs), int(ds.sql("select count(*) as n from ranks")["n"][0])
+    (1, 1)
+    """
     return Dataset(root)
 
 

@@ -1,7 +1,7 @@
 """Tensor metadata helpers: memory-format labels and the dense check, in plain integers.
 
 Computed once per distinct ``(shape, stride)`` (the recorder interns metas), never per
-op, with integer loops instead of ``torch._prims_common`` (why: docs/architecture.md,
+op, with integer loops instead of ``torch._prims_common`` (why: docs/development/architecture.md,
 "Measured decisions").
 
 Labels: ``empty`` (numel 0), ``scalar`` (dim 0), ``contiguous``, ``channels_last``

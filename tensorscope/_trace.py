@@ -64,7 +64,30 @@ class _Resolver:
 
 
 class Trace:
-    """One recording. ``t.ops``, ``t.calls``… are ``pyarrow.Table``s (empty, right schema, when nothing)."""
+    """One recording: the Arrow tables and the metadata of a traced block, read-only and tensor-free.
+
+    ``with tensorscope.trace() as t:`` gives one when the block ends, :func:`tensorscope.load` reads a
+    saved one back. Each table is a :class:`pyarrow.Table` with a fixed schema (empty, with every
+    column, when nothing was recorded): the recorded ``ops``, ``calls``, ``tensors``, ``errors``,
+    ``kernels``, ``leaks``, ``graphs``, ``graph_nodes``, ``collectives``, ``allocator``,
+    ``allocator_segments``, ``allocator_blocks``, ``allocator_events``, and the derived ``casts``,
+    ``layout_changes``, ``memory`` and ``api`` (computed on first access). Each is an attribute
+    (``t.ops``) and ``t.table(name)``; the user guide's tables page documents every column.
+
+    A Trace holds no reference to a tensor, so keeping one keeps no memory alive. Its attributes
+    cannot be assigned and it is never pickled: ``t.save(path)`` writes parquet.
+
+    Examples
+    --------
+    >>> import torch, tensorscope
+    >>> with tensorscope.trace(leaks=False) as t:
+    ...     y = torch.ones(4, 4).relu().sum()
+    >>> trace = tensorscope.last()
+    >>> trace.ops.column("op").to_pylist()[:2]
+    ['aten.ones.default', 'aten.relu.default']
+    >>> sorted(trace.tables)[:3]
+    ['allocator', 'allocator_blocks', 'allocator_events']
+    """
 
     _tables: dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
     _metadata: TraceMetadata    # as built; never replaced
@@ -75,9 +98,12 @@ class Trace:
     def __init__(self, tables: dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
                  kernels: Optional[Callable[[], tuple[pa.Table, Sequence[str]]]] = None,
                  _spill_file: Optional[str] = None):
-        """``tables``: the recorded tables by name (missing ones are empty); ``kernels``: instead of a
+        """Build a trace from its tables and metadata (the recording session and ``load`` do).
+
+        ``tables``: the recorded tables by name (missing ones are empty); ``kernels``: instead of a
         ``kernels`` table, its resolver, run once on first read (always-on cells link CUDA kernels
-        at the next harvest), returning the table and the notes it adds to the metadata."""
+        at the next harvest), returning the table and the notes it adds to the metadata.
+        """
         tabs: dict[str, Any] = {name: tables.get(name) if tables.get(name) is not None else S.empty(name)
                                 for name in S.RECORDED}
         for name in S.DERIVED:
@@ -100,6 +126,13 @@ class Trace:
 
     # -- tables ------------------------------------------------------------
     def table(self, name: str) -> pa.Table:
+        """The table ``name`` (``"ops"``, ``"casts"``, ...), derived on first access when it is a derived one.
+
+        Raises
+        ------
+        KeyError
+            ``name`` is not a table of a trace.
+        """
         if name not in S.TABLES:
             raise KeyError(f"no table {name!r}; tables: {', '.join(S.TABLES)}")
         t = self._tables.get(name)
@@ -117,9 +150,12 @@ class Trace:
     # -- metadata ------------------------------------------------------------------
     @property
     def metadata(self) -> TraceMetadata:
-        """The trace's ``TraceMetadata``: typed attributes (``t.metadata.options.modules``) and a
-        read-only mapping of its JSON form (``t.metadata["options"]["modules"]``). The metadata the
-        trace was built with, plus ``saved_to`` once ``save`` wrote it and the kernels' notes once read."""
+        """The trace's ``TraceMetadata``.
+
+        Typed attributes (``t.metadata.options.modules``) and a read-only mapping of its JSON form
+        (``t.metadata["options"]["modules"]``): the metadata the trace was built with, plus
+        ``saved_to`` once ``save`` wrote it and the kernels' notes once read.
+        """
         later = self._later
         if not later:
             return self._metadata
@@ -136,6 +172,7 @@ class Trace:
 
     @property
     def tables(self) -> dict[str, pa.Table]:
+        """Every table by name, the derived ones included."""
         return {name: self.table(name) for name in S.TABLES}
 
     ops = property(lambda self: self.table("ops"))
@@ -160,9 +197,11 @@ class Trace:
     # Each returns a ``TableView`` (render/views.py): the Arrow table, displayed as a compact table;
     # ``.to_arrow()`` / ``.to_pandas()``, and everything a ``pyarrow.Table`` answers.
     def memory_timeline(self) -> TableView:
-        """Live bytes by category (``tensors.category``) after each op, one row per (op, device), with
-        the op, phase, module and source line; ``is_peak`` marks each device's peak (schema
-        ``MEMORY_TIMELINE``)."""
+        """Live bytes by category (``tensors.category``) after each op.
+
+        One row per (op, device), with the op, phase, module and source line; ``is_peak`` marks each
+        device's peak (schema ``MEMORY_TIMELINE``).
+        """
         got = self._derived.get("memory_timeline")
         if got is None:
             from .analyses.memory_categories import memory_timeline
@@ -172,8 +211,10 @@ class Trace:
                      ("is_peak marks each device's peak; t.memory_at() breaks it down by module",))
 
     def allocator_timeline(self) -> TableView:
-        """The CUDA caching allocator's reserved and allocated bytes after each of its events, per
-        device (``memory_history=True``; empty otherwise; schema ``ALLOCATOR_TIMELINE``)."""
+        """The CUDA caching allocator's reserved and allocated bytes after each of its events.
+
+        Per device, with ``memory_history=True``; empty otherwise (schema ``ALLOCATOR_TIMELINE``).
+        """
         got = self._derived.get("allocator_timeline")
         if got is None:
             from .analyses.allocator import allocator_timeline
@@ -183,8 +224,15 @@ class Trace:
         return _view(got, "t.allocator_timeline(): the CUDA caching allocator after each event", notes)
 
     def memory_at(self, seq: Optional[int] = None) -> TableView:
-        """What was alive after op ``seq`` (default: each device's peak), bytes and storages by
-        (device, category, module), largest first (schema ``MEMORY_AT``)."""
+        """What was alive after op ``seq`` (default: each device's peak).
+
+        Bytes and storages by (device, category, module), largest first (schema ``MEMORY_AT``).
+
+        Raises
+        ------
+        IndexError
+            ``seq`` is not an op of this trace.
+        """
         from .analyses.memory_categories import memory_at
 
         if seq is not None and not (0 <= int(seq) < self.ops.num_rows):
@@ -193,8 +241,11 @@ class Trace:
         return _view(memory_at(self.tensors, self.ops, seq), f"t.memory_at(): alive after {where}")
 
     def module_memory(self) -> TableView:
-        """Per module (children rolled into parents) and device: bytes of activations its forward
-        saved for backward and the peaks while its forward and backward ops ran (``MODULE_MEMORY``)."""
+        """Memory per module (children rolled into parents) and device.
+
+        Bytes of activations its forward saved for backward and the peaks while its forward and
+        backward ops ran (schema ``MODULE_MEMORY``).
+        """
         got = self._derived.get("module_memory")
         if got is None:
             from .analyses.memory_categories import module_memory
@@ -203,10 +254,16 @@ class Trace:
         return _view(got, "t.module_memory(): activations saved and peaks per module")
 
     def op_totals(self, by: Union[str, Sequence[str]] = "op", *, include_noise: bool = False) -> pa.Table:
-        """Totals per group of ATen ops, the largest CPU time first (torch.profiler's ``key_averages()``):
-        calls, CPU time (total, mean, max, share), CUDA time, FLOPs, bytes. ``by``: any ``ops`` column
+        """Totals per group of ATen ops, the largest CPU time first (torch.profiler's ``key_averages()``).
+
+        Calls, CPU time (total, mean, max, share), CUDA time, FLOPs, bytes. ``by``: any ``ops`` column
         or several (``("op", "in_shapes")``: ``group_by_input_shape``); bookkeeping rows are left out
-        unless ``include_noise``. The summary's op table reads the same numbers."""
+        unless ``include_noise``. The summary's op table reads the same numbers.
+
+        Examples
+        --------
+        >>> t.op_totals(by=("op", "in_shapes"))  # doctest: +SKIP
+        """
         from .analyses.totals import op_totals
 
         return op_totals(self.ops, by, include_noise=include_noise)
@@ -237,8 +294,11 @@ class Trace:
         return where
 
     def report(self, path: Any) -> str:
-        """Write the full summary as one standalone HTML file (every section open, more rows, charts with
-        their hover titles; no script, no network, everything escaped). Returns the path."""
+        """Write the full summary as one standalone HTML file and return its path.
+
+        Every section open, more rows, charts with their hover titles; no script, no network,
+        everything escaped.
+        """
         from .render.summary import write_report
 
         return write_report(self, path)
@@ -251,8 +311,10 @@ class Trace:
 
     @property
     def plot(self):
-        """Matplotlib plots: ``t.plot.timeline()``, ``top_ops()``, ``memory()``, ``modules()``; each a Figure
-        that a notebook displays as a PNG (no ``%matplotlib inline`` needed)."""
+        """Matplotlib plots: ``t.plot.timeline()``, ``top_ops()``, ``memory()``, ``modules()``.
+
+        Each a Figure that a notebook displays as a PNG (no ``%matplotlib inline`` needed).
+        """
         if self._plot is None:
             from .render.plots import PlotAccessor
 
@@ -260,7 +322,7 @@ class Trace:
         return self._plot
 
     def advice(self, peaks: Any = None, steps: Any = None) -> Any:
-        """Why this trace is slow: an ``Advice`` (``tensorscope.advise(self, ...)``; see README)."""
+        """Why this trace is slow: an ``Advice``, the same as ``tensorscope.advise(self, peaks=peaks, steps=steps)``."""
         from ._advice import advise
 
         return advise(self, peaks=peaks, steps=steps)
@@ -269,7 +331,8 @@ class Trace:
     def summary(self, display: Any = None) -> Any:
         """A Summary (sections of rows) — what the notebook shows after a traced cell.
 
-        ``display``: a ``DisplayOptions`` (how to show it, e.g. ``numerics_threshold``); the defaults when None."""
+        ``display``: a ``DisplayOptions`` (how to show it, e.g. ``numerics_threshold``); the defaults when None.
+        """
         from .render.summary import summarize
 
         return summarize(self, display)
@@ -288,9 +351,37 @@ class Trace:
 
 
 def load(path: Any) -> Trace:
-    """Load a trace directory written by ``Trace.save`` (its metadata and every table validated; no
-    pickle, no code run): ``TraceFormatError`` when it is damaged or foreign, ``SchemaVersionError``
-    when a newer tensorscope wrote it."""
+    """Load a trace directory written by :meth:`Trace.save`.
+
+    The metadata and every table are validated; nothing is unpickled and no code runs. Traces of
+    every earlier schema version load.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The directory ``t.save(path)`` (or ``%%tensorscope --save``) wrote.
+
+    Returns
+    -------
+    Trace
+        The trace, with ``metadata.saved_to`` set to ``path``.
+
+    Raises
+    ------
+    TraceFormatError
+        The directory is not a trace, or a file in it is damaged or has another table's schema.
+    SchemaVersionError
+        A newer major schema version wrote it.
+
+    Examples
+    --------
+    >>> import tempfile, os, torch, tensorscope
+    >>> with tensorscope.trace(leaks=False) as t:
+    ...     y = torch.ones(3) * 2
+    >>> path = t.save(os.path.join(tempfile.mkdtemp(), "run"))
+    >>> tensorscope.load(path).ops.equals(t.ops)
+    True
+    """
     from .io.parquet import read
 
     tables, md = read(path)

@@ -26,13 +26,23 @@ class ExportError(TensorscopeError, OSError):
 
 
 class OptionsError(TensorscopeError, ValueError):
-    """An unknown or invalid trace option."""
+    """An unknown or invalid trace option: raised before anything runs."""
 
 
 class GuardError(TensorscopeError, AssertionError):
-    """A cell guard (``expect=``, ``max_casts=``, ``nonfinite="error"``) failed.
+    """A cell guard (``expect=``, ``max_casts=``, ``baseline=``) failed.
 
-    The cell ran to completion and its trace is kept in ``.trace``.
+    The block ran to completion; its trace is kept in ``.trace`` and what failed in ``.failures``.
+
+    Examples
+    --------
+    >>> import torch, tensorscope
+    >>> try:
+    ...     with tensorscope.trace(expect="no_syncs", leaks=False):
+    ...         value = torch.ones(3).sum().item()
+    ... except tensorscope.GuardError as err:
+    ...     print(err.trace.ops.num_rows > 0)
+    True
     """
 
     def __init__(self, message: str, trace: Any = None, failures: Iterable[Any] = ()) -> None:

@@ -67,7 +67,22 @@ def _check_types(obj: Any) -> None:
 
 @dataclass(frozen=True)
 class TraceOptions:
-    """Everything ``tensorscope.trace()`` records by. Build it with keywords; it validates itself."""
+    """What ``tensorscope.trace()`` records: every trace option, typed, frozen and validated.
+
+    Build it with keywords; a value of the wrong kind is an ``OptionsError`` at once. ``trace()``
+    takes one, keywords, or both (keywords replace its fields). Every trace keeps the options it
+    recorded with in ``t.metadata.options``. Each field is also a flag of the ``%%tensorscope``
+    magic and of ``python -m tensorscope run`` (``modules=False`` is ``--no-modules``).
+
+    Examples
+    --------
+    >>> import tensorscope
+    >>> opts = tensorscope.TraceOptions(modules=False, expect=("no_leaks",))
+    >>> opts.changed()
+    {'modules': False, 'expect': ('no_leaks',)}
+    >>> opts.replace(flops=False).changed()
+    {'modules': False, 'flops': False, 'expect': ('no_leaks',)}
+    """
 
     modules: bool = _opt(True, "record the nn.Module path of each op (read from the call stack, no hooks)")
     source: bool = _opt(True, "record the user source line of each torch-level call")
@@ -155,33 +170,38 @@ class TraceOptions:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TraceOptions:
-        """The options stored in a trace's metadata. Names this version does not know (a setting of
-        an older version that is a display option now, or an option of a newer minor version) are
-        ignored; a known name with a bad value is an ``OptionsError``."""
+        """Build the options stored in a trace's metadata.
+
+        Names this version does not know (a setting of an older version that is a display option
+        now, or an option of a newer minor version) are ignored; a known name with a bad value is
+        an ``OptionsError``.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {k: (tuple(v) if k == "expect" and isinstance(v, list) else v)
                               for k, v in d.items() if k in names}
         return cls(**kw)
 
     def replace(self, **changes: Any) -> TraceOptions:
-        """A copy with ``changes`` (validated, unknown names refused)."""
+        """Return a copy with ``changes`` (validated, unknown names refused)."""
         _refuse_unknown(changes, (type(self),))
         return dataclasses.replace(self, **changes)
 
     def changed(self) -> dict[str, Any]:
-        """The options that differ from their defaults."""
+        """Return the options that differ from their defaults, by name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
     def for_record(self) -> TraceOptions:
-        """These options as a trace records them: a baseline Trace becomes its label, so the trace's
-        metadata never keeps another trace alive."""
+        """Return these options as a trace records them.
+
+        A baseline Trace becomes its label, so the trace's metadata never keeps another trace alive.
+        """
         b = self.baseline
         if b is None or isinstance(b, str):
             return self
         return dataclasses.replace(self, baseline=baseline_label(b))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: tuples as lists, a baseline Trace as its label."""
+        """Return a JSON-ready dict: tuples as lists, a baseline Trace as its label."""
         rec = self.for_record()
         return {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(rec)
                 for v in [getattr(rec, f.name)]}
@@ -198,7 +218,15 @@ def baseline_label(b: Any) -> str:
 
 @dataclass(frozen=True)
 class DisplayOptions:
-    """How a trace is shown (summary, HTML): never recorded, so a saved trace renders with any of them."""
+    """How a trace is shown (summary, HTML): never recorded, so a saved trace renders with any of them.
+
+    Examples
+    --------
+    >>> import torch, tensorscope
+    >>> with tensorscope.trace(leaks=False) as t:
+    ...     y = torch.ones(2).half().float()
+    >>> summary = t.summary(tensorscope.DisplayOptions(numerics_threshold=1e-3))
+    """
 
     numerics_threshold: float = _opt(1e-2, "relative error above which the summary lists an op", type=float,
                                      metavar="X")
@@ -213,11 +241,19 @@ class DisplayOptions:
 class RunContext:
     """Where and how a trace runs; given to ``trace(context=...)`` beside the options.
 
-    ``cell``/``cell_source``: the IPython cell (execution count and text) or None;
-    ``origin``: ``api`` (``trace()`` in user code), ``magic`` (``%%tensorscope``),
-    ``always_on`` (``%tensorscope on``), ``cli`` (``python -m tensorscope run``);
-    ``keep_history``: the trace joins ``tensorscope.history()``; ``deferred_kernels``:
-    CUDA kernels are linked at the next harvest (always-on cells share one profiler).
+    Not an option: the magics and the CLI fill it in, and user code rarely needs it.
+
+    Parameters
+    ----------
+    cell, cell_source : int or None, str or None
+        The IPython cell (execution count and text).
+    origin : str
+        ``"api"`` (``trace()`` in user code), ``"magic"`` (``%%tensorscope``), ``"always_on"``
+        (``%tensorscope on``) or ``"cli"`` (``python -m tensorscope run``).
+    keep_history : bool
+        The trace joins ``tensorscope.history()``.
+    deferred_kernels : bool
+        CUDA kernels are linked at the next harvest (always-on cells share one profiler).
     """
 
     cell: Optional[int] = None
@@ -250,9 +286,11 @@ def _refuse_unknown(kwargs: Mapping[str, Any], classes: Sequence[type[Any]]) -> 
 
 def resolve(options: Optional[TraceOptions] = None, display: Optional[DisplayOptions] = None,
             keywords: Optional[Mapping[str, Any]] = None) -> tuple[TraceOptions, DisplayOptions]:
-    """What ``trace(options, display=..., **keywords)`` records and shows by: the objects given,
-    with the keywords replacing their fields. Objects already built are used as they are (they
-    validated themselves once); an unknown keyword is an ``OptionsError``."""
+    """Resolve what ``trace(options, display=..., **keywords)`` records and shows by.
+
+    The objects given, with the keywords replacing their fields. Objects already built are used as
+    they are (they validated themselves once); an unknown keyword is an ``OptionsError``.
+    """
     if options is not None and not isinstance(options, TraceOptions):
         raise OptionsError(f"trace() takes a TraceOptions (or keywords), not {type(options).__name__}")
     if display is not None and not isinstance(display, DisplayOptions):
@@ -323,7 +361,8 @@ def parse_namespace(ns: argparse.Namespace, **overrides: Any) -> tuple[TraceOpti
     """The typed options of parsed flags (unset ones keep their defaults), validated once.
 
     ``overrides`` replace trace options (the CLI's ``--out`` is the dataset).
-    Raises ``OptionsError`` on a bad value."""
+    Raises ``OptionsError`` on a bad value.
+    """
     given: dict[str, Any] = {}
     for f in fields():
         v = getattr(ns, f.name, None)
@@ -336,8 +375,10 @@ def parse_namespace(ns: argparse.Namespace, **overrides: Any) -> tuple[TraceOpti
 
 def to_flags(options: TraceOptions, display: Optional[DisplayOptions] = None, *,
              skip: Sequence[str] = ()) -> list[str]:
-    """The command-line flags that reproduce ``options`` (and ``display``): the inverse of
-    ``parse_namespace`` for every option that differs from its default."""
+    """The command-line flags that reproduce ``options`` (and ``display``).
+
+    The inverse of ``parse_namespace`` for every option that differs from its default.
+    """
     out: list[str] = []
     for obj in (options, display or DisplayOptions()):
         for f in dataclasses.fields(obj):

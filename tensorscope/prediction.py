@@ -73,10 +73,12 @@ def _state(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[l
 
 
 class _Swap:
-    """The step's parameters, buffers and optimizer state replaced by fake copies while it runs (an
-    op whose inputs are all real tensors would run for real under FakeTensorMode: ``buf.mul_(m)``,
-    ``num_batches_tracked.add_(1)``), put back after. ``real`` maps a copy's StorageImpl to the
-    real storage's data pointer, so the trace sees the real storages."""
+    """The step's parameters, buffers and optimizer state, replaced by fake copies while it runs.
+
+    An op whose inputs are all real tensors would run for real under FakeTensorMode
+    (``buf.mul_(m)``, ``num_batches_tracked.add_(1)``); the copies are put back after. ``real`` maps
+    a copy's StorageImpl to the real storage's data pointer, so the trace sees the real storages.
+    """
 
     def __init__(self, mode: Any) -> None:
         self.mode = mode
@@ -137,8 +139,11 @@ class _Swap:
 
 
 def _fake_args(mode: Any, value: Any, scale: Mapping[str, int], depth: int = 0) -> Any:
-    """``value`` with its tensors replaced by fake ones (inside lists, tuples and dicts, three levels
-    deep, up to 1000 items each below the top; bigger containers are left as they are)."""
+    """``value`` with its tensors replaced by fake ones.
+
+    Inside lists, tuples and dicts, three levels deep, up to 1000 items each below the top; bigger
+    containers are left as they are.
+    """
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -158,9 +163,48 @@ def _fake_args(mode: Any, value: Any, scale: Mapping[str, int], depth: int = 0) 
 
 
 def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kwargs: Any) -> Any:
-    """Trace ``fn(*args, **kwargs)`` under FakeTensorMode: a Trace of the step's ops and memory, with no
-    memory allocated and nothing computed. ``scale={"batch": 4}`` multiplies dimension 0 of every
-    tensor argument by 4 (a batch not run)."""
+    """Predict the ops and memory of ``fn(*args, **kwargs)`` without running it.
+
+    ``fn`` runs under ``FakeTensorMode`` inside ``trace()`` (the python engine): every op computes
+    shapes, dtypes and strides only, so no memory is allocated and nothing is computed. The
+    parameters, buffers and optimizer state ``fn`` can reach are swapped for fake copies while it
+    runs and put back afterwards, untouched.
+
+    Parameters
+    ----------
+    fn : callable
+        The step to predict, e.g. a forward, backward and optimizer step.
+    *args, **kwargs
+        Its arguments; tensors among them (also inside lists, tuples and dicts) are made fake.
+    scale : dict, optional
+        ``{"batch": n}`` multiplies dimension 0 of every tensor argument by ``n`` (a batch never run).
+
+    Returns
+    -------
+    Trace
+        The same tables a real run records (``ops``, ``tensors`` with categories, ``memory``), so
+        ``memory_at()``, ``module_memory()`` and the summary work on it.
+
+    Raises
+    ------
+    PredictionError
+        An op whose output shape or value depends on the data (``nonzero``, ``.item()``), naming
+        the op and the line.
+    OptionsError
+        ``scale`` has a key other than ``"batch"``.
+
+    Examples
+    --------
+    >>> import torch, tensorscope
+    >>> model = torch.nn.Linear(16, 16)
+    >>> def step(x):
+    ...     model(x).sum().backward()
+    >>> p = tensorscope.predict(step, torch.randn(8, 16), scale={"batch": 4})
+    >>> p.ops.column("op").to_pylist()[1], p.ops.column("in_shapes").to_pylist()[1]
+    ('aten.addmm.default', [[16], [32, 16], [16, 16]])
+    >>> model.weight.grad is None
+    True
+    """
     import torch
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
@@ -207,7 +251,7 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
 
 
 def _user_line(tb: Any) -> str:
-    """ " at file:line" of the innermost frame of the traceback outside torch and tensorscope."""
+    """Return ``" at file:line"`` of the innermost frame of the traceback outside torch and tensorscope."""
     import os
 
     import torch

@@ -1,9 +1,9 @@
-"""The layer order of docs/architecture.md, checked on every import of the package.
+"""The layer order of docs/development/architecture.md, checked on every import of the package.
 
 The graph is read with ``ast`` by tools/architecture.py (module-level and function-level
 imports alike); these tests fail on an upward import, an import cycle or a private name
 reached from another package, naming the file, line and statement, and when the picture in
-docs/architecture.md no longer matches the code.
+docs/development/architecture.md no longer matches the code.
 """
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ A = _load_tool()
 
 def test_no_upward_import_no_cycle_no_foreign_private_name():
     bad = A.violations()
-    assert bad == [], "layering broken (see docs/architecture.md, tools/architecture.py):\n" + "\n".join(bad)
+    assert bad == [], "layering broken (see docs/development/architecture.md, tools/architecture.py):\n" + "\n".join(bad)
 
 
 def test_docs_picture_is_generated_from_the_code():
-    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "development" / "architecture.md").read_text(encoding="utf-8")
     block = A.docs_block(text)
-    assert block is not None, "docs/architecture.md lost its generated layer picture markers"
-    assert block == A.picture(), "docs/architecture.md is stale: run `python tools/architecture.py --write`"
+    assert block is not None, "docs/development/architecture.md lost its generated layer picture markers"
+    assert block == A.picture(), "docs/development/architecture.md is stale: run `python tools/architecture.py --write`"
 
 
 def test_every_exception_is_still_needed():

@@ -1,8 +1,8 @@
 """The layers of tensorscope, read from the code: the import graph, its violations, the picture.
 
-    python tools/architecture.py            # the picture of the house (docs/architecture.md holds it)
+    python tools/architecture.py            # the picture of the house (docs/development/architecture.md holds it)
     python tools/architecture.py --check    # exit 1 and name every offending import
-    python tools/architecture.py --write    # regenerate the picture inside docs/architecture.md
+    python tools/architecture.py --write    # regenerate the picture inside docs/development/architecture.md
     python tools/architecture.py --edges    # every import between layers, with file and line
 
 Every ``import``/``from … import`` of a tensorscope module counts (and ``import_module`` /
@@ -374,7 +374,7 @@ END = "<!-- END layers -->"
 
 
 def docs_block(text: str) -> Optional[str]:
-    """The generated picture inside docs/architecture.md (between the markers), or None."""
+    """The generated picture inside docs/development/architecture.md (between the markers), or None."""
     if BEGIN not in text or END not in text:
         return None
     body = text.split(BEGIN, 1)[1].split(END, 1)[0]
@@ -396,7 +396,7 @@ def write_docs(path: pathlib.Path, pic: str) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 and name every offending import")
-    p.add_argument("--write", action="store_true", help="regenerate the picture in docs/architecture.md")
+    p.add_argument("--write", action="store_true", help="regenerate the picture in docs/development/architecture.md")
     p.add_argument("--edges", action="store_true", help="list every import between layers")
     a = p.parse_args(argv)
     if a.check:
@@ -412,8 +412,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     pic = picture()
     if a.write:
-        changed = write_docs(ROOT / "docs" / "architecture.md", pic)
-        print("docs/architecture.md " + ("updated" if changed else "already up to date"))
+        changed = write_docs(ROOT / "docs" / "development" / "architecture.md", pic)
+        print("docs/development/architecture.md " + ("updated" if changed else "already up to date"))
         return 0
     sys.stdout.write(pic)
     return 0

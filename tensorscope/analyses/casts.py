@@ -5,7 +5,7 @@ is not imported): one row per conversion, with its kind (``explicit``, ``autocas
 ``implicit_downcast``, ``promotion``), direction, elements, bytes and round trips;
 ``round_trip_pairs`` counts the a -> b -> a pairs.
 
-Rules and details: docs/analyses.md#casts-analysescastspy
+Rules and details: docs/development/analyses.md#casts-analysescastspy
 """
 from __future__ import annotations
 

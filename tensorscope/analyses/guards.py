@@ -5,7 +5,7 @@
 ``max_casts``), empty when all hold; ``session.raise_for_guards`` raises them as a
 ``GuardError``. The options come from the trace's metadata, so a loaded trace can be re-checked.
 
-Rules and details: docs/analyses.md#cell-guards-analysesguardspy
+Rules and details: docs/development/analyses.md#cell-guards-analysesguardspy
 """
 from __future__ import annotations
 

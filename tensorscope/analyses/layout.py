@@ -6,7 +6,7 @@ tensor, no torch import): one row per finding, of kind ``format_change``, ``hidd
 row: a hidden copy that also changed the memory format (``flatten`` or ``contiguous()`` of a
 channels_last tensor) is the ``hidden_copy`` row, its from/to formats naming the change.
 
-Rules and details: docs/analyses.md#layout-changes-analyseslayoutpy
+Rules and details: docs/development/analyses.md#layout-changes-analyseslayoutpy
 """
 from __future__ import annotations
 

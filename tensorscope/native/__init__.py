@@ -7,7 +7,7 @@ build-native``) report and compile; ``abi``/``abi_dtype``/``abi_flags``/``fields
 layouts the libraries share with Python. ``TENSORSCOPE_FORCE_FALLBACK=1`` forces the fallback.
 Importing this package imports neither torch nor the compiler tool chain, and builds nothing.
 
-Rules and details: docs/native.md
+Rules and details: docs/development/native.md
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ each call's warnings (``call_begin``/``call_end``, shared with the fallback's wa
 matches recorded c10 errors to Python exceptions (``error_info``) and arms the native engine's
 error sites (``arm_error_sites``; ``site_error_info`` completes an error with them).
 
-Rules and details: docs/native.md#what-the-native-capture-sees-and-how
+Rules and details: docs/development/native.md#what-the-native-capture-sees-and-how
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _matches(recorded: str, text: str) -> bool:
 
 
 class NativeCapture:
-    """Capture backed by the compiled hooks (the interface: docs/native.md, "The capture")."""
+    """Capture backed by the compiled hooks (the interface: docs/development/native.md, "The capture")."""
 
     native = True
     #: the native recording engine, when it records this trace: it captures C++ warnings per op itself

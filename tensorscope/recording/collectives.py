@@ -4,7 +4,7 @@ Engine-agnostic: whatever sees the op (the Python dispatch mode, or the native
 engine's hook for chosen namespaces) calls ``CollectiveProbe.observe(seq, op,
 args, kwargs, outputs, start_perf_ns, end_perf_ns)`` after the op returned.
 
-What a mode can see (docs/architecture.md, multi-rank datasets) and so what the columns mean:
+What a mode can see (docs/development/architecture.md, multi-rank datasets) and so what the columns mean:
 
 * the op call itself: ``start_ns`` and ``enqueue_ns`` (how long the call took —
   for an async backend that is the enqueue, not the communication);

@@ -6,8 +6,8 @@ into one record per graph (Dynamo/AOT graphs and their nodes, guards, recompile 
 Inductor code). ``compiled_link.py`` builds the ``graphs``/``graph_nodes`` tables from them and
 links ops and calls to the graph that ran them.
 
-Rules and details: docs/recording.md#torchcompile-capture-recordingcompiledpy and
-docs/architecture.md#compiled-regions-recordingcompiledpy
+Rules and details: docs/development/recording.md#torchcompile-capture-recordingcompiledpy and
+docs/development/architecture.md#compiled-regions-recordingcompiledpy
 """
 from __future__ import annotations
 

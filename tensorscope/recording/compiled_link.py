@@ -3,7 +3,7 @@
 ``attach(records, tables, notes)`` runs once per trace, after decoding: it parses the
 structured-trace records ``compiled.CompileCapture`` kept (``compiled.graphs_from_records``),
 remembers the graphs for later traces, and fills ``ops/calls.graph_id`` and ``calls.compiled``
-(see docs/architecture.md, "Compiled regions").
+(see docs/development/architecture.md, "Compiled regions").
 """
 from __future__ import annotations
 

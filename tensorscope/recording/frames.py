@@ -6,8 +6,8 @@ block; ``register_tracer_code`` marks the modes' handlers. The trampoline (``cal
 ``call_from``) makes warnings land on the user's line; ``exc_key`` / ``exc_mark`` / ``seen_exc``
 identify an exception without holding it.
 
-Rules and details: docs/architecture.md ("Tracebacks, warnings and module paths as untraced")
-and docs/recording.md#tracebacks-recordingframespy
+Rules and details: docs/development/architecture.md ("Tracebacks, warnings and module paths as untraced")
+and docs/development/recording.md#tracebacks-recordingframespy
 """
 from __future__ import annotations
 

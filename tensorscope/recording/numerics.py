@@ -5,7 +5,7 @@ screen per floating output, an exact count only when it fires, and the produced/
 verdict), ``finish()`` once at the end (CUDA counts read back in one copy). ``screen_finite``
 and ``count_nonfinite`` are the two passes. The numerics shadow (``numerics=``) is ``shadow.py``.
 
-Rules and details: docs/recording.md#the-non-finite-screen-recordingnumericspy
+Rules and details: docs/development/recording.md#the-non-finite-screen-recordingnumericspy
 """
 from __future__ import annotations
 

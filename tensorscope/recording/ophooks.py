@@ -1,7 +1,7 @@
 """Op hooks: Python callbacks for the recorded ops of chosen namespaces (the collectives table).
 
 Both engines call a trace's :class:`OpHooks` right after each recorded op of the hooked
-namespaces, on the recording thread; see docs/architecture.md ("Op hooks").
+namespaces, on the recording thread; see docs/development/architecture.md ("Op hooks").
 """
 from __future__ import annotations
 

@@ -499,20 +499,57 @@ def new_session(options: TraceOptions, **kw: Any) -> Session:
 
 
 class trace:
-    """Record every torch-level call and ATen op run inside the block.
+    """Record every torch-level call and ATen op run inside a ``with`` block.
 
-    ``with tensorscope.trace() as t: ...`` — after the block ``t`` is the
-    finished, read-only ``tensorscope.Trace`` (attribute access is
-    forwarded to it). ``trace(TraceOptions(...), **keywords)``: the options
-    object, keywords, or both (see ``options.py``).
+    The block runs exactly as it would untraced (same outputs, exceptions and warnings). When it
+    ends, the context manager holds the finished, read-only :class:`tensorscope.Trace` and forwards
+    attribute access to it, so ``t.ops``, ``t.sql(...)`` and ``t.summary()`` work on the ``as``
+    target. Traces do not nest.
+
+    Parameters
+    ----------
+    options : TraceOptions, optional
+        What to record. Keywords given too replace its fields.
+    context : RunContext, optional
+        Where the trace runs (cell number, cell source, origin) and whether it joins
+        :func:`tensorscope.history`; the magics and the CLI fill it in.
+    display : DisplayOptions, optional
+        How this object's own display shows the trace (``numerics_threshold``).
+    **keywords
+        Any field of :class:`TraceOptions` (``modules=False``, ``expect="no_leaks"``,
+        ``dataset="runs/ds"``, ...) or of :class:`DisplayOptions`.
+
+    Raises
+    ------
+    OptionsError
+        An unknown keyword or a value of the wrong kind, before anything runs.
+    TraceActiveError
+        Another trace is already recording on this thread.
+    GuardError
+        After the block, when a guard (``expect=``, ``max_casts=``, ``baseline=``) failed; the
+        trace is kept in ``err.trace``.
+
+    See Also
+    --------
+    tensorscope.Trace : the result.
+    tensorscope.schedule : one trace per window of a training loop.
+
+    Examples
+    --------
+    >>> import torch, tensorscope
+    >>> model = torch.nn.Linear(4, 2)
+    >>> with tensorscope.trace(leaks=False) as t:
+    ...     loss = model(torch.randn(3, 4)).sum()
+    ...     loss.backward()
+    >>> t.ops.num_rows > 0
+    True
+    >>> bool(t.sql("select count(*) as n from ops where phase = 'backward'")["n"][0] > 0)
+    True
     """
 
     def __init__(self, options: Optional[TraceOptions] = None, *, context: Optional[RunContext] = None,
                  display: Optional[DisplayOptions] = None, **keywords: Any) -> None:
-        """``options``: a ``TraceOptions`` (keywords, when given too, replace its fields);
-        ``context``: the ``RunContext`` (cell, source, origin), not an option; ``display``: the
-        ``DisplayOptions`` this object's own display uses (``numerics_threshold=`` as a keyword
-        works too). An unknown keyword is an ``OptionsError`` before anything runs."""
+        """Resolve and validate the options; nothing is recorded until the block is entered."""
         opts, disp = resolve(options, display, keywords)
         if opts.baseline is not None:
             from .._diff import as_trace

@@ -5,7 +5,7 @@ counters) as a timeline ui.perfetto.dev and chrome://tracing open. ``trace_event
 builds the document, ``write_perfetto(trace, path)`` writes it (``.gz``: gzipped),
 ``validate_trace_events(doc)`` lists its structural problems.
 
-Rules and details: docs/render.md#perfetto--chrome-trace-event-json-renderperfettopy
+Rules and details: docs/development/render.md#perfetto--chrome-trace-event-json-renderperfettopy
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ at dispatch, ``end`` in ``finally``, ``resolve`` at the end of the trace: one sy
 used device). The dispatch mode (``recording/dispatch.py``) calls it; its event, stream and
 synchronise hooks are injectable so the bookkeeping is testable without a GPU.
 
-Rules and details: docs/timing.md
+Rules and details: docs/development/timing.md
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _default_capturing(device_index):
 
 
 class CudaOpTimer:
-    """Per-trace CUDA event pairs (the protocol and its rules: docs/timing.md)."""
+    """Per-trace CUDA event pairs (the protocol and its rules: docs/development/timing.md)."""
 
     __slots__ = ("_new_event", "_stream", "_sync", "_capturing", "_pending", "_pool", "_devices",
                  "max_pending", "notes", "dropped", "_closed")

@@ -6,7 +6,7 @@ it). This module owns the profiler session and turns its events into records:
 ``PendingKernels``, ``flush``, ``close``), ``KinetoBackend`` and ``split_events``. Linking the
 records to the ops and the clock map are ``timing/kernel_link.py`` (pure).
 
-Rules and details (always-on harvesting, clock calibration): docs/timing.md
+Rules and details (always-on harvesting, clock calibration): docs/development/timing.md
 """
 from __future__ import annotations
 

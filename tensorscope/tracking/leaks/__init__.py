@@ -6,7 +6,7 @@ per storage with its holders, path and fix. Entry points: ``leak_table`` (end of
 always-on discovery in ``boundary``. One module per part, in the order data flows: classify,
 roots, visited/expand/search, paths, unreached, known, rowset/holders/bulk/rows, growth, report.
 
-Rules and details: docs/leaks.md and docs/architecture.md#leaks-tracking
+Rules and details: docs/development/leaks.md and docs/development/architecture.md#leaks-tracking
 """
 from __future__ import annotations
 

@@ -1,0 +1,53 @@
+"""The examples in the public API's docstrings (what the API reference shows) run and print what they say."""
+from __future__ import annotations
+
+import doctest
+import inspect
+
+import pytest
+
+import tensorscope
+
+
+def _public_objects():
+    seen = set()
+    for name in tensorscope.__all__:
+        obj = getattr(tensorscope, name)
+        if not (inspect.isclass(obj) or callable(obj)) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        yield f"tensorscope.{name}", obj
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property)):
+                    yield f"tensorscope.{name}.{attr}", member
+
+
+def _with_examples():
+    finder = doctest.DocTestFinder(recurse=False)
+    out = []
+    for qual, obj in _public_objects():
+        target = obj.fget if isinstance(obj, property) else obj
+        for test in finder.find(target, qual, globs={}):
+            if test.examples:
+                out.append(pytest.param(test, id=qual))
+    return out
+
+
+EXAMPLES = _with_examples()
+
+
+def test_the_api_docstrings_have_examples():
+    have = {p.id for p in EXAMPLES}
+    for name in ("tensorscope.trace", "tensorscope.Trace", "tensorscope.load", "tensorscope.predict",
+                 "tensorscope.TraceOptions", "tensorscope.GuardError"):
+        assert name in have, f"{name}'s docstring lost its example"
+
+
+@pytest.mark.parametrize("test", EXAMPLES)
+def test_docstring_example_runs(test, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    out = []
+    runner.run(test, out=out.append)
+    assert runner.failures == 0, "".join(out)
