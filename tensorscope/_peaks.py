@@ -280,6 +280,48 @@ def same_machine(p: dict[str, Any], device: str = "cpu") -> bool:
     return all(p.get(k) == ident[k] for k in ("name", "threads", "torch"))
 
 
+_SPEEDUPS: dict[tuple[int, int, int, int], Optional[tuple[str, float, str]]] = {}
+
+
+def gemm_speedup(shape: tuple[int, int, int, int]) -> Optional[tuple[str, float, str]]:
+    """``(dtype, rate / float32 rate, how)`` of the fastest 16-bit dtype on a CPU GEMM of ``shape``
+    (batch, M, K, N), each dtype timed like a peak (warmed up, best of repetitions, hidden from every mode
+    and profiler); None when it cannot be measured. Memoised per shape for the process."""
+    if shape in _SPEEDUPS:
+        return _SPEEDUPS[shape]
+
+    def run() -> Optional[dict[str, Any]]:
+        import torch
+
+        bsz, m, k, n = (max(int(x), 1) for x in shape)
+        threads = int(torch.get_num_threads())
+        rates: dict[str, float] = {}
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            try:
+                a = torch.empty(bsz, m, k, dtype=dtype).fill_(0.5)
+                b = torch.empty(bsz, k, n, dtype=dtype).fill_(0.25)
+                c = torch.empty(bsz, m, n, dtype=dtype)
+                reps = _reps(functools.partial(torch.bmm, a, b, out=c), REP_BUDGET_S / 2, threads)
+            except RuntimeError:
+                continue
+            rates[str(dtype).replace("torch.", "")] = 2.0 * bsz * m * k * n / (min(w for w, _ in reps) / 1e9)
+        return {"rates": rates}
+
+    got = _hidden(run)
+    global MEASUREMENTS
+    MEASUREMENTS -= 1          # not a peak measurement
+    out: Optional[tuple[str, float, str]] = None
+    rates = (got or {}).get("rates") or {}
+    if rates.get("float32"):
+        best = max(((k, v) for k, v in rates.items() if k != "float32"), key=lambda kv: kv[1], default=None)
+        if best:
+            b_, m_, k_, n_ = shape
+            out = (best[0], best[1] / rates["float32"],
+                   f"on a GEMM of the same shape ({'%dx' % b_ if b_ > 1 else ''}{m_}x{k_} @ {k_}x{n_})")
+    _SPEEDUPS[shape] = out
+    return out
+
+
 def _best_of(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """A peak is the best the machine reached on a clean run: a contended old figure does not count, nor
     one above the new theoretical bound; a clean new run replaces a contended old one."""

@@ -228,11 +228,11 @@ class Trace:
             object.__setattr__(self, "_plot", PlotAccessor(self))
         return self._plot
 
-    def advice(self, peaks: Any = None, steps: Any = None) -> Any:
+    def advice(self, peaks: Any = None, steps: Any = None, min_share: Any = None) -> Any:
         """Why this trace is slow: an ``Advice`` (``tensorscope.advise(self, ...)``; see README)."""
         from ._advice import advise
 
-        return advise(self, peaks=peaks, steps=steps)
+        return advise(self, peaks=peaks, steps=steps, min_share=min_share)
 
     # -- display -------------------------------------------------------------
     def summary(self, display: Any = None) -> Any:
