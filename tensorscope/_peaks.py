@@ -323,9 +323,9 @@ def gemm_speedup(shape: tuple[int, int, int, int]) -> Optional[tuple[str, float,
 
 
 def _best_of(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """A peak is the best the machine reached on a clean run: a contended old figure does not count, nor
-    one above the new theoretical bound; a clean new run replaces a contended old one."""
-    if old.get("contended") or old.get("recipe") != new.get("recipe"):
+    """A peak is the best the machine reached: per figure the higher of the two, except that a clean new run
+    replaces a contended old one (whose figures are not to be trusted) and an old recipe's figures."""
+    if (old.get("contended") and not new.get("contended")) or old.get("recipe") != RECIPE:
         return new
     out = dict(new)
     bound = (new.get("bound") or {}).get("flops") or {}
@@ -337,8 +337,9 @@ def _best_of(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
             if k in (old.get("detail") or {}):
                 detail[k] = old["detail"][k]
     out["flops"], out["detail"] = fl, detail
-    if new.get("contended"):   # a contended re-check keeps the clean figures
+    if new.get("contended") and not old.get("contended"):   # a contended re-check keeps the clean figures
         out["contended"] = False
+        out["contended_why"] = []
         out["cpu_share"] = old.get("cpu_share")
     out["bytes_per_s"] = max(new.get("bytes_per_s") or 0.0, old.get("bytes_per_s") or 0.0)
     floors = [v for v in (new.get("overhead_ns"), old.get("overhead_ns")) if v]

@@ -14,7 +14,8 @@ Which rows a finding may rest on:
 
 * ``first_run`` rows (the first execution in the process of an op, shapes, dtypes and device: one-time
   initialisation) are left out of the timing findings (roofline, overhead, amp); when they hold at least
-  ``COLD_SHARE`` of the op time, the only finding is ``first_run`` ("run the cell again");
+  ``COLD_SHARE`` of the op time, ``first_run`` ("run the cell again") replaces every timing finding, and only
+  the structural ones (syncs, layout, zero_grad, host copies: read from what ran) stay;
 * a performance finding needs a cost of at least ``min_share`` of the op time (``DisplayOptions``
   ``min_finding_share``); one without a measured cost (a layout mix inside a convolution) is kept;
 * a prediction (``predicted``: FakeTensor times) gets no timing finding, and the structural ones
@@ -51,6 +52,7 @@ AMP_GAIN = 1.5                  # a 16-bit GEMM this many times faster than fp32
 AMP_SHARE = 0.5                 # ... when compute-bound fp32 GEMMs/convolutions take this share of warm op time
 COLD_SHARE = 0.5                # first-run rows holding this share of op time make the cell "cold"
 MIN_SHARE = 0.01                # default significance: a performance finding costs this share of op time
+SYNC_REPEAT = 3                 # a CPU sync seen this many times at one line (a loop) is a finding whatever its time
 #: findings that say where the time goes rather than what to change: listed after the problems
 DESCRIPTIVE = frozenset({"compute_bound", "memory_bound", "below_roof"})
 #: findings read from timings (none on a prediction)
@@ -139,8 +141,11 @@ def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, step
         seen += ("; each one waits for every kernel queued before it" if on_gpu else
                  "; on a GPU each one would wait for every kernel queued before it")
         pairs = (np.asarray(r["window_list"], dtype=np.int64), np.asarray(r["seq_list"], dtype=np.int64))
-        out.append(_finding("sync", f"{subj_} ({kind.replace('_', ' ')})", seen, pairs, multi, r["cpu_ns_sum"] or 0,
-                            _SYNC_FIX[kind], steps, r["module_min"], f, line))
+        f_ = _finding("sync", f"{subj_} ({kind.replace('_', ' ')})", seen, pairs, multi, r["cpu_ns_sum"] or 0,
+                      _SYNC_FIX[kind], steps, r["module_min"], f, line)
+        # on a CPU trace a sync's own time is not the wait it makes on a GPU: one repeated in a loop counts
+        f_["cost_floor_exempt"] = not on_gpu and n >= SYNC_REPEAT
+        out.append(f_)
     return out
 
 
@@ -178,9 +183,13 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
                                             f"contiguous ({', '.join(sorted({short_name(r['op']) for r in copies}))})"
                                             if copies else ""))
         first = (copies or mixed)[0]
-        out.append(_finding("layout", "mixed memory formats around convolutions", seen,
-                            [(r["window"], r["seq"]) for r in rs], multi, cost if copies else None, fix, steps,
-                            first["module"], first["source_file"], first["source_line"]))
+        f_ = _finding("layout", "mixed memory formats around convolutions", seen,
+                      [(r["window"], r["seq"]) for r in rs], multi, cost if copies else None, fix, steps,
+                      first["module"], first["source_file"], first["source_line"])
+        # the cost is the copies only: the conversion each mixed convolution makes runs inside its kernel,
+        # unmeasured, so the significance floor does not apply to a mix
+        f_["cost_floor_exempt"] = bool(mixed)
+        out.append(f_)
     taken = {(r["window"], r["seq"]) for r in mixed + copies}
     groups: OrderedDict[tuple[Any, ...], list[dict[str, Any]]] = OrderedDict()
     for w, win in enumerate(wins):
@@ -310,8 +319,7 @@ def _roofline_findings(roof: pa.Table, wins: Sequence[Mapping[str, Any]], peaks:
         if share < TOP_SHARE or r["bound"] not in ("compute", "memory", "below_roof"):
             continue
         pairs = _seqs_of(wins, r["name"], r["dtype"])
-        rate = (f"{(r['flops_per_s'] or 0) / 1e9:.1f} GFLOP/s" if r["flops"] else
-                f"{(r['bytes_per_s'] or 0) / 1e9:.1f} GB/s")
+        rate = _rate(r["flops_per_s"], "FLOP/s") if r["flops"] else _rate(r["bytes_per_s"], "B/s")
         frac = 100 * (r["roof_fraction"] or 0)
         if r["bound"] == "below_roof":
             seen = (f"{r['name']} ({r['dtype']}) took {100 * share:.0f}% of warm op time at {rate}, {frac:.0f}% of the "
@@ -331,6 +339,14 @@ def _roofline_findings(roof: pa.Table, wins: Sequence[Mapping[str, Any]], peaks:
     if amp:
         out.append(amp)
     return out
+
+
+def _rate(v: Optional[float], unit: str) -> str:
+    v = v or 0.0
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if v >= scale:
+            return f"{v / scale:.3g} {prefix}{unit}"
+    return f"{v:.3g} {unit}"
 
 
 def _gemm_shape(wins: Sequence[Mapping[str, Any]], op: str) -> Optional[tuple[int, int, int, int]]:
@@ -421,6 +437,8 @@ def _below_reason(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks
 
 def _below_fix(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks]) -> str:
     per_op = (r["flops"] or 0) / max(r["n_ops"], 1)
+    if short_name(r["name"]) in _CONV and per_op and per_op < 2 * 256 ** 3:
+        return "more work per call: a bigger batch"
     if short_name(r["name"]) in _GEMM and per_op and per_op < 2 * 256 ** 3:
         return "batch the small matmuls into fewer, larger ones (a bigger batch, torch.bmm over stacked inputs)"
     return "run the cell again on an idle machine to confirm; check torch.get_num_threads() and the input layouts"
@@ -572,13 +590,16 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
     cuda = any(r == "cuda" for r in roof.column("device").to_pylist()) if roof.num_rows else False
     found: list[dict[str, Any]] = []
     cold = bool(op_ns) and first_ns >= COLD_SHARE * op_ns and not predicted
-    if cold:
-        found.append(_cold_finding(windows, first_ns, op_ns, multi))
+    # structural findings: read from what ran, not from how long it took
+    found += _sync_findings(sync_t, NOISE_OPS, multi, steps)
+    found += _layout_findings(windows, multi, steps)
+    found += _zero_grad_findings(windows, multi, steps)
+    found += _host_to_device(windows, multi, steps)
+    if cold:   # the timings are one-time initialisation: one note instead of the timing findings
+        floor = min_share * (op_ns - first_ns)
+        found = [f for f in found if f["cost_ns"] is None or f["cost_ns"] >= floor or f.get("cost_floor_exempt")]
+        found.insert(0, _cold_finding(windows, first_ns, op_ns, multi))
     else:
-        found += _sync_findings(sync_t, NOISE_OPS, multi, steps)
-        found += _layout_findings(windows, multi, steps)
-        found += _zero_grad_findings(windows, multi, steps)
-        found += _host_to_device(windows, multi, steps)
         over = _overhead_findings(warm_wins, multi, steps, cuda)
         found += over
         if not predicted:
@@ -594,8 +615,10 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
             for f in found:
                 f["cost_ns"] = None
         floor = min_share * op_ns
-        found = [f for f in found if f["cost_ns"] is None or f["cost_ns"] >= floor or not op_ns]
-    found.sort(key=lambda f: (f["kind"] in DESCRIPTIVE, -(f["cost_ns"] if f["cost_ns"] is not None else 0)))
+        found = [f for f in found if f["cost_ns"] is None or f["cost_ns"] >= floor or not op_ns
+                 or f.get("cost_floor_exempt")]
+    found.sort(key=lambda f: (f["kind"] != "first_run", f["kind"] in DESCRIPTIVE,
+                              -(f["cost_ns"] if f["cost_ns"] is not None else 0)))
     return {"findings": _advice_table(found), "syncs": sync_t, "roofline": roof,
             "outside": outs, "gpu_idle": idle, "steps": steps, "op_ns": op_ns, "first_run_ns": first_ns,
             "cold": cold, "predicted": predicted}
