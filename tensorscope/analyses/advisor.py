@@ -617,7 +617,9 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
         floor = min_share * op_ns
         found = [f for f in found if f["cost_ns"] is None or f["cost_ns"] >= floor or not op_ns
                  or f.get("cost_floor_exempt")]
-    found.sort(key=lambda f: (f["kind"] != "first_run", f["kind"] in DESCRIPTIVE,
+    # the cold note, then the problems by cost, then where the time goes, then amp (which rests on it)
+    rank = {"first_run": 0, "amp": 3}
+    found.sort(key=lambda f: (rank.get(f["kind"], 2 if f["kind"] in DESCRIPTIVE else 1),
                               -(f["cost_ns"] if f["cost_ns"] is not None else 0)))
     return {"findings": _advice_table(found), "syncs": sync_t, "roofline": roof,
             "outside": outs, "gpu_idle": idle, "steps": steps, "op_ns": op_ns, "first_run_ns": first_ns,
