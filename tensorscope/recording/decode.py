@@ -259,6 +259,7 @@ class Decoder:
             cols["num_max_abs_err"] = self._nulls(n, pa.float64())
         cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
         cols["first_run"] = pa.array(self._first_run(op, ins, noise), pa.bool_())
+        cols["probe_ns"] = self._sparse_int(rec.probe_ns, start, n)
         return pa.RecordBatch.from_arrays([cols[name] for name in _OPS_NAMES], schema=S.OPS)
 
     def _first_run(self, op: np.ndarray, ins: np.ndarray, noise: np.ndarray) -> np.ndarray:

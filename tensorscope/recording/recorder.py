@@ -302,6 +302,8 @@ class Recorder:
         self.cuda_ns: dict[int, int] = {}
         self.nonfinite: dict[int, tuple[int, bool]] = {}
         self.numerics: dict[int, tuple[float, float]] = {}
+        #: seq -> ns tensorscope's own probes took after the op (screen, numerics shadow, op hooks): python engine
+        self.probe_ns: dict[int, int] = {}
         self.errors: list[dict[str, Any]] = []
         self.tracer_errors: list[str] = []     # the first messages
         self.n_tracer_errors = 0
