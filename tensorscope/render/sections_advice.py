@@ -49,7 +49,7 @@ def advice_to_section(a: Any) -> Section:
         notes.append("no finding: no sync, layout conversion, tiny-op storm, idle time or dominant op "
                      "that the rows prove")
     share = getattr(a, "min_share", None)
-    if share and getattr(a, "op_ns", 0):
+    if share is not None and getattr(a, "op_ns", 0):
         notes.append(f"performance findings cost at least {100 * share:g}% of the op time "
                      f"({fmt_ns(share * a.op_ns)}; DisplayOptions.min_finding_share)")
     if a.peaks:
