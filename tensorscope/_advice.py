@@ -188,7 +188,7 @@ def _measured_here(pk: dict[str, dict[str, Any]]) -> bool:
     from ._peaks import same_machine
 
     p = pk.get("cpu")
-    return bool(p) and same_machine(p, "cpu")
+    return p is not None and same_machine(p, "cpu")
 
 
 def _same_shape_speedup(shape: tuple[int, int, int, int]) -> Optional[tuple[str, float, str]]:

@@ -317,7 +317,7 @@ def gemm_speedup(shape: tuple[int, int, int, int]) -> Optional[tuple[str, float,
         if best:
             b_, m_, k_, n_ = shape
             out = (best[0], best[1] / rates["float32"],
-                   f"on a GEMM of the same shape ({'%dx' % b_ if b_ > 1 else ''}{m_}x{k_} @ {k_}x{n_})")
+                   f"on a GEMM of the same shape ({f'{b_}x' if b_ > 1 else ''}{m_}x{k_} @ {k_}x{n_})")
     _SPEEDUPS[shape] = out
     return out
 
@@ -466,14 +466,14 @@ def _measure_cpu() -> Optional[dict[str, Any]]:
     dst = torch.empty(n_el)
     bw_s = _summary(_reps(functools.partial(dst.copy_, src), REP_BUDGET_S, threads), 2.0 * n_el * 4, threads, True)
     x, y, z = torch.empty(1).fill_(1.0), torch.empty(1).fill_(2.0), torch.empty(1)
-    reps = 2000
+    n_add = 2000
     torch.add(x, y, out=z)
     best_floor = float("inf")
     for _ in range(3):   # the best of three loops: a loop the scheduler interrupted is not the floor
         t1 = time.perf_counter_ns()
-        for _ in range(reps):
+        for _ in range(n_add):
             torch.add(x, y, out=z)
-        best_floor = min(best_floor, (time.perf_counter_ns() - t1) / reps)
+        best_floor = min(best_floor, (time.perf_counter_ns() - t1) / n_add)
     try:
         bf16_native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except Exception:

@@ -551,10 +551,11 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
     steps_each: list[Optional[int]] = [w.get("steps") if w.get("steps") is not None else infer_steps(w["calls"])
                                        for w in windows]
     steps = sum(int(s) for s in steps_each if s) if steps_each and all(steps_each) else None
-    windows = [dict(w, view=OpView(w["ops"])) for w in windows]
+    wins: list[dict[str, Any]] = [dict(w, view=OpView(w["ops"])) for w in windows]
+    windows = wins
     op_ns = first_ns = 0
-    warm_wins = []
-    for w in windows:
+    warm_wins: list[dict[str, Any]] = []
+    for w in wins:
         ops, view = w["ops"], w["view"]
         first = _first_run(ops)
         t = _times(ops)

@@ -39,7 +39,7 @@ def advice_to_section(a: Any) -> Section:
         if not getattr(a, "predicted", False):
             notes.append(f"{100 * outside / wall if wall else 0:.0f}% of the wall time ({fmt_ns(outside)} of "
                          f"{fmt_ns(wall)}, enter to exit) was outside ops; {tiny} tiny ops{per}")
-    first = getattr(a, "first_run_ns", 0)
+    first = int(getattr(a, "first_run_ns", 0) or 0)
     if first and not getattr(a, "cold", False) and not getattr(a, "predicted", False):
         notes.append(f"{fmt_ns(first)} of first executions (ops.first_run: one-time initialisation) left out of "
                      "the timing findings")
@@ -49,7 +49,7 @@ def advice_to_section(a: Any) -> Section:
         notes.append("no finding: no sync, layout conversion, tiny-op storm, idle time or dominant op "
                      "that the rows prove")
     share = getattr(a, "min_share", None)
-    if share is not None and getattr(a, "op_ns", 0):
+    if share is not None and int(getattr(a, "op_ns", 0) or 0):
         notes.append(f"performance findings cost at least {100 * share:g}% of the op time "
                      f"({fmt_ns(share * a.op_ns)}; DisplayOptions.min_finding_share)")
     if a.peaks:

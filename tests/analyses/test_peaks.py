@@ -164,7 +164,7 @@ def test_cuda_peaks_are_measured_at_several_sizes_and_bounded_by_the_spec_sheet(
     torch.cuda.init()
     p = tensorscope.machine_peaks("cuda", refresh=True)
     assert p is not None and p["flops"]["float32"] > 0
-    for dtype, d in p["detail"].items():
+    for d in p["detail"].values():
         assert set(d["sizes"]) == {str(n) for n in _peaks.CUDA_SIZES}
     spec = _peaks.spec_sheet(torch.cuda.get_device_name())
     if spec:
