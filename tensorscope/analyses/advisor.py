@@ -597,7 +597,7 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
     found += _zero_grad_findings(windows, multi, steps)
     found += _host_to_device(windows, multi, steps)
     if cold:   # the timings are one-time initialisation: one note instead of the timing findings
-        floor = min_share * (op_ns - first_ns)
+        floor = min_share * op_ns
         found = [f for f in found if f["cost_ns"] is None or f["cost_ns"] >= floor or f.get("cost_floor_exempt")]
         found.insert(0, _cold_finding(windows, first_ns, op_ns, multi))
     else:
