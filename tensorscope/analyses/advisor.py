@@ -276,8 +276,12 @@ def _overhead_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Op
 def _outside_findings(outs: list[Optional[dict[str, Any]]], wins: Sequence[Mapping[str, Any]],
                       multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
     wall = sum(o["wall_ns"] or o["span_ns"] for o in outs if o)   # enter to exit: the overview's base
-    outside = sum(o["outside_ns"] for o in outs if o)
-    if not wall or outside < OUTSIDE_MIN_NS or outside / wall < OUTSIDE_SHARE:
+    # the time the recording thread waited for a CPU (a busy machine) is other processes' time, not the program's:
+    # left out of the gaps and of the wall it is compared with
+    waited = sum(min(o.get("run_delay_ns") or 0, o["outside_ns"]) for o in outs if o)
+    outside = sum(o["outside_ns"] for o in outs if o) - waited
+    base = wall - sum(min(o.get("run_delay_ns") or 0, o["wall_ns"] or o["span_ns"]) for o in outs if o)
+    if not wall or base <= 0 or outside < OUTSIDE_MIN_NS or outside / base < OUTSIDE_SHARE:
         return []
     gaps = sorted(((g, w, a, b) for w, o in enumerate(outs) if o for g, a, b in o["gaps"]), key=lambda x: -x[0])[:3]
     if not gaps:
@@ -296,9 +300,11 @@ def _outside_findings(outs: list[Optional[dict[str, Any]]], wins: Sequence[Mappi
                         if before else ""))
         pairs.extend((w, s) for s in (a, b) if s is not None)
     dl = sum(o["dataloader_ns"] for o in outs if o)
-    seen = (f"{100 * outside / wall:.0f}% of the wall time ({fmt_ns(outside)} of {fmt_ns(wall)}) ran outside any "
-            f"op, each gap less tensorscope's own per-op work: Python, data loading, I/O; largest gaps: "
-            + "; ".join(lines))
+    where = (f"{100 * outside / wall:.0f}% of the wall time ({fmt_ns(outside)} of {fmt_ns(wall)})" if base == wall else
+             f"{100 * outside / base:.0f}% of the thread's own time ({fmt_ns(outside)} of {fmt_ns(base)}: the wall "
+             f"{fmt_ns(wall)} less {fmt_ns(wall - base)} waiting for a CPU)")
+    seen = (f"{where} ran outside any op, each gap less tensorscope's own per-op work: Python, data loading, I/O; "
+            f"largest gaps: " + "; ".join(lines))
     if dl:
         seen += f"; DataLoader calls took {fmt_ns(dl)}"
     fix = ("move Python work (per-element loops, logging, host-side metrics) out of the step; load data in "
@@ -582,6 +588,7 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
         if o is not None:   # tiny ops per window (and per step), shown whether or not they make a finding
             o["tiny_ops"] = int(tiny_mask(w["ops"], TINY_BYTES, TINY_FLOPS, w["view"].noise).sum())
             o["steps"] = s
+            o["run_delay_ns"] = int(w.get("run_delay_ns") or 0)
     idle = []
     for i, w in enumerate(windows):
         k = w.get("kernels")

@@ -11,6 +11,10 @@ past ``tracer_ns``, the engine's per-op cost (``TRACER_NS``, upper bounds of wha
 and past the recorded time of tensorscope's own probes after the op before it (``ops.probe_ns``: the
 non-finite screen, the numerics shadow, op hooks), which can be far longer than the op itself.
 
+On a busy machine the gaps also hold other processes' time: the advisor leaves out the time the
+recording thread was runnable but waiting for a CPU (``metadata["run_delay_ns"]``, from
+``/proc/thread-self/schedstat``), from the gaps and from the wall it compares them with.
+
 ``gpu_idle(ops, kernels)``: per device, the time between kernels (their intervals merged), each
 gap split into ``host_wait`` (the GPU idle before the host even started the op that launched the
 next kernel: the host was busy elsewhere) and ``launch`` (the op had started: launch latency

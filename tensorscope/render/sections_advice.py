@@ -33,12 +33,15 @@ def advice_to_section(a: Any) -> Section:
     outs = [o for o in a.outside or [] if o]
     if outs:
         wall = sum(o["wall_ns"] or o["span_ns"] for o in outs)
-        outside = sum(o["outside_ns"] for o in outs)
+        waited = sum(min(o.get("run_delay_ns") or 0, o["outside_ns"]) for o in outs)
+        outside = sum(o["outside_ns"] for o in outs) - waited
         tiny = sum(o.get("tiny_ops") or 0 for o in outs)
         per = f", {tiny / a.steps:g} per step" if a.steps else ""
         if not getattr(a, "predicted", False):
             notes.append(f"{100 * outside / wall if wall else 0:.0f}% of the wall time ({fmt_ns(outside)} of "
-                         f"{fmt_ns(wall)}, enter to exit) was outside ops; {tiny} tiny ops{per}")
+                         f"{fmt_ns(wall)}, enter to exit) was outside ops"
+                         + (f" (and {fmt_ns(waited)} waiting for a CPU: other processes' time)" if waited else "")
+                         + f"; {tiny} tiny ops{per}")
     first = int(getattr(a, "first_run_ns", 0) or 0)
     if first and not getattr(a, "cold", False) and not getattr(a, "predicted", False):
         notes.append(f"{fmt_ns(first)} of first executions (ops.first_run: one-time initialisation) left out of "
