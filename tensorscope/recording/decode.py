@@ -258,13 +258,15 @@ class Decoder:
             cols["num_rel_err"] = self._nulls(n, pa.float64())
             cols["num_max_abs_err"] = self._nulls(n, pa.float64())
         cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
-        cols["first_run"] = pa.array(self._first_run(op, ins, noise), pa.bool_())
+        cols["first_run"] = pa.array(self._first_run(op, ins, noise, start), pa.bool_())
         cols["probe_ns"] = self._sparse_int(rec.probe_ns, start, n)
         return pa.RecordBatch.from_arrays([cols[name] for name in _OPS_NAMES], schema=S.OPS)
 
-    def _first_run(self, op: np.ndarray, ins: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    def _first_run(self, op: np.ndarray, ins: np.ndarray, noise: np.ndarray, start: int) -> np.ndarray:
         """True on the first row in this process of each (op, input shapes, dtypes, devices): one
-        hash per distinct (op id, input tuple id) of the chunk, looked up in ``_SEEN_KEYS``."""
+        hash per distinct (op id, input tuple id) of the chunk, looked up in ``_SEEN_KEYS``; the keys
+        this trace claimed are kept with the seq of their first row (``rec.first_keys``), so decoding
+        the same rows again gives the same answer."""
         out = np.zeros(len(op), dtype=bool)
         if not len(op):
             return out
@@ -281,8 +283,12 @@ class Decoder:
                 metas = tuples[k[1]] if 0 <= k[1] < len(tuples) else ()
                 h = self._run_keys[k] = hash((str(funcs[k[0]]), tuple((m.shapes[j], m.dtypes[j], m.devices[j])
                                                                        for j in metas)))
-            if h not in _SEEN_KEYS:
+            mine = self.rec.first_keys.get(h)
+            if mine is not None:
+                out[i] = mine == start + i
+            elif h not in _SEEN_KEYS:
                 _SEEN_KEYS.add(h)
+                self.rec.first_keys[h] = start + i
                 out[i] = True
         return out
 

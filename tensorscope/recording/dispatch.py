@@ -435,8 +435,8 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     rec.numerics[seq] = r
             if screen is not None or shadow is not None:
                 self._seq_mark = _get_seq_nr()   # a probe's own ops must not look like the next op's node
-            if p0:   # tensorscope's own work after the op: never the program's time outside ops
-                rec.probe_ns[seq] = _perf() - p0
+            if p0 and seq >= rec.n_spilled:   # tensorscope's own work after the op: never the program's time
+                rec.probe_ns[seq] = _perf() - p0   # (a row its own append spilled keeps null, as its part has it)
         except Exception as e:
             rec.tracer_error("dispatch (after op)", e)
         return out
