@@ -261,16 +261,6 @@ def machine_peaks(device: str = "cpu", *, measure: bool = True, refresh: bool = 
     return dict(d)
 
 
-def invalidate(device: str = "cpu") -> None:
-    """Forget this machine's cached peaks on ``device`` (memo and file): the next call measures."""
-    ident = _identity(device)
-    _MEMO.pop(json.dumps(ident, sort_keys=True), None)
-    path = cache_path(ident)
-    _LAST_TRY.pop(path, None)
-    with contextlib.suppress(OSError):
-        os.remove(path)
-
-
 def same_machine(p: dict[str, Any], device: str = "cpu") -> bool:
     """Whether peaks ``p`` (recorded with a trace) were measured on this machine with these threads."""
     try:
@@ -479,7 +469,7 @@ def _measure_cpu() -> Optional[dict[str, Any]]:
     except Exception:
         bf16_native = None
     return {"flops": flops, "detail": detail, "bytes_per_s": bw_s["best"], "bytes_detail": bw_s,
-            "overhead_ns": best_floor, "bf16_native": bf16_native, "bound": bound,
+            "overhead_ns": best_floor, "bf16_native": bf16_native, "bound": bound, "cpu_count": os.cpu_count(),
             "contended": bool(contended_why), "contended_why": contended_why, "cpu_share": share,
             "seconds": time.perf_counter() - t0, "spec": None,
             "method": (f"torch.mm at {', '.join(f'{n}^3' for n in SIZES)} per dtype on {threads} threads, warmed up, "

@@ -337,7 +337,8 @@ def _roofline_findings(roof: pa.Table, wins: Sequence[Mapping[str, Any]], peaks:
         seen = (f"{r['name']} ({r['dtype']}) took {100 * share:.0f}% of warm op time; {r['bound']}-bound at {rate}, "
                 f"{frac:.0f}% of the {r['device']} roof at intensity {r['intensity'] or 0:.1f} FLOP/byte")
         if r["bound"] == "compute":
-            fix = "it runs near the measured peak: fewer FLOPs (smaller layers), lower precision or a faster device"
+            fix = (f"it runs at {frac:.0f}% of the measured peak: to go faster, fewer FLOPs (smaller layers), lower "
+                   "precision or a faster device")
         else:
             fix = ("fuse it with its neighbours (torch.compile) so the data is read once; 16-bit dtypes halve the bytes")
         out.append(_finding(f"{r['bound']}_bound", r["name"], seen, pairs, multi, r["time_ns"], fix, None))
@@ -430,7 +431,7 @@ def _below_reason(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks
                    "larger shapes")
     if r["dtype"] in ("bfloat16", "float16") and r["device"] == "cpu" and p.get("bf16_native") is False:
         why.append(f"{r['dtype']} has no native support on this CPU (emulated)")
-    threads, cores = p.get("threads"), ((p.get("bound") or {}).get("cores"))
+    threads, cores = p.get("threads"), p.get("cpu_count")
     if r["device"] == "cpu" and threads and cores and threads < cores:
         why.append(f"torch uses {threads} of {cores} cores")
     if p.get("contended"):
