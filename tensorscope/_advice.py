@@ -35,6 +35,16 @@ class Advice(Displayable):
     peaks_source: str
     n_windows: int = 1
     notes: list[str] = field(default_factory=list)
+    #: the traces' wall time from enter to exit (the base of every percentage), their op time and how much
+    #: of it was first executions (``ops.first_run``)
+    wall_ns: int = 0
+    op_ns: int = 0
+    first_run_ns: int = 0
+    #: the op time was mostly first executions: the only finding is ``first_run``
+    cold: bool = False
+    #: a prediction (``metadata["predicted"]``): no timing-based finding
+    predicted: bool = False
+    min_share: float = 0.01
 
     def section(self) -> Any:
         from .render.sections_advice import advice_to_section
@@ -86,7 +96,19 @@ def _peaks_of(traces: Sequence[Any]) -> tuple[dict[str, dict[str, Any]], str]:
         dev = (t.metadata.get("device") or {})
         rec = dev.get("peaks") if hasattr(dev, "get") else None
         if rec:
-            return {k: dict(v) for k, v in rec.items()}, "recorded with the trace (cached peaks of its machine)"
+            from ._peaks import RECIPE, machine_peaks, same_machine
+
+            out = {k: dict(v) for k, v in rec.items()}
+            cpu = out.get("cpu") or {}
+            if cpu and same_machine(cpu) and (cpu.get("recipe") != RECIPE or cpu.get("contended")):
+                # recorded here by an older recipe or beside a load: this machine's peaks, measured again
+                # when the cached ones are contended (at most once per _peaks.RETRY_S), if they are better
+                now = machine_peaks("cpu")
+                if now and (cpu.get("recipe") != RECIPE or (not now.get("contended")
+                                                            and now.get("measured_at") != cpu.get("measured_at"))):
+                    out["cpu"] = now
+                    return out, "measured again on this machine (the recorded peaks were measured under load)"
+            return out, "recorded with the trace (cached peaks of its machine)"
     from ._peaks import all_peaks
 
     p = all_peaks(measure=True)
@@ -94,14 +116,24 @@ def _peaks_of(traces: Sequence[Any]) -> tuple[dict[str, dict[str, Any]], str]:
 
 
 def advise(traces: Any, *, peaks: Optional[dict[str, dict[str, Any]]] = None,
-           steps: Union[None, int, Sequence[Optional[int]]] = None) -> Advice:
+           steps: Union[None, int, Sequence[Optional[int]]] = None, min_share: Optional[float] = None) -> Advice:
     """The advisor's findings for ``traces``: a ``Trace``, a list of them, or a ``tensorscope.schedule``.
 
     ``peaks``: ``{"cpu": machine_peaks("cpu"), ...}`` to use instead of the recorded/measured ones;
     ``steps``: training steps per trace (one int for a single trace, one per trace for a list), else
-    the schedule's, else the outermost ``backward`` calls of each trace."""
-    from .analyses.advisor import advise_tables
+    the schedule's, else the outermost ``backward`` calls of each trace; ``min_share``: the least cost of a
+    performance finding as a share of the op time (``DisplayOptions().min_finding_share`` when None).
 
+    Peaks measured on this machine that a traced op beats are measured again (``_peaks``), and the advice
+    is drawn again with them."""
+    from .analyses.advisor import advise_tables
+    from .analyses.roofline import beats_peak
+    from .options import DisplayOptions
+
+    if min_share is None:
+        min_share = DisplayOptions().min_finding_share
+    elif isinstance(min_share, bool) or not isinstance(min_share, (int, float)) or not 0 <= min_share <= 1:
+        raise OptionsError(f"min_share must be a number from 0 to 1, not {min_share!r}")
     ts = _traces(traces)
     sched_steps = getattr(traces, "steps", None)
     if steps is None and isinstance(sched_steps, (list, tuple)):
@@ -122,11 +154,35 @@ def advise(traces: Any, *, peaks: Optional[dict[str, dict[str, Any]]] = None,
         pk, source = dict(peaks), "given"
     wins = [{"ops": t.ops, "calls": t.calls, "kernels": t.kernels, "layout_changes": t.layout_changes,
              "wall_ns": t.metadata.get("wall_ns"), "steps": s, "engine": t.metadata.get("engine"),
+             "run_delay_ns": t.metadata.get("run_delay_ns"),
              "cells": dict(t.metadata.get("cell_files") or {}),
              "flops_known": bool((t.metadata.get("options") or {}).get("flops", True))}
             for t, s in zip(ts, steps_each)]
-    out = advise_tables(wins, pk)
+    predicted = any(bool(t.metadata.get("predicted")) for t in ts)
+    speedup = _same_shape_speedup if (peaks is None and _measured_here(pk)) else None
+    out = advise_tables(wins, pk, min_share=min_share, predicted=predicted, speedup=speedup)
     notes = []
+    beaten = beats_peak(out["roofline"]) if (peaks is None and not predicted) else {}
+    if beaten.get("cpu") and _measured_here(pk):
+        # an op ran faster than the cached peak: the peak was measured badly (a busy machine); measure again
+        from ._peaks import machine_peaks
+
+        old = (pk.get("cpu") or {}).get("flops") or {}
+        fresh = machine_peaks("cpu", refresh=True)
+        if fresh:
+            pk = dict(pk, cpu=fresh)
+            source = "measured again on this machine (an op beat the cached peak)"
+            notes.append("the cached cpu peak (" + ", ".join(f"{k} {old.get(k, 0) / 1e9:.1f} GFLOP/s" for k in beaten["cpu"])
+                         + ") was below what a traced op reached: measured again")
+            out = advise_tables(wins, pk, min_share=min_share, predicted=predicted, speedup=speedup)
+    if predicted:
+        notes.append("predicted (FakeTensorMode): the times are not measured, so no timing-based finding is made "
+                     "and structural findings carry no cost")
+    for dev, p in sorted(pk.items()):
+        if p.get("contended"):
+            notes.append(f"the {dev} peaks were measured beside a competing load ("
+                         + "; ".join(p.get("contended_why") or ["low CPU share"])
+                         + "): roof fractions may read high; they are measured again on the next advice")
     if not all(w["flops_known"] for w in wins):
         notes.append("recorded with flops=False: no roofline bound (a matmul without its FLOPs would look "
                      "memory-bound)")
@@ -134,4 +190,19 @@ def advise(traces: Any, *, peaks: Optional[dict[str, dict[str, Any]]] = None,
         notes.append("no trace to advise on")
     return Advice(findings=out["findings"], syncs=out["syncs"], roofline=out["roofline"], outside=out["outside"],
                   gpu_idle=out["gpu_idle"], steps=out["steps"], peaks=pk, peaks_source=source, n_windows=len(ts),
-                  notes=notes)
+                  notes=notes, wall_ns=sum(int(w["wall_ns"] or 0) for w in wins), op_ns=out["op_ns"],
+                  first_run_ns=out["first_run_ns"], cold=out["cold"], predicted=predicted, min_share=min_share)
+
+
+def _measured_here(pk: dict[str, dict[str, Any]]) -> bool:
+    """Whether the cpu peaks are this machine's (with these threads and torch): only then are they re-measured."""
+    from ._peaks import same_machine
+
+    p = pk.get("cpu")
+    return p is not None and same_machine(p, "cpu")
+
+
+def _same_shape_speedup(shape: tuple[int, int, int, int]) -> Optional[tuple[str, float, str]]:
+    from ._peaks import gemm_speedup
+
+    return gemm_speedup(shape)

@@ -321,11 +321,15 @@ class Trace:
             object.__setattr__(self, "_plot", PlotAccessor(self))
         return self._plot
 
-    def advice(self, peaks: Any = None, steps: Any = None) -> Any:
-        """Why this trace is slow: an ``Advice``, the same as ``tensorscope.advise(self, peaks=peaks, steps=steps)``."""
+    def advice(self, peaks: Any = None, steps: Any = None, min_share: Any = None) -> Any:
+        """Why this trace is slow: an ``Advice``, the same as ``tensorscope.advise(self, ...)``.
+
+        ``min_share`` overrides ``DisplayOptions.min_finding_share`` (the share of the cell's op time
+        a performance finding must cost to be shown).
+        """
         from ._advice import advise
 
-        return advise(self, peaks=peaks, steps=steps)
+        return advise(self, peaks=peaks, steps=steps, min_share=min_share)
 
     # -- display -------------------------------------------------------------
     def summary(self, display: Any = None) -> Any:

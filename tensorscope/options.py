@@ -230,11 +230,15 @@ class DisplayOptions:
 
     numerics_threshold: float = _opt(1e-2, "relative error above which the summary lists an op", type=float,
                                      metavar="X")
+    min_finding_share: float = _opt(1e-2, "least cost of a performance finding, as a share of the cell's op time "
+                                    "(correctness findings always show)", type=float, metavar="X")
 
     def __post_init__(self) -> None:
         _check_types(self)
         if self.numerics_threshold < 0:
             raise OptionsError(f"numerics_threshold must be >= 0, not {self.numerics_threshold!r}")
+        if not 0 <= self.min_finding_share <= 1:
+            raise OptionsError(f"min_finding_share must be from 0 to 1, not {self.min_finding_share!r}")
 
 
 @dataclass(frozen=True)

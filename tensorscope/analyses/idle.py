@@ -7,7 +7,13 @@ is Python, data loading and everything else between ops. The largest gaps are na
 recorded torch-level call). A traced gap also holds tensorscope's own work between two ops (the
 probes after one op, the bookkeeping before the next), which eager never runs: each gap counts only
 past ``tracer_ns``, the engine's per-op cost (``TRACER_NS``, upper bounds of what
-``benchmarks/overhead.py`` measures for a whole op), so a gap the tracer alone could explain is no finding.
+``benchmarks/overhead.py`` measures for a whole op), so a gap the tracer alone could explain is no finding,
+and past the recorded time of tensorscope's own probes after the op before it (``ops.probe_ns``: the
+non-finite screen, the numerics shadow, op hooks), which can be far longer than the op itself.
+
+On a busy machine the gaps also hold other processes' time: the advisor leaves out the time the
+recording thread was runnable but waiting for a CPU (``metadata["run_delay_ns"]``, from
+``/proc/thread-self/schedstat``), from the gaps and from the wall it compares them with.
 
 ``gpu_idle(ops, kernels)``: per device, the time between kernels (their intervals merged), each
 gap split into ``host_wait`` (the GPU idle before the host even started the op that launched the
@@ -58,6 +64,11 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
     gap[0] = 0                              # before the first op: the trace starting, not the program
     if tracer_ns:                           # what the tracer itself may have spent between two ops
         gap = np.maximum(gap - tracer_ns, 0)
+    if "probe_ns" in ops.column_names and ops.column("probe_ns").null_count < ops.num_rows:
+        probe = _np(ops.column("probe_ns"))
+        probe = probe if s is start else probe[order]
+        # the probes after an op (screen, numerics shadow) ran in the gap before the next op to start
+        gap[1:] = np.maximum(gap[1:] - probe[:-1], 0)
     span = int(run_end[-1]) - int(s[0])
     outside = int(gap.sum())
     in_ops = max(span - outside, 0)

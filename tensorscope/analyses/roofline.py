@@ -7,16 +7,22 @@ roof columns and ``bound`` are null.
 
 Per group of rows (``op`` level: one op and output dtype; ``module`` level: one module path):
 ``ideal_ns = max(flops / peak_flops[dtype], bytes / bandwidth)`` is the time at the roof and
-``roof_fraction = ideal_ns / time_ns`` how close the rows came to it. ``bound``:
+``roof_fraction = min(ideal_ns / time_ns, 1)`` how close the rows came to it (never above 1: a group
+faster than its roof means the peak is wrong, ``beats_peak`` finds such groups so the caller
+re-measures the peak). ``bound``, one label that agrees with the numbers:
 
-* ``overhead`` when the ideal is under half the measured time and the ideal time per op is under
-  ``OVERHEAD_FACTOR`` times the framework's per-op floor (``overhead_ns``, measured with the
+* ``overhead`` (latency-bound) when the ideal is under half the measured time and the ideal time per op
+  is under ``OVERHEAD_FACTOR`` times the framework's per-op floor (``overhead_ns``, measured with the
   peaks): the work at the roof is shorter than dispatching it; on CUDA also when the host spent more than
   twice the device time on ops of under ``CUDA_TINY_NS`` each;
-* else ``compute`` when ``flops / peak >= bytes / bandwidth`` (intensity at or past the ridge),
-  ``memory`` otherwise; null when the rows count neither FLOPs nor bytes.
+* else ``compute`` when ``flops / peak >= bytes / bandwidth`` (intensity at or past the ridge) and
+  ``memory`` otherwise, but only when the rows reach ``ROOF_SHARE`` of that roof;
+* else ``below_roof``: real work that reaches neither roof (the advisor says the likely reason);
+* null when the rows count neither FLOPs nor bytes, or there are no peaks.
 
-Time is ``cuda_ns`` where it was measured, else ``cpu_ns``. Rows with ``is_noise`` are left out.
+Time is ``cuda_ns`` where it was measured, else ``cpu_ns``. Rows with ``is_noise`` are left out, and
+so are ``first_run`` rows when the caller drops them (``warm_only``): one-time initialisation is not
+the op's speed.
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ from .opview import codes_of, first_of
 
 OVERHEAD_FACTOR = 2.0
 CUDA_TINY_NS = 20_000
+#: an op group is compute- or memory-bound only when it reaches this share of that roof
+ROOF_SHARE = 0.25
+#: an op group this many times faster than its dtype's peak proves the peak wrong
+BEAT_MARGIN = 1.05
 
 Peaks = Mapping[str, Mapping[str, Any]]
 
@@ -125,6 +135,8 @@ def _row(level: str, name: str, dtype: Optional[str], dev: Optional[str], n: int
         floor = overhead_ns or 0.0
         if (ideal < 0.5 * time and floor and ideal / max(n, 1) < OVERHEAD_FACTOR * floor) or tiny_host:
             bound = "overhead"
+        elif time and ideal / time < ROOF_SHARE:
+            bound = "below_roof"
         else:
             bound = "compute" if (compute_ns or 0.0) >= (memory_ns or 0.0) and flops else "memory"
     inten = flops / nbytes if nbytes else None
@@ -137,8 +149,19 @@ def _row(level: str, name: str, dtype: Optional[str], dev: Optional[str], n: int
             "flops": flops, "bytes": nbytes, "intensity": inten,
             "flops_per_s": flops / sec if sec else None, "bytes_per_s": nbytes / sec if sec else None,
             "peak_flops_per_s": pf, "peak_bytes_per_s": bw, "roof_flops_per_s": roof,
-            "roof_fraction": ideal / time if (ideal is not None and time and (flops or nbytes)) else None,
+            "roof_fraction": min(ideal / time, 1.0) if (ideal is not None and time and (flops or nbytes)) else None,
             "ideal_ns": int(round(ideal)) if ideal is not None else None, "bound": bound}
+
+
+def beats_peak(roof: pa.Table, min_ns: int = 1_000_000) -> dict[str, list[str]]:
+    """``{device type: [dtype, ...]}``: op groups of at least ``min_ns`` whose achieved FLOP/s passed their
+    dtype's measured peak by ``BEAT_MARGIN`` (the peak is wrong: measured on a busy machine)."""
+    out: dict[str, set[str]] = {}
+    for r in roof.to_pylist():
+        if (r["level"] == "op" and r["peak_flops_per_s"] and r["flops_per_s"] and (r["time_ns"] or 0) >= min_ns
+                and r["flops_per_s"] > BEAT_MARGIN * r["peak_flops_per_s"] and r["device"]):
+            out.setdefault(r["device"], set()).add(r["dtype"] or "float32")
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def roofline(ops: pa.Table, peaks: Optional[Peaks] = None, flops_known: bool = True) -> pa.Table:

@@ -47,6 +47,10 @@ EXPECT_FREE_CALLS = frozenset({
     "movedim", "swapaxes", "bmm", "mm", "tensordot", "ravel", "T", "mT",
 })
 
+#: the (op, input shapes, dtypes, devices) this process has run under a trace: the hash of each key,
+#: added at decode (never on the hot path), so ``ops.first_run`` marks the first execution of each
+_SEEN_KEYS: set[int] = set()
+
 #: column names in schema order (iterating a pyarrow schema wraps every field: ~0.4 µs each)
 _OPS_NAMES = tuple(S.OPS.names)
 _CALLS_NAMES = tuple(S.CALLS.names)
@@ -150,6 +154,7 @@ class Decoder:
         self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
                                      for f in rec.funcs.values] or [False], dtype=bool)
         self._g: Optional[dict[str, np.ndarray]] = None
+        self._run_keys: dict[tuple[int, int], int] = {}   # (op id, input tuple id) -> process-wide key hash
         self._null_cache: dict[Any, pa.Array] = {}
         self.links = links
 
@@ -253,7 +258,39 @@ class Decoder:
             cols["num_rel_err"] = self._nulls(n, pa.float64())
             cols["num_max_abs_err"] = self._nulls(n, pa.float64())
         cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
+        cols["first_run"] = pa.array(self._first_run(op, ins, noise, start), pa.bool_())
+        cols["probe_ns"] = self._sparse_int(rec.probe_ns, start, n)
         return pa.RecordBatch.from_arrays([cols[name] for name in _OPS_NAMES], schema=S.OPS)
+
+    def _first_run(self, op: np.ndarray, ins: np.ndarray, noise: np.ndarray, start: int) -> np.ndarray:
+        """True on the first row in this process of each (op, input shapes, dtypes, devices): one
+        hash per distinct (op id, input tuple id) of the chunk, looked up in ``_SEEN_KEYS``; the keys
+        this trace claimed are kept with the seq of their first row (``rec.first_keys``), so decoding
+        the same rows again gives the same answer."""
+        out = np.zeros(len(op), dtype=bool)
+        if not len(op):
+            return out
+        pair = op * (len(self.rec.tuples.values) + 1) + ins
+        uniq, first = np.unique(pair, return_index=True)
+        first.sort()                       # rows in dispatch order: the first of a key wins within the chunk
+        funcs, tuples, m = self.rec.funcs.values, self.rec.tuples.values, self.rec.metas
+        for i in first.tolist():
+            if noise[i]:
+                continue
+            k = (int(op[i]), int(ins[i]))
+            h = self._run_keys.get(k)
+            if h is None:
+                metas = tuples[k[1]] if 0 <= k[1] < len(tuples) else ()
+                h = self._run_keys[k] = hash((str(funcs[k[0]]), tuple((m.shapes[j], m.dtypes[j], m.devices[j])
+                                                                       for j in metas)))
+            mine = self.rec.first_keys.get(h)
+            if mine is not None:
+                out[i] = mine == start + i
+            elif h not in _SEEN_KEYS:
+                _SEEN_KEYS.add(h)
+                self.rec.first_keys[h] = start + i
+                out[i] = True
+        return out
 
     def _lines(self, src_idx: np.ndarray) -> pa.Array:
         lines = self.src_lines[src_idx] if len(src_idx) else np.zeros(0, np.int64)

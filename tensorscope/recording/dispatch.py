@@ -420,6 +420,8 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 flop = -1
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
+            shadow = s.shadow
+            p0 = _perf() if (screen is not None or shadow is not None or info.hook) else 0
             if info.hook:
                 s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs),
                            tuple(out) if type(out) is tuple or type(out) is list else (out,))
@@ -427,13 +429,14 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 r = screen.post(seq, func, args, kwargs, outs, pre_state)
                 if r is not None:
                     rec.nonfinite[seq] = r
-            shadow = s.shadow
             if shadow is not None:
                 r = shadow.compare(seq, func, args, kwargs, outs)
                 if r is not None:
                     rec.numerics[seq] = r
             if screen is not None or shadow is not None:
                 self._seq_mark = _get_seq_nr()   # a probe's own ops must not look like the next op's node
+            if p0 and seq >= rec.n_spilled:   # tensorscope's own work after the op: never the program's time
+                rec.probe_ns[seq] = _perf() - p0   # (a row its own append spilled keeps null, as its part has it)
         except Exception as e:
             rec.tracer_error("dispatch (after op)", e)
         return out

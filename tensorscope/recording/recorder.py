@@ -302,6 +302,11 @@ class Recorder:
         self.cuda_ns: dict[int, int] = {}
         self.nonfinite: dict[int, tuple[int, bool]] = {}
         self.numerics: dict[int, tuple[float, float]] = {}
+        #: seq -> ns tensorscope's own probes took after the op (screen, numerics shadow, op hooks): python engine
+        self.probe_ns: dict[int, int] = {}
+        #: key hash -> seq of its first row, for the (op, shapes, dtypes, devices) keys this trace ran first in
+        #: the process (decode.py): rows decoded twice (spilled parts, then the table) get the same answer
+        self.first_keys: dict[int, int] = {}
         self.errors: list[dict[str, Any]] = []
         self.tracer_errors: list[str] = []     # the first messages
         self.n_tracer_errors = 0

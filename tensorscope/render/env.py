@@ -26,19 +26,43 @@ def _rate(v, unit: str) -> str:
 
 
 def peak_text(p) -> str:
-    """``float32 95.1 GFLOP/s, bfloat16 3.2 GFLOP/s; copy 12.0 GB/s; per-op floor 1.8 µs (measured ...)``."""
+    """``float32 95.1 GFLOP/s (±4%, 36% of 266.2 GFLOP/s theoretical), ...; copy 12.0 GB/s; per-op floor 1.8 µs
+    (measured ...)``: each figure with its spread over repetitions and its share of the theoretical bound."""
     from .._common import fmt_ns
 
-    fl = ", ".join(f"{k} {_rate(v, 'FLOP/s')}" for k, v in sorted((p.get("flops") or {}).items()))
-    out = f"{fl}; copy {_rate(p.get('bytes_per_s'), 'B/s')}; per-op floor {fmt_ns(p.get('overhead_ns'))}"
+    bound = ((p.get("bound") or {}).get("flops") or {})
+    detail = p.get("detail") or {}
+    parts = []
+    for k, v in sorted((p.get("flops") or {}).items()):
+        extra = []
+        d = detail.get(k) or {}
+        if d.get("best_size"):
+            extra.append(f"at {d['best_size']}^3")
+        if d.get("spread") is not None:
+            extra.append(f"spread {100 * d['spread']:.0f}%")
+        if bound.get(k) and v:
+            frac = v / bound[k]
+            extra.append(f"{100 * frac:.0f}% of {_rate(bound[k], 'FLOP/s')} theoretical"
+                         + (" (above it: the clock or unit count read is too low)" if frac > 1 else ""))
+        parts.append(f"{k} {_rate(v, 'FLOP/s')}" + (f" ({', '.join(extra)})" if extra else ""))
+    out = f"{', '.join(parts)}; copy {_rate(p.get('bytes_per_s'), 'B/s')}; per-op floor {fmt_ns(p.get('overhead_ns'))}"
     out += f" ({p.get('name')}, {p.get('threads')} threads, measured {p.get('measured_at')})"
+    if p.get("contended"):
+        out += "; MEASURED UNDER LOAD (" + "; ".join(p.get("contended_why") or []) + "): measured again on next use"
+    elif p.get("cpu_share") is not None:
+        out += f"; torch's threads got {100 * p['cpu_share']:.0f}% of the CPU while timed"
+    if p.get("method"):
+        out += f"; how: {p['method']}"
+    how = (p.get("bound") or {}).get("how")
+    if how:
+        out += f"; theoretical bound: {how}"
     spec = p.get("spec")
     if spec:
-        parts = [f"{k} {100 * (p.get('flops') or {}).get(k, 0) / v:.0f}%" for k, v in sorted(spec.items())
-                 if k != "bytes_per_s" and v and (p.get("flops") or {}).get(k)]
+        sp = [f"{k} {100 * (p.get('flops') or {}).get(k, 0) / v:.0f}%" for k, v in sorted(spec.items())
+              if k != "bytes_per_s" and v and (p.get("flops") or {}).get(k)]
         if spec.get("bytes_per_s") and p.get("bytes_per_s"):
-            parts.append(f"bandwidth {100 * p['bytes_per_s'] / spec['bytes_per_s']:.0f}%")
-        out += "; of the spec sheet: " + ", ".join(parts)
+            sp.append(f"bandwidth {100 * p['bytes_per_s'] / spec['bytes_per_s']:.0f}%")
+        out += "; of the spec sheet: " + ", ".join(sp)
     return out
 
 

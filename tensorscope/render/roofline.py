@@ -3,7 +3,7 @@
 Hand-built markup like render/svg.py (no matplotlib, no JavaScript); every label and hover
 ``<title>`` is escaped. Roofs: ``min(peak[dtype], intensity * bandwidth)`` for each measured
 dtype of each device; dots: the ``op`` rows of the ROOFLINE table with FLOPs and bytes
-(colour = bound), at most ``max_dots`` (the longest).
+(colour = bound: compute, memory, overhead, below the roof), at most ``max_dots`` (the longest).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from .._common import esc as _e
 from .._common import fmt_ns
 
 BOUND_COLORS = {"compute": ("#3b75af", "compute-bound"), "memory": ("#ef8636", "memory-bound"),
-                "overhead": ("#c0392b", "overhead-bound"), None: ("#8c8c8c", "no roof (no peaks)")}
+                "overhead": ("#c0392b", "overhead-bound"), "below_roof": ("#8e6bb8", "below the roof"),
+                None: ("#8c8c8c", "no roof (no peaks)")}
 _FONT = 'font-family="system-ui,sans-serif" font-size="10"'
 
 
@@ -81,7 +82,7 @@ def roofline_svg(roof: pa.Table, peaks: Optional[dict[str, dict[str, Any]]], wid
         parts.append(f'<circle cx="{px(r["intensity"]):.1f}" cy="{py(r["flops_per_s"]):.1f}" r="4" fill="{color}" '
                      f'fill-opacity="0.8"><title>{_e(tip)}</title></circle>')
     ly = mt + 4
-    for key in ("compute", "memory", "overhead", None):
+    for key in ("compute", "memory", "overhead", "below_roof", None):
         c, label = BOUND_COLORS[key]
         parts.append(f'<circle cx="{ml + pw + 14}" cy="{ly + 4}" r="4" fill="{c}"/>'
                      f'<text x="{ml + pw + 22}" y="{ly + 8}" {_FONT}>{_e(label)}</text>')

@@ -26,20 +26,35 @@ def advice_to_section(a: Any) -> Section:
     for r in a.findings.to_pylist():
         per = f" ({r['per_step']:g}/step)" if r.get("per_step") is not None else ""
         rows.append((r["kind"], r["seen"], r["evidence"] + per, fmt_ns(r["cost_ns"]), r["fix"]))
-    notes: list[str] = list(a.notes)
+    notes: list[str] = []
+    if getattr(a, "predicted", False):
+        notes.append("PREDICTED (FakeTensorMode): nothing ran, the times are not measured")
+    notes += list(a.notes)
     outs = [o for o in a.outside or [] if o]
     if outs:
-        span = sum(o["span_ns"] for o in outs)
-        outside = sum(o["outside_ns"] for o in outs)
+        wall = sum(o["wall_ns"] or o["span_ns"] for o in outs)
+        waited = sum(min(o.get("run_delay_ns") or 0, o["outside_ns"]) for o in outs)
+        outside = sum(o["outside_ns"] for o in outs) - waited
         tiny = sum(o.get("tiny_ops") or 0 for o in outs)
         per = f", {tiny / a.steps:g} per step" if a.steps else ""
-        notes.append(f"{100 * outside / span if span else 0:.0f}% of the time from the first op to the last "
-                     f"({fmt_ns(outside)} of {fmt_ns(span)}) was outside ops; {tiny} tiny ops{per}")
+        if not getattr(a, "predicted", False):
+            notes.append(f"{100 * outside / wall if wall else 0:.0f}% of the wall time ({fmt_ns(outside)} of "
+                         f"{fmt_ns(wall)}, enter to exit) was outside ops"
+                         + (f" (and {fmt_ns(waited)} waiting for a CPU: other processes' time)" if waited else "")
+                         + f"; {tiny} tiny ops{per}")
+    first = int(getattr(a, "first_run_ns", 0) or 0)
+    if first and not getattr(a, "cold", False) and not getattr(a, "predicted", False):
+        notes.append(f"{fmt_ns(first)} of first executions (ops.first_run: one-time initialisation) left out of "
+                     "the timing findings")
     if a.n_windows > 1:
         notes.append(f"read {a.n_windows} traced windows" + (f", {a.steps} steps" if a.steps else ""))
     if not rows:
         notes.append("no finding: no sync, layout conversion, tiny-op storm, idle time or dominant op "
                      "that the rows prove")
+    share = getattr(a, "min_share", None)
+    if share is not None and int(getattr(a, "op_ns", 0) or 0):
+        notes.append(f"performance findings cost at least {100 * share:g}% of the op time "
+                     f"({fmt_ns(share * a.op_ns)}; DisplayOptions.min_finding_share)")
     if a.peaks:
         notes.append(f"peaks ({a.peaks_source}): " + " | ".join(peaks_line(a.peaks)))
     else:
@@ -49,10 +64,12 @@ def advice_to_section(a: Any) -> Section:
         from .roofline import roofline_svg
 
         svg = lambda: roofline_svg(a.roofline, a.peaks)  # noqa: E731
-    return Section(TITLE, rows, ("finding", "seen", "rows", "cost", "fix"), notes, svg=svg)
+    title = TITLE + (" (PREDICTED: no timing findings)" if getattr(a, "predicted", False) else "")
+    return Section(title, rows, ("finding", "seen", "rows", "cost", "fix"), notes, svg=svg)
 
 
-def advice_section(t: Any) -> Optional[Section]:
+def advice_section(t: Any, display: Any = None) -> Optional[Section]:
     if t.ops.num_rows == 0 or not hasattr(t, "advice"):
         return None
-    return advice_to_section(t.advice())
+    share = getattr(display, "min_finding_share", None) if display is not None else None
+    return advice_to_section(t.advice(min_share=share) if share is not None else t.advice())

@@ -25,6 +25,11 @@ Since 1.4 ``tensors.address`` is each storage's data pointer, and the CUDA cachi
 view is recorded beside ours: ``allocator`` (its counters at the trace's start and end, always
 on CUDA) and, with ``memory_history=True``, its snapshot: ``allocator_segments``,
 ``allocator_blocks`` and ``allocator_events``, joined to ``tensors`` by address and time.
+
+Since 1.5 ``ops.first_run`` marks the first execution in the process of each (op, input shapes,
+dtypes, devices) that a trace saw (one-time initialisation lands there), and ``ops.probe_ns``
+the time tensorscope's own probes took after an op (the python engine's non-finite screen,
+numerics shadow and op hooks), which time outside ops leaves out; both null in older files.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from typing import Any
 import pyarrow as pa
 
 #: "major.minor". Bump major when a column changes meaning or type.
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 _i64 = pa.int64()

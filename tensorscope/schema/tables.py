@@ -55,6 +55,8 @@ OPS = _schema("ops", [
     ("num_rel_err", _f64),          # numerics shadow mode: relative error vs the wide reference
     ("num_max_abs_err", _f64),
     ("graph_id", _i64),             # compiled region (graphs.graph_id, kind inductor) that ran this op, or null
+    ("first_run", _bool),           # 1.5: the first execution in the process of (op, input shapes, dtypes, devices)
+    ("probe_ns", _i64),             # 1.5: tensorscope's own probe time after the op (screen, numerics shadow), or null
 ])
 
 CALLS = _schema("calls", [

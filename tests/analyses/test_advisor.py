@@ -30,6 +30,13 @@ def _noise(t) -> dict:
     return dict(zip(t.ops.column("seq").to_pylist(), t.ops.column("is_noise").to_pylist()))
 
 
+def _warm(engine, fn, *args):
+    """Run ``fn`` once under a trace first: the traced run after it is warm (no ``first_run`` rows, which
+    the advisor leaves out of its timing findings, or reads as a cold cell when they dominate)."""
+    with tensorscope.trace(engine=engine, leaks=False):
+        fn(*args)
+
+
 def _check_no_noise_subjects(t, adv) -> None:
     """No finding's subject is a bookkeeping row: rows of every finding but a scalar read's are not
     noise, and a scalar read's subject is the call, never the op."""
@@ -59,6 +66,7 @@ def _item_loop(steps):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_item_per_step_is_found_at_its_line_with_the_right_count(engine):
     steps = 7
+    _warm(engine, _item_loop, steps)
     with tensorscope.trace(engine=engine) as t:
         _item_loop(steps)
     adv = tensorscope.advise(t)
@@ -150,6 +158,7 @@ def _conv_net(hostile=False):
 def test_nchw_conv_net_fed_channels_last_finds_the_copies_and_recommends_channels_last(engine):
     net = _conv_net()
     x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
+    _warm(engine, lambda: _conv_net()(x).sum().backward())   # a fresh net: this one's grads stay unset
     with tensorscope.trace(engine=engine) as t:
         net(x).sum().backward()
     adv = tensorscope.advise(t)
@@ -200,6 +209,7 @@ def test_a_hostile_module_name_is_escaped_in_the_advice_section():
 @pytest.mark.parametrize("engine", ENGINES)
 def test_thousands_of_tiny_ops_are_overhead_bound(engine):
     x = torch.ones(4)
+    _warm(engine, lambda: x * 1.0001 + 0.0001)
     with tensorscope.trace(engine=engine) as t:
         for _ in range(600):
             x = x * 1.0001 + 0.0001
@@ -207,7 +217,9 @@ def test_thousands_of_tiny_ops_are_overhead_bound(engine):
     (f,) = [f for f in adv.findings.to_pylist() if f["kind"] == "overhead"]
     assert f["n_rows"] >= 1200 and "torch.compile" in f["fix"]
     noise = _noise(t)
-    assert f["n_rows"] == sum(1 for s, n in noise.items() if not n)   # every op here is tiny
+    first = dict(zip(t.ops.column("seq").to_pylist(), t.ops.column("first_run").to_pylist()))
+    # every op here is tiny; the first mul and add of the process are one-time initialisation, left out
+    assert f["n_rows"] == sum(1 for s, n in noise.items() if not n and not first[s])
     roof = {r["name"]: r for r in adv.roofline.to_pylist() if r["level"] == "op"}
     assert roof["aten.mul.Tensor"]["bound"] == "overhead" and roof["aten.add.Tensor"]["bound"] == "overhead"
     _check_no_noise_subjects(t, adv)
@@ -218,6 +230,8 @@ def test_gemm_heavy_mlp_is_compute_bound_and_the_roofline_matches_the_rows(engin
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     x = torch.randn(512, 512)
+    with torch.no_grad():
+        _warm(engine, mlp, x)
     with torch.no_grad(), tensorscope.trace(engine=engine) as t:
         for _ in range(3):
             mlp(x)
@@ -234,14 +248,19 @@ def test_gemm_heavy_mlp_is_compute_bound_and_the_roofline_matches_the_rows(engin
     assert r["intensity"] == pytest.approx(fl / nb)
     pf, bw = peaks["flops"]["float32"], peaks["bytes_per_s"]
     ideal = max(fl / pf, nb / bw) * 1e9
-    assert r["ideal_ns"] == round(ideal) and r["roof_fraction"] == pytest.approx(ideal / ns)
+    assert r["ideal_ns"] == round(ideal) and r["roof_fraction"] == pytest.approx(min(ideal / ns, 1.0))
     assert r["roof_flops_per_s"] == pytest.approx(min(pf, fl / nb * bw))
-    assert r["bound"] == "compute"
-    assert 0.001 < r["roof_fraction"] < 5, r    # near the measured peak on an idle machine; far below on a shared one
-    (f,) = [f for f in adv.findings.to_pylist() if f["kind"] == "compute_bound"]
+    # compute-bound only at a stated share of the roof (a 0.3 GFLOP/s "compute-bound" contradicted its numbers):
+    # near the peak on an idle machine, below the roof beside a competing load; never above the roof
+    from tensorscope.analyses.roofline import ROOF_SHARE
+
+    assert r["bound"] == ("compute" if ideal / ns >= ROOF_SHARE else "below_roof"), r
+    assert 0.001 < r["roof_fraction"] <= 1, r
+    kind = "compute_bound" if r["bound"] == "compute" else "below_roof"
+    (f,) = [f for f in adv.findings.to_pylist() if f["kind"] == kind]
     assert f["subject"] == "aten.addmm.default" and f["n_rows"] == 9
     mod = {r["name"]: r for r in adv.roofline.to_pylist() if r["level"] == "module"}
-    assert set(mod) == {"0", "1", "2"} and all(m["bound"] == "compute" for m in mod.values())
+    assert set(mod) == {"0", "1", "2"} and all(m["bound"] in ("compute", "below_roof") for m in mod.values())
     assert sum(m["flops"] for m in mod.values()) == fl
 
 
@@ -249,6 +268,8 @@ def test_a_saved_trace_is_advised_alike_and_flops_off_gives_no_bound(tmp_path):
     tensorscope.machine_peaks()          # measured (or cached) before the trace: its device report holds them
     mlp = torch.nn.Linear(256, 256)
     x = torch.randn(256, 256)
+    with torch.no_grad():
+        _warm("auto", lambda: mlp(x).sum().item())
     with torch.no_grad(), tensorscope.trace() as t:
         for _ in range(3):
             mlp(x).sum().item()
@@ -493,9 +514,9 @@ def test_python_work_between_ops_is_an_outside_ops_finding(engine):
     with tensorscope.trace(engine=engine, leaks=False) as t:
         for _ in range(4):
             x = x.add(1.0)
-            deadline = time.perf_counter() + 0.004   # host-side work the program does between two ops
-            while time.perf_counter() < deadline:
-                pass
+            deadline = time.thread_time() + 0.004    # 4 ms of host-side CPU work the program does between two ops
+            while time.thread_time() < deadline:     # (CPU time: on a busy machine a wall deadline is partly
+                pass                                 # other processes' time, which the advisor leaves out)
         x = x.add(1.0)
     (f,) = [f for f in t.advice().findings.to_pylist() if f["kind"] == "outside_ops"]
     assert f["cost_ns"] >= 4 * 3_000_000            # the 4 busy waits, less the tracer's allowance per gap

@@ -79,7 +79,7 @@ def _need_native():
 
 
 OPS_SKIPPED = {"seq", "seq_nr", "start_ns", "cpu_ns", "cuda_ns", "fwd_seq", "in_storages", "out_storages",
-               "error_id", "num_rel_err", "num_max_abs_err"}   # compared through mappings, or times
+               "error_id", "num_rel_err", "num_max_abs_err", "first_run", "probe_ns"}   # compared through mappings, or times (first_run: process state)
 
 
 def _trace(engine, fn, **opts):

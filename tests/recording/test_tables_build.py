@@ -92,7 +92,7 @@ def _workload(n_small):
     loss.backward()
 
 
-_TIMES = {"start_ns", "cpu_ns", "seq_nr"}   # times, and autograd's process-wide counter
+_TIMES = {"start_ns", "cpu_ns", "seq_nr", "first_run", "probe_ns"}   # times, and process-wide state (autograd counter, ops seen)
 
 
 def _ops_rows(t):
