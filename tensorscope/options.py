@@ -75,6 +75,9 @@ class TraceOptions:
     storages: bool = _opt(True, "track storages by weak reference (tensors table, leaks, memory)")
     leaks: bool = _opt(True, "report, after the trace, the storages it created that are still alive and who holds them")
     nonfinite: bool = _opt(True, "screen floating outputs for NaN/Inf (CPU: per op; CUDA: on-device flags read once at the end)")
+    fingerprints: bool = _opt(False, "record a fingerprint of each op's first floating output (a bitwise hash, the "
+                                     "non-finite count, sum, sum of |x|, max |x|), read where the non-finite screen "
+                                     "reads it (CPU tensors): what tensorscope.diverge() compares two runs by")
     #: False, "fp32" or "fp64" once validated (True means "fp32"; "off" and None mean False).
     numerics: Union[bool, str] = _opt(False, "shadow-compute ops in higher precision and record the error; values: fp32 "
                                       "(16-bit ops in float32, what a bare --numerics means), fp64 (float32 ops in "

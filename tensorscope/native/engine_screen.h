@@ -253,6 +253,136 @@ inline int64_t nonfinite_count(const c10::TensorImpl* impl, double* max_abs = nu
   }
 }
 
+// Fingerprints (fingerprints=True): one pass over a real float CPU tensor's values in logical
+// (row-major) order, from the same memory the screen reads, nothing dispatched: a bitwise hash and
+// float64 statistics of the finite values. The hash is a sum over elements of a mix of (raw bits,
+// logical index), so lanes and runs may be summed in any order; recording/fingerprint.py computes
+// the same value with numpy for the python engine (keep the two in step).
+constexpr uint64_t kFpK1 = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kFpK2 = 0xBF58476D1CE4E5B9ull;
+inline uint64_t fp_mix(uint64_t b, uint64_t i) {
+  const uint64_t x = (b ^ (i * kFpK1)) * kFpK2;
+  return x ^ (x >> 31);
+}
+struct FpAcc {
+  uint64_t h = 0;
+  uint64_t i = 0;   // logical index of the next element
+  int64_t nf = 0;
+  double s = 0, a = 0, m = 0;
+};
+inline double fp_value(double x) { return x; }
+inline double fp_value(float x) { return double(x); }
+template <typename T>
+inline double fp_value(T x) { return double(static_cast<float>(x)); }
+
+template <typename T, typename U>
+TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, FpAcc& acc) {
+  // four independent accumulators: the float64 sums are latency-bound otherwise
+  uint64_t h[4] = {0, 0, 0, 0};
+  double s[4] = {0, 0, 0, 0}, a[4] = {0, 0, 0, 0}, m[4] = {0, 0, 0, 0};
+  int64_t nf = 0;
+  const uint64_t i0 = acc.i;
+  for (int64_t k = 0; k < n; ++k) {
+    const T x = p[k * stride];
+    U b;
+    std::memcpy(&b, &x, sizeof(U));
+    const int l = int(k & 3);
+    h[l] += fp_mix(uint64_t(b), i0 + uint64_t(k));
+    const double v = fp_value(x);
+    if (std::isfinite(v)) {
+      s[l] += v;
+      const double av = std::fabs(v);
+      a[l] += av;
+      m[l] = av > m[l] ? av : m[l];
+    } else {
+      nf++;
+    }
+  }
+  acc.h += h[0] + h[1] + h[2] + h[3];
+  acc.s += (s[0] + s[1]) + (s[2] + s[3]);
+  acc.a += (a[0] + a[1]) + (a[2] + a[3]);
+  acc.m = std::max(acc.m, std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
+  acc.nf += nf;
+  acc.i = i0 + uint64_t(n);
+}
+
+template <typename T, typename U>
+inline void fp_strided(const T* base, const int64_t* sz, const int64_t* st, int64_t nd, FpAcc& acc) {
+  if (nd == 0) {
+    fp_run<T, U>(base, 1, 1, acc);
+    return;
+  }
+  const int64_t inner = sz[nd - 1], istr = st[nd - 1];
+  int64_t idx[32] = {0};
+  while (true) {
+    int64_t off = 0;
+    for (int64_t d = 0; d < nd - 1; ++d) off += idx[d] * st[d];
+    fp_run<T, U>(base + off, inner, istr, acc);
+    int64_t d = nd - 2;
+    while (d >= 0) {
+      if (++idx[d] < sz[d]) break;
+      idx[d] = 0;
+      --d;
+    }
+    if (d < 0) break;
+  }
+}
+
+struct FpRec {
+  int64_t seq;
+  uint64_t hash;
+  int64_t nonfinite;
+  double sum, abs_sum, max_abs;
+};
+
+// false: not a real float CPU tensor with data (nothing recorded)
+inline bool fingerprint(const c10::TensorImpl* impl, FpRec* out) {
+  if (impl->layout() != c10::kStrided || impl->is_nested() || impl->has_symbolic_sizes_strides()) return false;
+  if (!impl->has_storage() || impl->device().type() != c10::DeviceType::CPU) return false;
+  const auto st = impl->dtype().toScalarType();
+  if (!(st == c10::kFloat || st == c10::kDouble || st == c10::kHalf || st == c10::kBFloat16)) return false;
+  int64_t nd = impl->dim();
+  if (nd > 30) return false;
+  FpAcc acc;
+  const int64_t numel = impl->numel();
+  if (numel > 0) {
+    const c10::StorageImpl* si = impl->unsafe_storage().unsafeGetStorageImpl();
+    if (si == nullptr || si->data_ptr().get() == nullptr) return false;
+    const char* data = static_cast<const char*>(si->data_ptr().get());
+    const int64_t off = impl->storage_offset();
+    int64_t sz[32], sd[32];
+    for (int64_t i = 0; i < nd; ++i) {
+      sz[i] = impl->sizes()[i];
+      sd[i] = impl->strides()[i];
+    }
+    if (nd > 1 && impl->is_contiguous()) {   // row-major: memory order is the logical order
+      sz[0] = numel;
+      sd[0] = 1;
+      nd = 1;
+    }
+    switch (st) {
+      case c10::kFloat:
+        fp_strided<float, uint32_t>(reinterpret_cast<const float*>(data) + off, sz, sd, nd, acc);
+        break;
+      case c10::kDouble:
+        fp_strided<double, uint64_t>(reinterpret_cast<const double*>(data) + off, sz, sd, nd, acc);
+        break;
+      case c10::kHalf:
+        fp_strided<c10::Half, uint16_t>(reinterpret_cast<const c10::Half*>(data) + off, sz, sd, nd, acc);
+        break;
+      default:
+        fp_strided<c10::BFloat16, uint16_t>(reinterpret_cast<const c10::BFloat16*>(data) + off, sz, sd, nd, acc);
+        break;
+    }
+  }
+  out->hash = fp_mix(acc.h, uint64_t(numel));
+  out->nonfinite = acc.nf;
+  out->sum = acc.s;
+  out->abs_sum = acc.a;
+  out->max_abs = acc.m;
+  return true;
+}
+
 inline int64_t version_of(const c10::TensorImpl* impl) {
   try {
     if (const_cast<c10::TensorImpl*>(impl)->is_inference()) return -1;

@@ -427,6 +427,11 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 r = screen.post(seq, func, args, kwargs, outs, pre_state)
                 if r is not None:
                     rec.nonfinite[seq] = r
+            fps = s.fingerprints
+            if fps is not None and outs:
+                r = fps.post(func, args, kwargs, outs)
+                if r is not None:
+                    rec.fingerprints[seq] = r
             shadow = s.shadow
             if shadow is not None:
                 r = shadow.compare(seq, func, args, kwargs, outs)

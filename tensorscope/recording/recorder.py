@@ -302,6 +302,8 @@ class Recorder:
         self.cuda_ns: dict[int, int] = {}
         self.nonfinite: dict[int, tuple[int, bool]] = {}
         self.numerics: dict[int, tuple[float, float]] = {}
+        #: fingerprints=True: seq -> (hash, nonfinite, sum, abs_sum, max_abs) of the op's first float output
+        self.fingerprints: dict[int, tuple[int, int, float, float, float]] = {}
         self.errors: list[dict[str, Any]] = []
         self.tracer_errors: list[str] = []     # the first messages
         self.n_tracer_errors = 0

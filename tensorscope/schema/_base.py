@@ -7,7 +7,7 @@ from typing import Any
 import pyarrow as pa
 
 #: "major.minor". Bump major when a column changes meaning or type.
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 _i64 = pa.int64()
@@ -15,6 +15,7 @@ _i32 = pa.int32()
 _str = pa.string()
 _bool = pa.bool_()
 _f64 = pa.float64()
+_u64 = pa.uint64()
 _strs = pa.list_(pa.string())
 _bools = pa.list_(pa.bool_())
 _i64s = pa.list_(pa.int64())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from ._base import _bool, _bools, _dstr, _dstrs, _f64, _i32s, _i64, _i64s, _schema, _shapes, _str, _strs
+from ._base import _bool, _bools, _dstr, _dstrs, _f64, _i32s, _i64, _i64s, _schema, _shapes, _str, _strs, _u64
 
 #: ``tensors.category`` values, in the order the timeline stacks them (bottom first)
 MEMORY_CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation", "temporary", "other")
@@ -55,6 +55,13 @@ OPS = _schema("ops", [
     ("num_rel_err", _f64),          # numerics shadow mode: relative error vs the wide reference
     ("num_max_abs_err", _f64),
     ("graph_id", _i64),             # compiled region (graphs.graph_id, kind inductor) that ran this op, or null
+    # 1.5, fingerprints=True: the op's first real floating output (fresh or written), read where the
+    # screen reads it; null when not recorded (older files, fingerprints off, views, non-float outputs)
+    ("fp_hash", _u64),              # bitwise hash of the values in logical order (both engines agree)
+    ("fp_nonfinite", _i64),         # NaN/Inf values
+    ("fp_sum", _f64),               # sum of the finite values (float64)
+    ("fp_abs_sum", _f64),           # sum of |x| over the finite values
+    ("fp_max_abs", _f64),           # largest finite |x|
 ])
 
 CALLS = _schema("calls", [
