@@ -66,8 +66,9 @@ LAYERS: Layers = (
     ("recording", ("tensorscope.recording",),
      "trace(): the session, the engines behind one seam, the context and buffers, the python engine's "
      "modes and the probes, the decoder; builds the Trace, keeps the history"),
-    ("api", ("tensorscope.substitution", "tensorscope.prediction", "tensorscope.windows"),
-     "built on the public trace(): check_substitution, predict, schedule (windowed tracing)"),
+    ("api", ("tensorscope.substitution", "tensorscope.prediction", "tensorscope.windows", "tensorscope.divergence"),
+     "built on the public trace(): check_substitution, predict, schedule (windowed tracing), diverge (two runs "
+     "aligned by their fingerprints; history indices)"),
     ("frontends", ("tensorscope", "tensorscope.__main__", "tensorscope.cli", "tensorscope.magics"),
      "the package facade (lazy re-exports), python -m tensorscope, the CLI, the IPython magics"),
 )

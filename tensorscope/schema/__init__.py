@@ -59,6 +59,8 @@ from .views import (
     ADVICE,
     ALLOCATOR_TIMELINE,
     DIFF,
+    DIVERGE_PAIRS,
+    DIVERGE_STRUCTURE,
     MEMORY_AT,
     MEMORY_TIMELINE,
     MODULE_MEMORY,
@@ -73,7 +75,7 @@ __all__ = [
     "GRAPH_NODES", "API", "COLLECTIVES", "ALLOCATOR", "ALLOCATOR_SEGMENTS", "ALLOCATOR_BLOCKS", "ALLOCATOR_EVENTS",
     "TABLES", "REQUIRED", "RECORDED", "DERIVED", "MEMORY_CATEGORIES",
     "SUBSTITUTION", "DIFF", "MEMORY_TIMELINE", "ALLOCATOR_TIMELINE", "MEMORY_AT", "MODULE_MEMORY", "SYNCS",
-    "ROOFLINE", "ADVICE",
+    "ROOFLINE", "ADVICE", "DIVERGE_PAIRS", "DIVERGE_STRUCTURE",
     "DATASET_KEYS", "RANKS", "dataset_schema",
     "nullable_array", "dense_array", "empty", "conform", "unify_dictionaries", "plain_type", "plain_strings",
 ]
