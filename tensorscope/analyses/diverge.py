@@ -6,8 +6,10 @@
   out. Each remaining op is keyed by (module, source file and line, op, phase) and numbered by
   occurrence of its key; the (key, occurrence) pairs both runs have are matched, and the longest
   chain of matches in the same order in both runs is kept (patience diff: a longest increasing
-  subsequence, O(n log n)). Between two kept matches, what is left is matched again by the looser
-  key (module, op, phase) in the same way, so a call that moved to another line still pairs. Ops
+  subsequence, O(n log n)). That runs three times: first with the output's hash in the key (equal
+  values anchor: a loop's iterations pair by value, not by counting, so a removed op shifts
+  nothing), then by the key alone between those anchors (occurrences counted from each gap's
+  start), then by the looser key (module, op, phase), so a call that moved to another line pairs. Ops
   left over are *structure*: a cast one run inserted (autocast), or ops only one run ran there
   (a different kernel or decomposition, a compiled region's fused ops).
 * **Comparison.** A pair compares the two fingerprints (``fp_*``): the same hash is identical; else
@@ -19,7 +21,8 @@
 * **Cause.** An op's inputs are traced to the ops that last wrote their storages (through casts
   only one run made). A diverged pair whose inputs all agree is *numeric* (the first one is where
   the runs part ways); one with an input made by ops only one run ran is *structural*; one with a
-  diverged input is *propagated*, and it *grew* when its error is 10x its inputs' or more.
+  diverged input, or a close one whose difference it amplified less than 10x, is *propagated*, and
+  it *grew* when its error is 10x its inputs' or more.
 """
 from __future__ import annotations
 
@@ -75,6 +78,8 @@ class Side:
             self.loose.append((mod[i], op[i], ph[i]))
         h, nf, s, a, m = (c[k] for k in FP_COLUMNS)
         self.fp: list[Optional[Fp]] = [None if h[i] is None else (h[i], nf[i], s[i], a[i], m[i]) for i in range(n)]
+        #: the full key with the output's hash: equal values anchor the alignment first
+        self.exact: list[Optional[Hashable]] = [None if h[r] is None else (k, h[r]) for k, r in zip(self.full, self.rows)]
         self.is_cast = [_is_cast(op[i], c["in_dtypes"][i], c["out_dtypes"][i]) for i in range(n)]
         # producers: the last row that wrote each input storage (fresh outputs and written ones)
         last: dict[int, int] = {}
@@ -162,6 +167,8 @@ def _match(ka: Sequence[Hashable], kb: Sequence[Hashable], ia: range, ib: range)
     where: dict[tuple[Hashable, int], int] = {}
     for j in ib:
         k = kb[j]
+        if k is None:
+            continue
         o = occ.get(k, 0)
         occ[k] = o + 1
         where[(k, o)] = j
@@ -169,6 +176,8 @@ def _match(ka: Sequence[Hashable], kb: Sequence[Hashable], ia: range, ib: range)
     cands: list[tuple[int, int]] = []
     for i in ia:
         k = ka[i]
+        if k is None:
+            continue
         o = occ.get(k, 0)
         occ[k] = o + 1
         j = where.get((k, o))
@@ -177,19 +186,29 @@ def _match(ka: Sequence[Hashable], kb: Sequence[Hashable], ia: range, ib: range)
     return _lis(cands)
 
 
-def align(a: Side, b: Side) -> list[tuple[int, int]]:
-    """Aligned (position in a.rows, position in b.rows) pairs, in order."""
-    na, nb = len(a.rows), len(b.rows)
-    anchors = _match(a.full, b.full, range(na), range(nb))
+def _refine(ka: Sequence[Optional[Hashable]], kb: Sequence[Optional[Hashable]], anchors: list[tuple[int, int]],
+            na: int, nb: int) -> list[tuple[int, int]]:
+    """``anchors`` with the gaps between them matched by the keys ``ka``/``kb`` (occurrences counted
+    from each gap's start)."""
     out: list[tuple[int, int]] = []
     pi, pj = -1, -1
     for i, j in anchors + [(na, nb)]:
         if i - pi > 1 and j - pj > 1:
-            out.extend(_match(a.loose, b.loose, range(pi + 1, i), range(pj + 1, j)))
+            out.extend(_match(ka, kb, range(pi + 1, i), range(pj + 1, j)))
         if i < na:
             out.append((i, j))
         pi, pj = i, j
     return out
+
+
+def align(a: Side, b: Side) -> list[tuple[int, int]]:
+    """Aligned (position in a.rows, position in b.rows) pairs, in order: first the ops with the same
+    key and the same output bits (a loop's iterations pair by their values, not by counting), then
+    the same key in the gaps between them, then the looser key in what is left."""
+    na, nb = len(a.rows), len(b.rows)
+    pairs = _match(a.exact, b.exact, range(na), range(nb))
+    pairs = _refine(a.full, b.full, pairs, na, nb)
+    return _refine(a.loose, b.loose, pairs, na, nb)
 
 
 # -- comparison ------------------------------------------------------------------------------------
@@ -274,7 +293,9 @@ def diverge_tables(ops_a: pa.Table, ops_b: pa.Table, rtol: Optional[float] = Non
             else:
                 status = "diverged"
                 diverged[k] = True
-                if in_div:
+                if in_div or (in_err > 0 and err < GROWTH * in_err):
+                    # an input already differed (a diverged one, or a close one this op amplified
+                    # less than GROWTH times): the difference arrived here, it was not made here
                     cause = "propagated"
                     growth = (err / in_err) if in_err > 0 else math.inf
                 elif struct_a or struct_b:
