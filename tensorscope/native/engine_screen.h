@@ -266,7 +266,6 @@ inline uint64_t fp_mix(uint64_t b, uint64_t i) {
 }
 struct FpAcc {
   uint64_t h = 0;
-  uint64_t i = 0;   // logical index of the next element
   int64_t nf = 0;
   double s = 0, a = 0, m = 0;
 };
@@ -275,19 +274,24 @@ inline double fp_value(float x) { return double(x); }
 template <typename T>
 inline double fp_value(T x) { return double(static_cast<float>(x)); }
 
+// `n` values from p (memory stride `stride`), the first at logical index i0, the next ones `lstep`
+// further each (the hash needs each value's logical index, not the order they are read in)
 template <typename T, typename U>
-TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, FpAcc& acc) {
+TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uint64_t lstep, FpAcc& acc) {
   // four independent accumulators: the float64 sums are latency-bound otherwise
   uint64_t h[4] = {0, 0, 0, 0};
   double s[4] = {0, 0, 0, 0}, a[4] = {0, 0, 0, 0}, m[4] = {0, 0, 0, 0};
   int64_t nf = 0;
-  const uint64_t i0 = acc.i;
+  uint64_t ik = i0 * kFpK1;   // i * K1, advanced by addition
+  const uint64_t dk = lstep * kFpK1;
   for (int64_t k = 0; k < n; ++k) {
     const T x = p[k * stride];
     U b;
     std::memcpy(&b, &x, sizeof(U));
     const int l = int(k & 3);
-    h[l] += fp_mix(uint64_t(b), i0 + uint64_t(k));
+    uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
+    h[l] += z ^ (z >> 31);
+    ik += dk;
     const double v = fp_value(x);
     if (std::isfinite(v)) {
       s[l] += v;
@@ -303,28 +307,66 @@ TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, FpAcc& acc) {
   acc.a += (a[0] + a[1]) + (a[2] + a[3]);
   acc.m = std::max(acc.m, std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
   acc.nf += nf;
-  acc.i = i0 + uint64_t(n);
 }
 
+// Every element once, in memory order (dims sorted by stride, adjacent ones merged where both the
+// memory and the logical strides allow: a contiguous or channels_last tensor is one or a few long
+// unit-stride runs), each hashed with its logical (row-major) index.
 template <typename T, typename U>
-inline void fp_strided(const T* base, const int64_t* sz, const int64_t* st, int64_t nd, FpAcc& acc) {
-  if (nd == 0) {
-    fp_run<T, U>(base, 1, 1, acc);
+inline void fp_strided(const T* base, const int64_t* sizes, const int64_t* strides, int64_t nd, FpAcc& acc) {
+  int64_t sz[32], st[32], ls[32];
+  int64_t k = 0;
+  int64_t logical = 1;
+  for (int64_t d = nd - 1; d >= 0; --d) {   // row-major logical strides; size-1 dims dropped
+    if (sizes[d] != 1) {
+      sz[k] = sizes[d];
+      st[k] = strides[d];
+      ls[k] = logical;
+      ++k;
+    }
+    logical *= sizes[d];
+  }
+  // k dims, innermost-logical first; sort by memory stride ascending (insertion sort: nd <= 30)
+  for (int64_t i = 1; i < k; ++i) {
+    for (int64_t j = i; j > 0 && st[j] < st[j - 1]; --j) {
+      std::swap(sz[j], sz[j - 1]);
+      std::swap(st[j], st[j - 1]);
+      std::swap(ls[j], ls[j - 1]);
+    }
+  }
+  int64_t m = 0;   // merge: dim j+1 continues dim m in memory and in logical order
+  for (int64_t j = 1; j < k; ++j) {
+    if (m >= 0 && st[j] == st[m] * sz[m] && ls[j] == ls[m] * sz[m]) {
+      sz[m] *= sz[j];
+    } else {
+      ++m;
+      sz[m] = sz[j];
+      st[m] = st[j];
+      ls[m] = ls[j];
+    }
+  }
+  const int64_t nk = k == 0 ? 0 : m + 1;
+  if (nk == 0) {
+    fp_run<T, U>(base, 1, 1, 0, 1, acc);
     return;
   }
-  const int64_t inner = sz[nd - 1], istr = st[nd - 1];
+  // dim 0 is the innermost (smallest memory stride): a tight run; the others by an index vector
   int64_t idx[32] = {0};
   while (true) {
     int64_t off = 0;
-    for (int64_t d = 0; d < nd - 1; ++d) off += idx[d] * st[d];
-    fp_run<T, U>(base + off, inner, istr, acc);
-    int64_t d = nd - 2;
-    while (d >= 0) {
+    uint64_t li = 0;
+    for (int64_t d = 1; d < nk; ++d) {
+      off += idx[d] * st[d];
+      li += uint64_t(idx[d] * ls[d]);
+    }
+    fp_run<T, U>(base + off, sz[0], st[0], li, uint64_t(ls[0]), acc);
+    int64_t d = 1;
+    while (d < nk) {
       if (++idx[d] < sz[d]) break;
       idx[d] = 0;
-      --d;
+      ++d;
     }
-    if (d < 0) break;
+    if (d >= nk) break;
   }
 }
 
@@ -354,11 +396,6 @@ inline bool fingerprint(const c10::TensorImpl* impl, FpRec* out) {
     for (int64_t i = 0; i < nd; ++i) {
       sz[i] = impl->sizes()[i];
       sd[i] = impl->strides()[i];
-    }
-    if (nd > 1 && impl->is_contiguous()) {   // row-major: memory order is the logical order
-      sz[0] = numel;
-      sd[0] = 1;
-      nd = 1;
     }
     switch (st) {
       case c10::kFloat:
