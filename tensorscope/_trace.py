@@ -213,6 +213,14 @@ class Trace:
         self._later.pop("metadata", None)
         return where
 
+    def repro(self, seq: int, path) -> str:
+        """Write a standalone script that reruns op ``seq`` and checks its recorded outcome (an error's
+        type and message, NaN/Inf positions, output strides); inputs from ``capture=``, else random.
+        Returns the path (see tensorscope/repro.py)."""
+        from .repro import write_repro
+
+        return write_repro(self, seq, path)
+
     def to_perfetto(self, path) -> str:
         """Chrome/Perfetto trace-event JSON (opens in ui.perfetto.dev and chrome://tracing)."""
         from .render.perfetto import write_perfetto

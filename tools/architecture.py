@@ -56,7 +56,7 @@ LAYERS: Layers = (
      "draws tables and results as text, HTML, SVG, Perfetto JSON, matplotlib figures; "
      "takes its input as arguments and imports no data producer"),
     ("results", ("tensorscope._trace", "tensorscope._dataset", "tensorscope._env", "tensorscope._peaks",
-                 "tensorscope._advice"),
+                 "tensorscope._advice", "tensorscope.repro"),
      "the immutable Trace (and load), an opened multi-rank Dataset, the environment report: data "
      "objects whose displays call render"),
     ("compare", ("tensorscope._diff",),

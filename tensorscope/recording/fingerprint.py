@@ -11,7 +11,6 @@ either engine compare. The hash is ``mix(sum_i mix(bits_i, i), numel)`` (wrappin
 """
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -49,6 +48,31 @@ def mix(b: int, i: int) -> int:
     return x ^ (x >> 31)
 
 
+class _Memory:
+    """What ``np.asarray`` reads a strided view of raw memory from (the array interface)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], typestr: str) -> None:
+        self.__array_interface__ = {"data": (ptr, True), "shape": shape, "strides": strides, "typestr": typestr,
+                                    "version": 3}
+
+
+#: idx * K1 (wrapping), kept for the largest tensor seen so far (up to 4M elements): sliced per op
+_IK: list[np.ndarray] = [np.zeros(0, np.uint64)]
+
+
+def _ik(n: int) -> np.ndarray:
+    ik = _IK[0]
+    if n > 1 << 22:   # bigger than 32 MiB of indices: made for this tensor alone, not kept
+        with np.errstate(over="ignore"):
+            return np.arange(n, dtype=np.uint64) * _K1
+    if len(ik) < n:
+        with np.errstate(over="ignore"):
+            ik = _IK[0] = np.arange(max(n, 2 * len(ik)), dtype=np.uint64) * _K1
+    return ik[:n]
+
+
 def raw_values(t: torch.Tensor) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """(raw bits, float values) of a plain real-float CPU tensor in logical order, read from its
     storage without dispatching anything; None when it is not one."""
@@ -60,18 +84,13 @@ def raw_values(t: torch.Tensor) -> Optional[tuple[np.ndarray, np.ndarray]]:
     if n == 0:
         e = np.zeros(0, utype)
         return e, as_float(e).astype(np.float64)
-    st = t.untyped_storage()
-    nbytes = st.nbytes()
-    ptr = st.data_ptr()
-    if not ptr or not nbytes:
+    ptr = t.data_ptr()
+    if not ptr:
         return None
     item = np.dtype(utype).itemsize
-    buf = (ctypes.c_char * nbytes).from_address(ptr)
-    whole = np.frombuffer(buf, dtype=utype, count=nbytes // item)
-    off = t.storage_offset()
-    shape = tuple(t.shape)
-    strides = tuple(s * item for s in t.stride())
-    view = np.lib.stride_tricks.as_strided(whole[off:], shape=shape, strides=strides, writeable=False)
+    # a numpy view of the tensor's memory (its shape and strides), made from the address alone:
+    # nothing is dispatched and no reference to the tensor is kept
+    view = np.asarray(_Memory(ptr, tuple(t.shape), tuple(s * item for s in t.stride()), np.dtype(utype).str))
     bits = np.ascontiguousarray(view).reshape(-1)   # a copy: the tensor's memory is never held
     return bits, as_float(bits).astype(np.float64)
 
@@ -85,11 +104,12 @@ def fingerprint(t: torch.Tensor) -> Optional[Fingerprint]:
     n = len(bits)
     if n == 0:
         return (mix(0, 0), 0, 0.0, 0.0, 0.0)
-    idx = np.arange(n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = (bits.astype(np.uint64) ^ (idx * _K1)) * _K2
-        x ^= x >> _S31
-        h = int(x.sum(dtype=np.uint64))
+    # integer arrays wrap silently (no overflow warning, unlike numpy scalars)
+    x = bits.astype(np.uint64)
+    x ^= _ik(n)
+    x *= _K2
+    x ^= x >> _S31
+    h = int(x.sum(dtype=np.uint64))
     fin = np.isfinite(vals)
     nf = n - int(np.count_nonzero(fin))
     good = vals if nf == 0 else vals[fin]
