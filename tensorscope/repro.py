@@ -91,6 +91,7 @@ def write_repro(trace: Any, seq: int, path: str) -> str:
     else:
         call = _random_call(op, row)
         notes.append("inputs: random (record with capture= to save the real ones)")
+        notes.append("arguments other than tensors: the schema's defaults (not recorded without a capture)")
     inputs = {r["index"]: r for r in mine if r["kind"] == "input"}
     masks = {r["index"]: r for r in mine if r["kind"] == "mask"}
     tensors = []
