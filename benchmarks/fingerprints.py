@@ -23,7 +23,7 @@ import torch
 import tensorscope
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import conv_net, mlp, small_ops, transformer  # noqa: E402
+from overhead import conv_net, mlp, small_ops, transformer
 
 CLOCK = time.thread_time_ns
 
@@ -65,8 +65,9 @@ def bench(engines, reps, quick):
 
 
 def align_100k():
-    from tensorscope.analyses.diverge import diverge_tables
     import pyarrow as pa
+
+    from tensorscope.analyses.diverge import diverge_tables
 
     with tensorscope.trace(fingerprints=True, leaks=False, storages=False) as t:
         x = torch.zeros(4)

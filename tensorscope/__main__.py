@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings")
     b = sub.add_parser("build-native", help="build the native C++ hooks now (cached)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    from .cli import diverge, kernel, repro, report, run
+    from .cli import diverge, kernel, report, repro, run
 
     run.add_parser(sub)
     report.add_parser(sub)

@@ -106,12 +106,12 @@ class Divergence(Displayable):
 
         return self.pairs.filter(pc.equal(self.pairs.column("status"), "diverged"))
 
-    def to_text(self, limit: int = 10) -> str:  # type: ignore[override]
+    def to_text(self, limit: int = 10) -> str:
         from .render.diverge import diverge_text
 
         return diverge_text(self, limit)
 
-    def to_html(self, limit: int = 10) -> str:  # type: ignore[override]
+    def to_html(self, limit: int = 10) -> str:
         from .render.diverge import diverge_html
 
         return diverge_html(self, limit)

@@ -199,9 +199,9 @@ def _match(ka: Sequence[Hashable], kb: Sequence[Hashable], ia: range, ib: range)
             continue
         o = occ.get(k, 0)
         occ[k] = o + 1
-        j = where.get((k, o))
-        if j is not None:
-            cands.append((i, j))
+        jj = where.get((k, o))
+        if jj is not None:
+            cands.append((i, jj))
     return _lis(cands)
 
 

@@ -6,8 +6,6 @@ status is 0 with no divergence, 1 with one, 2 on bad input.
 """
 from __future__ import annotations
 
-import sys
-
 
 def add_parser(sub):
     p = sub.add_parser("diverge", help="where two saved runs' values part ways (runs recorded with --fingerprints)")

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .numerics import _FuncInfo, _plain, _NOSCREEN, _MAYBE_ALIAS, _FUNC_INFOS
+from .numerics import _FUNC_INFOS, _MAYBE_ALIAS, _NOSCREEN, _FuncInfo, _plain
 
 #: the native engine's FpRec (engine_screen.h): seq, hash, nonfinite, sum, abs_sum, max_abs
 FP_RECORD = np.dtype([("seq", "<i8"), ("hash", "<u8"), ("nonfinite", "<i8"), ("sum", "<f8"),
@@ -65,11 +65,13 @@ _IK: list[np.ndarray] = [np.zeros(0, np.uint64)]
 def _ik(n: int) -> np.ndarray:
     ik = _IK[0]
     if n > 1 << 22:   # bigger than 32 MiB of indices: made for this tensor alone, not kept
-        with np.errstate(over="ignore"):
-            return np.arange(n, dtype=np.uint64) * _K1
+        big: np.ndarray = np.arange(n, dtype=np.uint64)
+        big *= _K1   # arrays wrap silently
+        return big
     if len(ik) < n:
-        with np.errstate(over="ignore"):
-            ik = _IK[0] = np.arange(max(n, 2 * len(ik)), dtype=np.uint64) * _K1
+        ik = np.arange(max(n, 2 * len(ik)), dtype=np.uint64)
+        ik *= _K1
+        _IK[0] = ik
     return ik[:n]
 
 

@@ -61,7 +61,7 @@ def structure_rows(d: Any, limit: int) -> list[tuple[str, ...]]:
     s = d.structure
     if s.num_rows == 0:
         return []
-    keys = Counter()
+    keys: Counter[tuple[str, ...]] = Counter()
     for r in s.to_pylist():
         dt = f"{r['in_dtype']} → {r['out_dtype']}" if r["kind"] == "cast" else ""
         keys[(r["side"], r["kind"], r["op"] or "", _where(r), dt)] += 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from ._base import _bool, _bools, _dstr, _dstrs, _f64, _i32s, _i64, _i64s, _bin, _schema, _shapes, _str, _strs, _u64
+from ._base import _bin, _bool, _bools, _dstr, _dstrs, _f64, _i32s, _i64, _i64s, _schema, _shapes, _str, _strs, _u64
 
 #: ``tensors.category`` values, in the order the timeline stacks them (bottom first)
 MEMORY_CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation", "temporary", "other")
