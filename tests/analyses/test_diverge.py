@@ -266,3 +266,39 @@ def test_html_escapes_what_the_trace_holds(autocast_runs):
     assert evil not in h and "&lt;img src=x onerror=alert(1)&gt;" in h
     assert "&lt;Block&gt;" in h or "Block" not in h
     assert not math.isnan(d.first["rel_err"])
+
+
+def test_html_in_a_real_browser(autocast_runs, tmp_path):
+    """The page renders in headless Chromium; a hostile module name stays text (no element, no script)."""
+    import shutil
+
+    chromium = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
+                    None)
+    if chromium is None:
+        pytest.skip("no Chromium on this machine (Debian: apt-get install chromium)")
+    from tensorscope.render.ranks import html_document
+
+    a, b, _ = autocast_runs
+    d = tensorscope.diverge(str(a), str(b))
+    evil = '<img id="pwn" src=x onerror="document.title=1">'
+    s = d.structure
+    s = s.set_column(s.schema.get_field_index("module"), "module", pa.array([evil] * s.num_rows, pa.string()))
+    d.structure = s
+    page = tmp_path / "d.html"
+    probe = ("<script>window.addEventListener('load', function () {var p = document.createElement('pre');"
+             "p.id = 'probe'; p.textContent = JSON.stringify({img: document.querySelectorAll('#pwn').length, "
+             "text: document.body.textContent.indexOf('<img id=\"pwn\"') >= 0, "
+             "rows: document.querySelectorAll('.tensorscope-diverge table tr').length}); "
+             "document.body.appendChild(p);});</script>")
+    page.write_text(html_document("diverge", d.to_html()).replace("</body>", probe + "</body>"))
+    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                        "--virtual-time-budget=5000", "--dump-dom", "file://" + str(page)], capture_output=True,
+                       text=True, timeout=120)
+    import html as _html
+    import json
+    import re
+
+    m = re.search(r'<pre id="probe">(.*?)</pre>', r.stdout, re.S)
+    assert m, r.stderr[-2000:]
+    got = json.loads(_html.unescape(m.group(1)))
+    assert got["img"] == 0 and got["text"] is True and got["rows"] >= 3, got
