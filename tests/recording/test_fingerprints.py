@@ -135,3 +135,19 @@ def test_fingerprints_survive_save_and_old_traces_load(tmp_path):
     assert str(back.ops.schema.field("fp_hash").type) == "uint64"
     old = tensorscope.load(os.path.join(ROOT, "tests", "data", "golden-schema-1.4"))
     assert old.ops.column("fp_hash").null_count == old.ops.num_rows
+
+
+def test_the_two_engines_fingerprint_alike():
+    """The same program under the native engine (where it builds) and the python one: every aligned
+    op has the same hash (diverge finds them identical)."""
+    traces = []
+    for engine in ("auto", "python"):
+        with tensorscope.trace(fingerprints=True, leaks=False, engine=engine) as t:
+            _program()
+        traces.append(t.result)
+    d = tensorscope.diverge(*traces)
+    f = d.facts
+    # ops with no fingerprint on either side (uninitialised memory: empty) are "unknown" on both
+    assert f["aligned"] == f["ops_a"] == f["ops_b"] and f["identical"] > 10, d.to_text()
+    assert f["aligned"] == f["identical"] + f["unknown"] and f["diverged"] == f["close"] == 0, d.to_text()
+    assert d.structure.num_rows == 0
