@@ -274,30 +274,56 @@ inline double fp_value(float x) { return double(x); }
 template <typename T>
 inline double fp_value(T x) { return double(static_cast<float>(x)); }
 
+template <typename T> struct FpExp;
+template <> struct FpExp<float> { static constexpr uint32_t v = 0x7f800000u; };
+template <> struct FpExp<double> { static constexpr uint64_t v = 0x7ff0000000000000ull; };
+template <> struct FpExp<c10::Half> { static constexpr uint16_t v = 0x7c00u; };
+template <> struct FpExp<c10::BFloat16> { static constexpr uint16_t v = 0x7f80u; };
+
 // `n` values from p (memory stride `stride`), the first at logical index i0, the next ones `lstep`
-// further each (the hash needs each value's logical index, not the order they are read in)
+// further each (the hash needs each value's logical index, not the order they are read in).
+// Unit-stride runs go four values at a time into four independent accumulators, branch-free (the
+// finite test on the exponent bits), so the float64 sums are not one latency chain.
 template <typename T, typename U>
 TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uint64_t lstep, FpAcc& acc) {
-  // four independent accumulators: the float64 sums are latency-bound otherwise
+  constexpr U kExp = U(FpExp<T>::v);
   uint64_t h[4] = {0, 0, 0, 0};
   double s[4] = {0, 0, 0, 0}, a[4] = {0, 0, 0, 0}, m[4] = {0, 0, 0, 0};
   int64_t nf = 0;
   uint64_t ik = i0 * kFpK1;   // i * K1, advanced by addition
   const uint64_t dk = lstep * kFpK1;
-  for (int64_t k = 0; k < n; ++k) {
+  int64_t k = 0;
+  if (stride == 1) {
+    const U* u = reinterpret_cast<const U*>(p);
+    const uint64_t dk4 = 4 * dk;
+    for (; k + 4 <= n; k += 4) {
+      for (int j = 0; j < 4; ++j) {
+        const U b = u[k + j];
+        const uint64_t z = (uint64_t(b) ^ (ik + uint64_t(j) * dk)) * kFpK2;
+        h[j] += z ^ (z >> 31);
+        const bool fin = (b & kExp) != kExp;
+        const double v = fin ? fp_value(p[k + j]) : 0.0;
+        const double av = std::fabs(v);
+        s[j] += v;
+        a[j] += av;
+        m[j] = av > m[j] ? av : m[j];
+        nf += fin ? 0 : 1;
+      }
+      ik += dk4;
+    }
+  }
+  for (; k < n; ++k) {
     const T x = p[k * stride];
     U b;
     std::memcpy(&b, &x, sizeof(U));
-    const int l = int(k & 3);
-    uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
-    h[l] += z ^ (z >> 31);
+    const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
+    h[0] += z ^ (z >> 31);
     ik += dk;
-    const double v = fp_value(x);
-    if (std::isfinite(v)) {
-      s[l] += v;
-      const double av = std::fabs(v);
-      a[l] += av;
-      m[l] = av > m[l] ? av : m[l];
+    if ((b & kExp) != kExp) {
+      const double v = fp_value(x);
+      s[0] += v;
+      a[0] += std::fabs(v);
+      m[0] = std::fabs(v) > m[0] ? std::fabs(v) : m[0];
     } else {
       nf++;
     }
