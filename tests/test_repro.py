@@ -123,12 +123,23 @@ def test_capture_bytes_exceeded_is_a_note(tmp_path):
     assert "output 0: shape [64, 64]" in out.stdout
 
 
-def test_inplace_capture_says_it_was_written(tmp_path):
-    x = torch.tensor([1e4, 2.0]).half()
+def test_inplace_capture_says_when_it_was_taken(tmp_path):
+    """An in-place op overwrites its input: the python engine copies it before the op (the repro
+    then makes the same infs), the native engine can only take it after (the row says so)."""
+    x = torch.tensor([1e4, 2.0, 3.0]).half()
     with tensorscope.trace(capture="nonfinite", leaks=False) as t:
         x.mul_(1e4)
-    caps = [c for c in t.result.table("captures").to_pylist() if c["kind"] == "input"]
+    tr = t.result
+    caps = [c for c in tr.table("captures").to_pylist() if c["kind"] == "input"]
     assert caps and "written by the op" in (caps[0]["note"] or "")
+    seq = _seq(tr, "aten.mul_.Scalar") if "aten.mul_.Scalar" in tr.ops.column("op").to_pylist() else _seq(
+        tr, "aten.mul_.Tensor")
+    if "before it ran" in caps[0]["note"]:
+        assert tr.metadata["engine"] == "python"
+        out = _run_script(tr.repro(seq, tmp_path / "inplace.py"), tmp_path)
+        assert out.returncode == 0 and "NaN/Inf at the 1 recorded positions" in out.stdout, out.stdout
+    else:
+        assert tr.metadata["engine"] == "native" and "as the op left it" in caps[0]["note"]
 
 
 def test_bad_input(tmp_path):

@@ -353,6 +353,8 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     seq_nr = -1
             screen = s.screen
             pre_state = screen.pre(func, args, kwargs, True) if (screen is not None and flags & (F_INPLACE | F_OUT_KW)) else None
+            if info.hook and flags & (F_INPLACE | F_OUT_KW) and s.op_hooks.before:
+                s.op_hooks.call_before(seq, str(func), schema_inputs(func, args, kwargs))
             ok = True
         except Exception as e:
             rec.tracer_error("dispatch (before op)", e)

@@ -6,8 +6,9 @@ for: ``"errors"`` (the kernel raised), ``"nonfinite"`` (a floating output holds 
 kept too) or a set of seqs. Per op: one "call" row (the arguments as JSON: tensors by number,
 numbers, dtypes, lists...) and one "input" row per CPU tensor argument holding the bytes it spans
 from its storage offset, read from its memory with numpy (nothing dispatched, no reference kept).
-The hook runs after the op: an argument the op writes (in-place, ``out=``) is captured as the op left
-it, and its row says so. Past ``capture_bytes`` the tensors of further ops are not saved (a note;
+The hook runs after the op; an argument the op writes (in-place, ``out=``) is copied before the op
+by the python engine (``OpHooks.before``), and captured as the op left it by the native engine
+(which calls no Python before an op): its row says which. Past ``capture_bytes`` the tensors of further ops are not saved (a note;
 their repro uses random values), the call rows still are.
 """
 from __future__ import annotations
@@ -50,11 +51,37 @@ class InputCapture:
         self.max_bytes = max_bytes
         self.used = 0
         self.rows: list[dict[str, Any]] = []
+        self._pending: dict[int, bytes] = {}   # before(): tensor number -> bytes, for _pending_seq
+        self._pending_seq = -1
         self.notes: list[str] = []
         self.skipped = 0
 
-    # -- the hook ------------------------------------------------------------------------------
+    # -- the hooks -----------------------------------------------------------------------------
+    def before(self, seq: int, name: str, inputs: Any) -> None:
+        """Before an op that writes an argument (python engine): the bytes of the tensors it will
+        write, kept until ``hook`` decides whether the op is captured."""
+        if self.seqs and seq not in self.seqs:
+            return
+        try:
+            schema = _op_schema(name)
+        except Exception:
+            return
+        self._pending = {}
+        k = 0
+        for i, v in enumerate(inputs):
+            a = schema.arguments[i] if i < len(schema.arguments) else None
+            w = a is not None and a.alias_info is not None and a.alias_info.is_write
+            for t in self._tensors(v):
+                if w and t.device.type == "cpu" and t.layout == torch.strided:
+                    n = span_elements(t.shape, t.stride()) * t.element_size()
+                    if t.data_ptr() and n and n <= self.max_bytes - self.used:
+                        self._pending[k] = np.asarray(_Memory(t.data_ptr(), (n,), (1,), "|u1")).tobytes()
+                k += 1
+        self._pending_seq = seq
+
     def hook(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
+        if self._pending_seq != seq:
+            self._pending = {}
         what = self.what
         if what == "errors":
             if outputs is not None:
@@ -159,8 +186,11 @@ class InputCapture:
                                "shape": list(t.shape), "stride": list(t.stride()),
                                "storage_offset": int(t.storage_offset()), "data": None, "note": None}
         notes = []
-        if written:
+        before = self._pending.get(k) if written else None
+        if written and before is None:
             notes.append("written by the op: captured as the op left it")
+        elif written:
+            notes.append("written by the op: captured before it ran")
         n = span_elements(t.shape, t.stride()) * t.element_size()
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or type(t) not in (
                 torch.Tensor, torch.nn.Parameter):
@@ -173,7 +203,9 @@ class InputCapture:
                                   f"this and later ops were not saved; their repro scripts use random values")
         else:
             ptr = t.data_ptr()
-            if n and ptr:
+            if before is not None and len(before) == n:
+                row["data"] = before
+            elif n and ptr:
                 view = np.asarray(_Memory(ptr, (n,), (1,), "|u1"))
                 row["data"] = view.tobytes()   # a copy
             else:

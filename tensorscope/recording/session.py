@@ -90,6 +90,7 @@ class Session:
 
             self.inputs = InputCapture(options.capture, options.capture_bytes)
             self.ctx.op_hooks.add(CAPTURE_NAMESPACES, self.inputs.hook)
+            self.ctx.op_hooks.before.append(self.inputs.before)   # python engine: written args, before the op
         self.dataset_error: Optional[BaseException] = None
         self._ds: Optional[dict[str, Any]] = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
         if options.dataset:
