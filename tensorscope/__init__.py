@@ -48,6 +48,8 @@ _LAZY = {
     "PredictionError": ("tensorscope.prediction", "PredictionError"),
     "diff": ("tensorscope._diff", "diff"),
     "TraceDiff": ("tensorscope._diff", "TraceDiff"),
+    "diverge": ("tensorscope.divergence", "diverge"),
+    "Divergence": ("tensorscope.divergence", "Divergence"),
     "SubstitutionReport": ("tensorscope.substitution", "SubstitutionReport"),
     "advise": ("tensorscope._advice", "advise"),
     "Advice": ("tensorscope._advice", "Advice"),

@@ -1,4 +1,4 @@
-"""``python -m tensorscope``: run, report, install-kernel, summary, export, sql, env and build-native from a shell.
+"""``python -m tensorscope``: run, report, install-kernel, diverge, repro, summary, export, sql, env and build-native from a shell.
 
 The headless commands live one per module in ``tensorscope/cli/``.
 """
@@ -26,11 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings")
     b = sub.add_parser("build-native", help="build the native C++ hooks now (cached)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    from .cli import kernel, report, run
+    from .cli import diverge, kernel, report, repro, run
 
     run.add_parser(sub)
     report.add_parser(sub)
     kernel.add_parser(sub)
+    diverge.add_parser(sub)
+    repro.add_parser(sub)
     return p
 
 
@@ -67,6 +69,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             from .cli import report
 
             return report.main(args)
+        if args.cmd == "diverge":
+            from .cli import diverge
+
+            return diverge.main(args)
+        if args.cmd == "repro":
+            from .cli import repro
+
+            return repro.main(args)
         if args.cmd == "install-kernel":
             from .cli import kernel
 

@@ -303,6 +303,16 @@ class Trace:
 
         return write_report(self, path)
 
+    def repro(self, seq: int, path: Any) -> str:
+        """Write a standalone script that reruns op ``seq`` and checks its recorded outcome; return its path.
+
+        The script checks an error's type and message, NaN/Inf positions and output strides; its inputs
+        are the ones captured with ``capture=``, else random with the recorded shapes and strides.
+        """
+        from .repro import write_repro
+
+        return write_repro(self, seq, path)
+
     def to_perfetto(self, path) -> str:
         """Chrome/Perfetto trace-event JSON (opens in ui.perfetto.dev and chrome://tracing)."""
         from .render.perfetto import write_perfetto

@@ -53,3 +53,11 @@ class GuardError(TensorscopeError, AssertionError):
 
 class NativeBuildError(TensorscopeError, RuntimeError):
     """The native extension could not be built or loaded."""
+
+
+class DivergeInputError(TensorscopeError, ValueError):
+    """``diverge()``/``repro()`` was given traces that cannot answer it.
+
+    Schemas of different major versions, no fingerprints (record with ``fingerprints=True``), or a
+    row that does not exist.
+    """

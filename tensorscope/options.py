@@ -90,6 +90,15 @@ class TraceOptions:
     storages: bool = _opt(True, "track storages by weak reference (tensors table, leaks, memory)")
     leaks: bool = _opt(True, "report, after the trace, the storages it created that are still alive and who holds them")
     nonfinite: bool = _opt(True, "screen floating outputs for NaN/Inf (CPU: per op; CUDA: on-device flags read once at the end)")
+    fingerprints: bool = _opt(False, "record a fingerprint of each op's first floating output (a bitwise hash, the "
+                                     "non-finite count, sum, sum of |x|, max |x|), read where the non-finite screen "
+                                     "reads it (CPU tensors): what tensorscope.diverge() compares two runs by")
+    #: None, "nonfinite", "errors" or a tuple of ops.seq values once validated
+    capture: Any = _opt(None, "save the real inputs (and call arguments) of some ops for t.repro(): 'nonfinite' (ops "
+                              "whose output holds NaN/Inf), 'errors' (ops that raised), or comma-separated seqs "
+                              "(CPU tensors; within capture_bytes)", type=str, metavar="{nonfinite,errors,SEQ,...}")
+    capture_bytes: int = _opt(64 << 20, "the most bytes of inputs capture= saves in one trace (past it: a note)",
+                              type=int, metavar="N")
     #: False, "fp32" or "fp64" once validated (True means "fp32"; "off" and None mean False).
     numerics: Union[bool, str] = _opt(False, "shadow-compute ops in higher precision and record the error; values: fp32 "
                                       "(16-bit ops in float32, what a bare --numerics means), fp64 (float32 ops in "
@@ -158,7 +167,10 @@ class TraceOptions:
             if not isinstance(v, str) or not v:
                 raise OptionsError(f"{name} must be a directory path, not {v!r}")
             object.__setattr__(self, name, v)
+        object.__setattr__(self, "capture", _capture_value(self.capture))
         _check_types(self)
+        if self.capture_bytes < 0:
+            raise OptionsError(f"capture_bytes must be >= 0, not {self.capture_bytes}")
         if self.engine not in ENGINES:
             raise OptionsError(f"engine must be 'auto', 'native' or 'python', not {self.engine!r}")
         if not (self.baseline_time >= 0 and self.baseline_memory >= 0):
@@ -205,6 +217,27 @@ class TraceOptions:
         rec = self.for_record()
         return {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(rec)
                 for v in [getattr(rec, f.name)]}
+
+
+def _capture_value(v: Any) -> Any:
+    """Normalise capture=: None, "nonfinite", "errors", or the seqs to capture as a sorted tuple.
+
+    ``"3,17"`` and ``[3, 17]`` alike give ``(3, 17)``.
+    """
+    if v is None or v == "" or v is False:
+        return None
+    if v in ("nonfinite", "errors"):
+        return v
+    items: Any = v.split(",") if isinstance(v, str) else v
+    try:
+        seqs = tuple(sorted({int(x) for x in items}))
+        if any(isinstance(x, bool) or (isinstance(x, float) and not x.is_integer()) for x in items):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise OptionsError(f"capture must be 'nonfinite', 'errors' or a list of op seqs, not {v!r}") from None
+    if not seqs or seqs[0] < 0:
+        raise OptionsError(f"capture seqs must be >= 0, not {v!r}")
+    return seqs
 
 
 def baseline_label(b: Any) -> str:

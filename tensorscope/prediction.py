@@ -251,8 +251,10 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
 
 
 def _predicted(res: Any) -> Any:
-    """The trace of a prediction, its metadata saying so (``metadata["predicted"] = True``): its times are
-    FakeTensor dispatch, not the step's, so no timing-based finding is made from it."""
+    """The trace of a prediction, its metadata saying so (``metadata["predicted"] = True``).
+
+    Its times are FakeTensor dispatch, not the step's, so no timing-based finding is made from it.
+    """
     from . import schema as S
     from ._trace import Trace
 

@@ -56,7 +56,7 @@ LAYERS: Layers = (
      "draws tables and results as text, HTML, SVG, Perfetto JSON, matplotlib figures; "
      "takes its input as arguments and imports no data producer"),
     ("results", ("tensorscope._trace", "tensorscope._dataset", "tensorscope._env", "tensorscope._peaks",
-                 "tensorscope._advice"),
+                 "tensorscope._advice", "tensorscope.repro"),
      "the immutable Trace (and load), an opened multi-rank Dataset, the environment report: data "
      "objects whose displays call render"),
     ("compare", ("tensorscope._diff",),
@@ -66,8 +66,9 @@ LAYERS: Layers = (
     ("recording", ("tensorscope.recording",),
      "trace(): the session, the engines behind one seam, the context and buffers, the python engine's "
      "modes and the probes, the decoder; builds the Trace, keeps the history"),
-    ("api", ("tensorscope.substitution", "tensorscope.prediction", "tensorscope.windows"),
-     "built on the public trace(): check_substitution, predict, schedule (windowed tracing)"),
+    ("api", ("tensorscope.substitution", "tensorscope.prediction", "tensorscope.windows", "tensorscope.divergence"),
+     "built on the public trace(): check_substitution, predict, schedule (windowed tracing), diverge (two runs "
+     "aligned by their fingerprints; history indices)"),
     ("frontends", ("tensorscope", "tensorscope.__main__", "tensorscope.cli", "tensorscope.magics"),
      "the package facade (lazy re-exports), python -m tensorscope, the CLI, the IPython magics"),
 )

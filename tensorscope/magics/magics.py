@@ -82,6 +82,8 @@ LINE_HELP = """%tensorscope SUBCOMMAND
   leaks [--min-bytes N] [--device D] [-o VAR]
                     every live tensor storage of the notebook, who holds it, and the fix
   diff A B          compare two runs (variables, tensorscope.history() indices or trace directories)
+  diverge A B [--rtol X]
+                    where two runs' values part ways (runs recorded with --fingerprints)
   env               torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings, machine peaks
   help              this text
 """
@@ -134,7 +136,7 @@ class TensorscopeMagics(Magics):
 
     @line_magic("tensorscope")  # type: ignore[arg-type]  # IPython types the result as decorator | function
     def tensorscope_line(self, line):
-        """%tensorscope last | save PATH | on [OPTIONS] | off | history | leaks | diff A B | env | help"""
+        """%tensorscope last | save PATH | on [OPTIONS] | off | history | leaks | diff A B | diverge A B | env | help"""
         parts = shlex.split(line)
         if not parts or parts[0] in ("help", "-h", "--help"):
             print(LINE_HELP)
@@ -191,6 +193,10 @@ class TensorscopeMagics(Magics):
             from .diff import diff_magic
 
             return diff_magic(self.shell, rest)
+        if cmd == "diverge":
+            from .diverge import diverge_magic
+
+            return diverge_magic(self.shell, rest)
         if cmd == "env":
             from .._env import env
 

@@ -70,6 +70,8 @@ void Engine::clear() {
   n_warnings.store(0);
   warnings_taken = 0;
   nonfinite.clear();
+  fingerprints.clear();
+  fingerprints_taken = 0;
   n_screened = n_fired = n_pre = n_unscreened_device = n_proven = n_inputs_read = 0;
   memo.clear();
   storage_gen.clear();
@@ -77,6 +79,13 @@ void Engine::clear() {
 }
 
 namespace {
+
+// set_fingerprints(on): whether the next start() records fingerprints (kept across starts)
+PyObject* py_set_fingerprints(PyObject*, PyObject* on) {
+  std::lock_guard<std::mutex> lk(g.mu);
+  g.want_fp = PyObject_IsTrue(on) == 1;
+  Py_RETURN_NONE;
+}
 
 PyObject* py_start(PyObject*, PyObject* args) {
   long long t0;
@@ -338,6 +347,7 @@ int fmode_warnings_pending() {
 tsabi::FmodeState fmode_state{tsabi::kFmodeStateAbi, &g.cur_call, &g.cur_module, &g.n_rows, &fmode_warnings_pending};
 
 PyMethodDef methods[] = {
+    {"set_fingerprints", py_set_fingerprints, METH_O, "set_fingerprints(on): fingerprints for the next start()"},
     {"start", py_start, METH_VARARGS, "start(t0_ns, screen, storages, warnings): install the observer on this thread"},
     {"stop", py_stop, METH_NOARGS, "remove the observer"},
     {"set_module", py_set_module, METH_O, "module id of the running code"},

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "abi.h"
+#include "engine_screen.h"   // FpRec
 
 namespace tsengine TS_HIDDEN {
 
@@ -282,6 +283,9 @@ struct Engine {
   std::atomic<size_t> n_warnings{0};   // warnings.size(), readable without the lock
   size_t warnings_taken = 0;
   std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> nonfinite;  // seq -> (count, produced)
+  bool want_fp = false;                    // fingerprints=True (set_fingerprints, before start)
+  std::vector<FpRec> fingerprints;         // engine_screen.h, one per op with a float output
+  size_t fingerprints_taken = 0;
   int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0, n_proven = 0, n_inputs_read = 0;
   std::unordered_map<const c10::TensorImpl*, Known> memo;
   std::unordered_map<const c10::StorageImpl*, uint64_t> storage_gen;   // the clock at its last write

@@ -124,6 +124,9 @@ PyObject* dicts_delta() {
   }
   g.nonfinite_taken = g.nonfinite.size();
   put("nonfinite", bytes_of(nf.data(), nf.size() * 8));
+  const size_t fk = g.fingerprints_taken;   // engine_screen.h FpRec records since the last call
+  put("fingerprints", bytes_of(g.fingerprints.data() + fk, (g.fingerprints.size() - fk) * sizeof(FpRec)));
+  g.fingerprints_taken = g.fingerprints.size();
   return d;
 }
 

@@ -409,6 +409,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   int64_t count = 0;
   bool screened_any = false;
   bool device_out = false;
+  bool fp_done = false;
   const auto outs = rets_of(fn, p.facts);
   for (const auto& v : outs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
@@ -432,6 +433,10 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
       note_recent(stor.back());
       n_stor++;
       n_out++;
+      if (g.want_fp && !fp_done && !p.facts->no_screen && (a < 0 || p.facts->writes)) {
+        FpRec fr{seq, 0, 0, 0, 0, 0};   // the first fresh or written float output (engine_screen.h)
+        if ((fp_done = fingerprint(t.unsafeGetTensorImpl(), &fr))) g.fingerprints.push_back(fr);
+      }
       if (!g.want_screen) return;
       const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
       if (a < 0) bump(si);   // new memory: what was known of its address is stale (written ones: p.written)

@@ -253,6 +253,199 @@ inline int64_t nonfinite_count(const c10::TensorImpl* impl, double* max_abs = nu
   }
 }
 
+// Fingerprints (fingerprints=True): one pass over a real float CPU tensor's values in logical
+// (row-major) order, from the same memory the screen reads, nothing dispatched: a bitwise hash and
+// float64 statistics of the finite values. The hash is a sum over elements of a mix of (raw bits,
+// logical index), so lanes and runs may be summed in any order; recording/fingerprint.py computes
+// the same value with numpy for the python engine (keep the two in step).
+constexpr uint64_t kFpK1 = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kFpK2 = 0xBF58476D1CE4E5B9ull;
+inline uint64_t fp_mix(uint64_t b, uint64_t i) {
+  const uint64_t x = (b ^ (i * kFpK1)) * kFpK2;
+  return x ^ (x >> 31);
+}
+struct FpAcc {
+  uint64_t h = 0;
+  int64_t nf = 0;
+  double s = 0, a = 0, m = 0;
+};
+inline double fp_value(double x) { return x; }
+inline double fp_value(float x) { return double(x); }
+template <typename T>
+inline double fp_value(T x) { return double(static_cast<float>(x)); }
+
+template <typename T> struct FpExp;
+template <> struct FpExp<float> { static constexpr uint32_t v = 0x7f800000u; };
+template <> struct FpExp<double> { static constexpr uint64_t v = 0x7ff0000000000000ull; };
+template <> struct FpExp<c10::Half> { static constexpr uint16_t v = 0x7c00u; };
+template <> struct FpExp<c10::BFloat16> { static constexpr uint16_t v = 0x7f80u; };
+
+// `n` values from p (memory stride `stride`), the first at logical index i0, the next ones `lstep`
+// further each (the hash needs each value's logical index, not the order they are read in).
+// Unit-stride runs go four values at a time into four independent accumulators, branch-free (the
+// finite test on the exponent bits), so the float64 sums are not one latency chain.
+template <typename T, typename U>
+TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uint64_t lstep, FpAcc& acc) {
+  constexpr U kExp = U(FpExp<T>::v);
+  uint64_t h[4] = {0, 0, 0, 0};
+  double s[4] = {0, 0, 0, 0}, a[4] = {0, 0, 0, 0}, m[4] = {0, 0, 0, 0};
+  int64_t nf = 0;
+  uint64_t ik = i0 * kFpK1;   // i * K1, advanced by addition
+  const uint64_t dk = lstep * kFpK1;
+  int64_t k = 0;
+  if (stride == 1) {
+    const U* u = reinterpret_cast<const U*>(p);
+    const uint64_t dk4 = 4 * dk;
+    for (; k + 4 <= n; k += 4) {
+      for (int j = 0; j < 4; ++j) {
+        const U b = u[k + j];
+        const uint64_t z = (uint64_t(b) ^ (ik + uint64_t(j) * dk)) * kFpK2;
+        h[j] += z ^ (z >> 31);
+        const bool fin = (b & kExp) != kExp;
+        const double v = fin ? fp_value(p[k + j]) : 0.0;
+        const double av = std::fabs(v);
+        s[j] += v;
+        a[j] += av;
+        m[j] = av > m[j] ? av : m[j];
+        nf += fin ? 0 : 1;
+      }
+      ik += dk4;
+    }
+  }
+  for (; k < n; ++k) {
+    const T x = p[k * stride];
+    U b;
+    std::memcpy(&b, &x, sizeof(U));
+    const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
+    h[0] += z ^ (z >> 31);
+    ik += dk;
+    if ((b & kExp) != kExp) {
+      const double v = fp_value(x);
+      s[0] += v;
+      a[0] += std::fabs(v);
+      m[0] = std::fabs(v) > m[0] ? std::fabs(v) : m[0];
+    } else {
+      nf++;
+    }
+  }
+  acc.h += h[0] + h[1] + h[2] + h[3];
+  acc.s += (s[0] + s[1]) + (s[2] + s[3]);
+  acc.a += (a[0] + a[1]) + (a[2] + a[3]);
+  acc.m = std::max(acc.m, std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
+  acc.nf += nf;
+}
+
+// Every element once, in memory order (dims sorted by stride, adjacent ones merged where both the
+// memory and the logical strides allow: a contiguous or channels_last tensor is one or a few long
+// unit-stride runs), each hashed with its logical (row-major) index.
+template <typename T, typename U>
+inline void fp_strided(const T* base, const int64_t* sizes, const int64_t* strides, int64_t nd, FpAcc& acc) {
+  int64_t sz[32], st[32], ls[32];
+  int64_t k = 0;
+  int64_t logical = 1;
+  for (int64_t d = nd - 1; d >= 0; --d) {   // row-major logical strides; size-1 dims dropped
+    if (sizes[d] != 1) {
+      sz[k] = sizes[d];
+      st[k] = strides[d];
+      ls[k] = logical;
+      ++k;
+    }
+    logical *= sizes[d];
+  }
+  // k dims, innermost-logical first; sort by memory stride ascending (insertion sort: nd <= 30)
+  for (int64_t i = 1; i < k; ++i) {
+    for (int64_t j = i; j > 0 && st[j] < st[j - 1]; --j) {
+      std::swap(sz[j], sz[j - 1]);
+      std::swap(st[j], st[j - 1]);
+      std::swap(ls[j], ls[j - 1]);
+    }
+  }
+  int64_t m = 0;   // merge: dim j+1 continues dim m in memory and in logical order
+  for (int64_t j = 1; j < k; ++j) {
+    if (m >= 0 && st[j] == st[m] * sz[m] && ls[j] == ls[m] * sz[m]) {
+      sz[m] *= sz[j];
+    } else {
+      ++m;
+      sz[m] = sz[j];
+      st[m] = st[j];
+      ls[m] = ls[j];
+    }
+  }
+  const int64_t nk = k == 0 ? 0 : m + 1;
+  if (nk == 0) {
+    fp_run<T, U>(base, 1, 1, 0, 1, acc);
+    return;
+  }
+  // dim 0 is the innermost (smallest memory stride): a tight run; the others by an index vector
+  int64_t idx[32] = {0};
+  while (true) {
+    int64_t off = 0;
+    uint64_t li = 0;
+    for (int64_t d = 1; d < nk; ++d) {
+      off += idx[d] * st[d];
+      li += uint64_t(idx[d] * ls[d]);
+    }
+    fp_run<T, U>(base + off, sz[0], st[0], li, uint64_t(ls[0]), acc);
+    int64_t d = 1;
+    while (d < nk) {
+      if (++idx[d] < sz[d]) break;
+      idx[d] = 0;
+      ++d;
+    }
+    if (d >= nk) break;
+  }
+}
+
+struct FpRec {
+  int64_t seq;
+  uint64_t hash;
+  int64_t nonfinite;
+  double sum, abs_sum, max_abs;
+};
+
+// false: not a real float CPU tensor with data (nothing recorded)
+inline bool fingerprint(const c10::TensorImpl* impl, FpRec* out) {
+  if (impl->layout() != c10::kStrided || impl->is_nested() || impl->has_symbolic_sizes_strides()) return false;
+  if (!impl->has_storage() || impl->device().type() != c10::DeviceType::CPU) return false;
+  const auto st = impl->dtype().toScalarType();
+  if (!(st == c10::kFloat || st == c10::kDouble || st == c10::kHalf || st == c10::kBFloat16)) return false;
+  int64_t nd = impl->dim();
+  if (nd > 30) return false;
+  FpAcc acc;
+  const int64_t numel = impl->numel();
+  if (numel > 0) {
+    const c10::StorageImpl* si = impl->unsafe_storage().unsafeGetStorageImpl();
+    if (si == nullptr || si->data_ptr().get() == nullptr) return false;
+    const char* data = static_cast<const char*>(si->data_ptr().get());
+    const int64_t off = impl->storage_offset();
+    int64_t sz[32], sd[32];
+    for (int64_t i = 0; i < nd; ++i) {
+      sz[i] = impl->sizes()[i];
+      sd[i] = impl->strides()[i];
+    }
+    switch (st) {
+      case c10::kFloat:
+        fp_strided<float, uint32_t>(reinterpret_cast<const float*>(data) + off, sz, sd, nd, acc);
+        break;
+      case c10::kDouble:
+        fp_strided<double, uint64_t>(reinterpret_cast<const double*>(data) + off, sz, sd, nd, acc);
+        break;
+      case c10::kHalf:
+        fp_strided<c10::Half, uint16_t>(reinterpret_cast<const c10::Half*>(data) + off, sz, sd, nd, acc);
+        break;
+      default:
+        fp_strided<c10::BFloat16, uint16_t>(reinterpret_cast<const c10::BFloat16*>(data) + off, sz, sd, nd, acc);
+        break;
+    }
+  }
+  out->hash = fp_mix(acc.h, uint64_t(numel));
+  out->nonfinite = acc.nf;
+  out->sum = acc.s;
+  out->abs_sum = acc.a;
+  out->max_abs = acc.m;
+  return true;
+}
+
 inline int64_t version_of(const c10::TensorImpl* impl) {
   try {
     if (const_cast<c10::TensorImpl*>(impl)->is_inference()) return -1;

@@ -68,6 +68,7 @@ FIELDS: dict[str, str] = {
               "(the engine's setup_probes)",
     "shadow": "the NumericsShadow of numerics=, or None (the session, at start)",
     "cuda_timer": "the CudaOpTimer of cuda_timing= (python engine), or None (the engine's setup_probes)",
+    "fingerprints": "the Fingerprinter of fingerprints= (python engine), or None (the engine's setup_probes)",
 }
 
 
@@ -96,6 +97,7 @@ class RecordingContext:
     screen: Any
     shadow: Any
     cuda_timer: Any
+    fingerprints: Any
 
     def __init__(self, rec: Recorder, op_hooks: OpHooks, *, want_source: bool, want_modules: bool,
                  track_storages: bool) -> None:
@@ -117,6 +119,7 @@ class RecordingContext:
         self.screen = None
         self.shadow = None
         self.cuda_timer = None
+        self.fingerprints = None
         self.modules = self._module_tracker()
         self.tracker = self._storage_tracker() if track_storages else None
 

@@ -260,6 +260,7 @@ class Decoder:
         cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
         cols["first_run"] = pa.array(self._first_run(op, ins, noise, start), pa.bool_())
         cols["probe_ns"] = self._sparse_int(rec.probe_ns, start, n)
+        self._fingerprints(cols, rec, start, n)
         return pa.RecordBatch.from_arrays([cols[name] for name in _OPS_NAMES], schema=S.OPS)
 
     def _first_run(self, op: np.ndarray, ins: np.ndarray, noise: np.ndarray, start: int) -> np.ndarray:
@@ -291,6 +292,33 @@ class Decoder:
                 self.rec.first_keys[h] = start + i
                 out[i] = True
         return out
+
+    def _fingerprints(self, cols: dict[str, Any], rec: Recorder, start: int, n: int) -> None:
+        """The fp_* columns from ``rec.fingerprints`` (seq -> (hash, nonfinite, sum, abs_sum, max_abs))."""
+        fp = rec.fingerprints
+        if not fp:
+            cols["fp_hash"] = self._nulls(n, pa.uint64())
+            for name in ("fp_nonfinite",):
+                cols[name] = self._nulls(n, pa.int64())
+            for name in ("fp_sum", "fp_abs_sum", "fp_max_abs"):
+                cols[name] = self._nulls(n, pa.float64())
+            return
+        seqs = np.fromiter(fp, np.int64, len(fp))
+        sel = (seqs >= start) & (seqs < start + n)
+        rows = seqs[sel] - start
+        vals = [v for v, keep in zip(fp.values(), sel.tolist()) if keep]
+        missing = np.ones(n, dtype=bool)
+        missing[rows] = False
+        h = np.zeros(n, np.uint64)
+        h[rows] = np.array([v[0] for v in vals], dtype=np.uint64)
+        cols["fp_hash"] = nullable_array(h, missing, pa.uint64())
+        nf = np.zeros(n, np.int64)
+        nf[rows] = np.array([v[1] for v in vals], dtype=np.int64)
+        cols["fp_nonfinite"] = nullable_array(nf, missing, pa.int64())
+        for k, name in ((2, "fp_sum"), (3, "fp_abs_sum"), (4, "fp_max_abs")):
+            f = np.zeros(n, np.float64)
+            f[rows] = np.array([v[k] for v in vals], dtype=np.float64)
+            cols[name] = nullable_array(f, missing, pa.float64())
 
     def _lines(self, src_idx: np.ndarray) -> pa.Array:
         lines = self.src_lines[src_idx] if len(src_idx) else np.zeros(0, np.int64)

@@ -353,6 +353,8 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     seq_nr = -1
             screen = s.screen
             pre_state = screen.pre(func, args, kwargs, True) if (screen is not None and flags & (F_INPLACE | F_OUT_KW)) else None
+            if info.hook and flags & (F_INPLACE | F_OUT_KW) and s.op_hooks.before:
+                s.op_hooks.call_before(seq, str(func), schema_inputs(func, args, kwargs))
             ok = True
         except Exception as e:
             rec.tracer_error("dispatch (before op)", e)
@@ -421,7 +423,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 flop = -1
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
             shadow = s.shadow
-            p0 = _perf() if (screen is not None or shadow is not None or info.hook) else 0
+            p0 = _perf() if (screen is not None or shadow is not None or info.hook or s.fingerprints is not None) else 0
             if info.hook:
                 s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs),
                            tuple(out) if type(out) is tuple or type(out) is list else (out,))
@@ -429,6 +431,11 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 r = screen.post(seq, func, args, kwargs, outs, pre_state)
                 if r is not None:
                     rec.nonfinite[seq] = r
+            fps = s.fingerprints
+            if fps is not None and outs:
+                r = fps.post(func, args, kwargs, outs)
+                if r is not None:
+                    rec.fingerprints[seq] = r
             if shadow is not None:
                 r = shadow.compare(seq, func, args, kwargs, outs)
                 if r is not None:

@@ -47,6 +47,7 @@ class Finishing(Protocol):
     deferred_kernels: bool
     compile_capture: Any
     collectives: CollectiveProbe
+    inputs: Any   # repro_capture.InputCapture of capture=, or None
     allocator: AllocatorProbe
     dist: Any   # ranks.DistContext: anchor_unix_ns, the trace start on the unix clock
 
@@ -94,6 +95,12 @@ def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str
     except Exception as e:
         rec.tracer_error("storage addresses", e)
     tables["collectives"] = f.collectives.table(ctx.t0, tables.get("ops"))
+    if f.inputs is not None:
+        try:
+            tables["captures"] = f.inputs.table()
+            notes.extend(f.inputs.notes)
+        except Exception as e:
+            rec.tracer_error("captures", e)
     try:
         tables.update(_allocator_tables(f, tables))
     except Exception as e:

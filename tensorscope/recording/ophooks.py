@@ -41,6 +41,10 @@ class OpHooks:
     """The hooks of one trace (a snapshot taken at its start)."""
 
     def __init__(self) -> None:
+        #: before-op hooks ``fn(seq, op name, inputs)`` for ops that write an argument (in-place,
+        #: ``out=``): only the python engine calls them (the native engine has no Python call
+        #: before an op); the session's capture= copies what such an op will overwrite
+        self.before: list[Callable[[int, str, Any], Any]] = []
         self.hooks = list(_OP_HOOKS.values())
         self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
         self.errors: list[str] = []
@@ -52,6 +56,14 @@ class OpHooks:
         """A hook of this trace only (the session's own probes: the collectives table)."""
         self.hooks.append((frozenset(namespaces), fn))
         self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
+
+    def call_before(self, seq: int, name: str, inputs: Any) -> None:
+        for fn in self.before:
+            try:
+                fn(seq, name, inputs)
+            except Exception as e:
+                if len(self.errors) < 20:
+                    self.errors.append(f"op hook {getattr(fn, '__name__', fn)!s} before {name}: {type(e).__name__}: {e}")
 
     def __call__(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
         import torch

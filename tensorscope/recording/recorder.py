@@ -307,6 +307,8 @@ class Recorder:
         #: key hash -> seq of its first row, for the (op, shapes, dtypes, devices) keys this trace ran first in
         #: the process (decode.py): rows decoded twice (spilled parts, then the table) get the same answer
         self.first_keys: dict[int, int] = {}
+        #: fingerprints=True: seq -> (hash, nonfinite, sum, abs_sum, max_abs) of the op's first float output
+        self.fingerprints: dict[int, tuple[int, int, float, float, float]] = {}
         self.errors: list[dict[str, Any]] = []
         self.tracer_errors: list[str] = []     # the first messages
         self.n_tracer_errors = 0

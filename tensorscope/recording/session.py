@@ -82,6 +82,15 @@ class Session:
         self.collectives = CollectiveProbe(on_first=_first_collective(self.ctx, self.dist))
         # both engines hand c10d / _c10d_functional ops to the op hooks (engines.OpHooks)
         self.ctx.op_hooks.add(COLLECTIVE_NAMESPACES, _collective_hook(self.collectives))
+        #: capture=: the chosen ops' arguments for t.repro() (recording/repro_capture.py)
+        self.inputs: Any = None
+        if options.capture is not None:
+            from .repro_capture import NAMESPACES as CAPTURE_NAMESPACES
+            from .repro_capture import InputCapture
+
+            self.inputs = InputCapture(options.capture, options.capture_bytes)
+            self.ctx.op_hooks.add(CAPTURE_NAMESPACES, self.inputs.hook)
+            self.ctx.op_hooks.before.append(self.inputs.before)   # python engine: written args, before the op
         self.dataset_error: Optional[BaseException] = None
         self._ds: Optional[dict[str, Any]] = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
         if options.dataset:

@@ -12,7 +12,8 @@ _EMPTY: dict[str, pa.Table] = {}
 
 
 _BOOL = pa.bool_()
-_NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_}
+_NP_OF = {pa.int64(): np.int64, pa.int32(): np.int32, pa.float64(): np.float64, pa.bool_(): np.bool_,
+          pa.uint64(): np.uint64}
 
 
 def dense_array(values: np.ndarray, typ: Any = pa.int64()) -> pa.Array:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from ._base import _bool, _bools, _dstr, _dstrs, _f64, _i32s, _i64, _i64s, _schema, _shapes, _str, _strs
+from ._base import _bin, _bool, _bools, _dstr, _dstrs, _f64, _i32s, _i64, _i64s, _schema, _shapes, _str, _strs, _u64
 
 #: ``tensors.category`` values, in the order the timeline stacks them (bottom first)
 MEMORY_CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation", "temporary", "other")
@@ -57,6 +57,13 @@ OPS = _schema("ops", [
     ("graph_id", _i64),             # compiled region (graphs.graph_id, kind inductor) that ran this op, or null
     ("first_run", _bool),           # 1.5: the first execution in the process of (op, input shapes, dtypes, devices)
     ("probe_ns", _i64),             # 1.5: tensorscope's own probe time after the op (screen, numerics shadow), or null
+    # 1.5, fingerprints=True: the op's first real floating output (fresh or written), read where the
+    # screen reads it; null when not recorded (older files, fingerprints off, views, non-float outputs)
+    ("fp_hash", _u64),              # bitwise hash of the values in logical order (both engines agree)
+    ("fp_nonfinite", _i64),         # NaN/Inf values
+    ("fp_sum", _f64),               # sum of the finite values (float64)
+    ("fp_abs_sum", _f64),           # sum of |x| over the finite values
+    ("fp_max_abs", _f64),           # largest finite |x|
 ])
 
 CALLS = _schema("calls", [
@@ -303,6 +310,23 @@ ALLOCATOR_EVENTS = _schema("allocator_events", [
     ("category", _str),
 ])
 
+#: 1.5, capture=: what t.repro() rebuilds an op's call from (one "call" row per captured op, its
+#: tensor arguments' memory as "input" rows, the non-finite mask of its outputs as "mask" rows)
+CAPTURES = _schema("captures", [
+    ("seq", _i64),                  # ops.seq
+    ("op", _str),
+    ("kind", _str),                 # call / input / mask
+    ("index", _i64),                # input: the tensor's number in the call; mask: the output's
+    ("dtype", _str),
+    ("device", _str),
+    ("shape", _i64s),
+    ("stride", _i64s),
+    ("storage_offset", _i64),
+    ("data", _bin),                 # call: the arguments as JSON; input: the bytes the tensor spans from its
+                                    # storage offset; mask: the outputs' NaN/Inf positions, bit-packed
+    ("note", _str),                 # why it was captured, or what could not be
+])
+
 #: Every table a Trace carries, in display order. ``memory`` is derived.
 TABLES: dict[str, pa.Schema] = {
     "ops": OPS,
@@ -322,6 +346,7 @@ TABLES: dict[str, pa.Schema] = {
     "allocator_segments": ALLOCATOR_SEGMENTS,
     "allocator_blocks": ALLOCATOR_BLOCKS,
     "allocator_events": ALLOCATOR_EVENTS,
+    "captures": CAPTURES,
 }
 
 #: Columns a file of each table must have whatever its minor version: the ones that identify a
@@ -341,9 +366,10 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "allocator_segments": ("device", "address"),
     "allocator_blocks": ("device", "address"),
     "allocator_events": ("device", "action"),
+    "captures": ("seq", "kind"),
 }
 
 #: Tables recorded directly; the rest are derived by analyses from these.
 RECORDED = ("ops", "calls", "tensors", "errors", "kernels", "leaks", "graphs", "graph_nodes", "collectives",
-            "allocator", "allocator_segments", "allocator_blocks", "allocator_events")
+            "allocator", "allocator_segments", "allocator_blocks", "allocator_events", "captures")
 DERIVED = ("casts", "layout_changes", "memory", "api")

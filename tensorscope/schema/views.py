@@ -147,3 +147,40 @@ ADVICE = _schema("advice", [
     ("source_file", _str),
     ("source_line", _i64),
 ])
+
+#: Not a trace table: ``tensorscope.diverge(a, b).pairs``, one row per aligned pair of ops.
+DIVERGE_PAIRS = _schema("diverge_pairs", [
+    ("seq_a", _i64),                # ops.seq in run a
+    ("seq_b", _i64),                # ops.seq in run b
+    ("op", _str),                   # run a's op (the pair's key: both runs ran it at the same place)
+    ("module", _str),
+    ("source_file", _str),
+    ("source_line", _i64),
+    ("phase", _str),
+    ("dtype_a", _str),              # the fingerprinted output's dtype in each run
+    ("dtype_b", _str),
+    ("status", _str),               # identical / close / diverged / unknown (no fingerprint on a side)
+    ("cause", _str),                # diverged: numeric / structural / propagated; else null
+    ("rel_err", _f64),              # relative difference of the fingerprints' statistics (a lower bound)
+    ("threshold", _f64),            # beyond it the pair diverged (rtol=, else the finer dtype's tolerance)
+    ("expected", _f64),             # what precision explains (the coarser dtype's tolerance)
+    ("explained", _bool),           # diverged within what the precision explains
+    ("input_err", _f64),            # the largest rel_err among the pairs that produced its inputs
+    ("growth", _f64),               # propagated: rel_err / input_err
+    ("after_cast", _bool),          # an input came through a cast that only one run made
+])
+
+#: Not a trace table: ``tensorscope.diverge(a, b).structure``, the ops only one run made.
+DIVERGE_STRUCTURE = _schema("diverge_structure", [
+    ("side", _str),                 # a / b
+    ("seq", _i64),
+    ("op", _str),
+    ("module", _str),
+    ("source_file", _str),
+    ("source_line", _i64),
+    ("phase", _str),
+    ("in_dtype", _str),
+    ("out_dtype", _str),
+    ("kind", _str),                 # cast (a cast one run inserted) / replaced (the other run ran different ops
+                                    # there: a kernel, decomposition or fused region) / extra (nothing there)
+])

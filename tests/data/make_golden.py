@@ -18,7 +18,7 @@ PROGRAM = """
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
 x = torch.randn(2, 4)
-with tensorscope.trace(leaks=False) as t:
+with tensorscope.trace(leaks=False, fingerprints=True) as t:
     m(x).sum().backward()
 """
 

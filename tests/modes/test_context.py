@@ -112,7 +112,7 @@ def test_the_context_has_exactly_its_documented_fields():
     assert not hasattr(ctx, "__dict__")   # no field beyond the slots can be added by mistake
     with pytest.raises(AttributeError):
         ctx.options = None   # type: ignore[attr-defined]
-    assert {f: getattr(ctx, f) is not None or f in ("last_exc_key", "capture", "screen", "shadow", "cuda_timer")
+    assert {f: getattr(ctx, f) is not None or f in ("last_exc_key", "capture", "screen", "shadow", "cuda_timer", "fingerprints")
             for f in FIELDS} == dict.fromkeys(FIELDS, True)
 
 

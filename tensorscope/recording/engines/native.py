@@ -142,6 +142,7 @@ class NativeEngine:
         hooks = ctx.op_hooks
         self._reset(ctx, bool(opts.flops))
         # past spill_rows rows, the engine calls _on_full on this thread to hand its chunks over
+        self.ext.set_fingerprints(bool(opts.fingerprints))
         self.ext.start(ctx.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
                        hooks if hooks else None, tuple(hooks.namespaces) if hooks else None,
@@ -238,6 +239,12 @@ class NativeEngine:
         nf = np.frombuffer(d["nonfinite"], dtype=np.int64).reshape(-1, 3)
         for s_, c_, p_ in nf.tolist():
             rec.nonfinite[s_] = (c_, bool(p_))
+        fps = d.get("fingerprints")
+        if fps:
+            from ..fingerprint import FP_RECORD
+
+            for r in np.frombuffer(fps, dtype=FP_RECORD).tolist():
+                rec.fingerprints[r[0]] = r[1:]
 
     def _take_chunks(self, rec: Recorder, final: bool) -> None:
         """The engine's packed chunks into ``rec.mem_chunks`` (the recorder's format: flags and

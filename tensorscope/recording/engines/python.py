@@ -43,6 +43,10 @@ class PythonEngine:
                 ctx.screen = NonfiniteScreen()
             except Exception as e:
                 ctx.rec.notes.append(f"non-finite screen unavailable: {e}")
+        if options.fingerprints:
+            from ..fingerprint import Fingerprinter
+
+            ctx.fingerprints = Fingerprinter()
         import torch
 
         if options.cuda_timing and torch.cuda.is_available():
