@@ -136,8 +136,9 @@ def _performance(findings: Optional[pa.Table], op_ns: int, min_share: float,
             continue
         share = f" ({100 * cost / op_ns:.0f}% of op time)" if op_ns else ""
         out.append({"rank": 3, "kind": r.get("kind") or "", "what": f"{r.get('kind')}: {r.get('seen')}",
-                    "where": _where(r.get("module"), r.get("subject"), r.get("source_file"), r.get("source_line"),
-                                    cells),
+                    # first_run is about the whole cell: its subject is a phrase, not a place
+                    "where": _where(r.get("module"), None if r.get("kind") == "first_run" else r.get("subject"),
+                                    r.get("source_file"), r.get("source_line"), cells),
                     "how_much": f"{fmt_ns(cost)}{share}", "fix": r.get("fix") or None, "cost_ns": int(cost),
                     "bytes": None})
     return out
