@@ -91,7 +91,7 @@ class TraceOptions:
     leaks: bool = _opt(True, "report, after the trace, the storages it created that are still alive and who holds them")
     nonfinite: bool = _opt(True, "screen floating outputs for NaN/Inf (CPU: per op; CUDA: on-device flags read once at the end)")
     fingerprints: bool = _opt(False, "record a fingerprint of each op's first floating output (a bitwise hash, the "
-                                     "non-finite count, sum, sum of |x|, max |x|), read where the non-finite screen "
+                                     "non-finite count, sum, sum of absolute values, largest absolute value), read where the non-finite screen "
                                      "reads it (CPU tensors): what tensorscope.diverge() compares two runs by")
     #: None, "nonfinite", "errors" or a tuple of ops.seq values once validated
     capture: Any = _opt(None, "save the real inputs (and call arguments) of some ops for t.repro(): 'nonfinite' (ops "

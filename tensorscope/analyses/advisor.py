@@ -14,8 +14,8 @@ Which rows a finding may rest on:
 
 * ``first_run`` rows (the first execution in the process of an op, shapes, dtypes and device: one-time
   initialisation) are left out of the timing findings (roofline, overhead, amp); when they hold at least
-  ``COLD_SHARE`` of the op time, ``first_run`` ("run the cell again") replaces every timing finding, and only
-  the structural ones (syncs, layout, zero_grad, host copies: read from what ran) stay;
+  ``COLD_SHARE`` of the op time, ``first_run`` ("run the cell again"; shown when they took at least
+  ``COLD_NOTE_NS``) replaces every timing finding, and only the structural ones (syncs, layout, zero_grad, host copies: read from what ran) stay;
 * a performance finding needs a cost of at least ``min_share`` of the op time (``DisplayOptions``
   ``min_finding_share``); one without a measured cost (a layout mix inside a convolution) is kept;
 * a prediction (``predicted``: FakeTensor times) gets no timing finding, and the structural ones
@@ -50,7 +50,9 @@ OUTSIDE_MIN_NS = 5_000_000      # ... and at least this much
 TOP_SHARE = 0.2                 # an op group taking this share of op time gets a roofline finding
 AMP_GAIN = 1.5                  # a 16-bit GEMM this many times faster than fp32 (same shape) makes AMP worth suggesting
 AMP_SHARE = 0.5                 # ... when compute-bound fp32 GEMMs/convolutions take this share of warm op time
-COLD_SHARE = 0.5                # first-run rows holding this share of op time make the cell "cold"
+COLD_SHARE = 0.5                # first-run rows holding this share of op time make the cell "cold" ...
+COLD_NOTE_NS = 2_000_000        # ... and the first_run note is shown when they took at least this long (a cold
+                                # cell of a few hundred µs has nothing a user would read as slowness)
 MIN_SHARE = 0.01                # default significance: a performance finding costs this share of op time
 SYNC_REPEAT = 3                 # a CPU sync seen this many times at one line (a loop) is a finding whatever its time
 #: findings that say where the time goes rather than what to change: listed after the problems
@@ -629,7 +631,8 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
     if cold:   # the timings are one-time initialisation: one note instead of the timing findings
         floor = min_share * op_ns
         found = [f for f in found if f["cost_ns"] is None or f["cost_ns"] >= floor or f.get("cost_floor_exempt")]
-        found.insert(0, _cold_finding(windows, first_ns, op_ns, multi))
+        if first_ns >= COLD_NOTE_NS:
+            found.insert(0, _cold_finding(windows, first_ns, op_ns, multi))
     else:
         over = _overhead_findings(warm_wins, multi, steps, cuda)
         found += over

@@ -187,7 +187,7 @@ def summarize(t, display=None, full: bool = False) -> Summary:
     ctx: dict[str, Any] = {}
     if t.ops.num_rows and hasattr(t, "advice"):
         try:
-            ctx["advice"] = t.advice()
+            ctx["advice"] = t.advice(min_share=display.min_finding_share)
         except Exception as e:   # the advisor failing must not hide the summary
             ctx["advice_error"] = e
     out = []
@@ -209,7 +209,7 @@ def summarize(t, display=None, full: bool = False) -> Summary:
             sec = Section(getattr(fn, "__name__", "section"), [], None, [f"could not render: {type(e).__name__}: {e}"])
         if sec is not None:
             out.append(sec)
-    return Summary(out, head=head(t, ctx), inline_svg=full)
+    return Summary(out, head=head(t, ctx, min_share=display.min_finding_share), inline_svg=full)
 
 
 def report_html(t, display=None) -> str:
@@ -236,8 +236,9 @@ def write_report(t, path) -> str:
     return path
 
 
-def head(t, ctx: Optional[dict[str, Any]] = None) -> Head:
-    """The headline (``analyses.headline``) and the totals line of ``t``."""
+def head(t, ctx: Optional[dict[str, Any]] = None, min_share: float = 0.01) -> Head:
+    """The headline (``analyses.headline``) and the totals line of ``t``; ``min_share``: the display's
+    ``min_finding_share`` (the least cost of a performance finding, as a share of the op time)."""
     from .._location import trace_cells
     from ..analyses.headline import headline
     from ..analyses.nonfinite import nonfinite_verdicts
@@ -257,11 +258,12 @@ def head(t, ctx: Optional[dict[str, Any]] = None) -> Head:
         verdicts = []
     lines = headline(errors=t.errors, verdicts=verdicts, leaks=t.leaks,
                      findings=adv.findings if adv is not None else None, op_ns=tot["cpu_ns"], peak_bytes=peak,
-                     predicted=predicted, cells=trace_cells(t))
+                     predicted=predicted, cells=trace_cells(t), min_share=min_share)
     cell = md.get("cell")
     title = f"tensorscope trace of cell [{cell}]" if cell is not None else "tensorscope trace"
     return Head(title, lines, _totals_line(t, tot, peaks, predicted), predicted,
-                clean="clean — no exception, no NaN/Inf produced, no leak, no performance finding above 1% of op time")
+                clean="clean — no exception, no NaN/Inf produced, no leak, no performance finding above "
+                      f"{100 * min_share:g}% of op time")
 
 
 def _peaks(t) -> list[dict[str, Any]]:

@@ -176,10 +176,11 @@ def test_timeline_and_fragmentation_at_our_peak():
     rows = tl.to_pylist()
     assert rows[0]["reserved_bytes"] == 2 * MiB2 and rows[0]["allocated_bytes"] == 4608
     assert rows[1]["allocated_bytes"] == 4608 + 8192
-    # our live bytes on cuda:0 peak after op 0 (12.25 KiB): reserved - allocated there
+    # our live bytes on cuda:0 peak while op 2 runs (an op's inputs count until it returns: storage 1,
+    # freed in op 2, and storage 2, made by it: 20 KiB with the parameter); reserved - allocated at its end
     out = with_history(allocator, tl, _ops(), _tensors()).to_pylist()[0]
-    assert out["source"] == "history" and out["fragmentation_seq"] == 0
-    assert out["fragmentation_bytes"] == 2 * MiB2 - (4608 + 8192)
+    assert out["source"] == "history" and out["fragmentation_seq"] == 2
+    assert out["fragmentation_bytes"] == 2 * MiB2 - (4352 + 8192)
 
 
 def _trace():
@@ -194,7 +195,7 @@ def test_summary_shows_allocated_vs_reserved_fragmentation_and_ooms():
     t = _trace()
     text = t.summary().to_text()
     assert "CUDA caching allocator" in text and "cuda:0" in text
-    assert "at our peak, op 0" in text and "out of memory during the trace" in text
+    assert "at our peak, op 2" in text and "out of memory during the trace" in text
     assert "15 allocator events (9 joined to our storages)" in text
     html = t.summary().to_html()
     assert "CUDA caching allocator" in html and "reserved − allocated" in html
