@@ -30,7 +30,6 @@ from .source import user_frame_location
 
 if TYPE_CHECKING:
     from .ophooks import OpHooks
-    from .probes import Probe
 
 
 class ObserverEngine(Protocol):
@@ -70,8 +69,6 @@ FIELDS: dict[str, str] = {
     "shadow": "the NumericsShadow of numerics=, or None (the session, at start)",
     "cuda_timer": "the CudaOpTimer of cuda_timing= (python engine), or None (the engine's setup_probes)",
     "fingerprints": "the Fingerprinter of fingerprints= (python engine), or None (the engine's setup_probes)",
-    "probes": "the trace's probes (recording/probes.py), in start order: started before the engine, "
-              "stopped after it, asked for their tables and columns at the end (the session, at start)",
 }
 
 
@@ -101,7 +98,6 @@ class RecordingContext:
     shadow: Any
     cuda_timer: Any
     fingerprints: Any
-    probes: list[Probe]
 
     def __init__(self, rec: Recorder, op_hooks: OpHooks, *, want_source: bool, want_modules: bool,
                  track_storages: bool) -> None:
@@ -124,7 +120,6 @@ class RecordingContext:
         self.shadow = None
         self.cuda_timer = None
         self.fingerprints = None
-        self.probes = []
         self.modules = self._module_tracker()
         self.tracker = self._storage_tracker() if track_storages else None
 

@@ -17,7 +17,7 @@ from .. import schema as S
 from .columns import _Links
 from .context import RecordingContext
 from .decode import decode_tables
-from .probes import Decoded, contribute_all
+from .probes import Decoded, Probe, contribute_all
 
 if TYPE_CHECKING:
     from ..options import TraceOptions
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class Finishing(Protocol):
-    """What finishing a trace reads of the session that recorded it (the probes are ``ctx.probes``)."""
+    """What finishing a trace reads of the session that recorded it."""
 
     ctx: RecordingContext
     options: TraceOptions
@@ -35,6 +35,7 @@ class Finishing(Protocol):
     engine_choice: EngineChoice
     wall_ns: int
     links: _Links
+    probes: list[Probe]
 
 
 def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str]]:
@@ -45,7 +46,7 @@ def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str
     tables, ops_file = decode_tables(ctx.rec, cell=f.cell, screen=ctx.screen, links=f.links,
                                      spill_dir=f.options.spill_dir)
     decoded = Decoded(ctx, tables)
-    contribute_all(ctx.probes, decoded)
+    contribute_all(f.probes, decoded)
     return decoded.build(), ops_file, decoded.notes
 
 

@@ -8,7 +8,7 @@ A probe lives through three calls, made by the session (``recording/session.py``
                                    # also on errors and KeyboardInterrupt: what it observed is settled here
     probe.contribute(decoded)      # once, after decoding, in list order: the tables and columns it adds
 
-The list is ``ctx.probes`` (``make_probes``). An error in any of the three is contained: the
+The session holds the list (``Session.probes``, made by ``make_probes``). An error in any of the three is contained: the
 session and finishing count it in ``tracer_errors`` (labelled with the probe's ``name``) and go on.
 What a probe contributes is a :class:`Contribution`: whole tables it owns (``graphs``, ``kernels``,
 ``leaks``, ``collectives``...), columns of the decoded tables (``decode.PROBE_COLUMNS``, or a

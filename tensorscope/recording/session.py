@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from .._trace import Trace
     from ..metadata import TraceMetadata
+    from .probes import Probe
 
 _local = threading.local()
 _warned_tracer_bug = False
@@ -78,6 +79,8 @@ class Session:
         if options.dataset:
             # weakly: the recorder is reachable from the modes, which hold no reference to the session
             self.ctx.rec.on_spill = _weak_call(self._spill_to_dataset)
+        #: what records beside the engine (recording/probes.py), in start order: made at start
+        self.probes: list[Probe] = []
         self._probes_stopped = False
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.wall_ns = 0
@@ -164,8 +167,8 @@ class Session:
         contribution are contained too)."""
         from .probes import make_probes
 
-        self.ctx.probes = make_probes(self.options, self.engine, self.dist, deferred_kernels=self.deferred_kernels)
-        for p in self.ctx.probes:
+        self.probes = make_probes(self.options, self.engine, self.dist, deferred_kernels=self.deferred_kernels)
+        for p in self.probes:
             try:
                 p.start(self.ctx)
             except Exception as e:
@@ -202,7 +205,7 @@ class Session:
         # an OOM in the block included; the capture closed; the rank's clock read again)
         if not self._probes_stopped:
             self._probes_stopped = True
-            for p in reversed(self.ctx.probes):
+            for p in reversed(self.probes):
                 try:
                     p.stop()
                 except BaseException as e:
