@@ -1,7 +1,7 @@
 """The live session: ``trace(**options)`` installs the modes and hooks, restores them, builds the Trace.
 
-Order on entry: module hooks, then the function mode (outer), then the
-dispatch mode (inner). On exit everything is undone in reverse before any
+Order on entry: the probes (``recording/probes.py``, in list order), module hooks, then the
+function mode (outer), then the dispatch mode (inner); on exit the probes stop last, in reverse. On exit everything is undone in reverse before any
 table is built, so a failure while building can never leave a mode behind,
 and it is undone on exceptions and KeyboardInterrupt alike. Only one trace
 records per thread: entering a second raises ``TraceActiveError`` (double
