@@ -6,7 +6,7 @@ with Adam). Prints, best of 5 rounds run round robin (the same workload traced w
 categories built and with that build step skipped, so the machine's load hits both alike):
 
 * the trace's wall time per recorded op (recording + build) with and without categories, and the ratio;
-* the category step alone (``finish._with_categories``) per op;
+* the category step alone (``probes._categories``) per op;
 * ``t.memory_timeline()``, ``t.module_memory()``, ``t.memory_at()`` per op, and the summary's memory SVG;
 * ``tensorscope.predict`` of an MLP training step against running the step, untraced and traced.
 
@@ -22,7 +22,7 @@ import pyarrow as pa
 import torch
 
 import tensorscope
-from tensorscope.recording import finish as build
+from tensorscope.recording import probes as build
 
 pa.array([1])  # pyarrow imports pandas on its first conversion: not ours to time
 
@@ -45,16 +45,16 @@ def workload(steps: int):
 
 
 def timed_trace(run, categories: bool):
-    real = build._with_categories
+    real = build._categories
     if not categories:
-        build._with_categories = lambda sess, tables: tables["tensors"]
+        build._categories = lambda decoded, tensors, leaks: {}
     try:
         t0 = time.perf_counter()
         with tensorscope.trace() as t:
             run()
         wall = time.perf_counter() - t0
     finally:
-        build._with_categories = real
+        build._categories = real
     return wall, t
 
 
@@ -65,23 +65,23 @@ def main(argv) -> int:
     best = {True: float("inf"), False: float("inf")}
     cat_step = float("inf")
     t = None
-    real = build._with_categories
+    real = build._categories
 
-    def timing_wrapper(sess, tables):
+    def timing_wrapper(decoded, tensors, leaks):
         nonlocal cat_step
         t0 = time.perf_counter()
-        out = real(sess, tables)
+        out = real(decoded, tensors, leaks)
         cat_step = min(cat_step, time.perf_counter() - t0)
         return out
 
     for k in range(7):
         for cats in ((False, True) if k % 2 else (True, False)):   # alternate the order: load drifts
             if cats:
-                build._with_categories = timing_wrapper
+                build._categories = timing_wrapper
             try:
                 wall, tt = timed_trace(run, cats)
             finally:
-                build._with_categories = real
+                build._categories = real
             best[cats] = min(best[cats], wall)
             if cats:
                 t = tt

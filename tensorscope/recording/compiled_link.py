@@ -1,8 +1,9 @@
 """Compiled regions linked: the ``graphs``/``graph_nodes`` tables, and which ops and calls ran which graph.
 
-``attach(records, tables, notes)`` runs once per trace, after decoding: it parses the
-structured-trace records ``compiled.CompileCapture`` kept (``compiled.graphs_from_records``),
-remembers the graphs for later traces, and fills ``ops/calls.graph_id`` and ``calls.compiled``
+``link(records, ops, calls, notes)`` runs once per trace, after decoding (the compiled regions
+probe's contribution, recording/probes.py): it parses the structured-trace records
+``compiled.CompileCapture`` kept (``compiled.graphs_from_records``), remembers the graphs for
+later traces, and gives the columns ``ops/calls.graph_id`` and ``calls.compiled``
 (see docs/development/architecture.md, "Compiled regions").
 """
 from __future__ import annotations
@@ -195,14 +196,15 @@ def _user_location(table: pa.Table, gid: np.ndarray, graphs: list[dict[str, Any]
     return table
 
 
-def attach(records: list[Record], tables: dict[str, pa.Table], notes: list[str]) -> dict[str, pa.Table]:
-    """``tables`` with ``graphs``/``graph_nodes`` built from the capture's ``records`` and ``graph_id``
-    (and ``calls.compiled``) filled; a note is appended to ``notes`` for calls from code compiled
-    before any trace saw it."""
+def link(records: list[Record], ops: pa.Table, calls: pa.Table, notes: list[str]
+         ) -> tuple[dict[str, pa.Table], dict[tuple[str, str], Any]]:
+    """The ``graphs``/``graph_nodes`` tables built from the capture's ``records``, and the columns
+    they give the decoded ``ops`` and ``calls`` (``graph_id``, ``calls.compiled``, and the
+    ``source_file``/``source_line`` of rows that ran in a compiled region); a note is appended to
+    ``notes`` for calls from code compiled before any trace saw it."""
     graphs = graphs_from_records(records)
     if graphs:
         _remember(graphs)
-    ops, calls = tables["ops"], tables["calls"]
     with _REGISTRY_LOCK:
         known = bool(_REGISTRY)
     if graphs or known:
@@ -210,19 +212,15 @@ def attach(records: list[Record], tables: dict[str, pa.Table], notes: list[str])
     else:   # nothing compiled in this trace nor remembered from an earlier one: nothing can link
         call_gid, op_gid = np.full(calls.num_rows, -1, np.int64), np.full(ops.num_rows, -1, np.int64)
     _note_unknown_regions(notes, calls, call_gid)
-    out = dict(tables)
-    # decode.py wrote graph_id as all null: rewrite it only where a row links to a graph
-    if "graph_id" in ops.column_names and ops.num_rows and (op_gid >= 0).any():
-        i = ops.schema.get_field_index("graph_id")
-        ops = ops.set_column(i, ops.schema.field(i), S.nullable_array(op_gid, op_gid < 0))
-        out["ops"] = _user_location(ops, op_gid, graphs)
-    if "graph_id" in calls.column_names and calls.num_rows:
-        if (call_gid >= 0).any():
-            i = calls.schema.get_field_index("graph_id")
-            calls = calls.set_column(i, calls.schema.field(i), S.nullable_array(call_gid, call_gid < 0))
-            calls = _user_location(calls, call_gid, graphs)
-        j = calls.schema.get_field_index("compiled")
-        calls = calls.set_column(j, calls.schema.field(j), pa.array(call_gid >= 0, pa.bool_()))
-        out["calls"] = calls
-    out["graphs"], out["graph_nodes"] = graph_tables(graphs)
-    return out
+    columns: dict[tuple[str, str], Any] = {
+        ("ops", "graph_id"): S.nullable_array(op_gid, op_gid < 0),
+        ("calls", "graph_id"): S.nullable_array(call_gid, call_gid < 0),
+        ("calls", "compiled"): pa.array(call_gid >= 0, pa.bool_()),
+    }
+    for name, table, gid in (("ops", ops, op_gid), ("calls", calls, call_gid)):
+        if table.num_rows and (gid >= 0).any():
+            located = _user_location(table, gid, graphs)
+            for col in ("source_file", "source_line"):
+                columns[(name, col)] = located.column(col)
+    g, nodes = graph_tables(graphs)
+    return {"graphs": g, "graph_nodes": nodes}, columns

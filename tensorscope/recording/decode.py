@@ -51,11 +51,34 @@ EXPECT_FREE_CALLS = frozenset({
 #: added at decode (never on the hot path), so ``ops.first_run`` marks the first execution of each
 _SEEN_KEYS: set[int] = set()
 
+#: the columns a probe contributes (recording/probes.py), never decoded from the buffers: the
+#: decoded tables are the schema's tables without them, and finishing adds them once
+PROBE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "ops": ("graph_id",),               # the compiled regions probe
+    "calls": ("compiled", "graph_id"),  # the compiled regions probe
+    "tensors": ("category", "address"),   # the storages probe
+}
+
+
+def decoded_schema(name: str) -> pa.Schema:
+    """The schema of table ``name`` as decoded: the full schema less :data:`PROBE_COLUMNS`."""
+    full = S.TABLES[name]
+    drop = PROBE_COLUMNS.get(name, ())
+    return pa.schema([f for f in full if f.name not in drop], metadata=full.metadata)
+
+
+DECODED_OPS = decoded_schema("ops")
+DECODED_CALLS = decoded_schema("calls")
+DECODED_TENSORS = decoded_schema("tensors")
 #: column names in schema order (iterating a pyarrow schema wraps every field: ~0.4 µs each)
-_OPS_NAMES = tuple(S.OPS.names)
-_CALLS_NAMES = tuple(S.CALLS.names)
-_TENSORS_NAMES = tuple(S.TENSORS.names)
-_CATEGORY_TYPE = S.TENSORS.field("category").type
+_OPS_NAMES = tuple(DECODED_OPS.names)
+_CALLS_NAMES = tuple(DECODED_CALLS.names)
+_TENSORS_NAMES = tuple(DECODED_TENSORS.names)
+
+
+def empty_decoded(name: str) -> pa.Table:
+    """An empty decoded table (no rows, the decoded schema)."""
+    return decoded_schema(name).empty_table() if name in PROBE_COLUMNS else S.empty(name)
 
 
 def _sparse_rows(d: dict[int, Any], start: int, n: int, dtype: Any, width: int = 1
@@ -257,11 +280,10 @@ class Decoder:
         else:
             cols["num_rel_err"] = self._nulls(n, pa.float64())
             cols["num_max_abs_err"] = self._nulls(n, pa.float64())
-        cols["graph_id"] = self._nulls(n, pa.int64())   # filled by recording/compiled.attach
         cols["first_run"] = pa.array(self._first_run(op, ins, noise, start), pa.bool_())
         cols["probe_ns"] = self._sparse_int(rec.probe_ns, start, n)
         self._fingerprints(cols, rec, start, n)
-        return pa.RecordBatch.from_arrays([cols[name] for name in _OPS_NAMES], schema=S.OPS)
+        return pa.RecordBatch.from_arrays([cols[name] for name in _OPS_NAMES], schema=DECODED_OPS)
 
     def _first_run(self, op: np.ndarray, ins: np.ndarray, noise: np.ndarray, start: int) -> np.ndarray:
         """True on the first row in this process of each (op, input shapes, dtypes, devices): one
@@ -401,7 +423,7 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> tuple[pa.Table, Optiona
         tmp = tempfile.mkdtemp(prefix="tensorscope-ops-", dir=spill_dir)
         path = os.path.join(tmp, "ops.arrow")
         sink = pa.OSFile(path, "wb")
-        writer = pa.ipc.new_file(sink, S.OPS)
+        writer = pa.ipc.new_file(sink, DECODED_OPS)
     for chunk in rec.iter_op_chunks():
         b = ctx.decode(chunk, start)
         start += b.num_rows
@@ -416,21 +438,24 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> tuple[pa.Table, Optiona
             table = pa.ipc.open_file(src).read_all()
         return table, path
     if not batches:
-        return S.empty("ops"), None
-    return pa.Table.from_batches(batches, schema=S.OPS), None
+        return empty_decoded("ops"), None
+    return pa.Table.from_batches(batches, schema=DECODED_OPS), None
 
 
 def decode_ops_from(rec: Recorder, first_seq: int, *, cell: Optional[int], screen: Any,
                     links: _Links) -> Iterator[pa.RecordBatch]:
     """Record batches of the ops rows from ``first_seq`` on, decoded now, while the trace may still
-    record (``dataset=`` writes spilled rows as parts). Rows decoded early lack what is only
-    resolved at the end (``cuda_ns``)."""
+    record (``dataset=`` writes spilled rows as parts), in the full ops schema. Rows decoded early
+    lack what is only known at the end: ``cuda_ns``, and ``graph_id`` (null: no probe contributed yet)."""
     ctx = Decoder(rec, cell=cell, screen=screen, links=links)
     for start, chunk in rec.iter_op_chunks(from_seq=first_seq, with_start=True):
         ctx.links.extend(chunk, start)   # rows before first_seq, if a decode was skipped
         if start + len(chunk["op"]) > first_seq:
             b = ctx.decode(chunk, start)
-            yield b.slice(first_seq - start) if start < first_seq else b
+            b = b.slice(first_seq - start) if start < first_seq else b
+            cols = dict(zip(b.schema.names, b.columns))
+            yield pa.RecordBatch.from_arrays(
+                [cols[f.name] if f.name in cols else ctx._nulls(b.num_rows, f.type) for f in S.OPS], schema=S.OPS)
 
 
 def calls_table(ctx: Decoder) -> pa.Table:
@@ -438,7 +463,7 @@ def calls_table(ctx: Decoder) -> pa.Table:
     c = rec.calls
     n = rec.n_calls
     if n == 0:
-        return S.empty("calls")
+        return empty_decoded("calls")
     a = {k: ctx.call_cols[k][:n] for k in c.fields}
     funcs = rec.call_funcs.values
     names = _dict(ctx.call_names)
@@ -464,11 +489,9 @@ def calls_table(ctx: Decoder) -> pa.Table:
         first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
         n_ops=dense_array(a["n_ops"]),
         autocast=autocasts.take(a["autocast"]),
-        compiled=pa.nulls(n, pa.bool_()),   # filled by recording/compiled.attach
         error_id=nullable_array(a["error"], a["error"] < 0),
-        graph_id=pa.nulls(n, pa.int64()),   # filled by recording/compiled.attach
     )
-    return pa.Table.from_arrays([cols[name] for name in _CALLS_NAMES], schema=S.CALLS)
+    return pa.Table.from_arrays([cols[name] for name in _CALLS_NAMES], schema=DECODED_CALLS)
 
 
 
@@ -492,7 +515,7 @@ def tensors_table(ctx: Decoder) -> pa.Table:
     c = rec.tensors
     n = len(c.meta)
     if n == 0:
-        return S.empty("tensors")
+        return empty_decoded("tensors")
     meta = np.frombuffer(c.meta, dtype=np.int32).astype(np.int64)
     alloc = np.frombuffer(c.alloc_seq, dtype=np.int64)
     free = np.frombuffer(c.free_seq, dtype=np.int64)
@@ -517,10 +540,8 @@ def tensors_table(ctx: Decoder) -> pa.Table:
         module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
         source_file=ctx.src_files.take(src_idx),
         source_line=ctx._lines(src_idx),
-        category=pa.nulls(n, _CATEGORY_TYPE),   # filled by _with_categories
-        address=pa.nulls(n, pa.int64()),   # filled by finish._with_addresses (the trackers' data pointers)
     )
-    return pa.Table.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=S.TENSORS)
+    return pa.Table.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
 
 
 def _shape_rows(shape: tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> tuple[np.ndarray, pa.Array]:
@@ -558,8 +579,9 @@ def errors_table(ctx: Decoder) -> pa.Table:
 
 def decode_tables(rec: Recorder, *, cell: Optional[int], screen: Any, links: _Links,
                   spill_dir: Optional[str]) -> tuple[dict[str, pa.Table], Optional[str]]:
-    """The ``ops``, ``calls``, ``tensors`` and ``errors`` tables of a finished trace's buffers, and
-    the path of the memory-mapped ops file when the ops were spilled (else None)."""
+    """The ``ops``, ``calls``, ``tensors`` and ``errors`` tables of a finished trace's buffers as
+    decoded (without :data:`PROBE_COLUMNS`), and the path of the memory-mapped ops file when the
+    ops were spilled (else None)."""
     rec.end_chunk()
     ctx = Decoder(rec, cell=cell, screen=screen, links=links)
     ops, ops_file = ops_table(ctx, spill_dir)

@@ -1,11 +1,11 @@
-"""The end of a trace: the probes' last results, the decoded tables completed, the metadata.
+"""The end of a trace: decode, merge what the probes contribute, the metadata.
 
-``finish_tables(f)`` runs once per trace after the engine handed everything to the recorder:
-the probes resolve (CUDA event pairs, the non-finite screen), the buffers are decoded
-(``decode.py``), compiled regions are linked (``compiled_link.py``), kernels are collected, the
-leak finder and the memory categories run, and the collectives table is built. ``metadata(f, ...)``
-says how the trace was recorded. The session then builds the ``Trace`` from both, whole.
-``f`` is the caller's state as far as :class:`Finishing` names it (the session is one).
+``finish_tables(f)`` runs once per trace after the engine handed everything to the recorder and
+the probes stopped (``recording/probes.py``): the buffers are decoded (``decode.py``), each probe
+contributes its tables and columns in turn (:class:`probes.Decoded` shows it the decoded tables
+with what earlier probes gave), and every table is built once, in its schema's order.
+``metadata(f, ...)`` says how the trace was recorded. The session then builds the ``Trace`` from
+both, whole. ``f`` is the caller's state as far as :class:`Finishing` names it (the session is one).
 """
 from __future__ import annotations
 
@@ -13,22 +13,14 @@ import platform
 import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from .. import schema as S
-from .._common import ipython_shell
-from ..schema import nullable_array
 from .columns import _Links
 from .context import RecordingContext
 from .decode import decode_tables
+from .probes import Decoded, Probe, contribute_all
 
 if TYPE_CHECKING:
     from ..options import TraceOptions
-    from ..timing.kernels import KernelCollector
-    from .allocator import AllocatorProbe
-    from .collectives import CollectiveProbe
     from .engines import EngineChoice
 
 
@@ -43,214 +35,19 @@ class Finishing(Protocol):
     engine_choice: EngineChoice
     wall_ns: int
     links: _Links
-    kernels: Optional[KernelCollector]
-    deferred_kernels: bool
-    compile_capture: Any
-    collectives: CollectiveProbe
-    inputs: Any   # repro_capture.InputCapture of capture=, or None
-    allocator: AllocatorProbe
-    dist: Any   # ranks.DistContext: anchor_unix_ns, the trace start on the unix clock
+    probes: list[Probe]
 
 
 def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str]]:
     """Every recorded table of the trace (``kernels`` may be a pending value with a ``resolve()``:
     always-on cells link kernels at the next harvest), the memory-mapped ops file (or None), and
-    the notes the steps here add."""
-    rec = f.ctx.rec
+    the notes the probes add."""
     ctx = f.ctx
-    if ctx.cuda_timer is not None:
-        try:
-            rec.cuda_ns.update(ctx.cuda_timer.resolve())
-        except Exception as e:
-            rec.tracer_error("cuda timer resolve", e)
-    if ctx.screen is not None:
-        try:
-            rec.nonfinite.update(ctx.screen.finish())
-        except Exception as e:
-            rec.tracer_error("non-finite screen finish", e)
-    tables, ops_file = decode_tables(rec, cell=f.cell, screen=ctx.screen, links=f.links,
+    tables, ops_file = decode_tables(ctx.rec, cell=f.cell, screen=ctx.screen, links=f.links,
                                      spill_dir=f.options.spill_dir)
-    notes: list[str] = []
-    try:
-        from .compiled_link import attach
-
-        cap = f.compile_capture
-        tables = attach(list(cap.records) if cap is not None else [], tables, rec.notes)
-    except Exception as e:
-        rec.tracer_error("compiled regions", e)
-    kernels, knotes = _kernels_table(f, tables["ops"])
-    tables["kernels"] = kernels
-    notes.extend(knotes)
-    try:
-        tables["leaks"] = _leaks_table(f, tables["tensors"])
-    except Exception as e:
-        rec.tracer_error("leaks", e)
-        tables["leaks"] = S.empty("leaks")
-    try:
-        tables["tensors"] = _with_categories(f, tables)
-    except Exception as e:
-        rec.tracer_error("memory categories", e)
-    try:
-        tables["tensors"] = _with_addresses(f, tables["tensors"])
-    except Exception as e:
-        rec.tracer_error("storage addresses", e)
-    tables["collectives"] = f.collectives.table(ctx.t0, tables.get("ops"))
-    if f.inputs is not None:
-        try:
-            tables["captures"] = f.inputs.table()
-            notes.extend(f.inputs.notes)
-        except Exception as e:
-            rec.tracer_error("captures", e)
-    try:
-        tables.update(_allocator_tables(f, tables))
-    except Exception as e:
-        rec.tracer_error("CUDA allocator", e)
-    notes.extend(f.allocator.notes)
-    return tables, ops_file, notes
-
-
-def _with_addresses(f: Finishing, tensors: pa.Table) -> pa.Table:
-    """``tensors`` with its ``address`` column: each storage's data pointer, which the trackers of both
-    engines keyed it by (``tracker.ptrs``; fake tensors' keys are not addresses: null)."""
-    tracker = f.ctx.tracker
-    n = tensors.num_rows
-    if tracker is None or n == 0:
-        return tensors
-    ptrs = list(tracker.ptrs[:n])
-    try:
-        arr = np.asarray(ptrs, dtype=np.int64)
-    except OverflowError:
-        return tensors
-    if len(arr) < n:
-        arr = np.concatenate([arr, np.zeros(n - len(arr), np.int64)])
-    col = nullable_array(arr, arr <= 0)
-    return tensors.set_column(tensors.schema.get_field_index("address"), S.TENSORS.field("address"), col)
-
-
-def _allocator_tables(f: Finishing, tables: dict[str, Any]) -> dict[str, pa.Table]:
-    """The CUDA caching allocator's view (analyses/allocator.py): its counters per device the trace
-    touched, and with ``memory_history=True`` its snapshot joined to ``tensors``."""
-    from ..analyses.allocator import (
-        allocator_rows,
-        allocator_table,
-        allocator_timeline,
-        cuda_index,
-        snapshot_tables,
-        with_history,
-    )
-
-    probe = f.allocator
-    out: dict[str, pa.Table] = {}
-    if not probe.start_stats and not probe.end_stats:
-        return out
-    tensors = tables["tensors"]
-    touched = [i for i in (cuda_index(d) for d in tensors.column("device").unique().to_pylist()) if i is not None]
-    allocator = allocator_table(allocator_rows(probe.start_stats, probe.end_stats, touched))
-    if probe.snapshot is not None:
-        anchor = int(getattr(f.dist, "anchor_unix_ns", 0) or 0)
-        snap = snapshot_tables(probe.snapshot, anchor_unix_ns=anchor, tensors=tensors, ops=tables["ops"])
-        out.update(snap)
-        timeline = allocator_timeline(snap["allocator_events"], allocator)
-        allocator = with_history(allocator, timeline, tables["ops"], tensors)
-    out["allocator"] = allocator
-    return out
-
-
-def _with_categories(f: Finishing, tables: dict[str, pa.Table]) -> pa.Table:
-    """``tensors`` with its ``category`` column (analyses/memory_categories.py), from the lifetimes and
-    the model/optimizer state alive now (tracking/state.py): read once, here, never per op."""
-    from ..analyses.memory_categories import Lifetimes, categorize, made_by_out_argument
-
-    tensors = tables["tensors"]
-    if tensors.num_rows == 0:
-        return tensors
-    lt = Lifetimes(tensors, tables["ops"])   # the columns every step below reads, converted once
-    rows, seqs = made_by_out_argument(tensors, tables["ops"], lt)
-    if len(rows):   # buffers compiled code made for an op's out=: made there, not before the trace
-        alloc = lt.alloc   # categorize reads the moved alloc_seq from here
-        alloc[rows] = seqs
-        op_names = tables["ops"].column("op").take(pa.array(np.maximum(alloc, 0)))
-        alloc_op = pc.if_else(pa.array(alloc >= 0), op_names, pa.nulls(len(alloc), op_names.type))
-        tensors = tensors.set_column(tensors.schema.get_field_index("alloc_seq"), S.TENSORS.field("alloc_seq"),
-                                     nullable_array(alloc, alloc < 0))
-        tensors = tensors.set_column(tensors.schema.get_field_index("alloc_op"), S.TENSORS.field("alloc_op"),
-                                     alloc_op)
-    known: dict[int, str] = {}
-    tracker = f.ctx.tracker
-    if tracker is not None:
-        from ..tracking.leaks.roots import user_objects
-        from ..tracking.state import find_optimizers, state_storages
-
-        ptrs = tracker.ptrs
-        alive = np.nonzero(lt.free < 0)[0]
-        live = {int(ptrs[i]): i for i in alive[alive < len(ptrs)].tolist()}
-        modules = f.ctx.modules.roots() if f.ctx.modules is not None else []
-        objs = user_objects(ipython_shell())
-        try:
-            optimizers = find_optimizers(objs)
-        finally:
-            objs.clear()
-        known = state_storages(modules, optimizers, live)
-        del modules, optimizers
-    lk = tables.get("leaks")
-    graph_held: list[int] = []
-    opt_held: list[int] = []
-    if lk is not None and lk.num_rows:
-        for sid, kind in zip(lk.column("storage_id").to_pylist(), lk.column("holder_kind").to_pylist()):
-            if sid is None:
-                continue
-            if kind == "autograd_graph":
-                graph_held.append(sid)
-            elif kind == "optimizer_state":
-                opt_held.append(sid)
-    col = categorize(tensors, tables["ops"], tables.get("calls"), known, graph_held, opt_held, lifetimes=lt)
-    return tensors.set_column(tensors.schema.get_field_index("category"), S.TENSORS.field("category"), col)
-
-
-
-
-def _kernels_table(f: Finishing, ops: pa.Table) -> tuple[pa.Table, list[str]]:
-    if f.kernels is None:
-        return S.empty("kernels"), []
-    try:
-        if f.deferred_kernels and f.kernels.available:
-            from ..timing.kernels import cuda_devices_of
-
-            pending = f.kernels.end_window_deferred(f.ctx.t0, ops, cuda_devices_of(ops))
-            if pending is not None:
-                return pending, []   # the Trace resolves it when the table is first read
-        return f.kernels.end_window(f.ctx.t0, ops)
-    except Exception as e:
-        f.ctx.rec.tracer_error("kernels", e)
-        return S.empty("kernels"), [f"kernel collection failed: {e}"]
-
-
-def _leaks_table(f: Finishing, tensors: pa.Table) -> pa.Table:
-    if f.ctx.tracker is None or not f.options.leaks:
-        return S.empty("leaks")
-    try:
-        from ..tracking.leaks import leak_table
-        from ..tracking.storages import LiveStorage
-    except ImportError:
-        return S.empty("leaks")
-    live = f.ctx.tracker.live_created()
-    if not live:
-        return S.empty("leaks")
-    # only the live storages' rows, and only the columns a record needs (the whole table as Python
-    # objects cost ~1 ms per 300 storages)
-    cols = ("nbytes", "device", "dtype", "shape", "alloc_seq", "alloc_op", "cell", "source_file", "source_line")
-    t = tensors.select(list(cols)).take(pa.array([sid for sid, _ref in live], pa.int64())).to_pydict()
-    records: list[Any] = []   # tracking.storages.LiveStorage
-    for i, (sid, ref) in enumerate(live):
-        row = {k: t[k][i] for k in cols}
-        records.append(LiveStorage(
-            storage_id=sid, ref=ref, data_ptr=f.ctx.tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
-            dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"], alloc_op=row["alloc_op"],
-            cell=row["cell"], source_file=row["source_file"], source_line=row["source_line"]))
-    import torch
-
-    with torch._C.DisableTorchFunction():   # the search reads tensor attributes: invisible to user modes
-        return leak_table(records, shell=ipython_shell())
+    decoded = Decoded(ctx, tables)
+    contribute_all(f.probes, decoded)
+    return decoded.build(), ops_file, decoded.notes
 
 
 _DEVICE: Optional[dict[str, Any]] = None

@@ -1,7 +1,7 @@
 """The live session: ``trace(**options)`` installs the modes and hooks, restores them, builds the Trace.
 
-Order on entry: module hooks, then the function mode (outer), then the
-dispatch mode (inner). On exit everything is undone in reverse before any
+Order on entry: the probes (``recording/probes.py``, in list order), module hooks, then the
+function mode (outer), then the dispatch mode (inner); on exit the probes stop last, in reverse. On exit everything is undone in reverse before any
 table is built, so a failure while building can never leave a mode behind,
 and it is undone on exceptions and KeyboardInterrupt alike. Only one trace
 records per thread: entering a second raises ``TraceActiveError`` (double
@@ -35,10 +35,7 @@ if TYPE_CHECKING:
 
     from .._trace import Trace
     from ..metadata import TraceMetadata
-    from ..timing.kernels import KernelCollector
-    from .collectives import CollectiveProbe
-    from .ophooks import OpHook
-    from .ranks import DistContext
+    from .probes import Probe
 
 _local = threading.local()
 _warned_tracer_bug = False
@@ -73,35 +70,18 @@ class Session:
             Recorder(options.chunk_rows, options.spill_rows, options.spill_dir), OpHooks(), options)
         #: backward-to-forward rows, grown as chunks are decoded (dataset= spills, then the end)
         self.links = _Links()
-        # multi-rank: collectives table, rank identity / run id / clock (recording/collectives.py, ranks.py)
-        from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES
-        from .collectives import CollectiveProbe
         from .ranks import DistContext
 
+        #: multi-rank: rank identity / run id / clock (recording/ranks.py); the dataset= parts name it
         self.dist = DistContext(sync_clocks=options.sync_clocks)
-        self.collectives = CollectiveProbe(on_first=_first_collective(self.ctx, self.dist))
-        # both engines hand c10d / _c10d_functional ops to the op hooks (engines.OpHooks)
-        self.ctx.op_hooks.add(COLLECTIVE_NAMESPACES, _collective_hook(self.collectives))
-        #: capture=: the chosen ops' arguments for t.repro() (recording/repro_capture.py)
-        self.inputs: Any = None
-        if options.capture is not None:
-            from .repro_capture import NAMESPACES as CAPTURE_NAMESPACES
-            from .repro_capture import InputCapture
-
-            self.inputs = InputCapture(options.capture, options.capture_bytes)
-            self.ctx.op_hooks.add(CAPTURE_NAMESPACES, self.inputs.hook)
-            self.ctx.op_hooks.before.append(self.inputs.before)   # python engine: written args, before the op
         self.dataset_error: Optional[BaseException] = None
         self._ds: Optional[dict[str, Any]] = None   # dataset= parts written while recording: {"ident", "trace_id", "ops_written"}
         if options.dataset:
             # weakly: the recorder is reachable from the modes, which hold no reference to the session
             self.ctx.rec.on_spill = _weak_call(self._spill_to_dataset)
-        self.kernels: Optional[KernelCollector] = None
-        from .allocator import AllocatorProbe
-
-        #: the CUDA caching allocator's counters at start and end; its history with memory_history=True
-        self.allocator = AllocatorProbe(history=options.memory_history)
-        self.compile_capture: Any = None   # torch.compile artifacts (recording/compiled.py)
+        #: what records beside the engine (recording/probes.py), in start order: made at start
+        self.probes: list[Probe] = []
+        self._probes_stopped = False
         self.deferred_kernels = False   # always-on cells: link kernels at the next harvest, not per cell
         self.wall_ns = 0
         self.trace: Optional[Trace] = None
@@ -161,8 +141,7 @@ class Session:
         opts = self.options
         with torch._C.DisableTorchFunction():   # what tensorscope reads is no call of the program's (README: user modes)
             _warm_up()
-            self.dist.capture()   # before any mode: a clock ping-pong here is seen by no one
-            self._setup_probes()
+            self._start_probes()
             self._begin_cell_warnings()
         self._fmode = self.engine.function_mode(self.ctx)
         _local.session = self
@@ -182,49 +161,23 @@ class Session:
             raise
         self.ctx.recording = True
 
-    def _setup_probes(self) -> None:
-        opts = self.options
-        try:
-            from .. import native
+    def _start_probes(self) -> None:
+        """Make the trace's probes (``probes.make_probes``: dist first, the allocator last) and
+        start them in order; one that raises is counted and stays in the list (its stop and its
+        contribution are contained too)."""
+        from .probes import make_probes
 
-            self.ctx.capture = native.open_capture(native=opts.native, cpp_errors=opts.cpp_errors)
-        except Exception as e:
-            self.ctx.capture = None
-            self.ctx.rec.notes.append(f"warning/error capture unavailable: {type(e).__name__}: {e}")
-        if opts.numerics:
-            from .shadow import NumericsShadow
-
-            self.ctx.shadow = NumericsShadow(mode=opts.numerics)
-        self.engine.setup_probes(self.ctx, opts)   # its screen, CUDA timer, error sites (after the capture)
-        try:
-            from .compiled import CompileCapture
-
-            self.compile_capture = CompileCapture().install()
-        except Exception as e:
-            self.compile_capture = None
-            self.ctx.rec.notes.append(f"torch.compile capture unavailable: {e}")
-        if opts.kernels:
+        self.probes = make_probes(self.options, self.engine, self.dist, deferred_kernels=self.deferred_kernels)
+        for p in self.probes:
             try:
-                from ..timing.kernels import KernelCollector
-
-                self.kernels = KernelCollector.shared()
-                self.kernels.begin_window()
+                p.start(self.ctx)
             except Exception as e:
-                self.kernels = None
-                self.ctx.rec.notes.append(f"kernel collection unavailable: {e}")
-        try:
-            self.allocator.start()   # last: its history records the block, not the probes' setup
-        except Exception as e:
-            self.ctx.rec.tracer_error("allocator (start)", e)
+                self.ctx.rec.tracer_error(f"{p.name} (start)", e)
 
     def _restore(self) -> None:
         """Undo modes and hooks, innermost first. Safe to call twice."""
         self.ctx.recording = False
         errors: list[BaseException] = []
-        try:   # the allocator's snapshot before its history is turned off (an OOM in the block included)
-            self.allocator.stop()
-        except BaseException as e:
-            errors.append(e)
         try:   # also when it never started: it gives the native observer back (idempotent)
             self.engine.stop()
         except BaseException as e:
@@ -242,22 +195,21 @@ class Session:
         # the storage tracker stays open until the tables are built (free_seq of late frees): stop() closes it
         if getattr(_local, "session", None) is self:
             _local.session = None
-        if self.compile_capture is not None:
-            try:
-                self.compile_capture.close()
-            except Exception as e:
-                errors.append(e)
-        if self.ctx.capture is not None:
-            try:
-                self.ctx.capture.close()
-            except Exception as e:
-                errors.append(e)
         finish = getattr(self._fmode, "finish", None)
         if finish is not None:   # the native function mode hands its calls rows over (idempotent)
             try:
                 finish()
             except Exception as e:
                 errors.append(e)
+        # the probes, last started first (the allocator's snapshot before its history is turned off,
+        # an OOM in the block included; the capture closed; the rank's clock read again)
+        if not self._probes_stopped:
+            self._probes_stopped = True
+            for p in reversed(self.probes):
+                try:
+                    p.stop()
+                except BaseException as e:
+                    errors.append(e)
         for err in errors:
             self.ctx.rec.tracer_error("restore", err)
 
@@ -280,10 +232,6 @@ class Session:
         self._restore()
         if exc is not None:
             self._note_cell_exception(exc)
-        try:
-            self.dist.capture(end=True)
-        except Exception as e:
-            self.ctx.rec.tracer_error("distributed capture", e)
         from .finish import finish_tables, metadata
 
         try:
@@ -369,7 +317,11 @@ class Session:
 
         dist_notes = md.pop("dist_notes", ())
         md["notes"] = list(md["notes"]) + list(dist_notes)
-        kernels = tables.pop("kernels")
+        from .. import schema as S
+
+        kernels = tables.pop("kernels", None)
+        if kernels is None:   # the kernels probe contributed nothing (it failed): an empty table
+            kernels = S.empty("kernels")
         resolver = None if isinstance(kernels, pa_Table()) else kernels.resolve   # always-on cells: linked later
         if resolver is None:
             tables["kernels"] = kernels
@@ -416,28 +368,6 @@ def _warm_up() -> None:
         import torch.utils.flop_counter  # noqa: F401
     except Exception:
         pass
-
-
-def _first_collective(ctx: RecordingContext, dist: DistContext) -> Callable[[], None]:
-    """The collectives probe's ``on_first``: the process group exists now (the trace may have started
-    before init_process_group), so the rank identity is captured again, unrecorded."""
-    def on_first() -> None:
-        was, ctx.recording = ctx.recording, False
-        try:
-            dist.capture()
-        except Exception as e:
-            ctx.rec.tracer_error("distributed capture", e)
-        finally:
-            ctx.recording = was
-    return on_first
-
-
-def _collective_hook(probe: CollectiveProbe) -> OpHook:
-    """Op hook: a c10d op just returned (outputs None when it raised); its start and duration come
-    from its ops row when the tables are built."""
-    def on_collective(seq: int, op: str, inputs: Any, outputs: Any) -> None:
-        probe.observe(seq, op, inputs, None, outputs if outputs is not None else (), None, None)
-    return on_collective
 
 
 def _weak_call(method: Callable[[], None]) -> Callable[[], None]:

@@ -30,7 +30,7 @@ def is_internal_file(f: str) -> bool:
     contextlib/functools wrappers, frozen modules and fx-generated code."""
     # fx-generated code (``<eval_with_key>``: GraphModules of non-Inductor backends) is not the user's:
     # its ops belong to the line that called the compiled function. Inductor's generated modules
-    # are kept as the call's file on purpose: recording/compiled.attach links those calls to their
+    # are kept as the call's file on purpose: recording/compiled_link.link links those calls to their
     # graph by it, then shows the compiled function's own file and line instead.
     return (f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or f.startswith(_STDLIB_WRAPPERS)
             or f.startswith("<frozen") or f.startswith("<eval_with_key"))
