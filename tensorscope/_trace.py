@@ -4,9 +4,10 @@ A Trace is built whole: the recorded tables and the complete ``TraceMetadata`` a
 construction (``kernels`` may be given as its resolver, run once on first read). Derived tables
 (``casts``, ``layout_changes``, ``memory``, ``api``) are computed on first access by the pure
 functions in ``analyses/`` and cached. Its attributes cannot be assigned, its tables are Arrow
-(immutable) and its metadata is frozen and never replaced; ``t.metadata`` reads it with the two
-facts learnt later: where ``save`` wrote the trace (``saved_to``) and the notes of the kernels
-resolver. Nothing here refers to a tensor, so a Trace sitting in ``Out`` keeps no memory alive.
+(immutable) and its metadata is frozen and never replaced; ``t.metadata`` reads it with the one
+fact learnt later, the notes of the kernels resolver. Where ``save`` wrote the trace is kept beside
+it (``t.saved_to``), not in its metadata. Nothing here refers to a tensor, so a Trace sitting in
+``Out`` keeps no memory alive.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class Trace:
 
     _tables: dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
     _metadata: TraceMetadata    # as built; never replaced
-    _later: dict[str, Any]      # saved_to (Trace.save) and notes (the kernels resolver), when they come
+    _later: dict[str, Any]      # saved_to (Trace.save), notes (the kernels resolver) when they come
     _plot: Any
     _derived: dict[str, pa.Table]   # views that are no table of the trace (memory_timeline ...), cached
 
@@ -153,15 +154,15 @@ class Trace:
         """The trace's ``TraceMetadata``.
 
         Typed attributes (``t.metadata.options.modules``) and a read-only mapping of its JSON form
-        (``t.metadata["options"]["modules"]``): the metadata the trace was built with, plus
-        ``saved_to`` once ``save`` wrote it and the kernels' notes once read.
+        (``t.metadata["options"]["modules"]``): the metadata the trace was built with, plus the
+        kernels' notes once read. ``save`` does not change it (:attr:`saved_to` says where it wrote).
         """
         later = self._later
-        if not later:
+        if "notes" not in later:
             return self._metadata
         md = later.get("metadata")
         if md is None:
-            md = later["metadata"] = self._metadata.replace(**{k: v for k, v in later.items() if k != "metadata"})
+            md = later["metadata"] = self._metadata.replace(notes=later["notes"])
         return md
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -194,8 +195,12 @@ class Trace:
     allocator_events = property(lambda self: self.table("allocator_events"))
 
     # -- what memory is made of (analyses/memory_categories.py) -------------------------------------
-    # Each returns a ``TableView`` (render/views.py): the Arrow table, displayed as a compact table;
-    # ``.to_arrow()`` / ``.to_pandas()``, and everything a ``pyarrow.Table`` answers.
+    # One style: a table computed from the trace alone is a property (``t.memory_timeline``), a view
+    # that takes arguments is a method (``t.memory_at(seq)``, ``t.op_totals(by=...)``). Each of these
+    # is a ``TableView`` (render/views.py): the Arrow table, displayed as a compact table;
+    # ``.to_arrow()`` / ``.to_pandas()``, and everything a ``pyarrow.Table`` answers. The spelling
+    # they had as methods (``t.memory_timeline``) still works and warns (``TableView.__call__``).
+    @property
     def memory_timeline(self) -> TableView:
         """Live bytes by category (``tensors.category``) after each op.
 
@@ -207,9 +212,10 @@ class Trace:
             from .analyses.memory_categories import memory_timeline
 
             got = self._derived["memory_timeline"] = memory_timeline(self.tensors, self.ops)
-        return _view(got, "t.memory_timeline(): live bytes by category after each op",
+        return _view(got, "t.memory_timeline: live bytes by category after each op",
                      ("is_peak marks each device's peak; t.memory_at() breaks it down by module",))
 
+    @property
     def allocator_timeline(self) -> TableView:
         """The CUDA caching allocator's reserved and allocated bytes after each of its events.
 
@@ -221,7 +227,7 @@ class Trace:
 
             got = self._derived["allocator_timeline"] = allocator_timeline(self.allocator_events, self.allocator)
         notes = () if got.num_rows else ("recorded only with memory_history=True on a CUDA device",)
-        return _view(got, "t.allocator_timeline(): the CUDA caching allocator after each event", notes)
+        return _view(got, "t.allocator_timeline: the CUDA caching allocator after each event", notes)
 
     def memory_at(self, seq: Optional[int] = None) -> TableView:
         """What was alive after op ``seq`` (default: each device's peak).
@@ -240,6 +246,7 @@ class Trace:
         where = "each device's peak" if seq is None else f"op {int(seq)}"
         return _view(memory_at(self.tensors, self.ops, seq), f"t.memory_at(): alive after {where}")
 
+    @property
     def module_memory(self) -> TableView:
         """Memory per module (children rolled into parents) and device.
 
@@ -251,7 +258,7 @@ class Trace:
             from .analyses.memory_categories import module_memory
 
             got = self._derived["module_memory"] = module_memory(self.tensors, self.ops, self.calls)
-        return _view(got, "t.module_memory(): activations saved and peaks per module")
+        return _view(got, "t.module_memory: activations saved and peaks per module")
 
     def op_totals(self, by: Union[str, Sequence[str]] = "op", *, include_noise: bool = False) -> pa.Table:
         """Totals per group of ATen ops, the largest CPU time first (torch.profiler's ``key_averages()``).
@@ -284,14 +291,23 @@ class Trace:
         return run_sql(self.table, query, arrow=arrow)
 
     # -- io ------------------------------------------------------------------
-    def save(self, path) -> str:
-        """Write a directory: one parquet file per table (zstd) and ``metadata.json``. Returns the path."""
+    def save(self, path: Any) -> str:
+        """Write a directory: one parquet file per table (zstd) and ``metadata.json``; return its path.
+
+        The trace and its metadata are unchanged: where it was last written is :attr:`saved_to`.
+        """
         from .io.parquet import save
 
         where = save(self, path)
         self._later["saved_to"] = where
-        self._later.pop("metadata", None)
         return where
+
+    @property
+    def saved_to(self) -> Optional[str]:
+        """Where this trace is kept on disk: the path ``save`` last wrote, else the directory ``load``
+        read it from (``metadata.saved_to``), else None. The summary's "saved to" line shows it."""
+        where: Optional[str] = self._later.get("saved_to")
+        return where if where is not None else self._metadata.saved_to
 
     def report(self, path: Any) -> str:
         """Write the full summary as one standalone HTML file and return its path.

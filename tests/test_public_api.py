@@ -43,11 +43,11 @@ def test_every_public_name_survives_every_submodule_import_and_works_after_a_tra
     assert isinstance(tr, tensorscope.Trace) and tensorscope.last() is tr
     assert isinstance(tensorscope.history(), list)
     assert tensorscope.TraceOptions().leaks is True
-    assert tensorscope.SCHEMA_VERSION == tr.metadata["schema_version"]
+    assert tensorscope.schema.SCHEMA_VERSION == tr.metadata["schema_version"]
     back = tensorscope.load(tr.save(tmp_path / "t"))
     assert back.ops.num_rows == tr.ops.num_rows
     assert isinstance(tensorscope.find_leaks(user_ns={}, frames=False).table, pa.Table)
-    assert tensorscope.leak_table([], user_ns={}).num_rows == 0
+    assert tensorscope.tracking.leaks.leak_table([], user_ns={}).num_rows == 0
     d = tensorscope.enable_discovery()
     assert d is not None
     tensorscope.disable_discovery()
@@ -74,7 +74,7 @@ def test_env_is_callable_in_a_fresh_process_after_a_trace(tmp_path):
 
 
 def _trace_with_history(rows: int):
-    with tensorscope.trace(leaks=False, context=tensorscope.RunContext(keep_history=True)) as t:
+    with tensorscope.trace(leaks=False, context=tensorscope.options.RunContext(keep_history=True)) as t:
         x = torch.zeros(1)
         for _ in range(rows):
             x = x + 1
@@ -94,7 +94,7 @@ def clean_history():
 def test_history_is_bounded_in_bytes_and_a_dropped_saved_trace_loads_back(tmp_path, capsys, clean_history):
     first = _trace_with_history(50)
     path = first.save(tmp_path / "first")
-    assert first.metadata["saved_to"] == path        # the trace remembers where it was saved
+    assert first.saved_to == path        # the trace remembers where it was saved (its metadata is unchanged)
     size = H.trace_nbytes(first)
     assert size > 0
     H.set_history_limits(max_traces=64, max_bytes=int(size * 2.5))

@@ -76,7 +76,7 @@ def engine(wait: bool = True) -> tuple[Any, str]:
 
 def cache_dir() -> str:
     """Where native builds are cached (``$TENSORSCOPE_CACHE`` or ``~/.cache/tensorscope/native``); the
-    measured machine peaks (``tensorscope.machine_peaks``) are stored beside them."""
+    measured machine peaks (``tensorscope._peaks.machine_peaks``) are stored beside them."""
     return _build.cache_root()
 
 
