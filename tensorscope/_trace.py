@@ -176,23 +176,74 @@ class Trace:
         """Every table by name, the derived ones included."""
         return {name: self.table(name) for name in S.TABLES}
 
-    ops = property(lambda self: self.table("ops"))
-    calls = property(lambda self: self.table("calls"))
-    tensors = property(lambda self: self.table("tensors"))
-    errors = property(lambda self: self.table("errors"))
-    kernels = property(lambda self: self.table("kernels"))
-    leaks = property(lambda self: self.table("leaks"))
-    casts = property(lambda self: self.table("casts"))
-    layout_changes = property(lambda self: self.table("layout_changes"))
-    memory = property(lambda self: self.table("memory"))
-    graphs = property(lambda self: self.table("graphs"))
-    graph_nodes = property(lambda self: self.table("graph_nodes"))
-    api = property(lambda self: self.table("api"))
-    collectives = property(lambda self: self.table("collectives"))
-    allocator = property(lambda self: self.table("allocator"))
-    allocator_segments = property(lambda self: self.table("allocator_segments"))
-    allocator_blocks = property(lambda self: self.table("allocator_blocks"))
-    allocator_events = property(lambda self: self.table("allocator_events"))
+    # one property per table, typed (a type checker sees a pyarrow.Table)
+    @property
+    def ops(self) -> pa.Table:
+        return self.table("ops")
+
+    @property
+    def calls(self) -> pa.Table:
+        return self.table("calls")
+
+    @property
+    def tensors(self) -> pa.Table:
+        return self.table("tensors")
+
+    @property
+    def errors(self) -> pa.Table:
+        return self.table("errors")
+
+    @property
+    def kernels(self) -> pa.Table:
+        return self.table("kernels")
+
+    @property
+    def leaks(self) -> pa.Table:
+        return self.table("leaks")
+
+    @property
+    def casts(self) -> pa.Table:
+        return self.table("casts")
+
+    @property
+    def layout_changes(self) -> pa.Table:
+        return self.table("layout_changes")
+
+    @property
+    def memory(self) -> pa.Table:
+        return self.table("memory")
+
+    @property
+    def graphs(self) -> pa.Table:
+        return self.table("graphs")
+
+    @property
+    def graph_nodes(self) -> pa.Table:
+        return self.table("graph_nodes")
+
+    @property
+    def api(self) -> pa.Table:
+        return self.table("api")
+
+    @property
+    def collectives(self) -> pa.Table:
+        return self.table("collectives")
+
+    @property
+    def allocator(self) -> pa.Table:
+        return self.table("allocator")
+
+    @property
+    def allocator_segments(self) -> pa.Table:
+        return self.table("allocator_segments")
+
+    @property
+    def allocator_blocks(self) -> pa.Table:
+        return self.table("allocator_blocks")
+
+    @property
+    def allocator_events(self) -> pa.Table:
+        return self.table("allocator_events")
 
     # -- what memory is made of (analyses/memory_categories.py) -------------------------------------
     # One style: a table computed from the trace alone is a property (``t.memory_timeline``), a view
