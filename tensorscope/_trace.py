@@ -355,8 +355,11 @@ class Trace:
 
     @property
     def saved_to(self) -> Optional[str]:
-        """Where this trace is kept on disk: the path ``save`` last wrote, else the directory ``load``
-        read it from (``metadata.saved_to``), else None. The summary's "saved to" line shows it."""
+        """Where this trace is kept on disk, or None.
+
+        The path ``save`` last wrote, else the directory ``load`` read it from (``metadata.saved_to``).
+        The summary's "saved to" line shows it.
+        """
         where: Optional[str] = self._later.get("saved_to")
         return where if where is not None else self._metadata.saved_to
 
