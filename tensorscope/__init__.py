@@ -77,31 +77,19 @@ _MOVED = {
 __all__ = [name for names in GROUPS.values() for name in names]
 
 if TYPE_CHECKING:   # what the lazy names are, for a type checker (nothing is imported at run time)
-    from ._advice import advise as advise
-    from ._dataset import Dataset as Dataset
-    from ._dataset import open_dataset as open_dataset
-    from ._diff import diff as diff
-    from ._env import env as env
-    from ._trace import Trace as Trace
-    from ._trace import load as load
-    from .divergence import diverge as diverge
-    from .options import DisplayOptions as DisplayOptions
-    from .options import TraceOptions as TraceOptions
-    from .prediction import predict as predict
-    from .recording.history import history as history
-    from .recording.history import last as last
+    from ._advice import advise  # noqa: F401  (in __all__)
+    from ._dataset import Dataset, open_dataset  # noqa: F401  (in __all__)
+    from ._diff import diff  # noqa: F401  (in __all__)
+    from ._env import env  # noqa: F401  (in __all__)
+    from ._trace import Trace, load  # noqa: F401  (in __all__)
+    from .divergence import diverge  # noqa: F401  (in __all__)
+    from .options import DisplayOptions, TraceOptions  # noqa: F401  (in __all__)
+    from .prediction import predict  # noqa: F401  (in __all__)
+    from .recording.history import history, last  # noqa: F401  (in __all__)
     from .recording.session import trace as _trace_block
-    from .substitution import check_substitution as check_substitution
-    from .tracking.leaks import (
-        disable_discovery as disable_discovery,
-    )
-    from .tracking.leaks import (
-        enable_discovery as enable_discovery,
-    )
-    from .tracking.leaks import (
-        find_leaks as find_leaks,
-    )
-    from .windows import schedule as schedule
+    from .substitution import check_substitution  # noqa: F401  (in __all__)
+    from .tracking.leaks import disable_discovery, enable_discovery, find_leaks  # noqa: F401  (in __all__)
+    from .windows import schedule  # noqa: F401  (in __all__)
 
     class trace(_trace_block):
         """``with tensorscope.trace() as t:``: to a type checker ``t`` is the :class:`Trace`.
