@@ -53,10 +53,45 @@ def test_every_public_name_survives_every_submodule_import_and_works_after_a_tra
     tensorscope.disable_discovery()
     for err in ("TensorscopeError", "TraceActiveError", "SchemaVersionError", "TraceFormatError", "ExportError",
                 "OptionsError", "GuardError", "NativeBuildError"):
-        assert issubclass(getattr(tensorscope, err), tensorscope.TensorscopeError)
+        assert issubclass(getattr(tensorscope.errors, err), tensorscope.TensorscopeError)
     assert callable(tensorscope.load_ipython_extension) and callable(tensorscope.unload_ipython_extension)
     assert isinstance(tensorscope.__version__, str)
     assert callable(tensorscope.trace) and inspect.isfunction(tensorscope.env)
+
+
+def test_the_public_names_are_grouped_and_the_moved_ones_still_work_with_a_warning():
+    import warnings
+
+    grouped = [n for names in tensorscope.GROUPS.values() for n in names]
+    assert sorted(grouped) == sorted(tensorscope.__all__) and len(set(grouped)) == len(grouped)
+    assert set(tensorscope.GROUPS) == {"record", "results", "options", "leaks", "compare", "errors", "environment"}
+    for name in tensorscope.__all__:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            getattr(tensorscope, name)            # a public name never warns
+    for name, home in tensorscope._MOVED.items():
+        assert name not in tensorscope.__all__ and name not in dir(tensorscope)
+        with pytest.warns(DeprecationWarning, match=rf"tensorscope\.{name} is deprecated: use {home}\.{name}"):
+            old = getattr(tensorscope, name)
+        assert old is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError):
+        tensorscope.no_such_name   # noqa: B018
+
+
+def test_trace_tables_are_properties_and_the_old_method_spelling_warns(tmp_path):
+    with tensorscope.trace(leaks=False) as t:
+        torch.ones(4, 4).relu().sum()
+    tr = t.result
+    for name in ("memory_timeline", "module_memory", "allocator_timeline"):
+        view = getattr(tr, name)
+        assert isinstance(inspect.getattr_static(tensorscope.Trace, name), property)
+        with pytest.warns(DeprecationWarning, match=rf"t\.{name}\(\) is deprecated: t\.{name} is a property"):
+            assert view() is view
+    before = tr.metadata
+    path = tr.save(tmp_path / "run")
+    assert tr.metadata is before and before.saved_to is None and tr.saved_to == path
+    assert f"saved to: {path}" in tr.summary().to_text()   # the summary's line reads t.saved_to
+    assert tensorscope.load(path).saved_to == path
 
 
 def test_env_is_callable_in_a_fresh_process_after_a_trace(tmp_path):
