@@ -75,7 +75,7 @@ def test_the_public_names_are_grouped_and_the_moved_ones_still_work_with_a_warni
             old = getattr(tensorscope, name)
         assert old is getattr(importlib.import_module(home), name)
     with pytest.raises(AttributeError):
-        tensorscope.no_such_name   # noqa: B018
+        tensorscope.no_such_name
 
 
 def test_trace_tables_are_properties_and_the_old_method_spelling_warns(tmp_path):
