@@ -7,7 +7,7 @@ categories built and with that build step skipped, so the machine's load hits bo
 
 * the trace's wall time per recorded op (recording + build) with and without categories, and the ratio;
 * the category step alone (``probes._categories``) per op;
-* ``t.memory_timeline()``, ``t.module_memory()``, ``t.memory_at()`` per op, and the summary's memory SVG;
+* ``t.memory_timeline``, ``t.module_memory``, ``t.memory_at()`` per op, and the summary's memory SVG;
 * ``tensorscope.predict`` of an MLP training step against running the step, untraced and traced.
 
 Nothing is added to the per-op hot path: the categories are derived from the recorded lifetimes and
@@ -95,8 +95,8 @@ def main(argv) -> int:
     from tensorscope.analyses.memory_categories import memory_at, memory_timeline, module_memory
 
     tensors, ops, calls = t.tensors, t.ops, t.calls
-    for name, fn in (("t.memory_timeline()", lambda: memory_timeline(tensors, ops)),
-                     ("t.module_memory()", lambda: module_memory(tensors, ops, calls)),
+    for name, fn in (("t.memory_timeline", lambda: memory_timeline(tensors, ops)),
+                     ("t.module_memory", lambda: module_memory(tensors, ops, calls)),
                      ("t.memory_at() (the peak)", lambda: memory_at(tensors, ops))):
         b = float("inf")
         for _ in range(5):
@@ -106,7 +106,7 @@ def main(argv) -> int:
         print(f"{name:<40}{b / n * 1e6:8.2f} µs/op  ({b * 1e3:.1f} ms)")
     from tensorscope.render.svg_memory import memory_timeline_svg
 
-    tl = t.memory_timeline()
+    tl = t.memory_timeline
     b = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()

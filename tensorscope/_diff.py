@@ -45,8 +45,9 @@ def diff(a, b) -> TraceDiff:
 
 def _label(t, default: str) -> str:
     md = t.metadata or {}
-    if md.get("saved_to"):
-        return os.path.basename(str(md["saved_to"]).rstrip("/")) or default
+    saved = getattr(t, "saved_to", None) or md.get("saved_to")   # where the trace is kept
+    if saved:
+        return os.path.basename(str(saved).rstrip("/")) or default
     if md.get("cell") is not None:
         return f"cell [{md['cell']}]"
     return default

@@ -4,9 +4,10 @@ A Trace is built whole: the recorded tables and the complete ``TraceMetadata`` a
 construction (``kernels`` may be given as its resolver, run once on first read). Derived tables
 (``casts``, ``layout_changes``, ``memory``, ``api``) are computed on first access by the pure
 functions in ``analyses/`` and cached. Its attributes cannot be assigned, its tables are Arrow
-(immutable) and its metadata is frozen and never replaced; ``t.metadata`` reads it with the two
-facts learnt later: where ``save`` wrote the trace (``saved_to``) and the notes of the kernels
-resolver. Nothing here refers to a tensor, so a Trace sitting in ``Out`` keeps no memory alive.
+(immutable) and its metadata is frozen and never replaced; ``t.metadata`` reads it with the one
+fact learnt later, the notes of the kernels resolver. Where ``save`` wrote the trace is kept beside
+it (``t.saved_to``), not in its metadata. Nothing here refers to a tensor, so a Trace sitting in
+``Out`` keeps no memory alive.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class Trace:
 
     _tables: dict[str, Any]     # name -> pa.Table (or a deferred table, resolved on first access)
     _metadata: TraceMetadata    # as built; never replaced
-    _later: dict[str, Any]      # saved_to (Trace.save) and notes (the kernels resolver), when they come
+    _later: dict[str, Any]      # saved_to (Trace.save), notes (the kernels resolver) when they come
     _plot: Any
     _derived: dict[str, pa.Table]   # views that are no table of the trace (memory_timeline ...), cached
 
@@ -153,15 +154,15 @@ class Trace:
         """The trace's ``TraceMetadata``.
 
         Typed attributes (``t.metadata.options.modules``) and a read-only mapping of its JSON form
-        (``t.metadata["options"]["modules"]``): the metadata the trace was built with, plus
-        ``saved_to`` once ``save`` wrote it and the kernels' notes once read.
+        (``t.metadata["options"]["modules"]``): the metadata the trace was built with, plus the
+        kernels' notes once read. ``save`` does not change it (:attr:`saved_to` says where it wrote).
         """
         later = self._later
-        if not later:
+        if "notes" not in later:
             return self._metadata
         md = later.get("metadata")
         if md is None:
-            md = later["metadata"] = self._metadata.replace(**{k: v for k, v in later.items() if k != "metadata"})
+            md = later["metadata"] = self._metadata.replace(notes=later["notes"])
         return md
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -175,27 +176,82 @@ class Trace:
         """Every table by name, the derived ones included."""
         return {name: self.table(name) for name in S.TABLES}
 
-    ops = property(lambda self: self.table("ops"))
-    calls = property(lambda self: self.table("calls"))
-    tensors = property(lambda self: self.table("tensors"))
-    errors = property(lambda self: self.table("errors"))
-    kernels = property(lambda self: self.table("kernels"))
-    leaks = property(lambda self: self.table("leaks"))
-    casts = property(lambda self: self.table("casts"))
-    layout_changes = property(lambda self: self.table("layout_changes"))
-    memory = property(lambda self: self.table("memory"))
-    graphs = property(lambda self: self.table("graphs"))
-    graph_nodes = property(lambda self: self.table("graph_nodes"))
-    api = property(lambda self: self.table("api"))
-    collectives = property(lambda self: self.table("collectives"))
-    allocator = property(lambda self: self.table("allocator"))
-    allocator_segments = property(lambda self: self.table("allocator_segments"))
-    allocator_blocks = property(lambda self: self.table("allocator_blocks"))
-    allocator_events = property(lambda self: self.table("allocator_events"))
+    # one property per table, typed (a type checker sees a pyarrow.Table)
+    @property
+    def ops(self) -> pa.Table:
+        return self.table("ops")
+
+    @property
+    def calls(self) -> pa.Table:
+        return self.table("calls")
+
+    @property
+    def tensors(self) -> pa.Table:
+        return self.table("tensors")
+
+    @property
+    def errors(self) -> pa.Table:
+        return self.table("errors")
+
+    @property
+    def kernels(self) -> pa.Table:
+        return self.table("kernels")
+
+    @property
+    def leaks(self) -> pa.Table:
+        return self.table("leaks")
+
+    @property
+    def casts(self) -> pa.Table:
+        return self.table("casts")
+
+    @property
+    def layout_changes(self) -> pa.Table:
+        return self.table("layout_changes")
+
+    @property
+    def memory(self) -> pa.Table:
+        return self.table("memory")
+
+    @property
+    def graphs(self) -> pa.Table:
+        return self.table("graphs")
+
+    @property
+    def graph_nodes(self) -> pa.Table:
+        return self.table("graph_nodes")
+
+    @property
+    def api(self) -> pa.Table:
+        return self.table("api")
+
+    @property
+    def collectives(self) -> pa.Table:
+        return self.table("collectives")
+
+    @property
+    def allocator(self) -> pa.Table:
+        return self.table("allocator")
+
+    @property
+    def allocator_segments(self) -> pa.Table:
+        return self.table("allocator_segments")
+
+    @property
+    def allocator_blocks(self) -> pa.Table:
+        return self.table("allocator_blocks")
+
+    @property
+    def allocator_events(self) -> pa.Table:
+        return self.table("allocator_events")
 
     # -- what memory is made of (analyses/memory_categories.py) -------------------------------------
-    # Each returns a ``TableView`` (render/views.py): the Arrow table, displayed as a compact table;
-    # ``.to_arrow()`` / ``.to_pandas()``, and everything a ``pyarrow.Table`` answers.
+    # One style: a table computed from the trace alone is a property (``t.memory_timeline``), a view
+    # that takes arguments is a method (``t.memory_at(seq)``, ``t.op_totals(by=...)``). Each of these
+    # is a ``TableView`` (render/views.py): the Arrow table, displayed as a compact table;
+    # ``.to_arrow()`` / ``.to_pandas()``, and everything a ``pyarrow.Table`` answers. The spelling
+    # they had as methods (``t.memory_timeline``) still works and warns (``TableView.__call__``).
+    @property
     def memory_timeline(self) -> TableView:
         """Live bytes by category (``tensors.category``) after each op.
 
@@ -207,9 +263,10 @@ class Trace:
             from .analyses.memory_categories import memory_timeline
 
             got = self._derived["memory_timeline"] = memory_timeline(self.tensors, self.ops)
-        return _view(got, "t.memory_timeline(): live bytes by category after each op",
+        return _view(got, "t.memory_timeline: live bytes by category after each op",
                      ("is_peak marks each device's peak; t.memory_at() breaks it down by module",))
 
+    @property
     def allocator_timeline(self) -> TableView:
         """The CUDA caching allocator's reserved and allocated bytes after each of its events.
 
@@ -221,7 +278,7 @@ class Trace:
 
             got = self._derived["allocator_timeline"] = allocator_timeline(self.allocator_events, self.allocator)
         notes = () if got.num_rows else ("recorded only with memory_history=True on a CUDA device",)
-        return _view(got, "t.allocator_timeline(): the CUDA caching allocator after each event", notes)
+        return _view(got, "t.allocator_timeline: the CUDA caching allocator after each event", notes)
 
     def memory_at(self, seq: Optional[int] = None) -> TableView:
         """What was alive after op ``seq`` (default: each device's peak).
@@ -240,6 +297,7 @@ class Trace:
         where = "each device's peak" if seq is None else f"op {int(seq)}"
         return _view(memory_at(self.tensors, self.ops, seq), f"t.memory_at(): alive after {where}")
 
+    @property
     def module_memory(self) -> TableView:
         """Memory per module (children rolled into parents) and device.
 
@@ -251,7 +309,7 @@ class Trace:
             from .analyses.memory_categories import module_memory
 
             got = self._derived["module_memory"] = module_memory(self.tensors, self.ops, self.calls)
-        return _view(got, "t.module_memory(): activations saved and peaks per module")
+        return _view(got, "t.module_memory: activations saved and peaks per module")
 
     def op_totals(self, by: Union[str, Sequence[str]] = "op", *, include_noise: bool = False) -> pa.Table:
         """Totals per group of ATen ops, the largest CPU time first (torch.profiler's ``key_averages()``).
@@ -284,14 +342,26 @@ class Trace:
         return run_sql(self.table, query, arrow=arrow)
 
     # -- io ------------------------------------------------------------------
-    def save(self, path) -> str:
-        """Write a directory: one parquet file per table (zstd) and ``metadata.json``. Returns the path."""
+    def save(self, path: Any) -> str:
+        """Write a directory: one parquet file per table (zstd) and ``metadata.json``; return its path.
+
+        The trace and its metadata are unchanged: where it was last written is :attr:`saved_to`.
+        """
         from .io.parquet import save
 
         where = save(self, path)
         self._later["saved_to"] = where
-        self._later.pop("metadata", None)
         return where
+
+    @property
+    def saved_to(self) -> Optional[str]:
+        """Where this trace is kept on disk, or None.
+
+        The path ``save`` last wrote, else the directory ``load`` read it from (``metadata.saved_to``).
+        The summary's "saved to" line shows it.
+        """
+        where: Optional[str] = self._later.get("saved_to")
+        return where if where is not None else self._metadata.saved_to
 
     def report(self, path: Any) -> str:
         """Write the full summary as one standalone HTML file and return its path.

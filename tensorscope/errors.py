@@ -40,7 +40,7 @@ class GuardError(TensorscopeError, AssertionError):
     >>> try:
     ...     with tensorscope.trace(expect="no_syncs", leaks=False):
     ...         value = torch.ones(3).sum().item()
-    ... except tensorscope.GuardError as err:
+    ... except tensorscope.errors.GuardError as err:
     ...     print(err.trace.ops.num_rows > 0)
     True
     """

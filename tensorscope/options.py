@@ -245,7 +245,7 @@ def baseline_label(b: Any) -> str:
     if isinstance(b, (str, os.PathLike)):
         return os.fsdecode(b)
     md = getattr(b, "metadata", None)
-    saved = md.get("saved_to") if isinstance(md, Mapping) else None
+    saved = getattr(b, "saved_to", None) or (md.get("saved_to") if isinstance(md, Mapping) else None)
     return str(saved) if saved else repr(b)
 
 

@@ -7,7 +7,7 @@ while it runs so are the parameters and buffers of the modules it can reach and 
 optimizers (``_Swap``; put back when it returns, so weights, buffers, ``.grad`` and optimizer state are
 untouched). Each storage a fake op makes is tracked by its StorageImpl instead of a data pointer, and a
 fake copy of a real tensor as the real storage (``tracking.storages.fake``). The result is a Trace like
-any other: ``memory``, ``memory_timeline()``, ``memory_at()``, ``module_memory()``.
+any other: ``memory``, ``memory_timeline``, ``memory_at()``, ``module_memory``.
 
 What cannot be predicted: an op whose output shape or value depends on the data (``nonzero``,
 ``.item()``, a boolean mask index) raises ``PredictionError`` naming the op and the user line.
@@ -183,7 +183,7 @@ def predict(fn: Any, *args: Any, scale: Optional[Mapping[str, int]] = None, **kw
     -------
     Trace
         The same tables a real run records (``ops``, ``tensors`` with categories, ``memory``), so
-        ``memory_at()``, ``module_memory()`` and the summary work on it.
+        ``memory_at()``, ``module_memory`` and the summary work on it.
 
     Raises
     ------

@@ -64,9 +64,9 @@ def test_trace_refuses_a_non_options_positional_and_a_bad_context():
     with pytest.raises(OptionsError, match="takes a TraceOptions"):
         tensorscope.trace({"modules": False})
     with pytest.raises(OptionsError, match="origin must be one of"):
-        tensorscope.RunContext(origin="elsewhere")
+        tensorscope.options.RunContext(origin="elsewhere")
     with pytest.raises(OptionsError, match="cell must be an integer"):
-        tensorscope.RunContext(cell="3")
+        tensorscope.options.RunContext(cell="3")
 
 
 def test_options_objects_are_frozen():
@@ -137,7 +137,7 @@ def test_metadata_is_typed_and_round_trips_through_json_and_load(tmp_path):
     assert md.engine in ("native", "python") and md.n_ops == t.ops.num_rows and md.origin == "api"
     assert TraceMetadata.from_json(md.to_json(), where="x") == md
     path = t.save(tmp_path / "run")
-    assert md.saved_to is None and t.metadata.saved_to == path     # save() is the one thing that amends it
+    assert md.saved_to is None and t.metadata is md and t.saved_to == path     # save() changes nothing: it says where
     back = tensorscope.load(path)
     assert back.metadata.options == t.metadata.options
     assert back.metadata.replace(saved_to=None, tables=None) == t.metadata.replace(saved_to=None, tables=None)
@@ -173,7 +173,7 @@ def test_dataset_parts_carry_the_metadata(tmp_path):
 
     root = tmp_path / "ds"
     with tensorscope.trace(dataset=str(root), leaks=False, modules=False,
-                           context=tensorscope.RunContext(cell=7, cell_source="y = x")):
+                           context=tensorscope.options.RunContext(cell=7, cell_source="y = x")):
         torch.randn(3).exp()
     parts = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".parquet")]
     assert parts
@@ -334,7 +334,7 @@ def test_magic_options_round_trip_to_the_files_and_back(tmp_path):
         assert k.value("t.metadata.origin") == "magic"
         assert k.value("t.metadata.cell") == r.execution_count
         assert k.value("t.metadata.cell_source") == "y = (x @ x).relu()\n"
-        assert k.value("t.metadata.saved_to") == str(save)
+        assert k.value("t.saved_to") == str(save)
         assert k.value("t.metadata.options.changed()") == {"modules": False, "leaks": False, "max_casts": 9}
         back = tensorscope.load(save)
         assert back.metadata.options == tensorscope.TraceOptions(modules=False, leaks=False, max_casts=9)

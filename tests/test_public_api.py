@@ -43,20 +43,55 @@ def test_every_public_name_survives_every_submodule_import_and_works_after_a_tra
     assert isinstance(tr, tensorscope.Trace) and tensorscope.last() is tr
     assert isinstance(tensorscope.history(), list)
     assert tensorscope.TraceOptions().leaks is True
-    assert tensorscope.SCHEMA_VERSION == tr.metadata["schema_version"]
+    assert tensorscope.schema.SCHEMA_VERSION == tr.metadata["schema_version"]
     back = tensorscope.load(tr.save(tmp_path / "t"))
     assert back.ops.num_rows == tr.ops.num_rows
     assert isinstance(tensorscope.find_leaks(user_ns={}, frames=False).table, pa.Table)
-    assert tensorscope.leak_table([], user_ns={}).num_rows == 0
+    assert tensorscope.tracking.leaks.leak_table([], user_ns={}).num_rows == 0
     d = tensorscope.enable_discovery()
     assert d is not None
     tensorscope.disable_discovery()
     for err in ("TensorscopeError", "TraceActiveError", "SchemaVersionError", "TraceFormatError", "ExportError",
                 "OptionsError", "GuardError", "NativeBuildError"):
-        assert issubclass(getattr(tensorscope, err), tensorscope.TensorscopeError)
+        assert issubclass(getattr(tensorscope.errors, err), tensorscope.TensorscopeError)
     assert callable(tensorscope.load_ipython_extension) and callable(tensorscope.unload_ipython_extension)
     assert isinstance(tensorscope.__version__, str)
     assert callable(tensorscope.trace) and inspect.isfunction(tensorscope.env)
+
+
+def test_the_public_names_are_grouped_and_the_moved_ones_still_work_with_a_warning():
+    import warnings
+
+    grouped = [n for names in tensorscope.GROUPS.values() for n in names]
+    assert sorted(grouped) == sorted(tensorscope.__all__) and len(set(grouped)) == len(grouped)
+    assert set(tensorscope.GROUPS) == {"record", "results", "options", "leaks", "compare", "errors", "environment"}
+    for name in tensorscope.__all__:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            getattr(tensorscope, name)            # a public name never warns
+    for name, home in tensorscope._MOVED.items():
+        assert name not in tensorscope.__all__ and name not in dir(tensorscope)
+        with pytest.warns(DeprecationWarning, match=rf"tensorscope\.{name} is deprecated: use {home}\.{name}"):
+            old = getattr(tensorscope, name)
+        assert old is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError):
+        tensorscope.no_such_name
+
+
+def test_trace_tables_are_properties_and_the_old_method_spelling_warns(tmp_path):
+    with tensorscope.trace(leaks=False) as t:
+        torch.ones(4, 4).relu().sum()
+    tr = t.result
+    for name in ("memory_timeline", "module_memory", "allocator_timeline"):
+        view = getattr(tr, name)
+        assert isinstance(inspect.getattr_static(tensorscope.Trace, name), property)
+        with pytest.warns(DeprecationWarning, match=rf"t\.{name}\(\) is deprecated: t\.{name} is a property"):
+            assert view() is view
+    before = tr.metadata
+    path = tr.save(tmp_path / "run")
+    assert tr.metadata is before and before.saved_to is None and tr.saved_to == path
+    assert f"saved to: {path}" in tr.summary().to_text()   # the summary's line reads t.saved_to
+    assert tensorscope.load(path).saved_to == path
 
 
 def test_env_is_callable_in_a_fresh_process_after_a_trace(tmp_path):
@@ -74,7 +109,7 @@ def test_env_is_callable_in_a_fresh_process_after_a_trace(tmp_path):
 
 
 def _trace_with_history(rows: int):
-    with tensorscope.trace(leaks=False, context=tensorscope.RunContext(keep_history=True)) as t:
+    with tensorscope.trace(leaks=False, context=tensorscope.options.RunContext(keep_history=True)) as t:
         x = torch.zeros(1)
         for _ in range(rows):
             x = x + 1
@@ -94,7 +129,7 @@ def clean_history():
 def test_history_is_bounded_in_bytes_and_a_dropped_saved_trace_loads_back(tmp_path, capsys, clean_history):
     first = _trace_with_history(50)
     path = first.save(tmp_path / "first")
-    assert first.metadata["saved_to"] == path        # the trace remembers where it was saved
+    assert first.saved_to == path        # the trace remembers where it was saved (its metadata is unchanged)
     size = H.trace_nbytes(first)
     assert size > 0
     H.set_history_limits(max_traces=64, max_bytes=int(size * 2.5))

@@ -210,13 +210,13 @@ def test_autocast_state_on_calls():
 
 def test_nested_trace_raises_clear_error():
     with tensorscope.trace():
-        with pytest.raises(tensorscope.TraceActiveError, match="already recording"):
+        with pytest.raises(tensorscope.errors.TraceActiveError, match="already recording"):
             with tensorscope.trace():
                 pass
 
 
 def test_unknown_option_is_a_clear_error():
-    with pytest.raises(tensorscope.OptionsError, match="unknown trace option"):
+    with pytest.raises(tensorscope.errors.OptionsError, match="unknown trace option"):
         tensorscope.trace(bogus=1)
 
 

@@ -26,8 +26,8 @@ def _trace():
 
 def test_views_are_tables_that_display():
     t = _trace()
-    for view, schema in ((t.memory_timeline(), "memory_timeline"), (t.memory_at(), "memory_at"),
-                         (t.module_memory(), "module_memory"), (t.allocator_timeline(), "allocator_timeline")):
+    for view, schema in ((t.memory_timeline, "memory_timeline"), (t.memory_at(), "memory_at"),
+                         (t.module_memory, "module_memory"), (t.allocator_timeline, "allocator_timeline")):
         assert isinstance(view, TableView)
         table = view.to_arrow()
         assert isinstance(table, pa.Table)
@@ -43,9 +43,9 @@ def test_views_are_tables_that_display():
         df = view.to_pandas()
         assert list(df.columns) == table.column_names and len(df) == table.num_rows
         text, html = repr(view), view._repr_html_()
-        assert text.splitlines()[0].startswith(f"t.{schema}()") and f"{table.num_rows} row" in text.splitlines()[0]
+        assert text.splitlines()[0].startswith(f"t.{schema}") and f"{table.num_rows} row" in text.splitlines()[0]
         assert ".to_arrow()" in text and ".to_pandas()" in html
-    tl = t.memory_timeline()
+    tl = t.memory_timeline
     assert tl.num_rows > HEAD + TAIL + 1
     assert f"… {tl.num_rows - HEAD - TAIL} more rows" in repr(tl)
     body = tl._repr_html_().split("<tbody>")[1]
@@ -105,7 +105,7 @@ def test_kernel_displays(tmp_path, backend):
         assert r.status == "ok", r.error
         seen = {}
         for expr in ("t.plot.memory()", "t.plot.timeline()", "t.plot.top_ops()", "t.plot.modules()",
-                     "t.memory_timeline()", "t.memory_at()", "t.module_memory()", "t.allocator_timeline()",
+                     "t.memory_timeline", "t.memory_at()", "t.module_memory", "t.allocator_timeline",
                      "t.advice()"):
             r = k.run(expr)
             assert r.status == "ok", (expr, r.error)
@@ -118,10 +118,10 @@ def test_kernel_displays(tmp_path, backend):
                 assert "tensorscope plot" in data["text/plain"]
             else:
                 assert "text/html" in data, expr
-        for expr in ("t.memory_timeline()", "t.memory_at()", "t.module_memory()", "t.allocator_timeline()"):
+        for expr in ("t.memory_timeline", "t.memory_at()", "t.module_memory", "t.allocator_timeline"):
             assert '<div class="ts-view-cap">' in seen[expr]["text/html"], expr
             assert seen[expr]["text/plain"].startswith(expr.split("(")[0]), expr
-        assert '<table class="ts-view">' in seen["t.memory_timeline()"]["text/html"]
+        assert '<table class="ts-view">' in seen["t.memory_timeline"]["text/html"]
         # the plain table is one call away, and `%matplotlib inline` changes nothing (one PNG)
         assert k.value("type(t.memory_at().to_arrow()).__name__") == "Table"
         r = k.run("%matplotlib inline\nt.plot.memory()")

@@ -163,26 +163,37 @@ def cli_md() -> str:
     return "\n".join(parts) + "\n"
 
 
+_GROUP_TITLES = {
+    "record": "Record",
+    "results": "Results",
+    "options": "Options",
+    "leaks": "Leaks",
+    "compare": "Compare",
+    "errors": "Errors",
+    "environment": "Environment and the IPython extension",
+}
+
+
 def api_md() -> str:
     import tensorscope
 
-    names = [n for n in tensorscope.__all__ if not n.startswith("_")]
-    body = "\n".join("   " + n for n in names)
-    return textwrap.dedent("""\
+    parts = [textwrap.dedent("""\
         # API reference
 
-        Every public name of the `tensorscope` package (`tensorscope.__all__`), generated from the
-        docstrings when this site was built. `import tensorscope` is cheap: torch, pyarrow and IPython are
-        imported on first use of a name that needs them.
-
-        ```{eval-rst}
-        .. currentmodule:: tensorscope
-
-        .. autosummary::
-           :toctree: generated
-           :nosignatures:
-
-        """) + body + "\n```\n" + textwrap.dedent("""
+        Every public name of the `tensorscope` package (`tensorscope.__all__`), by what it is for
+        (`tensorscope.GROUPS`), generated from the docstrings when this site was built. `import tensorscope`
+        is cheap: torch, pyarrow and IPython are imported on first use of a name that needs them. The
+        other exceptions are in `tensorscope.errors`; a name that moved off the top level still works
+        as `tensorscope.<name>` and warns (DeprecationWarning) with the module it lives in now.
+        """)]
+    for group, names in tensorscope.GROUPS.items():
+        shown = [n for n in names if not n.startswith("_")]
+        if not shown:
+            continue
+        parts.append(f"\n## {_GROUP_TITLES.get(group, group.capitalize())}\n\n```{{eval-rst}}\n"
+                     ".. currentmodule:: tensorscope\n\n.. autosummary::\n   :toctree: generated\n   :nosignatures:\n\n"
+                     + "\n".join("   " + n for n in shown) + "\n```\n")
+    parts.append(textwrap.dedent("""
         ## The command line
 
         `python -m tensorscope` (also installed as the `tensorscope` command): see the
@@ -192,7 +203,8 @@ def api_md() -> str:
 
         `%load_ext tensorscope` registers the `%%tensorscope` cell magic and the `%tensorscope` line
         magic (see {doc}`../guide/usage`); `tensorscope.load_ipython_extension` is what it calls.
-        """)
+        """))
+    return "".join(parts)
 
 
 def generate() -> list[Path]:

@@ -24,10 +24,9 @@ Which rows a finding may rest on:
 """
 from __future__ import annotations
 
-import contextvars
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -35,8 +34,9 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import fmt_bytes, fmt_ns
-from .._location import format_location
+from .findings import _CELLS, _advice_table, _finding, _rows_of, _where
 from .idle import TRACER_NS, gpu_idle, outside_ops
+from .layout_findings import _CONV, _layout_findings
 from .opview import OpView, first_of, short_name
 from .roofline import ROOF_SHARE, Peaks, roofline
 from .syncs import infer_steps, sync_table, tiny_mask
@@ -59,11 +59,6 @@ SYNC_REPEAT = 3                 # a CPU sync seen this many times at one line (a
 DESCRIPTIVE = frozenset({"compute_bound", "memory_bound", "below_roof"})
 #: findings read from timings (none on a prediction)
 TIMING_KINDS = frozenset({"compute_bound", "memory_bound", "below_roof", "amp", "outside_ops", "gpu_idle"})
-_LISTED = 6
-_CONV = frozenset({"convolution", "_convolution", "convolution_backward", "mkldnn_convolution", "cudnn_convolution",
-                   "_mkldnn_convolution", "miopen_convolution", "conv2d", "conv3d", "conv_transpose2d"})
-_COPY = frozenset({"copy_", "_to_copy", "clone", "contiguous", "_copy_from"})
-_CL = ("channels_last", "channels_last_3d")
 _GEMM = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation"} | _CONV)
 _OPTIM_INPLACE = frozenset({"add_", "mul_", "addcmul_", "addcdiv_", "lerp_", "sqrt", "div_", "maximum", "sub_"})
 
@@ -75,46 +70,6 @@ _SYNC_FIX = {
     "host_copy": "move the copy out of the loop (collect on the device, copy once), or copy asynchronously into "
                  "pinned memory with .to('cpu', non_blocking=True) and synchronise once",
 }
-
-
-#: the cell-file map of the traces being advised (``metadata["cell_files"]``), set for one advise_tables call
-_CELLS: contextvars.ContextVar[Optional[Mapping[str, int]]] = contextvars.ContextVar("cells", default=None)
-
-
-def _where(file: Optional[str], line: Optional[int]) -> str:
-    """``Cell In[3], line 11`` or ``model.py:12`` (the summary's spelling)."""
-    if file is None and line is None:
-        return "line unknown"
-    return format_location(file, line, _CELLS.get()) or "line unknown"
-
-
-Pairs = Union[Sequence[tuple[int, int]], tuple[np.ndarray, np.ndarray]]
-
-
-def _arrays(pairs: Pairs) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(pairs, tuple) and len(pairs) == 2 and isinstance(pairs[0], np.ndarray):
-        return pairs[0], pairs[1]
-    a = np.array(list(pairs), dtype=np.int64).reshape(-1, 2)
-    return a[:, 0], a[:, 1]
-
-
-def _evidence(w: np.ndarray, s: np.ndarray, multi: bool, what: str = "ops seq") -> str:
-    n = len(s)
-    shown = [f"{a}/{b}" if multi else str(b) for a, b in zip(w[:_LISTED].tolist(), s[:_LISTED].tolist())]
-    more = f" … ({n} rows)" if n > _LISTED else f" ({n} row{'s' * (n != 1)})"
-    return f"{what}{' (window/seq)' if multi else ''} " + ", ".join(shown) + more
-
-
-def _finding(kind: str, subject: str, seen: str, pairs: Pairs, multi: bool, cost: Optional[int],
-             fix: str, steps: Optional[int], module: Optional[str] = None, file: Optional[str] = None,
-             line: Optional[int] = None, what: str = "ops seq") -> dict[str, Any]:
-    w, s = _arrays(pairs)
-    if module and module not in seen:
-        seen += f" (module {module})"
-    return {"kind": kind, "subject": subject, "seen": seen, "evidence": _evidence(w, s, multi, what),
-            "rows": s, "rows_w": w, "n_rows": len(s),
-            "per_step": (len(s) / steps) if steps else None, "cost_ns": int(cost) if cost is not None else None,
-            "fix": fix, "module": module, "source_file": file, "source_line": line}
 
 
 def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
@@ -149,88 +104,6 @@ def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, step
         f_["cost_floor_exempt"] = not on_gpu and n >= SYNC_REPEAT
         out.append(f_)
     return out
-
-
-def _rows_of(w: int, view: OpView, names: frozenset[str], cols: list[str]) -> list[dict[str, Any]]:
-    return [dict(r, window=w) for r in view.rows(view.short_in(names), cols)]
-
-
-def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
-    cols = ["seq", "op", "in_formats", "in_ambiguous", "in_shapes", "out_formats", "cpu_ns", "module",
-            "source_file", "source_line"]
-    mixed, copies = [], []
-    for w, win in enumerate(wins):
-        for r in _rows_of(w, win["view"], _CONV | _COPY, cols):
-            fm = [(f, a) for f, a, sh in zip(r["in_formats"] or [], r["in_ambiguous"] or [], r["in_shapes"] or [])
-                  if len(sh) in (4, 5) and not a]
-            if short_name(r["op"]) in _CONV:
-                kinds = {f for f, _ in fm}
-                if kinds & set(_CL) and "contiguous" in kinds:
-                    mixed.append(r)
-            elif fm:
-                src = fm[1][0] if short_name(r["op"]) in ("copy_", "_copy_from") and len(fm) > 1 else fm[0][0]
-                dst = (r["out_formats"] or [None])[0]
-                if src in _CL and dst == "contiguous":
-                    copies.append(r)
-    out = []
-    if not mixed:
-        copies = []   # no convolution mixes formats: each copy is its own layout_changes finding below
-    if mixed:
-        # which side to convert, from the formats the convolutions actually got: channels_last data with
-        # contiguous weights -> the model; contiguous data with channels_last weights -> the input
-        fwd = [r for r in mixed if short_name(r["op"]) != "convolution_backward"]
-        data_cl = sum(1 for r in fwd if (r["in_formats"] or [None])[0] in _CL)
-        weight_cl = sum(1 for r in fwd if len(r["in_formats"] or []) > 1 and r["in_formats"][1] in _CL)
-        if data_cl and not weight_cl:
-            fix = ("convert the model too: model.to(memory_format=torch.channels_last), so weights, gradients and "
-                   "inputs agree")
-        elif weight_cl and not data_cl:
-            fix = "convert the input too: x.to(memory_format=torch.channels_last) (the weights already are)"
-        else:
-            fix = ("convert model and input to one format: model.to(memory_format=torch.channels_last) and "
-                   "x.to(memory_format=torch.channels_last)")
-        rs = mixed + copies
-        cost = sum(r["cpu_ns"] or 0 for r in copies)
-        seen = (f"{len(mixed)} convolution(s) mixing channels_last and contiguous 4-d/5-d inputs (the kernel "
-                f"converts one of them)" + (f", and {len(copies)} copies converting channels_last back to "
-                                            f"contiguous ({', '.join(sorted({short_name(r['op']) for r in copies}))})"
-                                            if copies else ""))
-        first = (copies or mixed)[0]
-        f_ = _finding("layout", "mixed memory formats around convolutions", seen,
-                      [(r["window"], r["seq"]) for r in rs], multi, cost if copies else None, fix, steps,
-                      first["module"], first["source_file"], first["source_line"])
-        # the cost is the copies only: the conversion each mixed convolution makes runs inside its kernel,
-        # unmeasured, so the significance floor does not apply to a mix
-        f_["cost_floor_exempt"] = bool(mixed)
-        out.append(f_)
-    taken = {(r["window"], r["seq"]) for r in mixed + copies}
-    groups: OrderedDict[tuple[Any, ...], list[dict[str, Any]]] = OrderedDict()
-    for w, win in enumerate(wins):
-        lc = win.get("layout_changes")
-        if lc is None or lc.num_rows == 0:
-            continue
-        lc = lc.filter(pc.is_in(lc.column("kind"), value_set=pa.array(["format_change", "hidden_copy"])))
-        for r in lc.to_pylist():
-            if (w, r["seq"]) not in taken:
-                groups.setdefault((r["kind"], r["op"], r["source_file"], r["source_line"]), []).append(dict(r, window=w))
-    for (kind, op, f, line), rs in groups.items():
-        seen = f"{len(rs)}x {rs[0].get('reason') or op} at {_where(f, line)}, {fmt_bytes(sum(r['bytes'] or 0 for r in rs))}"
-        fix = _layout_fix(kind, rs[0])
-        out.append(_finding("layout", f"{op} ({kind.replace('_', ' ')})", seen, [(r["window"], r["seq"]) for r in rs],
-                            multi, None, fix, steps, rs[0]["module"], f, line))
-    return out
-
-
-def _layout_fix(kind: str, r: Mapping[str, Any]) -> str:
-    """The change that removes a layout_changes finding (each one executed in tests/analyses/test_fixes_executed.py)."""
-    call = r.get("call") or ""
-    if kind == "hidden_copy" and call in ("flatten", "reshape", "view") and r.get("from_format") in _CL:
-        # a channels_last activation flattened for a linear head: its (c, h, w) order must be gathered
-        return ("x.permute(0, 2, 3, 1).flatten(1) is a view of a channels_last tensor (no copy); the features then "
-                "come in (h, w, c) order, so the next layer must be trained on that order")
-    if kind == "hidden_copy":
-        return "make the tensor contiguous once before the loop (x = x.contiguous()), or use an op that keeps the layout"
-    return "keep one memory format end to end: convert the other operand (or model and input) once"
 
 
 def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
@@ -658,15 +531,3 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
     return {"findings": _advice_table(found), "syncs": sync_t, "roofline": roof,
             "outside": outs, "gpu_idle": idle, "steps": steps, "op_ns": op_ns, "first_run_ns": first_ns,
             "cold": cold, "predicted": predicted}
-
-
-
-def _advice_table(found: list[dict[str, Any]]) -> pa.Table:
-    """The ADVICE table; each finding's rows (numpy) become one list cell without a Python int per row."""
-    cols: dict[str, Any] = {f.name: [f_[f.name] for f_ in found] for f in S.ADVICE if f.name != "rows"}
-    lens = np.array([len(f_["rows"]) for f_ in found], dtype=np.int32)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-    flat = pa.array(np.concatenate([np.asarray(f_["rows"], dtype=np.int64) for f_ in found]) if found
-                    else np.zeros(0, np.int64))
-    cols["rows"] = pa.ListArray.from_arrays(offsets, flat)
-    return pa.table({f.name: cols[f.name] for f in S.ADVICE}, schema=S.ADVICE)

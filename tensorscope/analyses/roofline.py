@@ -2,7 +2,7 @@
 
 ``roofline(ops, peaks) -> pa.Table`` (schema ``ROOFLINE``). ``peaks`` maps a device type
 (``cpu``, ``cuda``) to ``{"flops": {dtype: FLOP/s}, "bytes_per_s": B/s, "overhead_ns": ns}``
-(``tensorscope.machine_peaks()``); without it the achieved rates are still given, the
+(``tensorscope._peaks.machine_peaks()``); without it the achieved rates are still given, the
 roof columns and ``bound`` are null.
 
 Per group of rows (``op`` level: one op and output dtype; ``module`` level: one module path):

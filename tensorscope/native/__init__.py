@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from . import _build
+from . import _background, _build
 
 __all__ = [
     "open_capture", "status", "build", "build_native_main", "engine", "loaded_engine", "engine_status",
@@ -23,8 +23,8 @@ __all__ = [
     "abi", "abi_dtype", "abi_flags", "fields_dtype", "cache_root", "build_pending", "BUILD_ENV", "TEST_DELAY_ENV",
 ]
 
-BUILD_ENV = _build.BUILD_ENV
-TEST_DELAY_ENV = _build.TEST_DELAY_ENV
+BUILD_ENV = _background.BUILD_ENV
+TEST_DELAY_ENV = _background.TEST_DELAY_ENV
 
 #: Set to 1 to force the pure-Python fallback (read at every call, not at import).
 FORCE_ENV = "TENSORSCOPE_FORCE_FALLBACK"
@@ -76,7 +76,7 @@ def engine(wait: bool = True) -> tuple[Any, str]:
 
 def cache_dir() -> str:
     """Where native builds are cached (``$TENSORSCOPE_CACHE`` or ``~/.cache/tensorscope/native``); the
-    measured machine peaks (``tensorscope.machine_peaks``) are stored beside them."""
+    measured machine peaks (``tensorscope._peaks.machine_peaks``) are stored beside them."""
     return _build.cache_root()
 
 
@@ -136,7 +136,7 @@ def build_pending() -> Optional[str]:
     forced off (:data:`FORCE_ENV`), or ``TENSORSCOPE_NATIVE_BUILD=foreground``. Never blocks."""
     if forced_fallback():
         return None
-    return _build.background(_build.TRACE_LIBS)
+    return _background.background(_background.TRACE_LIBS)
 
 
 def _hooks(wait: bool = True):
@@ -285,7 +285,7 @@ def build_native_main(argv: Optional[Sequence[str]] = None) -> int:
         tst = _build.lib_status(spec)
         print(f"test-op library: {tst['state']} ({tst['reason']})")
         ok = ok and tst["state"] == "built"
-    compiled = [(spec.what, _build._STATES[spec.kind]) for spec in _build.TRACE_LIBS]
+    compiled = [(spec.what, _build._STATES[spec.kind]) for spec in _background.TRACE_LIBS]
     took = ", ".join(f"{what} {st.seconds:.1f} s" for what, st in compiled if st.compiled and st.seconds is not None)
     if took:
         print(f"compiled in {time.perf_counter() - t0:.1f} s ({took}) on {os.cpu_count()} cores; "

@@ -89,7 +89,7 @@ def _say_dropped(t: Any, nbytes: int, why: str) -> None:
     cell = md.get("cell")
     what = f"the trace of cell [{cell}]" if cell is not None else "the oldest trace"
     limit = (f"{_HISTORY_MAX} traces" if why == "traces" else f"{fmt_bytes(_HISTORY_MAX_BYTES)} of traces")
-    saved = md.get("saved_to")
+    saved = getattr(t, "saved_to", None) or md.get("saved_to")   # a Trace says where it is kept
     again = (f"it was saved: tensorscope.load({saved!r}) reads it back" if saved
              else "--save PATH keeps a trace on disk")
     print(f"tensorscope: history() keeps at most {limit}: dropped {what} ({fmt_bytes(nbytes)}); {again}",

@@ -244,7 +244,7 @@ class PlotAccessor:
             return _empty(fig, ax, "no memory view in this trace (storage tracking off, or nothing allocated)")
         cats = self._t.tensors.column("category")
         if cats.null_count < len(cats):
-            return _memory_stacked(fig, ax, self._t.memory_timeline(), device)
+            return _memory_stacked(fig, ax, self._t.memory_timeline, device)
         m = mem.select(["seq", "device", "live_bytes"]).to_pydict()
         by_dev: dict[str, tuple[list[int], list[int]]] = {}
         for s, d, v in zip(m["seq"], m["device"], m["live_bytes"]):

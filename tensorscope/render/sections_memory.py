@@ -6,7 +6,7 @@ line) after which it happened, the bytes at the start and end, and the high-wate
 mark that also counts what ops allocated and freed within themselves.
 "memory" also says what was alive at each peak by category (``tensors.category``) and draws the
 timeline stacked by category (render/svg_memory.py, HTML only); "memory per module" reads
-``t.module_memory()``: activations each module saved for backward and its forward/backward peaks.
+``t.module_memory``: activations each module saved for backward and its forward/backward peaks.
 "CUDA allocator" reads ``t.allocator`` (CUDA only): allocated vs reserved, the fragmentation (reserved −
 allocated at our peak, or at the end), retries and OOMs, and the snapshot's tables when recorded.
 "leaks" groups ``t.leaks`` (storages the cell created that are still alive) by
@@ -58,8 +58,8 @@ def memory_section(t, full: bool = False) -> Optional[Section]:
     header: tuple = ("device", "peak live", "when", "start → end", "high water (incl. temporaries)")
     if not made_of:   # a trace older than tensors.category (schema 1.3)
         return Section("memory (storages this trace saw)", rows, header)
-    notes = ["by category and module at the peak: t.memory_at(); per op: t.memory_timeline(); "
-             "per module: t.module_memory()"]
+    notes = ["by category and module at the peak: t.memory_at(); per op: t.memory_timeline; "
+             "per module: t.module_memory"]
     from .._location import trace_cells
     from .svg_memory import MIN_CHART_BYTES
 
@@ -69,7 +69,7 @@ def memory_section(t, full: bool = False) -> Optional[Section]:
     alt = "memory chart: live bytes after each op by category; " + "; ".join(
         f"{dev} peak {fmt_bytes(p['peak_bytes'])} after op {p['peak_seq']}" for dev, p in peaks.items())
     return Section("memory (storages this trace saw)", rows, header + ("at the peak",), notes,
-                   svg=lambda: memory_timeline_svg(t.memory_timeline(), cells=trace_cells(t), hovers=full,
+                   svg=lambda: memory_timeline_svg(t.memory_timeline, cells=trace_cells(t), hovers=full,
                                                      px_per_column=1 if full else 3),
                    text_alt=alt)
 
@@ -100,7 +100,7 @@ def allocator_section(t) -> Optional[Section]:
         joined = ev.column("storage_id").null_count
         notes.append(f"history: {ev.num_rows} allocator events ({ev.num_rows - joined} joined to our storages), "
                      f"{t.allocator_segments.num_rows} segments: t.allocator_events, t.allocator_blocks, "
-                     "t.allocator_timeline()")
+                     "t.allocator_timeline")
     return Section("CUDA caching allocator", rows, ("device", "allocated start → end", "allocated peak",
                                                     "reserved start → end", "reserved peak", "fragmentation",
                                                     "retries", "OOMs"), notes)
@@ -115,7 +115,7 @@ def _made_of(t) -> dict:
     from ..schema import MEMORY_CATEGORIES
 
     out = {}
-    for p in peaks(t.memory_timeline()):
+    for p in peaks(t.memory_timeline):
         parts = sorted(((p[f"{c}_bytes"], c) for c in MEMORY_CATEGORIES if p[f"{c}_bytes"]), reverse=True)
         out[p["device"]] = ", ".join(f"{c.replace('_', ' ')} {fmt_bytes(b)}" for b, c in parts)
     return out
@@ -126,7 +126,7 @@ def module_memory_section(t) -> Optional[Section]:
     cats = t.tensors.column("category")
     if cats.null_count == len(cats):   # no categories (schema < 1.3): no activations to speak of
         return None
-    mm = t.module_memory()
+    mm = t.module_memory
     if mm.num_rows == 0:
         return None
     rows_all = [r for r in mm.to_pylist() if r["activation_bytes"] or r["fwd_peak_bytes"] is not None]
@@ -140,7 +140,7 @@ def module_memory_section(t) -> Optional[Section]:
     rows = [((r["module"] + (f" [{r['device']}]" if len(devices) > 1 else "")), fmt_bytes(r["activation_bytes"]),
              fmt_bytes(r["own_activation_bytes"]), peak(r["fwd_peak_bytes"], r["fwd_peak_seq"]),
              peak(r["bwd_peak_bytes"], r["bwd_peak_seq"])) for r in rows_all[:_TOP]]
-    notes = [f"{len(rows_all) - _TOP} more modules in t.module_memory()"] if len(rows_all) > _TOP else []
+    notes = [f"{len(rows_all) - _TOP} more modules in t.module_memory"] if len(rows_all) > _TOP else []
     notes.append("activations: storages the module's forward ops made and a backward freed (or an autograd "
                  "graph still holds); children rolled into parents by path")
     return Section("memory per module", rows, ("module", "activations saved", "own", "forward peak",

@@ -61,8 +61,9 @@ def overview(t) -> Section:
         eng = md["engine"]
         rows.append(("recording engine", "native (C++ RecordFunction observer)" if eng == "native"
                      else f"python engine (TorchDispatchMode): {md.get('engine_reason') or 'fallback'}"))
-    if md.get("saved_to"):
-        rows.append(("saved to", md["saved_to"]))
+    saved = getattr(t, "saved_to", None) or md.get("saved_to")   # a Trace says where it is kept
+    if saved:
+        rows.append(("saved to", saved))
     notes = []
     compiled = md.get("compiled_ops")
     if compiled is None:   # a trace saved before compiled ops were told apart
@@ -270,7 +271,7 @@ def _peaks(t) -> list[dict[str, Any]]:
     try:
         from ..analyses.memory_categories import peaks
 
-        return peaks(t.memory_timeline())
+        return peaks(t.memory_timeline)
     except Exception:
         return []
 

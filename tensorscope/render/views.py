@@ -1,5 +1,5 @@
-"""``TableView``: a derived table of a Trace (``t.memory_timeline()``, ``memory_at()``, ``module_memory()``,
-``allocator_timeline()``) as an object that displays itself as a compact table.
+"""``TableView``: a derived table of a Trace (``t.memory_timeline``, ``memory_at()``, ``module_memory``,
+``allocator_timeline``) as an object that displays itself as a compact table.
 
 In a notebook it renders as a small HTML table (every cell escaped), elsewhere as text
 (``repr``): the title, ``rows x columns``, the first and last rows, only the columns that hold
@@ -64,6 +64,15 @@ class TableView:
         self._table = table
         self.title = title
         self.notes = tuple(notes)
+
+    def __call__(self) -> TableView:
+        """``t.memory_timeline()``: the spelling these views had when they were methods (deprecated)."""
+        import warnings
+
+        name = self.title.split(":", 1)[0]
+        warnings.warn(f"{name}() is deprecated: {name} is a property (a table computed from the trace; "
+                      "views that take arguments stay methods)", DeprecationWarning, stacklevel=2)
+        return self
 
     # -- the data ----------------------------------------------------------------------------------
     def to_arrow(self) -> pa.Table:

@@ -41,7 +41,7 @@ DIFF = _schema("diff", [
 ])
 
 
-#: Not a trace table: ``t.memory_timeline()``, live bytes by category after each op, one row per (seq, device).
+#: Not a trace table: ``t.memory_timeline``, live bytes by category after each op, one row per (seq, device).
 MEMORY_TIMELINE = _schema("memory_timeline", [
     ("seq", _i64),
     ("device", _str),
@@ -55,7 +55,7 @@ MEMORY_TIMELINE = _schema("memory_timeline", [
     ("is_peak", _bool),             # the first op after which live_bytes was largest on this device
 ])
 
-#: Not a trace table: ``t.allocator_timeline()``, the allocator's reserved and allocated bytes after
+#: Not a trace table: ``t.allocator_timeline``, the allocator's reserved and allocated bytes after
 #: each of its events (``memory_history=True``), one row per (device, event).
 ALLOCATOR_TIMELINE = _schema("allocator_timeline", [
     ("device", _str),
@@ -76,7 +76,7 @@ MEMORY_AT = _schema("memory_at", [
     ("storages", _i64),
 ])
 
-#: Not a trace table: ``t.module_memory()``, one row per (module, device); children rolled into parents.
+#: Not a trace table: ``t.module_memory``, one row per (module, device); children rolled into parents.
 MODULE_MEMORY = _schema("module_memory", [
     ("module", _str),
     ("device", _str),

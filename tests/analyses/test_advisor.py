@@ -235,7 +235,7 @@ def test_gemm_heavy_mlp_is_compute_bound_and_the_roofline_matches_the_rows(engin
     with torch.no_grad(), tensorscope.trace(engine=engine) as t:
         for _ in range(3):
             mlp(x)
-    peaks = tensorscope.machine_peaks()
+    peaks = tensorscope._peaks.machine_peaks()
     adv = tensorscope.advise(t, peaks={"cpu": peaks})
     ops = t.ops.filter(pc.equal(t.ops.column("op").cast(pa.string()), "aten.addmm.default"))
     fl = sum(ops.column("flops").to_pylist())
@@ -265,7 +265,7 @@ def test_gemm_heavy_mlp_is_compute_bound_and_the_roofline_matches_the_rows(engin
 
 
 def test_a_saved_trace_is_advised_alike_and_flops_off_gives_no_bound(tmp_path):
-    tensorscope.machine_peaks()          # measured (or cached) before the trace: its device report holds them
+    tensorscope._peaks.machine_peaks()          # measured (or cached) before the trace: its device report holds them
     mlp = torch.nn.Linear(256, 256)
     x = torch.randn(256, 256)
     with torch.no_grad():
@@ -444,7 +444,7 @@ def test_cuda_item_sync_and_peaks_for_real():
     sy = adv.syncs.to_pylist()
     assert len(sy) == 5 and {r["device"] for r in sy} == {"cuda:0"}
     assert any("each one waits" in f["seen"] for f in adv.findings.to_pylist() if f["kind"] == "sync")
-    p = tensorscope.machine_peaks("cuda")
+    p = tensorscope._peaks.machine_peaks("cuda")
     assert p["flops"]["float32"] > 1e12 and p["bytes_per_s"] > 1e11
     assert adv.gpu_idle and adv.gpu_idle[0]["n_kernels"] >= 10
 

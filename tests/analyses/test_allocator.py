@@ -199,7 +199,7 @@ def test_summary_shows_allocated_vs_reserved_fragmentation_and_ooms():
     assert "15 allocator events (9 joined to our storages)" in text
     html = t.summary().to_html()
     assert "CUDA caching allocator" in html and "reserved − allocated" in html
-    assert t.allocator_timeline().num_rows == 15
+    assert t.allocator_timeline.num_rows == 15
 
 
 def test_summary_escapes_what_it_shows():
@@ -217,7 +217,7 @@ def test_parquet_round_trip_and_old_traces(tmp_path):
     for name in ("allocator", "allocator_segments", "allocator_blocks", "allocator_events"):
         assert back.table(name).equals(t.table(name)), name
     assert back.tensors.column("address").to_pylist() == t.tensors.column("address").to_pylist()
-    assert back.allocator_timeline().equals(t.allocator_timeline())
+    assert back.allocator_timeline.equals(t.allocator_timeline)
     files = {p.name for p in (tmp_path / "run").iterdir()}
     assert {"allocator.parquet", "allocator_events.parquet"} <= files
     md = json.load(open(tmp_path / "run" / "metadata.json"))
@@ -232,7 +232,7 @@ def test_traces_older_than_1_4_load_with_empty_allocator_tables(version):
     for name in ("allocator", "allocator_segments", "allocator_blocks", "allocator_events"):
         assert old.table(name).num_rows == 0 and old.table(name).schema.equals(S.TABLES[name], check_metadata=False)
     assert old.tensors.column("address").null_count == old.tensors.num_rows
-    assert old.allocator_timeline().num_rows == 0
+    assert old.allocator_timeline.num_rows == 0
 
 
 def test_dataset_carries_the_allocator_tables(tmp_path):

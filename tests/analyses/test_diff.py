@@ -76,7 +76,7 @@ def test_leaked_bytes_and_bad_input():
     assert "leaked bytes" in d.to_text()
     with pytest.raises(TypeError, match="Trace or a saved trace directory"):
         tensorscope.diff(a, 3)
-    with pytest.raises(tensorscope.TraceFormatError):
+    with pytest.raises(tensorscope.errors.TraceFormatError):
         tensorscope.diff(a, "/nonexistent/trace/dir")
 
 
@@ -85,7 +85,7 @@ def test_baseline_guard_fails_on_memory_and_time_regression():
         y = torch.randn(16, 16)
         y @ y
     # much more memory and work: both guards fire; the trace is kept on the error
-    with pytest.raises(tensorscope.GuardError) as ei:
+    with pytest.raises(tensorscope.errors.GuardError) as ei:
         with tensorscope.trace(leaks=False, baseline=base.result):
             z = torch.randn(256, 256)
             for _ in range(20):
@@ -106,11 +106,11 @@ def test_baseline_guard_fails_on_memory_and_time_regression():
 
 def test_bad_baseline_fails_before_running():
     ran = []
-    with pytest.raises(tensorscope.TraceFormatError):
+    with pytest.raises(tensorscope.errors.TraceFormatError):
         with tensorscope.trace(baseline="/nonexistent/baseline"):
             ran.append(1)
     assert ran == []
-    with pytest.raises(tensorscope.OptionsError):
+    with pytest.raises(tensorscope.errors.OptionsError):
         tensorscope.trace(baseline_time=-1)
 
 

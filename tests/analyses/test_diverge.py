@@ -110,7 +110,7 @@ def _mlp_step(seed=0, scale=1.0):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
     x = torch.randn(4, 16)
-    ctx = tensorscope.RunContext(keep_history=True)
+    ctx = tensorscope.options.RunContext(keep_history=True)
     with tensorscope.trace(fingerprints=True, leaks=False, context=ctx) as t:
         y = m(x) * scale
         y.pow(2).mean().backward()

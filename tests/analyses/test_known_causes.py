@@ -132,7 +132,7 @@ def test_two_thousand_tiny_ops_top_with_overhead(engine):
 
 def test_a_warm_1024_gemm_step_is_compute_bound_at_a_plausible_share_of_a_validated_peak():
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    peaks = tensorscope.machine_peaks()
+    peaks = tensorscope._peaks.machine_peaks()
     fl32 = peaks["flops"]["float32"]
     bound = (peaks["bound"]["flops"] or {}).get("float32")
     if bound:

@@ -178,7 +178,7 @@ def test_transformer_block_with_adam_and_activation_checkpointing(engine, ckpt):
         plain.load_state_dict(model.state_dict())
         assert act < _expected_saved(plain, x, loss_fn) / 2
         assert t.tensors.filter(pa.compute.equal(t.tensors.column("category"), "temporary")).num_rows > 0
-    mm = {r["module"]: r for r in t.module_memory().to_pylist()}
+    mm = {r["module"]: r for r in t.module_memory.to_pylist()}
     assert mm["layer"]["activation_bytes"] >= mm["layer.self_attn"]["activation_bytes"] if "layer.self_attn" in mm else True
     assert sum(r["own_activation_bytes"] for r in mm.values()) <= act
 
@@ -255,7 +255,7 @@ def test_timeline_adds_up_to_the_memory_view_and_marks_the_peak(engine):
     x = torch.randn(2, 3, 8, 8)
     with tensorscope.trace(engine=engine) as t:
         model(x).sum().backward()
-    tl = t.memory_timeline()
+    tl = t.memory_timeline
     assert tl.schema.equals(S.MEMORY_TIMELINE, check_metadata=False)
     assert tl.num_rows == t.ops.num_rows
     cols = tl.to_pydict()
@@ -272,7 +272,7 @@ def test_timeline_adds_up_to_the_memory_view_and_marks_the_peak(engine):
     with pytest.raises(IndexError):
         t.memory_at(t.ops.num_rows)
     # per module: the children roll into their parent
-    mm = {r["module"]: r for r in t.module_memory().to_pylist()}
+    mm = {r["module"]: r for r in t.module_memory.to_pylist()}
     assert mm["3"]["activation_bytes"] == sum(r["own_activation_bytes"] for m, r in mm.items()
                                               if m == "3" or m.startswith("3."))
     assert mm["3"]["fwd_peak_bytes"] >= mm["3.conv1"]["fwd_peak_bytes"]
@@ -302,7 +302,7 @@ def test_old_traces_load_with_the_category_null(tmp_path):
 
     old = tensorscope.load(os.path.join(TESTS, "data", "golden-schema-1.2"))
     assert old.tensors.column("category").null_count == old.tensors.num_rows > 0
-    tl = old.memory_timeline()   # everything "other": the timeline still adds up
+    tl = old.memory_timeline   # everything "other": the timeline still adds up
     # (to the live bytes of today's rule: a saved memory table keeps the rule it was saved with)
     from tensorscope.analyses.memory import memory_table
 
@@ -366,4 +366,4 @@ def test_categorising_reaches_no_user_mode_and_keeps_nothing_alive(engine):
     del model, opt, x
     gc.collect()
     assert all(r() is None for r in refs)   # the trace keeps no module, optimizer or tensor
-    assert t.memory_timeline().num_rows == t.ops.num_rows
+    assert t.memory_timeline.num_rows == t.ops.num_rows

@@ -51,7 +51,7 @@ def test_the_theoretical_bound_comes_from_the_cpu_flags_and_clock():
 
 
 def test_peaks_record_sizes_spread_share_and_bound_and_env_shows_them():
-    p = tensorscope.machine_peaks()
+    p = tensorscope._peaks.machine_peaks()
     assert p["recipe"] == _peaks.RECIPE
     for dtype in p["flops"]:
         d = p["detail"][dtype]
@@ -162,7 +162,7 @@ def test_first_run_is_marked_once_per_key_in_the_process_under_both_engines():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_peaks_are_measured_at_several_sizes_and_bounded_by_the_spec_sheet():
     torch.cuda.init()
-    p = tensorscope.machine_peaks("cuda", refresh=True)
+    p = tensorscope._peaks.machine_peaks("cuda", refresh=True)
     assert p is not None and p["flops"]["float32"] > 0
     for d in p["detail"].values():
         assert set(d["sizes"]) == {str(n) for n in _peaks.CUDA_SIZES}

@@ -61,8 +61,8 @@ def test_prediction_equals_the_real_trace_op_for_op(name):
     assert p.ops.column("op").to_pylist() == real.ops.column("op").to_pylist()
     assert _live(p) == _live(real)
     assert p.tensors.column("category").to_pylist() == real.tensors.column("category").to_pylist()
-    pk = [r for r in p.memory_timeline().to_pylist() if r["is_peak"]]
-    rk = [r for r in real.memory_timeline().to_pylist() if r["is_peak"]]
+    pk = [r for r in p.memory_timeline.to_pylist() if r["is_peak"]]
+    rk = [r for r in real.memory_timeline.to_pylist() if r["is_peak"]]
     assert [(r["seq"], r["live_bytes"], r["op"], r["module"]) for r in pk] == \
         [(r["seq"], r["live_bytes"], r["op"], r["module"]) for r in rk]
     with tensorscope.trace() as native:   # the default engine: same storages, same peak
@@ -93,13 +93,13 @@ def test_a_data_dependent_op_is_named():
     def masked(x):
         return model(x[x > 0].reshape(-1, 16)).sum()
 
-    with pytest.raises(tensorscope.PredictionError, match=r"aten\.nonzero.*data-dependent output shape at test_predict\.py:\d+"):
+    with pytest.raises(tensorscope.prediction.PredictionError, match=r"aten\.nonzero.*data-dependent output shape at test_predict\.py:\d+"):
         tensorscope.predict(masked, data())
 
     def scalar(x):
         return float(model(x).sum())
 
-    with pytest.raises(tensorscope.PredictionError, match=r"_local_scalar_dense.*data-dependent value"):
+    with pytest.raises(tensorscope.prediction.PredictionError, match=r"_local_scalar_dense.*data-dependent value"):
         tensorscope.predict(scalar, data())
     assert all(q.grad is None for q in model.parameters())
 

@@ -40,7 +40,7 @@ EXAMPLES = _with_examples()
 def test_the_api_docstrings_have_examples():
     have = {p.id for p in EXAMPLES}
     for name in ("tensorscope.trace", "tensorscope.Trace", "tensorscope.load", "tensorscope.predict",
-                 "tensorscope.TraceOptions", "tensorscope.GuardError"):
+                 "tensorscope.TraceOptions", "tensorscope.errors.GuardError"):
         assert name in have, f"{name}'s docstring lost its example"
 
 

@@ -278,7 +278,7 @@ def check_allocator(m, x):
     check(t.allocator_segments.num_rows > 0 and any(b["category"] == "parameter" for b in blocks),
           f"{t.allocator_segments.num_rows} segments; parameter blocks joined "
           f"({sum(b['category'] == 'parameter' for b in blocks)})")
-    check(t.allocator_timeline().num_rows == len(ev), "allocator_timeline() has a row per event")
+    check(t.allocator_timeline.num_rows == len(ev), "allocator_timeline has a row per event")
     with tempfile.TemporaryDirectory() as d:
         back = tensorscope.load(t.save(os.path.join(d, "oom")))
         check(back.allocator_events.equals(t.allocator_events), "allocator tables survive save/load")

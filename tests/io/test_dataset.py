@@ -63,7 +63,7 @@ def test_sql_df_and_summary_escape(tmp_path, monkeypatch):
     monkeypatch.setenv("TENSORSCOPE_RUN_ID", "run1")
     root = tmp_path / "ds"
     with tensorscope.trace(dataset=str(root), leaks=False,
-                           context=tensorscope.RunContext(cell=3, cell_source="<script>alert(1)</script>")):
+                           context=tensorscope.options.RunContext(cell=3, cell_source="<script>alert(1)</script>")):
         torch.ones(3).add(1)
     ds = tensorscope.open_dataset(root)
     assert int(ds.sql("SELECT count(*) AS n FROM ops")["n"][0]) == len(ds.df("ops")) >= 1
@@ -106,7 +106,7 @@ def test_newer_schema_is_refused(tmp_path, monkeypatch):
     t = pq.read_table(part)
     t = t.set_column(t.schema.get_field_index("schema_version"), "schema_version", pa.array(["99.0"]))
     pq.write_table(t, part)
-    with pytest.raises(tensorscope.SchemaVersionError):
+    with pytest.raises(tensorscope.errors.SchemaVersionError):
         tensorscope.open_dataset(root)
 
 

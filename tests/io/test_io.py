@@ -71,7 +71,7 @@ def test_unwritable_path_is_a_clear_error_and_keeps_the_trace(tmp_path):
         if os.access(ro, os.W_OK):   # running as root: permissions do not bind, use a file in the way
             (tmp_path / "file").write_text("x")
             target = tmp_path / "file" / "run"
-        with pytest.raises(tensorscope.ExportError, match="still in memory"):
+        with pytest.raises(tensorscope.errors.ExportError, match="still in memory"):
             t.save(target)
     finally:
         ro.chmod(stat.S_IRWXU)
@@ -79,7 +79,7 @@ def test_unwritable_path_is_a_clear_error_and_keeps_the_trace(tmp_path):
     not_a_trace = tmp_path / "precious"
     not_a_trace.mkdir()
     (not_a_trace / "notes.txt").write_text("keep me")
-    with pytest.raises(tensorscope.ExportError, match="not a tensorscope trace"):
+    with pytest.raises(tensorscope.errors.ExportError, match="not a tensorscope trace"):
         t.save(not_a_trace)
     assert (not_a_trace / "notes.txt").read_text() == "keep me"
 
@@ -91,7 +91,7 @@ def test_newer_schema_major_is_refused(tmp_path):
     md = json.load(open(mfile))
     md["schema_version"] = f"{S.SCHEMA_MAJOR + 1}.0"
     json.dump(md, open(mfile, "w"))
-    with pytest.raises(tensorscope.SchemaVersionError, match="newer"):
+    with pytest.raises(tensorscope.errors.SchemaVersionError, match="newer"):
         tensorscope.load(path)
 
 
@@ -106,13 +106,13 @@ def test_older_minor_with_missing_columns_loads(tmp_path):
 
 
 def test_not_a_trace_and_corrupt_files(tmp_path):
-    with pytest.raises(tensorscope.TraceFormatError):
+    with pytest.raises(tensorscope.errors.TraceFormatError):
         tensorscope.load(tmp_path)
     t = _traced()
     path = t.save(tmp_path / "run")
     with open(os.path.join(path, "ops.parquet"), "wb") as f:
         f.write(b"not parquet")
-    with pytest.raises(tensorscope.TraceFormatError):
+    with pytest.raises(tensorscope.errors.TraceFormatError):
         tensorscope.load(path)
 
 
@@ -149,7 +149,7 @@ def test_saved_traces_hold_no_pickle_and_loading_runs_no_code(tmp_path):
     try:
         back = tensorscope.load(evil)
         assert back.ops.column_names == t.ops.column_names   # the unknown column is dropped
-    except tensorscope.TraceFormatError:
+    except tensorscope.errors.TraceFormatError:
         pass                                                  # or refused: both are safe
     assert not marker.exists(), "loading a trace ran code"
 
@@ -207,7 +207,7 @@ def test_a_data_page_damaged_with_the_footer_intact_is_a_trace_format_error_nami
         fh.seek(start)
         fh.write(b"\xff" * min(64, col.total_compressed_size))
     assert pq.read_schema(f).names == S.OPS.names       # the footer still reads
-    with pytest.raises(tensorscope.TraceFormatError, match="ops.parquet.*damaged parquet data"):
+    with pytest.raises(tensorscope.errors.TraceFormatError, match="ops.parquet.*damaged parquet data"):
         tensorscope.load(path)
 
 
@@ -221,13 +221,13 @@ def test_a_table_file_with_the_wrong_schema_is_refused_naming_the_columns(tmp_pa
                           pa.array([str(v) for v in good.column("call_id").to_pylist()], pa.string()))
     bad = bad.set_column(bad.schema.get_field_index("name"), "name", pa.array([1.5] * bad.num_rows, pa.float64()))
     pq.write_table(bad, f)
-    with pytest.raises(tensorscope.TraceFormatError) as e:
+    with pytest.raises(tensorscope.errors.TraceFormatError) as e:
         tensorscope.load(path)
     msg = str(e.value)
     assert "calls.parquet" in msg and "call_id (string, expected int64)" in msg and "name (double, expected string)" in msg
     # missing required columns: another table's file under this name is not loaded as a half-null trace
     pq.write_table(pq.read_table(os.path.join(path, "memory.parquet")), f)
-    with pytest.raises(tensorscope.TraceFormatError, match=r"missing required column\(s\) call_id, name"):
+    with pytest.raises(tensorscope.errors.TraceFormatError, match=r"missing required column\(s\) call_id, name"):
         tensorscope.load(path)
     # compatible storage types still load: int32 ids, dictionary-encoded strings
     ok = good.set_column(good.schema.get_field_index("call_id"), "call_id", good.column("call_id").cast(pa.int32()))

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tensorscope.native import _build
+from tensorscope.native import _background, _build
 from tests.helpers.kernel_utils import Kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +31,7 @@ needs_toolchain = pytest.mark.skipif(_build.toolchain_problem() is not None,
 
 def _env(cache, **kw):
     env = dict(os.environ, TENSORSCOPE_CACHE=str(cache), PYTHONPATH=ROOT, **kw)
-    for k in ("TENSORSCOPE_FORCE_FALLBACK", _build.BUILD_ENV):
+    for k in ("TENSORSCOPE_FORCE_FALLBACK", _background.BUILD_ENV):
         env.pop(k, None)
     return env
 
@@ -75,7 +75,7 @@ print("RESULT " + json.dumps(out), flush=True)
 @needs_toolchain
 def test_failed_background_build_is_said_once_and_the_python_engine_stays(tmp_path):
     cache = tmp_path / "cache"
-    env = _env(cache, CXX="/bin/false", **{_build.TEST_DELAY_ENV: "15"})
+    env = _env(cache, CXX="/bin/false", **{_background.TEST_DELAY_ENV: "15"})
     p = subprocess.Popen([PY, "-c", _SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env, cwd=str(tmp_path))
     try:
@@ -105,7 +105,7 @@ def test_failed_background_build_is_said_once_and_the_python_engine_stays(tmp_pa
     with open(cache / "background-build.log") as f:
         log = f.read()
     assert log.count("background build of the native parts, pid") == 1    # one builder, not two
-    for spec in _build.TRACE_LIBS:   # remembered like any failed build: no later process compiles again
+    for spec in _background.TRACE_LIBS:   # remembered like any failed build: no later process compiles again
         assert list(cache.glob(f"{spec.kind}-*/failed.json")), spec.kind
 
 
@@ -115,7 +115,7 @@ def test_foreground_env_and_forced_fallback_start_nothing(tmp_path):
     code = ("from tensorscope import native; print(native.build_pending()); "
             "import os; print(sorted(os.listdir(os.environ['TENSORSCOPE_CACHE'])) "
             "if os.path.isdir(os.environ['TENSORSCOPE_CACHE']) else [])")
-    for extra in ({_build.BUILD_ENV: "foreground"}, {"TENSORSCOPE_FORCE_FALLBACK": "1"}):
+    for extra in ({_background.BUILD_ENV: "foreground"}, {"TENSORSCOPE_FORCE_FALLBACK": "1"}):
         r = subprocess.run([PY, "-c", code], capture_output=True, text=True, env={**_env(cache), **extra}, timeout=120)
         assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["None", "[]"], r.stdout + r.stderr
 
@@ -151,7 +151,7 @@ def test_kernel_first_cell_python_then_native(tmp_path):
     """The suite's one real cold build: the first %%tensorscope cell runs at once with the python engine
     and one plain stdout line; the cell after the build finished records with the native engine."""
     cache = tmp_path / "cache"
-    k = Kernel(cwd=str(tmp_path), env=_env(cache, **{_build.TEST_DELAY_ENV: "3"}))
+    k = Kernel(cwd=str(tmp_path), env=_env(cache, **{_background.TEST_DELAY_ENV: "3"}))
     try:
         assert _run(k, "%load_ext tensorscope\nimport torch, tensorscope\nx = torch.randn(8, 8)")[0] == "ok"
         t0 = time.time()

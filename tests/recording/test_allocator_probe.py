@@ -205,5 +205,5 @@ def test_cuda_oom_snapshot_joined_to_our_categories():
     assert cats and cats <= set(tensorscope.schema.MEMORY_CATEGORIES)
     assert t.allocator_segments.num_rows > 0
     assert any(b["category"] == "parameter" for b in t.allocator_blocks.to_pylist())
-    assert t.allocator_timeline().num_rows == len(ev)
+    assert t.allocator_timeline.num_rows == len(ev)
     assert "CUDA caching allocator" in t.summary().to_text()

@@ -648,7 +648,7 @@ def test_forced_fallback(monkeypatch):
 
 
 def test_bad_engine_name():
-    with pytest.raises(tensorscope.OptionsError, match="engine"):
+    with pytest.raises(tensorscope.errors.OptionsError, match="engine"):
         tensorscope.trace(engine="cuda")
 
 

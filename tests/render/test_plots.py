@@ -183,7 +183,7 @@ def test_memory_of_a_categorised_trace_is_stacked_by_category_with_the_peak_mark
     used = {r for r in t.tensors.column("category").to_pylist()}
     assert len(areas) == len(labels) == len(used)
     assert {"parameters", "gradients", "optimizer state", "activations (saved for backward)"} <= set(labels)
-    peak = [p for p in t.memory_timeline().to_pylist() if p["is_peak"]][0]
+    peak = [p for p in t.memory_timeline.to_pylist() if p["is_peak"]][0]
     assert [line.get_xdata()[0] for line in ax.lines] == [peak["seq"]]
     assert "peak" in ax.texts[0].get_text() and peak["op"] in ax.texts[0].get_text()
     _png(ax.figure)

@@ -16,7 +16,8 @@ from ..._common import fmt_bytes
 from .classify import _DEV_STR, _DTYPE_STR, _T, _TENSOR, _types
 from .holders import _make_row
 from .known import _KNOWN
-from .paths import _Describer, _short_repr
+from .labels import _short_repr
+from .paths import _Describer
 from .rowset import _RowSet
 from .search import _Search
 
