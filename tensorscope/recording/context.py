@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class ObserverEngine(Protocol):
-    """What the native context needs of its engine (``engines/native.py``): the compiled
+    """What the native context needs of its engine (``engines/native/``): the compiled
     observer and the warnings it recorded per op."""
 
     ext: Any

@@ -192,7 +192,7 @@ class Session:
             self.ctx.capture = None
             self.ctx.rec.notes.append(f"warning/error capture unavailable: {type(e).__name__}: {e}")
         if opts.numerics:
-            from .shadow import NumericsShadow
+            from .engines.python.shadow import NumericsShadow
 
             self.ctx.shadow = NumericsShadow(mode=opts.numerics)
         self.engine.setup_probes(self.ctx, opts)   # its screen, CUDA timer, error sites (after the capture)

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import tensorscope
 from tensorscope.recording.context import FIELDS, NATIVE_FIELDS, NativeRecordingContext, RecordingContext
-from tensorscope.recording.dispatch import TracingDispatchMode
+from tensorscope.recording.engines.python.dispatch import TracingDispatchMode
 from tensorscope.recording.function import NativeFunctionMode, TracingFunctionMode
 from tensorscope.recording.session import Session, active_session
 

@@ -1,7 +1,7 @@
 """Recording engines: who observes the ATen ops of a trace (the seam is ``engines/base.py``).
 
-* ``python`` (``engines/python.py``) -- a TorchDispatchMode appends rows to the recorder.
-* ``native`` (``engines/native.py``) -- ``native/engine.cpp``'s RecordFunction observer.
+* ``python`` (``engines/python/``) -- a TorchDispatchMode appends rows to the recorder.
+* ``native`` (``engines/native/``) -- ``native/engine.cpp``'s RecordFunction observer.
 
 ``select_engine(options)`` says which one a trace records with and why; ``make_engine`` makes it.
 """
@@ -44,7 +44,7 @@ def _native_ext(wait: bool = True) -> tuple[Any, str]:
     if ext is not None:
         problem = abi_mismatch(ext)
         if problem:
-            return None, f"native engine ABI mismatch (native/abi.h vs recording/engines/native.py): {problem}"
+            return None, f"native engine ABI mismatch (native/abi.h vs recording/engines/native/): {problem}"
     return ext, reason
 
 

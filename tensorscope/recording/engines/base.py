@@ -35,7 +35,7 @@ class EngineChoice:
 
 
 class Engine(Protocol):
-    """A recording engine (``engines/python.py``, ``engines/native.py``)."""
+    """A recording engine (``engines/python/``, ``engines/native/``)."""
 
     name: str
     choice: EngineChoice

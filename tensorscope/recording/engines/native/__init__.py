@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from ..._common import CompileCallbacks
-from ..context import NativeRecordingContext, RecordingContext
-from ..recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
-from .base import EngineChoice
+from ...._common import CompileCallbacks
+from ...context import NativeRecordingContext, RecordingContext
+from ...opfacts import FLOP_REGISTRY, FLOPS_CACHE, SHAPE_FLOP_OPS, formula_flops, op_schema_facts, screens
+from ...recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
+from ..base import EngineChoice
 
 if TYPE_CHECKING:
-    from ...options import TraceOptions
-    from ..ophooks import OpHooks
+    from ....options import TraceOptions
+    from ...ophooks import OpHooks
 
 #: The C side's layout (native/abi.h) as this module decodes it. A loaded engine exports its own
 #: (``abi()``): ``abi_mismatch`` compares the two before a trace uses it (the python engine records
@@ -109,8 +110,8 @@ class NativeEngine:
 
     def function_mode(self, ctx: RecordingContext) -> Any:
         """The C function mode (``native/fmode.cpp``) when it builds and is free, else the Python one."""
-        from ... import native
-        from ..function import CALL_DTYPE, NativeFunctionMode, TracingFunctionMode
+        from .... import native
+        from ...function import CALL_DTYPE, NativeFunctionMode, TracingFunctionMode
 
         assert isinstance(ctx, NativeRecordingContext)   # make_context made it
         fm, reason = native.function_mode(CALL_DTYPE.itemsize)
@@ -198,7 +199,6 @@ class NativeEngine:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
         import torch
 
-        from ..dispatch import op_schema_facts
 
         flags_of: list[int] = []
         for name in d["ops"]:
@@ -241,7 +241,7 @@ class NativeEngine:
             rec.nonfinite[s_] = (c_, bool(p_))
         fps = d.get("fingerprints")
         if fps:
-            from ..fingerprint import FP_RECORD
+            from ...fingerprint import FP_RECORD
 
             for r in np.frombuffer(fps, dtype=FP_RECORD).tolist():
                 rec.fingerprints[r[0]] = r[1:]
@@ -340,14 +340,11 @@ class NativeScreen:
     """The native non-finite screen's counters, with the python screen's op classification for decode.py."""
 
     def __init__(self, counters: dict[str, int]) -> None:
-        from ..numerics import NonfiniteScreen
-
-        self._cls = NonfiniteScreen()
         self.counters = dict(counters)
 
     def screens(self, func: Any) -> bool:
         try:
-            return self._cls.screens(func)
+            return screens(func)
         except Exception:
             return False
 
@@ -426,8 +423,6 @@ def _flop_op_names() -> tuple[str, ...]:
     """'aten::convolution'... : ops whose FLOP formula needs their arguments (recorded natively)."""
     global _FLOP_NAMES
     if _FLOP_NAMES is None:
-        from ..dispatch import FLOP_REGISTRY, SHAPE_FLOP_OPS
-
         names: list[str] = []
         for packet in FLOP_REGISTRY:
             q = getattr(packet, "_qualified_op_name", None)
@@ -455,7 +450,7 @@ def abi_mismatch(ext: Any) -> Optional[str]:
 
 
 def _abi_mismatch(ext: Any) -> Optional[str]:
-    from ...native import fields_dtype
+    from ....native import fields_dtype
 
     abi = getattr(ext, "abi", None)
     if abi is None:
@@ -516,8 +511,6 @@ def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_se
     """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
     (op, arguments, outputs), for the chunk of rows from ``first_seq``: the formulas take shapes,
     so the interned metas suffice. ``row_args``: (seq, argument encoding id) rows."""
-    from ..dispatch import FLOP_REGISTRY
-
     n = len(op)
     sel = (row_args[:, 0] >= first_seq) & (row_args[:, 0] < first_seq + n)
     if not sel.any():
@@ -534,34 +527,16 @@ def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_se
     vals = np.full(len(uniq), -1, dtype=np.int64)
     for k, (o, a, _outs) in enumerate(uniq.tolist()):
         func = funcs[o]
-        f = FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
-        if f is None:
+        if FLOP_REGISTRY.get(getattr(func, "overloadpacket", None)) is None:
             continue
         try:
             a_, out_val = _decode_args(encs[a], shapes)
-            key = (func, _frozen(a_), _frozen(out_val))
-            v = _FLOPS.get(key)
-            if v is None:
-                v = int(f(*a_, out_val=out_val))
-                if len(_FLOPS) >= 65536:
-                    _FLOPS.clear()
-                _FLOPS[key] = v
-            vals[k] = v
         except Exception:
-            vals[k] = -1
+            continue
+        vals[k] = formula_flops(func, a_, out_val)
     flops[todo] = vals[inv.reshape(-1)]
 
 
-#: (op, arguments, outputs) -> FLOPs: the formulas are pure functions of shapes and scalars, and
-#: torch's shape wrapper tree-maps every argument (~0.1 ms a call), so each is computed once per process
-_FLOPS: dict[tuple[Any, Any, Any], int] = {}
-
-
-def _frozen(v: Any) -> Any:
-    """A decoded argument list as a hashable key (lists become tuples, tagged apart from tuples)."""
-    if isinstance(v, list):
-        return ("l",) + tuple(_frozen(x) for x in v)
-    if isinstance(v, tuple):
-        return ("t",) + tuple(_frozen(x) for x in v)
-    return v
+#: the per-process FLOP formula cache (recording/opfacts.py; tests read it here)
+_FLOPS = FLOPS_CACHE
 
