@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .base import Engine, EngineChoice, exit_mode
 from .native import (
@@ -64,7 +64,7 @@ def select_engine(options: TraceOptions) -> EngineChoice:
     return EngineChoice("native", reason, ext)
 
 
-def make_engine(choice: EngineChoice) -> Union[NativeEngine, PythonEngine]:
+def make_engine(choice: EngineChoice) -> Engine:
     """The engine of ``choice``; the python engine when the native one was chosen but another trace
     of this process claimed the observer meanwhile (the choice then says so)."""
     if choice.name == "native":

@@ -14,7 +14,7 @@ import threading
 import weakref
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from ..base import EngineChoice
 if TYPE_CHECKING:
     from ....options import TraceOptions
     from ...ophooks import OpHooks
+    from ...protocols import FunctionMode, NativeSiteCapture
 
 #: The C side's layout (native/abi.h) as this module decodes it. A loaded engine exports its own
 #: (``abi()``): ``abi_mismatch`` compares the two before a trace uses it (the python engine records
@@ -108,7 +109,7 @@ class NativeEngine:
         return NativeRecordingContext(rec, op_hooks, self, want_source=options.source, want_modules=options.modules,
                                       track_storages=options.storages)
 
-    def function_mode(self, ctx: RecordingContext) -> Any:
+    def function_mode(self, ctx: RecordingContext) -> FunctionMode:
         """The C function mode (``native/fmode.cpp``) when it builds and is free, else the Python one."""
         from .... import native
         from ...function import CALL_DTYPE, NativeFunctionMode, TracingFunctionMode
@@ -127,7 +128,7 @@ class NativeEngine:
     def setup_probes(self, ctx: RecordingContext, options: TraceOptions) -> None:
         if options.nonfinite:
             ctx.screen = NativeScreen({})   # the observer screens; its counters replace these at finish
-        cap = ctx.capture
+        cap = cast("Optional[NativeSiteCapture]", ctx.capture)
         if cap is not None and getattr(cap, "native", False):
             cap.engine = self   # call_end drains the observer's per-op warnings
             try:   # the observer reads the source location of c10 errors its ops raise
@@ -342,7 +343,7 @@ class NativeScreen:
     def __init__(self, counters: dict[str, int]) -> None:
         self.counters = dict(counters)
 
-    def screens(self, func: Any) -> bool:
+    def screens(self, func: object) -> bool:
         try:
             return screens(func)
         except Exception:

@@ -13,6 +13,7 @@ from ..base import EngineChoice, exit_mode
 if TYPE_CHECKING:
     from ....options import TraceOptions
     from ...ophooks import OpHooks
+    from ...protocols import FunctionMode
     from ...recorder import Recorder
 
 
@@ -30,7 +31,7 @@ class PythonEngine:
         return RecordingContext(rec, op_hooks, want_source=options.source, want_modules=options.modules,
                                 track_storages=options.storages)
 
-    def function_mode(self, ctx: RecordingContext) -> Any:
+    def function_mode(self, ctx: RecordingContext) -> FunctionMode:
         from ...function import TracingFunctionMode
 
         return TracingFunctionMode(ctx)

@@ -24,17 +24,18 @@ from typing import (
     Literal,
     Optional,
     Union,
+    cast,
 )
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ....tracking.storages import StorageTracker, fake_key
+from ....tracking.storages import is_fake as _is_fake
 from ...frames import clean_traceback, exc_mark, register_tracer_code
 from ...opfacts import FLOP_AT_BUILD, FLOP_NONE, is_composite, op_schema_facts, schema_inputs, tensor_args
 from ...recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, Recorder
 from ...source import called_from_compiled_code
-from ....tracking.storages import fake_key
-from ....tracking.storages import is_fake as _is_fake
 
 if TYPE_CHECKING:
     from array import array
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
     from ...context import RecordingContext
+    from ...protocols import OpScreen
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -178,7 +180,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         rec = self.ctx.rec
         metas = rec.metas
         ids = metas.ids
-        tracker = self.ctx.tracker
+        tracker = cast("Optional[StorageTracker]", self.ctx.tracker)   # the python engine's own
         by_ptr = tracker.by_ptr if tracker is not None else None
         fake_keys = tracker is not None and tracker.fake_keys
         mids: list[int] = []
@@ -205,7 +207,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 stor.append(-1)
                 continue
             ptrs.append(ptr)
-            if by_ptr is None or ptr == 0:
+            if by_ptr is None or tracker is None or ptr == 0:
                 stor.append(-1)
             else:
                 sid = by_ptr.get(ptr)   # known storage: no call into the tracker
@@ -262,7 +264,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 seq_nr = node._sequence_nr()
                 if seq_nr >= 1 << 62:   # AccumulateGrad & co. carry UINT64_MAX: no forward op
                     seq_nr = -1
-            screen = s.screen
+            screen = cast("Optional[OpScreen]", s.screen)   # the python engine's own
             pre_state = screen.pre(func, args, kwargs, True) if (screen is not None and flags & (F_INPLACE | F_OUT_KW)) else None
             if info.hook and flags & (F_INPLACE | F_OUT_KW) and s.op_hooks.before:
                 s.op_hooks.call_before(seq, str(func), schema_inputs(func, args, kwargs))
@@ -299,7 +301,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             raise
         finally:
             self._seq_mark = _get_seq_nr()
-            if tok is not None:
+            if tok is not None and cuda is not None:
                 try:
                     cuda.end(tok)
                 except Exception as e3:
@@ -339,18 +341,18 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs),
                            tuple(out) if type(out) is tuple or type(out) is list else (out,))
             if screen is not None:
-                r = screen.post(seq, func, args, kwargs, outs, pre_state)
-                if r is not None:
-                    rec.nonfinite[seq] = r
+                rn = screen.post(seq, func, args, kwargs, outs, pre_state)
+                if rn is not None:
+                    rec.nonfinite[seq] = rn
             fps = s.fingerprints
             if fps is not None and outs:
-                r = fps.post(func, args, kwargs, outs)
-                if r is not None:
-                    rec.fingerprints[seq] = r
+                rf = fps.post(func, args, kwargs, outs)
+                if rf is not None:
+                    rec.fingerprints[seq] = rf
             if shadow is not None:
-                r = shadow.compare(seq, func, args, kwargs, outs)
-                if r is not None:
-                    rec.numerics[seq] = r
+                rs = shadow.compare(seq, func, args, kwargs, outs)
+                if rs is not None:
+                    rec.numerics[seq] = rs
             if screen is not None or shadow is not None:
                 self._seq_mark = _get_seq_nr()   # a probe's own ops must not look like the next op's node
             if p0 and seq >= rec.n_spilled:   # tensorscope's own work after the op: never the program's time
