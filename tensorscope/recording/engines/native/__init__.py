@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 import numpy as np
 
 from ...._common import CompileCallbacks
+from ....native import abi_layout as _abi
+from ....native import fields_dtype
 from ...context import NativeRecordingContext, RecordingContext
 from ...opfacts import FLOP_REGISTRY, FLOPS_CACHE, SHAPE_FLOP_OPS, formula_flops, op_schema_facts, screens
 from ...recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
@@ -33,21 +35,24 @@ if TYPE_CHECKING:
 #: (``abi()``): ``abi_mismatch`` compares the two before a trace uses it (the python engine records
 #: instead, saying why), and tests/native/test_abi.py compares them field by field.
 #: numpy view of abi.h's ``OpsRow``
-ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
-                      ("node", "<i4"), ("flags", "<i4"), ("call", "<i4"), ("seq_nr", "<i8"),
-                      ("start", "<i8"), ("dur", "<i8")])
+ROW_DTYPE = fields_dtype(_abi.OPS_ROW_FIELDS, _abi.OPS_ROW_SIZE)
 
 #: abi.h's row flag: the op's kernel threw (F_BACKWARD is recorder.py's, the same bit)
-F_THREW = 16
+F_THREW = _abi.F_THREW
 #: abi.h's packed chunk columns, in its PackedColumn order ("rflags": the engine's row flags)
-PACKED_COLUMNS = ("op", "ins", "outs", "alias", "module", "call", "node", "seq_nr", "rflags", "start", "dur",
-                  "storages")
+PACKED_COLUMNS = _abi.PACKED_COLUMNS
 #: abi.h's argument-encoding tags (ArgTag): each tag, then its payload
-TAG_TENSOR, TAG_NONE, TAG_BOOL, TAG_INT, TAG_DOUBLE, TAG_INT_LIST, TAG_OTHER, TAG_BOOL_LIST, TAG_OUTPUTS = \
-    0, 1, 2, 3, 4, 5, 6, 8, 9
-TAGS = {"TENSOR": TAG_TENSOR, "NONE": TAG_NONE, "BOOL": TAG_BOOL, "INT": TAG_INT, "DOUBLE": TAG_DOUBLE,
-        "INT_LIST": TAG_INT_LIST, "OTHER": TAG_OTHER, "BOOL_LIST": TAG_BOOL_LIST, "OUTPUTS": TAG_OUTPUTS}
-_PACKED_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.int64}
+TAG_TENSOR, TAG_NONE, TAG_BOOL, TAG_INT, TAG_DOUBLE, TAG_INT_LIST, TAG_OTHER, TAG_BOOL_LIST, TAG_OUTPUTS = (
+    _abi.TAG_TENSOR, _abi.TAG_NONE, _abi.TAG_BOOL, _abi.TAG_INT, _abi.TAG_DOUBLE, _abi.TAG_INT_LIST, _abi.TAG_OTHER,
+    _abi.TAG_BOOL_LIST, _abi.TAG_OUTPUTS)
+TAGS = dict(_abi.ARG_TAGS)
+#: a packed column's width -> its numpy type (abi.h kPackedWidths: 'u' minus the base, 'i' raw int64)
+_PACKED_DTYPES = {w: np.dtype(f"<{k}{w}").type for w, k in _abi.PACKED_WIDTHS.items()}
+
+#: an interned meta's header (abi.h MetaKey), read by field name: the values' positions, then the sizes
+_MK_NDIM, _MK_DTYPE, _MK_DEV_TYPE, _MK_DEV_INDEX, _MK_STRIDED = (_abi.META_KEY.index(k) for k in (
+    "ndim", "dtype", "dev_type", "dev_index", "strided"))
+_MK_HEADER = _abi.MK_HEADER
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
 _SCALAR_TYPES = (
@@ -219,9 +224,9 @@ class NativeEngine:
         base = len(metas.shapes)
         dt_objs: dict[int, Any] = {}   # scalar type -> torch.dtype
         for i, v in enumerate(_seqs(d["metas"])):
-            ndim, st, dev_t, dev_i, strided = v[:5]
-            shape = tuple(v[5:5 + ndim])
-            stride = tuple(v[5 + ndim:5 + 2 * ndim]) if strided else None
+            ndim, st, dev_t, dev_i, strided = v[_MK_NDIM], v[_MK_DTYPE], v[_MK_DEV_TYPE], v[_MK_DEV_INDEX], v[_MK_STRIDED]
+            shape = tuple(v[_MK_HEADER:_MK_HEADER + ndim])
+            stride = tuple(v[_MK_HEADER + ndim:_MK_HEADER + 2 * ndim]) if strided else None
             dt = dt_objs.get(st)
             if dt is None:
                 dt = dt_objs[st] = _dtype(torch, st)
