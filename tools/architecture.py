@@ -200,7 +200,7 @@ def layer_of(module: str, layers: Layers = LAYERS) -> int:
 
 def _private(imp: Import, package: str) -> Optional[str]:
     """The private part an import reaches into across packages, or None."""
-    def pkg_of(m: str) -> str:       # "tensorscope.recording.dispatch" -> "tensorscope.recording"; root modules -> root
+    def pkg_of(m: str) -> str:       # "tensorscope.recording.engines.python.dispatch" -> "tensorscope.recording"; root modules -> root
         parts = m.split(".")
         sub = ".".join(parts[:2])
         return sub if len(parts) >= 2 and sub in _PKG_DIRS else parts[0]
