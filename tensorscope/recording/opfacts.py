@@ -30,7 +30,7 @@ try:
 except Exception:  # older torch
     _flop_registry = {}
 #: torch.utils.flop_counter's formulas by op packet (the same dict: formulas registered later count)
-FLOP_REGISTRY: dict[Any, Any] = _flop_registry
+FLOP_REGISTRY: dict[object, Callable[..., Any]] = _flop_registry
 
 #: ops whose FLOPs decode.py computes from input shapes (same formulas as torch.utils.flop_counter)
 SHAPE_FLOP_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
@@ -49,7 +49,7 @@ def schema_inputs(func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, 
 
 #: OpOverload -> (flags, flop_at_build): facts of the op's schema, the same in every trace, so
 #: computed once per process (a schema walk: ~20 µs per op)
-_SCHEMA_FACTS: dict[Any, tuple[int, bool]] = {}
+_SCHEMA_FACTS: dict[object, tuple[int, bool]] = {}
 
 
 def op_schema_facts(func: Any) -> tuple[int, bool, Optional[Callable[..., Any]]]:
@@ -164,7 +164,7 @@ def op_name(func: Any) -> str:
 
 
 #: OpOverload -> its FuncInfo (facts of the op alone: shared by every screen of the process)
-FUNC_INFOS: dict[Any, FuncInfo] = {}
+FUNC_INFOS: dict[object, FuncInfo] = {}
 
 
 class FuncInfo:
@@ -247,7 +247,7 @@ def matmul_flops(name: str, shapes: Sequence[Sequence[int]]) -> int:
 
 #: (op, arguments, outputs) -> FLOPs: the formulas are pure functions of shapes and scalars, and
 #: torch's shape wrapper tree-maps every argument (~0.1 ms a call), so each is computed once per process
-FLOPS_CACHE: dict[tuple[Any, Any, Any], int] = {}
+FLOPS_CACHE: dict[tuple[object, object, object], int] = {}
 
 
 def formula_flops(func: Any, args: Sequence[Any], out_val: Any) -> int:
@@ -269,7 +269,7 @@ def formula_flops(func: Any, args: Sequence[Any], out_val: Any) -> int:
         return FLOP_NONE
 
 
-def _frozen(v: Any) -> Any:
+def _frozen(v: object) -> object:
     """A decoded argument list as a hashable key (lists become tuples, tagged apart from tuples)."""
     if isinstance(v, list):
         return ("l",) + tuple(_frozen(x) for x in v)

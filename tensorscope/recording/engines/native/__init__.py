@@ -440,7 +440,7 @@ def _flop_op_names() -> tuple[str, ...]:
 
 #: the last module checked by abi_mismatch and its answer: a loaded library's ABI cannot change,
 #: and every trace asks (the check builds a dict in C and a dtype: ~0.1 ms)
-_ABI_CHECKED: Optional[tuple[Any, Optional[str]]] = None
+_ABI_CHECKED: Optional[tuple[object, Optional[str]]] = None
 
 
 def abi_mismatch(ext: Any) -> Optional[str]:
