@@ -6,9 +6,17 @@ PY := $(VENV)/bin/python
 # torch is pinned here, in the install step, so pip never pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint typecheck docs bench clean
+.PHONY: setup abi demo test lint typecheck docs bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+# the Python side of the native ABI, generated from native/abi.h (standard library only: no venv needed);
+# tests/native/test_abi_layout.py fails while the generated file is stale
+ABI_LAYOUT := tensorscope/native/abi_layout.py
+$(ABI_LAYOUT): tensorscope/native/abi.h tools/gen_abi.py
+	$(PYTHON) tools/gen_abi.py
+
+abi: $(ABI_LAYOUT)
+
+$(VENV)/.installed: pyproject.toml Makefile $(ABI_LAYOUT)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test,dev]" "$(TORCH_PIN)"

@@ -88,7 +88,7 @@ def _screen_cases(x, y, one, x2):
 
 def screen_cost_ratios(n: int = 1 << 20) -> dict[tuple[str, str], float]:
     """(probe cost) / (op cost) per dtype and op on ``n`` elements, pre/op/post as the dispatch mode runs them."""
-    from tensorscope.recording.numerics import NonfiniteScreen
+    from tensorscope.recording.engines.python.numerics import NonfiniteScreen
 
     torch.manual_seed(0)
     results = {}

@@ -178,6 +178,23 @@ def test_an_allowed_upward_import_is_neither_a_violation_nor_a_cycle(tmp_path):
                         known_private={}) == []
 
 
+def test_the_native_engine_never_imports_the_python_engine(tmp_path):
+    """APART: two packages of one layer kept apart (what both need lives in a module below them)."""
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/analyses/__init__.py": "",
+        "pkg/analyses/facts.py": "",
+        "pkg/analyses/native/__init__.py": "from ..facts import x\ndef f():\n    from ..python.dispatch import y\n",
+        "pkg/analyses/python/__init__.py": "from ..native import f\n",
+        "pkg/analyses/python/dispatch.py": "",
+    })
+    apart = {("pkg.analyses.native", "pkg.analyses.python"): "one unit each"}
+    bad = A.violations(tmp_path, "pkg", LAYERS, allowed_up={}, known_private={}, apart=apart)
+    assert bad == ["pkg/analyses/native/__init__.py:3: from ..python.dispatch import y (in a function): "
+                   "pkg.analyses.native must not import pkg.analyses.python (one unit each)"]
+    assert ("tensorscope.recording.engines.native", "tensorscope.recording.engines.python") in A.APART
+
+
 def test_a_new_top_level_module_must_be_given_a_layer(tmp_path):
     """The bare package name places only its __init__: a new module beside it is reported, not
     silently put on top (where every import of it from below would read as a violation)."""
@@ -188,7 +205,7 @@ def test_a_new_top_level_module_must_be_given_a_layer(tmp_path):
 
 
 @pytest.mark.parametrize("module,layer", [
-    ("tensorscope._tensormeta", "foundation"), ("tensorscope.recording.dispatch", "recording"),
+    ("tensorscope._tensormeta", "foundation"), ("tensorscope.recording.engines.python.dispatch", "recording"),
     ("tensorscope.recording.engines.native", "recording"), ("tensorscope.timing.kernels", "observers"),
     ("tensorscope.analyses.sql", "analyses"), ("tensorscope.io.parquet", "io"), ("tensorscope._dataset", "results"),
     ("tensorscope", "frontends"),

@@ -187,7 +187,7 @@ def test_inference_mode_composites_decompose_like_eager(engine):
 
 
 def test_decomposition_follows_the_backend_registration():
-    from tensorscope.recording.dispatch import _eager_decomposes
+    from tensorscope.recording.engines.python.dispatch import _eager_decomposes
 
     aten = torch.ops.aten
     assert not _eager_decomposes(aten.silu_backward.default, "cpu")

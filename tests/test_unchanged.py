@@ -221,7 +221,7 @@ def test_user_mode_left_on_the_stack_is_kept():
 
 
 def test_tracer_bug_never_reaches_user_code(monkeypatch):
-    from tensorscope.recording import dispatch
+    from tensorscope.recording.engines.python import dispatch
 
     def broken(*a, **k):
         raise ZeroDivisionError("tracer bug")

@@ -18,7 +18,9 @@ Rules:
 2. the import graph has no cycle (the ``ALLOWED_UP`` edges left out);
 3. a private name (``_x``) or a private module (``pkg._x``) is imported only inside its own
    package; the private modules of the package root (``_trace``, ``_env``, ...) are package
-   internals open to all of tensorscope (``KNOWN_PRIVATE`` lists what is still to fix).
+   internals open to all of tensorscope (``KNOWN_PRIVATE`` lists what is still to fix);
+4. inside a layer, the pairs in ``APART`` never import each other one way (the engines: what both
+   need is in a module below them).
 
 Standard library only, and nothing of tensorscope is imported: the graph comes from ``ast``.
 """
@@ -75,6 +77,13 @@ LAYERS: Layers = (
 
 #: function-level imports allowed to go up a layer: (importer, imported) -> why
 ALLOWED_UP: dict[tuple[str, str], str] = {}
+
+#: (importer prefix, imported prefix) -> why: imports forbidden inside a layer, whatever the layers say
+APART: dict[tuple[str, str], str] = {
+    ("tensorscope.recording.engines.native", "tensorscope.recording.engines.python"):
+        "each engine is one unit: what both need (op facts, FLOPs, the screen's op classes) is "
+        "recording/opfacts.py, below both",
+}
 
 #: private names still imported across packages: (importer, "module.name") -> what to do. Each is a
 #: name to make public in its own module (a rename in a module another change was rewriting meanwhile)
@@ -191,7 +200,7 @@ def layer_of(module: str, layers: Layers = LAYERS) -> int:
 
 def _private(imp: Import, package: str) -> Optional[str]:
     """The private part an import reaches into across packages, or None."""
-    def pkg_of(m: str) -> str:       # "tensorscope.recording.dispatch" -> "tensorscope.recording"; root modules -> root
+    def pkg_of(m: str) -> str:       # "tensorscope.recording.engines.python.dispatch" -> "tensorscope.recording"; root modules -> root
         parts = m.split(".")
         sub = ".".join(parts[:2])
         return sub if len(parts) >= 2 and sub in _PKG_DIRS else parts[0]
@@ -263,9 +272,11 @@ def _cycles(edges: Iterable[tuple[str, str]]) -> list[list[str]]:
 
 def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers = LAYERS,
                allowed_up: Optional[dict[tuple[str, str], str]] = None,
-               known_private: Optional[dict[tuple[str, str], str]] = None) -> list[str]:
+               known_private: Optional[dict[tuple[str, str], str]] = None,
+               apart: Optional[dict[tuple[str, str], str]] = None) -> list[str]:
     """Every broken rule, one line each naming the import (file:line) that breaks it."""
     allowed_up = ALLOWED_UP if allowed_up is None else allowed_up
+    apart = APART if apart is None else apart
     known_private = KNOWN_PRIVATE if known_private is None else known_private
     mods = modules(root, package)
     _PKG_DIRS.clear()
@@ -290,6 +301,9 @@ def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers
             out.append(f"{imp.where()}: upward import, layer {names[a]} imports layer {names[b]}")
         if not allowed:
             kept.append((imp.importer, imp.imported))
+        for (src, dst), why in apart.items():
+            if _under(imp.importer, src) and _under(imp.imported, dst):
+                out.append(f"{imp.where()}: {src} must not import {dst} ({why})")
         priv = _private(imp, package)
         if priv and (imp.importer, priv) not in known_private:
             out.append(f"{imp.where()}: private {priv} imported from outside its package")
@@ -302,6 +316,10 @@ def violations(root: pathlib.Path = ROOT, package: str = PACKAGE, layers: Layers
                  and e in set(kept)]
         out.append(f"import cycle between {', '.join(comp)}: " + "; ".join(where))
     return out
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
 
 
 def _short(module: str, package: str = PACKAGE) -> str:

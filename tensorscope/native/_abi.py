@@ -3,10 +3,10 @@ flags, tags, packed-column constants.
 
 Every library that includes abi.h exports the same description (``abi()``); this module reads it
 from whichever of them this process has loaded and never compiles anything. Without a loaded
-library there is no C layout to read: the pure-Python fallback keeps its own definitions
-(recording/engines/native.py, recording/recorder.py, recording/function.py); the native engine
-refuses a library whose ABI differs from them (``engines.native.abi_mismatch``), and
-tests/native/test_abi.py checks that they agree field for field.
+library there is no C layout to read: the Python side reads ``abi_layout.py``, generated from abi.h
+by tools/gen_abi.py (``make abi``; tests/native/test_abi_layout.py fails while it is stale); the
+native engine refuses a loaded library whose ABI differs from it (``engines.native.abi_mismatch``),
+and tests/native/test_abi.py checks that they agree field for field.
 """
 from __future__ import annotations
 

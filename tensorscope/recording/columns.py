@@ -213,22 +213,6 @@ def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dic
     return off1
 
 
-def _matmul_flops(name: str, shapes: Sequence[Sequence[int]]) -> int:
-    """torch.utils.flop_counter's mm/addmm/bmm/baddbmm formulas (2*m*n*k per batch), or -1."""
-    try:
-        a, b = shapes[-2], shapes[-1]
-        if name in ("mm", "addmm"):
-            return 2 * a[0] * a[1] * b[1]
-        if name in ("bmm", "baddbmm"):
-            return 2 * a[0] * a[1] * a[2] * b[2]
-    except (IndexError, TypeError):
-        pass
-    return -1
-
-
-
-
-
 class _ListDict:
     """A list column's interned values as flat numpy segments: rows expand by ``gather``.
 

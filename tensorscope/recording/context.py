@@ -29,11 +29,14 @@ from .recorder import C_SRC, Recorder
 from .source import user_frame_location
 
 if TYPE_CHECKING:
+    from ..timing.cuda import CudaOpTimer
+    from .fingerprint import Fingerprinter
     from .ophooks import OpHooks
+    from .protocols import Capture, Screen, Shadow, Storages
 
 
 class ObserverEngine(Protocol):
-    """What the native context needs of its engine (``engines/native.py``): the compiled
+    """What the native context needs of its engine (``engines/native/``): the compiled
     observer and the warnings it recorded per op."""
 
     ext: Any
@@ -88,16 +91,16 @@ class RecordingContext:
     last_exc_key: Any
     last_error_id: int
     modules: ModuleTracker
-    tracker: Any
+    tracker: Optional[Storages]
     op_hooks: OpHooks
     t0: int
     want_source: bool
     want_modules: bool
-    capture: Any
-    screen: Any
-    shadow: Any
-    cuda_timer: Any
-    fingerprints: Any
+    capture: Optional[Capture]
+    screen: Optional[Screen]
+    shadow: Optional[Shadow]
+    cuda_timer: Optional[CudaOpTimer]
+    fingerprints: Optional[Fingerprinter]
 
     def __init__(self, rec: Recorder, op_hooks: OpHooks, *, want_source: bool, want_modules: bool,
                  track_storages: bool) -> None:
@@ -105,7 +108,7 @@ class RecordingContext:
         self.op_hooks = op_hooks
         self.want_source = want_source
         self.want_modules = want_modules
-        self.seq = 0
+        _SEQ.__set__(self, 0)   # the slot (the native context's seq is the observer's, read-only)
         self.recording = False
         self.current_call = -1
         self.call_stack = []
@@ -126,7 +129,7 @@ class RecordingContext:
     def _module_tracker(self) -> ModuleTracker:
         return ModuleTracker(self.rec)
 
-    def _storage_tracker(self) -> Any:
+    def _storage_tracker(self) -> Optional[Storages]:
         # seq - 1: the op running or last finished when the storage appeared or died
         return StorageTracker(self.rec, self._last_seq)
 
@@ -181,6 +184,7 @@ class RecordingContext:
             )
 
 
+_SEQ = RecordingContext.__dict__["seq"]
 _CURRENT_CALL = RecordingContext.__dict__["current_call"]   # the slot, under the property below
 _RECORDING = RecordingContext.__dict__["recording"]
 
@@ -224,7 +228,8 @@ class NativeRecordingContext(RecordingContext):
 
     @seq.setter
     def seq(self, v: int) -> None:
-        pass   # the observer numbers its rows
+        raise AttributeError("the native observer numbers the ops rows: seq of a native recording context is "
+                             "read-only (only the python engine's dispatch mode writes it)")
 
     @property
     def current_call(self) -> int:
@@ -248,7 +253,7 @@ class NativeRecordingContext(RecordingContext):
     def _module_tracker(self) -> ModuleTracker:
         return _NativeModuleTracker(self.rec, self.ext)
 
-    def _storage_tracker(self) -> Any:
+    def _storage_tracker(self) -> Optional[Storages]:
         return None   # the observer tracks storages natively; build reads them at finish
 
     @contextlib.contextmanager

@@ -32,12 +32,12 @@ from .columns import (
     _list,
     _list_columns,
     _ListDict,
-    _matmul_flops,
     _memo,
     _offsets,
     _op_dicts,
     gather,
 )
+from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
@@ -347,9 +347,9 @@ class Decoder:
         return nullable_array(lines, lines < 0)
 
     def _shape_flops(self, flops: np.ndarray, op: np.ndarray, ins: np.ndarray) -> np.ndarray:
-        """Fill the rows the dispatch mode left for later (-2): matmul FLOPs from input shapes,
+        """Fill the rows the dispatch mode left for later (FLOP_AT_BUILD): matmul FLOPs from input shapes,
         once per distinct (op, input metas) pair."""
-        todo = np.nonzero(flops == -2)[0]
+        todo = np.nonzero(flops == FLOP_AT_BUILD)[0]
         if not len(todo):
             return flops
         flops = flops.copy()
@@ -358,7 +358,7 @@ class Decoder:
         short = self.ops["short"]
         n_tup = len(tv)
         keys, inverse = np.unique(op[todo] * n_tup + ins[todo], return_inverse=True)
-        vals = [_matmul_flops(short[k // n_tup], [m.shapes[j] for j in tv[k % n_tup]]) for k in keys.tolist()]
+        vals = [matmul_flops(short[k // n_tup], [m.shapes[j] for j in tv[k % n_tup]]) for k in keys.tolist()]
         flops[todo] = np.array(vals, dtype=np.int64)[inverse]
         return flops
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .numerics import _FUNC_INFOS, _MAYBE_ALIAS, _NOSCREEN, _FuncInfo, _plain
+from .opfacts import FUNC_INFOS, MAYBE_ALIAS, NOSCREEN, FuncInfo, plain, tensor_args
 
 #: the native engine's FpRec (engine_screen.h): seq, hash, nonfinite, sum, abs_sum, max_abs
 FP_RECORD = np.dtype([("seq", "<i8"), ("hash", "<u8"), ("nonfinite", "<i8"), ("sum", "<f8"),
@@ -79,7 +79,7 @@ def raw_values(t: torch.Tensor) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """(raw bits, float values) of a plain real-float CPU tensor in logical order, read from its
     storage without dispatching anything; None when it is not one."""
     spec = _RAW.get(t.dtype)
-    if spec is None or t.device.type != "cpu" or not _plain(t) or t.is_nested or t.is_sparse:
+    if spec is None or t.device.type != "cpu" or not plain(t) or t.is_nested or t.is_sparse:
         return None
     utype, as_float = spec
     n = t.numel()
@@ -130,10 +130,10 @@ class Fingerprinter:
     def post(self, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
              outs: Sequence[torch.Tensor]) -> Optional[Fingerprint]:
         try:
-            info = _FUNC_INFOS.get(func)
+            info = FUNC_INFOS.get(func)
             if info is None:
-                info = _FUNC_INFOS[func] = _FuncInfo(func)
-            if info.screen == _NOSCREEN:
+                info = FUNC_INFOS[func] = FuncInfo(func)
+            if info.screen == NOSCREEN:
                 return None
             in_ptrs: Optional[set[int]] = None
             for t in outs:
@@ -141,10 +141,9 @@ class Fingerprinter:
                     continue
                 if not info.inplace:
                     if in_ptrs is None:
-                        from .dispatch import tensor_args
 
                         in_ptrs = {a.data_ptr() for a in tensor_args(args, kwargs)}
-                    if info.screen == _MAYBE_ALIAS and t.data_ptr() in in_ptrs:
+                    if info.screen == MAYBE_ALIAS and t.data_ptr() in in_ptrs:
                         continue
                 r = fingerprint(t)
                 if r is not None:

@@ -25,6 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._common import CompileCallbacks
+from ..native import fields_dtype
+from ..native.abi_layout import CALL_KINDS, CALL_ROW_FIELDS, CALL_ROW_SIZE, KIND_BITS
 from . import source as _source
 from .frames import (
     _HTF_CODE,
@@ -62,7 +64,7 @@ NOISE_NAMES = frozenset({
 OP_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 #: how a torch-level function is handled: passed straight through, recorded, or passed through
 #: from a frame that looks like the caller's (getters and setters can warn: ``.grad`` of a non-leaf)
-DIRECT, RECORD, PASS, LAZY = 0, 1, 2, 3
+DIRECT, RECORD, PASS, LAZY = (CALL_KINDS[k] for k in ("DIRECT", "RECORD", "PASS", "LAZY"))   # native/abi.h
 #: conversions that dispatch ops only sometimes (``repr`` of a large tensor summarises it with
 #: ops; of a small one, none): recorded like any call, the row dropped again when no op ran
 MAY_DISPATCH = frozenset({"__repr__", "__str__", "__format__", "__deepcopy__", "__contains__", "__array__"})
@@ -247,11 +249,9 @@ register_tracer_code(TracingFunctionMode.__torch_function__)
 # the native function mode: the hot path above, in C (native/fmode.cpp)
 # ---------------------------------------------------------------------------
 #: a calls row as native/fmode.cpp's ``CallRow`` lays it out (checked against ROW_SIZE at load)
-CALL_DTYPE = np.dtype([("func", "<i4"), ("module", "<i4"), ("src", "<i4"), ("autocast", "<i4"), ("parent", "<i4"),
-                       ("error", "<i4"), ("n_ops", "<i4"), ("pad", "<i4"), ("first_seq", "<i8"), ("start", "<i8"),
-                       ("dur", "<i8")])
+CALL_DTYPE = fields_dtype(CALL_ROW_FIELDS, CALL_ROW_SIZE)   # native/abi.h CallRow
 #: kinds as native/fmode.cpp numbers them (PRINTING: a LAZY conversion that prints a tensor)
-_C_PRINTING = 4
+_C_PRINTING = CALL_KINDS["PRINTING"]
 
 
 class _LiveCalls(CallStore):
@@ -383,7 +383,7 @@ class NativeFunctionMode(TorchFunctionMode):
         if kind == LAZY and getattr(named, "__name__", None) in PRINTING:
             kind = _C_PRINTING
         fid = self._rec.call_funcs(named) if kind != DIRECT else 0
-        return kind | (fid << 3)
+        return kind | (fid << KIND_BITS)
 
     def _on_error(self, cid: int, e: BaseException, _htf: bool) -> Optional[int]:
         s = self.ctx

@@ -172,7 +172,7 @@ class ShadowProbe:
         self.mode = mode   # options.numerics: True or a mode name
 
     def start(self, ctx: RecordingContext) -> None:
-        from .shadow import NumericsShadow
+        from .engines.python.shadow import NumericsShadow
 
         ctx.shadow = NumericsShadow(mode=self.mode)
 

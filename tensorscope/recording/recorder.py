@@ -31,17 +31,19 @@ from typing import (
 import numpy as np
 
 from .._tensormeta import memory_format
+from ..native import abi_layout as _abi
 
 # ops row flags
 F_INPLACE = 1
 F_VIEW = 2
 F_OUT_KW = 4          # out= variant
-F_BACKWARD = 8
+F_BACKWARD = _abi.F_BACKWARD   # the engine's row flag (native/abi.h), the same bit here
 
 # Row layouts: one interleaved int64 array per table, one ``extend`` per row (a
 # dozen separate appends cost ~1 µs more per op).
 OPS_FIELDS = ("op", "ins", "outs", "alias", "module", "call", "node", "seq_nr", "flags", "flops", "start", "dur")
-CALL_FIELDS = ("func", "module", "src", "first_seq", "n_ops", "autocast", "parent", "error", "start", "dur")
+#: the calls row fields in native/abi.h kCallFieldOrder (field(cid, k) / column(k) index them)
+CALL_FIELDS = _abi.CALL_FIELDS
 C_SRC, C_FIRST_SEQ, C_N_OPS, C_ERROR, C_START, C_DUR = (CALL_FIELDS.index(k) for k in
                                                       ("src", "first_seq", "n_ops", "error", "start", "dur"))
 CALL_WIDTH = len(CALL_FIELDS)

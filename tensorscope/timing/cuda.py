@@ -2,7 +2,7 @@
 
 Fills ``ops.cuda_ns`` without synchronising per op: ``CudaOpTimer`` (``begin_for`` / ``begin``
 at dispatch, ``end`` in ``finally``, ``resolve`` at the end of the trace: one synchronise per
-used device). The dispatch mode (``recording/dispatch.py``) calls it; its event, stream and
+used device). The dispatch mode (``recording/engines/python/dispatch.py``) calls it; its event, stream and
 synchronise hooks are injectable so the bookkeeping is testable without a GPU.
 
 Rules and details: docs/development/timing.md

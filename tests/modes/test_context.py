@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import tensorscope
 from tensorscope.recording.context import FIELDS, NATIVE_FIELDS, NativeRecordingContext, RecordingContext
-from tensorscope.recording.dispatch import TracingDispatchMode
+from tensorscope.recording.engines.python.dispatch import TracingDispatchMode
 from tensorscope.recording.function import NativeFunctionMode, TracingFunctionMode
 from tensorscope.recording.session import Session, active_session
 
@@ -126,3 +126,59 @@ def test_one_owner_per_field(engine):
         own = set(vars(sess))
     assert "ctx" in own
     assert not own & set(FIELDS), own & set(FIELDS)
+
+
+def test_a_write_the_native_context_cannot_keep_raises():
+    """``seq`` is the native observer's row count: writing it used to be dropped silently."""
+    with tensorscope.trace(engine="native"):
+        torch.ones(2) + 1
+        sess = active_session()
+        assert sess is not None
+        ctx = sess.ctx
+        if type(ctx) is not NativeRecordingContext:
+            pytest.skip(f"the native engine does not record here: {sess.engine.choice.reason}")
+        before = ctx.seq
+        with pytest.raises(AttributeError, match="read-only"):
+            ctx.seq = before + 5
+        assert ctx.seq == before
+    from tensorscope.recording.ophooks import OpHooks
+    from tensorscope.recording.recorder import Recorder
+
+    py = RecordingContext(Recorder(), OpHooks(), want_source=False, want_modules=False, track_storages=False)
+    py.seq = 7   # the python engine's dispatch mode numbers its rows itself
+    assert py.seq == 7
+
+
+def _protocol_members(proto: type) -> set:
+    names = set(getattr(proto, "__annotations__", {}))
+    for klass in proto.__mro__:
+        if klass.__name__ in ("Protocol", "Generic", "object"):
+            continue
+        names |= {n for n in vars(klass) if not n.startswith("_") or n in ("__enter__", "__exit__")}
+        names |= set(getattr(klass, "__annotations__", {}))
+    return names
+
+
+def test_each_engine_pair_has_the_members_of_its_protocol():
+    """The python and native halves of each pair answer every member of the Protocol the context
+    types the field with (mypy checks the assignments it sees; ``open_capture`` is untyped)."""
+    from tensorscope.native._capture import NativeCapture
+    from tensorscope.native._fallback import FallbackCapture
+    from tensorscope.recording import protocols as P
+    from tensorscope.recording.engines.native import NativeScreen, NativeStorages
+    from tensorscope.recording.engines.python.numerics import NonfiniteScreen
+    from tensorscope.recording.engines.python.shadow import NumericsShadow
+    from tensorscope.tracking.storages import StorageTracker
+
+    instance_attrs = {"ptrs", "op_begin", "op_end", "engine", "native", "sites_reason"}   # set in __init__ / class
+    pairs = [(P.Storages, (StorageTracker, NativeStorages)), (P.Screen, (NonfiniteScreen, NativeScreen)),
+             (P.OpScreen, (NonfiniteScreen,)), (P.Capture, (FallbackCapture, NativeCapture)),
+             (P.NativeSiteCapture, (NativeCapture,)), (P.FunctionMode, (TracingFunctionMode, NativeFunctionMode)),
+             (P.Shadow, (NumericsShadow,))]
+    for proto, classes in pairs:
+        members = _protocol_members(proto)
+        assert members, proto
+        for cls in classes:
+            missing = {m for m in members if not hasattr(cls, m) and m not in instance_attrs}
+            assert not missing, f"{cls.__name__} lacks {sorted(missing)} of {proto.__name__}"
+    assert {"ptrs"} <= _protocol_members(P.Storages) and {"pre", "post"} <= _protocol_members(P.OpScreen)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import tensorscope
-from tensorscope.recording.numerics import NonfiniteScreen, count_nonfinite, screen_finite
-from tensorscope.recording.shadow import NumericsShadow, rel_errors
+from tensorscope.recording.engines.python.numerics import NonfiniteScreen, count_nonfinite, screen_finite
+from tensorscope.recording.engines.python.shadow import NumericsShadow, rel_errors
 
 aten = torch.ops.aten
 

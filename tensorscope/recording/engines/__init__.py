@@ -1,13 +1,13 @@
 """Recording engines: who observes the ATen ops of a trace (the seam is ``engines/base.py``).
 
-* ``python`` (``engines/python.py``) -- a TorchDispatchMode appends rows to the recorder.
-* ``native`` (``engines/native.py``) -- ``native/engine.cpp``'s RecordFunction observer.
+* ``python`` (``engines/python/``) -- a TorchDispatchMode appends rows to the recorder.
+* ``native`` (``engines/native/``) -- ``native/engine.cpp``'s RecordFunction observer.
 
 ``select_engine(options)`` says which one a trace records with and why; ``make_engine`` makes it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .base import Engine, EngineChoice, exit_mode
 from .native import (
@@ -44,7 +44,7 @@ def _native_ext(wait: bool = True) -> tuple[Any, str]:
     if ext is not None:
         problem = abi_mismatch(ext)
         if problem:
-            return None, f"native engine ABI mismatch (native/abi.h vs recording/engines/native.py): {problem}"
+            return None, f"native engine ABI mismatch (native/abi.h vs recording/engines/native/): {problem}"
     return ext, reason
 
 
@@ -64,7 +64,7 @@ def select_engine(options: TraceOptions) -> EngineChoice:
     return EngineChoice("native", reason, ext)
 
 
-def make_engine(choice: EngineChoice) -> Union[NativeEngine, PythonEngine]:
+def make_engine(choice: EngineChoice) -> Engine:
     """The engine of ``choice``; the python engine when the native one was chosen but another trace
     of this process claimed the observer meanwhile (the choice then says so)."""
     if choice.name == "native":

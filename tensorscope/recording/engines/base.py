@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ...options import TraceOptions
     from ..context import RecordingContext
     from ..ophooks import OpHooks
+    from ..protocols import FunctionMode
     from ..recorder import Recorder
 
 
@@ -35,7 +36,7 @@ class EngineChoice:
 
 
 class Engine(Protocol):
-    """A recording engine (``engines/python.py``, ``engines/native.py``)."""
+    """A recording engine (``engines/python/``, ``engines/native/``)."""
 
     name: str
     choice: EngineChoice
@@ -43,7 +44,7 @@ class Engine(Protocol):
     def make_context(self, rec: Recorder, op_hooks: OpHooks, options: TraceOptions) -> RecordingContext:
         """The recording context of one trace, for this engine's observers."""
 
-    def function_mode(self, ctx: RecordingContext) -> Any:
+    def function_mode(self, ctx: RecordingContext) -> FunctionMode:
         """The TorchFunctionMode that records the torch-level calls (not yet entered)."""
 
     def setup_probes(self, ctx: RecordingContext, options: TraceOptions) -> None:

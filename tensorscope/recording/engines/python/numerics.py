@@ -5,7 +5,7 @@ screen per floating output, an exact count only when it fires, and the produced/
 verdict), ``finish()`` once at the end (CUDA counts read back in one copy). ``screen_finite``
 and ``count_nonfinite`` are the two passes. The numerics shadow (``numerics=``) is ``shadow.py``.
 
-Rules and details: docs/development/recording.md#the-non-finite-screen-recordingnumericspy
+Rules and details: docs/development/recording.md#the-non-finite-screen-recordingenginespythonnumericspy
 """
 from __future__ import annotations
 
@@ -15,121 +15,17 @@ from typing import Any, Optional
 
 import torch
 
-from .dispatch import _is_composite, tensor_args
+from ...opfacts import F16, FUNC_INFOS, MAYBE_ALIAS, NOSCREEN, FuncInfo, is_float, plain, tensor_args
 
 Tensor = torch.Tensor
+_STRIDED = torch.strided
 _isfinite = math.isfinite
 
-_F16 = torch.float16
-_BF16 = torch.bfloat16
-_F32 = torch.float32
-_F64 = torch.float64
-
-# ops whose outputs are uninitialised memory or pure aliases of an input:
-# screening them costs a full pass and tells nothing (the data is screened
-# where it is computed, or is garbage the program will overwrite)
-_UNINIT_OPS = frozenset({
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
-    "resize_", "resize_as_", "set_", "_resize_output_", "_empty_affine_quantized", "_empty_per_channel_affine_quantized",
-})
-_ALIAS_OPS = frozenset({
-    "detach", "alias", "lift_fresh", "_unsafe_view", "_reshape_alias", "lift_fresh_copy", "_local_scalar_dense",
-    "_nested_tensor_from_mask", "record_stream", "_assert_async", "sym_size", "sym_stride", "sym_numel",
-})
-# conversions and copies: exact when widening, the cast itself when narrowing;
-# a shadow reference would reproduce the same values and the same work
-_SHADOW_SKIP_SILENT = frozenset({
-    "_to_copy", "to", "clone", "contiguous", "copy", "_copy_from", "_copy_from_and_resize", "type_as",
-    "zeros_like", "ones_like", "full_like", "fill", "lift_fresh_copy",
-}) | _UNINIT_OPS | _ALIAS_OPS
-# in-place ops that overwrite their target without reading it: its old contents
-# (possibly garbage from empty()) are no input of theirs
-_OVERWRITE_OPS = frozenset({
-    "copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
-    "log_normal_", "random_", "_copy_from", "_foreach_copy_", "_foreach_zero_",
-})
-# composites that draw random numbers but arrive undecomposed under inference_mode
-_SEEDED_NAMES = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-                           "rrelu", "rrelu_"})
-
-_NOSCREEN, _SCREEN, _MAYBE_ALIAS = 0, 1, 2
-_REL = tuple[float, float]
 #: what identifies a tensor's data for the memos: (data pointer, shape, strides, dtype)
 _TensorKey = tuple[int, torch.Size, tuple[int, ...], torch.dtype]
 #: what ``pre`` hands ``post``: (a written tensor was non-finite before the op, the written data
 #: pointers, the device slots describing them)
 _PreState = tuple[bool, frozenset[int], list[int]]
-
-
-def _op_name(func: Any) -> str:
-    try:
-        name: str = func._schema.name
-        return name.split("::", 1)[-1]
-    except Exception:
-        return str(func).split(".")[1] if "." in str(func) else str(func)
-
-
-#: OpOverload -> its _FuncInfo (facts of the op alone: shared by every screen of the process)
-_FUNC_INFOS: dict[Any, _FuncInfo] = {}
-
-
-class _FuncInfo:
-    """Per-OpOverload facts, computed once: skip, which arguments it writes."""
-
-    __slots__ = ("screen", "write_pos", "write_kw", "inplace", "overwrites")
-
-    screen: int
-    write_pos: tuple[int, ...]
-    write_kw: tuple[str, ...]
-    inplace: bool
-    overwrites: bool
-
-    def __init__(self, func: Any) -> None:
-        name = _op_name(func)
-        view = bool(getattr(func, "is_view", False))
-        if name in _UNINIT_OPS or name in _ALIAS_OPS:
-            self.screen = _NOSCREEN
-        elif view:
-            # reshape/flatten/contiguous/to are schema views that may copy; they arrive
-            # undecomposed under inference_mode: screen the outputs that are fresh
-            self.screen = _MAYBE_ALIAS if _is_composite(func) else _NOSCREEN
-        else:
-            self.screen = _SCREEN
-        wp: list[int] = []
-        wk: list[str] = []
-        inplace = False
-        try:
-            for i, a in enumerate(func._schema.arguments):
-                ai = a.alias_info
-                if ai is not None and ai.is_write:
-                    if a.kwarg_only:
-                        wk.append(a.name)
-                    else:
-                        wp.append(i)
-                        inplace = True
-        except Exception:
-            pass
-        self.write_pos = tuple(wp)
-        self.write_kw = tuple(wk)
-        self.inplace = inplace
-        self.overwrites = name in _OVERWRITE_OPS
-
-
-_NO_DISPATCH = Tensor.__torch_dispatch__
-_STRIDED = torch.strided
-
-
-def _plain(t: Tensor) -> bool:
-    """A strided tensor whose data we may read: no wrapper subclass (fake, functional, DTensor), not meta."""
-    tt = type(t)
-    if tt is not Tensor and tt is not torch.nn.Parameter and getattr(tt, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
-        return False
-    return t.layout == torch.strided and not t.is_meta
-
-
-def _is_float(t: Tensor) -> bool:
-    dt = t.dtype
-    return dt.is_floating_point or dt.is_complex
 
 
 def _scalar_nonfinite(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> bool:
@@ -175,7 +71,7 @@ def screen_finite(t: Tensor) -> bool:
             return _finite_values(v)
         if d == 2:
             return _finite_values([x for row in v for x in row])
-    if dt is _F16 and n > 1:
+    if dt is F16 and n > 1:
         lo, hi = torch.aminmax(t)
         return _isfinite(lo.item()) and _isfinite(hi.item())
     if dt.is_complex:
@@ -224,16 +120,16 @@ class NonfiniteScreen:
         self.n_pre_screened = 0  # in-place targets screened before the op (memo misses)
         self._deferred = 0       # ops whose verdict came from the device buffer at finish()
 
-    def _info(self, func: Any) -> _FuncInfo:
-        info = _FUNC_INFOS.get(func)
+    def _info(self, func: Any) -> FuncInfo:
+        info = FUNC_INFOS.get(func)
         if info is None:
-            info = _FUNC_INFOS[func] = _FuncInfo(func)
+            info = FUNC_INFOS[func] = FuncInfo(func)
         return info
 
     def screens(self, func: Any) -> bool:
         """Whether ``post`` screens this op's outputs at all (views, aliases and ops returning
         uninitialised memory are not): the trace builder can leave those rows null."""
-        return self._info(func).screen != _NOSCREEN
+        return self._info(func).screen != NOSCREEN
 
     # -- per-op probes -----------------------------------------------------
     def pre(self, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
@@ -241,7 +137,7 @@ class NonfiniteScreen:
         """Before an in-place/out= op: the finiteness of what it will overwrite (and then read)."""
         try:
             info = self._info(func)
-            if info.screen == _NOSCREEN:
+            if info.screen == NOSCREEN:
                 return None
             written = self._written(info, args, kwargs)
             if not written:
@@ -257,7 +153,7 @@ class NonfiniteScreen:
             bad = False
             cuda_refs: list[int] = []
             for t in written:
-                if not _plain(t) or not _is_float(t):
+                if not plain(t) or not is_float(t):
                     continue
                 ptrs.append(t.data_ptr())
                 if info.overwrites:
@@ -281,16 +177,16 @@ class NonfiniteScreen:
     def post(self, seq: int, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
              outs: Sequence[Tensor], state: Optional[_PreState]) -> Optional[tuple[int, bool]]:
         """After an op: ``(count, produced)`` when a floating output holds NaN/Inf, else None."""
-        info = _FUNC_INFOS.get(func)
+        info = FUNC_INFOS.get(func)
         if info is None:
             info = self._info(func)
-        if info.screen == _NOSCREEN:
+        if info.screen == NOSCREEN:
             return None
         try:
             targets = outs
             if info.inplace and not targets:
                 targets = self._written(info, args, kwargs)   # in-place ops that return nothing (_foreach_*_)
-            elif info.screen == _MAYBE_ALIAS:
+            elif info.screen == MAYBE_ALIAS:
                 ptrs = {t.data_ptr() for t in tensor_args(args, kwargs)}
                 targets = [t for t in targets if t.data_ptr() not in ptrs]
             count = 0
@@ -300,7 +196,7 @@ class NonfiniteScreen:
                 dt = t.dtype
                 if not (dt.is_floating_point or dt.is_complex):
                     continue
-                if type(t) is not Tensor and not _plain(t):
+                if type(t) is not Tensor and not plain(t):
                     continue
                 if t.layout is not _STRIDED or t.is_meta:
                     continue
@@ -341,7 +237,7 @@ class NonfiniteScreen:
 
     # -- helpers -------------------------------------------------------------
     @staticmethod
-    def _written(info: _FuncInfo, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> list[Tensor]:
+    def _written(info: FuncInfo, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> list[Tensor]:
         out: list[Tensor] = []
         for i in info.write_pos:
             if i < len(args):
@@ -366,7 +262,7 @@ class NonfiniteScreen:
         v = _version(t)
         return rec[1] if (v is not None and rec[0] == v) else None
 
-    def _inputs_nonfinite(self, info: _FuncInfo, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
+    def _inputs_nonfinite(self, info: FuncInfo, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
                           state: Optional[_PreState]) -> bool:
         if _scalar_nonfinite(args, kwargs):
             return True
@@ -377,7 +273,7 @@ class NonfiniteScreen:
             written_ptrs = state[1]
         skip_kw = info.write_kw
         for t in tensor_args(args, kwargs, skip_kw=skip_kw):
-            if not _is_float(t) or not _plain(t) or t.is_cuda or self.defer_cpu:
+            if not is_float(t) or not plain(t) or t.is_cuda or self.defer_cpu:
                 continue
             if info.inplace and t.data_ptr() in written_ptrs:
                 continue   # overwritten by the op: its before-state is in ``state``
@@ -456,14 +352,14 @@ class _CudaFlags:
         return sid
 
     def record(self, seq: int, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], outs: Sequence[Tensor],
-               state: Optional[_PreState], info: _FuncInfo) -> None:
+               state: Optional[_PreState], info: FuncInfo) -> None:
         if self._capturing():
             return   # extra kernels would become part of the user's CUDA graph
         written_ptrs: frozenset[int] = state[1] if state is not None else frozenset()
         in_slots = list(state[2]) if state is not None else []
         scalar_bad = _scalar_nonfinite(args, kwargs)
         for t in tensor_args(args, kwargs, skip_kw=info.write_kw):
-            if not (t.is_cuda or self.defer_cpu) or not _is_float(t) or not _plain(t):
+            if not (t.is_cuda or self.defer_cpu) or not is_float(t) or not plain(t):
                 continue
             if info.inplace and t.data_ptr() in written_ptrs:
                 continue

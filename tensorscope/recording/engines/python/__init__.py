@@ -1,4 +1,4 @@
-"""The python engine: ``recording/dispatch.py``'s TorchDispatchMode records every ATen op.
+"""The python engine: ``engines/python/dispatch.py``'s TorchDispatchMode records every ATen op.
 
 The fallback when nothing can be compiled, the engine of ``numerics=`` (the shadow mode
 re-runs ops in Python) and the test oracle the native engine is compared with.
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..context import RecordingContext
-from .base import EngineChoice, exit_mode
+from ...context import RecordingContext
+from ..base import EngineChoice, exit_mode
 
 if TYPE_CHECKING:
-    from ...options import TraceOptions
-    from ..ophooks import OpHooks
-    from ..recorder import Recorder
+    from ....options import TraceOptions
+    from ...ophooks import OpHooks
+    from ...protocols import FunctionMode
+    from ...recorder import Recorder
 
 
 class PythonEngine:
@@ -30,35 +31,35 @@ class PythonEngine:
         return RecordingContext(rec, op_hooks, want_source=options.source, want_modules=options.modules,
                                 track_storages=options.storages)
 
-    def function_mode(self, ctx: RecordingContext) -> Any:
-        from ..function import TracingFunctionMode
+    def function_mode(self, ctx: RecordingContext) -> FunctionMode:
+        from ...function import TracingFunctionMode
 
         return TracingFunctionMode(ctx)
 
     def setup_probes(self, ctx: RecordingContext, options: TraceOptions) -> None:
         if options.nonfinite:
             try:
-                from ..numerics import NonfiniteScreen
+                from .numerics import NonfiniteScreen
 
                 ctx.screen = NonfiniteScreen()
             except Exception as e:
                 ctx.rec.notes.append(f"non-finite screen unavailable: {e}")
         if options.fingerprints:
-            from ..fingerprint import Fingerprinter
+            from ...fingerprint import Fingerprinter
 
             ctx.fingerprints = Fingerprinter()
         import torch
 
         if options.cuda_timing and torch.cuda.is_available():
             try:
-                from ...timing.cuda import CudaOpTimer
+                from ....timing.cuda import CudaOpTimer
 
                 ctx.cuda_timer = CudaOpTimer()
             except Exception as e:
                 ctx.rec.notes.append(f"CUDA timing unavailable: {e}")
 
     def start(self, ctx: RecordingContext, options: TraceOptions) -> None:
-        from ..dispatch import TracingDispatchMode
+        from .dispatch import TracingDispatchMode
 
         self._mode = TracingDispatchMode(ctx)
         self._mode.__enter__()

@@ -20,8 +20,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .dispatch import tensor_args
-from .numerics import _BF16, _F16, _F32, _F64, _REL, _SEEDED_NAMES, _SHADOW_SKIP_SILENT, _is_float, _op_name, _plain
+from ...opfacts import BF16, F16, F32, F64, REL, SEEDED_NAMES, SHADOW_SKIP_SILENT, is_float, op_name, plain, tensor_args
 
 Tensor = torch.Tensor
 
@@ -62,8 +61,8 @@ class NumericsShadow:
         if mode not in ("fp32", "fp64"):
             raise ValueError(f"numerics mode must be 'fp32' or 'fp64', not {mode!r}")
         self.mode = mode
-        self.ref_dtype = _F32 if mode == "fp32" else _F64
-        self.low = frozenset({_F16, _BF16}) if mode == "fp32" else frozenset({_F16, _BF16, _F32})
+        self.ref_dtype = F32 if mode == "fp32" else F64
+        self.low = frozenset({F16, BF16}) if mode == "fp32" else frozenset({F16, BF16, F32})
         self.skipped: dict[str, int] = {}
         self.skip_reasons: dict[str, str] = {}
         self.n_compared = 0
@@ -74,11 +73,11 @@ class NumericsShadow:
         k = self._kinds.get(func, "?")   # "?": not seen yet (None and "" are verdicts)
         if k != "?":
             return k
-        name = _op_name(func)
+        name = op_name(func)
         tags = getattr(func, "tags", ()) or ()
-        if torch.Tag.nondeterministic_seeded in tags or name in _SEEDED_NAMES:
+        if torch.Tag.nondeterministic_seeded in tags or name in SEEDED_NAMES:
             k = "nondeterministic_seeded"
-        elif getattr(func, "is_view", False) or name in _SHADOW_SKIP_SILENT:
+        elif getattr(func, "is_view", False) or name in SHADOW_SKIP_SILENT:
             k = ""
         else:
             k = None
@@ -103,14 +102,14 @@ class NumericsShadow:
         self.skip_reasons.setdefault(name, reason)
 
     def compare(self, seq: int, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
-                outs: Sequence[Tensor]) -> Optional[_REL]:
+                outs: Sequence[Tensor]) -> Optional[REL]:
         if not outs:
             return None
         try:
             low = self.low
             has_low = False
             for t in tensor_args(args, kwargs):
-                if t.dtype in low and _plain(t):
+                if t.dtype in low and plain(t):
                     has_low = True
                     break
             if not has_low:
@@ -120,7 +119,7 @@ class NumericsShadow:
                 if kind:
                     self._skip(func, kind)
                 return None
-            pairs = [(i, o) for i, o in enumerate(outs) if isinstance(o, Tensor) and _is_float(o) and _plain(o)]
+            pairs = [(i, o) for i, o in enumerate(outs) if isinstance(o, Tensor) and is_float(o) and plain(o)]
             if not pairs:
                 return None
             with torch.no_grad():
@@ -135,9 +134,9 @@ class NumericsShadow:
                     if i >= len(refs):
                         continue
                     r = refs[i]
-                    if not isinstance(r, Tensor) or r.shape != o.shape or not _is_float(r):
+                    if not isinstance(r, Tensor) or r.shape != o.shape or not is_float(r):
                         continue
-                    wide = r.dtype if r.dtype in (_F32, _F64) or r.dtype.is_complex else self.ref_dtype
+                    wide = r.dtype if r.dtype in (F32, F64) or r.dtype.is_complex else self.ref_dtype
                     if wide.itemsize < self.ref_dtype.itemsize and not wide.is_complex:
                         wide = self.ref_dtype
                     a, b = rel_errors(o, r.to(wide))
@@ -157,7 +156,7 @@ class NumericsShadow:
     def _up(self, a: Any) -> Any:
         """``a`` with its low-precision tensors and dtypes (inside lists and tuples) widened to the reference dtype."""
         if isinstance(a, Tensor):
-            if a.dtype in self.low and _plain(a):
+            if a.dtype in self.low and plain(a):
                 return a.to(self.ref_dtype)
             return a
         if isinstance(a, torch.dtype):
@@ -170,7 +169,7 @@ class NumericsShadow:
     def _reference(self, func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> Any:
         new_args = [self._up(a) for a in args]
         new_kwargs = {k: self._up(v) for k, v in kwargs.items()} if kwargs else {}
-        name = _op_name(func)
+        name = op_name(func)
         if name in ("_softmax", "_log_softmax") and len(new_args) >= 3:
             new_args[2] = False   # half_to_float is only legal on half inputs
         return func(*new_args, **new_kwargs)

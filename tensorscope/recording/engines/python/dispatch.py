@@ -24,23 +24,26 @@ from typing import (
     Literal,
     Optional,
     Union,
+    cast,
 )
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..tracking.storages import fake_key
-from ..tracking.storages import is_fake as _is_fake
-from .frames import clean_traceback, exc_mark, register_tracer_code
-from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
-from .source import called_from_compiled_code
+from ....tracking.storages import StorageTracker, fake_key
+from ....tracking.storages import is_fake as _is_fake
+from ...frames import clean_traceback, exc_mark, register_tracer_code
+from ...opfacts import FLOP_AT_BUILD, FLOP_NONE, is_composite, op_schema_facts, schema_inputs, tensor_args
+from ...recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, Recorder
+from ...source import called_from_compiled_code
 
 if TYPE_CHECKING:
     from array import array
 
     from torch.autograd.graph import Node
 
-    from .context import RecordingContext
+    from ...context import RecordingContext
+    from ...protocols import OpScreen
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -48,66 +51,6 @@ _perf = time.perf_counter_ns
 #: None outside a backward pass (torch's stub says it always returns a node)
 _current_node: Callable[[], Optional[Node]] = torch._C._current_autograd_node
 _get_seq_nr = torch._C._autograd._get_sequence_nr
-
-try:
-    from torch.utils.flop_counter import flop_registry as _flop_registry
-except Exception:  # older torch
-    _flop_registry = {}
-#: torch.utils.flop_counter's formulas by op packet (the same dict: formulas registered later count)
-FLOP_REGISTRY: dict[Any, Any] = _flop_registry
-
-#: ops whose FLOPs decode.py computes from input shapes (same formulas as torch.utils.flop_counter)
-SHAPE_FLOP_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
-
-
-def schema_inputs(func: Any, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> list[Any]:
-    """An op's arguments in schema order (kwarg-only ones from kwargs), as the native engine gives them."""
-    out = list(args)
-    try:
-        for a in func._schema.arguments[len(args):]:
-            out.append(kwargs.get(a.name, a.default_value) if kwargs else a.default_value)
-    except Exception:
-        out.extend((kwargs or {}).values())
-    return out
-
-
-#: OpOverload -> (flags, flop_at_build): facts of the op's schema, the same in every trace, so
-#: computed once per process (a schema walk: ~20 µs per op)
-_SCHEMA_FACTS: dict[Any, tuple[int, bool]] = {}
-
-
-def op_schema_facts(func: Any) -> tuple[int, bool, Optional[Callable[..., Any]]]:
-    """``(flags, flop_at_build, flop)`` of ``func``: F_INPLACE/F_OUT_KW/F_VIEW from its schema;
-    whether its FLOPs are counted from input shapes when the tables are built; else its
-    flop_counter formula (None: no formula; looked up each time: formulas can be registered
-    between traces). The schema facts are cached per process."""
-    facts = _SCHEMA_FACTS.get(func)
-    if facts is not None:
-        flags, at_build = facts
-        return flags, at_build, None if at_build else FLOP_REGISTRY.get(func.overloadpacket)
-    flags = 0
-    schema = func._schema
-    out_kw = False
-    mut_pos = False
-    for a in schema.arguments:
-        ai = a.alias_info
-        if ai is not None and ai.is_write:
-            if a.kwarg_only and a.name.startswith("out"):
-                out_kw = True
-            else:
-                mut_pos = True
-    if mut_pos:
-        flags |= F_INPLACE
-    if out_kw:
-        flags |= F_OUT_KW
-    if getattr(func, "is_view", False):
-        flags |= F_VIEW
-    packet = func.overloadpacket
-    # matmul FLOPs depend on input shapes only: counted when the tables are built
-    # (flop_counter's formulas tree-map their arguments: ~25 µs per call)
-    at_build = str(packet).split(".")[-1] in SHAPE_FLOP_OPS and packet in FLOP_REGISTRY
-    _SCHEMA_FACTS[func] = (flags, at_build)
-    return flags, at_build, None if at_build else FLOP_REGISTRY.get(packet)
 
 
 class OpInfo:
@@ -128,13 +71,6 @@ _key_for_device = getattr(torch._C, "_dispatch_key_for_device", None)
 #: OpOverload -> {device type: decompose?} for ops with a CompositeImplicitAutograd kernel;
 #: None for every other op (the common case: one dict lookup per op)
 _COMPOSITE: dict[Any, Optional[dict[str, bool]]] = {}
-
-
-def _is_composite(func: Any) -> bool:
-    try:
-        return bool(_has_kernel(func.name(), "CompositeImplicitAutograd"))
-    except Exception:
-        return False
 
 
 def _call_device_type(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> str:
@@ -188,7 +124,7 @@ def _should_decompose(func: Any, per_device: Union[dict[str, bool], None, Litera
                       kwargs: Optional[Mapping[str, Any]]) -> bool:
     """``per_device`` is ``_COMPOSITE.get(func, False)``; the caller skips this call when it is None."""
     if per_device is False:
-        per_device = _COMPOSITE[func] = {} if _is_composite(func) else None
+        per_device = _COMPOSITE[func] = {} if is_composite(func) else None
     if per_device is None:
         return False
     dev = _call_device_type(args, kwargs)
@@ -208,29 +144,6 @@ def _dense_args(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> boo
                                           (type(t) is not Tensor and type(t) is not torch.nn.Parameter)):
                 return False
     return True
-
-
-def tensor_args(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], skip_kw: tuple[str, ...] = ()) -> list[Tensor]:
-    """The tensors among an op's arguments (one level of lists), in order; by hand, not pytree."""
-    out: list[Tensor] = []
-    for a in args:
-        if isinstance(a, Tensor):
-            out.append(a)
-        elif type(a) is list or type(a) is tuple:
-            for b in a:
-                if isinstance(b, Tensor):
-                    out.append(b)
-    if kwargs:
-        for k, a in kwargs.items():
-            if skip_kw and k in skip_kw:
-                continue
-            if isinstance(a, Tensor):
-                out.append(a)
-            elif type(a) is list or type(a) is tuple:
-                for b in a:
-                    if isinstance(b, Tensor):
-                        out.append(b)
-    return out
 
 
 # torch's TorchDispatchMode.__init_subclass__ is untyped
@@ -267,7 +180,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         rec = self.ctx.rec
         metas = rec.metas
         ids = metas.ids
-        tracker = self.ctx.tracker
+        tracker = cast("Optional[StorageTracker]", self.ctx.tracker)   # the python engine's own
         by_ptr = tracker.by_ptr if tracker is not None else None
         fake_keys = tracker is not None and tracker.fake_keys
         mids: list[int] = []
@@ -294,7 +207,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 stor.append(-1)
                 continue
             ptrs.append(ptr)
-            if by_ptr is None or ptr == 0:
+            if by_ptr is None or tracker is None or ptr == 0:
                 stor.append(-1)
             else:
                 sid = by_ptr.get(ptr)   # known storage: no call into the tracker
@@ -351,7 +264,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 seq_nr = node._sequence_nr()
                 if seq_nr >= 1 << 62:   # AccumulateGrad & co. carry UINT64_MAX: no forward op
                     seq_nr = -1
-            screen = s.screen
+            screen = cast("Optional[OpScreen]", s.screen)   # the python engine's own
             pre_state = screen.pre(func, args, kwargs, True) if (screen is not None and flags & (F_INPLACE | F_OUT_KW)) else None
             if info.hook and flags & (F_INPLACE | F_OUT_KW) and s.op_hooks.before:
                 s.op_hooks.call_before(seq, str(func), schema_inputs(func, args, kwargs))
@@ -388,7 +301,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             raise
         finally:
             self._seq_mark = _get_seq_nr()
-            if tok is not None:
+            if tok is not None and cuda is not None:
                 try:
                     cuda.end(tok)
                 except Exception as e3:
@@ -416,11 +329,11 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 try:
                     flop = int(info.flop(*args, **kwargs, out_val=out))
                 except Exception:
-                    flop = -1
+                    flop = FLOP_NONE
             elif info.flop_at_build:
-                flop = -2   # decode.py: from the interned input shapes
+                flop = FLOP_AT_BUILD   # decode.py: from the interned input shapes
             else:
-                flop = -1
+                flop = FLOP_NONE
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
             shadow = s.shadow
             p0 = _perf() if (screen is not None or shadow is not None or info.hook or s.fingerprints is not None) else 0
@@ -428,18 +341,18 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs),
                            tuple(out) if type(out) is tuple or type(out) is list else (out,))
             if screen is not None:
-                r = screen.post(seq, func, args, kwargs, outs, pre_state)
-                if r is not None:
-                    rec.nonfinite[seq] = r
+                rn = screen.post(seq, func, args, kwargs, outs, pre_state)
+                if rn is not None:
+                    rec.nonfinite[seq] = rn
             fps = s.fingerprints
             if fps is not None and outs:
-                r = fps.post(func, args, kwargs, outs)
-                if r is not None:
-                    rec.fingerprints[seq] = r
+                rf = fps.post(func, args, kwargs, outs)
+                if rf is not None:
+                    rec.fingerprints[seq] = rf
             if shadow is not None:
-                r = shadow.compare(seq, func, args, kwargs, outs)
-                if r is not None:
-                    rec.numerics[seq] = r
+                rs = shadow.compare(seq, func, args, kwargs, outs)
+                if rs is not None:
+                    rec.numerics[seq] = rs
             if screen is not None or shadow is not None:
                 self._seq_mark = _get_seq_nr()   # a probe's own ops must not look like the next op's node
             if p0 and seq >= rec.n_spilled:   # tensorscope's own work after the op: never the program's time
@@ -471,8 +384,8 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             alias_id = rec.aliases(())
         in_id = rec.tuples(tuple(in_mids))
         out_id = rec.tuples(tuple(out_mids))
-        if not -2 <= flop < 1 << 62:
-            flop = -1
+        if not FLOP_AT_BUILD <= flop < 1 << 62:
+            flop = FLOP_NONE
         # every value is computed above: the appends below cannot fail half-way and misalign columns
         rec.ops.data.extend((info.op_id, in_id, out_id, alias_id, module_id, call_id, node_id, seq_nr, flags, flop,
                              t0 - s.t0, t1 - t0))

@@ -14,38 +14,45 @@ import threading
 import weakref
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 
-from ..._common import CompileCallbacks
-from ..context import NativeRecordingContext, RecordingContext
-from ..recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
-from .base import EngineChoice
+from ...._common import CompileCallbacks
+from ....native import abi_layout as _abi
+from ....native import fields_dtype
+from ...context import NativeRecordingContext, RecordingContext
+from ...opfacts import FLOP_REGISTRY, FLOPS_CACHE, SHAPE_FLOP_OPS, formula_flops, op_schema_facts, screens
+from ...recorder import F_BACKWARD, OPS_FIELDS, Recorder, pack, unpack
+from ..base import EngineChoice
 
 if TYPE_CHECKING:
-    from ...options import TraceOptions
-    from ..ophooks import OpHooks
+    from ....options import TraceOptions
+    from ...ophooks import OpHooks
+    from ...protocols import FunctionMode, NativeSiteCapture
 
 #: The C side's layout (native/abi.h) as this module decodes it. A loaded engine exports its own
 #: (``abi()``): ``abi_mismatch`` compares the two before a trace uses it (the python engine records
 #: instead, saying why), and tests/native/test_abi.py compares them field by field.
 #: numpy view of abi.h's ``OpsRow``
-ROW_DTYPE = np.dtype([("op", "<i4"), ("ins", "<i4"), ("outs", "<i4"), ("alias", "<i4"), ("module", "<i4"),
-                      ("node", "<i4"), ("flags", "<i4"), ("call", "<i4"), ("seq_nr", "<i8"),
-                      ("start", "<i8"), ("dur", "<i8")])
+ROW_DTYPE = fields_dtype(_abi.OPS_ROW_FIELDS, _abi.OPS_ROW_SIZE)
 
 #: abi.h's row flag: the op's kernel threw (F_BACKWARD is recorder.py's, the same bit)
-F_THREW = 16
+F_THREW = _abi.F_THREW
 #: abi.h's packed chunk columns, in its PackedColumn order ("rflags": the engine's row flags)
-PACKED_COLUMNS = ("op", "ins", "outs", "alias", "module", "call", "node", "seq_nr", "rflags", "start", "dur",
-                  "storages")
+PACKED_COLUMNS = _abi.PACKED_COLUMNS
 #: abi.h's argument-encoding tags (ArgTag): each tag, then its payload
-TAG_TENSOR, TAG_NONE, TAG_BOOL, TAG_INT, TAG_DOUBLE, TAG_INT_LIST, TAG_OTHER, TAG_BOOL_LIST, TAG_OUTPUTS = \
-    0, 1, 2, 3, 4, 5, 6, 8, 9
-TAGS = {"TENSOR": TAG_TENSOR, "NONE": TAG_NONE, "BOOL": TAG_BOOL, "INT": TAG_INT, "DOUBLE": TAG_DOUBLE,
-        "INT_LIST": TAG_INT_LIST, "OTHER": TAG_OTHER, "BOOL_LIST": TAG_BOOL_LIST, "OUTPUTS": TAG_OUTPUTS}
-_PACKED_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.int64}
+TAG_TENSOR, TAG_NONE, TAG_BOOL, TAG_INT, TAG_DOUBLE, TAG_INT_LIST, TAG_OTHER, TAG_BOOL_LIST, TAG_OUTPUTS = (
+    _abi.TAG_TENSOR, _abi.TAG_NONE, _abi.TAG_BOOL, _abi.TAG_INT, _abi.TAG_DOUBLE, _abi.TAG_INT_LIST, _abi.TAG_OTHER,
+    _abi.TAG_BOOL_LIST, _abi.TAG_OUTPUTS)
+TAGS = dict(_abi.ARG_TAGS)
+#: a packed column's width -> its numpy type (abi.h kPackedWidths: 'u' minus the base, 'i' raw int64)
+_PACKED_DTYPES = {w: np.dtype(f"<{k}{w}").type for w, k in _abi.PACKED_WIDTHS.items()}
+
+#: an interned meta's header (abi.h MetaKey), read by field name: the values' positions, then the sizes
+_MK_NDIM, _MK_DTYPE, _MK_DEV_TYPE, _MK_DEV_INDEX, _MK_STRIDED = (_abi.META_KEY.index(k) for k in (
+    "ndim", "dtype", "dev_type", "dev_index", "strided"))
+_MK_HEADER = _abi.MK_HEADER
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
 _SCALAR_TYPES = (
@@ -107,10 +114,10 @@ class NativeEngine:
         return NativeRecordingContext(rec, op_hooks, self, want_source=options.source, want_modules=options.modules,
                                       track_storages=options.storages)
 
-    def function_mode(self, ctx: RecordingContext) -> Any:
+    def function_mode(self, ctx: RecordingContext) -> FunctionMode:
         """The C function mode (``native/fmode.cpp``) when it builds and is free, else the Python one."""
-        from ... import native
-        from ..function import CALL_DTYPE, NativeFunctionMode, TracingFunctionMode
+        from .... import native
+        from ...function import CALL_DTYPE, NativeFunctionMode, TracingFunctionMode
 
         assert isinstance(ctx, NativeRecordingContext)   # make_context made it
         fm, reason = native.function_mode(CALL_DTYPE.itemsize)
@@ -126,7 +133,7 @@ class NativeEngine:
     def setup_probes(self, ctx: RecordingContext, options: TraceOptions) -> None:
         if options.nonfinite:
             ctx.screen = NativeScreen({})   # the observer screens; its counters replace these at finish
-        cap = ctx.capture
+        cap = cast("Optional[NativeSiteCapture]", ctx.capture)
         if cap is not None and getattr(cap, "native", False):
             cap.engine = self   # call_end drains the observer's per-op warnings
             try:   # the observer reads the source location of c10 errors its ops raise
@@ -198,7 +205,6 @@ class NativeEngine:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
         import torch
 
-        from ..dispatch import op_schema_facts
 
         flags_of: list[int] = []
         for name in d["ops"]:
@@ -218,9 +224,9 @@ class NativeEngine:
         base = len(metas.shapes)
         dt_objs: dict[int, Any] = {}   # scalar type -> torch.dtype
         for i, v in enumerate(_seqs(d["metas"])):
-            ndim, st, dev_t, dev_i, strided = v[:5]
-            shape = tuple(v[5:5 + ndim])
-            stride = tuple(v[5 + ndim:5 + 2 * ndim]) if strided else None
+            ndim, st, dev_t, dev_i, strided = v[_MK_NDIM], v[_MK_DTYPE], v[_MK_DEV_TYPE], v[_MK_DEV_INDEX], v[_MK_STRIDED]
+            shape = tuple(v[_MK_HEADER:_MK_HEADER + ndim])
+            stride = tuple(v[_MK_HEADER + ndim:_MK_HEADER + 2 * ndim]) if strided else None
             dt = dt_objs.get(st)
             if dt is None:
                 dt = dt_objs[st] = _dtype(torch, st)
@@ -241,7 +247,7 @@ class NativeEngine:
             rec.nonfinite[s_] = (c_, bool(p_))
         fps = d.get("fingerprints")
         if fps:
-            from ..fingerprint import FP_RECORD
+            from ...fingerprint import FP_RECORD
 
             for r in np.frombuffer(fps, dtype=FP_RECORD).tolist():
                 rec.fingerprints[r[0]] = r[1:]
@@ -340,14 +346,11 @@ class NativeScreen:
     """The native non-finite screen's counters, with the python screen's op classification for decode.py."""
 
     def __init__(self, counters: dict[str, int]) -> None:
-        from ..numerics import NonfiniteScreen
-
-        self._cls = NonfiniteScreen()
         self.counters = dict(counters)
 
-    def screens(self, func: Any) -> bool:
+    def screens(self, func: object) -> bool:
         try:
-            return self._cls.screens(func)
+            return screens(func)
         except Exception:
             return False
 
@@ -426,8 +429,6 @@ def _flop_op_names() -> tuple[str, ...]:
     """'aten::convolution'... : ops whose FLOP formula needs their arguments (recorded natively)."""
     global _FLOP_NAMES
     if _FLOP_NAMES is None:
-        from ..dispatch import FLOP_REGISTRY, SHAPE_FLOP_OPS
-
         names: list[str] = []
         for packet in FLOP_REGISTRY:
             q = getattr(packet, "_qualified_op_name", None)
@@ -439,7 +440,7 @@ def _flop_op_names() -> tuple[str, ...]:
 
 #: the last module checked by abi_mismatch and its answer: a loaded library's ABI cannot change,
 #: and every trace asks (the check builds a dict in C and a dtype: ~0.1 ms)
-_ABI_CHECKED: Optional[tuple[Any, Optional[str]]] = None
+_ABI_CHECKED: Optional[tuple[object, Optional[str]]] = None
 
 
 def abi_mismatch(ext: Any) -> Optional[str]:
@@ -455,7 +456,7 @@ def abi_mismatch(ext: Any) -> Optional[str]:
 
 
 def _abi_mismatch(ext: Any) -> Optional[str]:
-    from ...native import fields_dtype
+    from ....native import fields_dtype
 
     abi = getattr(ext, "abi", None)
     if abi is None:
@@ -516,8 +517,6 @@ def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_se
     """FLOPs of the ops whose torch.utils.flop_counter formula needs arguments, per distinct
     (op, arguments, outputs), for the chunk of rows from ``first_seq``: the formulas take shapes,
     so the interned metas suffice. ``row_args``: (seq, argument encoding id) rows."""
-    from ..dispatch import FLOP_REGISTRY
-
     n = len(op)
     sel = (row_args[:, 0] >= first_seq) & (row_args[:, 0] < first_seq + n)
     if not sel.any():
@@ -534,34 +533,16 @@ def _formula_flops(flops: np.ndarray, op: np.ndarray, outs: np.ndarray, first_se
     vals = np.full(len(uniq), -1, dtype=np.int64)
     for k, (o, a, _outs) in enumerate(uniq.tolist()):
         func = funcs[o]
-        f = FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
-        if f is None:
+        if FLOP_REGISTRY.get(getattr(func, "overloadpacket", None)) is None:
             continue
         try:
             a_, out_val = _decode_args(encs[a], shapes)
-            key = (func, _frozen(a_), _frozen(out_val))
-            v = _FLOPS.get(key)
-            if v is None:
-                v = int(f(*a_, out_val=out_val))
-                if len(_FLOPS) >= 65536:
-                    _FLOPS.clear()
-                _FLOPS[key] = v
-            vals[k] = v
         except Exception:
-            vals[k] = -1
+            continue
+        vals[k] = formula_flops(func, a_, out_val)
     flops[todo] = vals[inv.reshape(-1)]
 
 
-#: (op, arguments, outputs) -> FLOPs: the formulas are pure functions of shapes and scalars, and
-#: torch's shape wrapper tree-maps every argument (~0.1 ms a call), so each is computed once per process
-_FLOPS: dict[tuple[Any, Any, Any], int] = {}
-
-
-def _frozen(v: Any) -> Any:
-    """A decoded argument list as a hashable key (lists become tuples, tagged apart from tuples)."""
-    if isinstance(v, list):
-        return ("l",) + tuple(_frozen(x) for x in v)
-    if isinstance(v, tuple):
-        return ("t",) + tuple(_frozen(x) for x in v)
-    return v
+#: the per-process FLOP formula cache (recording/opfacts.py; tests read it here)
+_FLOPS = FLOPS_CACHE
 
