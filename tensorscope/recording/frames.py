@@ -68,7 +68,8 @@ def trampoline_for(caller: FrameType) -> FunctionType:
         # Cached only for a module's own globals (a module, IPython's __main__ included, outlives the
         # cache anyway): a trampoline keeps its globals alive, so a namespace of exec'd code (a test's,
         # a script runner's) would otherwise stay alive, with every tensor in it, after the trace.
-        mod = sys.modules.get(g.get("__name__")) if type(g.get("__name__")) is str else None
+        name = g.get("__name__")
+        mod = sys.modules.get(name) if type(name) is str else None
         if mod is not None and getattr(mod, "__dict__", None) is g:
             if len(_trampolines) >= 4096:   # bounded: one entry per distinct call site
                 _trampolines.clear()
