@@ -18,7 +18,7 @@ columns earlier probes contributed; finishing builds every table once from them,
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
 
 import numpy as np
 import pyarrow as pa
@@ -28,21 +28,28 @@ from .. import schema as S
 from .._common import ipython_shell
 from ..schema import nullable_array
 
+Column = Union[pa.Array, pa.ChunkedArray]   # a column a probe contributes
+
 if TYPE_CHECKING:
     from ..options import TraceOptions
+    from ..timing.kernels import KernelCollector
+    from ..tracking.storages import LiveStorage
     from .allocator import AllocatorProbe
     from .collectives import CollectiveProbe
+    from .compiled import CompileCapture
     from .context import RecordingContext
     from .engines import Engine
     from .ophooks import OpHook
     from .ranks import DistContext
+    from .recorder import Recorder
+    from .repro_capture import InputCapture
 
 
 class Contribution(NamedTuple):
     """What one probe adds to the trace."""
 
     tables: dict[str, Any]                      # whole tables it owns (``kernels`` may be a pending resolver)
-    columns: dict[tuple[str, str], Any]         # (table, column) -> the column of that decoded table
+    columns: dict[tuple[str, str], Column]      # (table, column) -> the column of that decoded table
     notes: list[str]                            # for the metadata's notes, in probe order
 
 
@@ -61,7 +68,7 @@ class Decoded:
         self.ctx = ctx
         self.rec = ctx.rec
         self.t0 = ctx.t0
-        self._columns: dict[str, dict[str, Any]] = {n: dict(zip(t.column_names, t.columns)) for n, t in tables.items()}
+        self._columns: dict[str, dict[str, Column]] = {n: dict(zip(t.column_names, t.columns)) for n, t in tables.items()}
         self._rows = {n: t.num_rows for n, t in tables.items()}
         self.tables: dict[str, Any] = {}
         self.notes: list[str] = []
@@ -117,7 +124,7 @@ class DistProbe:
 
     def __init__(self, dist: DistContext) -> None:
         self.dist = dist
-        self._rec: Any = None
+        self._rec: Optional[Recorder] = None
 
     def start(self, ctx: RecordingContext) -> None:
         self._rec = ctx.rec
@@ -168,7 +175,7 @@ class ShadowProbe:
 
     name = "numerics shadow"
 
-    def __init__(self, mode: Any) -> None:
+    def __init__(self, mode: Union[bool, str]) -> None:
         self.mode = mode   # options.numerics: True or a mode name
 
     def start(self, ctx: RecordingContext) -> None:
@@ -226,7 +233,7 @@ class CompiledProbe:
     name = "compiled regions"
 
     def __init__(self) -> None:
-        self.capture: Any = None   # compiled.CompileCapture, or None when it could not be installed
+        self.capture: Optional[CompileCapture] = None   # None when it could not be installed
 
     def start(self, ctx: RecordingContext) -> None:
         try:
@@ -258,7 +265,7 @@ class KernelsProbe:
     def __init__(self, enabled: bool, deferred: bool) -> None:
         self.enabled = enabled
         self.deferred = deferred   # always-on cells: link kernels at the next harvest, not per cell
-        self.collector: Any = None   # timing.kernels.KernelCollector
+        self.collector: Optional[KernelCollector] = None
 
     def start(self, ctx: RecordingContext) -> None:
         if not self.enabled:
@@ -326,7 +333,7 @@ class InputsProbe:
 
     def __init__(self, options: TraceOptions) -> None:
         self.options = options
-        self.inputs: Any = None
+        self.inputs: Optional[InputCapture] = None
 
     def start(self, ctx: RecordingContext) -> None:
         from .repro_capture import NAMESPACES, InputCapture
@@ -365,7 +372,7 @@ class StoragesProbe:
     def contribute(self, decoded: Decoded) -> Contribution:
         rec = decoded.rec
         tensors = decoded.table("tensors")
-        columns: dict[tuple[str, str], Any] = {}
+        columns: dict[tuple[str, str], Column] = {}
         try:
             leaks = self._leaks_table(decoded.ctx, tensors)
         except Exception as e:
@@ -399,7 +406,7 @@ class StoragesProbe:
         # objects cost ~1 ms per 300 storages)
         cols = ("nbytes", "device", "dtype", "shape", "alloc_seq", "alloc_op", "cell", "source_file", "source_line")
         t = tensors.select(list(cols)).take(pa.array([sid for sid, _ref in live], pa.int64())).to_pydict()
-        records: list[Any] = []   # tracking.storages.LiveStorage
+        records: list[LiveStorage] = []
         for i, (sid, ref) in enumerate(live):
             row = {k: t[k][i] for k in cols}
             records.append(LiveStorage(
@@ -430,13 +437,13 @@ def _addresses(ctx: RecordingContext, n: int) -> Optional[pa.Array]:
     return col
 
 
-def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tuple[str, str], Any]:
+def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tuple[str, str], Column]:
     """The ``category`` column (analyses/memory_categories.py), from the lifetimes and the
     model/optimizer state alive now (tracking/state.py): read once, here, never per op; with the
     ``alloc_seq``/``alloc_op`` of buffers compiled code made for an op's ``out=`` moved there."""
     from ..analyses.memory_categories import Lifetimes, categorize, made_by_out_argument
 
-    out: dict[tuple[str, str], Any] = {}
+    out: dict[tuple[str, str], Column] = {}
     if tensors.num_rows == 0:
         return out
     ops = decoded.table("ops")
