@@ -1,7 +1,7 @@
 """Regenerate docs/_static/summary.png, the README's screenshot of a real summary.
 
 Executes docs/walkthroughs/memory.md (a MyST notebook) in a real kernel, takes the HTML summary the
-``%%tensorscope`` cell displayed, renders it alone in headless Chromium and keeps the top of it as a
+last ``%%tensorscope`` cell displayed (its sections open), renders it alone in headless Chromium and keeps the top of it as a
 small palette PNG:
 
     python tools/docs_screenshot.py [--out docs/_static/summary.png] [--height 1100]
@@ -26,12 +26,12 @@ def summary_html(notebook: Path) -> str:
     nb = read_myst_markdown_notebook(notebook.read_text(encoding="utf-8"))
     with tempfile.TemporaryDirectory() as work:
         NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": work}}).execute()
-    for cell in nb.cells:
+    for cell in reversed(nb.cells):   # the last summary: a warm cell (the first one pays one-time set-up)
         if cell.cell_type == "code" and cell.source.lstrip().startswith("%%tensorscope"):
             for out in cell.get("outputs", []):
                 page = out.get("data", {}).get("text/html")
                 if page:
-                    return page
+                    return page.replace("<details>", "<details open>")   # its sections shown, not collapsed
     raise SystemExit(f"{notebook}: no %%tensorscope cell displayed an HTML summary")
 
 
