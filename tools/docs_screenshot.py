@@ -1,6 +1,6 @@
 """Regenerate docs/_static/summary.png, the README's screenshot of a real summary.
 
-Executes docs/walkthroughs/memory.md (a MyST notebook) in a real kernel, takes the HTML summary the
+Executes docs/walkthroughs/leaks.md (a MyST notebook) in a real kernel, takes the HTML summary the
 last ``%%tensorscope`` cell displayed (its sections open), renders it alone in headless Chromium and keeps the top of it as a
 small palette PNG:
 
@@ -37,7 +37,7 @@ def summary_html(notebook: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--notebook", default=str(ROOT / "docs" / "walkthroughs" / "memory.md"))
+    p.add_argument("--notebook", default=str(ROOT / "docs" / "walkthroughs" / "leaks.md"))
     p.add_argument("--out", default=str(ROOT / "docs" / "_static" / "summary.png"))
     p.add_argument("--width", type=int, default=1000)
     p.add_argument("--height", type=int, default=1100)
