@@ -19,7 +19,7 @@ abi: $(ABI_LAYOUT)
 $(VENV)/.installed: pyproject.toml Makefile $(ABI_LAYOUT)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,dev]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test,dev,docs]" "$(TORCH_PIN)"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	# compile the native hooks and recording engine now (cached per torch/python/source) rather than in the first traced cell;
 	# a failed build is not fatal: tensorscope then uses, and says it uses, the pure-Python fallback

@@ -10,17 +10,22 @@ import tensorscope
 
 
 def _public_objects():
+    """The top-level names and the exceptions (``tensorscope.errors``: the API reference's errors group)."""
+    import tensorscope.errors as errors
+
     seen = set()
-    for name in tensorscope.__all__:
-        obj = getattr(tensorscope, name)
+    names = [(f"tensorscope.{n}", getattr(tensorscope, n)) for n in tensorscope.__all__]
+    names += [(f"tensorscope.errors.{n}", obj) for n, obj in vars(errors).items()
+              if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == errors.__name__]
+    for qual, obj in names:
         if not (inspect.isclass(obj) or callable(obj)) or id(obj) in seen:
             continue
         seen.add(id(obj))
-        yield f"tensorscope.{name}", obj
+        yield qual, obj
         if inspect.isclass(obj):
             for attr, member in vars(obj).items():
                 if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property)):
-                    yield f"tensorscope.{name}.{attr}", member
+                    yield f"{qual}.{attr}", member
 
 
 def _with_examples():
