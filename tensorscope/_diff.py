@@ -40,10 +40,11 @@ def diff(a, b) -> TraceDiff:
 
     ta, tb = as_trace(a), as_trace(b)
     table, tot_a, tot_b = compare(ta, tb)
-    return TraceDiff(table, tot_a, tot_b, _label(ta, "a"), _label(tb, "b"))
+    return TraceDiff(table, tot_a, tot_b, trace_label(ta, "a"), trace_label(tb, "b"))
 
 
-def _label(t, default: str) -> str:
+def trace_label(t, default: str) -> str:
+    """How a compared trace is named: the directory it was saved to, else its cell, else ``default``."""
     md = t.metadata or {}
     saved = getattr(t, "saved_to", None) or md.get("saved_to")   # where the trace is kept
     if saved:

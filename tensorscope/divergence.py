@@ -10,6 +10,7 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from ._common import Displayable
+from ._diff import trace_label
 
 
 def resolve(x: Any, label: str) -> Any:
@@ -56,17 +57,7 @@ def diverge(a: Any, b: Any, *, rtol: Optional[float] = None) -> Divergence:
     check(ta.ops, f"a (schema {va})")
     check(tb.ops, f"b (schema {vb})")
     pairs, structure, facts = diverge_tables(ta.ops, tb.ops, rtol)
-    return Divergence(pairs, structure, facts, _label(ta, "a"), _label(tb, "b"))
-
-
-def _label(t: Any, default: str) -> str:
-    md = t.metadata or {}
-    saved = getattr(t, "saved_to", None) or md.get("saved_to")   # where the trace is kept
-    if saved:
-        return os.path.basename(str(saved).rstrip("/")) or default
-    if md.get("cell") is not None:
-        return f"cell [{md['cell']}]"
-    return default
+    return Divergence(pairs, structure, facts, trace_label(ta, "a"), trace_label(tb, "b"))
 
 
 class Divergence(Displayable):
