@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import sys
 import time
@@ -23,23 +22,7 @@ import torch
 import tensorscope
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import conv_net, mlp, small_ops, transformer
-
-CLOCK = time.thread_time_ns
-
-
-def _best(ctxs, run, reps, k):
-    best = {key: None for key in ctxs}
-    for _ in range(reps):
-        for key, make in ctxs.items():
-            gc.collect()
-            t0 = CLOCK()
-            with make():
-                for _ in range(k):
-                    run()
-            ns = CLOCK() - t0
-            best[key] = ns if best[key] is None else min(best[key], ns)
-    return best
+from overhead import conv_net, mlp, small_ops, time_ctxs, transformer
 
 
 def bench(engines, reps, quick):
@@ -53,7 +36,7 @@ def bench(engines, reps, quick):
             ctxs[f"{e} default"] = lambda e=e: tensorscope.trace(engine=e, leaks=False)
             ctxs[f"{e} fingerprints"] = lambda e=e: tensorscope.trace(engine=e, leaks=False, fingerprints=True)
         run()   # warm
-        best = _best(ctxs, run, reps, 3)
+        best = time_ctxs(ctxs, run, reps, 3)
         ops = n_ops * 3
         eager = best["eager"]
         for e in engines:
