@@ -195,13 +195,17 @@ class Controller:
         return value
 
     def _finish(self, req: CellRequest, exc: Optional[BaseException]):
-        from ..errors import GuardError
+        from ..errors import TensorscopeError
 
         self.active = None
         req.ended = True
         try:
             req.trace_cm.__exit__(type(exc) if exc else None, exc, None)
-        except GuardError as g:
+        except TensorscopeError as g:
+            if req.trace_cm._trace is None:
+                raise
+            # raised after the cell ran with the trace kept (a guard that failed, a spill or a
+            # dataset write that failed): the trace is delivered, the error raised at line 1
             req.error = g
         req.result = req.trace_cm._trace
         if req.output:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from array import array
 from collections.abc import Collection, Iterator, Sequence
 from typing import (
@@ -31,7 +30,9 @@ from typing import (
 import numpy as np
 
 from .._tensormeta import memory_format
+from ..errors import SpillError
 from ..native import abi_layout as _abi
+from .spill import make_spill_dir, spill_file, spill_note
 
 # ops row flags
 F_INPLACE = 1
@@ -278,6 +279,8 @@ class Recorder:
         self.mem_chunks: list[dict[str, Packed]] = []   # frozen chunks: column -> pack()ed
         self.mem_rows = 0
         self.on_spill: Optional[Callable[[], None]] = None   # called after each spill (dataset=: decode the spilled rows into parts)
+        #: the first spill that failed (spill.py): from then on rows stay in memory; reported at the end
+        self.spill_failed: Optional[SpillError] = None
 
         self.funcs = Interner()                       # OpOverload -> id
         self.metas = TensorMetas()
@@ -332,25 +335,50 @@ class Recorder:
             self._spill()
 
     def _spill(self) -> None:
-        if self.spill_path is None:
-            self.spill_path = tempfile.mkdtemp(prefix="tensorscope-spill-", dir=self._spill_parent)
-        for chunk in self.mem_chunks:
-            path = os.path.join(self.spill_path, f"chunk-{len(self.spilled_chunks):06d}.npz")
-            # Any: mypy would match a '**' dict of arrays against savez's keyword allow_pickle: bool
-            arrays: dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
-            arrays["__bases__"] = np.array([chunk[k][0] for k in sorted(chunk)], dtype=np.int64)
-            np.savez(path, **arrays)   # numeric arrays only: no pickle is written or read
-            self.spilled_chunks.append(path)
-            self.spilled_counts.append(len(chunk["op"][1]))
-            self.n_spilled += len(chunk["op"][1])
-        self.mem_chunks = []
-        self.mem_rows = 0
+        """Write the frozen chunks in memory to the spill directory (then ``on_spill``). A chunk
+        that cannot be written (a full disk...) stays in memory with every chunk after it, and
+        nothing is written from then on: the first ``SpillError`` is kept in ``spill_failed``
+        for the end of the trace to report, never raised into the program."""
+        if self.spill_failed is None:
+            try:
+                self._write_chunks()
+            except SpillError as e:
+                self._spill_failure(e, f"the ops rows after the first {self.n_spilled} were")
         if self.on_spill is not None:
             try:
                 self.on_spill()
             except Exception as e:   # never into user code
                 self.tracer_error("on_spill", e)
             _release_memory()   # the decoded parts are written: give their buffers back
+
+    def _write_chunks(self) -> None:
+        """Each chunk of ``mem_chunks`` into one ``.npz`` file, in order; the chunks written leave
+        ``mem_chunks`` as they go (spilled chunks always precede the ones in memory)."""
+        if self.spill_path is None:
+            self.spill_path = make_spill_dir(self._spill_parent, "tensorscope-spill-")
+        while self.mem_chunks:
+            chunk = self.mem_chunks[0]
+            name = f"chunk-{len(self.spilled_chunks):06d}.npz"
+            # Any: mypy would match a '**' dict of arrays against savez's keyword allow_pickle: bool
+            arrays: dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
+            arrays["__bases__"] = np.array([chunk[k][0] for k in sorted(chunk)], dtype=np.int64)
+            needed = sum(a.nbytes for a in arrays.values()) + 200 * len(arrays)   # + the zip's headers
+            with spill_file(self.spill_path, name, needed) as f:
+                np.savez(f, **arrays)   # numeric arrays only: no pickle is written or read
+            rows = len(chunk["op"][1])
+            self.spilled_chunks.append(os.path.join(self.spill_path, name))
+            self.spilled_counts.append(rows)
+            self.n_spilled += rows
+            self.mem_chunks.pop(0)
+            self.mem_rows -= rows
+        self.mem_rows = 0
+
+    def _spill_failure(self, e: SpillError, what: str) -> None:
+        """A spill file could not be written: nothing is written from now on (a full disk is the
+        program's too); the note says what stayed in memory, the end of the trace raises ``e``."""
+        if self.spill_failed is None:
+            self.spill_failed = e
+            self.notes.append(spill_note(e, what))
 
     @overload
     def iter_op_chunks(self, columns: Optional[Collection[str]] = None, from_seq: int = 0,

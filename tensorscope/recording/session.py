@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 
-from ..errors import TraceActiveError
+from ..errors import ExportError, TraceActiveError
 from ..options import DisplayOptions, RunContext, TraceOptions, resolve
 from .columns import _Links
 from .context import RecordingContext, first_line_message
@@ -266,18 +266,22 @@ class Session:
         from .decode import decode_ops_from
 
         assert self.options.dataset is not None   # on_spill is set only with dataset=
-        if self._ds is None:
-            ident = self.dist.resolve()
-            self._ds = {"ident": ident, "trace_id": reserve_trace_id(self.options.dataset, ident), "ops_written": 0,
-                        "metadata": self._early_metadata(ident)}
-        ds = self._ds
+        if self.dataset_error is not None:
+            return   # a write failed (a full disk...): nothing more is written; trace.__exit__ reports it
         was, self.ctx.recording = self.ctx.recording, False   # nothing here may be recorded
         try:
+            if self._ds is None:
+                ident = self.dist.resolve()
+                self._ds = {"ident": ident, "trace_id": reserve_trace_id(self.options.dataset, ident),
+                            "ops_written": 0, "metadata": self._early_metadata(ident)}
+            ds = self._ds
             for batch in decode_ops_from(self.ctx.rec, ds["ops_written"], cell=self.cell, screen=self.ctx.screen,
                                          links=self.links):
                 write_table_parts(self.options.dataset, "ops", ds["ident"], ds["trace_id"], pa_table(batch),
                                   metadata=ds["metadata"])
                 ds["ops_written"] += batch.num_rows
+        except ExportError as e:   # the dataset's disk, not tensorscope: the trace is kept whole in memory
+            self.dataset_error = e
         finally:
             self.ctx.recording = was
 
@@ -423,17 +427,36 @@ def pa_Table() -> type:
     return t
 
 
-def _report_dataset_error(e: BaseException, raise_: bool) -> None:
-    """A failed dataset write: ExportError after the block (the trace is kept: tensorscope.last()),
-    or a warning when the block already raised (the user's exception comes first)."""
-    from ..errors import ExportError
+def _exit_errors(session: Session, t: Optional[Trace]) -> list[BaseException]:
+    """What went wrong writing the trace's files while it recorded or finished, each a
+    TensorscopeError carrying the trace: a failed spill (``SpillError``: the rows were kept in
+    memory), then a failed dataset write (``ExportError``)."""
+    out: list[BaseException] = []
+    spill = session.ctx.rec.spill_failed
+    if spill is not None:
+        spill.trace = t
+        out.append(spill)
+    e = session.dataset_error
+    if e is not None:
+        out.append(e if isinstance(e, ExportError) else ExportError(
+            f"could not write the trace into the dataset: {type(e).__name__}: {e} "
+            "(the trace is still in memory: tensorscope.last())"))
+    return out
 
-    err = e if isinstance(e, ExportError) else ExportError(
-        f"could not write the trace into the dataset: {type(e).__name__}: {e} "
-        "(the trace is still in memory: tensorscope.last())")
-    if raise_:
-        raise err
-    warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+
+def _report_exit_errors(errors: list[BaseException], raise_: bool) -> None:
+    """Failed writes (``_exit_errors``): the first raised after the block (the trace is kept:
+    tensorscope.last(), ``err.trace``), the others warned; all warned when the block already raised
+    (the user's exception comes first and is untouched)."""
+    if not errors:
+        return
+    first = errors[0] if raise_ else None
+    for e in errors:
+        if e is not first:
+            warnings.warn(str(e), RuntimeWarning, stacklevel=3)
+    if first is not None:
+        first.__traceback__ = None   # point at the with-statement, not into tensorscope
+        raise first
 
 
 def new_session(options: TraceOptions, **kw: Any) -> Session:
@@ -517,8 +540,7 @@ class trace:
         assert session is not None   # __enter__ made it
         self._trace = session.stop(ev)
         self._session = None
-        if session.dataset_error is not None:
-            _report_dataset_error(session.dataset_error, raise_=ev is None)
+        _report_exit_errors(_exit_errors(session, self._trace), raise_=ev is None)
         if ev is not None:
             from .frames import clean_traceback
 

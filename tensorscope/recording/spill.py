@@ -1,0 +1,125 @@
+"""Every file a trace writes into its spill directory goes through here.
+
+``spill_file(directory, name, needed)`` opens ``name`` for writing under a temporary name and
+renames it into place only once it is whole, so a file that could not be written (a full disk, a
+quota, a read-only or missing directory) never leaves half of itself behind for a reader to trip
+on. Any ``OSError`` while writing becomes a :class:`~tensorscope.errors.SpillError` naming the
+directory, the bytes the write needed and the free space the filesystem reports. ``_open`` is the
+one function that opens a spill file (a test injects a full disk there).
+
+The recorder and the finishing code catch the ``SpillError`` and keep the rows in memory instead
+(``Recorder.spill_failed``): the program never sees it; ``trace.__exit__`` reports it after the block.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO, Optional
+
+from ..errors import SpillError
+
+__all__ = ["spill_file", "make_spill_dir", "spill_error", "spill_note", "free_bytes", "human_bytes"]
+
+
+def _open(path: str) -> BinaryIO:
+    """The one place a spill file is opened for writing (exclusive create, binary)."""
+    return open(path, "xb")
+
+
+def free_bytes(directory: str) -> Optional[int]:
+    """The bytes free to this user on ``directory``'s filesystem (``shutil.disk_usage``), or None
+    where it cannot be read (the directory is gone, or the platform does not say)."""
+    try:
+        return int(shutil.disk_usage(directory).free)
+    except (OSError, ValueError):
+        return None
+
+
+def human_bytes(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if x < 1024 or unit == "TB":
+            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"   # not reached
+
+
+_ADVICE = {
+    _errno.ENOSPC: "the disk is full",
+    _errno.EDQUOT: "the disk quota is used up",
+    _errno.EROFS: "the filesystem is read-only",
+    _errno.EACCES: "the directory is not writable",
+    _errno.EPERM: "the directory is not writable",
+    _errno.ENOENT: "the directory does not exist",
+}
+
+
+def spill_error(directory: str, needed: int, e: BaseException, what: str) -> SpillError:
+    """The SpillError for ``e`` (an ``OSError``) raised while writing ``what`` (``needed`` bytes)
+    into ``directory``."""
+    free = free_bytes(directory) if os.path.isdir(directory) else free_bytes(os.path.dirname(directory) or ".")
+    code = getattr(e, "errno", None)
+    why = _ADVICE.get(code, "") if isinstance(code, int) else ""
+    reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    room = f"; {human_bytes(free)} free there" if free is not None else ""
+    msg = (f"tensorscope could not spill the trace to {directory!r}: {reason}"
+           f"{f' ({why})' if why else ''} while writing {what}, which needed {human_bytes(needed)} "
+           f"({needed} bytes){room}. Nothing recorded is lost and the program ran unchanged: what "
+           "could not be written stayed in memory (the trace is whole: tensorscope.last()), so memory "
+           "was not bounded from then on. Give spill_dir= a directory on a disk with room, or raise "
+           "spill_rows= to keep more rows in memory before spilling.")
+    # the cause says which call failed (errno); its frames are tensorscope's and numpy's, not the program's
+    e.__traceback__ = None
+    e.__suppress_context__ = True
+    return SpillError(msg, directory=directory, needed=int(needed), free=free)
+
+
+def spill_note(e: SpillError, what: str) -> str:
+    """The trace's note for a failed spill (its metadata keeps it: the saved trace says so too);
+    ``what``: what stayed in memory instead."""
+    cause = e.__cause__
+    reason = getattr(cause, "strerror", None) or (str(cause) if cause is not None else "") or "write failed"
+    room = f", {human_bytes(e.free)} free" if e.free is not None else ""
+    return (f"spilling to {e.directory} failed ({reason}; {human_bytes(e.needed)} needed{room}): "
+            f"{what} kept in memory")
+
+
+def make_spill_dir(parent: Optional[str], prefix: str) -> str:
+    """A new private directory under ``parent`` (default: the system's temporary directory)."""
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=parent)
+    except OSError as e:
+        raise spill_error(parent or tempfile.gettempdir(), 0, e, f"a new directory {prefix}*") from e
+
+
+@contextmanager
+def spill_file(directory: str, name: str, needed: int) -> Iterator[BinaryIO]:
+    """``directory/name`` opened for writing: written under ``name + '.part'`` and renamed into
+    place when the block ends; on an ``OSError`` in the block the partial file is removed and a
+    :class:`SpillError` raised (``needed``: the bytes the whole file needs, for its message)."""
+    path = os.path.join(directory, name)
+    tmp = path + ".part"
+    f: Optional[BinaryIO] = None
+    try:
+        f = _open(tmp)
+        yield f
+        f.close()
+        f = None
+        os.replace(tmp, path)
+    except OSError as e:
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, SpillError):
+            raise
+        raise spill_error(directory, needed, e, name) from e
