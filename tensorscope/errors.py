@@ -66,12 +66,13 @@ class DivergeInputError(TensorscopeError, ValueError):
 class SpillError(TensorscopeError, OSError):
     """Spilled rows could not be written to the spill directory (a full disk, a quota, read-only).
 
-    The same for a spill directory that is missing or not writable. Nothing recorded is lost and the program ran unchanged: the rows that could not be spilled
-    stayed in memory, so the trace is whole. Raised after the traced block (a warning instead when
-    the block raised its own exception, which comes first); the finished trace is in ``.trace``
-    (and ``tensorscope.last()``). The message names the directory, the bytes the write needed and
-    the free space the filesystem reported; ``.directory``, ``.needed`` and ``.free`` hold them.
-    Give ``spill_dir=`` a directory on a disk with room, or raise ``spill_rows=``.
+    The same for a spill directory that is missing or not writable. Nothing recorded is lost and
+    the program ran unchanged: what could not be spilled stayed in memory, so the trace is whole.
+    Raised after the traced block (a warning instead when the block raised its own exception,
+    which comes first); the finished trace is in ``.trace`` (and ``tensorscope.last()``). The
+    message names the directory, the bytes the write needed and the free space the filesystem
+    reported; ``.directory``, ``.needed`` and ``.free`` hold them. Give ``spill_dir=`` a directory
+    on a disk with room, or raise ``spill_rows=``.
     """
 
     def __init__(self, message: str, directory: str = "", needed: int = 0, free: Optional[int] = None,

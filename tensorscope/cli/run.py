@@ -21,6 +21,7 @@ import traceback
 from typing import Optional
 
 from .. import options as O
+from ..errors import SpillError
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -78,6 +79,10 @@ def run_script(path: str, args: list[str], opts: O.TraceOptions) -> int:
                 failure = e
                 raise
     except BaseException as e:
+        if failure is None and isinstance(e, SpillError):
+            # the spill directory filled, the dataset has the whole trace: said, the script's status kept
+            print(f"tensorscope: {e}", file=sys.stderr)
+            return code
         if failure is None:
             raise   # tensorscope's own failure (dataset write): ExportError, reported by __main__
         traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)

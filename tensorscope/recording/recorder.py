@@ -265,6 +265,12 @@ def _release_memory() -> None:
         pass
 
 
+def _npz_bytes(chunk: dict[str, Packed]) -> int:
+    """About the bytes a frozen chunk's ``.npz`` file takes: its columns, their bases, and ~200
+    bytes of zip and ``.npy`` headers per array."""
+    return sum(a.nbytes for _, a in chunk.values()) + 8 * len(chunk) + 200 * (len(chunk) + 1)
+
+
 class Recorder:
     """Holds everything one trace records. Plain values only: never a tensor."""
 
@@ -355,14 +361,15 @@ class Recorder:
         """Each chunk of ``mem_chunks`` into one ``.npz`` file, in order; the chunks written leave
         ``mem_chunks`` as they go (spilled chunks always precede the ones in memory)."""
         if self.spill_path is None:
-            self.spill_path = make_spill_dir(self._spill_parent, "tensorscope-spill-")
+            self.spill_path = make_spill_dir(self._spill_parent, "tensorscope-spill-",
+                                             sum(_npz_bytes(c) for c in self.mem_chunks), "the spilled rows")
         while self.mem_chunks:
             chunk = self.mem_chunks[0]
             name = f"chunk-{len(self.spilled_chunks):06d}.npz"
             # Any: mypy would match a '**' dict of arrays against savez's keyword allow_pickle: bool
             arrays: dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
             arrays["__bases__"] = np.array([chunk[k][0] for k in sorted(chunk)], dtype=np.int64)
-            needed = sum(a.nbytes for a in arrays.values()) + 200 * len(arrays)   # + the zip's headers
+            needed = _npz_bytes(chunk)
             with spill_file(self.spill_path, name, needed) as f:
                 np.savez(f, **arrays)   # numeric arrays only: no pickle is written or read
             rows = len(chunk["op"][1])

@@ -429,18 +429,19 @@ def pa_Table() -> type:
 
 def _exit_errors(session: Session, t: Optional[Trace]) -> list[BaseException]:
     """What went wrong writing the trace's files while it recorded or finished, each a
-    TensorscopeError carrying the trace: a failed spill (``SpillError``: the rows were kept in
-    memory), then a failed dataset write (``ExportError``)."""
+    TensorscopeError: a failed dataset write first (``ExportError``: the dataset lacks the trace),
+    then a failed spill (``SpillError``, carrying the trace: the rows were kept in memory, nothing
+    was lost)."""
     out: list[BaseException] = []
-    spill = session.ctx.rec.spill_failed
-    if spill is not None:
-        spill.trace = t
-        out.append(spill)
     e = session.dataset_error
     if e is not None:
         out.append(e if isinstance(e, ExportError) else ExportError(
             f"could not write the trace into the dataset: {type(e).__name__}: {e} "
             "(the trace is still in memory: tensorscope.last())"))
+    spill = session.ctx.rec.spill_failed
+    if spill is not None:
+        spill.trace = t
+        out.append(spill)
     return out
 
 

@@ -67,8 +67,8 @@ def spill_error(directory: str, needed: int, e: BaseException, what: str) -> Spi
     reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
     room = f"; {human_bytes(free)} free there" if free is not None else ""
     msg = (f"tensorscope could not spill the trace to {directory!r}: {reason}"
-           f"{f' ({why})' if why else ''} while writing {what}, which needed {human_bytes(needed)} "
-           f"({needed} bytes){room}. Nothing recorded is lost and the program ran unchanged: what "
+           f"{f' ({why})' if why else ''} while writing {what}"
+           f"{f', which needed {human_bytes(needed)} ({needed} bytes)' if needed else ''}{room}. Nothing recorded is lost and the program ran unchanged: what "
            "could not be written stayed in memory (the trace is whole: tensorscope.last()), so memory "
            "was not bounded from then on. Give spill_dir= a directory on a disk with room, or raise "
            "spill_rows= to keep more rows in memory before spilling.")
@@ -84,16 +84,18 @@ def spill_note(e: SpillError, what: str) -> str:
     cause = e.__cause__
     reason = getattr(cause, "strerror", None) or (str(cause) if cause is not None else "") or "write failed"
     room = f", {human_bytes(e.free)} free" if e.free is not None else ""
-    return (f"spilling to {e.directory} failed ({reason}; {human_bytes(e.needed)} needed{room}): "
-            f"{what} kept in memory")
+    need = f"; {human_bytes(e.needed)} needed" if e.needed else ""
+    return f"spilling to {e.directory} failed ({reason}{need}{room}): {what} kept in memory"
 
 
-def make_spill_dir(parent: Optional[str], prefix: str) -> str:
-    """A new private directory under ``parent`` (default: the system's temporary directory)."""
+def make_spill_dir(parent: Optional[str], prefix: str, needed: int = 0, what: str = "") -> str:
+    """A new private directory under ``parent`` (default: the system's temporary directory), for
+    ``what`` (``needed`` bytes: the SpillError's message says so when it cannot be made)."""
     try:
         return tempfile.mkdtemp(prefix=prefix, dir=parent)
     except OSError as e:
-        raise spill_error(parent or tempfile.gettempdir(), 0, e, f"a new directory {prefix}*") from e
+        raise spill_error(parent or tempfile.gettempdir(), needed, e,
+                          f"{what} into a new directory {prefix}*" if what else f"a new directory {prefix}*") from e
 
 
 @contextmanager

@@ -204,6 +204,7 @@ def test_a_missing_spill_directory_is_the_same_clear_error(engine, tmp_path):
                 x = x + 1
     assert torch.equal(x, torch.full((4,), 101.0))
     assert ei.value.directory == str(missing) and repr(str(missing)) in str(ei.value)
+    assert ei.value.needed > 0 and f"({ei.value.needed} bytes)" in str(ei.value)   # what it was about to write
     assert ei.value.trace.ops.num_rows == 100 and ei.value.trace.metadata["spilled_rows"] == 0
 
 
@@ -295,3 +296,21 @@ def test_the_magic_reports_it_after_the_cell_and_keeps_the_value_and_trace(tmp_p
         assert k.value("x.sum().item()") == 64 * 201.0
     finally:
         k.close()
+
+
+def test_tensorscope_run_says_it_and_keeps_the_scripts_status_and_dataset(tmp_path):
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys, torch\nx = torch.ones(4)\nfor _ in range(100):\n    x = x + 1\n"
+                      "print(x.sum().item())\nsys.exit(3)\n")
+    missing, out = tmp_path / "no" / "such", tmp_path / "ds"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-m", "tensorscope", "run", "--out", str(out), "--spill-dir", str(missing),
+                        "--chunk-rows", "16", "--spill-rows", "32", "--no-leaks", str(script)],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert r.returncode == 3, r.stderr                  # the script's own status
+    assert r.stdout.strip() == "404.0"
+    assert "tensorscope could not spill the trace to" in r.stderr and str(missing) in r.stderr
+    n = tensorscope.open_dataset(out).sql("SELECT count(*) AS n FROM ops WHERE op = 'aten.add.Tensor'")["n"][0]
+    assert int(n) == 100                                 # the dataset has the whole trace
