@@ -349,7 +349,8 @@ class Recorder:
             try:
                 self._write_chunks()
             except SpillError as e:
-                self._spill_failure(e, f"the ops rows after the first {self.n_spilled} were")
+                self._spill_failure(e, f"the ops rows after the first {self.n_spilled} were" if self.n_spilled
+                                    else "every ops row was")
         if self.on_spill is not None:
             try:
                 self.on_spill()
