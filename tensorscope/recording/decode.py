@@ -10,8 +10,6 @@ needs the whole ops table in RAM; ``decode_ops_from`` decodes spilled rows while
 """
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator, Sequence
 from itertools import chain
 from typing import Any, Optional
@@ -40,7 +38,7 @@ from .columns import (
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
-from .spill import make_spill_dir, spill_error, spill_file
+from .spill import ipc_file
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -419,40 +417,15 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> tuple[pa.Table, Optiona
     rec = ctx.rec
     if rec.spilled_chunks and rec.spill_failed is None:
         try:
-            return _ops_file(ctx, spill_dir)
+            return ipc_file(spill_dir, "tensorscope-ops-", "ops.arrow", DECODED_OPS,
+                            (ctx.decode(chunk, start) for start, chunk in rec.iter_op_chunks(with_start=True)),
+                            rows=rec.n_spilled + rec.mem_rows)
         except SpillError as e:
             rec._spill_failure(e, "the decoded ops table was")
     batches = [ctx.decode(chunk, start) for start, chunk in rec.iter_op_chunks(with_start=True)]
     if not batches:
         return empty_decoded("ops"), None
     return pa.Table.from_batches(batches, schema=DECODED_OPS), None
-
-
-def _ops_file(ctx: Decoder, spill_dir: Optional[str]) -> tuple[pa.Table, str]:
-    """The ops table decoded chunk by chunk into ``ops.arrow`` in a new directory under
-    ``spill_dir``, memory-mapped back. Raises SpillError (the directory removed) when it cannot."""
-    rec = ctx.rec
-    tmp = make_spill_dir(spill_dir, "tensorscope-ops-")
-    total = rec.n_spilled + rec.mem_rows
-    rows = size = 0
-    try:
-        with spill_file(tmp, "ops.arrow", 0) as f:
-            try:
-                with pa.ipc.new_file(pa.PythonFile(f, mode="w"), DECODED_OPS) as writer:
-                    for start, chunk in rec.iter_op_chunks(with_start=True):
-                        b = ctx.decode(chunk, start)
-                        rows += b.num_rows
-                        size += b.nbytes
-                        writer.write_batch(b)
-            except OSError as e:   # the whole file's size: the decoded bytes per row so far, times every row
-                raise spill_error(tmp, size * max(total, rows) // max(rows, 1), e, "ops.arrow") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    path = os.path.join(tmp, "ops.arrow")
-    with pa.memory_map(path) as src:
-        table = pa.ipc.open_file(src).read_all()
-    return table, path
 
 
 def decode_ops_from(rec: Recorder, first_seq: int, *, cell: Optional[int], screen: Any,
