@@ -115,7 +115,7 @@ def spill_file(directory: str, name: str, needed: int) -> Iterator[BinaryIO]:
         f.close()
         f = None
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:   # an interrupt too: no partial file is left
         if f is not None:
             try:
                 f.close()
@@ -125,7 +125,7 @@ def spill_file(directory: str, name: str, needed: int) -> Iterator[BinaryIO]:
             os.unlink(tmp)
         except OSError:
             pass
-        if isinstance(e, SpillError):
+        if isinstance(e, SpillError) or not isinstance(e, OSError):
             raise
         raise spill_error(directory, needed, e, name) from e
 

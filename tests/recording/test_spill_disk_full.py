@@ -314,3 +314,19 @@ def test_tensorscope_run_says_it_and_keeps_the_scripts_status_and_dataset(tmp_pa
     assert "tensorscope could not spill the trace to" in r.stderr and str(missing) in r.stderr
     n = tensorscope.open_dataset(out).sql("SELECT count(*) AS n FROM ops WHERE op = 'aten.add.Tensor'")["n"][0]
     assert int(n) == 100                                 # the dataset has the whole trace
+
+
+def test_a_spill_file_is_whole_or_absent(tmp_path):
+    d = str(tmp_path)
+    with spill.spill_file(d, "a.bin", 10) as f:
+        f.write(b"0123456789")
+    assert os.listdir(d) == ["a.bin"] and (tmp_path / "a.bin").read_bytes() == b"0123456789"
+    with pytest.raises(SpillError, match=r"disk quota is used up\) while writing b\.bin, which needed 10 B \(10 bytes\)"):
+        with spill.spill_file(d, "b.bin", 10) as f:
+            f.write(b"01234")
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    with pytest.raises(KeyboardInterrupt):
+        with spill.spill_file(d, "c.bin", 10) as f:
+            f.write(b"01234")
+            raise KeyboardInterrupt
+    assert os.listdir(d) == ["a.bin"]   # neither half-written file is left
