@@ -495,6 +495,10 @@ class trace:
     GuardError
         After the block, when a guard (``expect=``, ``max_casts=``, ``baseline=``) failed; the
         trace is kept in ``err.trace``.
+    SpillError
+        After the block, when spilled rows could not be written to ``spill_dir`` (a full disk):
+        nothing was lost, the whole trace is in ``err.trace`` (a warning instead when the block
+        raised: its exception comes first).
 
     See Also
     --------
