@@ -266,9 +266,9 @@ def _release_memory() -> None:
 
 
 def _npz_bytes(chunk: dict[str, Packed]) -> int:
-    """About the bytes a frozen chunk's ``.npz`` file takes: its columns, their bases, and ~200
+    """About the bytes a frozen chunk's ``.npz`` file takes: its columns, their bases, and ~250
     bytes of zip and ``.npy`` headers per array."""
-    return sum(a.nbytes for _, a in chunk.values()) + 8 * len(chunk) + 200 * (len(chunk) + 1)
+    return sum(a.nbytes for _, a in chunk.values()) + 8 * len(chunk) + 250 * (len(chunk) + 1)
 
 
 class Recorder:
