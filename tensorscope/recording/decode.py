@@ -421,7 +421,7 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> tuple[pa.Table, Optiona
                             (ctx.decode(chunk, start) for start, chunk in rec.iter_op_chunks(with_start=True)),
                             rows=rec.n_spilled + rec.mem_rows)
         except SpillError as e:
-            rec._spill_failure(e, "the decoded ops table was")
+            rec.spill_failure(e, "the decoded ops table was")
     batches = [ctx.decode(chunk, start) for start, chunk in rec.iter_op_chunks(with_start=True)]
     if not batches:
         return empty_decoded("ops"), None

@@ -349,7 +349,7 @@ class Recorder:
             try:
                 self._write_chunks()
             except SpillError as e:
-                self._spill_failure(e, f"the ops rows after the first {self.n_spilled} were" if self.n_spilled
+                self.spill_failure(e, f"the ops rows after the first {self.n_spilled} were" if self.n_spilled
                                     else "every ops row was")
         if self.on_spill is not None:
             try:
@@ -381,7 +381,7 @@ class Recorder:
             self.mem_rows -= rows
         self.mem_rows = 0
 
-    def _spill_failure(self, e: SpillError, what: str) -> None:
+    def spill_failure(self, e: SpillError, what: str) -> None:
         """A spill file could not be written: nothing is written from now on (a full disk is the
         program's too); the note says what stayed in memory, the end of the trace raises ``e``."""
         if self.spill_failed is None:
