@@ -61,7 +61,9 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     has one call per op: no per-call or per-op Python work)."""
     if calls.num_rows and "compiled" in calls.column_names:
         # calls made by torch.compile'd code (Inductor's extern kernels) are the compiler's, not the user's API use
-        calls = calls.filter(pc.invert(pc.fill_null(calls.column("compiled"), False)))
+        compiled = pc.fill_null(calls.column("compiled"), False)
+        if pc.any(compiled).as_py():   # (a filter copies every column: only when there is something to drop)
+            calls = calls.filter(pc.invert(compiled))
     if calls.num_rows == 0:
         return S.empty("api")
     n_calls_total = calls.num_rows

@@ -271,17 +271,25 @@ def _live(tensors: pa.Table, n_ops: int) -> tuple[list[str], np.ndarray]:
     cat = _category_codes(tensors)
     D, C = len(names), len(CATS)
     live, _ = live_matrix(dev * C + cat, nbytes, alloc, free, D * C, n_ops)
-    return names, live.astype(np.int64).reshape(D, C, n_ops)
+    return names, live.reshape(D, C, n_ops)
 
 
 def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> dict[str, pa.Array]:
-    idx = pa.array(rows)
+    """The op's columns of each timeline row (``rows``: its seq); read in place, not gathered, when the
+    rows are every op once (one device)."""
+    every = len(rows) == n
+    idx = None if every else pa.array(rows)
     out: dict[str, pa.Array] = {}
-    for name in ("op", "phase", "module", "source_file"):
-        col = ops.column(name).take(idx)
+    for name in ("op", "phase", "module", "source_file", "source_line"):
+        col = ops.column(name) if idx is None else ops.column(name).take(idx)
         out[name] = S.plain_strings(pa.table({name: col})).column(name)
-    out["source_line"] = ops.column("source_line").take(idx)
     return out
+
+
+def _repeated(names: list[str], n: int) -> pa.Array:
+    """Each of ``names`` ``n`` times, as one string array (through a dictionary: no string per row in Python)."""
+    codes = np.repeat(np.arange(len(names), dtype=np.int32), n)
+    return pa.DictionaryArray.from_arrays(codes, pa.array(names, pa.string())).cast(pa.string())
 
 
 def memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
@@ -296,7 +304,7 @@ def memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
     peak[np.arange(D), np.argmax(total, axis=1)] = True
     rows = np.tile(np.arange(n_ops, dtype=np.int64), D)
     opc = _op_columns(ops, n_ops, rows)
-    cols: dict[str, Any] = dict(seq=pa.array(rows), device=pa.array(np.repeat(names, n_ops).tolist(), pa.string()),
+    cols: dict[str, Any] = dict(seq=pa.array(rows), device=_repeated(names, n_ops),
                                 live_bytes=pa.array(total.reshape(-1)), is_peak=pa.array(peak.reshape(-1)))
     cols.update(opc)
     for ci, c in enumerate(CATS):
@@ -388,6 +396,7 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
         return S.MODULE_MEMORY.empty_table()
     names, live = _live(tensors, n_ops)
     total = live.sum(axis=1)              # [device, seq]
+    del live
     mcodes, mvalues = _codes(ops.column("module"))
     bwd = backward_region(ops, calls)
     rows: dict[tuple[str, str], dict[str, Any]] = {}
