@@ -355,7 +355,7 @@ def _seqs_of(wins: Sequence[Mapping[str, Any]], op: str, dtype: Optional[str] = 
         view = win["view"]
         m = view.mask(lambda n: n == op)
         if dtype is not None and m.any():
-            m &= win["out_dtype"] == dtype
+            m &= pc.fill_null(pc.equal(win["out_dtype"], dtype), False).to_numpy(zero_copy_only=False)
         ss.append(view.seq[m])
         ws.append(np.full(int(m.sum()), w, dtype=np.int64))
     return np.concatenate(ws), np.concatenate(ss)
@@ -427,10 +427,10 @@ def _first_run(ops: pa.Table) -> np.ndarray:
     return out
 
 
-def _out_dtype(ops: pa.Table) -> np.ndarray:
-    """Per row, the first output dtype (else the first input's): the roofline's dtype of the row."""
-    out: np.ndarray = pc.coalesce(first_of(ops.column("out_dtypes")), first_of(ops.column("in_dtypes"))).to_numpy(
-        zero_copy_only=False)
+def _out_dtype(ops: pa.Table) -> pa.Array:
+    """Per row, the first output dtype (else the first input's): the roofline's dtype of the row (an
+    Arrow string array, compared column-wise: no Python string per row)."""
+    out: pa.Array = pc.coalesce(first_of(ops.column("out_dtypes")), first_of(ops.column("in_dtypes")))
     return out
 
 
@@ -467,11 +467,11 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
         op_ns += int(t[work].sum())
         first_ns += int(t[work & first].sum())
         w["first"] = first
-        w["out_dtype"] = _out_dtype(ops) if ops.num_rows else np.zeros(0, dtype=object)
+        w["out_dtype"] = _out_dtype(ops) if ops.num_rows else pa.array([], pa.string())
         if first.any():   # the warm rows: what the timing findings read
             keep = pa.array(~first)
             wops = ops.filter(keep)
-            warm_wins.append(dict(w, ops=wops, view=OpView(wops), out_dtype=w["out_dtype"][~first]))
+            warm_wins.append(dict(w, ops=wops, view=OpView(wops), out_dtype=w["out_dtype"].filter(keep)))
         else:
             warm_wins.append(w)
     syncs = [sync_table(w["ops"], w["calls"], i, w["view"]) for i, w in enumerate(windows)]
