@@ -44,9 +44,12 @@ def kv_metadata(schema_metadata: Optional[dict[bytes, bytes]], md: TraceMetadata
             PARQUET_KEY: md_json if md_json is not None else md.to_json().encode()}
 
 
-def save(trace: TraceTables, path: PathLike) -> str:
+def save(trace: TraceTables, path: PathLike, *, row_group_rows: int = ROW_GROUP_ROWS) -> str:
     """Write ``trace``'s tables and metadata to the directory ``path`` (replaced atomically when it is
-    a trace). Returns its absolute path; ``saved_to`` is never written (the directory may move)."""
+    a trace). Returns its absolute path; ``saved_to`` is never written (the directory may move).
+
+    Each table is written ``row_group_rows`` rows at a time from its record batches (memory-mapped
+    ones for a big trace): never gathered whole in memory."""
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path) or "."
     if os.path.exists(path) and not os.path.isdir(path):
@@ -66,7 +69,8 @@ def save(trace: TraceTables, path: PathLike) -> str:
                                     tables={name: t.num_rows for name, t in tables.items()})
         md_json = md.to_json().encode()
         for name, table in tables.items():
-            _write(table, os.path.join(tmp, f"{name}.parquet"), kv_metadata(table.schema.metadata, md, md_json))
+            _write(table, os.path.join(tmp, f"{name}.parquet"), kv_metadata(table.schema.metadata, md, md_json),
+                   row_group_rows)
         with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
             f.write(md.to_json(indent=1))
         if os.path.isdir(path):
@@ -81,13 +85,13 @@ def save(trace: TraceTables, path: PathLike) -> str:
     return path
 
 
-def _write(table: pa.Table, file: str, kv: dict[bytes, bytes]) -> None:
-    """One table to one parquet file, a row group at a time (``ROW_GROUP_ROWS`` rows each): the writer
+def _write(table: pa.Table, file: str, kv: dict[bytes, bytes], row_group_rows: int) -> None:
+    """One table to one parquet file, a row group at a time (``row_group_rows`` rows each): the writer
     reads the table's record batches (memory-mapped for a big trace) slice by slice, so what it holds
     is one row group's pages, not the table."""
     schema = table.schema.with_metadata(kv)
     with pq.ParquetWriter(file, schema, compression="zstd") as writer:
-        writer.write_table(table.replace_schema_metadata(kv), row_group_size=ROW_GROUP_ROWS)
+        writer.write_table(table.replace_schema_metadata(kv), row_group_size=max(1, int(row_group_rows)))
 
 
 def read_metadata(path: PathLike) -> TraceMetadata:
