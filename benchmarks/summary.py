@@ -18,7 +18,8 @@ one thread) recorded with ``--spill-rows`` (default 100,000: the ops table is me
 in this order: the summary built and rendered, ``t.save``, ``tensorscope.load`` of it and the
 loaded trace's ops read. Each is timed (wall ms) with the process's peak resident memory over the
 resident memory before it (``VmHWM`` reset through ``/proc/self/clear_refs``: Arrow's memory too,
-which tracemalloc does not see; file-backed pages of memory-mapped tables count while touched).
+which tracemalloc does not see; file-backed pages of memory-mapped tables count while touched), after
+the memory the step before freed is given back to the system (Arrow's pool, ``malloc_trim``).
 
     python benchmarks/summary.py --large --ops 300000,1000000
 """
@@ -98,9 +99,18 @@ def _status(key: str) -> int:
 
 def _timed(fn):
     """(result, wall ms, peak MB over the resident memory before)."""
+    import ctypes
     import gc
 
+    import pyarrow as pa
+
     gc.collect()
+    # memory freed by the step before goes back to the system first: else this step reuses it unseen
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     base = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")   # reset VmHWM to the current resident size
