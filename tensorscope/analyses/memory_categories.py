@@ -394,9 +394,10 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
     n_ops = ops.num_rows
     if n_ops == 0 or tensors.num_rows == 0:
         return S.MODULE_MEMORY.empty_table()
-    names, live = _live(tensors, n_ops)
-    total = live.sum(axis=1)              # [device, seq]
-    del live
+    # live bytes per device while each op runs (every category at once: one row per device, not per category)
+    names, dev = _devices(tensors)
+    total, _ = live_matrix(dev, _int_column(tensors, "nbytes", 0), _int_column(tensors, "alloc_seq", -1),
+                           _int_column(tensors, "free_seq", -1), len(names), n_ops)   # [device, seq]
     mcodes, mvalues = _codes(ops.column("module"))
     bwd = backward_region(ops, calls)
     rows: dict[tuple[str, str], dict[str, Any]] = {}
