@@ -498,7 +498,7 @@ def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1
         bounds.append(n)
     has_noise = "is_noise" in ops.column_names
     running = baseline.copy()
-    best = [None] * D
+    best: list[Optional[int]] = [None] * D
     best_seq = [0] * D
     best_cats: list[Any] = [None] * D
     named: list[Optional[int]] = [None] * D
@@ -525,7 +525,8 @@ def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1
             row = tot[di]
             j = int(np.argmax(row))
             m = int(row[j])
-            if best[di] is None or m > best[di]:
+            prev = best[di]
+            if prev is None or m > prev:
                 best[di], best_seq[di], best_cats[di], named[di] = m, a + j, live3[di, :, j].copy(), None
             if m == best[di] and named[di] is None and noise is not None:
                 ok = np.flatnonzero((row == m) & ~noise)
