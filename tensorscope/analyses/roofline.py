@@ -140,6 +140,7 @@ def _groups(ops: pa.Table) -> list[dict[str, Any]]:
     if dense:
         ids = np.flatnonzero(present)
         remap: Optional[np.ndarray] = np.full(space, -1, dtype=np.int64)
+        assert remap is not None
         remap[ids] = np.arange(len(ids))
     else:
         ids = np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
@@ -189,8 +190,9 @@ def _batch_keys(batches: list[Any]) -> Optional[tuple[list[list[Any]], tuple[lis
     """(the values of each key column, the key space) when every batch has the same dictionaries (the
     codes of one batch are the codes of the table), else None."""
     names = ("op", "module", "out_dtypes", "in_dtypes", "in_devices", "out_devices")
-    first = {n: _dicts(batches[0], n) for n in names}
-    if any(d is None for d in first.values()):
+    got = {n: _dicts(batches[0], n) for n in names}
+    first: dict[str, pa.Array] = {n: d for n, d in got.items() if d is not None}
+    if len(first) != len(names):
         return None
     for b in batches[1:]:
         for n in names:

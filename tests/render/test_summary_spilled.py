@@ -72,6 +72,9 @@ def test_summary_of_a_memory_mapped_trace_equals_the_in_memory_one(tmp_path):
     assert t.memory_at().to_arrow().equals(twin.memory_at().to_arrow())
     assert t.op_totals().equals(twin.op_totals())
     assert t.op_totals(by=("op", "phase")).equals(twin.op_totals(by=("op", "phase")))
+    adv, adv2 = t.advice(), twin.advice()   # the roofline's groups read batch by batch, the twin's at once
+    assert adv.roofline.num_rows and adv.roofline.equals(adv2.roofline)
+    assert adv.findings.equals(adv2.findings)
     s, s2 = t.summary(), twin.summary()
     assert s.to_text() == s2.to_text()
     assert s.to_html() == s2.to_html()
