@@ -115,12 +115,14 @@ def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
     dev_order, dev = _devices(tensors)
     # (bincount's float64 sums are exact below 2**53 bytes)
     live, baseline = live_matrix(dev, nbytes, alloc, free, len(dev_order), n_ops)
-    prev = np.concatenate([baseline[:, None], live[:, :-1]], axis=1)
+    delta = live.copy()   # the change against the op before (the baseline for seq 0), in place
+    delta[:, 1:] -= live[:, :-1]
+    delta[:, 0] -= baseline
     seqs = np.tile(np.arange(n_ops, dtype=np.int64), len(dev_order))
     dev_col = pa.DictionaryArray.from_arrays(np.repeat(np.arange(len(dev_order), dtype=np.int32), n_ops),
                                              pa.array(dev_order, pa.string())).cast(pa.string())
     return pa.Table.from_arrays([pa.array(seqs), dev_col, pa.array(live.reshape(-1)),
-                                 pa.array((live - prev).reshape(-1))], schema=S.MEMORY)
+                                 pa.array(delta.reshape(-1))], schema=S.MEMORY)
 
 
 def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> dict[str, dict[str, Any]]:
