@@ -12,6 +12,16 @@ as in a notebook, where every cell makes a new trace.
 
 Budgets (issue 30): a 1,000-op cell in ≤ 15 ms and ≤ 40 KB; a 20,000-op cell in ≤ 60 ms and ≤ 80 KB.
 Run it against another checkout (PYTHONPATH) to compare before/after.
+
+``--large`` (Linux): big traces instead, one per ``--ops`` value, of small ops (``a.add(b)`` on 8x8,
+one thread) recorded with ``--spill-rows`` (default 100,000: the ops table is memory-mapped), then
+in this order: the summary built and rendered, ``t.save``, ``tensorscope.load`` of it and the
+loaded trace's ops read. Each is timed (wall ms) with the process's peak resident memory over the
+resident memory before it (``VmHWM`` reset through ``/proc/self/clear_refs``: Arrow's memory too,
+which tracemalloc does not see; file-backed pages of memory-mapped tables count while touched), after
+the memory the step before freed is given back to the system (Arrow's pool, ``malloc_trim``).
+
+    python benchmarks/summary.py --large --ops 300000,1000000
 """
 from __future__ import annotations
 
@@ -79,14 +89,109 @@ def measure(n_ops: int, reps: int, engine: str) -> dict:
             "html_kb": size / 1000, "drawings_kb": drawn / 1000, "text_lines": bundle["text/plain"].count("\n") + 1}
 
 
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _timed(fn):
+    """(result, wall ms, peak MB over the resident memory before, sampled peak MB of anonymous memory over
+    the anonymous memory before: what is not file pages of memory-mapped tables)."""
+    import ctypes
+    import gc
+
+    import pyarrow as pa
+
+    gc.collect()
+    # memory freed by the step before goes back to the system first: else this step reuses it unseen
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    import threading
+
+    base, anon0 = _status("VmRSS"), _status("RssAnon")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")   # reset VmHWM to the current resident size
+    top = [anon0]
+    done = threading.Event()
+
+    def sample():   # anonymous memory has no high-water mark of its own: sampled every millisecond
+        while not done.wait(0.001):
+            top[0] = max(top[0], _status("RssAnon"))
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    w0 = time.perf_counter()
+    try:
+        r = fn()
+    finally:
+        ms = (time.perf_counter() - w0) * 1e3
+        done.set()
+        th.join()
+    return r, ms, (_status("VmHWM") - base) / 1e6, (max(top[0], _status("RssAnon")) - anon0) / 1e6
+
+
+def measure_large(n_ops: int, spill_rows: int, engine: str) -> dict:
+    import os
+    import shutil
+    import tempfile
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with tensorscope.trace(engine=engine, spill_rows=spill_rows, chunk_rows=min(65536, spill_rows)) as rec:
+        for _ in range(n_ops):
+            a.add(b)
+    t = rec.result
+    out: dict = {"ops": t.ops.num_rows}
+    bundle, out["summary_ms"], out["summary_peak_mb"], out["summary_anon_mb"] = _timed(t._repr_mimebundle_)
+    out["html_kb"] = len(bundle["text/html"].encode("utf-8")) / 1000
+    where = tempfile.mkdtemp(prefix="summary-bench-")
+    try:
+        path, out["save_ms"], out["save_peak_mb"], out["save_anon_mb"] = _timed(lambda: t.save(os.path.join(where, "run")))
+        back, out["load_ms"], out["load_peak_mb"], out["load_anon_mb"] = _timed(lambda: tensorscope.load(path))
+        _, out["read_ms"], out["read_peak_mb"], out["read_anon_mb"] = _timed(lambda: back.ops.equals(t.ops))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    return out
+
+
+def main_large(a) -> None:
+    with tensorscope.trace(engine=a.engine) as warm:   # one-time imports and the machine peaks, not timed
+        torch.ones(8).add(1)
+    warm.result._repr_mimebundle_()
+    out = []
+    print("peak: VmHWM over the resident memory before (file pages of mapped tables included); anon: sampled "
+          "anonymous memory over that before")
+    print(f"{'ops':>9} " + " ".join(f"{s + ' ms':>10} {'peak MB':>8} {'anon MB':>8}" for s in ("summary", "save", "load",
+                                                                                        "read")))
+    for n in (int(v) for v in a.ops.split(",")):
+        r = measure_large(n, a.spill_rows, a.engine)
+        out.append(r)
+        print(f"{r['ops']:>9} " + " ".join(f"{r[s + '_ms']:>10.0f} {r[s + '_peak_mb']:>8.1f} {r[s + '_anon_mb']:>8.1f}"
+                                           for s in ("summary", "save", "load", "read")))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ops", default="1000,20000")
+    ap.add_argument("--ops", default=None, help="op counts, comma-separated (default 1000,20000; --large 300000,1000000)")
+    ap.add_argument("--large", action="store_true", help="big traces of small ops: summary, save and load, with peaks")
+    ap.add_argument("--spill-rows", type=int, default=100_000, help="--large: the traces' spill_rows")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--engine", default="native")
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.large:
+        a.ops = a.ops or "300000,1000000"
+        return main_large(a)
+    a.ops = a.ops or "1000,20000"
     out = []
     print(f"{'ops':>7} {'cpu ms':>8} {'wall ms':>8} {'HTML KB':>8} {'drawings KB':>12} {'text lines':>10}")
     for n in (int(v) for v in a.ops.split(",")):

@@ -355,7 +355,7 @@ def _seqs_of(wins: Sequence[Mapping[str, Any]], op: str, dtype: Optional[str] = 
         view = win["view"]
         m = view.mask(lambda n: n == op)
         if dtype is not None and m.any():
-            m &= win["out_dtype"] == dtype
+            m &= pc.fill_null(pc.equal(win["out_dtype"], dtype), False).to_numpy(zero_copy_only=False)
         ss.append(view.seq[m])
         ws.append(np.full(int(m.sum()), w, dtype=np.int64))
     return np.concatenate(ws), np.concatenate(ss)
@@ -427,10 +427,21 @@ def _first_run(ops: pa.Table) -> np.ndarray:
     return out
 
 
-def _out_dtype(ops: pa.Table) -> np.ndarray:
-    """Per row, the first output dtype (else the first input's): the roofline's dtype of the row."""
-    out: np.ndarray = pc.coalesce(first_of(ops.column("out_dtypes")), first_of(ops.column("in_dtypes"))).to_numpy(
-        zero_copy_only=False)
+def _keep_rows(ops: pa.Table, keep: np.ndarray) -> pa.Table:
+    """``ops.filter(keep)``, as zero-copy slices when the kept rows are long runs (the first runs of a
+    cell are in its first step): a filter copies every column of a table that may be memory-mapped.
+    Runs of under 1024 rows on average (a small trace) are filtered: many short chunks cost more."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], keep.astype(np.int8), [0]))))
+    starts, ends = edges[0::2], edges[1::2]
+    if len(starts) == 0 or len(starts) * 1024 > len(keep):
+        return ops.filter(pa.array(keep))
+    return pa.concat_tables([ops.slice(int(a), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())])
+
+
+def _out_dtype(ops: pa.Table) -> pa.Array:
+    """Per row, the first output dtype (else the first input's): the roofline's dtype of the row (an
+    Arrow string array, compared column-wise: no Python string per row)."""
+    out: pa.Array = pc.coalesce(first_of(ops.column("out_dtypes")), first_of(ops.column("in_dtypes")))
     return out
 
 
@@ -467,11 +478,10 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
         op_ns += int(t[work].sum())
         first_ns += int(t[work & first].sum())
         w["first"] = first
-        w["out_dtype"] = _out_dtype(ops) if ops.num_rows else np.zeros(0, dtype=object)
+        w["out_dtype"] = _out_dtype(ops) if ops.num_rows else pa.array([], pa.string())
         if first.any():   # the warm rows: what the timing findings read
-            keep = pa.array(~first)
-            wops = ops.filter(keep)
-            warm_wins.append(dict(w, ops=wops, view=OpView(wops), out_dtype=w["out_dtype"][~first]))
+            wops = _keep_rows(ops, ~first)
+            warm_wins.append(dict(w, ops=wops, view=OpView(wops), out_dtype=w["out_dtype"].filter(pa.array(~first))))
         else:
             warm_wins.append(w)
     syncs = [sync_table(w["ops"], w["calls"], i, w["view"]) for i, w in enumerate(windows)]

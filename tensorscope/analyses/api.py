@@ -26,21 +26,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import NOISE_OPS
-
-
-def _plain(col: Any) -> pa.Array:
-    """A column as one plain (not dictionary-encoded, not chunked) array."""
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    if pa.types.is_dictionary(col.type):
-        col = col.dictionary_decode()
-    return col
-
-
-def _nonempty(col: Any) -> pa.Array:
-    """A string column with empty strings as nulls (an empty name names nothing)."""
-    col = _plain(col)
-    return pc.if_else(pc.fill_null(pc.equal(col, ""), False), pa.scalar(None, col.type), col)
+from .opview import codes_of
 
 
 def _core_rows(tags: Any) -> np.ndarray:
@@ -49,11 +35,44 @@ def _core_rows(tags: Any) -> np.ndarray:
     out = np.zeros(len(tags), dtype=bool)
     if len(tags) == 0:
         return out
-    flat = _plain(pc.list_flatten(tags))
+    flat = pc.list_flatten(tags)
     parents = np.asarray(pc.list_parent_indices(tags).to_numpy(), dtype=np.int64)
-    hit = np.asarray(pc.fill_null(pc.equal(flat, "core"), False).to_numpy(zero_copy_only=False), dtype=bool)
+    if pa.types.is_dictionary(flat.type):   # compared once per distinct tag, broadcast through the codes
+        codes, values = codes_of(flat)
+        hit = np.array([v == "core" for v in values] + [False], dtype=bool)[codes]
+    else:
+        hit = np.asarray(pc.fill_null(pc.equal(flat, "core"), False).to_numpy(zero_copy_only=False), dtype=bool)
     out[parents[hit]] = True
     return out
+
+
+def _api_codes(calls: pa.Table) -> tuple[np.ndarray, list[str]]:
+    """(per call an index into the APIs, the APIs): a call's API is its qualname, else its name, else
+    ``"?"`` (an empty string names nothing). Decided once per distinct (qualname, name) pair and
+    broadcast through the dictionary codes: no string per call."""
+    qc, qv = codes_of(calls.column("qualname"))
+    nc, nv = codes_of(calls.column("name"))
+    width = len(nv) + 1
+    pair = (qc + 1) * width + (nc + 1)          # code -1 (null) -> 0
+    if (len(qv) + 1) * width <= 1 << 22:       # few distinct pairs possible: a dense lookup, no sort
+        space = np.zeros((len(qv) + 1) * width, np.int64)
+        space[pair] = 1
+        uniq = np.flatnonzero(space)
+        inv = None
+    else:
+        uniq, inv = np.unique(pair, return_inverse=True)
+    where: dict[str, int] = {}
+    lut = np.empty(len(uniq), np.int64)
+    for i, p in enumerate(uniq.tolist()):
+        q = qv[p // width - 1] if p // width else None
+        n = nv[p % width - 1] if p % width else None
+        lut[i] = where.setdefault(q or n or "?", len(where))
+    if inv is None:
+        space[uniq] = lut
+        codes = space[pair]
+    else:
+        codes = lut[inv]
+    return codes, list(where)
 
 
 def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
@@ -61,20 +80,18 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     has one call per op: no per-call or per-op Python work)."""
     if calls.num_rows and "compiled" in calls.column_names:
         # calls made by torch.compile'd code (Inductor's extern kernels) are the compiler's, not the user's API use
-        calls = calls.filter(pc.invert(pc.fill_null(calls.column("compiled"), False)))
+        compiled = pc.fill_null(calls.column("compiled"), False)
+        if pc.any(compiled).as_py():   # (a filter copies every column: only when there is something to drop)
+            calls = calls.filter(pc.invert(compiled))
     if calls.num_rows == 0:
         return S.empty("api")
     n_calls_total = calls.num_rows
-    # each call's API: its qualname, else its name, else "?"; as codes into one dictionary
-    api_str = pc.coalesce(_nonempty(calls.column("qualname")), _nonempty(calls.column("name")), pa.scalar("?"))
-    enc = pc.dictionary_encode(api_str)
-    api_codes = np.asarray(enc.indices.to_numpy(), dtype=np.int64)
-    api_names: list[str] = enc.dictionary.to_pylist()
+    api_codes, api_names = _api_codes(calls)
     n_api = len(api_names)
     first_call = np.full(n_api, n_calls_total, dtype=np.int64)
     np.minimum.at(first_call, api_codes, np.arange(n_calls_total, dtype=np.int64))
-    call_name = _plain(calls.column("name"))
-    api_name_of = call_name.take(pa.array(first_call)).to_pylist()   # the name of each API's first call
+    # the name of each API's first call
+    api_name_of = S.plain_strings(calls.select(["name"]).take(pa.array(first_call))).column("name").to_pylist()
     n_ops_col = (np.asarray(pc.fill_null(calls.column("n_ops"), -1).to_numpy(), dtype=np.int64)
                  if "n_ops" in calls.column_names else None)
     call_ids = np.asarray(pc.fill_null(calls.column("call_id"), -1).to_numpy(), dtype=np.int64)

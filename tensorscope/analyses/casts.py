@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import COMPLEX_BITS, COPY_INTO_OPS, FLOAT_BITS, INT_BITS, NoGC, itemsize
 from .layout import CallNames, call_names, drop_noise, numel, short_name, take_rows
+from .opview import codes_of
 
 #: ops that materialise a conversion of their (first) input
 CAST_OPS = frozenset({"_to_copy", "to", "type_as", "_autocast_to_reduced_precision", "_autocast_to_full_precision",
@@ -303,22 +304,31 @@ def _cast_rows(rows: list[dict[str, Any]], names: CallNames,
 
 
 def _mixed_dtype_rows(ops: pa.Table) -> np.ndarray:
-    """Rows whose inputs and outputs do not all share one dtype (vectorised prefilter)."""
-    ins = ops.column("in_dtypes")
-    outs = ops.column("out_dtypes")
-    if isinstance(ins, pa.ChunkedArray):
-        ins = ins.combine_chunks()
-        outs = outs.combine_chunks()
-    n = len(ins)
-    if n == 0:
+    """Rows whose inputs and outputs do not all share one dtype (vectorised prefilter), a record batch
+    at a time: each dtype name gets one id (a lookup per distinct name), each row the least and
+    greatest id of its inputs and outputs (``reduceat`` over the flattened lists)."""
+    if ops.num_rows == 0:
         return np.zeros(0, np.int64)
-    flat = pa.concat_arrays([pc.list_flatten(ins), pc.list_flatten(outs)])
-    parents = np.concatenate([pc.list_parent_indices(ins).to_numpy(), pc.list_parent_indices(outs).to_numpy()])
-    if len(flat) == 0:
-        return np.zeros(0, np.int64)
-    codes = pc.dictionary_encode(flat).indices.to_numpy()
-    lo = np.full(n, np.iinfo(np.int64).max)
-    hi = np.full(n, -1)
-    np.minimum.at(lo, parents, codes)
-    np.maximum.at(hi, parents, codes)
-    return np.nonzero((hi >= 0) & (lo != hi))[0].astype(np.int64)
+    ids: dict[Any, int] = {}
+    found = []
+    base = 0
+    for batch in ops.select(["in_dtypes", "out_dtypes"]).to_batches():
+        n = batch.num_rows
+        lo = np.full(n, np.iinfo(np.int64).max)
+        hi = np.full(n, -1)
+        for col in batch.columns:
+            flat = pc.list_flatten(col)
+            if len(flat) == 0:
+                continue
+            codes, values = codes_of(flat)
+            lut = np.array([ids.setdefault(v, len(ids)) for v in values] + [ids.setdefault(None, len(ids))],
+                           dtype=np.int64)
+            g = lut[codes]
+            parents = np.asarray(pc.list_parent_indices(col).to_numpy(), dtype=np.int64)
+            starts = np.flatnonzero(np.concatenate(([True], parents[1:] != parents[:-1])))
+            rows = parents[starts]
+            lo[rows] = np.minimum(lo[rows], np.minimum.reduceat(g, starts))
+            hi[rows] = np.maximum(hi[rows], np.maximum.reduceat(g, starts))
+        found.append(np.flatnonzero((hi >= 0) & (lo != hi)) + base)
+        base += n
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)

@@ -69,16 +69,25 @@ def live_mask(alloc: np.ndarray, free: np.ndarray, s: int) -> np.ndarray:
 def live_matrix(key: np.ndarray, nbytes: np.ndarray, alloc: np.ndarray, free: np.ndarray, n_keys: int,
                 n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     """(live[k, s], baseline[k]): bytes of the storages of each key (device, or device and category)
-    live while op ``s`` runs (``live_mask``, for every op at once), and before the first op."""
-    W = n_ops + 1
+    live while op ``s`` runs (``live_mask``, for every op at once), and before the first op.
+
+    Built in one ``n_keys x n_ops`` array (the changes per op, summed in place), with one more of
+    the same size at a time: an event at or past ``n_ops`` changes no op's bytes and is left out."""
     pre = alloc < 0
     baseline = _sum_by(key[pre], nbytes[pre], n_keys)
-    add = _sum_by(key[~pre] * W + np.minimum(alloc[~pre], n_ops), nbytes[~pre], n_keys * W)
-    freed = free >= 0
+    size = n_keys * n_ops
+    made = ~pre & (alloc < n_ops)
+    # (bincount's float64 sums are exact below 2**53 bytes)
+    delta = np.bincount(key[made] * n_ops + alloc[made], weights=nbytes[made].astype(np.float64), minlength=size)
     # a storage freed after op f started still counts during f: it stops counting at f + 1
-    rem = _sum_by(key[freed] * W + np.minimum(free[freed] + 1, n_ops), nbytes[freed], n_keys * W)
-    delta = (add - rem).reshape(n_keys, W)[:, :n_ops]
-    return baseline[:, None] + np.cumsum(delta, axis=1), baseline
+    freed = (free >= 0) & (free + 1 < n_ops)
+    delta -= np.bincount(key[freed] * n_ops + free[freed] + 1, weights=nbytes[freed].astype(np.float64),
+                         minlength=size)
+    live = delta.astype(np.int64).reshape(n_keys, n_ops)
+    del delta
+    np.cumsum(live, axis=1, out=live)
+    live += baseline[:, None]
+    return live, baseline
 
 
 def _devices(tensors: pa.Table) -> tuple[list[str], np.ndarray]:
@@ -106,12 +115,14 @@ def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
     dev_order, dev = _devices(tensors)
     # (bincount's float64 sums are exact below 2**53 bytes)
     live, baseline = live_matrix(dev, nbytes, alloc, free, len(dev_order), n_ops)
-    prev = np.concatenate([baseline[:, None], live[:, :-1]], axis=1)
+    delta = live.copy()   # the change against the op before (the baseline for seq 0), in place
+    delta[:, 1:] -= live[:, :-1]
+    delta[:, 0] -= baseline
     seqs = np.tile(np.arange(n_ops, dtype=np.int64), len(dev_order))
     dev_col = pa.DictionaryArray.from_arrays(np.repeat(np.arange(len(dev_order), dtype=np.int32), n_ops),
                                              pa.array(dev_order, pa.string())).cast(pa.string())
     return pa.Table.from_arrays([pa.array(seqs), dev_col, pa.array(live.reshape(-1)),
-                                 pa.array((live - prev).reshape(-1))], schema=S.MEMORY)
+                                 pa.array(delta.reshape(-1))], schema=S.MEMORY)
 
 
 def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> dict[str, dict[str, Any]]:
@@ -140,8 +151,10 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
             # the first op after which live bytes were largest that is not eager's bookkeeping (a lift or
             # detach moves no data: never the op a peak is named after); none: the peak names no op
             at_peak = np.nonzero(lv == lv[k])[0]
-            named = [j for j in at_peak.tolist() if 0 <= s[j] < len(noise) and not noise[s[j]]]
-            k = named[0] if named else k
+            sp = s[at_peak]
+            inside = (sp >= 0) & (sp < len(noise))
+            named = at_peak[inside][~noise[sp[inside]]]
+            k = int(named[0]) if len(named) else k
         info = {"peak_bytes": int(lv[k]), "peak_seq": int(s[k]), "start_bytes": int(lv[0] - dl[0]),
                 "end_bytes": int(lv[-1])}
         if op_col is not None and 0 <= info["peak_seq"] < len(op_col) and not (noise is not None and noise[info["peak_seq"]]):

@@ -61,7 +61,7 @@ def peak_for(peaks: Optional[Peaks], dev: Optional[str], dtype: Optional[str]) -
             float(p["overhead_ns"]) if p.get("overhead_ns") else None)
 
 
-def _groups(ops: pa.Table) -> list[dict[str, Any]]:
+def _groups_whole(ops: pa.Table) -> list[dict[str, Any]]:
     cols = ["op", "module", "out_dtypes", "in_dtypes", "in_devices", "out_devices", "cuda_ns", "cpu_ns", "flops",
             "bytes_read", "bytes_written"]
     work = ops.select(cols)
@@ -112,6 +112,129 @@ def _groups(ops: pa.Table) -> list[dict[str, Any]]:
             r[field] = values[c] if c >= 0 else None
         out.append(r)
     return out
+
+
+def _groups(ops: pa.Table) -> list[dict[str, Any]]:
+    """Per (op, module, dtype, device) group of the rows that are not bookkeeping: the sums the roofline
+    reads, in key order. A record batch at a time (two sweeps: the keys present, then the sums) when the
+    batches share their dictionaries (every table a trace builds); else over the whole columns."""
+    cols = ["op", "module", "out_dtypes", "in_dtypes", "in_devices", "out_devices", "cuda_ns", "cpu_ns", "flops",
+            "bytes_read", "bytes_written"]
+    if ops.num_rows == 0:
+        return []
+    work = ops.select(cols + ["is_noise"])
+    batches = work.to_batches()
+    plan = _batch_keys(batches)
+    if plan is None:
+        return _groups_whole(ops)
+    values, meta, space = plan
+    dense = space <= 1 << 22
+    present = np.zeros(space if dense else 0, dtype=bool)
+    seen: list[np.ndarray] = []
+    for b in batches:
+        key, noise = _key(b, values, meta)
+        if dense:
+            present[key[~noise]] = True
+        else:
+            seen.append(np.unique(key[~noise]))
+    if dense:
+        ids = np.flatnonzero(present)
+        remap: Optional[np.ndarray] = np.full(space, -1, dtype=np.int64)
+        assert remap is not None
+        remap[ids] = np.arange(len(ids))
+    else:
+        ids = np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
+        remap = None
+    del present, seen
+    names = ("time_sum", "cpu_sum", "cuda_sum", "cuda_count", "flops_sum", "bytes_sum", "op_count")
+    sums = {name: np.zeros(len(ids) + 1, dtype=np.int64) for name in names}
+    for b in batches:
+        key, noise = _key(b, values, meta)
+        inv = remap[key] if remap is not None else np.searchsorted(ids, key)
+        inv = np.where(noise, len(ids), inv)            # noise rows go to a bin of their own, dropped below
+
+        def col(name: str, b: Any = b) -> np.ndarray:
+            out: np.ndarray = pc.fill_null(b.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+            return out
+
+        cpu = col("cpu_ns")
+        has_cuda = ~np.asarray(pc.is_null(b.column("cuda_ns")).to_numpy(zero_copy_only=False), dtype=bool)
+        cuda = col("cuda_ns")
+        for name, v in (("time_sum", np.where(has_cuda, cuda, cpu)), ("cpu_sum", cpu), ("cuda_sum", cuda),
+                        ("cuda_count", has_cuda.astype(np.int64)), ("flops_sum", col("flops")),
+                        ("bytes_sum", col("bytes_read") + col("bytes_written")),
+                        ("op_count", np.ones(b.num_rows, np.int64))):
+            np.add.at(sums[name], inv, v)                # exact int64 sums (FLOPs can pass 2**53)
+    out: list[dict[str, Any]] = []
+    radix = [len(v) + 1 for v in values]
+    for j, k in enumerate(ids.tolist()):
+        r: dict[str, Any] = {name: int(v[j]) for name, v in sums.items()}
+        digits = []
+        for base in reversed(radix):                     # the key is mixed-radix: one digit per key column
+            digits.append(k % base - 1)
+            k //= base
+        for field, c, vals in zip(("op", "module", "dtype", "device"), reversed(digits), values):
+            r[field] = vals[c] if c >= 0 else None
+        out.append(r)
+    return out
+
+
+def _dicts(b: Any, name: str) -> Optional[pa.Array]:
+    col = b.column(name)
+    if pa.types.is_list(col.type):
+        col = col.values
+    return col.dictionary if pa.types.is_dictionary(col.type) else None
+
+
+def _batch_keys(batches: list[Any]) -> Optional[tuple[list[list[Any]], tuple[list[bool], int, int], int]]:
+    """(the values of each key column, the key space) when every batch has the same dictionaries (the
+    codes of one batch are the codes of the table), else None."""
+    names = ("op", "module", "out_dtypes", "in_dtypes", "in_devices", "out_devices")
+    got = {n: _dicts(batches[0], n) for n in names}
+    first: dict[str, pa.Array] = {n: d for n, d in got.items() if d is not None}
+    if len(first) != len(names):
+        return None
+    for b in batches[1:]:
+        for n in names:
+            d = _dicts(b, n)
+            if d is None or not (d is first[n] or d.equals(first[n])):
+                return None
+    # a pair's second column is read only when some row has no first (``_first_codes``)
+    need_b = [any(_first_missing(b, a) for b in batches) for a in ("out_dtypes", "in_devices")]
+    values = [first["op"].to_pylist(), first["module"].to_pylist(),
+              first["out_dtypes"].to_pylist() + (first["in_dtypes"].to_pylist() if need_b[0] else []),
+              first["in_devices"].to_pylist() + (first["out_devices"].to_pylist() if need_b[1] else [])]
+    meta = (need_b, len(first["out_dtypes"]), len(first["in_devices"]))
+    space = 1
+    for v in values:
+        space *= len(v) + 1
+    return values, meta, space
+
+
+def _first_missing(b: Any, name: str) -> bool:
+    ca, _ = codes_of(first_of(b.column(name), raw=True))
+    return bool((ca < 0).any())
+
+
+def _key(b: Any, values: list[list[Any]], meta: tuple[list[bool], int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(the group key of each row of batch ``b``, whether it is bookkeeping)."""
+    need_b, n_out, n_in = meta
+
+    def pair(a: str, other: str, use_other: bool, n_a: int) -> np.ndarray:
+        ca, _ = codes_of(first_of(b.column(a), raw=True))
+        if not use_other:
+            return ca
+        cb, _ = codes_of(first_of(b.column(other), raw=True))
+        out: np.ndarray = np.where(ca >= 0, ca, np.where(cb >= 0, cb + n_a, -1))
+        return out
+
+    codes = [codes_of(b.column("op"))[0], codes_of(b.column("module"))[0],
+             pair("out_dtypes", "in_dtypes", need_b[0], n_out), pair("in_devices", "out_devices", need_b[1], n_in)]
+    key = np.zeros(b.num_rows, dtype=np.int64)
+    for c, v in zip(codes, values):
+        key = key * (len(v) + 1) + (c + 1)
+    noise = np.asarray(pc.fill_null(b.column("is_noise"), False).to_numpy(zero_copy_only=False), dtype=bool)
+    return key, noise
 
 
 def _first_codes(t: pa.Table, a: str, b: str) -> tuple[np.ndarray, list[Any]]:

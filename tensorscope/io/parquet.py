@@ -27,6 +27,10 @@ from ..metadata import jsonable as _jsonable  # noqa: F401  (the name earlier ve
 from . import TraceTables
 
 METADATA_FILE = "metadata.json"
+#: rows per parquet row group ``save`` writes (what a writer or a lazy reader holds at once)
+ROW_GROUP_ROWS = 65536
+#: a table of more rows than this is loaded into a memory-mapped Arrow file, not into memory
+MMAP_ROWS = 262144
 PathLike = Union[str, "os.PathLike[str]"]
 __all__ = ["FORMAT", "METADATA_FILE", "check_version", "check_columns", "read", "read_metadata", "save",
            "kv_metadata"]
@@ -40,9 +44,12 @@ def kv_metadata(schema_metadata: Optional[dict[bytes, bytes]], md: TraceMetadata
             PARQUET_KEY: md_json if md_json is not None else md.to_json().encode()}
 
 
-def save(trace: TraceTables, path: PathLike) -> str:
+def save(trace: TraceTables, path: PathLike, *, row_group_rows: int = ROW_GROUP_ROWS) -> str:
     """Write ``trace``'s tables and metadata to the directory ``path`` (replaced atomically when it is
-    a trace). Returns its absolute path; ``saved_to`` is never written (the directory may move)."""
+    a trace). Returns its absolute path; ``saved_to`` is never written (the directory may move).
+
+    Each table is written ``row_group_rows`` rows at a time from its record batches (memory-mapped
+    ones for a big trace): never gathered whole in memory."""
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path) or "."
     if os.path.exists(path) and not os.path.isdir(path):
@@ -62,8 +69,8 @@ def save(trace: TraceTables, path: PathLike) -> str:
                                     tables={name: t.num_rows for name, t in tables.items()})
         md_json = md.to_json().encode()
         for name, table in tables.items():
-            table = table.replace_schema_metadata(kv_metadata(table.schema.metadata, md, md_json))
-            pq.write_table(table, os.path.join(tmp, f"{name}.parquet"), compression="zstd")
+            _write(table, os.path.join(tmp, f"{name}.parquet"), kv_metadata(table.schema.metadata, md, md_json),
+                   row_group_rows)
         with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
             f.write(md.to_json(indent=1))
         if os.path.isdir(path):
@@ -76,6 +83,15 @@ def save(trace: TraceTables, path: PathLike) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _write(table: pa.Table, file: str, kv: dict[bytes, bytes], row_group_rows: int) -> None:
+    """One table to one parquet file, a row group at a time (``row_group_rows`` rows each): the writer
+    reads the table's record batches (memory-mapped for a big trace) slice by slice, so what it holds
+    is one row group's pages, not the table."""
+    schema = table.schema.with_metadata(kv)
+    with pq.ParquetWriter(file, schema, compression="zstd") as writer:
+        writer.write_table(table.replace_schema_metadata(kv), row_group_size=max(1, int(row_group_rows)))
 
 
 def read_metadata(path: PathLike) -> TraceMetadata:
@@ -93,7 +109,7 @@ def read_metadata(path: PathLike) -> TraceMetadata:
     return TraceMetadata.from_json(text, where=repr(mfile))
 
 
-def _read_table(path: str, name: str) -> Optional[pa.Table]:
+def _read_table(path: str, name: str, mmap_rows: Optional[int] = MMAP_ROWS) -> Optional[pa.Table]:
     file = os.path.join(path, f"{name}.parquet")
     if not os.path.isfile(file):
         if name in S.DERIVED:
@@ -121,6 +137,10 @@ def _read_table(path: str, name: str) -> Optional[pa.Table]:
         TraceMetadata.from_json(text, where=f"{file!r} ({PARQUET_KEY!r} key-value metadata)")
     check_columns(name, schema, file)
     try:
+        if mmap_rows is not None and pq.ParquetFile(file).metadata.num_rows > mmap_rows:
+            mapped = _read_mapped(file, name)
+            if mapped is not None:
+                return mapped
         table = pq.read_table(file)
     except (OSError, pa.ArrowException) as e:   # footer intact, a data page damaged
         raise TraceFormatError(f"{file!r}: damaged parquet data, cannot be read ({type(e).__name__}: {e})") from e
@@ -128,6 +148,38 @@ def _read_table(path: str, name: str) -> Optional[pa.Table]:
         return S.conform(name, table)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
         raise TraceFormatError(f"{file!r}: does not match the {name} schema: {e}") from e
+
+
+def _read_mapped(file: str, name: str) -> Optional[pa.Table]:
+    """The table of ``file`` conformed row group by row group into an Arrow IPC file and memory-mapped:
+    what it holds in memory is one row group, whatever the table's size. The IPC file is unlinked once
+    mapped (the mapping keeps its pages; the disk space goes with the table), so nothing is left behind.
+    None when the row groups' dictionaries differ (the IPC file format keeps one per column: a file
+    another writer made), or where a mapped file cannot be unlinked (Windows): read into memory then."""
+    tmp = tempfile.mkdtemp(prefix="tensorscope-load-")
+    ipc = os.path.join(tmp, f"{name}.arrow")
+    try:
+        pf = pq.ParquetFile(file)
+        with pa.OSFile(ipc, "wb") as sink, pa.ipc.new_file(sink, S.TABLES[name]) as writer:
+            for i in range(pf.num_row_groups):
+                part = pf.read_row_group(i)
+                try:
+                    part = S.conform(name, part)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+                    raise TraceFormatError(f"{file!r}: does not match the {name} schema: {e}") from e
+                writer.write_table(part)
+        with pa.memory_map(ipc) as src:
+            table = pa.ipc.open_file(src).read_all()
+        os.unlink(ipc)
+    except pa.ArrowInvalid as e:
+        if "ictionary" not in str(e):
+            raise
+        return None
+    except OSError:
+        return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return table
 
 
 def _string_like(t: pa.DataType) -> bool:
@@ -173,10 +225,14 @@ def check_columns(name: str, schema: pa.Schema, file: str) -> None:
         raise TraceFormatError(f"{file!r} is not a tensorscope {name} table: " + "; ".join(problems))
 
 
-def read(path: PathLike) -> tuple[dict[str, pa.Table], TraceMetadata]:
+def read(path: PathLike, *, mmap_rows: Optional[int] = MMAP_ROWS) -> tuple[dict[str, pa.Table], TraceMetadata]:
     """The tables and metadata of a trace directory written by ``save`` (every table validated and
-    conformed; ``saved_to`` set to ``path``). ``tensorscope.load`` builds the Trace from them."""
+    conformed; ``saved_to`` set to ``path``). ``tensorscope.load`` builds the Trace from them.
+
+    A table of more than ``mmap_rows`` rows (None: never) is conformed a row group at a time into a
+    memory-mapped Arrow file instead of memory (``_read_mapped``): the same table, equal to the one
+    read into memory, at the memory cost of one row group."""
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
-    tables = {name: _read_table(path, name) for name in S.TABLES}
+    tables = {name: _read_table(path, name, mmap_rows) for name in S.TABLES}
     return {k: v for k, v in tables.items() if v is not None}, md.replace(saved_to=path)

@@ -20,23 +20,52 @@ from typing import Optional
 
 from .._common import fmt_bytes
 from .section import Section
-from .svg_memory import memory_timeline_svg
+from .svg_memory import memory_digest_svg
 
 _TOP = 10
 
 
+def digest(t, columns: Optional[int] = None) -> dict:
+    """The trace's ``memory_digest`` for a chart of ``columns`` pixel columns (None: any one already
+    made, else the notebook chart's), kept with the trace's other views: one sweep of the ops serves
+    the memory section, its chart and the headline's peaks, in bounded memory."""
+    from ..analyses.memory_categories import memory_digest
+    from .svg_memory import chart_columns
+
+    cache = getattr(t, "_derived", None)
+    cache = cache if isinstance(cache, dict) else {}
+    made = cache.setdefault("memory_digest", {})
+    if columns is None:
+        if made:
+            return next(iter(made.values()))
+        columns = chart_columns(px_per_column=_NOTEBOOK_PX)
+    got = made.get(columns)
+    if got is None:
+        got = made[columns] = memory_digest(t.tensors, t.ops, columns)
+    return got
+
+
+#: pixels per column of the notebook's memory chart (the report draws every pixel column)
+_NOTEBOOK_PX = 3
+
+
 def memory_section(t, full: bool = False) -> Optional[Section]:
     from ..analyses.memory import memory_peak
+    from ..analyses.memory_categories import digest_memory_peak
+    from .svg_memory import chart_columns
 
-    mem = t.memory
-    if mem.num_rows == 0:
+    if t.ops.num_rows == 0 or t.tensors.num_rows == 0:   # the memory table is empty
         return None
-    peaks = memory_peak(mem, t.ops, t.tensors)
+    px = 1 if full else _NOTEBOOK_PX
+    dg = digest(t, chart_columns(px_per_column=px))
+    peaks = digest_memory_peak(dg, t.ops, t.tensors)
+    if peaks is None:   # storages naming ops past the last (not a trace this package records)
+        peaks = memory_peak(t.memory, t.ops, t.tensors)
     if not peaks or all(p["peak_bytes"] == 0 and p.get("high_water_bytes", 0) == 0 for p in peaks.values()):
         return None
     rows = []
     ops = t.ops
-    made_of = _made_of(t)
+    made_of = _made_of(t, dg)
     for dev, p in peaks.items():
         at = f"after op {p['peak_seq']}"
         if p.get("peak_op"):
@@ -69,8 +98,7 @@ def memory_section(t, full: bool = False) -> Optional[Section]:
     alt = "memory chart: live bytes after each op by category; " + "; ".join(
         f"{dev} peak {fmt_bytes(p['peak_bytes'])} after op {p['peak_seq']}" for dev, p in peaks.items())
     return Section("memory (storages this trace saw)", rows, header + ("at the peak",), notes,
-                   svg=lambda: memory_timeline_svg(t.memory_timeline, cells=trace_cells(t), hovers=full,
-                                                     px_per_column=1 if full else 3),
+                   svg=lambda: memory_digest_svg(dg, t.ops, cells=trace_cells(t), hovers=full),
                    text_alt=alt)
 
 
@@ -106,16 +134,16 @@ def allocator_section(t) -> Optional[Section]:
                                                     "retries", "OOMs"), notes)
 
 
-def _made_of(t) -> dict:
+def _made_of(t, dg: dict) -> dict:
     """device -> "activation 1.2 MiB, parameter 800 KiB, …" at the timeline's peak (categorised traces)."""
     cats = t.tensors.column("category")
     if cats.null_count == len(cats):
         return {}
-    from ..analyses.memory_categories import peaks
+    from ..analyses.memory_categories import digest_peaks
     from ..schema import MEMORY_CATEGORIES
 
     out = {}
-    for p in peaks(t.memory_timeline):
+    for p in digest_peaks(dg, t.ops):
         parts = sorted(((p[f"{c}_bytes"], c) for c in MEMORY_CATEGORIES if p[f"{c}_bytes"]), reverse=True)
         out[p["device"]] = ", ".join(f"{c.replace('_', ' ')} {fmt_bytes(b)}" for b, c in parts)
     return out

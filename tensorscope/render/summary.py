@@ -268,10 +268,14 @@ def head(t, ctx: Optional[dict[str, Any]] = None, min_share: float = 0.01) -> He
 
 
 def _peaks(t) -> list[dict[str, Any]]:
+    """Each device's peak row of ``t.memory_timeline``, read from the memory digest the memory section
+    made (``sections_memory.digest``: the timeline itself is not built)."""
     try:
-        from ..analyses.memory_categories import peaks
+        from ..analyses.memory_categories import digest_peaks
 
-        return peaks(t.memory_timeline)
+        if t.ops.num_rows == 0 or t.tensors.num_rows == 0:
+            return []
+        return digest_peaks(sections_memory.digest(t), t.ops)
     except Exception:
         return []
 

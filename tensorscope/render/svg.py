@@ -267,7 +267,10 @@ def icicle_tree(trace) -> Optional[_Node]:
     ops = trace.ops
     if ops.num_rows == 0:
         return None
-    work = ops.filter(pc.invert(pc.fill_null(ops.column("is_noise"), False)))
+    # the columns read, then the rows (a filter copies what it keeps: not every column of a big trace)
+    need = [c for c in ("call_id", "phase", "graph_id", "module", "op", "cpu_ns", "in_shapes", "source_file",
+                        "source_line") if c in ops.column_names]
+    work = ops.select(need).filter(pc.invert(pc.fill_null(ops.column("is_noise"), False)))
     if work.num_rows == 0:
         return None
     calls = trace.calls
