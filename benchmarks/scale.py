@@ -15,8 +15,9 @@ default ``max(65536, min(200k, N/4))``) so the op chunks spill to disk while it 
 
 Prints one row per run:
 
-* ``rec us/op``: wall time from entering the trace to the last op, per op;
-* ``fin us/op``: the trace's exit (stop, decode, build every table), per op;
+* ``rec us/op``: time from entering the trace to the last op, per op, wall / process CPU (the CPU
+  time is the steadier figure on a shared machine);
+* ``fin us/op``: the trace's exit (stop, decode, build every table), per op, wall / process CPU;
 * ``rec B/op``: resident bytes while recording (RSS just before the exit minus RSS at the start), per op,
   and ``after B/op`` once the trace is built (the ``Trace`` alive);
 * ``fin peak MB``: the high-water mark of RSS during the exit over RSS at the start (the mark is reset
@@ -127,13 +128,13 @@ def one(kind: str, n_ops: int, spill_rows: int | None) -> dict:
     opts = {} if spill_rows is None else {"spill_rows": spill_rows}
     gc.collect()
     s0 = status()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     with tensorscope.trace(**opts) as tr:
         run()
         s1 = status()
         peak_ok = reset_peak()
-        t1 = time.perf_counter()
-    t2 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
+    c2, t2 = time.process_time(), time.perf_counter()
     s2 = status()
     t = tr.result if hasattr(tr, "result") else tr
     n = t.ops.num_rows
@@ -143,6 +144,8 @@ def one(kind: str, n_ops: int, spill_rows: int | None) -> dict:
         "spilled_rows": md.get("spilled_rows", 0),
         "rec_us_per_op": (t1 - t0) / n * 1e6,
         "fin_us_per_op": (t2 - t1) / n * 1e6,
+        "rec_cpu_us_per_op": (c1 - c0) / n * 1e6,
+        "fin_cpu_us_per_op": (c2 - c1) / n * 1e6,
         "rec_bytes_per_op": (s1["VmRSS"] - s0["VmRSS"]) / n,
         "rec_anon_bytes_per_op": (s1["RssAnon"] - s0["RssAnon"]) / n,
         "after_bytes_per_op": (s2["VmRSS"] - s0["VmRSS"]) / n,
@@ -183,15 +186,16 @@ def _fmt(v, spec):
 def print_row(r: dict) -> None:
     spill = "default" if r["spill_rows"] is None else f"{r['spill_rows']:,}"
     print(f"{r['kind']:6s} {r['n_ops']:>11,} {spill:>10s} {r['engine'] or '?':7s} "
-          f"{r['rec_us_per_op']:7.2f} {r['fin_us_per_op']:7.2f} {r['rec_bytes_per_op']:7.0f} "
+          f"{r['rec_us_per_op']:5.2f}/{r['rec_cpu_us_per_op']:<5.2f} {r['fin_us_per_op']:5.2f}/{r['fin_cpu_us_per_op']:<5.2f} "
+          f"{r['rec_bytes_per_op']:7.0f} "
           f"{r['after_bytes_per_op']:7.0f} {_fmt(r['fin_peak_mb'], '8.0f')} "
           f"{r['after_anon_mb']:7.0f}/{r['after_file_mb']:<6.0f} {r['summary_s']:6.1f} "
           f"{_fmt(r['summary_peak_mb'], '8.0f')} {r['save_s']:6.1f}", flush=True)
 
 
-HEADER = (f"{'work':6s} {'ops':>11s} {'spill_rows':>10s} {'engine':7s} {'rec':>7s} {'fin':>7s} {'rec':>7s} "
+HEADER = (f"{'work':6s} {'ops':>11s} {'spill_rows':>10s} {'engine':7s} {'rec':>11s} {'fin':>11s} {'rec':>7s} "
           f"{'after':>7s} {'fin peak':>8s} {'anon/file':>14s} {'sum':>6s} {'sum peak':>8s} {'save':>6s}\n"
-          f"{'':6s} {'':>11s} {'':>10s} {'':7s} {'us/op':>7s} {'us/op':>7s} {'B/op':>7s} "
+          f"{'':6s} {'':>11s} {'':>10s} {'':7s} {'us/op w/cpu':>11s} {'us/op w/cpu':>11s} {'B/op':>7s} "
           f"{'B/op':>7s} {'MB':>8s} {'MB after':>14s} {'s':>6s} {'MB':>8s} {'s':>6s}")
 
 

@@ -229,6 +229,80 @@ class CallStore(RowBuffer):
         return int(self.full_matrix()[call_id, k])
 
 
+class SparseInts:
+    """seq -> int for a per-op fact most rows of a trace have (the python engine's ``probe_ns``):
+    ``d[seq] = v`` appends to two ``array('q')`` columns (16 B an entry, where a dict of ints held
+    ~100), frozen into packed numpy columns with each op chunk (``freeze``: a few bytes an entry).
+
+    Reads as the dicts of the other sparse facts do (``len``, iteration over seqs, ``values()``), and
+    ``rows_in(start, n)`` gives one chunk's entries without reading the others (decode.py). Seqs are
+    appended in increasing order (a seq written twice: the later value wins, as in a dict).
+    """
+
+    __slots__ = ("seqs", "vals", "frozen")
+
+    def __init__(self) -> None:
+        self.seqs = array("q")
+        self.vals = array("q")
+        self.frozen: list[tuple[int, int, Packed, Packed]] = []   # (first seq, last seq, seqs, values)
+
+    def __setitem__(self, seq: int, value: int) -> None:
+        self.seqs.append(seq)
+        self.vals.append(value)
+
+    def __len__(self) -> int:
+        return len(self.seqs) + sum(len(f[2][1]) for f in self.frozen)
+
+    def freeze(self) -> None:
+        """Pack the entries appended since the last call."""
+        if not len(self.seqs):
+            return
+        seqs = np.frombuffer(self.seqs, dtype=np.int64).copy()
+        vals = np.frombuffer(self.vals, dtype=np.int64).copy()
+        self.frozen.append((int(seqs.min()), int(seqs.max()), pack(seqs), pack(vals)))
+        self.seqs = array("q")
+        self.vals = array("q")
+
+    def _parts(self, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for lo, hi, seqs, vals in self.frozen:
+            if hi >= start and (stop is None or lo < stop):
+                yield unpack(seqs), unpack(vals)
+        if len(self.seqs):
+            yield np.frombuffer(self.seqs, dtype=np.int64), np.frombuffer(self.vals, dtype=np.int64)
+
+    def __iter__(self) -> Iterator[int]:
+        for seqs, _ in self._parts():
+            yield from seqs.tolist()
+
+    def values(self) -> list[int]:
+        return [v for _, vals in self._parts() for v in vals.tolist()]
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        for seqs, vals in self._parts():
+            yield from zip(seqs.tolist(), vals.tolist())
+
+    def get(self, seq: int, default: Optional[int] = None) -> Optional[int]:
+        got = default
+        for seqs, vals in self._parts(seq, seq + 1):
+            hit = np.nonzero(seqs == seq)[0]
+            if len(hit):
+                got = int(vals[hit[-1]])
+        return got
+
+    def rows_in(self, start: int, n: int, dtype: Any, width: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The entries whose seq falls in ``[start, start + n)``: (row positions from ``start``,
+        values as a ``(rows, 1)`` array of ``dtype``), as ``decode._sparse_rows`` gives a dict's."""
+        assert width == 1, "one value a seq"
+        rows, vals = [], []
+        for seqs, v in self._parts(start, start + n):
+            sel = (seqs >= start) & (seqs < start + n)
+            rows.append(seqs[sel] - start)
+            vals.append(v[sel])
+        if not rows:
+            return np.zeros(0, np.int64), np.zeros((0, 1), dtype=dtype)
+        return np.concatenate(rows), np.concatenate(vals).astype(dtype).reshape(-1, 1)
+
+
 class _Columns:
     """A set of ``array`` columns with chunk freezing."""
 
@@ -305,7 +379,7 @@ class Recorder:
         self.nonfinite: dict[int, tuple[int, bool]] = {}
         self.numerics: dict[int, tuple[float, float]] = {}
         #: seq -> ns tensorscope's own probes took after the op (screen, numerics shadow, op hooks): python engine
-        self.probe_ns: dict[int, int] = {}
+        self.probe_ns = SparseInts()
         #: key hash -> seq of its first row, for the (op, shapes, dtypes, devices) keys this trace ran first in
         #: the process (decode.py): rows decoded twice (spilled parts, then the table) get the same answer
         self.first_keys: dict[int, int] = {}
@@ -324,6 +398,7 @@ class Recorder:
         self.storages = array("q")
         rows = len(chunk["op"])
         self.chunk_start += rows
+        self.probe_ns.freeze()
         if rows == 0:
             return
         self.mem_chunks.append({k: pack(v) for k, v in chunk.items()})

@@ -1,0 +1,87 @@
+"""What a trace keeps per op while it records: the per-op facts are columns, not Python objects.
+
+``probe_ns`` (the python engine's probe time after each op: one entry per screened op) and the
+storage tracker's data pointers (one per storage: one per op in a loop that allocates) are
+``array``/packed numpy columns; as dicts and lists of ints they held ~100 and ~40 bytes an op.
+These check the structures and their decoded result, not a time.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import tensorscope
+from tensorscope.recording.decode import _sparse_rows
+from tensorscope.recording.recorder import Recorder, SparseInts
+
+
+def test_sparse_ints_read_as_the_dict_they_replace():
+    rng = np.random.default_rng(0)
+    seqs = np.sort(rng.choice(5000, 1200, replace=False))
+    vals = rng.integers(0, 10**9, len(seqs))
+    ref: dict[int, int] = {}
+    d = SparseInts()
+    for i, (s, v) in enumerate(zip(seqs.tolist(), vals.tolist())):
+        ref[s] = v
+        d[s] = v
+        if i % 97 == 0:
+            d.freeze()   # chunk boundaries anywhere
+    assert len(d) == len(ref) and list(d) == list(ref) and d.values() == list(ref.values())
+    assert dict(d.items()) == ref
+    assert d.get(int(seqs[5])) == ref[int(seqs[5])] and d.get(-3) is None
+    for start, n in ((0, 64), (100, 1000), (4990, 64), (6000, 10), (0, 5000)):
+        got_rows, got_vals = _sparse_rows(d, start, n, np.int64)
+        want_rows, want_vals = _sparse_rows(ref, start, n, np.int64)
+        assert got_rows.tolist() == want_rows.tolist() and got_vals.tolist() == want_vals.tolist()
+        assert got_vals.shape == (len(got_rows), 1)
+
+
+def test_a_later_value_of_the_same_seq_wins_as_in_a_dict():
+    d = SparseInts()
+    d[3] = 1
+    d.freeze()
+    d[3] = 2
+    rows, vals = _sparse_rows(d, 0, 10, np.int64)
+    out = np.zeros(10, np.int64)
+    out[rows] = vals[:, 0]
+    assert out[3] == 2 and d.get(3) == 2
+
+
+def test_the_recorder_packs_probe_times_with_each_op_chunk():
+    rec = Recorder(chunk_rows=16, spill_rows=64)
+    for seq in range(100):
+        rec.probe_ns[seq] = 1000 + seq
+    rec.end_chunk()
+    assert len(rec.probe_ns.seqs) == 0 and len(rec.probe_ns.frozen) == 1
+    _, _, packed_seqs, packed_vals = rec.probe_ns.frozen[0]
+    assert packed_seqs[1].itemsize == 1 and packed_vals[1].itemsize == 1   # 100 values in a byte each
+    rows, vals = _sparse_rows(rec.probe_ns, 40, 20, np.int64)
+    assert rows.tolist() == list(range(20)) and vals[:, 0].tolist() == list(range(1040, 1060))
+
+
+def test_python_engine_per_op_facts_are_compact_and_decode_alike():
+    from tensorscope.recording.session import active_session
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    n = 3000
+    with tensorscope.trace(engine="python", chunk_rows=256, spill_rows=512) as t:
+        for _ in range(n):
+            a.add(b)
+        s = active_session()
+        rec, tracker = s.ctx.rec, s.ctx.tracker
+        probe = rec.probe_ns
+        assert isinstance(probe, SparseInts) and len(probe) >= n - 20
+        held = sum(p[1].nbytes + v[1].nbytes for _, _, p, v in probe.frozen) + 16 * len(probe.seqs)
+        assert held / len(probe) < 16   # packed: a few bytes an entry (a dict of ints: ~100)
+        assert tracker.ptrs.itemsize == 8 and len(tracker.ptrs) >= n
+    assert t.metadata["engine"] == "python"
+    probe_col = t.ops.column("probe_ns")
+    assert probe_col.null_count < t.ops.num_rows // 10   # the probe times reached the table
+    assert t.tensors.column("address").null_count == 0
+
+
+def test_tensors_addresses_come_from_the_tracker_array():
+    x = torch.randn(4, 4)
+    with tensorscope.trace(engine="python") as t:
+        y = x * 2
+    assert int(y.untyped_storage().data_ptr()) in t.tensors.column("address").to_pylist()
