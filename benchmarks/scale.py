@@ -1,7 +1,8 @@
 """Long cells: recording, finishing, summarising and saving traces of millions of ops, and the memory each takes.
 
 Run: ``.venv/bin/python benchmarks/scale.py [SIZES ...] [--quick] [--model-ops N] [--spill N] [--json out.json]``
-(default sizes 1M 3M 10M small ops; ``--quick``: 200k 1M; sizes accept ``k``/``M`` suffixes). Every
+(default sizes 1M 3M 10M small ops; ``--quick``: 200k 1M; sizes accept ``k``/``M`` suffixes). Run it
+with ``TENSORSCOPE_FORCE_FALLBACK=1`` to measure the python engine (the subprocesses inherit it). Every
 measurement runs in its own fresh subprocess (``--one``), so one run's peaks never mix with another's.
 
 Workloads, each traced with every default option (``tensorscope.trace()``):
@@ -15,6 +16,7 @@ default ``max(65536, min(200k, N/4))``) so the op chunks spill to disk while it 
 
 Prints one row per run:
 
+* ``eager us/op``: the same workload run untraced first (wall), what the program itself costs;
 * ``rec us/op``: time from entering the trace to the last op, per op, wall / process CPU (the CPU
   time is the steadier figure on a shared machine);
 * ``fin us/op``: the trace's exit (stop, decode, build every table), per op, wall / process CPU;
@@ -126,6 +128,11 @@ def one(kind: str, n_ops: int, spill_rows: int | None) -> dict:
     with tensorscope.trace():   # one-time imports and lazy initialisation (the fixed cost, not ours here)
         a.add(a)
     opts = {} if spill_rows is None else {"spill_rows": spill_rows}
+    if spill_rows is not None and spill_rows < 65536:   # below the default chunk_rows: smaller chunks
+        opts["chunk_rows"] = max(1, spill_rows // 2)
+    e0 = time.perf_counter()
+    run()   # untraced: what the program itself costs per op
+    eager = (time.perf_counter() - e0) / planned * 1e6
     gc.collect()
     s0 = status()
     c0, t0 = time.process_time(), time.perf_counter()
@@ -142,6 +149,7 @@ def one(kind: str, n_ops: int, spill_rows: int | None) -> dict:
     res = {
         "kind": kind, "n_ops": n, "planned_ops": planned, "spill_rows": spill_rows, "engine": md.get("engine"),
         "spilled_rows": md.get("spilled_rows", 0),
+        "eager_us_per_op": eager,
         "rec_us_per_op": (t1 - t0) / n * 1e6,
         "fin_us_per_op": (t2 - t1) / n * 1e6,
         "rec_cpu_us_per_op": (c1 - c0) / n * 1e6,
@@ -186,16 +194,16 @@ def _fmt(v, spec):
 def print_row(r: dict) -> None:
     spill = "default" if r["spill_rows"] is None else f"{r['spill_rows']:,}"
     print(f"{r['kind']:6s} {r['n_ops']:>11,} {spill:>10s} {r['engine'] or '?':7s} "
-          f"{r['rec_us_per_op']:5.2f}/{r['rec_cpu_us_per_op']:<5.2f} {r['fin_us_per_op']:5.2f}/{r['fin_cpu_us_per_op']:<5.2f} "
+          f"{r['eager_us_per_op']:6.2f} {r['rec_us_per_op']:5.2f}/{r['rec_cpu_us_per_op']:<5.2f} {r['fin_us_per_op']:5.2f}/{r['fin_cpu_us_per_op']:<5.2f} "
           f"{r['rec_bytes_per_op']:7.0f} "
           f"{r['after_bytes_per_op']:7.0f} {_fmt(r['fin_peak_mb'], '8.0f')} "
           f"{r['after_anon_mb']:7.0f}/{r['after_file_mb']:<6.0f} {r['summary_s']:6.1f} "
           f"{_fmt(r['summary_peak_mb'], '8.0f')} {r['save_s']:6.1f}", flush=True)
 
 
-HEADER = (f"{'work':6s} {'ops':>11s} {'spill_rows':>10s} {'engine':7s} {'rec':>11s} {'fin':>11s} {'rec':>7s} "
+HEADER = (f"{'work':6s} {'ops':>11s} {'spill_rows':>10s} {'engine':7s} {'eager':>6s} {'rec':>11s} {'fin':>11s} {'rec':>7s} "
           f"{'after':>7s} {'fin peak':>8s} {'anon/file':>14s} {'sum':>6s} {'sum peak':>8s} {'save':>6s}\n"
-          f"{'':6s} {'':>11s} {'':>10s} {'':7s} {'us/op w/cpu':>11s} {'us/op w/cpu':>11s} {'B/op':>7s} "
+          f"{'':6s} {'':>11s} {'':>10s} {'':7s} {'us/op':>6s} {'us/op w/cpu':>11s} {'us/op w/cpu':>11s} {'B/op':>7s} "
           f"{'B/op':>7s} {'MB':>8s} {'MB after':>14s} {'s':>6s} {'MB':>8s} {'s':>6s}")
 
 
