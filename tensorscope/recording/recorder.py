@@ -181,13 +181,16 @@ class CallStore(RowBuffer):
 
     A call row is updated when the call returns, so only rows older than the
     oldest call still on the stack may be frozen. ``base`` is the call id of
-    the first live row: live index = call_id - base.
+    the first live row: live index = call_id - base. Frozen chunks spill with the op chunks
+    (``spill``: one ``calls-*.npz`` file each in the recorder's spill directory) and are read back
+    a column at a time.
     """
 
     def __init__(self, fields: Sequence[str]) -> None:
         super().__init__(fields)
         self.base = 0
         self.frozen: list[dict[str, Packed]] = []
+        self.spilled: list[tuple[str, int]] = []   # (file, rows) of the chunks written out, in order
 
     def freeze_below(self, keep_from: int) -> None:
         n = keep_from - self.base
@@ -200,17 +203,36 @@ class CallStore(RowBuffer):
         self.data.frombytes(rest.tobytes())
         self.base = keep_from
 
+    def spill(self, directory: str) -> None:
+        """Write the frozen chunks to ``directory`` and drop them from memory."""
+        for chunk in self.frozen:
+            path = os.path.join(directory, f"calls-{len(self.spilled):06d}.npz")
+            arrays: dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
+            arrays["__bases__"] = np.array([chunk[k][0] for k in self.fields], dtype=np.int64)
+            np.savez(path, **arrays)   # numeric arrays only: no pickle is written or read
+            self.spilled.append((path, len(chunk[self.fields[0]][1])))
+        self.frozen = []
+
+    def _frozen_columns(self, name: str) -> Iterator[Packed]:
+        """Column ``name`` of every frozen chunk in call order (``pack``ed), spilled ones read back."""
+        k = self.fields.index(name)
+        for path, _ in self.spilled:
+            with np.load(path, allow_pickle=False) as z:
+                yield int(z["__bases__"][k]), z[name]
+        for ch in self.frozen:
+            yield ch[name]
+
     def full_matrix(self) -> np.ndarray:
-        parts = [np.stack([unpack(c[name]) for name in self.fields], axis=1) for c in self.frozen]
-        parts.append(self.matrix())
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if not self.spilled and not self.frozen:
+            return self.matrix()
+        return np.stack([self.column(name) for name in self.fields], axis=1)
 
     def column(self, name: str) -> np.ndarray:
         """One field of every row as a contiguous int64 column: each frozen chunk's packed column
         widened straight into place, then the live rows' (column-wise: stacking rows into one
         matrix and slicing strided columns from it costs several times more)."""
         live = self.matrix()[:, self.fields.index(name)]
-        packed = [ch[name] for ch in self.frozen]
+        packed = list(self._frozen_columns(name))
         col = np.empty(sum(len(a) for _, a in packed) + len(live), dtype=np.int64)
         pos = 0
         for base, a in packed:   # no temporaries
@@ -226,7 +248,13 @@ class CallStore(RowBuffer):
         i = call_id - self.base
         if i >= 0:
             return self.data[i * self.width + k]
-        return int(self.full_matrix()[call_id, k])
+        start = 0   # a frozen row: read its chunk's column only
+        counts = [n for _, n in self.spilled] + [len(ch[self.fields[0]][1]) for ch in self.frozen]
+        for (base, a), n in zip(self._frozen_columns(self.fields[k]), counts):
+            if call_id < start + n:
+                return int(a[call_id - start]) + base
+            start += n
+        raise IndexError(call_id)
 
 
 class SparseInts:
@@ -234,24 +262,37 @@ class SparseInts:
     ``d[seq] = v`` appends to two ``array('q')`` columns (16 B an entry, where a dict of ints held
     ~100), frozen into packed numpy columns with each op chunk (``freeze``: a few bytes an entry).
 
-    Reads as the dicts of the other sparse facts do (``len``, iteration over seqs, ``values()``), and
+    Frozen parts spill with the op chunks (``spill``: one ``<name>-*.npz`` file each). Reads as the
+    dicts of the other sparse facts do (``len``, iteration over seqs, ``values()``), and
     ``rows_in(start, n)`` gives one chunk's entries without reading the others (decode.py). Seqs are
     appended in increasing order (a seq written twice: the later value wins, as in a dict).
     """
 
-    __slots__ = ("seqs", "vals", "frozen")
+    __slots__ = ("seqs", "vals", "frozen", "spilled", "n_spilled", "name")
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "sparse") -> None:
+        self.name = name
         self.seqs = array("q")
         self.vals = array("q")
         self.frozen: list[tuple[int, int, Packed, Packed]] = []   # (first seq, last seq, seqs, values)
+        self.spilled: list[tuple[int, int, str]] = []             # (first seq, last seq, file)
+        self.n_spilled = 0                                         # entries in the spilled files
 
     def __setitem__(self, seq: int, value: int) -> None:
         self.seqs.append(seq)
         self.vals.append(value)
 
     def __len__(self) -> int:
-        return len(self.seqs) + sum(len(f[2][1]) for f in self.frozen)
+        return self.n_spilled + len(self.seqs) + sum(len(f[2][1]) for f in self.frozen)
+
+    def spill(self, directory: str) -> None:
+        """Write the frozen parts to ``directory`` and drop them from memory."""
+        for lo, hi, (sb, sa), (vb, va) in self.frozen:
+            path = os.path.join(directory, f"{self.name}-{len(self.spilled):06d}.npz")
+            np.savez(path, seqs=sa, vals=va, bases=np.array([sb, vb], dtype=np.int64))   # no pickle
+            self.spilled.append((lo, hi, path))
+            self.n_spilled += len(sa)
+        self.frozen = []
 
     def freeze(self) -> None:
         """Pack the entries appended since the last call."""
@@ -264,6 +305,11 @@ class SparseInts:
         self.vals = array("q")
 
     def _parts(self, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for lo, hi, path in self.spilled:
+            if hi >= start and (stop is None or lo < stop):
+                with np.load(path, allow_pickle=False) as z:
+                    sb, vb = z["bases"].tolist()
+                    yield unpack((sb, z["seqs"])), unpack((vb, z["vals"]))
         for lo, hi, seqs, vals in self.frozen:
             if hi >= start and (stop is None or lo < stop):
                 yield unpack(seqs), unpack(vals)
@@ -379,7 +425,7 @@ class Recorder:
         self.nonfinite: dict[int, tuple[int, bool]] = {}
         self.numerics: dict[int, tuple[float, float]] = {}
         #: seq -> ns tensorscope's own probes took after the op (screen, numerics shadow, op hooks): python engine
-        self.probe_ns = SparseInts()
+        self.probe_ns = SparseInts("probe_ns")
         #: key hash -> seq of its first row, for the (op, shapes, dtypes, devices) keys this trace ran first in
         #: the process (decode.py): rows decoded twice (spilled parts, then the table) get the same answer
         self.first_keys: dict[int, int] = {}
@@ -420,6 +466,8 @@ class Recorder:
             self.n_spilled += len(chunk["op"][1])
         self.mem_chunks = []
         self.mem_rows = 0
+        self.calls.spill(self.spill_path)   # the finished calls rows go with them (python engine)
+        self.probe_ns.spill(self.spill_path)
         if self.on_spill is not None:
             try:
                 self.on_spill()

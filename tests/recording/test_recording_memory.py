@@ -2,7 +2,8 @@
 
 ``probe_ns`` (the python engine's probe time after each op: one entry per screened op) and the
 storage tracker's data pointers (one per storage: one per op in a loop that allocates) are
-``array``/packed numpy columns; as dicts and lists of ints they held ~100 and ~40 bytes an op.
+``array``/packed numpy columns; as dicts and lists of ints they held ~100 and ~40 bytes an op. The
+probe times and the python engine's finished calls rows spill to disk with the op chunks.
 These check the structures and their decoded result, not a time.
 """
 from __future__ import annotations
@@ -59,25 +60,31 @@ def test_the_recorder_packs_probe_times_with_each_op_chunk():
     assert rows.tolist() == list(range(20)) and vals[:, 0].tolist() == list(range(1040, 1060))
 
 
-def test_python_engine_per_op_facts_are_compact_and_decode_alike():
+def test_python_engine_per_op_facts_are_compact_spill_and_decode_alike(tmp_path):
     from tensorscope.recording.session import active_session
 
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     n = 3000
-    with tensorscope.trace(engine="python", chunk_rows=256, spill_rows=512) as t:
+    with tensorscope.trace(engine="python", chunk_rows=256, spill_rows=512, spill_dir=str(tmp_path)) as t:
         for _ in range(n):
-            a.add(b)
+            a.add(b)   # one op, one torch-level call, one new storage each
         s = active_session()
         rec, tracker = s.ctx.rec, s.ctx.tracker
-        probe = rec.probe_ns
+        probe, calls = rec.probe_ns, rec.calls
         assert isinstance(probe, SparseInts) and len(probe) >= n - 20
-        held = sum(p[1].nbytes + v[1].nbytes for _, _, p, v in probe.frozen) + 16 * len(probe.seqs)
-        assert held / len(probe) < 16   # packed: a few bytes an entry (a dict of ints: ~100)
+        assert probe.spilled and calls.spilled   # written out with the op chunks
+        in_memory = sum(p[1].nbytes + v[1].nbytes for _, _, p, v in probe.frozen) + 16 * len(probe.seqs)
+        assert in_memory / len(probe) < 16
+        assert sum(k for _, k in calls.spilled) > n // 2 and len(calls) + sum(len(c["func"][1]) for c in calls.frozen) < n // 2
+        old = calls.spilled[0][1] // 2   # a call whose row is on disk reads back field by field
+        fields = {k: calls.field(old, i) for i, k in enumerate(calls.fields)}
         assert tracker.ptrs.itemsize == 8 and len(tracker.ptrs) >= n
-    assert t.metadata["engine"] == "python"
-    probe_col = t.ops.column("probe_ns")
-    assert probe_col.null_count < t.ops.num_rows // 10   # the probe times reached the table
+    assert t.metadata["engine"] == "python" and t.metadata["spilled_rows"] > 0
+    assert t.ops.column("probe_ns").null_count < t.ops.num_rows // 10   # the probe times reached the table
     assert t.tensors.column("address").null_count == 0
+    row = t.calls.slice(old, 1).to_pylist()[0]
+    assert row["n_ops"] == fields["n_ops"] and row["first_seq"] == fields["first_seq"] and row["name"] == "add"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tensorscope-spill-")]
 
 
 def test_tensors_addresses_come_from_the_tracker_array():
