@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from array import array
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -258,35 +258,50 @@ class CallStore(RowBuffer):
 
 
 class SparseInts:
-    """seq -> int for a per-op fact most rows of a trace have (the python engine's ``probe_ns``):
-    ``d[seq] = v`` appends to two ``array('q')`` columns (16 B an entry, where a dict of ints held
-    ~100), frozen into packed numpy columns with each op chunk (``freeze``: a few bytes an entry).
+    """seq -> an int (or a tuple of ``width`` ints) for a per-op fact many rows may have: the python
+    engine's ``probe_ns`` (every screened op), the non-finite screen's ``(count, produced)`` (every op
+    after a NaN spreads). ``d[seq] = v`` appends to two ``array('q')`` columns (8 B a value, where a
+    dict held ~100 an entry); ``freeze`` packs them (a few bytes an entry) with each op chunk, and
+    ``spill`` writes the packed parts with the op chunks (one ``<name>-*.npz`` file each).
 
-    Frozen parts spill with the op chunks (``spill``: one ``<name>-*.npz`` file each). Reads as the
-    dicts of the other sparse facts do (``len``, iteration over seqs, ``values()``), and
-    ``rows_in(start, n)`` gives one chunk's entries without reading the others (decode.py). Seqs are
-    appended in increasing order (a seq written twice: the later value wins, as in a dict).
+    Reads as the dicts of the other sparse facts do (``len``, truthiness, iteration over seqs,
+    ``values()``, ``items()``, ``get``, ``update``), and ``rows_in(start, n)`` gives one chunk's entries
+    without reading the others (decode.py). A seq written twice: the later value wins, as in a dict.
     """
 
-    __slots__ = ("seqs", "vals", "frozen", "spilled", "n_spilled", "name")
+    __slots__ = ("seqs", "vals", "frozen", "spilled", "n_spilled", "name", "width")
 
-    def __init__(self, name: str = "sparse") -> None:
+    def __init__(self, name: str = "sparse", width: int = 1) -> None:
         self.name = name
+        self.width = width
         self.seqs = array("q")
-        self.vals = array("q")
+        self.vals = array("q")   # ``width`` values an entry, interleaved
         self.frozen: list[tuple[int, int, Packed, Packed]] = []   # (first seq, last seq, seqs, values)
         self.spilled: list[tuple[int, int, str]] = []             # (first seq, last seq, file)
         self.n_spilled = 0                                         # entries in the spilled files
 
-    def __setitem__(self, seq: int, value: int) -> None:
+    def __setitem__(self, seq: int, value: Any) -> None:
         self.seqs.append(seq)
-        self.vals.append(value)
+        if self.width == 1:
+            self.vals.append(value)
+        else:
+            self.vals.extend(value)
+
+    def update(self, other: Mapping[int, Any]) -> None:
+        for seq, value in other.items():
+            self[seq] = value
+
+    def extend(self, seqs: np.ndarray, vals: np.ndarray) -> None:
+        """Many entries at once: ``seqs`` and a ``(len(seqs), width)`` array of values."""
+        self.seqs.frombytes(np.ascontiguousarray(seqs, dtype=np.int64).tobytes())
+        self.vals.frombytes(np.ascontiguousarray(vals, dtype=np.int64).tobytes())
 
     def __len__(self) -> int:
         return self.n_spilled + len(self.seqs) + sum(len(f[2][1]) for f in self.frozen)
 
     def spill(self, directory: str) -> None:
-        """Write the frozen parts to ``directory`` and drop them from memory."""
+        """Pack what is live, write the packed parts to ``directory`` and drop them from memory."""
+        self.freeze()
         for lo, hi, (sb, sa), (vb, va) in self.frozen:
             path = os.path.join(directory, f"{self.name}-{len(self.spilled):06d}.npz")
             np.savez(path, seqs=sa, vals=va, bases=np.array([sb, vb], dtype=np.int64))   # no pickle
@@ -305,48 +320,54 @@ class SparseInts:
         self.vals = array("q")
 
     def _parts(self, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(seqs, ``(entries, width)`` values) of each part that may hold seqs in ``[start, stop)``."""
+        w = self.width
         for lo, hi, path in self.spilled:
             if hi >= start and (stop is None or lo < stop):
                 with np.load(path, allow_pickle=False) as z:
                     sb, vb = z["bases"].tolist()
-                    yield unpack((sb, z["seqs"])), unpack((vb, z["vals"]))
+                    yield unpack((sb, z["seqs"])), unpack((vb, z["vals"])).reshape(-1, w)
         for lo, hi, seqs, vals in self.frozen:
             if hi >= start and (stop is None or lo < stop):
-                yield unpack(seqs), unpack(vals)
+                yield unpack(seqs), unpack(vals).reshape(-1, w)
         if len(self.seqs):
-            yield np.frombuffer(self.seqs, dtype=np.int64), np.frombuffer(self.vals, dtype=np.int64)
+            yield np.frombuffer(self.seqs, dtype=np.int64), np.frombuffer(self.vals, dtype=np.int64).reshape(-1, w)
+
+    def _value(self, row: list[int]) -> Any:
+        return row[0] if self.width == 1 else tuple(row)
 
     def __iter__(self) -> Iterator[int]:
         for seqs, _ in self._parts():
             yield from seqs.tolist()
 
-    def values(self) -> list[int]:
-        return [v for _, vals in self._parts() for v in vals.tolist()]
+    def values(self) -> list[Any]:
+        return [self._value(v) for _, vals in self._parts() for v in vals.tolist()]
 
-    def items(self) -> Iterator[tuple[int, int]]:
+    def items(self) -> Iterator[tuple[int, Any]]:
         for seqs, vals in self._parts():
-            yield from zip(seqs.tolist(), vals.tolist())
+            for s, v in zip(seqs.tolist(), vals.tolist()):
+                yield s, self._value(v)
 
-    def get(self, seq: int, default: Optional[int] = None) -> Optional[int]:
+    def get(self, seq: int, default: Any = None) -> Any:
         got = default
         for seqs, vals in self._parts(seq, seq + 1):
             hit = np.nonzero(seqs == seq)[0]
             if len(hit):
-                got = int(vals[hit[-1]])
+                got = self._value(vals[hit[-1]].tolist())
         return got
 
     def rows_in(self, start: int, n: int, dtype: Any, width: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """The entries whose seq falls in ``[start, start + n)``: (row positions from ``start``,
-        values as a ``(rows, 1)`` array of ``dtype``), as ``decode._sparse_rows`` gives a dict's."""
-        assert width == 1, "one value a seq"
+        values as a ``(rows, width)`` array of ``dtype``), as ``decode._sparse_rows`` gives a dict's."""
+        assert width == self.width, (width, self.width)
         rows, vals = [], []
         for seqs, v in self._parts(start, start + n):
             sel = (seqs >= start) & (seqs < start + n)
             rows.append(seqs[sel] - start)
             vals.append(v[sel])
         if not rows:
-            return np.zeros(0, np.int64), np.zeros((0, 1), dtype=dtype)
-        return np.concatenate(rows), np.concatenate(vals).astype(dtype).reshape(-1, 1)
+            return np.zeros(0, np.int64), np.zeros((0, width), dtype=dtype)
+        return np.concatenate(rows), np.concatenate(vals).astype(dtype)
 
 
 class _Columns:
@@ -422,7 +443,8 @@ class Recorder:
         # sparse per-op facts: seq -> value
         self.op_errors: dict[int, int] = {}
         self.cuda_ns: dict[int, int] = {}
-        self.nonfinite: dict[int, tuple[int, bool]] = {}
+        #: seq -> (count, produced) of the ops whose outputs held NaN/Inf (every op once a NaN spreads)
+        self.nonfinite = SparseInts("nonfinite", 2)
         self.numerics: dict[int, tuple[float, float]] = {}
         #: seq -> ns tensorscope's own probes took after the op (screen, numerics shadow, op hooks): python engine
         self.probe_ns = SparseInts("probe_ns")
@@ -445,6 +467,7 @@ class Recorder:
         rows = len(chunk["op"])
         self.chunk_start += rows
         self.probe_ns.freeze()
+        self.nonfinite.freeze()
         if rows == 0:
             return
         self.mem_chunks.append({k: pack(v) for k, v in chunk.items()})
@@ -468,6 +491,7 @@ class Recorder:
         self.mem_rows = 0
         self.calls.spill(self.spill_path)   # the finished calls rows go with them (python engine)
         self.probe_ns.spill(self.spill_path)
+        self.nonfinite.spill(self.spill_path)
         if self.on_spill is not None:
             try:
                 self.on_spill()

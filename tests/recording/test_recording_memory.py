@@ -48,6 +48,37 @@ def test_a_later_value_of_the_same_seq_wins_as_in_a_dict():
     assert out[3] == 2 and d.get(3) == 2
 
 
+def test_pairs_of_values_spill_and_read_back_as_the_dict(tmp_path):
+    ref = {s: (s % 7, s % 2 == 0) for s in range(0, 900, 3)}
+    d = SparseInts("nonfinite", 2)
+    items = list(ref.items())
+    for s, v in items[:100]:
+        d[s] = v
+    d.spill(str(tmp_path))
+    seqs = np.array([s for s, _ in items[100:]])
+    d.extend(seqs, np.array([v for _, v in items[100:]], dtype=np.int64))
+    d.freeze()
+    assert len(d) == len(ref) and list(d) == list(ref) and d.get(3) == (3, False)
+    assert dict(d.items()) == {s: (c, int(p)) for s, (c, p) in ref.items()}
+    for start, n in ((0, 300), (290, 20), (600, 400)):
+        got, want = _sparse_rows(d, start, n, np.int64, 2), _sparse_rows(ref, start, n, np.int64, 2)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+def test_a_nan_loop_keeps_its_findings_packed_and_spilled(tmp_path):
+    from tensorscope.recording.session import active_session
+
+    x = torch.full((8,), float("nan"))
+    with tensorscope.trace(chunk_rows=256, spill_rows=512, spill_dir=str(tmp_path), leaks=False) as t:
+        for _ in range(3000):
+            x = x + 1   # every output holds NaN
+        rec = active_session().ctx.rec
+        assert isinstance(rec.nonfinite, SparseInts) and rec.nonfinite.spilled
+        assert rec.nonfinite.n_spilled > 2000
+    nf = t.ops.column("nonfinite").to_pylist()
+    assert nf.count(8) == 3000 and t.ops.column("nonfinite_produced").to_pylist().count(False) == 3000
+
+
 def test_the_recorder_packs_probe_times_with_each_op_chunk():
     rec = Recorder(chunk_rows=16, spill_rows=64)
     for seq in range(100):

@@ -1,7 +1,7 @@
 """A trace whose chunks spilled to disk while it recorded equals the trace kept in memory.
 
 The same program (transformer-block training steps with Adam, in-place ops, an autocast region, an
-op that raises and is caught, a leak kept alive) is traced twice in one process, once in memory and
+op that raises and is caught, NaN in many ops' outputs, a leak kept alive) is traced twice in one process, once in memory and
 once with a tiny ``chunk_rows``/``spill_rows`` so dozens of chunks spill, under both engines. Every
 table must hold the same rows and values. What legitimately differs between two runs of a program is
 compared as structure only (same type, same nulls):
@@ -107,6 +107,9 @@ def _program():
                 torch.mm(h[0], h[0])       # 8x4 @ 8x4: raises, and the program catches it
             except RuntimeError:
                 pass
+            bad = torch.full((4,), float("nan")) if step == 1 else torch.ones(4)
+            for _ in range(40):
+                bad = bad * 2 + 1                  # NaN from step 1 on, in every op's output after it
             if step % 2 == 0:
                 KEPT.append(loss)          # a leak: each kept loss holds its autograd graph
     return run
@@ -182,6 +185,7 @@ def test_every_table_of_a_spilled_trace_equals_the_in_memory_one(pair):
     assert any(r["phase"] == "backward" and r["fwd_seq"] is not None for r in ops)
     assert any("bfloat16" in (r["out_dtypes"] or []) for r in ops)
     assert any(r["error_id"] is not None for r in ops)
+    assert sum(1 for r in ops if r["nonfinite"]) >= 80   # the NaN screen's findings, across spills
     assert mem.errors.num_rows >= STEPS and mem.leaks.num_rows > 0
     assert mem.calls.num_rows > 0 and mem.tensors.num_rows > 0
     for name in S.TABLES:
