@@ -122,7 +122,8 @@ PyObject* dicts_delta() {
     nf.push_back(e.second.first);
     nf.push_back(e.second.second);
   }
-  g.nonfinite_taken = g.nonfinite.size();
+  g.nonfinite.clear();   // handed over: Python keeps (and spills) them, a NaN loop has one per op
+  g.nonfinite_taken = 0;
   put("nonfinite", bytes_of(nf.data(), nf.size() * 8));
   const size_t fk = g.fingerprints_taken;   // engine_screen.h FpRec records since the last call
   put("fingerprints", bytes_of(g.fingerprints.data() + fk, (g.fingerprints.size() - fk) * sizeof(FpRec)));

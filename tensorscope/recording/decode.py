@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import chain
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -37,7 +37,7 @@ from .columns import (
     gather,
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
-from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
 from .spill import ipc_file
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
@@ -81,10 +81,12 @@ def empty_decoded(name: str) -> pa.Table:
     return decoded_schema(name).empty_table() if name in PROBE_COLUMNS else S.empty(name)
 
 
-def _sparse_rows(d: dict[int, Any], start: int, n: int, dtype: Any, width: int = 1
+def _sparse_rows(d: Union[dict[int, Any], SparseInts], start: int, n: int, dtype: Any, width: int = 1
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The entries of a sparse per-op dict (seq -> a value, or a tuple of ``width`` values) that
     fall in the rows ``[start, start + n)``: (row positions, values as a ``(rows, width)`` array)."""
+    if isinstance(d, SparseInts):   # one chunk's entries, no scan of the others
+        return d.rows_in(start, n, dtype, width)
     seqs = np.fromiter(d, np.int64, len(d))
     sel = (seqs >= start) & (seqs < start + n)
     vals = np.array(list(d.values()), dtype=dtype).reshape(len(d), width)
@@ -377,7 +379,7 @@ class Decoder:
             arr = self._null_cache[key] = pa.nulls(n, typ)
         return arr
 
-    def _sparse_int(self, d: dict[int, int], start: int, n: int) -> pa.Array:
+    def _sparse_int(self, d: Union[dict[int, int], SparseInts], start: int, n: int) -> pa.Array:
         if not d:
             return self._nulls(n, pa.int64())
         vals = np.zeros(n, dtype=np.int64)

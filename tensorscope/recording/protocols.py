@@ -27,8 +27,10 @@ from typing import Any, Callable, Optional, Protocol
 class Storages(Protocol):
     """The storages of a trace as the finish reads them (leaks)."""
 
-    #: storage id -> data pointer
-    ptrs: list[int]
+    @property
+    def ptrs(self) -> Sequence[int]:
+        """storage id -> data pointer"""
+        ...
 
     def live_created(self) -> list[tuple[int, Any]]:
         """(storage id, weak reference) of the storages created by the trace and still alive."""

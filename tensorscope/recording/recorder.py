@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 from array import array
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -182,13 +182,16 @@ class CallStore(RowBuffer):
 
     A call row is updated when the call returns, so only rows older than the
     oldest call still on the stack may be frozen. ``base`` is the call id of
-    the first live row: live index = call_id - base.
+    the first live row: live index = call_id - base. Frozen chunks spill with the op chunks
+    (``spill``: one ``calls-*.npz`` file each in the recorder's spill directory) and are read back
+    a column at a time.
     """
 
     def __init__(self, fields: Sequence[str]) -> None:
         super().__init__(fields)
         self.base = 0
         self.frozen: list[dict[str, Packed]] = []
+        self.spilled: list[tuple[str, int]] = []   # (file, rows) of the chunks written out, in order
 
     def freeze_below(self, keep_from: int) -> None:
         n = keep_from - self.base
@@ -201,17 +204,38 @@ class CallStore(RowBuffer):
         self.data.frombytes(rest.tobytes())
         self.base = keep_from
 
+    def spill(self, directory: str) -> None:
+        """Write the frozen chunks to ``directory`` and drop them from memory."""
+        while self.frozen:
+            chunk = self.frozen[0]
+            name = f"calls-{len(self.spilled):06d}.npz"
+            arrays: dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
+            arrays["__bases__"] = np.array([chunk[k][0] for k in self.fields], dtype=np.int64)
+            with spill_file(directory, name, _npz_bytes(chunk)) as f:
+                np.savez(f, **arrays)   # numeric arrays only: no pickle is written or read
+            self.spilled.append((os.path.join(directory, name), len(chunk[self.fields[0]][1])))
+            self.frozen.pop(0)
+
+    def _frozen_columns(self, name: str) -> Iterator[Packed]:
+        """Column ``name`` of every frozen chunk in call order (``pack``ed), spilled ones read back."""
+        k = self.fields.index(name)
+        for path, _ in self.spilled:
+            with np.load(path, allow_pickle=False) as z:
+                yield int(z["__bases__"][k]), z[name]
+        for ch in self.frozen:
+            yield ch[name]
+
     def full_matrix(self) -> np.ndarray:
-        parts = [np.stack([unpack(c[name]) for name in self.fields], axis=1) for c in self.frozen]
-        parts.append(self.matrix())
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if not self.spilled and not self.frozen:
+            return self.matrix()
+        return np.stack([self.column(name) for name in self.fields], axis=1)
 
     def column(self, name: str) -> np.ndarray:
         """One field of every row as a contiguous int64 column: each frozen chunk's packed column
         widened straight into place, then the live rows' (column-wise: stacking rows into one
         matrix and slicing strided columns from it costs several times more)."""
         live = self.matrix()[:, self.fields.index(name)]
-        packed = [ch[name] for ch in self.frozen]
+        packed = list(self._frozen_columns(name))
         col = np.empty(sum(len(a) for _, a in packed) + len(live), dtype=np.int64)
         pos = 0
         for base, a in packed:   # no temporaries
@@ -227,7 +251,128 @@ class CallStore(RowBuffer):
         i = call_id - self.base
         if i >= 0:
             return self.data[i * self.width + k]
-        return int(self.full_matrix()[call_id, k])
+        start = 0   # a frozen row: read its chunk's column only
+        counts = [n for _, n in self.spilled] + [len(ch[self.fields[0]][1]) for ch in self.frozen]
+        for (base, a), n in zip(self._frozen_columns(self.fields[k]), counts):
+            if call_id < start + n:
+                return int(a[call_id - start]) + base
+            start += n
+        raise IndexError(call_id)
+
+
+class SparseInts:
+    """seq -> an int (or a tuple of ``width`` ints) for a per-op fact many rows may have: the python
+    engine's ``probe_ns`` (every screened op), the non-finite screen's ``(count, produced)`` (every op
+    after a NaN spreads). ``d[seq] = v`` appends to two ``array('q')`` columns (8 B a value, where a
+    dict held ~100 an entry); ``freeze`` packs them (a few bytes an entry) with each op chunk, and
+    ``spill`` writes the packed parts with the op chunks (one ``<name>-*.npz`` file each).
+
+    Reads as the dicts of the other sparse facts do (``len``, truthiness, iteration over seqs,
+    ``values()``, ``items()``, ``get``, ``update``), and ``rows_in(start, n)`` gives one chunk's entries
+    without reading the others (decode.py). A seq written twice: the later value wins, as in a dict.
+    """
+
+    __slots__ = ("seqs", "vals", "frozen", "spilled", "n_spilled", "name", "width")
+
+    def __init__(self, name: str = "sparse", width: int = 1) -> None:
+        self.name = name
+        self.width = width
+        self.seqs = array("q")
+        self.vals = array("q")   # ``width`` values an entry, interleaved
+        self.frozen: list[tuple[int, int, Packed, Packed]] = []   # (first seq, last seq, seqs, values)
+        self.spilled: list[tuple[int, int, str]] = []             # (first seq, last seq, file)
+        self.n_spilled = 0                                         # entries in the spilled files
+
+    def __setitem__(self, seq: int, value: Any) -> None:
+        self.seqs.append(seq)
+        if self.width == 1:
+            self.vals.append(value)
+        else:
+            self.vals.extend(value)
+
+    def update(self, other: Mapping[int, Any]) -> None:
+        for seq, value in other.items():
+            self[seq] = value
+
+    def extend(self, seqs: np.ndarray, vals: np.ndarray) -> None:
+        """Many entries at once: ``seqs`` and a ``(len(seqs), width)`` array of values."""
+        self.seqs.frombytes(np.ascontiguousarray(seqs, dtype=np.int64).tobytes())
+        self.vals.frombytes(np.ascontiguousarray(vals, dtype=np.int64).tobytes())
+
+    def __len__(self) -> int:
+        return self.n_spilled + len(self.seqs) + sum(len(f[2][1]) for f in self.frozen)
+
+    def spill(self, directory: str) -> None:
+        """Pack what is live, write the packed parts to ``directory`` and drop them from memory."""
+        self.freeze()
+        while self.frozen:
+            lo, hi, (sb, sa), (vb, va) = self.frozen[0]
+            name = f"{self.name}-{len(self.spilled):06d}.npz"
+            with spill_file(directory, name, sa.nbytes + va.nbytes + 1000) as f:
+                np.savez(f, seqs=sa, vals=va, bases=np.array([sb, vb], dtype=np.int64))   # no pickle
+            self.spilled.append((lo, hi, os.path.join(directory, name)))
+            self.n_spilled += len(sa)
+            self.frozen.pop(0)
+
+    def freeze(self) -> None:
+        """Pack the entries appended since the last call."""
+        if not len(self.seqs):
+            return
+        seqs = np.frombuffer(self.seqs, dtype=np.int64).copy()
+        vals = np.frombuffer(self.vals, dtype=np.int64).copy()
+        self.frozen.append((int(seqs.min()), int(seqs.max()), pack(seqs), pack(vals)))
+        self.seqs = array("q")
+        self.vals = array("q")
+
+    def _parts(self, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(seqs, ``(entries, width)`` values) of each part that may hold seqs in ``[start, stop)``."""
+        w = self.width
+        for lo, hi, path in self.spilled:
+            if hi >= start and (stop is None or lo < stop):
+                with np.load(path, allow_pickle=False) as z:
+                    sb, vb = z["bases"].tolist()
+                    yield unpack((sb, z["seqs"])), unpack((vb, z["vals"])).reshape(-1, w)
+        for lo, hi, seqs, vals in self.frozen:
+            if hi >= start and (stop is None or lo < stop):
+                yield unpack(seqs), unpack(vals).reshape(-1, w)
+        if len(self.seqs):
+            yield np.frombuffer(self.seqs, dtype=np.int64), np.frombuffer(self.vals, dtype=np.int64).reshape(-1, w)
+
+    def _value(self, row: list[int]) -> Any:
+        return row[0] if self.width == 1 else tuple(row)
+
+    def __iter__(self) -> Iterator[int]:
+        for seqs, _ in self._parts():
+            yield from seqs.tolist()
+
+    def values(self) -> list[Any]:
+        return [self._value(v) for _, vals in self._parts() for v in vals.tolist()]
+
+    def items(self) -> Iterator[tuple[int, Any]]:
+        for seqs, vals in self._parts():
+            for s, v in zip(seqs.tolist(), vals.tolist()):
+                yield s, self._value(v)
+
+    def get(self, seq: int, default: Any = None) -> Any:
+        got = default
+        for seqs, vals in self._parts(seq, seq + 1):
+            hit = np.nonzero(seqs == seq)[0]
+            if len(hit):
+                got = self._value(vals[hit[-1]].tolist())
+        return got
+
+    def rows_in(self, start: int, n: int, dtype: Any, width: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The entries whose seq falls in ``[start, start + n)``: (row positions from ``start``,
+        values as a ``(rows, width)`` array of ``dtype``), as ``decode._sparse_rows`` gives a dict's."""
+        assert width == self.width, (width, self.width)
+        rows, vals = [], []
+        for seqs, v in self._parts(start, start + n):
+            sel = (seqs >= start) & (seqs < start + n)
+            rows.append(seqs[sel] - start)
+            vals.append(v[sel])
+        if not rows:
+            return np.zeros(0, np.int64), np.zeros((0, width), dtype=dtype)
+        return np.concatenate(rows), np.concatenate(vals).astype(dtype)
 
 
 class _Columns:
@@ -311,10 +456,11 @@ class Recorder:
         # sparse per-op facts: seq -> value
         self.op_errors: dict[int, int] = {}
         self.cuda_ns: dict[int, int] = {}
-        self.nonfinite: dict[int, tuple[int, bool]] = {}
+        #: seq -> (count, produced) of the ops whose outputs held NaN/Inf (every op once a NaN spreads)
+        self.nonfinite = SparseInts("nonfinite", 2)
         self.numerics: dict[int, tuple[float, float]] = {}
         #: seq -> ns tensorscope's own probes took after the op (screen, numerics shadow, op hooks): python engine
-        self.probe_ns: dict[int, int] = {}
+        self.probe_ns = SparseInts("probe_ns")
         #: key hash -> seq of its first row, for the (op, shapes, dtypes, devices) keys this trace ran first in
         #: the process (decode.py): rows decoded twice (spilled parts, then the table) get the same answer
         self.first_keys: dict[int, int] = {}
@@ -333,6 +479,8 @@ class Recorder:
         self.storages = array("q")
         rows = len(chunk["op"])
         self.chunk_start += rows
+        self.probe_ns.freeze()
+        self.nonfinite.freeze()
         if rows == 0:
             return
         self.mem_chunks.append({k: pack(v) for k, v in chunk.items()})
@@ -380,6 +528,9 @@ class Recorder:
             self.mem_chunks.pop(0)
             self.mem_rows -= rows
         self.mem_rows = 0
+        self.calls.spill(self.spill_path)   # the finished calls rows go with them (python engine)
+        self.probe_ns.spill(self.spill_path)
+        self.nonfinite.spill(self.spill_path)
 
     def spill_failure(self, e: SpillError, what: str) -> None:
         """A spill file could not be written: nothing is written from now on (a full disk is the

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -70,7 +71,8 @@ class StorageTracker:
         self._seq = seq_fn
         self.by_ptr: dict[int, int] = {}          # live data_ptr -> storage id
         self.refs: dict[int, weakref.ref] = {}    # storage id -> weakref (live ones)
-        self.ptrs: list[int] = []                 # storage id -> data_ptr
+        #: storage id -> data_ptr (8 bytes a storage: a list of ints held 40, per op in a loop that allocates)
+        self.ptrs = array("q")
         self.devices: list[str] = []
         self.closed = False
         self.fake_keys = bool(getattr(fake, "on", False))

@@ -243,8 +243,8 @@ class NativeEngine:
         if len(ra):
             self._row_args = np.concatenate([self._row_args, ra])
         nf = np.frombuffer(d["nonfinite"], dtype=np.int64).reshape(-1, 3)
-        for s_, c_, p_ in nf.tolist():
-            rec.nonfinite[s_] = (c_, bool(p_))
+        if len(nf):
+            rec.nonfinite.extend(nf[:, 0], np.stack([nf[:, 1], nf[:, 2] != 0], axis=1))   # (count, produced)
         fps = d.get("fingerprints")
         if fps:
             from ...fingerprint import FP_RECORD
