@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any, Optional
 
@@ -409,37 +409,65 @@ class Decoder:
         return cand
 
 
-def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> tuple[pa.Table, Optional[str]]:
-    """The ops table; past ``spill_rows`` decoded into a memory-mapped Arrow IPC file under
-    ``spill_dir``, whose path is returned (the Trace owns it) with the table."""
-    rec = ctx.rec
-    batches: list[pa.RecordBatch] = []
-    start = 0
-    spilled = bool(rec.spilled_chunks)
-    sink: Any = None
-    writer: Any = None
-    path: Optional[str] = None
-    if spilled:
-        tmp = tempfile.mkdtemp(prefix="tensorscope-ops-", dir=spill_dir)
-        path = os.path.join(tmp, "ops.arrow")
-        sink = pa.OSFile(path, "wb")
-        writer = pa.ipc.new_file(sink, DECODED_OPS)
-    for chunk in rec.iter_op_chunks():
-        b = ctx.decode(chunk, start)
-        start += b.num_rows
-        if writer is not None:
+class SpillFiles:
+    """The directory a spilled trace's big tables live in, as memory-mapped Arrow IPC files.
+
+    Each table is written batch by batch (never whole in RAM) and read back memory-mapped: its
+    pages are file-backed, so the kernel drops them under pressure instead of the process growing.
+    The Trace removes the directory when it goes (``Trace(_spill_file=...)``: any file in it)."""
+
+    def __init__(self, parent: Optional[str]) -> None:
+        self.dir = tempfile.mkdtemp(prefix="tensorscope-tables-", dir=parent)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, f"{name}.arrow")
+
+    def write(self, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> pa.Table:
+        """``batches`` written to ``name``'s file, read back memory-mapped (zero-copy)."""
+        return write_mapped(self.path(name), schema, batches)
+
+
+def write_mapped(path: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> pa.Table:
+    """``batches`` written to an Arrow IPC file at ``path``, then that file read back memory-mapped:
+    a table whose buffers are the file's pages (no copy in anonymous memory)."""
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for b in batches:
             writer.write_batch(b)
-        else:
-            batches.append(b)
-    if writer is not None and sink is not None:
-        writer.close()
-        sink.close()
-        with pa.memory_map(path) as src:
-            table = pa.ipc.open_file(src).read_all()
-        return table, path
-    if not batches:
+    with pa.memory_map(path) as src:
+        return pa.ipc.open_file(src).read_all()
+
+
+def _ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` row ranges of at most ``step`` rows covering ``n`` rows."""
+    step = max(int(step), 1)
+    for lo in range(0, n, step):
+        yield lo, min(lo + step, n)
+
+
+def ops_table(ctx: Decoder, spill_dir: Optional[str], files: Optional[SpillFiles] = None
+              ) -> tuple[pa.Table, Optional[str]]:
+    """The ops table; past ``spill_rows`` decoded chunk by chunk into a memory-mapped Arrow IPC
+    file (in ``files``, else a new directory under ``spill_dir``), whose path is returned (the
+    Trace owns its directory) with the table."""
+    rec = ctx.rec
+    if rec.spilled_chunks:
+        files = files if files is not None else SpillFiles(spill_dir)
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            start = 0
+            for chunk in rec.iter_op_chunks():
+                b = ctx.decode(chunk, start)
+                start += b.num_rows
+                yield b
+        return files.write("ops", DECODED_OPS, batches()), files.path("ops")
+    decoded: list[pa.RecordBatch] = []
+    start = 0
+    for chunk in rec.iter_op_chunks():
+        decoded.append(ctx.decode(chunk, start))
+        start += decoded[-1].num_rows
+    if not decoded:
         return empty_decoded("ops"), None
-    return pa.Table.from_batches(batches, schema=DECODED_OPS), None
+    return pa.Table.from_batches(decoded, schema=DECODED_OPS), None
 
 
 def decode_ops_from(rec: Recorder, first_seq: int, *, cell: Optional[int], screen: Any,
@@ -458,41 +486,52 @@ def decode_ops_from(rec: Recorder, first_seq: int, *, cell: Optional[int], scree
                 [cols[f.name] if f.name in cols else ctx._nulls(b.num_rows, f.type) for f in S.OPS], schema=S.OPS)
 
 
-def calls_table(ctx: Decoder) -> pa.Table:
+def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
+    """The calls table; with ``files`` (the trace spilled) decoded ``chunk_rows`` rows at a time
+    into a memory-mapped file."""
     rec = ctx.rec
-    c = rec.calls
     n = rec.n_calls
     if n == 0:
         return empty_decoded("calls")
-    a = {k: ctx.call_cols[k][:n] for k in c.fields}
     funcs = rec.call_funcs.values
     names = _dict(ctx.call_names)
     qual = _dict([_qualname(f) for f in funcs])
-    parent = a["parent"]
-    depth = np.zeros(n, dtype=np.int64)
-    for i in np.nonzero(parent >= 0)[0]:  # nested calls are rare; parents precede children
-        depth[i] = depth[parent[i]] + 1
-    src = a["src"].astype(np.int64)
     autocasts = _dict(rec.autocasts.values)
-    cols = dict(
-        call_id=dense_array(np.arange(n, dtype=np.int64)),
-        parent_id=nullable_array(parent, parent < 0),
-        depth=dense_array(depth),
-        cell=ctx._cells(n),
-        name=names.take(a["func"]),
-        qualname=qual.take(a["func"]),
-        module=ctx.modules.take(a["module"]),
-        source_file=ctx.src_files.take(src),
-        source_line=ctx._lines(src),
-        start_ns=dense_array(a["start"]),
-        dur_ns=dense_array(a["dur"]),
-        first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
-        n_ops=dense_array(a["n_ops"]),
-        autocast=autocasts.take(a["autocast"]),
-        error_id=nullable_array(a["error"], a["error"] < 0),
-    )
-    return pa.Table.from_arrays([cols[name] for name in _CALLS_NAMES], schema=DECODED_CALLS)
+    nested: dict[int, int] = {}   # call id -> depth, for nested calls only (rare; parents precede children)
 
+    def batch(lo: int, hi: int) -> pa.RecordBatch:
+        a = {k: ctx.call_cols[k][lo:hi] for k in rec.calls.fields}
+        parent = a["parent"]
+        depth = np.zeros(hi - lo, dtype=np.int64)
+        for i in np.nonzero(parent >= 0)[0].tolist():
+            depth[i] = nested[lo + i] = nested.get(int(parent[i]), 0) + 1
+        src = a["src"].astype(np.int64)
+        cols = dict(
+            call_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
+            parent_id=nullable_array(parent, parent < 0),
+            depth=dense_array(depth),
+            cell=ctx._cells(hi - lo),
+            name=names.take(a["func"]),
+            qualname=qual.take(a["func"]),
+            module=ctx.modules.take(a["module"]),
+            source_file=ctx.src_files.take(src),
+            source_line=ctx._lines(src),
+            start_ns=dense_array(a["start"]),
+            dur_ns=dense_array(a["dur"]),
+            first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
+            n_ops=dense_array(a["n_ops"]),
+            autocast=autocasts.take(a["autocast"]),
+            error_id=nullable_array(a["error"], a["error"] < 0),
+        )
+        return pa.RecordBatch.from_arrays([cols[name] for name in _CALLS_NAMES], schema=DECODED_CALLS)
+
+    if files is None:
+        return pa.Table.from_batches([batch(0, n)], schema=DECODED_CALLS)
+    try:
+        return files.write("calls", DECODED_CALLS, (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)))
+    finally:   # the whole int64 columns read for it (src and func stay: the ops decode reads them)
+        for k in [k for k in ctx.call_cols if k not in ("src", "func")]:
+            del ctx.call_cols[k]
 
 
 def _qualname(f: Any) -> str:
@@ -510,38 +549,47 @@ def _qualname(f: Any) -> str:
     return f"{mod}.{q}"
 
 
-def tensors_table(ctx: Decoder) -> pa.Table:
+def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
+    """The tensors table (one row per storage); with ``files`` (the trace spilled) decoded
+    ``chunk_rows`` rows at a time into a memory-mapped file."""
     rec = ctx.rec
     c = rec.tensors
     n = len(c.meta)
     if n == 0:
         return empty_decoded("tensors")
-    meta = np.frombuffer(c.meta, dtype=np.int32).astype(np.int64)
-    alloc = np.frombuffer(c.alloc_seq, dtype=np.int64)
-    free = np.frombuffer(c.free_seq, dtype=np.int64)
-    call = np.frombuffer(c.call, dtype=np.int64)
     devs = ctx.tup["devices"]
     dts = ctx.tup["dtypes"]
-    src_idx = np.zeros(n, dtype=np.int64)
-    ok = call >= 0
-    if len(ctx.call_src):
-        src_idx[ok] = ctx.call_src[call[ok]]
-    g_op = ctx.g["op"] if n else np.zeros(0, np.int32)
-    alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
-    cols = dict(
-        storage_id=dense_array(np.arange(n, dtype=np.int64)),
-        nbytes=dense_array(np.frombuffer(c.nbytes, dtype=np.int64)),
-        device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
-        alloc_seq=nullable_array(alloc, alloc < 0),
-        alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
-        pa.nulls(n, S.TENSORS.field("alloc_op").type),
-        free_seq=nullable_array(free, free < 0),
-        cell=ctx._cells(n),
-        module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
-        source_file=ctx.src_files.take(src_idx),
-        source_line=ctx._lines(src_idx),
-    )
-    return pa.Table.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
+    g_op = ctx.g["op"]
+
+    def batch(lo: int, hi: int) -> pa.RecordBatch:
+        m = hi - lo
+        meta = np.frombuffer(c.meta, dtype=np.int32, count=m, offset=4 * lo).astype(np.int64)
+        alloc = np.frombuffer(c.alloc_seq, dtype=np.int64, count=m, offset=8 * lo)
+        free = np.frombuffer(c.free_seq, dtype=np.int64, count=m, offset=8 * lo)
+        call = np.frombuffer(c.call, dtype=np.int64, count=m, offset=8 * lo)
+        src_idx = np.zeros(m, dtype=np.int64)
+        ok = call >= 0
+        if len(ctx.call_src):
+            src_idx[ok] = ctx.call_src[call[ok]]
+        alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
+        cols = dict(
+            storage_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
+            nbytes=dense_array(np.frombuffer(c.nbytes, dtype=np.int64, count=m, offset=8 * lo)),
+            device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
+            alloc_seq=nullable_array(alloc, alloc < 0),
+            alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
+            pa.nulls(m, S.TENSORS.field("alloc_op").type),
+            free_seq=nullable_array(free, free < 0),
+            cell=ctx._cells(m),
+            module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32, count=m, offset=4 * lo).astype(np.int64)),
+            source_file=ctx.src_files.take(src_idx),
+            source_line=ctx._lines(src_idx),
+        )
+        return pa.RecordBatch.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
+
+    if files is None:
+        return pa.Table.from_batches([batch(0, n)], schema=DECODED_TENSORS)
+    return files.write("tensors", DECODED_TENSORS, (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)))
 
 
 def _shape_rows(shape: tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> tuple[np.ndarray, pa.Array]:
@@ -578,11 +626,14 @@ def errors_table(ctx: Decoder) -> pa.Table:
 
 
 def decode_tables(rec: Recorder, *, cell: Optional[int], screen: Any, links: _Links,
-                  spill_dir: Optional[str]) -> tuple[dict[str, pa.Table], Optional[str]]:
+                  spill_dir: Optional[str]) -> tuple[dict[str, pa.Table], Optional[SpillFiles]]:
     """The ``ops``, ``calls``, ``tensors`` and ``errors`` tables of a finished trace's buffers as
-    decoded (without :data:`PROBE_COLUMNS`), and the path of the memory-mapped ops file when the
-    ops were spilled (else None)."""
+    decoded (without :data:`PROBE_COLUMNS`), and when the ops were spilled the directory their
+    memory-mapped files are in (else None): then ``ops``, ``calls`` and ``tensors`` were decoded
+    chunk by chunk into it and read back memory-mapped."""
     rec.end_chunk()
     ctx = Decoder(rec, cell=cell, screen=screen, links=links)
-    ops, ops_file = ops_table(ctx, spill_dir)
-    return {"ops": ops, "calls": calls_table(ctx), "tensors": tensors_table(ctx), "errors": errors_table(ctx)}, ops_file
+    files = SpillFiles(spill_dir) if rec.spilled_chunks else None
+    ops, _ = ops_table(ctx, spill_dir, files)
+    return {"ops": ops, "calls": calls_table(ctx, files), "tensors": tensors_table(ctx, files),
+            "errors": errors_table(ctx)}, files

@@ -43,11 +43,12 @@ def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str
     always-on cells link kernels at the next harvest), the memory-mapped ops file (or None), and
     the notes the probes add."""
     ctx = f.ctx
-    tables, ops_file = decode_tables(ctx.rec, cell=f.cell, screen=ctx.screen, links=f.links,
-                                     spill_dir=f.options.spill_dir)
-    decoded = Decoded(ctx, tables)
+    tables, files = decode_tables(ctx.rec, cell=f.cell, screen=ctx.screen, links=f.links,
+                                  spill_dir=f.options.spill_dir)
+    decoded = Decoded(ctx, tables, files)
+    del tables
     contribute_all(f.probes, decoded)
-    return decoded.build(), ops_file, decoded.notes
+    return decoded.build(), files.path("ops") if files is not None else None, decoded.notes
 
 
 _DEVICE: Optional[dict[str, Any]] = None

@@ -17,6 +17,7 @@ columns earlier probes contributed; finishing builds every table once from them,
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
 
@@ -27,6 +28,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import ipython_shell
 from ..schema import nullable_array
+from .decode import SpillFiles
 
 Column = Union[pa.Array, pa.ChunkedArray]   # a column a probe contributes
 
@@ -62,14 +64,21 @@ class Decoded:
 
     ``table(name)`` is a read-only view: the decoded columns and those earlier probes gave (a
     contributed column replaces the decoded one of its name). ``build()`` makes each table once,
-    in its schema's order; a column no probe contributed (its probe was off or failed) is null."""
+    in its schema's order; a column no probe contributed (its probe was off or failed) is null.
+    ``files``: where a spilled trace's tables are (``decode.SpillFiles``), None when it did not
+    spill; then the decoded ``ops``/``calls``/``tensors`` are memory-mapped, and ``build()`` writes
+    what the probes contributed to them into files of their own too (see :meth:`build`)."""
 
-    def __init__(self, ctx: RecordingContext, tables: dict[str, pa.Table]) -> None:
+    def __init__(self, ctx: RecordingContext, tables: dict[str, pa.Table], files: Optional[SpillFiles] = None) -> None:
         self.ctx = ctx
         self.rec = ctx.rec
         self.t0 = ctx.t0
+        self.files = files
         self._columns: dict[str, dict[str, Column]] = {n: dict(zip(t.column_names, t.columns)) for n, t in tables.items()}
         self._rows = {n: t.num_rows for n, t in tables.items()}
+        #: the tables decoded into files: their contributed columns are written to files at build()
+        self._mapped = {n: dict(self._columns[n]) for n in tables
+                        if files is not None and os.path.exists(files.path(n))}
         self.tables: dict[str, Any] = {}
         self.notes: list[str] = []
 
@@ -93,13 +102,56 @@ class Decoded:
         self.notes.extend(c.notes)
 
     def build(self) -> dict[str, Any]:
+        """Every table, once, in its schema's order. A memory-mapped (spilled) table keeps its
+        decoded columns where they are; the columns probes contributed to it are written, batch by
+        batch, into ``<name>-contributed.arrow`` beside it and read back memory-mapped, and a column
+        nobody contributed is null chunk by chunk (one shared all-null array per chunk length), so
+        the built table holds next to nothing in anonymous memory."""
         out: dict[str, Any] = {}
         for name, cols in self._columns.items():
             schema, n = S.TABLES[name], self._rows[name]
+            if name in self._mapped and self.files is not None:
+                out[name] = _mapped_table(name, schema, n, cols, self._mapped[name], self.files)
+                continue
             out[name] = pa.Table.from_arrays([cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in schema],
                                              schema=schema)
         out.update(self.tables)
         return out
+
+
+def _mapped_table(name: str, schema: pa.Schema, n: int, cols: dict[str, Column], decoded: dict[str, Column],
+                  files: SpillFiles) -> pa.Table:
+    """Table ``name`` of a spilled trace in ``schema``'s order: its ``decoded`` (memory-mapped)
+    columns as they are, the ones probes contributed (``cols`` less ``decoded``) written into a file
+    of their own (batches of the decoded chunks' lengths) and memory-mapped, the missing ones null."""
+    first = next(iter(decoded.values()), None)
+    lengths = [len(c) for c in first.chunks] if isinstance(first, pa.ChunkedArray) and first.num_chunks else [n]
+    contributed = [f for f in schema if f.name in cols and cols[f.name] is not decoded.get(f.name)]
+    final: dict[str, Column] = {f.name: cols[f.name] for f in schema if f.name in cols}
+    if contributed:
+        sub = pa.schema(contributed)
+
+        def batches() -> Iterable[pa.RecordBatch]:
+            pos = 0
+            for m in lengths:
+                arrs = []
+                for f in contributed:
+                    part = cols[f.name].slice(pos, m)
+                    if isinstance(part, pa.ChunkedArray):
+                        part = part.combine_chunks() if part.num_chunks != 1 else part.chunk(0)
+                    arrs.append(part.cast(f.type) if part.type != f.type else part)
+                pos += m
+                yield pa.RecordBatch.from_arrays(arrs, schema=sub)
+        written = files.write(f"{name}-contributed", sub, batches())
+        for f in contributed:
+            final[f.name] = written.column(f.name)
+    nulls: dict[tuple[int, Any], pa.Array] = {}
+
+    def null_column(typ: Any) -> pa.ChunkedArray:
+        parts = [nulls.setdefault((m, typ), pa.nulls(m, typ)) for m in lengths]
+        return pa.chunked_array(parts, typ)
+    return pa.Table.from_arrays([final[f.name] if f.name in final else null_column(f.type) for f in schema],
+                                schema=schema)
 
 
 class Probe(Protocol):
