@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from .. import schema as S
 from .columns import _Links
 from .context import RecordingContext
-from .decode import decode_tables
+from .decode import decode_tables, release_memory
 from .probes import Decoded, Probe, contribute_all
 
 if TYPE_CHECKING:
@@ -48,7 +48,10 @@ def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str
     decoded = Decoded(ctx, tables, files)
     del tables
     contribute_all(f.probes, decoded)
-    return decoded.build(), files.path("ops") if files is not None else None, decoded.notes
+    built = decoded.build()
+    if files is not None:
+        release_memory()
+    return built, files.path("ops") if files is not None else None, decoded.notes
 
 
 _DEVICE: Optional[dict[str, Any]] = None

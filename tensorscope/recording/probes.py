@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import ipython_shell
 from ..schema import nullable_array
-from .decode import SpillFiles
+from .decode import SpillFiles, release_memory
 
 Column = Union[pa.Array, pa.ChunkedArray]   # a column a probe contributes
 
@@ -499,7 +499,8 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
     if tensors.num_rows == 0:
         return out
     ops = decoded.table("ops")
-    lt = Lifetimes(tensors, ops)   # the columns every step below reads, converted once
+    calls = decoded.get("calls")
+    lt = Lifetimes(tensors, ops, calls)   # one pass over the ops for every step below
     rows, seqs = made_by_out_argument(tensors, ops, lt)
     if len(rows):   # buffers compiled code made for an op's out=: made there, not before the trace
         alloc = lt.alloc   # categorize reads the moved alloc_seq from here
@@ -539,8 +540,7 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
                 graph_held.append(sid)
             elif kind == "optimizer_state":
                 opt_held.append(sid)
-    out[("tensors", "category")] = categorize(tensors, ops, decoded.get("calls"), known, graph_held, opt_held,
-                                              lifetimes=lt)
+    out[("tensors", "category")] = categorize(tensors, ops, calls, known, graph_held, opt_held, lifetimes=lt)
     return out
 
 
@@ -617,6 +617,8 @@ def contribute_all(probes: Iterable[Probe], decoded: Decoded) -> None:
     """Every probe's contribution merged into ``decoded``, in order; a probe that raises is counted
     in ``tracer_errors`` and contributes nothing."""
     for p in probes:
+        if decoded.files is not None:
+            release_memory()   # a spilled trace: what decoding and the previous probe freed goes back first
         try:
             decoded.add(p.contribute(decoded))
         except Exception as e:
