@@ -162,7 +162,7 @@ def _any_out_overload(ops: pa.Table) -> bool:
 #: per-op flag bits of Lifetimes.flags
 _ACC, _MOD, _OUT = 1, 2, 4
 #: rows of tensors categorised at a time
-_STORAGE_STEP = 1 << 20
+_STORAGE_STEP = 1 << 16
 
 
 class Lifetimes:

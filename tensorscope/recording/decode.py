@@ -164,11 +164,16 @@ class Decoder:
         src_vals = rec.sources.values
         self.src_files = _dict([None if v is None else v[0] for v in src_vals])
         self.src_lines = np.array([-1 if v is None or v[1] is None else v[1] for v in src_vals] or [-1], dtype=np.int64)
-        self.call_src = call_src
+        # per call: its source (int32: ids of interned locations) and whether its function is
+        # expected to be free; the int64 columns read for them are not kept (8 B a call each)
+        self.call_src = call_src.astype(np.int32) if len(src_vals) < 2**31 else call_src
         self.call_names = func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
         call_func = self.call_cols["func"][:n_calls]
+        self.call_cols.clear()
+        del call_src
         func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
         self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
+        del call_func
         short = self.ops["short"]
         self.copy_op = np.array([s in COPYING_OPS for s in short] or [False], dtype=bool)
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
@@ -461,6 +466,15 @@ def write_mapped(path: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]
         return pa.ipc.open_file(src).read_all()
 
 
+def null_column(n: int, typ: pa.DataType, lengths: Optional[Sequence[int]] = None) -> pa.ChunkedArray:
+    """An all-null column of ``n`` rows as chunks (of ``lengths``, else of at most 65536 rows) that
+    share one all-null array per length: a long trace's null column holds next to no memory."""
+    if lengths is None:
+        lengths = [hi - lo for lo, hi in _ranges(n, 65536)]
+    shared: dict[int, pa.Array] = {}
+    return pa.chunked_array([shared.setdefault(m, pa.nulls(m, typ)) for m in lengths], typ)
+
+
 def _ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
     """``[lo, hi)`` row ranges of at most ``step`` rows covering ``n`` rows."""
     step = max(int(step), 1)
@@ -523,8 +537,12 @@ def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
     autocasts = _dict(rec.autocasts.values)
     nested: dict[int, int] = {}   # call id -> depth, for nested calls only (rare; parents precede children)
 
+    # the store's rows a range at a time where it reads them so (the native engine's), else its
+    # whole int64 columns, read once (``ctx.call_cols``) and sliced
+    ranged = getattr(rec.calls, "column_range", None)
+
     def batch(lo: int, hi: int) -> pa.RecordBatch:
-        a = {k: ctx.call_cols[k][lo:hi] for k in rec.calls.fields}
+        a = {k: ranged(k, lo, hi) if ranged is not None else ctx.call_cols[k][lo:hi] for k in rec.calls.fields}
         parent = a["parent"]
         depth = np.zeros(hi - lo, dtype=np.int64)
         for i in np.nonzero(parent >= 0)[0].tolist():
@@ -553,9 +571,8 @@ def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
         return pa.Table.from_batches([batch(0, n)], schema=DECODED_CALLS)
     try:
         return files.write("calls", DECODED_CALLS, (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)))
-    finally:   # the whole int64 columns read for it (src and func stay: the ops decode reads them)
-        for k in [k for k in ctx.call_cols if k not in ("src", "func")]:
-            del ctx.call_cols[k]
+    finally:   # the whole int64 columns read for it, if any
+        ctx.call_cols.clear()
 
 
 def _qualname(f: Any) -> str:
@@ -587,10 +604,8 @@ def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
 
     def batch(lo: int, hi: int) -> pa.RecordBatch:
         m = hi - lo
-        meta = np.frombuffer(c.meta, dtype=np.int32, count=m, offset=4 * lo).astype(np.int64)
-        alloc = np.frombuffer(c.alloc_seq, dtype=np.int64, count=m, offset=8 * lo)
-        free = np.frombuffer(c.free_seq, dtype=np.int64, count=m, offset=8 * lo)
-        call = np.frombuffer(c.call, dtype=np.int64, count=m, offset=8 * lo)
+        meta, alloc, free, call, nbytes, module = (_int64(col, lo, hi) for col in (
+            c.meta, c.alloc_seq, c.free_seq, c.call, c.nbytes, c.module))
         src_idx = np.zeros(m, dtype=np.int64)
         ok = call >= 0
         if len(ctx.call_src):
@@ -598,14 +613,14 @@ def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
         alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
         cols = dict(
             storage_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
-            nbytes=dense_array(np.frombuffer(c.nbytes, dtype=np.int64, count=m, offset=8 * lo)),
+            nbytes=dense_array(nbytes),
             device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
             alloc_seq=nullable_array(alloc, alloc < 0),
             alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
             pa.nulls(m, S.TENSORS.field("alloc_op").type),
             free_seq=nullable_array(free, free < 0),
             cell=ctx._cells(m),
-            module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32, count=m, offset=4 * lo).astype(np.int64)),
+            module=ctx.modules.take(module),
             source_file=ctx.src_files.take(src_idx),
             source_line=ctx._lines(src_idx),
         )
@@ -614,6 +629,13 @@ def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
     if files is None:
         return pa.Table.from_batches([batch(0, n)], schema=DECODED_TENSORS)
     return files.write("tensors", DECODED_TENSORS, (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)))
+
+
+def _int64(col: Any, lo: int, hi: int) -> np.ndarray:
+    """Rows ``[lo, hi)`` of a recorded integer column (an ``array`` the python engine filled, or a
+    numpy view of the rows the native engine handed over) as a new contiguous int64 array."""
+    out: np.ndarray = np.array(np.asarray(col)[lo:hi], dtype=np.int64)
+    return out
 
 
 def _shape_rows(shape: tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> tuple[np.ndarray, pa.Array]:

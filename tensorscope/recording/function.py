@@ -289,6 +289,12 @@ class _LiveCalls(CallStore):
             return rows[name].astype(np.int64)   # a contiguous copy, widened
         return super().column(name)
 
+    def column_range(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of one field as int64 (the calls table is built a range at a time)."""
+        if self._rows is not None:
+            return self._rows[name][lo:hi].astype(np.int64)
+        return self.column(name)[lo:hi]
+
     def handover(self, raw: bytes, n: int) -> None:
         self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)
         self._fm = None

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import ipython_shell
 from ..schema import nullable_array
-from .decode import SpillFiles, release_memory
+from .decode import SpillFiles, null_column, release_memory
 
 Column = Union[pa.Array, pa.ChunkedArray]   # a column a probe contributes
 
@@ -126,8 +126,10 @@ def _mapped_table(name: str, schema: pa.Schema, n: int, cols: dict[str, Column],
     of their own (batches of the decoded chunks' lengths) and memory-mapped, the missing ones null."""
     first = next(iter(decoded.values()), None)
     lengths = [len(c) for c in first.chunks] if isinstance(first, pa.ChunkedArray) and first.num_chunks else [n]
-    contributed = [f for f in schema if f.name in cols and cols[f.name] is not decoded.get(f.name)]
-    final: dict[str, Column] = {f.name: cols[f.name] for f in schema if f.name in cols}
+    # a contributed column that is all null is no column: null chunk by chunk below, nothing written
+    final: dict[str, Column] = {f.name: cols[f.name] for f in schema
+                                if f.name in cols and (cols[f.name].null_count < n or n == 0)}
+    contributed = [f for f in schema if f.name in final and final[f.name] is not decoded.get(f.name)]
     if contributed:
         sub = pa.schema(contributed)
 
@@ -145,12 +147,7 @@ def _mapped_table(name: str, schema: pa.Schema, n: int, cols: dict[str, Column],
         written = files.write(f"{name}-contributed", sub, batches())
         for f in contributed:
             final[f.name] = written.column(f.name)
-    nulls: dict[tuple[int, Any], pa.Array] = {}
-
-    def null_column(typ: Any) -> pa.ChunkedArray:
-        parts = [nulls.setdefault((m, typ), pa.nulls(m, typ)) for m in lengths]
-        return pa.chunked_array(parts, typ)
-    return pa.Table.from_arrays([final[f.name] if f.name in final else null_column(f.type) for f in schema],
+    return pa.Table.from_arrays([final[f.name] if f.name in final else null_column(n, f.type, lengths) for f in schema],
                                 schema=schema)
 
 
@@ -462,7 +459,7 @@ class StoragesProbe:
         for i, (sid, ref) in enumerate(live):
             row = {k: t[k][i] for k in cols}
             records.append(LiveStorage(
-                storage_id=sid, ref=ref, data_ptr=tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
+                storage_id=sid, ref=ref, data_ptr=int(tracker.ptrs[sid]), nbytes=row["nbytes"], device=row["device"],
                 dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"],
                 alloc_op=row["alloc_op"], cell=row["cell"], source_file=row["source_file"],
                 source_line=row["source_line"]))
@@ -478,9 +475,8 @@ def _addresses(ctx: RecordingContext, n: int) -> Optional[pa.Array]:
     tracker = ctx.tracker
     if tracker is None or n == 0:
         return None
-    ptrs = list(tracker.ptrs[:n])
     try:
-        arr = np.asarray(ptrs, dtype=np.int64)
+        arr = np.asarray(tracker.ptrs[:n], dtype=np.int64)
     except OverflowError:
         return None
     if len(arr) < n:

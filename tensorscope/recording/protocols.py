@@ -21,14 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Storages(Protocol):
     """The storages of a trace as the finish reads them (leaks)."""
 
-    #: storage id -> data pointer
-    ptrs: list[int]
+    @property
+    def ptrs(self) -> Union[list[int], np.ndarray]:
+        """Storage id -> data pointer (the native engine's: an int64 array, 8 bytes a storage)."""
+        ...
 
     def live_created(self) -> list[tuple[int, Any]]:
         """(storage id, weak reference) of the storages created by the trace and still alive."""

@@ -517,8 +517,14 @@ class trace:
         assert session is not None   # __enter__ made it
         self._trace = session.stop(ev)
         self._session = None
-        if session.dataset_error is not None:
-            _report_dataset_error(session.dataset_error, raise_=ev is None)
+        dataset_error, spilled = session.dataset_error, session.ctx.rec.n_spilled
+        del session
+        if spilled:   # the recording's buffers are gone with the session: give their memory back now
+            from .decode import release_memory
+
+            release_memory()
+        if dataset_error is not None:
+            _report_dataset_error(dataset_error, raise_=ev is None)
         if ev is not None:
             from .frames import clean_traceback
 
