@@ -185,6 +185,15 @@ class Decoder:
         self._run_keys: dict[tuple[int, int], int] = {}   # (op id, input tuple id) -> process-wide key hash
         self._null_cache: dict[Any, pa.Array] = {}
         self.links = links
+        fp_none = not rec.fingerprints
+        #: ops columns null on every row of the trace, known before any chunk is decoded (what no
+        #: probe of this trace recorded): a spilled ops file leaves them out (8 B a row each)
+        self.null_ops = frozenset(name for name, none in (
+            ("cell", cell is None), ("cuda_ns", not rec.cuda_ns), ("error_id", not rec.op_errors),
+            ("nonfinite", not self.screened), ("nonfinite_produced", not self.screened or not rec.nonfinite),
+            ("num_rel_err", not rec.numerics), ("num_max_abs_err", not rec.numerics),
+            ("probe_ns", not rec.probe_ns), ("fp_hash", fp_none), ("fp_nonfinite", fp_none), ("fp_sum", fp_none),
+            ("fp_abs_sum", fp_none), ("fp_max_abs", fp_none)) if none)
 
     @property
     def g(self) -> dict[str, np.ndarray]:
@@ -490,14 +499,23 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str], files: Optional[SpillFiles
     rec = ctx.rec
     if rec.spilled_chunks:
         files = files if files is not None else SpillFiles(spill_dir)
+        # the file holds the columns that are not null on every row (ctx.null_ops: shared null chunks)
+        kept = [i for i, name in enumerate(_OPS_NAMES) if name not in ctx.null_ops]
+        schema = pa.schema([DECODED_OPS.field(i) for i in kept], metadata=DECODED_OPS.metadata)
 
         def batches() -> Iterator[pa.RecordBatch]:
             start = 0
             for chunk in rec.iter_op_chunks():
                 b = ctx.decode(chunk, start)
                 start += b.num_rows
-                yield b
-        return files.write("ops", DECODED_OPS, batches()), files.path("ops")
+                yield pa.RecordBatch.from_arrays([b.column(i) for i in kept], schema=schema)
+                del b
+                release_memory()   # this chunk's temporaries: the next one's peak starts from here
+        t = files.write("ops", schema, batches())
+        lengths = [len(c) for c in t.column(0).chunks]
+        return pa.Table.from_arrays([t.column(f.name) if f.name not in ctx.null_ops else
+                                     null_column(t.num_rows, f.type, lengths) for f in DECODED_OPS],
+                                    schema=DECODED_OPS), files.path("ops")
     decoded: list[pa.RecordBatch] = []
     start = 0
     for chunk in rec.iter_op_chunks():
