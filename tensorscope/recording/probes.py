@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import ipython_shell
 from ..schema import nullable_array
-from .decode import SpillFiles, null_column, release_memory
+from .decode import SpillFiles, null_column, release_memory, take_rows
 
 Column = Union[pa.Array, pa.ChunkedArray]   # a column a probe contributes
 
@@ -454,7 +454,7 @@ class StoragesProbe:
         # only the live storages' rows, and only the columns a record needs (the whole table as Python
         # objects cost ~1 ms per 300 storages)
         cols = ("nbytes", "device", "dtype", "shape", "alloc_seq", "alloc_op", "cell", "source_file", "source_line")
-        t = tensors.select(list(cols)).take(pa.array([sid for sid, _ref in live], pa.int64())).to_pydict()
+        t = take_rows(tensors.select(list(cols)), [sid for sid, _ref in live]).to_pydict()
         records: list[LiveStorage] = []
         for i, (sid, ref) in enumerate(live):
             row = {k: t[k][i] for k in cols}
@@ -501,7 +501,7 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
     if len(rows):   # buffers compiled code made for an op's out=: made there, not before the trace
         alloc = lt.alloc   # categorize reads the moved alloc_seq from here
         alloc[rows] = seqs
-        op_names = ops.column("op").take(pa.array(np.maximum(alloc, 0)))
+        op_names = take_rows(ops.select(["op"]), np.maximum(alloc, 0)).column(0).combine_chunks()
         out[("tensors", "alloc_seq")] = nullable_array(alloc, alloc < 0)
         out[("tensors", "alloc_op")] = pc.if_else(pa.array(alloc >= 0), op_names, pa.nulls(len(alloc), op_names.type))
         tensors = tensors.set_column(tensors.schema.get_field_index("alloc_seq"), "alloc_seq",

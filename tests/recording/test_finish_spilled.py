@@ -8,11 +8,14 @@ import gc
 import os
 import sys
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
 import tensorscope
 from tensorscope.recording import history
+from tensorscope.recording.decode import take_rows
 
 
 def _step(n_small: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -84,3 +87,13 @@ def test_memory_categories_of_a_spilled_trace_equal_the_in_memory_ones(engine):
     cats = [t.tensors.column("category").to_pylist() for t in (plain, spilled)]
     assert cats[0] == cats[1]
     assert {"parameter", "gradient", "activation", "temporary"} <= set(cats[0])
+
+
+def test_take_rows_gives_what_take_gives_chunk_by_chunk():
+    t = pa.Table.from_batches([pa.record_batch({"a": np.arange(i * 10, i * 10 + 10),
+                                                "b": pa.array([str(x % 3) for x in range(10)]).dictionary_encode()})
+                               for i in range(7)])
+    for rows in ([5, 69, 0, 33, 33, 12], [3], list(range(70))[::-1], []):
+        assert take_rows(t, rows).equals(t.take(pa.array(rows, pa.int64()))), rows
+    with pytest.raises(IndexError):
+        take_rows(t, [70])
