@@ -717,10 +717,14 @@ def decode_tables(rec: Recorder, *, cell: Optional[int], screen: Any, links: _Li
     rec.end_chunk()
     ctx = Decoder(rec, cell=cell, screen=screen, links=links)
     files = SpillFiles(spill_dir) if rec.spilled_chunks else None
-    tables = {"ops": ops_table(ctx, spill_dir, files)[0]}
-    for name, fn in (("calls", calls_table), ("tensors", tensors_table)):
-        if files is not None:
-            release_memory()   # the previous table's temporaries
-        tables[name] = fn(ctx, files)
+    tables = {"calls": calls_table(ctx, files)}
+    release = getattr(rec.calls, "release", None)
+    if files is not None and release is not None:
+        release()   # the rows the native engine handed over are in the file now (the ops decode
+        release_memory()   # reads ctx.call_src / call_free, made from them when the Decoder was)
+    tables["ops"] = ops_table(ctx, spill_dir, files)[0]
+    if files is not None:
+        release_memory()
+    tables["tensors"] = tensors_table(ctx, files)
     tables["errors"] = errors_table(ctx)
-    return tables, files
+    return {k: tables[k] for k in ("ops", "calls", "tensors", "errors")}, files
