@@ -26,7 +26,7 @@ from .compiled import (
     _remember,
     graphs_from_records,
 )
-from .decode import null_column
+from .spilled import null_column
 
 
 def graph_tables(graphs: list[dict[str, Any]]) -> tuple[pa.Table, pa.Table]:

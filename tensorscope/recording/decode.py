@@ -5,40 +5,37 @@ session. Everything the hot path left for later is derived here, vectorised: op 
 tags, shapes/strides/dtypes/formats per row (gathers over the interned meta tuples), bytes read
 and written, source lines (from the enclosing call, or for backward ops from the forward op that
 created their autograd node), module of backward ops (likewise), ``fwd_seq``, ``hidden_copy``.
-Spilled traces are decoded chunk by chunk into a memory-mapped Arrow IPC file, so decoding never
-needs the whole ops table in RAM; ``decode_ops_from`` decodes spilled rows while the trace runs.
+Spilled traces have their ops, calls and tensors decoded chunk by chunk into memory-mapped Arrow
+IPC files (``spilled.py``), so decoding never needs a whole table in RAM; ``decode_ops_from``
+decodes spilled rows while the trace runs.
 """
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
 
 from .. import schema as S
-from .._common import COPYING_OPS, INEXACT_DTYPES
+from .._common import COPYING_OPS
 from ..schema import dense_array, nullable_array
 from .columns import (
-    _MEMO_VALUES,
     _PHASES,
     _CallColumns,
-    _Dict,
     _dict,
     _Links,
     _list,
     _list_columns,
     _ListDict,
     _memo,
-    _offsets,
     _op_dicts,
+    _tuple_dicts,
     gather,
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder
+from .spilled import SpillFiles, _ranges, null_column, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -89,55 +86,6 @@ def _sparse_rows(d: dict[int, Any], start: int, n: int, dtype: Any, width: int =
     sel = (seqs >= start) & (seqs < start + n)
     vals = np.array(list(d.values()), dtype=dtype).reshape(len(d), width)
     return seqs[sel] - start, vals[sel]
-
-
-
-def _int_lists(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, concatenated items) of int sequences as int64 arrays; lengths is ``[0]`` for no
-    sequence (ids index it)."""
-    if not seqs:
-        return np.zeros(1, np.int64), np.zeros(0, np.int64)
-    lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
-    return lens, np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum()))
-
-
-def _tuple_dicts(rec: Recorder) -> dict[str, Any]:
-    """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays
-    (shared with earlier decodes of the same metas and tuples).
-
-    Rows are expanded with numpy segment gathers instead of ``take`` over nested
-    list arrays (which costs ~1.7 µs a row for the twelve list columns).
-    """
-    m = rec.metas
-    n = len(rec.tuples.values) + len(m.shapes)
-    if n > _MEMO_VALUES:   # not kept: no key to build
-        return _build_tuple_dicts(rec)
-    key = ("tuples", tuple(rec.tuples.values), tuple(m.shapes), tuple(m.strides), tuple(m.dtypes), tuple(m.devices),
-           tuple(m.formats), tuple(m.ambiguous), tuple(m.nbytes))
-    return _memo(key, lambda: _build_tuple_dicts(rec), n)  # type: ignore[no-any-return]
-
-
-def _build_tuple_dicts(rec: Recorder) -> dict[str, Any]:
-    m = rec.metas
-    tup_len, tup_flat = _int_lists(rec.tuples.values)
-    tup_off = _offsets(tup_len)
-    shape_len, shape_flat = _int_lists(m.shapes)
-    stride_len, stride_flat = _int_lists([st if st is not None else () for st in m.strides])
-    meta_nbytes = np.array(m.nbytes or [0], dtype=np.int64)
-    meta_float = np.array([d in INEXACT_DTYPES for d in m.dtypes] or [False], dtype=bool)
-    # per tuple: its metas' bytes summed, and whether any is floating (running sums at the tuple bounds)
-    cum_bytes = _offsets(meta_nbytes[tup_flat])
-    cum_float = _offsets(meta_float[tup_flat])
-    nbytes = cum_bytes[tup_off[1:]] - cum_bytes[tup_off[:-1]]
-    has_float = cum_float[tup_off[1:]] > cum_float[tup_off[:-1]]
-    return dict(tup_len=tup_len, tup_flat=tup_flat, tup_start=tup_off[:-1],
-                shape=(shape_len, _offsets(shape_len)[:-1], shape_flat),
-                stride=(stride_len, _offsets(stride_len)[:-1], stride_flat),
-                dtypes=_Dict(m.dtypes), devices=_Dict(m.devices), formats=_Dict(m.formats),
-                ambiguous=np.array(m.ambiguous or [False], dtype=bool),
-                nbytes=nbytes, lens=tup_len, has_float=has_float,
-                # every meta has as many strides as dims (none non-strided): one gather serves both
-                same_layout=bool(np.array_equal(shape_len, stride_len)))
 
 
 
@@ -421,93 +369,6 @@ class Decoder:
                 elif m.formats[a[0]] != m.formats[b[0]] and not m.ambiguous[a[0]] and not m.ambiguous[b[0]]:
                     cand[i] = False   # .to(memory_format=...): the conversion the user asked for
         return cand
-
-
-class SpillFiles:
-    """The directory a spilled trace's big tables live in, as memory-mapped Arrow IPC files.
-
-    Each table is written batch by batch (never whole in RAM) and read back memory-mapped: its
-    pages are file-backed, so the kernel drops them under pressure instead of the process growing.
-    The Trace removes the directory when it goes (``Trace(_spill_file=...)``: any file in it)."""
-
-    def __init__(self, parent: Optional[str]) -> None:
-        self.dir = tempfile.mkdtemp(prefix="tensorscope-tables-", dir=parent)
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.dir, f"{name}.arrow")
-
-    def write(self, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> pa.Table:
-        """``batches`` written to ``name``'s file, read back memory-mapped (zero-copy)."""
-        return write_mapped(self.path(name), schema, batches)
-
-
-_LIBC: Any = None
-
-
-def release_memory() -> None:
-    """Give freed memory back to the OS: the Arrow pool's cached buffers, and glibc's free heap
-    (numpy's buffers come from malloc; past a few large frees glibc raises its mmap threshold and
-    keeps them in the heap, where RssAnon still counts them). Finishing a spilled trace calls it
-    between its stages so one stage's temporaries do not add to the next one's peak; tens of ms."""
-    global _LIBC
-    try:
-        pa.default_memory_pool().release_unused()
-    except Exception:
-        pass
-    if _LIBC is None:
-        try:
-            import ctypes
-
-            _LIBC = ctypes.CDLL("libc.so.6").malloc_trim
-        except Exception:   # not glibc (macOS, musl): nothing to trim
-            _LIBC = False
-    if _LIBC:
-        _LIBC(0)
-
-
-def write_mapped(path: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> pa.Table:
-    """``batches`` written to an Arrow IPC file at ``path``, then that file read back memory-mapped:
-    a table whose buffers are the file's pages (no copy in anonymous memory)."""
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        for b in batches:
-            writer.write_batch(b)
-    with pa.memory_map(path) as src:
-        return pa.ipc.open_file(src).read_all()
-
-
-def null_column(n: int, typ: pa.DataType, lengths: Optional[Sequence[int]] = None) -> pa.ChunkedArray:
-    """An all-null column of ``n`` rows as chunks (of ``lengths``, else of at most 65536 rows) that
-    share one all-null array per length: a long trace's null column holds next to no memory."""
-    if lengths is None:
-        lengths = [hi - lo for lo, hi in _ranges(n, 65536)]
-    shared: dict[int, pa.Array] = {}
-    return pa.chunked_array([shared.setdefault(m, pa.nulls(m, typ)) for m in lengths], typ)
-
-
-def take_rows(table: pa.Table, rows: Sequence[int]) -> pa.Table:
-    """``table.take(rows)`` chunk by chunk: Arrow's take over a chunked column concatenates the
-    whole column first (a memory-mapped table's column copied into anonymous memory for a handful
-    of rows); here each chunk gives its own rows, and only the result is put in order."""
-    idx = np.asarray(rows, dtype=np.int64)
-    batches = table.to_batches()
-    if len(batches) <= 1 or not len(idx):
-        return table.take(pa.array(idx, pa.int64()))
-    offsets = np.cumsum([0] + [b.num_rows for b in batches])
-    if idx.min() < 0 or idx.max() >= offsets[-1]:
-        raise IndexError(f"row index out of bounds for a table of {offsets[-1]} rows")
-    which = np.searchsorted(offsets, idx, side="right") - 1
-    order = np.argsort(which, kind="stable")   # grouped by chunk, each group in the given order
-    parts = [batches[k].take(pa.array(idx[which == k] - offsets[k])) for k in np.unique(which).tolist()]
-    inverse = np.empty(len(idx), np.int64)
-    inverse[order] = np.arange(len(idx))
-    return pa.Table.from_batches(parts, schema=table.schema).take(pa.array(inverse))
-
-
-def _ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
-    """``[lo, hi)`` row ranges of at most ``step`` rows covering ``n`` rows."""
-    step = max(int(step), 1)
-    for lo in range(0, n, step):
-        yield lo, min(lo + step, n)
 
 
 def ops_table(ctx: Decoder, spill_dir: Optional[str], files: Optional[SpillFiles] = None

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from .. import schema as S
 from .columns import _Links
 from .context import RecordingContext
-from .decode import decode_tables, release_memory
+from .decode import decode_tables
 from .probes import Decoded, Probe, contribute_all
+from .spilled import release_memory
 
 if TYPE_CHECKING:
     from ..options import TraceOptions

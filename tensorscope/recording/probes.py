@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import ipython_shell
 from ..schema import nullable_array
-from .decode import SpillFiles, null_column, release_memory, take_rows
+from .spilled import SpillFiles, mapped_table, release_memory, take_rows
 
 Column = Union[pa.Array, pa.ChunkedArray]   # a column a probe contributes
 
@@ -65,7 +65,7 @@ class Decoded:
     ``table(name)`` is a read-only view: the decoded columns and those earlier probes gave (a
     contributed column replaces the decoded one of its name). ``build()`` makes each table once,
     in its schema's order; a column no probe contributed (its probe was off or failed) is null.
-    ``files``: where a spilled trace's tables are (``decode.SpillFiles``), None when it did not
+    ``files``: where a spilled trace's tables are (``spilled.SpillFiles``), None when it did not
     spill; then the decoded ``ops``/``calls``/``tensors`` are memory-mapped, and ``build()`` writes
     what the probes contributed to them into files of their own too (see :meth:`build`)."""
 
@@ -111,44 +111,12 @@ class Decoded:
         for name, cols in self._columns.items():
             schema, n = S.TABLES[name], self._rows[name]
             if name in self._mapped and self.files is not None:
-                out[name] = _mapped_table(name, schema, n, cols, self._mapped[name], self.files)
+                out[name] = mapped_table(name, schema, n, cols, self._mapped[name], self.files)
                 continue
             out[name] = pa.Table.from_arrays([cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in schema],
                                              schema=schema)
         out.update(self.tables)
         return out
-
-
-def _mapped_table(name: str, schema: pa.Schema, n: int, cols: dict[str, Column], decoded: dict[str, Column],
-                  files: SpillFiles) -> pa.Table:
-    """Table ``name`` of a spilled trace in ``schema``'s order: its ``decoded`` (memory-mapped)
-    columns as they are, the ones probes contributed (``cols`` less ``decoded``) written into a file
-    of their own (batches of the decoded chunks' lengths) and memory-mapped, the missing ones null."""
-    first = next(iter(decoded.values()), None)
-    lengths = [len(c) for c in first.chunks] if isinstance(first, pa.ChunkedArray) and first.num_chunks else [n]
-    # a contributed column that is all null is no column: null chunk by chunk below, nothing written
-    final: dict[str, Column] = {f.name: cols[f.name] for f in schema
-                                if f.name in cols and (cols[f.name].null_count < n or n == 0)}
-    contributed = [f for f in schema if f.name in final and final[f.name] is not decoded.get(f.name)]
-    if contributed:
-        sub = pa.schema(contributed)
-
-        def batches() -> Iterable[pa.RecordBatch]:
-            pos = 0
-            for m in lengths:
-                arrs = []
-                for f in contributed:
-                    part = cols[f.name].slice(pos, m)
-                    if isinstance(part, pa.ChunkedArray):
-                        part = part.combine_chunks() if part.num_chunks != 1 else part.chunk(0)
-                    arrs.append(part.cast(f.type) if part.type != f.type else part)
-                pos += m
-                yield pa.RecordBatch.from_arrays(arrs, schema=sub)
-        written = files.write(f"{name}-contributed", sub, batches())
-        for f in contributed:
-            final[f.name] = written.column(f.name)
-    return pa.Table.from_arrays([final[f.name] if f.name in final else null_column(n, f.type, lengths) for f in schema],
-                                schema=schema)
 
 
 class Probe(Protocol):
@@ -563,37 +531,13 @@ class AllocatorStatsProbe:
     def contribute(self, decoded: Decoded) -> Contribution:
         tables: dict[str, Any] = {}
         try:
-            tables = _allocator_tables(self.probe, decoded, int(getattr(self.dist, "anchor_unix_ns", 0) or 0))
+            from .allocator import allocator_tables
+
+            tables = allocator_tables(self.probe, decoded.table("tensors"), decoded.table("ops"),
+                                      int(getattr(self.dist, "anchor_unix_ns", 0) or 0))
         except Exception as e:
             decoded.rec.tracer_error("CUDA allocator", e)
         return Contribution(tables, {}, list(self.probe.notes))
-
-
-def _allocator_tables(probe: AllocatorProbe, decoded: Decoded, anchor: int) -> dict[str, pa.Table]:
-    """The caching allocator's counters per device the trace touched, and with ``memory_history=True``
-    its snapshot joined to ``tensors``."""
-    from ..analyses.allocator import (
-        allocator_rows,
-        allocator_table,
-        allocator_timeline,
-        cuda_index,
-        snapshot_tables,
-        with_history,
-    )
-
-    out: dict[str, pa.Table] = {}
-    if not probe.start_stats and not probe.end_stats:
-        return out
-    tensors, ops = decoded.table("tensors"), decoded.table("ops")
-    touched = [i for i in (cuda_index(d) for d in tensors.column("device").unique().to_pylist()) if i is not None]
-    allocator = allocator_table(allocator_rows(probe.start_stats, probe.end_stats, touched))
-    if probe.snapshot is not None:
-        snap = snapshot_tables(probe.snapshot, anchor_unix_ns=anchor, tensors=tensors, ops=ops)
-        out.update(snap)
-        timeline = allocator_timeline(snap["allocator_events"], allocator)
-        allocator = with_history(allocator, timeline, ops, tensors)
-    out["allocator"] = allocator
-    return out
 
 
 def make_probes(options: TraceOptions, engine: Engine, dist: DistContext, *, deferred_kernels: bool) -> list[Probe]:

@@ -520,7 +520,7 @@ class trace:
         dataset_error, spilled = session.dataset_error, session.ctx.rec.n_spilled
         del session
         if spilled:   # the recording's buffers are gone with the session: give their memory back now
-            from .decode import release_memory
+            from .spilled import release_memory
 
             release_memory()
         if dataset_error is not None:

@@ -15,7 +15,7 @@ import torch
 
 import tensorscope
 from tensorscope.recording import history
-from tensorscope.recording.decode import take_rows
+from tensorscope.recording.spilled import take_rows
 
 
 def _step(n_small: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
