@@ -122,7 +122,8 @@ class Trace:
         object.__setattr__(self, "_plot", None)
         object.__setattr__(self, "_derived", {})
         if _spill_file:
-            # ops were decoded to a memory-mapped file: remove it when the Trace goes
+            # a spilled trace: its ops, calls and tensors (and what probes added to them) are
+            # memory-mapped files in _spill_file's directory, removed when the Trace goes
             weakref.finalize(self, shutil.rmtree, os.path.dirname(_spill_file), True)
 
     # -- tables ------------------------------------------------------------

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .memory import _array, _devices, _filled, _int_column, _sum_by, live_mask, live_matrix
+from .memory import _array, _devices, _filled, _int_column, live_mask, live_matrix
 
 __all__ = ["categorize", "memory_timeline", "memory_at", "module_memory", "BACKWARD_CALLS"]
 
@@ -76,24 +76,60 @@ def _flat(col: Any) -> tuple[np.ndarray, np.ndarray]:
     return vals, rows
 
 
+def _ints(col: Any, fill: int) -> np.ndarray:
+    """An integer column as one new int64 array, nulls as ``fill``, filled chunk by chunk (a chunked
+    column is never combined into one Arrow array first: a memory-mapped table stays mapped)."""
+    if not isinstance(col, pa.ChunkedArray):
+        return _filled(col, fill)
+    out = np.empty(len(col), np.int64)
+    pos = 0
+    for chunk in col.chunks:
+        out[pos:pos + len(chunk)] = _filled(chunk, fill)
+        pos += len(chunk)
+    return out
+
+
+def _batches(table: pa.Table, names: list[str]) -> Iterable[tuple[int, pa.RecordBatch]]:
+    """(first row, batch) of ``names`` of ``table``, chunk by chunk (zero-copy slices)."""
+    pos = 0
+    for b in table.select(names).to_batches():
+        yield pos, b
+        pos += b.num_rows
+
+
+def backward_calls(calls: Optional[pa.Table]) -> np.ndarray:
+    """Sorted ids of the calls that run autograd's engine (``BACKWARD_CALLS``) or are nested in one."""
+    if calls is None or calls.num_rows == 0:
+        return np.zeros(0, np.int64)
+    under: set[int] = set()
+    for lo, b in _batches(calls, ["qualname", "parent_id"]):
+        flag = _is(b.column(0), lambda v: v in BACKWARD_CALLS)
+        under.update((np.nonzero(flag)[0] + lo).tolist())
+        parent = _filled(b.column(1), -1)
+        for i in np.nonzero((parent >= 0) & ~flag)[0].tolist():   # nested calls are rare; parents precede children
+            if int(parent[i]) in under:
+                under.add(lo + i)
+    return np.array(sorted(under), np.int64)
+
+
+def _backward_rows(phase: Any, call_id: Any, under: np.ndarray) -> np.ndarray:
+    """Per op of one batch: ran in autograd's engine, or under one of the calls ``under``."""
+    bwd = _is(phase, lambda v: v == "backward")
+    if len(under):
+        bwd |= np.isin(_filled(call_id, -1), under)
+    return bwd
+
+
 def backward_region(ops: pa.Table, calls: Optional[pa.Table]) -> np.ndarray:
     """Per op: ran in autograd's engine, or under a call that runs it (see the module docstring)."""
     n = ops.num_rows
     if n == 0:
         return np.zeros(0, bool)
-    bwd = _is(ops.column("phase"), lambda v: v == "backward")
-    if calls is not None and calls.num_rows:
-        flag = _is(calls.column("qualname"), lambda v: v in BACKWARD_CALLS)
-        if flag.any():
-            under = flag.tolist()   # plain lists: one step per call, no numpy scalars
-            for i, p in enumerate(_int_column(calls, "parent_id", -1).tolist()):   # parents precede children
-                if p >= 0 and under[p]:
-                    under[i] = True
-            flag = np.array(under, dtype=bool)
-            cid = _int_column(ops, "call_id", -1)
-            ok = (cid >= 0) & (cid < len(flag))
-            bwd[ok] |= flag[cid[ok]]
-    return bwd
+    under = backward_calls(calls)
+    out = np.empty(n, bool)
+    for lo, b in _batches(ops, ["phase", "call_id"]):
+        out[lo:lo + b.num_rows] = _backward_rows(b.column(0), b.column(1), under)
+    return out
 
 
 def _clamp(x: np.ndarray, hi: int) -> np.ndarray:
@@ -102,40 +138,178 @@ def _clamp(x: np.ndarray, hi: int) -> np.ndarray:
     return out
 
 
-class Lifetimes:
-    """What ``categorize`` and ``made_by_out_argument`` read of ``tensors`` and ``ops``, as numpy,
-    converted once: the end of every trace runs both on the same tables. ``alloc`` is writable: the
-    caller that moves a storage's ``alloc_seq`` sets it here too."""
-
-    def __init__(self, tensors: pa.Table, ops: pa.Table) -> None:
-        self.n_ops = ops.num_rows
-        self.sid = sid = _int_column(tensors, "storage_id", -1)
-        self.alloc = _int_column(tensors, "alloc_seq", -1)
-        self.free = _int_column(tensors, "free_seq", -1)
-        #: storage id -> row of tensors (-1: none)
-        self.pos = np.full(int(sid.max(initial=-1)) + 1, -1, dtype=np.int64)
-        self.pos[sid[sid >= 0]] = np.nonzero(sid >= 0)[0]
-        self.ins, self.rows = _flat(ops.column("in_storages"))
-        self.outs, self.orow = _flat(ops.column("out_storages"))
-        #: per tensors row: the first op that showed the storage, as an input or an output
-        self.first = self.first_shown((self.ins, self.rows), (self.outs, self.orow))
-
-    def first_shown(self, *shown: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        """Per tensors row: the first op that showed the storage in ``shown`` ((storage ids, op rows)
-        of flattened list columns), ``n_ops`` where none did."""
-        npos = max(len(self.pos), 1)
-        first = np.full(npos, self.n_ops, np.int64)
-        for vals, rows in shown:
-            ok = (vals >= 0) & (vals < npos)
-            np.minimum.at(first, vals[ok], rows[ok])
-        has = self.sid >= 0
-        got = np.full(len(self.sid), self.n_ops, np.int64)
-        got[has] = first[self.sid[has]]
-        return got
-
-
 def _out_like(v: str) -> bool:
     return v == "out" or v.endswith("_out")
+
+
+def _any_out_overload(ops: pa.Table) -> bool:
+    """Whether an ``out=`` overload ran (from the dictionaries when the column is one: most traces
+    ran none, and then nothing needs looking up per op)."""
+    col = ops.column("overload")
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    if all(pa.types.is_dictionary(c.type) for c in chunks):
+        seen: set[int] = set()
+        for c in chunks:
+            if id(c.dictionary) in seen:
+                continue
+            seen.add(id(c.dictionary))
+            if any(v is not None and _out_like(v) for v in c.dictionary.to_pylist()):
+                return True
+        return False
+    return True
+
+
+#: per-op flag bits of Lifetimes.flags
+_ACC, _MOD, _OUT = 1, 2, 4
+#: rows of tensors categorised at a time
+_STORAGE_STEP = 1 << 16
+
+
+class Lifetimes:
+    """What ``categorize`` and ``made_by_out_argument`` read of ``tensors`` and ``ops``, gathered in
+    one pass over ``ops`` batch by batch (a memory-mapped table stays mapped, never combined): per
+    storage ``alloc``/``free`` (int64) and whether an op of a module read it; per op one byte of
+    flags (an AccumulateGrad op, in a module, an ``out=`` overload); the phase runs (the first op
+    of each run of forward or backward ops); the first op that showed each storage that existed
+    before the trace (the only ones whose first sighting matters); the storages AccumulateGrad
+    wrote. ``alloc`` is writable: the caller that moves a storage's ``alloc_seq`` sets it here too."""
+
+    def __init__(self, tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None) -> None:
+        self.n_ops = n_ops = ops.num_rows
+        n = tensors.num_rows
+        self.sid = sid = _ints(tensors.column("storage_id"), -1)
+        self.alloc = _ints(tensors.column("alloc_seq"), -1)
+        self.free = _ints(tensors.column("free_seq"), -1)
+        #: storage id -> row of tensors (-1: none); None when the ids are the rows (a recorded trace)
+        self.pos: Optional[np.ndarray] = None
+        if n and not (sid[0] == 0 and sid[-1] == n - 1 and bool((np.diff(sid) == 1).all())):
+            self.pos = np.full(int(sid.max(initial=-1)) + 1, -1, dtype=np.int64)
+            self.pos[sid[sid >= 0]] = np.nonzero(sid >= 0)[0]
+        self.npos = len(self.pos) if self.pos is not None else n
+        made = (self.alloc >= 0) & (self.alloc < n_ops)
+        #: storage ids not made by an op of the trace, sorted; the first op that showed each (as an
+        #: input or an output) and the first that showed it as an output (``n_ops``: none)
+        self.pre = np.unique(sid[~made & (sid >= 0)])
+        self.first = np.full(len(self.pre), n_ops, np.int64)
+        self.first_out = np.full(len(self.pre), n_ops, np.int64)
+        #: per tensors row: an op of a module read it
+        self.read_in_module = np.zeros(n, bool)
+        self.flags = np.zeros(n_ops, np.uint8)
+        grads: list[np.ndarray] = []
+        starts: list[int] = []        # first op of each phase run
+        run_bwd: list[bool] = []
+        self.first_fwd = n_ops        # the first op outside backward
+        under = backward_calls(calls)
+        outs_needed = _any_out_overload(ops) if n_ops else False
+        names = ["phase", "call_id", "autograd_node", "module", "in_storages", "out_storages"]
+        if outs_needed:
+            names.append("overload")
+        for lo, b in _batches(ops, names) if n_ops else ():
+            m = b.num_rows
+            if m == 0:
+                continue
+            bwd = _backward_rows(b.column(0), b.column(1), under)
+            change = np.nonzero(bwd[1:] != bwd[:-1])[0] + 1
+            if not run_bwd or run_bwd[-1] != bool(bwd[0]):
+                starts.append(lo)
+                run_bwd.append(bool(bwd[0]))
+            for k in change.tolist():
+                starts.append(lo + k)
+                run_bwd.append(bool(bwd[k]))
+            if self.first_fwd == n_ops and not bwd.all():
+                self.first_fwd = lo + int(np.argmin(bwd))
+            acc = _is(b.column(2), lambda v: v.endswith("AccumulateGrad"))
+            in_mod = _codes(b.column(3))[0] >= 0
+            f = self.flags[lo:lo + m]
+            f |= acc.astype(np.uint8) * _ACC
+            f |= in_mod.astype(np.uint8) * _MOD
+            if outs_needed:
+                f |= _is(b.column(6), _out_like).astype(np.uint8) * _OUT
+            ins, rows = _flat(b.column(4))
+            outs, orow = _flat(b.column(5))
+            self._first(ins, rows + lo, self.first)
+            self._first(outs, orow + lo, self.first, self.first_out)
+            sel = (ins >= 0) & (ins < self.npos) & in_mod[rows]
+            r = self._rows(ins[sel])
+            self.read_in_module[r[r >= 0]] = True
+            if acc.any():
+                grads.append(outs[acc[orow]])
+        self.starts = np.array(starts, np.int64)
+        self.run_bwd = np.array(run_bwd, bool)
+        self.grads = np.concatenate(grads) if grads else np.zeros(0, np.int64)
+
+    def _rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of tensors of storage ids in [0, npos) (-1: none)."""
+        return self.pos[ids] if self.pos is not None else ids
+
+    def _first(self, vals: np.ndarray, rows: np.ndarray, *into: np.ndarray) -> None:
+        """Lower ``into`` (per id of ``pre``) to the first of ``rows`` that showed each such id."""
+        if not len(self.pre) or not len(vals):
+            return
+        ok = (vals >= 0) & (vals < self.npos)
+        vals, rows = vals[ok], rows[ok]
+        idx = np.minimum(np.searchsorted(self.pre, vals), len(self.pre) - 1)
+        hit = self.pre[idx] == vals
+        for a in into:
+            np.minimum.at(a, idx[hit], rows[hit])
+
+    def first_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(first op that showed it, first op that showed it as an output) per tensors row of
+        ``rows``; ``n_ops`` where none did or the storage was made by an op of the trace."""
+        fs = np.full(len(rows), self.n_ops, np.int64)
+        fo = fs.copy()
+        if not len(self.pre):
+            return fs, fo
+        ids = self.sid[rows]
+        idx = np.minimum(np.searchsorted(self.pre, ids), len(self.pre) - 1)
+        hit = (self.pre[idx] == ids) & (ids >= 0)
+        fs[hit], fo[hit] = self.first[idx[hit]], self.first_out[idx[hit]]
+        return fs, fo
+
+    def run_of(self, seq: np.ndarray) -> np.ndarray:
+        """The phase run of each op ``seq`` (in [0, n_ops))."""
+        out: np.ndarray = np.searchsorted(self.starts, seq, side="right") - 1
+        return out
+
+    def categories(self, lo: int, hi: int) -> np.ndarray:
+        """What the lifetimes alone say of tensors rows ``[lo, hi)`` (codes into CATS; see the
+        module docstring): input, temporary, activation or other."""
+        alloc, free = self.alloc[lo:hi], self.free[lo:hi]
+        n_ops = self.n_ops
+        cat = np.full(hi - lo, _CAT["other"], dtype=np.int32)
+        made = (alloc >= 0) & (alloc < n_ops)
+        cat[~made] = _CAT["input"]
+        if n_ops == 0:
+            return cat
+        a = _clamp(alloc, n_ops - 1)
+        f = _clamp(free, n_ops - 1)
+        seg_a, seg_f = self.run_of(a), self.run_of(f)
+        bwd_a, bwd_f = self.run_bwd[seg_a], self.run_bwd[seg_f]
+        freed = made & (free >= 0)
+        cat[freed & (seg_a == seg_f)] = _CAT["temporary"]
+        saved = freed & ~bwd_a & bwd_f & (seg_f > seg_a)
+        # freed at the last op of a backward that accumulated a gradient: released when the backward
+        # call returned (an unnamed loss), not by a node (AccumulateGrad saves nothing)
+        run_end = np.append(self.starts[1:], n_ops)[seg_f]
+        last = bwd_f & (f == run_end - 1)
+        saved &= ~(last & ((self.flags[f] & _ACC) != 0))
+        cat[saved] = _CAT["activation"]
+        # existing before the trace and freed by its backward: saved by a forward run before it; but
+        # one first seen in a backward after the trace's own forward and freed in it was made there by
+        # code the trace does not see (a recomputation cut short, a compiled backward's buffers)
+        pre_freed = ~made & (free >= 0) & bwd_f
+        if pre_freed.any():
+            rows = np.nonzero(pre_freed)[0]
+            fs, _ = self.first_of(rows + lo)
+            seen = fs < n_ops
+            rows, fs = rows[seen], fs[seen]
+            cat[rows] = _CAT["activation"]
+            same = (self.run_of(fs) == seg_f[rows]) & (fs > self.first_fwd)
+            cat[rows[same]] = _CAT["temporary"]
+        # made outside every module, outside backward, read by a module's op: the step's input
+        in_mod_a = (self.flags[a] & _MOD) != 0
+        cat[made & self.read_in_module[lo:hi] & ~in_mod_a & ~bwd_a] = _CAT["input"]
+        return cat
 
 
 def made_by_out_argument(tensors: pa.Table, ops: pa.Table,
@@ -145,17 +319,15 @@ def made_by_out_argument(tensors: pa.Table, ops: pa.Table,
     region's kernels allocate their outputs without dispatching an op)."""
     n_ops = ops.num_rows
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    if n_ops == 0 or tensors.num_rows == 0:
-        return empty
-    overload = _array(ops.column("overload"))
-    if pa.types.is_dictionary(overload.type) and not any(
-            v is not None and _out_like(v) for v in overload.dictionary.to_pylist()):
+    if n_ops == 0 or tensors.num_rows == 0 or not _any_out_overload(ops):
         return empty   # no out= overload ran (most traces): nothing to look up
-    out_variant = _is(overload, _out_like)
     lt = lifetimes if lifetimes is not None else Lifetimes(tensors, ops)
-    fs, fo = lt.first, lt.first_shown((lt.outs, lt.orow))
-    rows = np.nonzero((lt.alloc < 0) & (fs < n_ops) & (fo == fs) & out_variant[np.minimum(fs, n_ops - 1)])[0]
-    return rows, fs[rows]
+    rows = np.nonzero(lt.alloc < 0)[0]
+    fs, fo = lt.first_of(rows)
+    keep = (fs < n_ops) & (fo == fs)
+    rows, fs = rows[keep], fs[keep]
+    keep = (lt.flags[fs] & _OUT) != 0
+    return rows[keep], fs[keep]
 
 
 def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None,
@@ -165,68 +337,30 @@ def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = Non
 
     ``known``: storage id -> parameter / buffer / gradient / optimizer_state; ``graph_held``: ids of
     storages alive at the end that only an autograd graph holds; ``optimizer_held``: ids an
-    optimizer holds (both from the leak finder); ``lifetimes``: the columns already converted."""
+    optimizer holds (both from the leak finder); ``lifetimes``: the pass over ``ops`` already made
+    (with ``calls``). Storages are categorised ``_STORAGE_STEP`` rows at a time."""
     n = tensors.num_rows
     cat = np.full(n, _CAT["other"], dtype=np.int32)
     if n == 0:
         return _dict_array(cat)
-    lt = lifetimes if lifetimes is not None else Lifetimes(tensors, ops)
-    pos, alloc, free = lt.pos, lt.alloc, lt.free
+    lt = lifetimes if lifetimes is not None else Lifetimes(tensors, ops, calls)
+    alloc, free = lt.alloc, lt.free
 
     def rows_of(ids: Iterable[int]) -> np.ndarray:
         a = ids.astype(np.int64) if isinstance(ids, np.ndarray) else np.fromiter((int(i) for i in ids), dtype=np.int64)
-        a = a[(a >= 0) & (a < len(pos))]
-        r = pos[a]
+        a = a[(a >= 0) & (a < lt.npos)]
+        r = lt._rows(a)
         return r[r >= 0]
 
-    n_ops = lt.n_ops
-    made = (alloc >= 0) & (alloc < n_ops)
-    cat[~made] = _CAT["input"]
-    grads = np.zeros(0, np.int64)
-    if n_ops:
-        bwd = backward_region(ops, calls)
-        seg = np.zeros(n_ops, np.int64)   # the phase run of each op
-        np.cumsum(bwd[1:] != bwd[:-1], out=seg[1:])
-        ins, rows, outs, orow = lt.ins, lt.rows, lt.outs, lt.orow
-        acc = _is(ops.column("autograd_node"), lambda v: v.endswith("AccumulateGrad"))
-        # the op that first showed each storage (as input or output)
-        fs = lt.first
-        seen = fs < n_ops
-        fsc = np.minimum(fs, n_ops - 1)
-        a = _clamp(alloc, n_ops - 1)
-        f = _clamp(free, n_ops - 1)
-        freed = made & (free >= 0)
-        seg_a, seg_f, bwd_a, bwd_f = seg[a], seg[f], bwd[a], bwd[f]
-        cat[freed & (seg_a == seg_f)] = _CAT["temporary"]
-        saved = freed & ~bwd_a & bwd_f & (seg_f > seg_a)
-        # freed at the last op of a backward that accumulated a gradient: released when the backward
-        # call returned (an unnamed loss), not by a node (AccumulateGrad saves nothing)
-        last = np.zeros(n_ops, bool)
-        last[:-1] = bwd[:-1] & ~bwd[1:]
-        last[-1] = bwd[-1]
-        saved &= ~(last[f] & acc[f])
-        cat[saved] = _CAT["activation"]
-        # existing before the trace and freed by its backward: saved by a forward run before it; but
-        # one first seen in a backward after the trace's own forward and freed in it was made there by
-        # code the trace does not see (a recomputation cut short, a compiled backward's buffers)
-        fwd_before = np.zeros(n_ops, bool)
-        fwd_before[1:] = np.logical_or.accumulate(~bwd)[:-1]
-        pre_freed = ~made & seen & (free >= 0) & bwd_f
-        cat[pre_freed] = _CAT["activation"]
-        cat[pre_freed & (seg[fsc] == seg_f) & fwd_before[fsc]] = _CAT["temporary"]
-        # made outside every module, outside backward, read by a module's op: the step's input
-        mod_codes, _ = _codes(ops.column("module"))
-        m = (ins >= 0) & (ins < len(pos)) & (mod_codes[rows] >= 0)
-        r = pos[ins[m]]
-        r_in = np.zeros(n, bool)
-        r_in[r[r >= 0]] = True
-        cat[made & r_in & (mod_codes[a] < 0) & ~bwd_a] = _CAT["input"]
-        # what AccumulateGrad wrote is a gradient (also one zero_grad() freed before the end)
-        if acc.any():
-            grads = rows_of(outs[acc[orow]])
+    for lo in range(0, n, _STORAGE_STEP):
+        hi = min(lo + _STORAGE_STEP, n)
+        cat[lo:hi] = lt.categories(lo, hi)
+    # what AccumulateGrad wrote is a gradient (also one zero_grad() freed before the end)
+    grads = rows_of(lt.grads)
     held = rows_of(graph_held)
     if len(held):
-        held = held[made[held] & (free[held] < 0) & (cat[held] == _CAT["other"])]
+        made = (alloc[held] >= 0) & (alloc[held] < lt.n_ops)
+        held = held[made & (free[held] < 0) & (cat[held] == _CAT["other"])]
         cat[held] = _CAT["activation"]
     # state outranks what the lifetimes say (CATS is in precedence order)
     for r, c in ((grads, "gradient"), (rows_of(optimizer_held), "optimizer_state")):
@@ -235,8 +369,8 @@ def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = Non
     if known:
         ks = np.fromiter(known.keys(), dtype=np.int64, count=len(known))
         kc = np.array([_CAT.get(c, _CAT["other"]) for c in known.values()], dtype=np.int32)
-        ok = (ks >= 0) & (ks < len(pos))
-        r = pos[ks[ok]]
+        ok = (ks >= 0) & (ks < lt.npos)
+        r = lt._rows(ks[ok])
         kc = kc[ok][r >= 0]
         r = r[r >= 0]
         cat[r] = np.minimum(cat[r], kc)
@@ -454,131 +588,3 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
                 row(anc, d)["activation_bytes"] += b
     out = sorted(rows.values(), key=lambda r: (-r["activation_bytes"], -(r["fwd_peak_bytes"] or 0), r["module"]))
     return pa.Table.from_pylist(out, schema=S.MODULE_MEMORY)
-
-
-# -- the timeline's digest: what the summary reads of it, in bounded memory ------------------------
-
-def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1 << 16) -> dict[str, Any]:
-    """What the summary reads of ``memory_timeline`` and ``memory``, without building either: per device
-    the peak (the timeline's ``is_peak`` row and ``memory_peak``'s tie-break past bookkeeping ops), the
-    bytes before the first op and during the last, and the rows the memory chart draws on ``columns``
-    pixel columns (render/svg_memory.py: per column the op with the most live bytes, the first such).
-
-    The ops are swept in blocks of about ``block`` (whole chart columns): what it holds is one block
-    of live bytes per (device, category) and the storages' events, whatever the op count. Equal to
-    reading the same from ``memory_timeline(tensors, ops)`` (tests/analyses/test_memory_digest.py).
-    """
-    n = ops.num_rows
-    if n == 0 or tensors.num_rows == 0:
-        return {"n": 0, "devices": []}
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    names, dev = _devices(tensors)
-    cat = _category_codes(tensors)
-    D, C = len(names), len(CATS)
-    K = D * C
-    key = dev * C + cat
-    pre = alloc < 0
-    baseline = _sum_by(key[pre], nbytes[pre], K)
-    # the events (``live_matrix``'s rule): +bytes at the op that made a storage, -bytes after the op it died in
-    made = ~pre & (alloc < n)
-    freed = (free >= 0) & (free + 1 < n)
-    ev_seq = np.concatenate([alloc[made], free[freed] + 1])
-    order = np.argsort(ev_seq, kind="stable")
-    ev_seq = ev_seq[order]
-    ev_key = np.concatenate([key[made], key[freed]])[order]
-    ev_w = np.concatenate([nbytes[made], -nbytes[freed]]).astype(np.float64)[order]
-    del order, made, freed, pre
-    edges = np.linspace(0, n, columns + 1).astype(np.int64) if n > columns else np.arange(n + 1, dtype=np.int64)
-    edges = edges[np.concatenate(([True], edges[1:] > edges[:-1]))]   # empty columns draw nothing
-    per = max(1, block // max(1, n // max(len(edges) - 1, 1)))
-    bounds = edges[::per].tolist()
-    if bounds[-1] != n:
-        bounds.append(n)
-    has_noise = "is_noise" in ops.column_names
-    running = baseline.copy()
-    best: list[Optional[int]] = [None] * D
-    best_seq = [0] * D
-    best_cats: list[Any] = [None] * D
-    named: list[Optional[int]] = [None] * D
-    drawn: list[list[np.ndarray]] = [[] for _ in range(D)]
-    drawn_live: list[list[np.ndarray]] = [[] for _ in range(D)]
-    end = np.zeros(D, np.int64)
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        width = b - a
-        lo, hi = np.searchsorted(ev_seq, [a, b], side="left").tolist()
-        d = np.bincount(ev_key[lo:hi] * width + (ev_seq[lo:hi] - a), weights=ev_w[lo:hi],
-                        minlength=K * width).astype(np.int64).reshape(K, width)
-        np.cumsum(d, axis=1, out=d)
-        d += running[:, None]
-        running = d[:, -1].copy()
-        live3 = d.reshape(D, C, width)
-        tot = live3.sum(axis=1)
-        end = tot[:, -1].copy()
-        noise = (pc.fill_null(ops.column("is_noise").slice(a, width), False).to_numpy(zero_copy_only=False)
-                 .astype(bool) if has_noise else None)
-        cut = edges[(edges >= a) & (edges < b)] - a
-        lens = np.diff(np.append(cut, width))
-        pos = np.arange(width)
-        for di in range(D):
-            row = tot[di]
-            j = int(np.argmax(row))
-            m = int(row[j])
-            prev = best[di]
-            if prev is None or m > prev:
-                best[di], best_seq[di], best_cats[di], named[di] = m, a + j, live3[di, :, j].copy(), None
-            if m == best[di] and named[di] is None and noise is not None:
-                ok = np.flatnonzero((row == m) & ~noise)
-                named[di] = a + int(ok[0]) if len(ok) else None
-            segmax = np.maximum.reduceat(row, cut)
-            first = np.minimum.reduceat(np.where(row == np.repeat(segmax, lens), pos, width), cut)
-            drawn[di].append(a + first)
-            drawn_live[di].append(live3[di][:, first])
-    out = []
-    for di, name in enumerate(names):
-        out.append({"device": name, "peak_bytes": int(best[di] or 0), "peak_seq": int(best_seq[di]),
-                    "peak_categories": np.asarray(best_cats[di], np.int64), "named_peak_seq": named[di],
-                    "start_bytes": int(baseline[di * C:(di + 1) * C].sum()), "end_bytes": int(end[di]),
-                    "drawn": np.concatenate(drawn[di]), "drawn_live": np.concatenate(drawn_live[di], axis=1)})
-    return {"n": n, "devices": out, "has_noise": has_noise}
-
-
-def digest_peaks(digest: Mapping[str, Any], ops: pa.Table) -> list[dict[str, Any]]:
-    """``peaks(memory_timeline(tensors, ops))`` from a ``memory_digest``: each device's peak row."""
-    rows = []
-    for p in digest["devices"]:
-        s = p["peak_seq"]
-        opc = _op_columns(ops, digest["n"], np.array([s], np.int64))
-        r: dict[str, Any] = {"seq": s, "device": p["device"]}
-        r.update({k: v[0].as_py() for k, v in opc.items()})
-        r["live_bytes"] = p["peak_bytes"]
-        r.update({f"{c}_bytes": int(p["peak_categories"][ci]) for ci, c in enumerate(CATS)})
-        r["is_peak"] = True
-        rows.append({f.name: r[f.name] for f in S.MEMORY_TIMELINE})
-    return rows
-
-
-def digest_memory_peak(digest: Mapping[str, Any], ops: pa.Table, tensors: pa.Table) -> Optional[dict[str, dict[str, Any]]]:
-    """``analyses.memory.memory_peak(memory_table(tensors, n), ops, tensors)`` from a ``memory_digest``;
-    None where it cannot say the same (storages naming ops past the last: read the tables then)."""
-    out: dict[str, dict[str, Any]] = {}
-    if not digest["devices"]:
-        return out
-    n = digest["n"]
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    last = int(max(alloc.max(initial=-1), free.max(initial=-1)))
-    if last >= n:
-        return None
-    noise_col = ops.column("is_noise") if digest.get("has_noise") else None
-    for p in digest["devices"]:
-        s = p["peak_seq"] if p["named_peak_seq"] is None else p["named_peak_seq"]
-        info: dict[str, Any] = {"peak_bytes": p["peak_bytes"], "peak_seq": s, "start_bytes": p["start_bytes"],
-                                "end_bytes": p["end_bytes"]}
-        if noise_col is None or not noise_col[s].as_py():
-            info["peak_op"] = ops.column("op")[s].as_py()
-        if last >= 0:   # the high-water mark: the same rule over the ops the storages name (0..last)
-            info["high_water_bytes"], info["high_water_seq"] = p["peak_bytes"], p["peak_seq"]
-        out[p["device"]] = info
-    return out

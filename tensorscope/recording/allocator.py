@@ -126,3 +126,30 @@ class AllocatorProbe:
             if n >= MAX_ENTRIES:
                 self.notes.append(f"memory_history: the allocator kept its last {MAX_ENTRIES} events only; "
                                   "earlier ones of this trace are not in allocator_events")
+
+
+def allocator_tables(probe: AllocatorProbe, tensors: Any, ops: Any, anchor: int) -> dict[str, Any]:
+    """The caching allocator's counters per device the trace touched (the ``allocator`` table),
+    and with ``memory_history=True`` its snapshot joined to ``tensors`` (the allocator probe's
+    contribution, recording/probes.py); ``anchor``: the rank's clock anchor (unix ns)."""
+    from ..analyses.allocator import (
+        allocator_rows,
+        allocator_table,
+        allocator_timeline,
+        cuda_index,
+        snapshot_tables,
+        with_history,
+    )
+
+    out: dict[str, Any] = {}
+    if not probe.start_stats and not probe.end_stats:
+        return out
+    touched = [i for i in (cuda_index(d) for d in tensors.column("device").unique().to_pylist()) if i is not None]
+    allocator = allocator_table(allocator_rows(probe.start_stats, probe.end_stats, touched))
+    if probe.snapshot is not None:
+        snap = snapshot_tables(probe.snapshot, anchor_unix_ns=anchor, tensors=tensors, ops=ops)
+        out.update(snap)
+        timeline = allocator_timeline(snap["allocator_events"], allocator)
+        allocator = with_history(allocator, timeline, ops, tensors)
+    out["allocator"] = allocator
+    return out

@@ -26,6 +26,7 @@ from .compiled import (
     _remember,
     graphs_from_records,
 )
+from .spilled import null_column
 
 
 def graph_tables(graphs: list[dict[str, Any]]) -> tuple[pa.Table, pa.Table]:
@@ -159,17 +160,20 @@ def _note_unknown_regions(notes: list[str], calls: pa.Table, call_gid: np.ndarra
     """Calls from Inductor-generated code whose compile this process never saw: say why there is no graph."""
     if calls.num_rows == 0:
         return
-    # per distinct file, not per row (a long trace has millions of calls, a handful of files)
+    # per distinct file, not per row (a long trace has millions of calls, a handful of files), chunk
+    # by chunk (a spilled trace's calls are memory-mapped: never combined into one array)
     col = calls.column("source_file")
-    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if not pa.types.is_dictionary(col.type):
-        col = col.dictionary_encode()
-    names = col.dictionary.to_pylist()
-    generated = np.array([bool(f) and bool(_GENERATED.match(os.path.basename(f))) for f in names] + [False])
-    if not generated.any():   # no call from generated code (the common case): nothing to say
-        return
-    codes = col.indices.fill_null(len(names)).to_numpy(zero_copy_only=False).astype(np.int64)
-    n = int(np.count_nonzero(generated[codes] & (call_gid < 0)))
+    n = pos = 0
+    for chunk in col.chunks if isinstance(col, pa.ChunkedArray) else [col]:
+        m = len(chunk)
+        if not pa.types.is_dictionary(chunk.type):
+            chunk = chunk.dictionary_encode()
+        names = chunk.dictionary.to_pylist()
+        generated = np.array([bool(f) and bool(_GENERATED.match(os.path.basename(f))) for f in names] + [False])
+        if generated.any():   # else no call from generated code here (the common case): nothing to count
+            codes = chunk.indices.fill_null(len(names)).to_numpy(zero_copy_only=False).astype(np.int64)
+            n += int(np.count_nonzero(generated[codes] & (call_gid[pos:pos + m] < 0)))
+        pos += m
     if n:
         notes.append(
             f"{n} torch-level call(s) came from torch.compile'd code compiled before any trace saw it, so its "
@@ -210,13 +214,15 @@ def link(records: list[Record], ops: pa.Table, calls: pa.Table, notes: list[str]
     if graphs or known:
         call_gid, op_gid = _link(graphs, ops, calls)
     else:   # nothing compiled in this trace nor remembered from an earlier one: nothing can link
-        call_gid, op_gid = np.full(calls.num_rows, -1, np.int64), np.full(ops.num_rows, -1, np.int64)
+        # (views of one -1: a long trace's rows hold no memory for them)
+        call_gid = np.broadcast_to(np.int64(-1), (calls.num_rows,))
+        op_gid = np.broadcast_to(np.int64(-1), (ops.num_rows,))
     _note_unknown_regions(notes, calls, call_gid)
-    columns: dict[tuple[str, str], Any] = {
-        ("ops", "graph_id"): S.nullable_array(op_gid, op_gid < 0),
-        ("calls", "graph_id"): S.nullable_array(call_gid, call_gid < 0),
-        ("calls", "compiled"): pa.array(call_gid >= 0, pa.bool_()),
-    }
+    columns: dict[tuple[str, str], Any] = {("calls", "compiled"): pa.array(call_gid >= 0, pa.bool_())}
+    for name, gid in (("ops", op_gid), ("calls", call_gid)):
+        # nothing linked (most traces): null chunks that share one array, not 9 bytes a row
+        columns[(name, "graph_id")] = S.nullable_array(gid, gid < 0) if (gid >= 0).any() else \
+            null_column(len(gid), pa.int64())
     for name, table, gid in (("ops", ops, op_gid), ("calls", calls, call_gid)):
         if table.num_rows and (gid >= 0).any():
             located = _user_location(table, gid, graphs)

@@ -5,40 +5,41 @@ session. Everything the hot path left for later is derived here, vectorised: op 
 tags, shapes/strides/dtypes/formats per row (gathers over the interned meta tuples), bytes read
 and written, source lines (from the enclosing call, or for backward ops from the forward op that
 created their autograd node), module of backward ops (likewise), ``fwd_seq``, ``hidden_copy``.
-Spilled traces are decoded chunk by chunk into a memory-mapped Arrow IPC file, so decoding never
-needs the whole ops table in RAM; ``decode_ops_from`` decodes spilled rows while the trace runs.
+Spilled traces have their ops, calls and tensors decoded chunk by chunk into memory-mapped Arrow
+IPC files (``spilled.py``), so decoding never needs a whole table in RAM; ``decode_ops_from``
+decodes spilled rows while the trace runs.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from itertools import chain
+import os
+from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import numpy as np
 import pyarrow as pa
 
 from .. import schema as S
-from .._common import COPYING_OPS, INEXACT_DTYPES
+from .._common import COPYING_OPS
 from ..errors import SpillError
 from ..schema import dense_array, nullable_array
 from .columns import (
-    _MEMO_VALUES,
     _PHASES,
     _CallColumns,
-    _Dict,
     _dict,
+    _int64,
     _Links,
     _list,
     _list_columns,
     _ListDict,
     _memo,
-    _offsets,
     _op_dicts,
+    _shape_rows,
+    _tuple_dicts,
     gather,
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
-from .spill import ipc_file
+from .spilled import SpillFiles, _ranges, null_column, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -94,55 +95,6 @@ def _sparse_rows(d: Union[dict[int, Any], SparseInts], start: int, n: int, dtype
 
 
 
-def _int_lists(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, concatenated items) of int sequences as int64 arrays; lengths is ``[0]`` for no
-    sequence (ids index it)."""
-    if not seqs:
-        return np.zeros(1, np.int64), np.zeros(0, np.int64)
-    lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
-    return lens, np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum()))
-
-
-def _tuple_dicts(rec: Recorder) -> dict[str, Any]:
-    """Interned meta tuples as flat numpy segments, and per-meta values as flat Arrow arrays
-    (shared with earlier decodes of the same metas and tuples).
-
-    Rows are expanded with numpy segment gathers instead of ``take`` over nested
-    list arrays (which costs ~1.7 µs a row for the twelve list columns).
-    """
-    m = rec.metas
-    n = len(rec.tuples.values) + len(m.shapes)
-    if n > _MEMO_VALUES:   # not kept: no key to build
-        return _build_tuple_dicts(rec)
-    key = ("tuples", tuple(rec.tuples.values), tuple(m.shapes), tuple(m.strides), tuple(m.dtypes), tuple(m.devices),
-           tuple(m.formats), tuple(m.ambiguous), tuple(m.nbytes))
-    return _memo(key, lambda: _build_tuple_dicts(rec), n)  # type: ignore[no-any-return]
-
-
-def _build_tuple_dicts(rec: Recorder) -> dict[str, Any]:
-    m = rec.metas
-    tup_len, tup_flat = _int_lists(rec.tuples.values)
-    tup_off = _offsets(tup_len)
-    shape_len, shape_flat = _int_lists(m.shapes)
-    stride_len, stride_flat = _int_lists([st if st is not None else () for st in m.strides])
-    meta_nbytes = np.array(m.nbytes or [0], dtype=np.int64)
-    meta_float = np.array([d in INEXACT_DTYPES for d in m.dtypes] or [False], dtype=bool)
-    # per tuple: its metas' bytes summed, and whether any is floating (running sums at the tuple bounds)
-    cum_bytes = _offsets(meta_nbytes[tup_flat])
-    cum_float = _offsets(meta_float[tup_flat])
-    nbytes = cum_bytes[tup_off[1:]] - cum_bytes[tup_off[:-1]]
-    has_float = cum_float[tup_off[1:]] > cum_float[tup_off[:-1]]
-    return dict(tup_len=tup_len, tup_flat=tup_flat, tup_start=tup_off[:-1],
-                shape=(shape_len, _offsets(shape_len)[:-1], shape_flat),
-                stride=(stride_len, _offsets(stride_len)[:-1], stride_flat),
-                dtypes=_Dict(m.dtypes), devices=_Dict(m.devices), formats=_Dict(m.formats),
-                ambiguous=np.array(m.ambiguous or [False], dtype=bool),
-                nbytes=nbytes, lens=tup_len, has_float=has_float,
-                # every meta has as many strides as dims (none non-strided): one gather serves both
-                same_layout=bool(np.array_equal(shape_len, stride_len)))
-
-
-
 class Decoder:
     """Dictionaries and global per-op arrays shared by every chunk's decode of one trace's buffers.
 
@@ -166,11 +118,16 @@ class Decoder:
         src_vals = rec.sources.values
         self.src_files = _dict([None if v is None else v[0] for v in src_vals])
         self.src_lines = np.array([-1 if v is None or v[1] is None else v[1] for v in src_vals] or [-1], dtype=np.int64)
-        self.call_src = call_src
+        # per call: its source (int32: ids of interned locations) and whether its function is
+        # expected to be free; the int64 columns read for them are not kept (8 B a call each)
+        self.call_src = call_src.astype(np.int32) if len(src_vals) < 2**31 else call_src
         self.call_names = func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
         call_func = self.call_cols["func"][:n_calls]
+        self.call_cols.clear()
+        del call_src
         func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
         self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
+        del call_func
         short = self.ops["short"]
         self.copy_op = np.array([s in COPYING_OPS for s in short] or [False], dtype=bool)
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
@@ -182,6 +139,15 @@ class Decoder:
         self._run_keys: dict[tuple[int, int], int] = {}   # (op id, input tuple id) -> process-wide key hash
         self._null_cache: dict[Any, pa.Array] = {}
         self.links = links
+        fp_none = not rec.fingerprints
+        #: ops columns null on every row of the trace, known before any chunk is decoded (what no
+        #: probe of this trace recorded): a spilled ops file leaves them out (8 B a row each)
+        self.null_ops = frozenset(name for name, none in (
+            ("cell", cell is None), ("cuda_ns", not rec.cuda_ns), ("error_id", not rec.op_errors),
+            ("nonfinite", not self.screened), ("nonfinite_produced", not self.screened or not rec.nonfinite),
+            ("num_rel_err", not rec.numerics), ("num_max_abs_err", not rec.numerics),
+            ("probe_ns", not rec.probe_ns), ("fp_hash", fp_none), ("fp_nonfinite", fp_none), ("fp_sum", fp_none),
+            ("fp_abs_sum", fp_none), ("fp_max_abs", fp_none)) if none)
 
     @property
     def g(self) -> dict[str, np.ndarray]:
@@ -411,23 +377,45 @@ class Decoder:
         return cand
 
 
-def ops_table(ctx: Decoder, spill_dir: Optional[str]) -> tuple[pa.Table, Optional[str]]:
-    """The ops table; past ``spill_rows`` decoded into a memory-mapped Arrow IPC file under
-    ``spill_dir``, whose path is returned (the Trace owns it) with the table. When that file
-    cannot be written (a full disk: ``spill.py``), the table is decoded into memory instead and
-    the failure kept in ``rec.spill_failed`` for the end of the trace to report."""
+def ops_table(ctx: Decoder, spill_dir: Optional[str], files: Optional[SpillFiles] = None
+              ) -> tuple[pa.Table, Optional[str]]:
+    """The ops table; past ``spill_rows`` decoded chunk by chunk into a memory-mapped Arrow IPC
+    file (in ``files``, else a new directory under ``spill_dir``), whose path is returned (the
+    Trace owns its directory) with the table; in memory when a spill file failed (a full disk:
+    ``rec.spill_failed``, reported at the end of the trace)."""
     rec = ctx.rec
-    if rec.spilled_chunks and rec.spill_failed is None:
+    if files is None and rec.spilled_chunks and rec.spill_failed is None:
         try:
-            return ipc_file(spill_dir, "tensorscope-ops-", "ops.arrow", DECODED_OPS,
-                            (ctx.decode(chunk, start) for start, chunk in rec.iter_op_chunks(with_start=True)),
-                            rows=rec.n_spilled + rec.mem_rows)
+            files = SpillFiles(spill_dir, rec)
         except SpillError as e:
             rec.spill_failure(e, "the decoded ops table was")
-    batches = [ctx.decode(chunk, start) for start, chunk in rec.iter_op_chunks(with_start=True)]
-    if not batches:
+    if files is not None:
+        # the file holds the columns that are not null on every row (ctx.null_ops: shared null chunks)
+        kept = [i for i, name in enumerate(_OPS_NAMES) if name not in ctx.null_ops]
+        schema = pa.schema([DECODED_OPS.field(i) for i in kept], metadata=DECODED_OPS.metadata)
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            start = 0
+            for chunk in rec.iter_op_chunks():
+                b = ctx.decode(chunk, start)
+                start += b.num_rows
+                yield pa.RecordBatch.from_arrays([b.column(i) for i in kept], schema=schema)
+                del b
+                release_memory()   # this chunk's temporaries: the next one's peak starts from here
+        t = files.write("ops", schema, batches, rec.n_spilled + rec.mem_rows)
+        lengths = [len(c) for c in t.column(0).chunks]
+        path = files.path("ops")
+        return pa.Table.from_arrays([t.column(f.name) if f.name not in ctx.null_ops else
+                                     null_column(t.num_rows, f.type, lengths) for f in DECODED_OPS],
+                                    schema=DECODED_OPS), path if os.path.exists(path) else None
+    decoded: list[pa.RecordBatch] = []
+    start = 0
+    for chunk in rec.iter_op_chunks():
+        decoded.append(ctx.decode(chunk, start))
+        start += decoded[-1].num_rows
+    if not decoded:
         return empty_decoded("ops"), None
-    return pa.Table.from_batches(batches, schema=DECODED_OPS), None
+    return pa.Table.from_batches(decoded, schema=DECODED_OPS), None
 
 
 def decode_ops_from(rec: Recorder, first_seq: int, *, cell: Optional[int], screen: Any,
@@ -446,41 +434,55 @@ def decode_ops_from(rec: Recorder, first_seq: int, *, cell: Optional[int], scree
                 [cols[f.name] if f.name in cols else ctx._nulls(b.num_rows, f.type) for f in S.OPS], schema=S.OPS)
 
 
-def calls_table(ctx: Decoder) -> pa.Table:
+def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
+    """The calls table; with ``files`` (the trace spilled) decoded ``chunk_rows`` rows at a time
+    into a memory-mapped file."""
     rec = ctx.rec
-    c = rec.calls
     n = rec.n_calls
     if n == 0:
         return empty_decoded("calls")
-    a = {k: ctx.call_cols[k][:n] for k in c.fields}
     funcs = rec.call_funcs.values
     names = _dict(ctx.call_names)
     qual = _dict([_qualname(f) for f in funcs])
-    parent = a["parent"]
-    depth = np.zeros(n, dtype=np.int64)
-    for i in np.nonzero(parent >= 0)[0]:  # nested calls are rare; parents precede children
-        depth[i] = depth[parent[i]] + 1
-    src = a["src"].astype(np.int64)
     autocasts = _dict(rec.autocasts.values)
-    cols = dict(
-        call_id=dense_array(np.arange(n, dtype=np.int64)),
-        parent_id=nullable_array(parent, parent < 0),
-        depth=dense_array(depth),
-        cell=ctx._cells(n),
-        name=names.take(a["func"]),
-        qualname=qual.take(a["func"]),
-        module=ctx.modules.take(a["module"]),
-        source_file=ctx.src_files.take(src),
-        source_line=ctx._lines(src),
-        start_ns=dense_array(a["start"]),
-        dur_ns=dense_array(a["dur"]),
-        first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
-        n_ops=dense_array(a["n_ops"]),
-        autocast=autocasts.take(a["autocast"]),
-        error_id=nullable_array(a["error"], a["error"] < 0),
-    )
-    return pa.Table.from_arrays([cols[name] for name in _CALLS_NAMES], schema=DECODED_CALLS)
+    nested: dict[int, int] = {}   # call id -> depth, for nested calls only (rare; parents precede children)
 
+    # the store's rows a range at a time where it reads them so (the native engine's), else its
+    # whole int64 columns, read once (``ctx.call_cols``) and sliced
+    ranged = getattr(rec.calls, "column_range", None)
+
+    def batch(lo: int, hi: int) -> pa.RecordBatch:
+        a = {k: ranged(k, lo, hi) if ranged is not None else ctx.call_cols[k][lo:hi] for k in rec.calls.fields}
+        parent = a["parent"]
+        depth = np.zeros(hi - lo, dtype=np.int64)
+        for i in np.nonzero(parent >= 0)[0].tolist():
+            depth[i] = nested[lo + i] = nested.get(int(parent[i]), 0) + 1
+        src = a["src"].astype(np.int64)
+        cols = dict(
+            call_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
+            parent_id=nullable_array(parent, parent < 0),
+            depth=dense_array(depth),
+            cell=ctx._cells(hi - lo),
+            name=names.take(a["func"]),
+            qualname=qual.take(a["func"]),
+            module=ctx.modules.take(a["module"]),
+            source_file=ctx.src_files.take(src),
+            source_line=ctx._lines(src),
+            start_ns=dense_array(a["start"]),
+            dur_ns=dense_array(a["dur"]),
+            first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
+            n_ops=dense_array(a["n_ops"]),
+            autocast=autocasts.take(a["autocast"]),
+            error_id=nullable_array(a["error"], a["error"] < 0),
+        )
+        return pa.RecordBatch.from_arrays([cols[name] for name in _CALLS_NAMES], schema=DECODED_CALLS)
+
+    if files is None:
+        return pa.Table.from_batches([batch(0, n)], schema=DECODED_CALLS)
+    try:
+        return files.write("calls", DECODED_CALLS, lambda: (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)), n)
+    finally:   # the whole int64 columns read for it, if any
+        ctx.call_cols.clear()
 
 
 def _qualname(f: Any) -> str:
@@ -498,44 +500,45 @@ def _qualname(f: Any) -> str:
     return f"{mod}.{q}"
 
 
-def tensors_table(ctx: Decoder) -> pa.Table:
+def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
+    """The tensors table (one row per storage); with ``files`` (the trace spilled) decoded
+    ``chunk_rows`` rows at a time into a memory-mapped file."""
     rec = ctx.rec
     c = rec.tensors
     n = len(c.meta)
     if n == 0:
         return empty_decoded("tensors")
-    meta = np.frombuffer(c.meta, dtype=np.int32).astype(np.int64)
-    alloc = np.frombuffer(c.alloc_seq, dtype=np.int64)
-    free = np.frombuffer(c.free_seq, dtype=np.int64)
-    call = np.frombuffer(c.call, dtype=np.int64)
     devs = ctx.tup["devices"]
     dts = ctx.tup["dtypes"]
-    src_idx = np.zeros(n, dtype=np.int64)
-    ok = call >= 0
-    if len(ctx.call_src):
-        src_idx[ok] = ctx.call_src[call[ok]]
-    g_op = ctx.g["op"] if n else np.zeros(0, np.int32)
-    alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
-    cols = dict(
-        storage_id=dense_array(np.arange(n, dtype=np.int64)),
-        nbytes=dense_array(np.frombuffer(c.nbytes, dtype=np.int64)),
-        device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
-        alloc_seq=nullable_array(alloc, alloc < 0),
-        alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
-        pa.nulls(n, S.TENSORS.field("alloc_op").type),
-        free_seq=nullable_array(free, free < 0),
-        cell=ctx._cells(n),
-        module=ctx.modules.take(np.frombuffer(c.module, dtype=np.int32).astype(np.int64)),
-        source_file=ctx.src_files.take(src_idx),
-        source_line=ctx._lines(src_idx),
-    )
-    return pa.Table.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
+    g_op = ctx.g["op"]
 
+    def batch(lo: int, hi: int) -> pa.RecordBatch:
+        m = hi - lo
+        meta, alloc, free, call, nbytes, module = (_int64(col, lo, hi) for col in (
+            c.meta, c.alloc_seq, c.free_seq, c.call, c.nbytes, c.module))
+        src_idx = np.zeros(m, dtype=np.int64)
+        ok = call >= 0
+        if len(ctx.call_src):
+            src_idx[ok] = ctx.call_src[call[ok]]
+        alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
+        cols = dict(
+            storage_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
+            nbytes=dense_array(nbytes),
+            device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
+            alloc_seq=nullable_array(alloc, alloc < 0),
+            alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
+            pa.nulls(m, S.TENSORS.field("alloc_op").type),
+            free_seq=nullable_array(free, free < 0),
+            cell=ctx._cells(m),
+            module=ctx.modules.take(module),
+            source_file=ctx.src_files.take(src_idx),
+            source_line=ctx._lines(src_idx),
+        )
+        return pa.RecordBatch.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
 
-def _shape_rows(shape: tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndarray) -> tuple[np.ndarray, pa.Array]:
-    lens, starts, flat = shape
-    off, vals = gather(metas, starts, lens, flat)
-    return off, dense_array(vals)
+    if files is None:
+        return pa.Table.from_batches([batch(0, n)], schema=DECODED_TENSORS)
+    return files.write("tensors", DECODED_TENSORS, lambda: (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)), n)
 
 
 def errors_table(ctx: Decoder) -> pa.Table:
@@ -566,11 +569,27 @@ def errors_table(ctx: Decoder) -> pa.Table:
 
 
 def decode_tables(rec: Recorder, *, cell: Optional[int], screen: Any, links: _Links,
-                  spill_dir: Optional[str]) -> tuple[dict[str, pa.Table], Optional[str]]:
+                  spill_dir: Optional[str]) -> tuple[dict[str, pa.Table], Optional[SpillFiles]]:
     """The ``ops``, ``calls``, ``tensors`` and ``errors`` tables of a finished trace's buffers as
-    decoded (without :data:`PROBE_COLUMNS`), and the path of the memory-mapped ops file when the
-    ops were spilled (else None)."""
+    decoded (without :data:`PROBE_COLUMNS`), and when the ops were spilled the directory their
+    memory-mapped files are in (else None): then ``ops``, ``calls`` and ``tensors`` were decoded
+    chunk by chunk into it and read back memory-mapped."""
     rec.end_chunk()
     ctx = Decoder(rec, cell=cell, screen=screen, links=links)
-    ops, ops_file = ops_table(ctx, spill_dir)
-    return {"ops": ops, "calls": calls_table(ctx), "tensors": tensors_table(ctx), "errors": errors_table(ctx)}, ops_file
+    files: Optional[SpillFiles] = None
+    if rec.spilled_chunks and rec.spill_failed is None:   # after a failed spill file nothing more is written
+        try:
+            files = SpillFiles(spill_dir, rec)
+        except SpillError as e:
+            rec.spill_failure(e, "the decoded tables were")
+    tables = {"calls": calls_table(ctx, files)}
+    release = getattr(rec.calls, "release", None)
+    if files is not None and release is not None:
+        release()   # the rows the native engine handed over are in the file now (the ops decode
+        release_memory()   # reads ctx.call_src / call_free, made from them when the Decoder was)
+    tables["ops"] = ops_table(ctx, spill_dir, files)[0]
+    if files is not None:
+        release_memory()
+    tables["tensors"] = tensors_table(ctx, files)
+    tables["errors"] = errors_table(ctx)
+    return {k: tables[k] for k in ("ops", "calls", "tensors", "errors")}, files

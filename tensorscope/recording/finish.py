@@ -18,6 +18,7 @@ from .columns import _Links
 from .context import RecordingContext
 from .decode import decode_tables
 from .probes import Decoded, Probe, contribute_all
+from .spilled import release_memory
 
 if TYPE_CHECKING:
     from ..options import TraceOptions
@@ -43,11 +44,15 @@ def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str
     always-on cells link kernels at the next harvest), the memory-mapped ops file (or None), and
     the notes the probes add."""
     ctx = f.ctx
-    tables, ops_file = decode_tables(ctx.rec, cell=f.cell, screen=ctx.screen, links=f.links,
-                                     spill_dir=f.options.spill_dir)
-    decoded = Decoded(ctx, tables)
+    tables, files = decode_tables(ctx.rec, cell=f.cell, screen=ctx.screen, links=f.links,
+                                  spill_dir=f.options.spill_dir)
+    decoded = Decoded(ctx, tables, files)
+    del tables
     contribute_all(f.probes, decoded)
-    return decoded.build(), ops_file, decoded.notes
+    built = decoded.build()
+    if files is not None:
+        release_memory()
+    return built, files.path("ops") if files is not None and files.used else None, decoded.notes
 
 
 _DEVICE: Optional[dict[str, Any]] = None

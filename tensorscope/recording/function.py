@@ -263,8 +263,20 @@ class _LiveCalls(CallStore):
         super().__init__(CALL_FIELDS)
         self._fm = fm   # the C function mode until it hands the rows over, then None
         self._rows: Optional[np.ndarray] = None
+        self._released = False
+
+    def release(self) -> None:
+        """Drop the handed-over rows (56 B a call): a spilled trace's finish calls it once the calls
+        table is in its file; nothing reads them after that (reading raises)."""
+        self._rows = None
+        self._released = True
+
+    def _check(self) -> None:
+        if self._released:
+            raise RuntimeError("the calls rows were released once the calls table was built")
 
     def field(self, call_id: int, k: int) -> int:
+        self._check()
         if self._fm is not None:
             v = self._fm.field(call_id, k)
             return 0 if v is None else v
@@ -278,6 +290,7 @@ class _LiveCalls(CallStore):
         return np.stack([self.column(name) for name in self.fields], axis=1)
 
     def column(self, name: str) -> np.ndarray:
+        self._check()
         rows = self._rows
         if rows is None and self._fm is not None:
             # still recording (a dataset= spill decodes ops now): this field of every call so far,
@@ -288,6 +301,13 @@ class _LiveCalls(CallStore):
         if rows is not None:
             return rows[name].astype(np.int64)   # a contiguous copy, widened
         return super().column(name)
+
+    def column_range(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of one field as int64 (the calls table is built a range at a time)."""
+        self._check()
+        if self._rows is not None:
+            return self._rows[name][lo:hi].astype(np.int64)
+        return self.column(name)[lo:hi]
 
     def handover(self, raw: bytes, n: int) -> None:
         self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)

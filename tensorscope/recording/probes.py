@@ -17,6 +17,7 @@ columns earlier probes contributed; finishing builds every table once from them,
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
 
@@ -27,6 +28,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import ipython_shell
 from ..schema import nullable_array
+from .spilled import SpillFiles, mapped_table, release_memory, take_rows
 
 Column = Union[pa.Array, pa.ChunkedArray]   # a column a probe contributes
 
@@ -62,14 +64,21 @@ class Decoded:
 
     ``table(name)`` is a read-only view: the decoded columns and those earlier probes gave (a
     contributed column replaces the decoded one of its name). ``build()`` makes each table once,
-    in its schema's order; a column no probe contributed (its probe was off or failed) is null."""
+    in its schema's order; a column no probe contributed (its probe was off or failed) is null.
+    ``files``: where a spilled trace's tables are (``spilled.SpillFiles``), None when it did not
+    spill; then the decoded ``ops``/``calls``/``tensors`` are memory-mapped, and ``build()`` writes
+    what the probes contributed to them into files of their own too (see :meth:`build`)."""
 
-    def __init__(self, ctx: RecordingContext, tables: dict[str, pa.Table]) -> None:
+    def __init__(self, ctx: RecordingContext, tables: dict[str, pa.Table], files: Optional[SpillFiles] = None) -> None:
         self.ctx = ctx
         self.rec = ctx.rec
         self.t0 = ctx.t0
+        self.files = files
         self._columns: dict[str, dict[str, Column]] = {n: dict(zip(t.column_names, t.columns)) for n, t in tables.items()}
         self._rows = {n: t.num_rows for n, t in tables.items()}
+        #: the tables decoded into files: their contributed columns are written to files at build()
+        self._mapped = {n: dict(self._columns[n]) for n in tables
+                        if files is not None and os.path.exists(files.path(n))}
         self.tables: dict[str, Any] = {}
         self.notes: list[str] = []
 
@@ -93,9 +102,17 @@ class Decoded:
         self.notes.extend(c.notes)
 
     def build(self) -> dict[str, Any]:
+        """Every table, once, in its schema's order. A memory-mapped (spilled) table keeps its
+        decoded columns where they are; the columns probes contributed to it are written, batch by
+        batch, into ``<name>-contributed.arrow`` beside it and read back memory-mapped, and a column
+        nobody contributed is null chunk by chunk (one shared all-null array per chunk length), so
+        the built table holds next to nothing in anonymous memory."""
         out: dict[str, Any] = {}
         for name, cols in self._columns.items():
             schema, n = S.TABLES[name], self._rows[name]
+            if name in self._mapped and self.files is not None:
+                out[name] = mapped_table(name, schema, n, cols, self._mapped[name], self.files)
+                continue
             out[name] = pa.Table.from_arrays([cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in schema],
                                              schema=schema)
         out.update(self.tables)
@@ -405,12 +422,12 @@ class StoragesProbe:
         # only the live storages' rows, and only the columns a record needs (the whole table as Python
         # objects cost ~1 ms per 300 storages)
         cols = ("nbytes", "device", "dtype", "shape", "alloc_seq", "alloc_op", "cell", "source_file", "source_line")
-        t = tensors.select(list(cols)).take(pa.array([sid for sid, _ref in live], pa.int64())).to_pydict()
+        t = take_rows(tensors.select(list(cols)), [sid for sid, _ref in live]).to_pydict()
         records: list[LiveStorage] = []
         for i, (sid, ref) in enumerate(live):
             row = {k: t[k][i] for k in cols}
             records.append(LiveStorage(
-                storage_id=sid, ref=ref, data_ptr=tracker.ptrs[sid], nbytes=row["nbytes"], device=row["device"],
+                storage_id=sid, ref=ref, data_ptr=int(tracker.ptrs[sid]), nbytes=row["nbytes"], device=row["device"],
                 dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"],
                 alloc_op=row["alloc_op"], cell=row["cell"], source_file=row["source_file"],
                 source_line=row["source_line"]))
@@ -426,9 +443,8 @@ def _addresses(ctx: RecordingContext, n: int) -> Optional[pa.Array]:
     tracker = ctx.tracker
     if tracker is None or n == 0:
         return None
-    ptrs = list(tracker.ptrs[:n])
     try:
-        arr = np.asarray(ptrs, dtype=np.int64)
+        arr = np.asarray(tracker.ptrs[:n], dtype=np.int64)
     except OverflowError:
         return None
     if len(arr) < n:
@@ -447,12 +463,13 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
     if tensors.num_rows == 0:
         return out
     ops = decoded.table("ops")
-    lt = Lifetimes(tensors, ops)   # the columns every step below reads, converted once
+    calls = decoded.get("calls")
+    lt = Lifetimes(tensors, ops, calls)   # one pass over the ops for every step below
     rows, seqs = made_by_out_argument(tensors, ops, lt)
     if len(rows):   # buffers compiled code made for an op's out=: made there, not before the trace
         alloc = lt.alloc   # categorize reads the moved alloc_seq from here
         alloc[rows] = seqs
-        op_names = ops.column("op").take(pa.array(np.maximum(alloc, 0)))
+        op_names = take_rows(ops.select(["op"]), np.maximum(alloc, 0)).column(0).combine_chunks()
         out[("tensors", "alloc_seq")] = nullable_array(alloc, alloc < 0)
         out[("tensors", "alloc_op")] = pc.if_else(pa.array(alloc >= 0), op_names, pa.nulls(len(alloc), op_names.type))
         tensors = tensors.set_column(tensors.schema.get_field_index("alloc_seq"), "alloc_seq",
@@ -487,8 +504,7 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
                 graph_held.append(sid)
             elif kind == "optimizer_state":
                 opt_held.append(sid)
-    out[("tensors", "category")] = categorize(tensors, ops, decoded.get("calls"), known, graph_held, opt_held,
-                                              lifetimes=lt)
+    out[("tensors", "category")] = categorize(tensors, ops, calls, known, graph_held, opt_held, lifetimes=lt)
     return out
 
 
@@ -515,37 +531,13 @@ class AllocatorStatsProbe:
     def contribute(self, decoded: Decoded) -> Contribution:
         tables: dict[str, Any] = {}
         try:
-            tables = _allocator_tables(self.probe, decoded, int(getattr(self.dist, "anchor_unix_ns", 0) or 0))
+            from .allocator import allocator_tables
+
+            tables = allocator_tables(self.probe, decoded.table("tensors"), decoded.table("ops"),
+                                      int(getattr(self.dist, "anchor_unix_ns", 0) or 0))
         except Exception as e:
             decoded.rec.tracer_error("CUDA allocator", e)
         return Contribution(tables, {}, list(self.probe.notes))
-
-
-def _allocator_tables(probe: AllocatorProbe, decoded: Decoded, anchor: int) -> dict[str, pa.Table]:
-    """The caching allocator's counters per device the trace touched, and with ``memory_history=True``
-    its snapshot joined to ``tensors``."""
-    from ..analyses.allocator import (
-        allocator_rows,
-        allocator_table,
-        allocator_timeline,
-        cuda_index,
-        snapshot_tables,
-        with_history,
-    )
-
-    out: dict[str, pa.Table] = {}
-    if not probe.start_stats and not probe.end_stats:
-        return out
-    tensors, ops = decoded.table("tensors"), decoded.table("ops")
-    touched = [i for i in (cuda_index(d) for d in tensors.column("device").unique().to_pylist()) if i is not None]
-    allocator = allocator_table(allocator_rows(probe.start_stats, probe.end_stats, touched))
-    if probe.snapshot is not None:
-        snap = snapshot_tables(probe.snapshot, anchor_unix_ns=anchor, tensors=tensors, ops=ops)
-        out.update(snap)
-        timeline = allocator_timeline(snap["allocator_events"], allocator)
-        allocator = with_history(allocator, timeline, ops, tensors)
-    out["allocator"] = allocator
-    return out
 
 
 def make_probes(options: TraceOptions, engine: Engine, dist: DistContext, *, deferred_kernels: bool) -> list[Probe]:
@@ -565,6 +557,8 @@ def contribute_all(probes: Iterable[Probe], decoded: Decoded) -> None:
     """Every probe's contribution merged into ``decoded``, in order; a probe that raises is counted
     in ``tracer_errors`` and contributes nothing."""
     for p in probes:
+        if decoded.files is not None:
+            release_memory()   # a spilled trace: what decoding and the previous probe freed goes back first
         try:
             decoded.add(p.contribute(decoded))
         except Exception as e:

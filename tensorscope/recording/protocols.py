@@ -21,15 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Storages(Protocol):
     """The storages of a trace as the finish reads them (leaks)."""
 
     @property
-    def ptrs(self) -> Sequence[int]:
-        """storage id -> data pointer"""
+    def ptrs(self) -> Union[Sequence[int], np.ndarray]:
+        """Storage id -> data pointer (8 bytes a storage: an int64 array, or ``array('q')``)."""
         ...
 
     def live_created(self) -> list[tuple[int, Any]]:

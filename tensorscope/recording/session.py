@@ -545,7 +545,14 @@ class trace:
         assert session is not None   # __enter__ made it
         self._trace = session.stop(ev)
         self._session = None
-        _report_exit_errors(_exit_errors(session, self._trace), raise_=ev is None)
+        errors = _exit_errors(session, self._trace)
+        spilled = session.ctx.rec.n_spilled
+        del session
+        if spilled:   # the recording's buffers are gone with the session: give their memory back now
+            from .spilled import release_memory
+
+            release_memory()
+        _report_exit_errors(errors, raise_=ev is None)
         if ev is not None:
             from .frames import clean_traceback
 

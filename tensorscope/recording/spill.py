@@ -25,7 +25,7 @@ from ..errors import SpillError
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["spill_file", "ipc_file", "make_spill_dir", "spill_error", "spill_note", "free_bytes", "human_bytes"]
+__all__ = ["spill_file", "write_ipc", "make_spill_dir", "spill_error", "spill_note", "free_bytes", "human_bytes"]
 
 
 def _open(path: str) -> BinaryIO:
@@ -130,29 +130,23 @@ def spill_file(directory: str, name: str, needed: int) -> Iterator[BinaryIO]:
         raise spill_error(directory, needed, e, name) from e
 
 
-def ipc_file(parent: Optional[str], prefix: str, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch],
-             rows: int) -> tuple[pa.Table, str]:
-    """``batches`` written as the Arrow IPC file ``name`` in a new directory under ``parent``,
-    memory-mapped back: the table and the file's path (its owner removes the directory). Raises
-    SpillError, the directory removed, when it cannot be written (``rows``: every row the batches
-    hold, to estimate the bytes the whole file needed from those written so far)."""
+def write_ipc(directory: str, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch],
+              rows: Optional[int] = None) -> pa.Table:
+    """``batches`` written as the Arrow IPC file ``directory/name`` (through :func:`spill_file`:
+    whole or absent), memory-mapped back: a table whose buffers are the file's pages. Raises
+    SpillError when it cannot be written (``rows``: every row the batches hold, to estimate the
+    bytes the whole file needed from those written so far)."""
     import pyarrow as pa
 
-    tmp = make_spill_dir(parent, prefix)
     done = size = 0
-    try:
-        with spill_file(tmp, name, 0) as f:
-            try:
-                with pa.ipc.new_file(pa.PythonFile(f, mode="w"), schema) as writer:
-                    for b in batches:
-                        done += b.num_rows
-                        size += b.nbytes
-                        writer.write_batch(b)
-            except OSError as e:   # the whole file: the bytes per row so far, times every row
-                raise spill_error(tmp, size * max(rows, done) // max(done, 1), e, name) from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    path = os.path.join(tmp, name)
-    with pa.memory_map(path) as src:
-        return pa.ipc.open_file(src).read_all(), path
+    with spill_file(directory, name, 0) as f:
+        try:
+            with pa.ipc.new_file(pa.PythonFile(f, mode="w"), schema) as writer:
+                for b in batches:
+                    done += b.num_rows
+                    size += b.nbytes
+                    writer.write_batch(b)
+        except OSError as e:   # the whole file: the bytes per row so far, times every row
+            raise spill_error(directory, size * max(rows or done, done) // max(done, 1), e, name) from e
+    with pa.memory_map(os.path.join(directory, name)) as src:
+        return pa.ipc.open_file(src).read_all()

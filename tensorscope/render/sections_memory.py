@@ -29,7 +29,7 @@ def digest(t, columns: Optional[int] = None) -> dict:
     """The trace's ``memory_digest`` for a chart of ``columns`` pixel columns (None: any one already
     made, else the notebook chart's), kept with the trace's other views: one sweep of the ops serves
     the memory section, its chart and the headline's peaks, in bounded memory."""
-    from ..analyses.memory_categories import memory_digest
+    from ..analyses.memory_digest import memory_digest
     from .svg_memory import chart_columns
 
     cache = getattr(t, "_derived", None)
@@ -51,7 +51,7 @@ _NOTEBOOK_PX = 3
 
 def memory_section(t, full: bool = False) -> Optional[Section]:
     from ..analyses.memory import memory_peak
-    from ..analyses.memory_categories import digest_memory_peak
+    from ..analyses.memory_digest import digest_memory_peak
     from .svg_memory import chart_columns
 
     if t.ops.num_rows == 0 or t.tensors.num_rows == 0:   # the memory table is empty
@@ -139,7 +139,7 @@ def _made_of(t, dg: dict) -> dict:
     cats = t.tensors.column("category")
     if cats.null_count == len(cats):
         return {}
-    from ..analyses.memory_categories import digest_peaks
+    from ..analyses.memory_digest import digest_peaks
     from ..schema import MEMORY_CATEGORIES
 
     out = {}

@@ -271,7 +271,7 @@ def _peaks(t) -> list[dict[str, Any]]:
     """Each device's peak row of ``t.memory_timeline``, read from the memory digest the memory section
     made (``sections_memory.digest``: the timeline itself is not built)."""
     try:
-        from ..analyses.memory_categories import digest_peaks
+        from ..analyses.memory_digest import digest_peaks
 
         if t.ops.num_rows == 0 or t.tensors.num_rows == 0:
             return []

@@ -85,7 +85,7 @@ def chart_columns(width: int = 720, px_per_column: int = 1) -> int:
 
 def memory_digest_svg(digest: Any, ops: Any, device: Optional[str] = None, width: int = 720, height: int = 160,
                       cells: Any = None, hovers: bool = True) -> str:
-    """``memory_timeline_svg`` of the same trace from its ``analyses.memory_categories.memory_digest``
+    """``memory_timeline_svg`` of the same trace from its ``analyses.memory_digest.memory_digest``
     (computed for ``chart_columns(width, px_per_column)``): the same drawing, without the timeline."""
     devs = digest["devices"] if digest else []
     if not devs:
@@ -97,7 +97,7 @@ def memory_digest_svg(digest: Any, ops: Any, device: Optional[str] = None, width
         if not found:
             return ""
         p = found[0]
-    from ..analyses.memory_categories import digest_peaks
+    from ..analyses.memory_digest import digest_peaks
 
     peak_at = int(p["peak_seq"])
     row = next(r for r in digest_peaks({"n": digest["n"], "devices": [p]}, ops))

@@ -13,13 +13,8 @@ import torch
 
 import tensorscope
 from tensorscope.analyses.memory import memory_peak, memory_table
-from tensorscope.analyses.memory_categories import (
-    digest_memory_peak,
-    digest_peaks,
-    memory_digest,
-    memory_timeline,
-    peaks,
-)
+from tensorscope.analyses.memory_categories import memory_timeline, peaks
+from tensorscope.analyses.memory_digest import digest_memory_peak, digest_peaks, memory_digest
 from tensorscope.render.svg_memory import chart_columns, memory_digest_svg, memory_timeline_svg
 
 

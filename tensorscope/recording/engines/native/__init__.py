@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, cast
 
@@ -297,14 +296,11 @@ class NativeEngine:
         # storages
         st = np.frombuffer(d["tensors"], dtype=np.int64).reshape(-1, 7)
         if opts is not None and opts.storages:
+            # views of the handed-over rows, no copies (decode.tensors_table reads any integer
+            # column a range at a time): 56 B a storage in all; the pointers an array (a list: ~40 B more)
             cols = rec.tensors
-            cols.meta = array("i", st[:, 0].astype(np.int32).tobytes())
-            cols.nbytes = array("q", st[:, 1].tobytes())
-            cols.alloc_seq = array("q", st[:, 2].tobytes())
-            cols.free_seq = array("q", st[:, 3].tobytes())
-            cols.module = array("i", st[:, 4].astype(np.int32).tobytes())
-            cols.call = array("q", st[:, 5].tobytes())
-            ctx.tracker = NativeStorages(ext, st[:, 6].tolist())
+            cols.meta, cols.nbytes, cols.alloc_seq, cols.free_seq, cols.module, cols.call = (st[:, k] for k in range(6))
+            ctx.tracker = NativeStorages(ext, st[:, 6].copy())
         # non-finite screen (its findings came with the chunks)
         if ctx.screen is not None:
             ctx.screen = NativeScreen(d["screen"])
@@ -321,7 +317,7 @@ class NativeEngine:
 class NativeStorages:
     """The storage view the leak finder reads (``ptrs``, ``live_created()``), from the native engine."""
 
-    def __init__(self, ext: Any, ptrs: list[int]) -> None:
+    def __init__(self, ext: Any, ptrs: np.ndarray) -> None:
         self._ext = ext
         self.ptrs = ptrs
         self._live = None

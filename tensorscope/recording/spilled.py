@@ -1,0 +1,154 @@
+"""A spilled trace's big tables as memory-mapped Arrow IPC files (see docs/development/architecture.md,
+"Finishing a spilled trace").
+
+``SpillFiles`` is the directory they live in (the Trace removes it): it writes record batches to a
+file through the spill seam (``spill.py``) and reads it back memory-mapped, or, once a write failed
+(a full disk), builds the table in memory; ``mapped_table`` builds a finished table from its
+decoded (mapped) columns and what probes contributed; ``null_column`` is an all-null column of shared
+chunks; ``take_rows`` takes rows of a chunked table chunk by chunk; ``release_memory`` gives freed
+memory back to the OS between the stages of a spilled finish.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import SpillError
+from .spill import make_spill_dir, write_ipc
+
+if TYPE_CHECKING:
+    from .recorder import Recorder
+
+Column = Any   # a pa.Array or pa.ChunkedArray
+
+
+class SpillFiles:
+    """The directory a spilled trace's big tables live in, as memory-mapped Arrow IPC files.
+
+    Each table is written batch by batch (never whole in RAM) and read back memory-mapped: its
+    pages are file-backed, so the kernel drops them under pressure instead of the process growing.
+    The Trace removes the directory when it goes (``Trace(_spill_file=...)``: any file in it).
+    A file that cannot be written (a full disk: ``SpillError``) is kept in ``rec.spill_failed``
+    for the end of the trace to report; that table and every later one are built in memory."""
+
+    def __init__(self, parent: Optional[str], rec: Recorder) -> None:
+        self.rec = rec
+        self.dir = make_spill_dir(parent, "tensorscope-tables-", 0, "the decoded tables")
+
+    @property
+    def used(self) -> bool:
+        """Whether any table lives in the directory (the Trace then owns it)."""
+        return os.path.isdir(self.dir)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, f"{name}.arrow")
+
+    def write(self, name: str, schema: pa.Schema, batches: Callable[[], Iterable[pa.RecordBatch]],
+              rows: Optional[int] = None) -> pa.Table:
+        """The batches ``batches()`` makes, written to ``name``'s file and read back memory-mapped
+        (zero-copy); in memory when a spill file failed (``batches()`` is called again then)."""
+        if self.rec.spill_failed is None:
+            try:
+                return write_ipc(self.dir, f"{name}.arrow", schema, batches(), rows)
+            except SpillError as e:
+                self.rec.spill_failure(e, f"the decoded {name} table was")
+                try:
+                    os.rmdir(self.dir)   # nothing written yet: no directory left behind
+                except OSError:
+                    pass
+        return pa.Table.from_batches(list(batches()), schema=schema)
+
+
+_LIBC: Any = None
+
+
+def release_memory() -> None:
+    """Give freed memory back to the OS: the Arrow pool's cached buffers, and glibc's free heap
+    (numpy's buffers come from malloc; past a few large frees glibc raises its mmap threshold and
+    keeps them in the heap, where RssAnon still counts them). Finishing a spilled trace calls it
+    between its stages so one stage's temporaries do not add to the next one's peak; tens of ms."""
+    global _LIBC
+    try:
+        pa.default_memory_pool().release_unused()
+    except Exception:
+        pass
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6").malloc_trim
+        except Exception:   # not glibc (macOS, musl): nothing to trim
+            _LIBC = False
+    if _LIBC:
+        _LIBC(0)
+
+
+def null_column(n: int, typ: pa.DataType, lengths: Optional[Sequence[int]] = None) -> pa.ChunkedArray:
+    """An all-null column of ``n`` rows as chunks (of ``lengths``, else of at most 65536 rows) that
+    share one all-null array per length: a long trace's null column holds next to no memory."""
+    if lengths is None:
+        lengths = [hi - lo for lo, hi in _ranges(n, 65536)]
+    shared: dict[int, pa.Array] = {}
+    return pa.chunked_array([shared.setdefault(m, pa.nulls(m, typ)) for m in lengths], typ)
+
+
+def take_rows(table: pa.Table, rows: Sequence[int]) -> pa.Table:
+    """``table.take(rows)`` chunk by chunk: Arrow's take over a chunked column concatenates the
+    whole column first (a memory-mapped table's column copied into anonymous memory for a handful
+    of rows); here each chunk gives its own rows, and only the result is put in order."""
+    idx = np.asarray(rows, dtype=np.int64)
+    batches = table.to_batches()
+    if len(batches) <= 1 or not len(idx):
+        return table.take(pa.array(idx, pa.int64()))
+    offsets = np.cumsum([0] + [b.num_rows for b in batches])
+    if idx.min() < 0 or idx.max() >= offsets[-1]:
+        raise IndexError(f"row index out of bounds for a table of {offsets[-1]} rows")
+    which = np.searchsorted(offsets, idx, side="right") - 1
+    order = np.argsort(which, kind="stable")   # grouped by chunk, each group in the given order
+    parts = [batches[k].take(pa.array(idx[which == k] - offsets[k])) for k in np.unique(which).tolist()]
+    inverse = np.empty(len(idx), np.int64)
+    inverse[order] = np.arange(len(idx))
+    return pa.Table.from_batches(parts, schema=table.schema).take(pa.array(inverse))
+
+
+def _ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` row ranges of at most ``step`` rows covering ``n`` rows."""
+    step = max(int(step), 1)
+    for lo in range(0, n, step):
+        yield lo, min(lo + step, n)
+
+
+def mapped_table(name: str, schema: pa.Schema, n: int, cols: dict[str, Column], decoded: dict[str, Column],
+                  files: SpillFiles) -> pa.Table:
+    """Table ``name`` of a spilled trace in ``schema``'s order: its ``decoded`` (memory-mapped)
+    columns as they are, the ones probes contributed (``cols`` less ``decoded``) written into a file
+    of their own (batches of the decoded chunks' lengths) and memory-mapped, the missing ones null."""
+    first = next(iter(decoded.values()), None)
+    lengths = [len(c) for c in first.chunks] if isinstance(first, pa.ChunkedArray) and first.num_chunks else [n]
+    # a contributed column that is all null is no column: null chunk by chunk below, nothing written
+    final: dict[str, Column] = {f.name: cols[f.name] for f in schema
+                                if f.name in cols and (cols[f.name].null_count < n or n == 0)}
+    contributed = [f for f in schema if f.name in final and final[f.name] is not decoded.get(f.name)]
+    if contributed:
+        sub = pa.schema(contributed)
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            pos = 0
+            for m in lengths:
+                arrs = []
+                for f in contributed:
+                    part = cols[f.name].slice(pos, m)
+                    if isinstance(part, pa.ChunkedArray):
+                        part = part.combine_chunks() if part.num_chunks != 1 else part.chunk(0)
+                    arrs.append(part.cast(f.type) if part.type != f.type else part)
+                pos += m
+                yield pa.RecordBatch.from_arrays(arrs, schema=sub)
+        written = files.write(f"{name}-contributed", sub, batches)
+        for f in contributed:
+            final[f.name] = written.column(f.name)
+    return pa.Table.from_arrays([final[f.name] if f.name in final else null_column(n, f.type, lengths) for f in schema],
+                                schema=schema)
