@@ -180,6 +180,35 @@ def test_out_arguments_after_scalars_and_lists(tmp_path):
     assert out.returncode == 0 and "REPRODUCED" in out.stdout, out.stdout + out.stderr
 
 
+def test_inplace_capture_by_seq_and_on_error():
+    """capture=[seq] of an in-place op whose autograd kernel records a row of its own first (the
+    clone it saves), and capture="errors" of an in-place op that raised: both copied before."""
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+
+    def program():
+        h = w * 1
+        h.mul_(w)
+        return h
+
+    with tensorscope.trace(leaks=False) as t0:
+        program()
+    ops = t0.result.ops.column("op").to_pylist()
+    assert ops == ["aten.mul.Tensor", "aten.clone.default", "aten.mul_.Tensor"]
+    with tensorscope.trace(capture=[2], leaks=False) as t:
+        h = program()
+    caps = _caps(t.result, 2)
+    assert caps[0]["note"] == "written by the op: captured before it ran"
+    assert torch.frombuffer(bytearray(caps[0]["data"]), dtype=torch.float32).tolist() == [1.0, 2.0, 3.0]
+    assert h.tolist() == [1.0, 4.0, 9.0]
+    x = torch.tensor([1.0, 2.0])
+    with tensorscope.trace(capture="errors", leaks=False) as t:
+        with pytest.raises(RuntimeError):
+            x.add_(torch.ones(3))
+    tr = t.result
+    seq = next(r["seq"] for r in tr.ops.to_pylist() if r["op"] == "aten.add_.Tensor")
+    assert [c["note"] for c in _caps(tr, seq)] == ["written by the op: captured before it ran", None]
+
+
 def test_capture_keeps_no_reference_to_the_inputs():
     """capture= hands the op hook every aten op's inputs; an op that decomposes (linear) must not
     keep them (the native engine dropped a decomposed op's inputs without releasing them)."""
