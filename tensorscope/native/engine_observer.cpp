@@ -444,9 +444,10 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
       note_recent(stor.back());
       n_stor++;
       n_out++;
+      FpRec fr{seq, 0, 0, 0, 0, 0};   // the first fresh or written float output (engine_screen.h)
+      bool fp_here = false;
       if (g.want_fp && !fp_done && !p.facts->no_screen && (a < 0 || p.facts->writes)) {
-        FpRec fr{seq, 0, 0, 0, 0, 0};   // the first fresh or written float output (engine_screen.h)
-        if ((fp_done = fingerprint(t.unsafeGetTensorImpl(), &fr))) g.fingerprints.push_back(fr);
+        if ((fp_done = fp_here = fingerprint(t.unsafeGetTensorImpl(), &fr))) g.fingerprints.push_back(fr);
       }
       if (!g.want_screen) return;
       const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -458,7 +459,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
           learn(impl, m, true, p.bound);
           return;
         }
-        int64_t c = screen_and_learn(impl, m);
+        int64_t c = fp_here ? learn_from_fingerprint(impl, m, fr) : screen_and_learn(impl, m);
         if (c == -2) {
           device_out = true;
         } else if (c >= 0) {
