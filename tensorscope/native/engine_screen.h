@@ -284,89 +284,12 @@ template <> struct FpExp<double> { static constexpr uint64_t v = 0x7ff0000000000
 template <> struct FpExp<c10::Half> { static constexpr uint16_t v = 0x7c00u; };
 template <> struct FpExp<c10::BFloat16> { static constexpr uint16_t v = 0x7f80u; };
 
-// The unit-stride loop of fp_run below with AVX2 (+F16C for half): its four lanes as one vector of
-// each accumulator, the 64-bit multiply of the mix from 32-bit ones. Each lane adds its values in
-// the same order as the scalar loop, so both give the same bits; returns the values consumed (a
-// multiple of 4), the scalar loop does the rest.
-#if (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11)) && defined(__x86_64__)
-#define TS_FP_AVX2 1
-#define TS_AVX2 __attribute__((target("avx2,f16c")))
-inline bool fp_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return yes;
-}
-TS_AVX2 inline __m256i fp_mul64(__m256i x, __m256i k, __m256i k_hi) {   // x * k mod 2^64, per lane
-  const __m256i lo = _mm256_mul_epu32(x, k);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k), _mm256_mul_epu32(x, k_hi));
-  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
-}
-// four values: their raw bits zero-extended to 64 bits, and as doubles
-TS_AVX2 inline void fp_load4(const float* p, __m256i* bits, __m256d* v) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  *bits = _mm256_cvtepu32_epi64(b);
-  *v = _mm256_cvtps_pd(_mm_castsi128_ps(b));
-}
-TS_AVX2 inline void fp_load4(const double* p, __m256i* bits, __m256d* v) {
-  *bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  *v = _mm256_castsi256_pd(*bits);
-}
-TS_AVX2 inline void fp_load4(const c10::Half* p, __m256i* bits, __m256d* v) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  *bits = _mm256_cvtepu16_epi64(b);
-  *v = _mm256_cvtps_pd(_mm_cvtph_ps(b));
-}
-TS_AVX2 inline void fp_load4(const c10::BFloat16* p, __m256i* bits, __m256d* v) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  *bits = _mm256_cvtepu16_epi64(b);
-  *v = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(b), 16)));
-}
-template <typename T>
-TS_AVX2 __attribute__((noinline)) int64_t fp_lanes_avx2(const T* p, int64_t n, uint64_t ik, uint64_t dk, uint64_t* h,
-                                                       double* s, double* a, double* m, int64_t* nf) {
-  const __m256i k2 = _mm256_set1_epi64x(int64_t(kFpK2));
-  const __m256i k2_hi = _mm256_srli_epi64(k2, 32);
-  const __m256i exp = _mm256_set1_epi64x(int64_t(uint64_t(FpExp<T>::v)));
-  const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
-  const __m256i step = _mm256_set1_epi64x(int64_t(4 * dk));
-  __m256i iv = _mm256_set_epi64x(int64_t(ik + 3 * dk), int64_t(ik + 2 * dk), int64_t(ik + dk), int64_t(ik));
-  __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
-  __m256d sv = _mm256_loadu_pd(s), av = _mm256_loadu_pd(a), mv = _mm256_loadu_pd(m);
-  __m256i nfv = _mm256_setzero_si256();
-  int64_t k = 0;
-  for (; k + 4 <= n; k += 4) {
-    __m256i bits;
-    __m256d v;
-    fp_load4(p + k, &bits, &v);
-    const __m256i z = fp_mul64(_mm256_xor_si256(bits, iv), k2, k2_hi);
-    hv = _mm256_add_epi64(hv, _mm256_xor_si256(z, _mm256_srli_epi64(z, 31)));
-    iv = _mm256_add_epi64(iv, step);
-    const __m256i bad = _mm256_cmpeq_epi64(_mm256_and_si256(bits, exp), exp);   // all ones: NaN/Inf
-    v = _mm256_andnot_pd(_mm256_castsi256_pd(bad), v);                          // those count as 0.0
-    const __m256d x = _mm256_and_pd(v, abs_mask);
-    sv = _mm256_add_pd(sv, v);
-    av = _mm256_add_pd(av, x);
-    mv = _mm256_max_pd(x, mv);   // x > m ? x : m, as the scalar loop
-    nfv = _mm256_sub_epi64(nfv, bad);
-  }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), hv);
-  _mm256_storeu_pd(s, sv);
-  _mm256_storeu_pd(a, av);
-  _mm256_storeu_pd(m, mv);
-  alignas(32) int64_t c[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(c), nfv);
-  *nf += c[0] + c[1] + c[2] + c[3];
-  return k;
-}
-#endif
-
 // `n` values from p (memory stride `stride`), the first at logical index i0, the next ones `lstep`
 // further each (the hash needs each value's logical index, not the order they are read in).
 // Unit-stride runs go four values at a time into four independent accumulators, branch-free (the
 // finite test on the exponent bits), so the float64 sums are not one latency chain.
 template <typename T, typename U>
-TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uint64_t lstep, FpAcc& acc,
-                         bool avx2) {
-  (void)avx2;
+TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uint64_t lstep, FpAcc& acc) {
   constexpr U kExp = U(FpExp<T>::v);
   uint64_t h[4] = {0, 0, 0, 0};
   double s[4] = {0, 0, 0, 0}, a[4] = {0, 0, 0, 0}, m[4] = {0, 0, 0, 0};
@@ -374,12 +297,6 @@ TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uin
   uint64_t ik = i0 * kFpK1;   // i * K1, advanced by addition
   const uint64_t dk = lstep * kFpK1;
   int64_t k = 0;
-#ifdef TS_FP_AVX2
-  if (stride == 1 && avx2 && n >= 4) {   // the same four lanes, as vectors (fp_lanes_avx2)
-    k = fp_lanes_avx2(p, n, ik, dk, h, s, a, m, &nf);
-    ik += uint64_t(k) * dk;
-  }
-#endif
   if (stride == 1) {
     const U* u = reinterpret_cast<const U*>(p);
     const uint64_t dk4 = 4 * dk;
@@ -422,6 +339,132 @@ TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uin
   acc.nf += nf;
 }
 
+// fp_run's unit-stride loop with AVX2 (+F16C for half), where the CPU has them: its four lanes as
+// one vector of each accumulator, the 64-bit multiply of the mix from 32-bit ones. Each lane adds
+// its values in the same order as fp_run's, so both give the same bits.
+#if (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11)) && defined(__x86_64__)
+#define TS_FP_AVX2 1
+#define TS_AVX2 __attribute__((target("avx2,f16c")))
+inline bool fp_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+TS_AVX2 inline __m256i fp_mul64(__m256i x, __m256i k, __m256i k_hi) {   // x * k mod 2^64, per lane
+  const __m256i lo = _mm256_mul_epu32(x, k);
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k), _mm256_mul_epu32(x, k_hi));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+// four values: their raw bits zero-extended to 64 bits, and as doubles
+TS_AVX2 inline void fp_load4(const float* p, __m256i* bits, __m256d* v) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  *bits = _mm256_cvtepu32_epi64(b);
+  *v = _mm256_cvtps_pd(_mm_castsi128_ps(b));
+}
+TS_AVX2 inline void fp_load4(const double* p, __m256i* bits, __m256d* v) {
+  *bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  *v = _mm256_castsi256_pd(*bits);
+}
+TS_AVX2 inline void fp_load4(const c10::Half* p, __m256i* bits, __m256d* v) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  *bits = _mm256_cvtepu16_epi64(b);
+  *v = _mm256_cvtps_pd(_mm_cvtph_ps(b));
+}
+TS_AVX2 inline void fp_load4(const c10::BFloat16* p, __m256i* bits, __m256d* v) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  *bits = _mm256_cvtepu16_epi64(b);
+  *v = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(b), 16)));
+}
+// Every run of fp_strided when the innermost dim has memory stride 1 (contiguous, channels_last...):
+// the runs of fp_run, one after another in the same order, each with fp_run's lanes and its tail
+// and combining step, without a call per run (a channels_last activation is runs of C values).
+template <typename T, typename U>
+TS_AVX2 __attribute__((noinline)) void fp_runs_avx2(const T* base, int64_t nk, const int64_t* sz, const int64_t* st,
+                                                    const int64_t* ls, FpAcc& acc) {
+  constexpr U kExp = U(FpExp<T>::v);
+  const __m256i k2 = _mm256_set1_epi64x(int64_t(kFpK2));
+  const __m256i k2_hi = _mm256_srli_epi64(k2, 32);
+  const __m256i exp = _mm256_set1_epi64x(int64_t(uint64_t(kExp)));
+  const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+  const int64_t n = sz[0];
+  const uint64_t dk = uint64_t(ls[0]) * kFpK1;
+  const __m256i step = _mm256_set1_epi64x(int64_t(4 * dk));
+  const __m256i lane_k = _mm256_set_epi64x(int64_t(3 * dk), int64_t(2 * dk), int64_t(dk), 0);
+  int64_t idx[32] = {0};
+  __m256i hsum = _mm256_setzero_si256(), nfv = _mm256_setzero_si256();   // order-free: summed over runs
+  int64_t nf = 0;
+  while (true) {
+    int64_t off = 0;
+    uint64_t li = 0;
+    for (int64_t d = 1; d < nk; ++d) {
+      off += idx[d] * st[d];
+      li += uint64_t(idx[d] * ls[d]);
+    }
+    const T* p = base + off;
+    uint64_t ik = li * kFpK1;
+    __m256i iv = _mm256_add_epi64(_mm256_set1_epi64x(int64_t(ik)), lane_k);
+    __m256i hv = _mm256_setzero_si256();
+    __m256d sv = _mm256_setzero_pd(), av = _mm256_setzero_pd(), mv = _mm256_setzero_pd();
+    int64_t k = 0;
+    for (; k + 4 <= n; k += 4) {
+      __m256i bits;
+      __m256d v;
+      fp_load4(p + k, &bits, &v);
+      const __m256i z = fp_mul64(_mm256_xor_si256(bits, iv), k2, k2_hi);
+      hv = _mm256_add_epi64(hv, _mm256_xor_si256(z, _mm256_srli_epi64(z, 31)));
+      iv = _mm256_add_epi64(iv, step);
+      const __m256i bad = _mm256_cmpeq_epi64(_mm256_and_si256(bits, exp), exp);   // all ones: NaN/Inf
+      v = _mm256_andnot_pd(_mm256_castsi256_pd(bad), v);                          // those count as 0.0
+      const __m256d x = _mm256_and_pd(v, abs_mask);
+      sv = _mm256_add_pd(sv, v);
+      av = _mm256_add_pd(av, x);
+      mv = _mm256_max_pd(x, mv);   // x > m ? x : m, as fp_run
+      nfv = _mm256_sub_epi64(nfv, bad);
+    }
+    ik += uint64_t(k) * dk;
+    hsum = _mm256_add_epi64(hsum, hv);
+    alignas(32) double s[4], a[4], m[4];
+    _mm256_store_pd(s, sv);
+    _mm256_store_pd(a, av);
+    _mm256_store_pd(m, mv);
+    uint64_t h0 = 0;
+    for (; k < n; ++k) {   // fp_run's tail: lane 0
+      const T x = p[k];
+      U b;
+      std::memcpy(&b, &x, sizeof(U));
+      const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
+      h0 += z ^ (z >> 31);
+      ik += dk;
+      if ((b & kExp) != kExp) {
+        const double v = fp_value(x);
+        s[0] += v;
+        a[0] += std::fabs(v);
+        m[0] = std::fabs(v) > m[0] ? std::fabs(v) : m[0];
+      } else {
+        nf++;
+      }
+    }
+    acc.h += h0;
+    acc.s += (s[0] + s[1]) + (s[2] + s[3]);
+    acc.a += (a[0] + a[1]) + (a[2] + a[3]);
+    acc.m = std::max(acc.m, std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
+    int64_t d = 1;
+    while (d < nk) {
+      if (++idx[d] < sz[d]) break;
+      idx[d] = 0;
+      ++d;
+    }
+    if (d >= nk) break;
+  }
+  alignas(32) uint64_t hh[4];
+  alignas(32) int64_t c[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(hh), hsum);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), nfv);
+  acc.h += hh[0] + hh[1] + hh[2] + hh[3];
+  acc.nf += nf + c[0] + c[1] + c[2] + c[3];
+}
+#endif
+
+
 // Every element once, in memory order (dims sorted by stride, adjacent ones merged where both the
 // memory and the logical strides allow: a contiguous or channels_last tensor is one or a few long
 // unit-stride runs), each hashed with its logical (row-major) index.
@@ -459,15 +502,16 @@ inline void fp_strided(const T* base, const int64_t* sizes, const int64_t* strid
     }
   }
   const int64_t nk = k == 0 ? 0 : m + 1;
-#ifdef TS_FP_AVX2
-  const bool avx2 = fp_has_avx2();
-#else
-  const bool avx2 = false;
-#endif
   if (nk == 0) {
-    fp_run<T, U>(base, 1, 1, 0, 1, acc, avx2);
+    fp_run<T, U>(base, 1, 1, 0, 1, acc);
     return;
   }
+#ifdef TS_FP_AVX2
+  if (st[0] == 1 && fp_has_avx2()) {
+    fp_runs_avx2<T, U>(base, nk, sz, st, ls, acc);
+    return;
+  }
+#endif
   // dim 0 is the innermost (smallest memory stride): a tight run; the others by an index vector
   int64_t idx[32] = {0};
   while (true) {
@@ -477,7 +521,7 @@ inline void fp_strided(const T* base, const int64_t* sizes, const int64_t* strid
       off += idx[d] * st[d];
       li += uint64_t(idx[d] * ls[d]);
     }
-    fp_run<T, U>(base + off, sz[0], st[0], li, uint64_t(ls[0]), acc, avx2);
+    fp_run<T, U>(base + off, sz[0], st[0], li, uint64_t(ls[0]), acc);
     int64_t d = 1;
     while (d < nk) {
       if (++idx[d] < sz[d]) break;
