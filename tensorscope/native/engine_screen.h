@@ -391,6 +391,8 @@ TS_AVX2 __attribute__((noinline)) void fp_runs_avx2(const T* base, int64_t nk, c
   const __m256i lane_k = _mm256_set_epi64x(int64_t(3 * dk), int64_t(2 * dk), int64_t(dk), 0);
   int64_t idx[32] = {0};
   __m256i hsum = _mm256_setzero_si256(), nfv = _mm256_setzero_si256();   // order-free: summed over runs
+  __m256d mall = _mm256_setzero_pd();
+  double acc_s = acc.s, acc_a = acc.a;   // in registers across the runs (acc is written once, at the end)
   int64_t nf = 0;
   while (true) {
     int64_t off = 0;
@@ -420,33 +422,41 @@ TS_AVX2 __attribute__((noinline)) void fp_runs_avx2(const T* base, int64_t nk, c
       mv = _mm256_max_pd(x, mv);   // x > m ? x : m, as fp_run
       nfv = _mm256_sub_epi64(nfv, bad);
     }
-    ik += uint64_t(k) * dk;
     hsum = _mm256_add_epi64(hsum, hv);
-    alignas(32) double s[4], a[4], m[4];
-    _mm256_store_pd(s, sv);
-    _mm256_store_pd(a, av);
-    _mm256_store_pd(m, mv);
-    uint64_t h0 = 0;
-    for (; k < n; ++k) {   // fp_run's tail: lane 0
-      const T x = p[k];
-      U b;
-      std::memcpy(&b, &x, sizeof(U));
-      const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
-      h0 += z ^ (z >> 31);
-      ik += dk;
-      if ((b & kExp) != kExp) {
-        const double v = fp_value(x);
-        s[0] += v;
-        a[0] += std::fabs(v);
-        m[0] = std::fabs(v) > m[0] ? std::fabs(v) : m[0];
-      } else {
-        nf++;
+    if (k == n) {   // no tail (C a multiple of 4): the lanes combined in registers, (l0 + l1) + (l2 + l3)
+      const __m128d s2 = _mm_hadd_pd(_mm256_castpd256_pd128(sv), _mm256_extractf128_pd(sv, 1));
+      const __m128d a2 = _mm_hadd_pd(_mm256_castpd256_pd128(av), _mm256_extractf128_pd(av, 1));
+      acc_s += _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+      acc_a += _mm_cvtsd_f64(_mm_add_sd(a2, _mm_unpackhi_pd(a2, a2)));
+      mall = _mm256_max_pd(mall, mv);   // a maximum: in any order
+    } else {
+      ik += uint64_t(k) * dk;
+      alignas(32) double s[4], a[4], m[4];
+      _mm256_store_pd(s, sv);
+      _mm256_store_pd(a, av);
+      _mm256_store_pd(m, mv);
+      uint64_t h0 = 0;
+      for (; k < n; ++k) {   // fp_run's tail: lane 0
+        const T x = p[k];
+        U b;
+        std::memcpy(&b, &x, sizeof(U));
+        const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
+        h0 += z ^ (z >> 31);
+        ik += dk;
+        if ((b & kExp) != kExp) {
+          const double v = fp_value(x);
+          s[0] += v;
+          a[0] += std::fabs(v);
+          m[0] = std::fabs(v) > m[0] ? std::fabs(v) : m[0];
+        } else {
+          nf++;
+        }
       }
+      acc.h += h0;
+      acc_s += (s[0] + s[1]) + (s[2] + s[3]);
+      acc_a += (a[0] + a[1]) + (a[2] + a[3]);
+      acc.m = std::max(acc.m, std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
     }
-    acc.h += h0;
-    acc.s += (s[0] + s[1]) + (s[2] + s[3]);
-    acc.a += (a[0] + a[1]) + (a[2] + a[3]);
-    acc.m = std::max(acc.m, std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
     int64_t d = 1;
     while (d < nk) {
       if (++idx[d] < sz[d]) break;
@@ -455,6 +465,11 @@ TS_AVX2 __attribute__((noinline)) void fp_runs_avx2(const T* base, int64_t nk, c
     }
     if (d >= nk) break;
   }
+  acc.s = acc_s;
+  acc.a = acc_a;
+  alignas(32) double mm[4];
+  _mm256_store_pd(mm, mall);
+  acc.m = std::max(acc.m, std::max(std::max(mm[0], mm[1]), std::max(mm[2], mm[3])));
   alignas(32) uint64_t hh[4];
   alignas(32) int64_t c[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(hh), hsum);
