@@ -88,6 +88,19 @@ PyObject* py_set_fingerprints(PyObject*, PyObject* on) {
   Py_RETURN_NONE;
 }
 
+// set_fp_simd(on): whether fingerprints may use the AVX2 loop (default on, where the CPU has it);
+// returns whether it is available. Off: the portable loop, which gives the same bits (tests compare).
+PyObject* py_set_fp_simd(PyObject*, PyObject* on) {
+#ifdef TS_FP_AVX2
+  fp_simd.store(PyObject_IsTrue(on) == 1);
+  const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return PyBool_FromLong(have ? 1 : 0);
+#else
+  (void)on;
+  Py_RETURN_FALSE;
+#endif
+}
+
 // set_capture(pre_hook or None, max_bytes, seqs): for the next start(), copy what an op of the hooked
 // namespaces will overwrite before it runs and hand it to pre_hook before the op hook (engine_ops.cpp);
 // seqs (sorted, may be empty: every op) limits it to the ops near those. Cleared at stop.
@@ -384,6 +397,7 @@ tsabi::FmodeState fmode_state{tsabi::kFmodeStateAbi, &g.cur_call, &g.cur_module,
 
 PyMethodDef methods[] = {
     {"set_fingerprints", py_set_fingerprints, METH_O, "set_fingerprints(on): fingerprints for the next start()"},
+    {"set_fp_simd", py_set_fp_simd, METH_O, "set_fp_simd(on): fingerprints may use AVX2; returns whether it exists"},
     {"set_capture", py_set_capture, METH_VARARGS,
      "set_capture(pre_hook, max_bytes, seqs): capture='s copy of written arguments, for the next start()"},
     {"start", py_start, METH_VARARGS, "start(t0_ns, screen, storages, warnings): install the observer on this thread"},

@@ -12,6 +12,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -345,9 +346,10 @@ TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uin
 #if (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11)) && defined(__x86_64__)
 #define TS_FP_AVX2 1
 #define TS_AVX2 __attribute__((target("avx2,f16c")))
+inline std::atomic<bool> fp_simd{true};   // set_fp_simd(False): the portable loop only (a test compares them)
 inline bool fp_has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return yes;
+  return yes && fp_simd.load(std::memory_order_relaxed);
 }
 TS_AVX2 inline __m256i fp_mul64(__m256i x, __m256i k, __m256i k_hi) {   // x * k mod 2^64, per lane
   const __m256i lo = _mm256_mul_epu32(x, k);

@@ -86,6 +86,38 @@ def test_fingerprint_matches_its_definition(name):
         assert g_ == pytest.approx(w_, rel=1e-12, abs=1e-12), (name, got, want)
 
 
+def test_the_vectorised_and_the_portable_loop_give_the_same_bits():
+    """The native engine fingerprints with AVX2 where the CPU has it and with a portable loop
+    elsewhere: every case (layouts, dtypes, NaN/Inf, runs with and without a tail) gets the same
+    hash and the same float64 statistics, bit for bit, from both."""
+    from tensorscope import native
+
+    ext, why = native.engine()
+    if ext is None:
+        pytest.skip(f"the native engine does not build here: {why}")
+    if os.environ.get("TENSORSCOPE_FORCE_FALLBACK"):
+        pytest.skip("the suite runs the python engine (TENSORSCOPE_FORCE_FALLBACK)")
+    cases = dict(_cases())
+    g = torch.Generator().manual_seed(1)
+    cases["channels_last C=16"] = _holes(torch.randn(3, 16, 5, 6, generator=g)).to(memory_format=torch.channels_last)
+    cases["float64 wide range"] = torch.randn(999, generator=g, dtype=torch.float64) * torch.logspace(-30, 30, 999,
+                                                                                                          dtype=torch.float64)
+    got = []
+    try:
+        for simd in (True, False):
+            if not ext.set_fp_simd(simd) and simd:
+                pytest.skip("this CPU has no AVX2: only the portable loop runs")
+            with tensorscope.trace(fingerprints=True, leaks=False, engine="native") as t:
+                for x in cases.values():
+                    x.clone()
+            rows = [r for r in t.result.ops.to_pylist() if r["op"] == "aten.clone.default"]
+            assert len(rows) == len(cases)
+            got.append([(r["fp_hash"], r["fp_nonfinite"], r["fp_sum"], r["fp_abs_sum"], r["fp_max_abs"]) for r in rows])
+    finally:
+        ext.set_fp_simd(True)
+    assert got[0] == got[1]
+
+
 def test_fingerprints_change_nothing_the_screen_records():
     """With fingerprints on, the screen takes what a fingerprint read (the non-finite count, the
     largest magnitude) instead of reading the output again: the same non-finite rows and counts,
