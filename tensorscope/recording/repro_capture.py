@@ -84,8 +84,9 @@ class InputCapture:
     def written(self, seq: int, name: str, blobs: dict[int, memoryview]) -> int:
         """Native engine: the bytes of the tensors op ``seq`` wrote, copied before it ran (views valid
         until ``hook`` returns); returns the bytes this capture may still keep."""
-        self._pending = dict(blobs)
-        self._pending_seq = seq
+        if name.replace("::", ".", 1).partition(".")[0] in NAMESPACES:   # not another hook's (c10d)
+            self._pending = dict(blobs)
+            self._pending_seq = seq
         return max(0, self.max_bytes - self.used)
 
     def hook(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
