@@ -101,14 +101,27 @@ PyObject* py_set_fp_simd(PyObject*, PyObject* on) {
 #endif
 }
 
-// set_capture(pre_hook or None, max_bytes, seqs): for the next start(), copy what an op of the hooked
-// namespaces will overwrite before it runs and hand it to pre_hook before the op hook (engine_ops.cpp);
-// seqs (sorted, may be empty: every op) limits it to the ops near those. Cleared at stop.
+// set_capture(pre_hook or None, max_bytes, seqs, namespaces): for the next start(), copy what an op of
+// those namespaces (also hooked) will overwrite before it runs and hand it to pre_hook before the op
+// hook (engine_ops.cpp); seqs (may be empty: every op) limits it to the ops near those. Cleared at stop.
 PyObject* py_set_capture(PyObject*, PyObject* args) {
   PyObject* fn;
   long long max_bytes;
   PyObject* seqs;
-  if (!PyArg_ParseTuple(args, "OLO", &fn, &max_bytes, &seqs)) return nullptr;
+  PyObject* nss;
+  if (!PyArg_ParseTuple(args, "OLOO", &fn, &max_bytes, &seqs, &nss)) return nullptr;
+  std::unordered_map<std::string, bool> ns;
+  {
+    PyObject* it = PyObject_GetIter(nss);
+    if (it == nullptr) return nullptr;
+    while (PyObject* item = PyIter_Next(it)) {
+      const char* c = PyUnicode_AsUTF8(item);
+      if (c != nullptr) ns.emplace(c, true);
+      Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return nullptr;
+  }
   std::vector<int64_t> v;
   PyObject* it = PyObject_GetIter(seqs);
   if (it == nullptr) return nullptr;
@@ -131,6 +144,7 @@ PyObject* py_set_capture(PyObject*, PyObject* args) {
   }
   g.pre_left = max_bytes > 0 ? int64_t(max_bytes) : 0;
   g.pre_seqs = std::move(v);
+  g.pre_ns = std::move(ns);
   Py_RETURN_NONE;
 }
 
@@ -399,7 +413,7 @@ PyMethodDef methods[] = {
     {"set_fingerprints", py_set_fingerprints, METH_O, "set_fingerprints(on): fingerprints for the next start()"},
     {"set_fp_simd", py_set_fp_simd, METH_O, "set_fp_simd(on): fingerprints may use AVX2; returns whether it exists"},
     {"set_capture", py_set_capture, METH_VARARGS,
-     "set_capture(pre_hook, max_bytes, seqs): capture='s copy of written arguments, for the next start()"},
+     "set_capture(pre_hook, max_bytes, seqs, namespaces): capture='s copy of written arguments, next start()"},
     {"start", py_start, METH_VARARGS, "start(t0_ns, screen, storages, warnings): install the observer on this thread"},
     {"stop", py_stop, METH_NOARGS, "remove the observer"},
     {"set_module", py_set_module, METH_O, "module id of the running code"},

@@ -111,6 +111,7 @@ struct OpFacts {
   bool no_screen = false;    // returns uninitialised memory
   bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
   bool py_hook = false;      // the Python op hook wants it (c10d collectives)
+  bool pre_copy = false;     // capture=: what it writes is copied before it runs (set_capture's namespaces)
   bool autograd = false;     // has an autograd kernel: ops it calls before going below autograd are rows
   int8_t rule = 0;           // engine_known.h BoundRule: how a bound on its inputs bounds its outputs
   std::vector<bool> arg_writes;   // per schema argument: written (Tensor(a!)); empty: unknown
@@ -254,6 +255,7 @@ struct Engine {
   PyObject* pre_hook = nullptr;    // owned; cleared at stop
   int64_t pre_left = 0;
   std::vector<int64_t> pre_seqs;   // sorted: only ops whose seq may be one of these; empty: every op
+  std::unordered_map<std::string, bool> pre_ns;   // the namespaces whose ops are copied (capture's: aten, prims)
   std::atomic<int> paused{0};   // >0 while torch.compile compiles (ops run then are hidden)
   std::unordered_map<std::string, int32_t> node_ids;
   std::vector<std::string> node_names;

@@ -181,7 +181,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
     p.bound = input_bound(fn, f, p.in_metas, &p.terms);
   }
   // capture=: what the op will overwrite, copied before it runs (engine_ops.cpp)
-  if (C10_UNLIKELY(g.pre_hook != nullptr) && f->writes && f->py_hook) pre_copy(p, fn, f);
+  if (C10_UNLIKELY(f->pre_copy)) pre_copy(p, fn, f);
   for (const c10::StorageImpl* si : p.written) bump(si);   // again at commit: an op that throws still wrote
   r.start = t_start;
   {

@@ -85,6 +85,7 @@ OpFacts* make_facts(const at::RecordFunction& fn) {
   {
     auto pos = opname->name.find("::");
     f->py_hook = g.hook != nullptr && pos != std::string::npos && g.hook_ns.count(opname->name.substr(0, pos)) > 0;
+    f->pre_copy = f->py_hook && f->writes && g.pre_hook != nullptr && g.pre_ns.count(opname->name.substr(0, pos)) > 0;
   }
   std::string base = opname->name.substr(opname->name.find("::") == std::string::npos ? 0 : opname->name.find("::") + 2);
   for (const char* const* u = kUninit; *u; ++u) {

@@ -46,13 +46,14 @@ class OpHooks:
         #: will overwrite
         self.before: list[Callable[[int, str, Any], Any]] = []
         #: the native engine's counterpart (it calls no Python before an op): it copies the bytes of
-        #: the CPU tensor arguments a hooked op writes in C++ when the op starts (each within
-        #: ``written_limit`` bytes in all, and only near ``written_seqs`` when set), and calls
+        #: the CPU tensor arguments an op of ``written_namespaces`` (hooked too) writes in C++ when the
+        #: op starts (within ``written_limit`` bytes in all, only near ``written_seqs`` when set), and calls
         #: ``fn(seq, op name, {tensor number: memoryview})`` right before that op's hooks; the views
         #: end when the hooks return; ``fn`` returns the bytes it may still keep (the next limit)
         self.written: Optional[Callable[[int, str, dict[int, memoryview]], int]] = None
         self.written_limit = 0
         self.written_seqs: Optional[frozenset[int]] = None
+        self.written_namespaces: frozenset[str] = frozenset()
         self.hooks = list(_OP_HOOKS.values())
         self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
         self.errors: list[str] = []

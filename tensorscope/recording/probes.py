@@ -345,6 +345,7 @@ class InputsProbe:
         hooks.written = self.inputs.written       # native engine: the same, copied in C++
         hooks.written_limit = self.options.capture_bytes
         hooks.written_seqs = self.inputs.seqs or None
+        hooks.written_namespaces = frozenset(NAMESPACES)
 
     def stop(self) -> None:
         pass
