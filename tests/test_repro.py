@@ -123,23 +123,108 @@ def test_capture_bytes_exceeded_is_a_note(tmp_path):
     assert "output 0: shape [64, 64]" in out.stdout
 
 
-def test_inplace_capture_says_when_it_was_taken(tmp_path):
-    """An in-place op overwrites its input: the python engine copies it before the op (the repro
-    then makes the same infs), the native engine can only take it after (the row says so)."""
-    x = torch.tensor([1e4, 2.0, 3.0]).half()
+def _caps(tr, seq, kind="input"):
+    return [c for c in tr.table("captures").to_pylist() if c["seq"] == seq and c["kind"] == kind]
+
+
+def test_inplace_input_is_captured_before_the_op_wrote_it(tmp_path):
+    """x.mul_ overwrites its input with infs: under both engines the capture is the input as it was
+    before the op (the row says so), so the script, from those bytes, makes infs at the recorded
+    positions; the values the op left ([1e4, 2e4, inf]) would overflow everywhere."""
+    x = torch.tensor([1.0, 2.0, 1e4]).half()
     with tensorscope.trace(capture="nonfinite", leaks=False) as t:
         x.mul_(1e4)
     tr = t.result
-    caps = [c for c in tr.table("captures").to_pylist() if c["kind"] == "input"]
-    assert caps and "written by the op" in (caps[0]["note"] or "")
-    seq = _seq(tr, "aten.mul_.Scalar") if "aten.mul_.Scalar" in tr.ops.column("op").to_pylist() else _seq(
-        tr, "aten.mul_.Tensor")
-    if "before it ran" in caps[0]["note"]:
-        assert tr.metadata["engine"] == "python"
-        out = _run_script(tr.repro(seq, tmp_path / "inplace.py"), tmp_path)
-        assert out.returncode == 0 and "NaN/Inf at the 1 recorded positions" in out.stdout, out.stdout
-    else:
-        assert tr.metadata["engine"] == "native" and "as the op left it" in caps[0]["note"]
+    seq = next(r["seq"] for r in tr.ops.to_pylist() if r["op"].startswith("aten.mul_"))
+    caps = _caps(tr, seq)
+    assert caps and caps[0]["note"] == "written by the op: captured before it ran", caps
+    assert torch.frombuffer(bytearray(caps[0]["data"]), dtype=torch.float16).tolist() == [1.0, 2.0, 1e4]
+    out = _run_script(tr.repro(seq, tmp_path / "inplace.py"), tmp_path)
+    assert out.returncode == 0 and "NaN/Inf at the 1 recorded positions" in out.stdout, out.stdout + out.stderr
+
+
+def test_out_arguments_after_scalars_and_lists(tmp_path):
+    """out= after a wrapped number (no tensor in the call) and after a list of tensors (cat): each
+    captured tensor is the one the op hook numbers it, and the output the op overwrote is captured
+    as it was before; a seq asked for (capture=[seq]) is copied before too."""
+    a = torch.full((4,), 300.0).half()
+    o = torch.zeros(4).half()
+    with tensorscope.trace(capture="nonfinite", leaks=False) as t:
+        torch.mul(a, 300.0, out=o)
+    tr = t.result
+    seq = next(r["seq"] for r in tr.ops.to_pylist() if r["op"] == "aten.mul.out")
+    caps = _caps(tr, seq)
+    assert [c["note"] for c in caps] == [None, "written by the op: captured before it ran"]
+    assert torch.frombuffer(bytearray(caps[1]["data"]), dtype=torch.float16).tolist() == [0.0] * 4
+    out = _run_script(tr.repro(seq, tmp_path / "out.py"), tmp_path)
+    assert out.returncode == 0 and "NaN/Inf at the 4 recorded positions" in out.stdout, out.stdout + out.stderr
+
+    x, y = torch.tensor([1.0, 2.0]), torch.tensor([3.0])
+    def program(dst):
+        torch.cat([x, y], out=dst)
+
+    scratch = torch.full((3,), 7.0)
+    with tensorscope.trace(leaks=False) as t0:
+        program(scratch)
+    seq = next(r["seq"] for r in t0.result.ops.to_pylist() if r["op"] == "aten.cat.out")
+    dst = torch.full((3,), 7.0)
+    with tensorscope.trace(capture=[seq], leaks=False) as t:
+        program(dst)
+    tr = t.result
+    assert tr.ops.column("op")[seq].as_py() == "aten.cat.out"
+    caps = _caps(tr, seq)
+    assert [c["note"] for c in caps] == [None, None, "written by the op: captured before it ran"]
+    vals = [torch.frombuffer(bytearray(c["data"]), dtype=torch.float32).tolist() for c in caps]
+    assert vals == [[1.0, 2.0], [3.0], [7.0, 7.0, 7.0]] and dst.tolist() == [1.0, 2.0, 3.0]
+    out = _run_script(tr.repro(seq, tmp_path / "cat.py"), tmp_path)
+    assert out.returncode == 0 and "REPRODUCED" in out.stdout, out.stdout + out.stderr
+
+
+def test_inplace_capture_by_seq_and_on_error():
+    """capture=[seq] of an in-place op whose autograd kernel records a row of its own first (the
+    clone it saves), and capture="errors" of an in-place op that raised: both copied before."""
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+
+    def program():
+        h = w * 1
+        h.mul_(w)
+        return h
+
+    with tensorscope.trace(leaks=False) as t0:
+        program()
+    ops = t0.result.ops.column("op").to_pylist()
+    assert ops == ["aten.mul.Tensor", "aten.clone.default", "aten.mul_.Tensor"]
+    with tensorscope.trace(capture=[2], leaks=False) as t:
+        h = program()
+    caps = _caps(t.result, 2)
+    assert caps[0]["note"] == "written by the op: captured before it ran"
+    assert torch.frombuffer(bytearray(caps[0]["data"]), dtype=torch.float32).tolist() == [1.0, 2.0, 3.0]
+    assert h.tolist() == [1.0, 4.0, 9.0]
+    x = torch.tensor([1.0, 2.0])
+    with tensorscope.trace(capture="errors", leaks=False) as t:
+        with pytest.raises(RuntimeError):
+            x.add_(torch.ones(3))
+    tr = t.result
+    seq = next(r["seq"] for r in tr.ops.to_pylist() if r["op"] == "aten.add_.Tensor")
+    assert [c["note"] for c in _caps(tr, seq)] == ["written by the op: captured before it ran", None]
+
+
+def test_capture_keeps_no_reference_to_the_inputs():
+    """capture= hands the op hook every aten op's inputs; an op that decomposes (linear) must not
+    keep them (the native engine dropped a decomposed op's inputs without releasing them)."""
+    import gc
+    import weakref
+
+    import torch.nn.functional as F
+
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    with tensorscope.trace(capture="nonfinite", leaks=False) as t:
+        y = F.linear(x, w)
+        x.mul_(2.0)
+    refs = [weakref.ref(x), weakref.ref(w), weakref.ref(y)]
+    del x, w, y, t
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]
 
 
 def test_bad_input(tmp_path):

@@ -15,6 +15,7 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/Storage.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -84,6 +85,66 @@ namespace {
 PyObject* py_set_fingerprints(PyObject*, PyObject* on) {
   std::lock_guard<std::mutex> lk(g.mu);
   g.want_fp = PyObject_IsTrue(on) == 1;
+  Py_RETURN_NONE;
+}
+
+// set_fp_simd(on): whether fingerprints may use the AVX2 loop (default on, where the CPU has it);
+// returns whether it is available. Off: the portable loop, which gives the same bits (tests compare).
+PyObject* py_set_fp_simd(PyObject*, PyObject* on) {
+#ifdef TS_FP_AVX2
+  fp_simd.store(PyObject_IsTrue(on) == 1);
+  const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return PyBool_FromLong(have ? 1 : 0);
+#else
+  (void)on;
+  Py_RETURN_FALSE;
+#endif
+}
+
+// set_capture(pre_hook or None, max_bytes, seqs, namespaces): for the next start(), copy what an op of
+// those namespaces (also hooked) will overwrite before it runs and hand it to pre_hook before the op
+// hook (engine_ops.cpp); seqs (may be empty: every op) limits it to the ops near those. Cleared at stop.
+PyObject* py_set_capture(PyObject*, PyObject* args) {
+  PyObject* fn;
+  long long max_bytes;
+  PyObject* seqs;
+  PyObject* nss;
+  if (!PyArg_ParseTuple(args, "OLOO", &fn, &max_bytes, &seqs, &nss)) return nullptr;
+  std::unordered_map<std::string, bool> ns;
+  {
+    PyObject* it = PyObject_GetIter(nss);
+    if (it == nullptr) return nullptr;
+    while (PyObject* item = PyIter_Next(it)) {
+      const char* c = PyUnicode_AsUTF8(item);
+      if (c != nullptr) ns.emplace(c, true);
+      Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return nullptr;
+  }
+  std::vector<int64_t> v;
+  PyObject* it = PyObject_GetIter(seqs);
+  if (it == nullptr) return nullptr;
+  while (PyObject* item = PyIter_Next(it)) {
+    v.push_back(PyLong_AsLongLong(item));
+    Py_DECREF(item);
+  }
+  Py_DECREF(it);
+  if (PyErr_Occurred()) return nullptr;
+  if (g.active) {
+    PyErr_SetString(PyExc_RuntimeError, "set_capture: the native engine is recording");
+    return nullptr;
+  }
+  std::sort(v.begin(), v.end());
+  std::lock_guard<std::mutex> lk(g.mu);
+  Py_CLEAR(g.pre_hook);
+  if (fn != Py_None) {
+    Py_INCREF(fn);
+    g.pre_hook = fn;
+  }
+  g.pre_left = max_bytes > 0 ? int64_t(max_bytes) : 0;
+  g.pre_seqs = std::move(v);
+  g.pre_ns = std::move(ns);
   Py_RETURN_NONE;
 }
 
@@ -173,6 +234,8 @@ PyObject* py_stop(PyObject*, PyObject*) {
     }
     Py_CLEAR(g.hook);
     Py_CLEAR(g.on_full);
+    Py_CLEAR(g.pre_hook);
+    g.pre_seqs.clear();
     observer_remove_thread_state();
   }
   Py_RETURN_NONE;
@@ -348,6 +411,9 @@ tsabi::FmodeState fmode_state{tsabi::kFmodeStateAbi, &g.cur_call, &g.cur_module,
 
 PyMethodDef methods[] = {
     {"set_fingerprints", py_set_fingerprints, METH_O, "set_fingerprints(on): fingerprints for the next start()"},
+    {"set_fp_simd", py_set_fp_simd, METH_O, "set_fp_simd(on): fingerprints may use AVX2; returns whether it exists"},
+    {"set_capture", py_set_capture, METH_VARARGS,
+     "set_capture(pre_hook, max_bytes, seqs, namespaces): capture='s copy of written arguments, next start()"},
     {"start", py_start, METH_VARARGS, "start(t0_ns, screen, storages, warnings): install the observer on this thread"},
     {"stop", py_stop, METH_NOARGS, "remove the observer"},
     {"set_module", py_set_module, METH_O, "module id of the running code"},

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <ctime>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -110,6 +111,7 @@ struct OpFacts {
   bool no_screen = false;    // returns uninitialised memory
   bool want_args = false;    // FLOPs need its scalar arguments (conv's transposed, ...)
   bool py_hook = false;      // the Python op hook wants it (c10d collectives)
+  bool pre_copy = false;     // capture=: what it writes is copied before it runs (set_capture's namespaces)
   bool autograd = false;     // has an autograd kernel: ops it calls before going below autograd are rows
   int8_t rule = 0;           // engine_known.h BoundRule: how a bound on its inputs bounds its outputs
   std::vector<bool> arg_writes;   // per schema argument: written (Tensor(a!)); empty: unknown
@@ -196,6 +198,13 @@ struct Pending {
   double bound = -1;   // engine_known.h: a bound on every output's magnitude from its inputs' (-1: none)
   double terms = 1;    // engine_known.h: the terms an output sums over
   const OpFacts* facts = nullptr;
+  // capture= (engine_ops.cpp pre_copy): the bytes of the arguments the op writes, copied in its start
+  // callback before its kernel ran; handed to the Python pre-hook right before its op hook
+  std::vector<int32_t> pre_k;     // their tensor numbers (the op hook's order: defined tensors, lists flattened)
+  std::vector<size_t> pre_off;    // pre_k.size() + 1 offsets into pre_buf
+  std::unique_ptr<char[]> pre_buf;
+  size_t pre_cap = 0;
+  PyObject* pre_views = nullptr;  // while the hooks run: {tensor number: memoryview into pre_buf} (owned)
 };
 
 // What the screen knows of a float tensor's values: finite or not, and a bound on their magnitude,
@@ -240,6 +249,13 @@ struct Engine {
   std::unordered_map<std::string, bool> hook_ns;   // namespaces the Python op hook receives
   PyObject* hook = nullptr;                        // hook(seq, name, inputs, outputs) (owned)
   int64_t hook_errors = 0;
+  // capture= (set_capture, before start): an op of the hooked namespaces that writes an argument has
+  // those bytes copied before it runs (pre_copy), then pre_hook(seq, name, {tensor number: memoryview})
+  // is called right before its op hook and returns the bytes it may still keep (pre_left)
+  PyObject* pre_hook = nullptr;    // owned; cleared at stop
+  int64_t pre_left = 0;
+  std::vector<int64_t> pre_seqs;   // sorted: only ops whose seq may be one of these; empty: every op
+  std::unordered_map<std::string, bool> pre_ns;   // the namespaces whose ops are copied (capture's: aten, prims)
   std::atomic<int> paused{0};   // >0 while torch.compile compiles (ops run then are hidden)
   std::unordered_map<std::string, int32_t> node_ids;
   std::vector<std::string> node_names;
@@ -307,6 +323,10 @@ void encode_args(const at::RecordFunction& fn, const OpFacts* f, std::vector<int
 void hook_inputs(Pending& p, const at::RecordFunction& fn);
 void call_hook(Pending& p, const at::RecordFunction& fn, int64_t seq);
 void drop_py_inputs_slow(Pending& p);
+void pre_copy(Pending& p, const at::RecordFunction& fn, const OpFacts* f);   // under g.mu
+void pre_drop(Pending& p);
+void pre_hand_over(Pending& p, int64_t seq);   // with the GIL
+void pre_release(Pending& p);                  // with the GIL
 void call_on_full();
 
 // The facts of fn's schema (nullptr: a string event), under g.mu.
@@ -318,6 +338,7 @@ inline OpFacts* facts_for(const at::RecordFunction& fn) {
 
 inline void drop_py_inputs(Pending& p) {
   if (p.py_inputs != nullptr) drop_py_inputs_slow(p);
+  if (!p.pre_k.empty()) pre_drop(p);
 }
 
 // engine_buffers.cpp (under g.mu)

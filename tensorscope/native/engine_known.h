@@ -189,6 +189,14 @@ inline int64_t screen_and_learn(const c10::TensorImpl* t, int32_t meta, double* 
   return c;
 }
 
+// The same from a fingerprint just taken of t (fingerprints=True): it read every value already, its
+// non-finite count and largest finite magnitude are the screen's (no second read)
+inline int64_t learn_from_fingerprint(const c10::TensorImpl* t, int32_t meta, const FpRec& fp) {
+  const int64_t c = fp.nonfinite;
+  if (double(t->numel()) >= kProveMin) learn(t, meta, c == 0, c == 0 ? fp.max_abs : -1);
+  return c;
+}
+
 // A bound on the magnitude of every value the op can write, from what is known of its inputs at
 // the start (the written targets' before-states learnt by the pre-screen), or -1. `metas`: the
 // inputs' interned metas in for_each_tensor order (Pending::in_metas). With a bound, `*terms` is

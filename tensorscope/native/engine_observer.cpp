@@ -109,6 +109,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   p.shell = false;
   p.written.clear();
   p.bound = -1;
+  if (!p.pre_k.empty()) pre_drop(p);
   p.handler_pushed = false;
   p.prev_handler = nullptr;
   p.facts = f;
@@ -179,6 +180,8 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   if (g.want_screen && f->rule != BR_NONE && !f->no_screen) {
     p.bound = input_bound(fn, f, p.in_metas, &p.terms);
   }
+  // capture=: what the op will overwrite, copied before it runs (engine_ops.cpp)
+  if (C10_UNLIKELY(f->pre_copy)) pre_copy(p, fn, f);
   for (const c10::StorageImpl* si : p.written) bump(si);   // again at commit: an op that throws still wrote
   r.start = t_start;
   {
@@ -311,10 +314,13 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     // autocast re-issues the op on the cast inputs: the outer event never reaches the Python key
     if (parent >= 0 && s.pool[size_t(parent)]->facts == f) s.pool[size_t(parent)]->shell = true;
     // a tentative CIA parent with a child: it decomposed, so it is transparent
+    PyObject* stale = nullptr;   // its op hook's inputs: released after the lock (the GIL comes first)
     for (size_t i = s.frames.size(); i-- > 0;) {
       Frame& fr = s.frames[i];
       if (fr.kind == 2) {
         Pending& p = *s.pool[size_t(fr.row)];
+        stale = p.py_inputs;
+        p.py_inputs = nullptr;
         if (p.handler_pushed) {
           c10::WarningUtils::set_warning_handler(p.prev_handler);
           p.handler_pushed = false;
@@ -330,6 +336,11 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     int64_t t = now_ns();
     open_row(s, fn, f, f->cia ? 2 : 1, t);
     lk.unlock();
+    if (stale != nullptr) {
+      PyGILState_STATE st = PyGILState_Ensure();
+      Py_DECREF(stale);
+      PyGILState_Release(st);
+    }
     if (f->py_hook) hook_inputs(*s.pool[s.npending - 1], fn);   // after the lock: it takes the GIL
   } catch (...) {
   }
@@ -433,9 +444,10 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
       note_recent(stor.back());
       n_stor++;
       n_out++;
+      FpRec fr{seq, 0, 0, 0, 0, 0};   // the first fresh or written float output (engine_screen.h)
+      bool fp_here = false;
       if (g.want_fp && !fp_done && !p.facts->no_screen && (a < 0 || p.facts->writes)) {
-        FpRec fr{seq, 0, 0, 0, 0, 0};   // the first fresh or written float output (engine_screen.h)
-        if ((fp_done = fingerprint(t.unsafeGetTensorImpl(), &fr))) g.fingerprints.push_back(fr);
+        if ((fp_done = fp_here = fingerprint(t.unsafeGetTensorImpl(), &fr))) g.fingerprints.push_back(fr);
       }
       if (!g.want_screen) return;
       const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -447,7 +459,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
           learn(impl, m, true, p.bound);
           return;
         }
-        int64_t c = screen_and_learn(impl, m);
+        int64_t c = fp_here ? learn_from_fingerprint(impl, m, fr) : screen_and_learn(impl, m);
         if (c == -2) {
           device_out = true;
         } else if (c >= 0) {
@@ -591,6 +603,11 @@ void observer_remove_thread_state() {
   for (size_t i = s.npending; i-- > 0;) {
     Py_CLEAR(s.pool[i]->py_inputs);
     if (s.pool[i]->handler_pushed) c10::WarningUtils::set_warning_handler(s.pool[i]->prev_handler);
+  }
+  for (auto& q : s.pool) {   // capture='s copies end with the trace
+    pre_drop(*q);
+    q->pre_buf.reset();
+    q->pre_cap = 0;
   }
   s.npending = 0;
   s.frames.clear();

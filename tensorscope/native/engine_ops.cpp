@@ -4,14 +4,17 @@
 //    returns uninitialised memory, FLOP arguments wanted, the op hook wanted);
 //  * the argument encoding of the ops whose FLOP formulas need arguments (abi.h ArgTag);
 //  * the per-op warning handler's record;
-//  * the op hook (c10d collectives: hook(seq, name, inputs, outputs), inputs taken in the start
-//    callback) and the spill hand-over (on_full) -- the only places the observer takes the GIL.
+//  * the op hook (c10d collectives, capture=: hook(seq, name, inputs, outputs), inputs taken in the
+//    start callback) and the spill hand-over (on_full) -- the only places the observer takes the GIL;
+//  * capture='s copy of what an op will overwrite (pre_copy, in the start callback: a memcpy of the
+//    written arguments' memory, nothing dispatched), handed to the pre-hook just before the op hook.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <variant>
@@ -82,6 +85,7 @@ OpFacts* make_facts(const at::RecordFunction& fn) {
   {
     auto pos = opname->name.find("::");
     f->py_hook = g.hook != nullptr && pos != std::string::npos && g.hook_ns.count(opname->name.substr(0, pos)) > 0;
+    f->pre_copy = f->py_hook && f->writes && g.pre_hook != nullptr && g.pre_ns.count(opname->name.substr(0, pos)) > 0;
   }
   std::string base = opname->name.substr(opname->name.find("::") == std::string::npos ? 0 : opname->name.find("::") + 2);
   for (const char* const* u = kUninit; *u; ++u) {
@@ -155,10 +159,139 @@ void hook_inputs(Pending& p, const at::RecordFunction& fn) {
   p.row.start = now_ns();
 }
 
+// -- capture=: the written arguments before the op --------------------------------------------
+// Rows that can commit between an op's start and its own commit (the clone its autograd kernel saves,
+// autocast's casts): a seq asked for is looked for this far past the next seq.
+constexpr int64_t kPreSlack = 64;
+
+void pre_drop(Pending& p) {
+  p.pre_k.clear();
+  p.pre_off.clear();
+  if (p.pre_cap > (size_t(1) << 20)) {   // a large copy is not kept for the next op
+    p.pre_buf.reset();
+    p.pre_cap = 0;
+  }
+}
+
+// under g.mu, in the start callback (before the kernel): the bytes each written CPU strided tensor
+// argument spans from its storage offset (repro_capture.span_elements), within g.pre_left in all
+void pre_copy(Pending& p, const at::RecordFunction& fn, const OpFacts* f) {
+  if (!g.pre_seqs.empty()) {
+    auto it = std::lower_bound(g.pre_seqs.begin(), g.pre_seqs.end(), g.n_rows);
+    if (it == g.pre_seqs.end() || *it > g.n_rows + kPreSlack) return;
+  }
+  const Values args = args_of(fn, f);
+  if (f->arg_writes.size() != args.size()) return;   // vararg: which argument is written is unknown
+  int64_t left = g.pre_left;
+  size_t used = 0;
+  int32_t k = 0;   // the tensor number, as the op hook's inputs list them (InputCapture._tensors)
+  auto one = [&](const c10::IValue& v, bool w) {
+    if (!v.isTensor() || !real_tensor(v.toTensor())) return;
+    const int32_t kk = k++;
+    if (!w) return;
+    const c10::TensorImpl* t = v.toTensor().unsafeGetTensorImpl();
+    if (t->device().type() != c10::DeviceType::CPU || t->layout() != c10::kStrided || t->is_nested() ||
+        t->has_symbolic_sizes_strides() || !t->has_storage() || t->numel() == 0)
+      return;
+    int64_t span = 1;
+    for (int64_t d = 0; d < t->dim(); ++d) span += (t->sizes()[d] - 1) * t->strides()[d];
+    const int64_t n = span * int64_t(t->itemsize());
+    const c10::StorageImpl* si = t->unsafe_storage().unsafeGetStorageImpl();
+    if (n <= 0 || n > left || si == nullptr || si->data_ptr().get() == nullptr) return;
+    const int64_t from = t->storage_offset() * int64_t(t->itemsize());
+    if (from + n > int64_t(si->nbytes())) return;
+    if (p.pre_off.empty()) p.pre_off.push_back(0);
+    if (used + size_t(n) > p.pre_cap) {
+      const size_t cap = std::max(used + size_t(n), 2 * p.pre_cap);
+      std::unique_ptr<char[]> b(new char[cap]);
+      if (used) std::memcpy(b.get(), p.pre_buf.get(), used);
+      p.pre_buf = std::move(b);
+      p.pre_cap = cap;
+    }
+    std::memcpy(p.pre_buf.get() + used, static_cast<const char*>(si->data_ptr().get()) + from, size_t(n));
+    used += size_t(n);
+    left -= n;
+    p.pre_k.push_back(kk);
+    p.pre_off.push_back(used);
+  };
+  for (size_t ai = 0; ai < args.size(); ++ai) {
+    const c10::IValue& v = args[ai];
+    const bool w = f->arg_writes[ai];
+    if (v.isList()) {
+      for (const auto& e : v.toListRef()) one(e, w);
+    } else {
+      one(v, w);
+    }
+  }
+}
+
 void drop_py_inputs_slow(Pending& p) {
   PyGILState_STATE st = PyGILState_Ensure();
   Py_CLEAR(p.py_inputs);
   PyGILState_Release(st);
+}
+
+// With the GIL: pre_hook(seq, name, {tensor number: memoryview of the copy}) (the views are released
+// after the op hook ran: pre_release); its result is the bytes it may still keep.
+void pre_hand_over(Pending& p, int64_t seq) {
+  PyObject* ph = g.pre_hook;
+  if (ph == nullptr) return;
+  PyObject* d = PyDict_New();
+  if (d == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  for (size_t i = 0; i < p.pre_k.size(); ++i) {
+    PyObject* key = PyLong_FromLong(long(p.pre_k[i]));
+    PyObject* mv = PyMemoryView_FromMemory(p.pre_buf.get() + p.pre_off[i], Py_ssize_t(p.pre_off[i + 1] - p.pre_off[i]),
+                                           PyBUF_READ);
+    if (key != nullptr && mv != nullptr) PyDict_SetItem(d, key, mv);
+    Py_XDECREF(key);
+    Py_XDECREF(mv);
+  }
+  p.pre_views = d;
+  Py_INCREF(ph);
+  PyObject* r = PyObject_CallFunction(ph, "LsO", (long long)seq, p.facts->name.c_str(), d);
+  Py_DECREF(ph);
+  if (r == nullptr) {
+    PyErr_Clear();
+    g.hook_errors++;
+    return;
+  }
+  if (PyLong_Check(r)) {
+    const long long left = PyLong_AsLongLong(r);
+    if (!PyErr_Occurred()) g.pre_left = left > 0 ? int64_t(left) : 0;
+  }
+  PyErr_Clear();
+  Py_DECREF(r);
+}
+
+// With the GIL: the views of the copy end (memoryview.release()); one still exported elsewhere cannot
+// be released, so its memory is left allocated (never reused under it) and counted as a hook error.
+void pre_release(Pending& p) {
+  PyObject* d = p.pre_views;
+  p.pre_views = nullptr;
+  bool leaked = false;
+  if (d != nullptr) {
+    PyObject* key;
+    PyObject* mv;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(d, &pos, &key, &mv)) {
+      PyObject* r = PyObject_CallMethod(mv, "release", nullptr);
+      if (r == nullptr) {
+        PyErr_Clear();
+        leaked = true;
+      }
+      Py_XDECREF(r);
+    }
+    Py_DECREF(d);
+  }
+  if (leaked) {
+    (void)p.pre_buf.release();
+    p.pre_cap = 0;
+    g.hook_errors++;
+  }
+  pre_drop(p);
 }
 
 // hook(seq, "ns::op.overload", inputs, outputs): outputs None when the kernel threw.
@@ -177,6 +310,7 @@ void call_hook(Pending& p, const at::RecordFunction& fn, int64_t seq) {
         PyTuple_SET_ITEM(outs, Py_ssize_t(i), torch::jit::toPyObject(o[i]).release().ptr());
       }
     }
+    if (!p.pre_k.empty()) pre_hand_over(p, seq);
     PyObject* hook = g.hook;
     if (hook != nullptr) {
       Py_INCREF(hook);
@@ -195,6 +329,7 @@ void call_hook(Pending& p, const at::RecordFunction& fn, int64_t seq) {
   }
   Py_XDECREF(outs);
   Py_CLEAR(p.py_inputs);
+  pre_release(p);
   PyGILState_Release(st);
 }
 

@@ -6,7 +6,7 @@ namespaces, on the recording thread; see docs/development/architecture.md ("Op h
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 #: an op hook: ``fn(seq, op name, inputs, outputs)``
 OpHook = Callable[[int, str, Any, Any], Any]
@@ -42,9 +42,18 @@ class OpHooks:
 
     def __init__(self) -> None:
         #: before-op hooks ``fn(seq, op name, inputs)`` for ops that write an argument (in-place,
-        #: ``out=``): only the python engine calls them (the native engine has no Python call
-        #: before an op); the session's capture= copies what such an op will overwrite
+        #: ``out=``), called by the python engine; the session's capture= copies what such an op
+        #: will overwrite
         self.before: list[Callable[[int, str, Any], Any]] = []
+        #: the native engine's counterpart (it calls no Python before an op): it copies the bytes of
+        #: the CPU tensor arguments an op of ``written_namespaces`` (hooked too) writes in C++ when the
+        #: op starts (within ``written_limit`` bytes in all, only near ``written_seqs`` when set), and calls
+        #: ``fn(seq, op name, {tensor number: memoryview})`` right before that op's hooks; the views
+        #: end when the hooks return; ``fn`` returns the bytes it may still keep (the next limit)
+        self.written: Optional[Callable[[int, str, dict[int, memoryview]], int]] = None
+        self.written_limit = 0
+        self.written_seqs: Optional[frozenset[int]] = None
+        self.written_namespaces: frozenset[str] = frozenset()
         self.hooks = list(_OP_HOOKS.values())
         self.namespaces = frozenset(ns for nss, _ in self.hooks for ns in nss)
         self.errors: list[str] = []

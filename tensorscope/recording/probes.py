@@ -357,7 +357,12 @@ class InputsProbe:
 
         self.inputs = InputCapture(self.options.capture, self.options.capture_bytes)
         ctx.op_hooks.add(NAMESPACES, self.inputs.hook)
-        ctx.op_hooks.before.append(self.inputs.before)   # python engine: written args, before the op
+        hooks = ctx.op_hooks
+        hooks.before.append(self.inputs.before)   # python engine: written args, before the op
+        hooks.written = self.inputs.written       # native engine: the same, copied in C++
+        hooks.written_limit = self.options.capture_bytes
+        hooks.written_seqs = self.inputs.seqs or None
+        hooks.written_namespaces = frozenset(NAMESPACES)
 
     def stop(self) -> None:
         pass

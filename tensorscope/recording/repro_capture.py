@@ -7,9 +7,11 @@ kept too) or a set of seqs. Per op: one "call" row (the arguments as JSON: tenso
 numbers, dtypes, lists...) and one "input" row per CPU tensor argument holding the bytes it spans
 from its storage offset, read from its memory with numpy (nothing dispatched, no reference kept).
 The hook runs after the op; an argument the op writes (in-place, ``out=``) is copied before the op
-by the python engine (``OpHooks.before``), and captured as the op left it by the native engine
-(which calls no Python before an op): its row says which. Past ``capture_bytes`` the tensors of further ops are not saved (a note;
-their repro uses random values), the call rows still are.
+ran: by ``before`` (the python engine calls it before such an op) or, under the native engine, in
+C++ when the op starts (a memcpy of the memory it spans) and handed to ``written`` right before the
+hook; its row says "captured before it ran" (or, where no copy was taken, "as the op left it").
+Past ``capture_bytes`` the tensors of further ops are not saved (a note; their repro uses random
+values), the call rows still are.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ class InputCapture:
         self.max_bytes = max_bytes
         self.used = 0
         self.rows: list[dict[str, Any]] = []
-        self._pending: dict[int, bytes] = {}   # before(): tensor number -> bytes, for _pending_seq
+        self._pending: dict[int, Union[bytes, memoryview]] = {}   # tensor number -> its bytes before op _pending_seq
         self._pending_seq = -1
         self.notes: list[str] = []
         self.skipped = 0
@@ -79,7 +81,21 @@ class InputCapture:
                 k += 1
         self._pending_seq = seq
 
+    def written(self, seq: int, name: str, blobs: dict[int, memoryview]) -> int:
+        """Native engine: the bytes of the tensors op ``seq`` wrote, copied before it ran (views valid
+        until ``hook`` returns); returns the bytes this capture may still keep."""
+        if name.replace("::", ".", 1).partition(".")[0] in NAMESPACES:   # not another hook's (c10d)
+            self._pending = dict(blobs)
+            self._pending_seq = seq
+        return max(0, self.max_bytes - self.used)
+
     def hook(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
+        try:
+            self._hook(seq, name, inputs, outputs)
+        finally:
+            self._pending = {}   # the native engine's views end with this call
+
+    def _hook(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
         if self._pending_seq != seq:
             self._pending = {}
         what = self.what
@@ -204,7 +220,7 @@ class InputCapture:
         else:
             ptr = t.data_ptr()
             if before is not None and len(before) == n:
-                row["data"] = before
+                row["data"] = bytes(before)   # a copy of a view: its memory is the engine's
             elif n and ptr:
                 view = np.asarray(_Memory(ptr, (n,), (1,), "|u1"))
                 row["data"] = view.tobytes()   # a copy

@@ -56,7 +56,17 @@ def _cases():
         "non-finite": nan,
         "scalar": torch.tensor(2.5),
         "empty": torch.zeros(0, 3),
+        # long runs (the vectorised loop and its scalar tail) with NaN/Inf inside them
+        "long float16": _holes((torch.randn(1027, generator=g) * 1e3).half()),
+        "long bfloat16": _holes(torch.randn(1027, generator=g).bfloat16()),
+        "long float32 channels_last": _holes(torch.randn(2, 9, 5, 7, generator=g)).to(memory_format=torch.channels_last),
     }
+
+
+def _holes(t):
+    flat = t.view(-1)
+    flat[5], flat[6], flat[-3] = float("inf"), float("nan"), -float("inf")
+    return t
 
 
 @pytest.mark.parametrize("name", list(_cases()))
@@ -74,6 +84,60 @@ def test_fingerprint_matches_its_definition(name):
     assert got[:2] == want[:2], (name, got, want)
     for g_, w_ in zip(got[2:], want[2:]):
         assert g_ == pytest.approx(w_, rel=1e-12, abs=1e-12), (name, got, want)
+
+
+def test_the_vectorised_and_the_portable_loop_give_the_same_bits():
+    """The native engine fingerprints with AVX2 where the CPU has it and with a portable loop
+    elsewhere: every case (layouts, dtypes, NaN/Inf, runs with and without a tail) gets the same
+    hash and the same float64 statistics, bit for bit, from both."""
+    from tensorscope import native
+
+    ext, why = native.engine()
+    if ext is None:
+        pytest.skip(f"the native engine does not build here: {why}")
+    if os.environ.get("TENSORSCOPE_FORCE_FALLBACK"):
+        pytest.skip("the suite runs the python engine (TENSORSCOPE_FORCE_FALLBACK)")
+    cases = dict(_cases())
+    g = torch.Generator().manual_seed(1)
+    cases["channels_last C=16"] = _holes(torch.randn(3, 16, 5, 6, generator=g)).to(memory_format=torch.channels_last)
+    cases["float64 wide range"] = torch.randn(999, generator=g, dtype=torch.float64) * torch.logspace(-30, 30, 999,
+                                                                                                          dtype=torch.float64)
+    got = []
+    try:
+        for simd in (True, False):
+            if not ext.set_fp_simd(simd) and simd:
+                pytest.skip("this CPU has no AVX2: only the portable loop runs")
+            with tensorscope.trace(fingerprints=True, leaks=False, engine="native") as t:
+                for x in cases.values():
+                    x.clone()
+            rows = [r for r in t.result.ops.to_pylist() if r["op"] == "aten.clone.default"]
+            assert len(rows) == len(cases)
+            got.append([(r["fp_hash"], r["fp_nonfinite"], r["fp_sum"], r["fp_abs_sum"], r["fp_max_abs"]) for r in rows])
+    finally:
+        ext.set_fp_simd(True)
+    assert got[0] == got[1]
+
+
+def test_fingerprints_change_nothing_the_screen_records():
+    """With fingerprints on, the screen takes what a fingerprint read (the non-finite count, the
+    largest magnitude) instead of reading the output again: the same non-finite rows and counts,
+    and the same proofs of later ops, as with them off."""
+    def program():
+        x = torch.linspace(-3, 3, 8192).reshape(64, 128)
+        y = x.exp().half() * 1e4          # overflows at one end: inf in a large output
+        z = (x * 2).relu() + 1            # finite large outputs: proven or screened
+        w = torch.where(torch.isfinite(y), y, torch.zeros_like(y)).float().sum(0)
+        return y, z, w
+
+    cols = []
+    for fingerprints in (False, True):
+        with tensorscope.trace(fingerprints=fingerprints, leaks=False) as t:
+            outs = program()
+        ops = t.result.ops
+        cols.append((ops.column("op").to_pylist(), ops.column("nonfinite").to_pylist(),
+                     ops.column("nonfinite_produced").to_pylist(), t.result.metadata["nonfinite_screen"]))
+    assert cols[0] == cols[1]
+    assert any(cols[1][1]) and torch.isinf(outs[0]).any()
 
 
 def test_same_values_other_layout_same_hash_other_values_other_hash():

@@ -149,6 +149,10 @@ class NativeEngine:
         self._reset(ctx, bool(opts.flops))
         # past spill_rows rows, the engine calls _on_full on this thread to hand its chunks over
         self.ext.set_fingerprints(bool(opts.fingerprints))
+        written = hooks.written if hooks else None   # capture=: arguments an op writes, copied before it
+        self.ext.set_capture(written, int(hooks.written_limit) if written else 0,
+                             tuple(sorted(hooks.written_seqs or ())) if written else (),
+                             tuple(hooks.written_namespaces) if written else ())
         self.ext.start(ctx.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
                        hooks if hooks else None, tuple(hooks.namespaces) if hooks else None,
