@@ -27,9 +27,9 @@ def test_dtype_table_covers_every_plain_torch_dtype_with_its_size():
 
 def test_the_builder_and_the_analyses_read_the_shared_tables():
     from tensorscope.analyses import casts, layout
-    from tensorscope.recording import decode as build
+    from tensorscope.recording import columns, decode
 
-    assert build.INEXACT_DTYPES is C.INEXACT_DTYPES and build.COPYING_OPS is C.COPYING_OPS
+    assert columns.INEXACT_DTYPES is C.INEXACT_DTYPES and decode.COPYING_OPS is C.COPYING_OPS
     assert casts.COPY_INTO_OPS is C.COPY_INTO_OPS and casts.FLOAT_BITS is C.FLOAT_BITS
     assert layout.itemsize is C.itemsize
     assert casts.direction("float32", "float8_e8m0fnu") == "down"

@@ -11,7 +11,10 @@ Converting the snapshot to tables (no pickle, no frames) is ``analyses/allocator
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 #: events the allocator keeps while we record its history (its ring buffer drops the oldest past this)
 MAX_ENTRIES = 1_000_000
@@ -128,7 +131,7 @@ class AllocatorProbe:
                                   "earlier ones of this trace are not in allocator_events")
 
 
-def allocator_tables(probe: AllocatorProbe, tensors: Any, ops: Any, anchor: int) -> dict[str, Any]:
+def allocator_tables(probe: AllocatorProbe, tensors: pa.Table, ops: pa.Table, anchor: int) -> dict[str, pa.Table]:
     """The caching allocator's counters per device the trace touched (the ``allocator`` table),
     and with ``memory_history=True`` its snapshot joined to ``tensors`` (the allocator probe's
     contribution, recording/probes.py); ``anchor``: the rank's clock anchor (unix ns)."""
@@ -141,7 +144,7 @@ def allocator_tables(probe: AllocatorProbe, tensors: Any, ops: Any, anchor: int)
         with_history,
     )
 
-    out: dict[str, Any] = {}
+    out: dict[str, pa.Table] = {}
     if not probe.start_stats and not probe.end_stats:
         return out
     touched = [i for i in (cuda_index(d) for d in tensors.column("device").unique().to_pylist()) if i is not None]

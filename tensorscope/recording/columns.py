@@ -12,6 +12,7 @@ from itertools import chain
 from typing import Any, Optional
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from .._common import INEXACT_DTYPES, NOISE_OPS
@@ -382,7 +383,7 @@ def _build_tuple_dicts(rec: Recorder) -> dict[str, Any]:
                 same_layout=bool(np.array_equal(shape_len, stride_len)))
 
 
-def _int64(col: Any, lo: int, hi: int) -> np.ndarray:
+def _int64(col: npt.ArrayLike, lo: int, hi: int) -> np.ndarray:
     """Rows ``[lo, hi)`` of a recorded integer column (an ``array`` the python engine filled, or a
     numpy view of the rows the native engine handed over) as a new contiguous int64 array."""
     out: np.ndarray = np.array(np.asarray(col)[lo:hi], dtype=np.int64)

@@ -28,6 +28,7 @@ from typing import (
 )
 
 import numpy as np
+import numpy.typing as npt
 
 from .._tensormeta import memory_format
 from ..errors import SpillError
@@ -260,6 +261,10 @@ class CallStore(RowBuffer):
         raise IndexError(call_id)
 
 
+#: one value of a :class:`SparseInts`: an int (``width`` 1) or a tuple of ``width`` ints
+SparseValue = Union[int, tuple[int, ...]]
+
+
 class SparseInts:
     """seq -> an int (or a tuple of ``width`` ints) for a per-op fact many rows may have: the python
     engine's ``probe_ns`` (every screened op), the non-finite screen's ``(count, produced)`` (every op
@@ -283,14 +288,14 @@ class SparseInts:
         self.spilled: list[tuple[int, int, str]] = []             # (first seq, last seq, file)
         self.n_spilled = 0                                         # entries in the spilled files
 
-    def __setitem__(self, seq: int, value: Any) -> None:
+    def __setitem__(self, seq: int, value: SparseValue) -> None:
         self.seqs.append(seq)
-        if self.width == 1:
-            self.vals.append(value)
-        else:
+        if isinstance(value, tuple):
             self.vals.extend(value)
+        else:
+            self.vals.append(value)
 
-    def update(self, other: Mapping[int, Any]) -> None:
+    def update(self, other: Mapping[int, SparseValue]) -> None:
         for seq, value in other.items():
             self[seq] = value
 
@@ -338,22 +343,22 @@ class SparseInts:
         if len(self.seqs):
             yield np.frombuffer(self.seqs, dtype=np.int64), np.frombuffer(self.vals, dtype=np.int64).reshape(-1, w)
 
-    def _value(self, row: list[int]) -> Any:
+    def _value(self, row: list[int]) -> SparseValue:
         return row[0] if self.width == 1 else tuple(row)
 
     def __iter__(self) -> Iterator[int]:
         for seqs, _ in self._parts():
             yield from seqs.tolist()
 
-    def values(self) -> list[Any]:
+    def values(self) -> list[SparseValue]:
         return [self._value(v) for _, vals in self._parts() for v in vals.tolist()]
 
-    def items(self) -> Iterator[tuple[int, Any]]:
+    def items(self) -> Iterator[tuple[int, SparseValue]]:
         for seqs, vals in self._parts():
             for s, v in zip(seqs.tolist(), vals.tolist()):
                 yield s, self._value(v)
 
-    def get(self, seq: int, default: Any = None) -> Any:
+    def get(self, seq: int, default: Optional[SparseValue] = None) -> Optional[SparseValue]:
         got = default
         for seqs, vals in self._parts(seq, seq + 1):
             hit = np.nonzero(seqs == seq)[0]
@@ -361,7 +366,7 @@ class SparseInts:
                 got = self._value(vals[hit[-1]].tolist())
         return got
 
-    def rows_in(self, start: int, n: int, dtype: Any, width: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    def rows_in(self, start: int, n: int, dtype: npt.DTypeLike, width: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """The entries whose seq falls in ``[start, start + n)``: (row positions from ``start``,
         values as a ``(rows, width)`` array of ``dtype``), as ``decode._sparse_rows`` gives a dict's."""
         assert width == self.width, (width, self.width)

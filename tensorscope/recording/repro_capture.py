@@ -95,7 +95,7 @@ class InputCapture:
         finally:
             self._pending = {}   # the native engine's views end with this call
 
-    def _hook(self, seq: int, name: str, inputs: Any, outputs: Any) -> None:
+    def _hook(self, seq: int, name: str, inputs: Sequence[object], outputs: Optional[Sequence[object]]) -> None:
         if self._pending_seq != seq:
             self._pending = {}
         what = self.what

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,7 @@ from .spill import make_spill_dir, write_ipc
 if TYPE_CHECKING:
     from .recorder import Recorder
 
-Column = Any   # a pa.Array or pa.ChunkedArray
+Column = Union[pa.Array, pa.ChunkedArray]
 
 
 class SpillFiles:
@@ -63,7 +63,8 @@ class SpillFiles:
         return pa.Table.from_batches(list(batches()), schema=schema)
 
 
-_LIBC: Any = None
+_TRIM: list[Callable[[int], int]] = []   # glibc's malloc_trim, once looked up (empty: none here)
+_TRIM_LOOKED = False
 
 
 def release_memory() -> None:
@@ -71,20 +72,21 @@ def release_memory() -> None:
     (numpy's buffers come from malloc; past a few large frees glibc raises its mmap threshold and
     keeps them in the heap, where RssAnon still counts them). Finishing a spilled trace calls it
     between its stages so one stage's temporaries do not add to the next one's peak; tens of ms."""
-    global _LIBC
+    global _TRIM_LOOKED
     try:
         pa.default_memory_pool().release_unused()
     except Exception:
         pass
-    if _LIBC is None:
+    if not _TRIM_LOOKED:
+        _TRIM_LOOKED = True
         try:
             import ctypes
 
-            _LIBC = ctypes.CDLL("libc.so.6").malloc_trim
+            _TRIM.append(ctypes.CDLL("libc.so.6").malloc_trim)
         except Exception:   # not glibc (macOS, musl): nothing to trim
-            _LIBC = False
-    if _LIBC:
-        _LIBC(0)
+            pass
+    for trim in _TRIM:
+        trim(0)
 
 
 def null_column(n: int, typ: pa.DataType, lengths: Optional[Sequence[int]] = None) -> pa.ChunkedArray:
