@@ -47,21 +47,23 @@ TS_FP_TARGET __attribute__((noinline)) void fp_runs(const T* base, int64_t nk, c
   double acc_s = acc.s, acc_a = acc.a;   // in registers across the runs (acc is written once, at the end)
   int64_t nf = 0;
   const bool pairs = n % 4 == 0 && n <= 256;
-  auto at = [&](uint64_t* li) -> const T* {   // the current run: its first value and logical index
-    int64_t off = 0;
-    uint64_t l = 0;
-    for (int64_t d = 1; d < nk; ++d) {
-      off += idx[d] * st[d];
-      l += uint64_t(idx[d] * ls[d]);
-    }
+  int64_t off = 0;   // the current run: its first value's memory offset and logical index, kept
+  uint64_t l = 0;     // up to date by advance() (one add per run, not a sum over the dims)
+  auto at = [&](uint64_t* li) -> const T* {
     *li = l;
     return base + off;
   };
   auto advance = [&]() -> bool {   // the next run; false past the last
     int64_t d = 1;
     while (d < nk) {
-      if (++idx[d] < sz[d]) return true;
+      if (++idx[d] < sz[d]) {
+        off += st[d];
+        l += uint64_t(ls[d]);
+        return true;
+      }
       idx[d] = 0;
+      off -= (sz[d] - 1) * st[d];
+      l -= uint64_t((sz[d] - 1) * ls[d]);
       ++d;
     }
     return false;
