@@ -101,6 +101,9 @@ def test_the_vectorised_and_the_portable_loop_give_the_same_bits():
     cases = dict(_cases())
     g = torch.Generator().manual_seed(1)
     cases["channels_last C=16"] = _holes(torch.randn(3, 16, 5, 6, generator=g)).to(memory_format=torch.channels_last)
+    for dt in (torch.float64, torch.float16, torch.bfloat16):   # runs of 8 two at a time, an odd count of them
+        cases[f"channels_last C=8 {dt}"] = _holes(torch.randn(3, 8, 5, 3, generator=g).to(dt)).to(
+            memory_format=torch.channels_last)
     cases["float64 wide range"] = torch.randn(999, generator=g, dtype=torch.float64) * torch.logspace(-30, 30, 999,
                                                                                                           dtype=torch.float64)
     paths = ext.set_fp_simd(True)
