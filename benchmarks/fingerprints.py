@@ -118,9 +118,9 @@ def main(argv=None):
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.2f} | {r[8]:.2f}x |")
-    if "native" in engines:
-        rows = per_element(3 if a.quick else 2 * a.reps)
-        paths = list(rows[0][1]) if rows else []
+    rows = per_element(3 if a.quick else 2 * a.reps) if "native" in engines else []
+    if rows:
+        paths = list(rows[0][1])
         print("\nnative fingerprint, ns per element (a traced clone of 1M values, fingerprints on minus off)")
         print("| tensor | " + " | ".join(paths) + " |")
         print("|---|" + "---:|" * len(paths))
