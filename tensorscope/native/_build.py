@@ -71,7 +71,7 @@ HOOKS = LibSpec("hooks", "tensorscope_hooks", ("hooks.cpp", "hooks_fetcher.cpp")
 ENGINE = LibSpec("engine", "tensorscope_engine",
                  ("engine.cpp", "engine_observer.cpp", "engine_ops.cpp", "engine_buffers.cpp", "engine_gather.cpp"),
                  True, "native recording engine",
-                 headers=("engine.h", "engine_storages.h", "engine_screen.h", "engine_known.h") + _ABI)
+                 headers=("engine.h", "engine_storages.h", "engine_screen.h", "engine_fp_runs.h", "engine_known.h") + _ABI)
 #: the function mode's hot path (Python C API only; used with the native engine)
 FMODE = LibSpec("fmode", "tensorscope_fmode", ("fmode.cpp", "fmode_state.cpp"), True, "native function mode",
                 headers=("fmode.h", "fmode_frames.h") + _ABI)

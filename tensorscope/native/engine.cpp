@@ -88,17 +88,40 @@ PyObject* py_set_fingerprints(PyObject*, PyObject* on) {
   Py_RETURN_NONE;
 }
 
-// set_fp_simd(on): whether fingerprints may use the AVX2 loop (default on, where the CPU has it);
-// returns whether it is available. Off: the portable loop, which gives the same bits (tests compare).
-PyObject* py_set_fp_simd(PyObject*, PyObject* on) {
+// set_fp_simd(best): the best vectorised fingerprint loop allowed: True (default: the best the CPU
+// has), "avx2" (not AVX-512), False (the portable loop). Every path gives the same bits (tests
+// compare). Returns the vectorised paths this CPU has, best last: ("avx2", "avx512"), ("avx2",) or ().
+PyObject* py_set_fp_simd(PyObject*, PyObject* best) {
+  static const char* const kNames[] = {"portable", "avx2", "avx512"};
+  int cap = -1;
+  if (PyBool_Check(best)) {
+    cap = best == Py_True ? 2 : 0;
+  } else if (PyUnicode_Check(best)) {
+    const char* s = PyUnicode_AsUTF8(best);
+    if (s == nullptr) return nullptr;
+    for (int i = 0; i < 3; ++i)
+      if (std::strcmp(s, kNames[i]) == 0) cap = i;
+  }
+  if (cap < 0) {
+    PyErr_SetString(PyExc_ValueError, "set_fp_simd: True, False, \"portable\", \"avx2\" or \"avx512\"");
+    return nullptr;
+  }
+  int have = 0;
 #ifdef TS_FP_AVX2
-  fp_simd.store(PyObject_IsTrue(on) == 1);
-  const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return PyBool_FromLong(have ? 1 : 0);
-#else
-  (void)on;
-  Py_RETURN_FALSE;
+  fp_simd_cap.store(cap);
+  have = fp_cpu_simd();
 #endif
+  PyObject* out = PyTuple_New(have);
+  if (out == nullptr) return nullptr;
+  for (int i = 0; i < have; ++i) {
+    PyObject* name = PyUnicode_FromString(kNames[i + 1]);
+    if (name == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, i, name);
+  }
+  return out;
 }
 
 // set_capture(pre_hook or None, max_bytes, seqs, namespaces): for the next start(), copy what an op of
@@ -411,7 +434,7 @@ tsabi::FmodeState fmode_state{tsabi::kFmodeStateAbi, &g.cur_call, &g.cur_module,
 
 PyMethodDef methods[] = {
     {"set_fingerprints", py_set_fingerprints, METH_O, "set_fingerprints(on): fingerprints for the next start()"},
-    {"set_fp_simd", py_set_fp_simd, METH_O, "set_fp_simd(on): fingerprints may use AVX2; returns whether it exists"},
+    {"set_fp_simd", py_set_fp_simd, METH_O, "set_fp_simd(best): the best fingerprint loop allowed; returns the SIMD paths this CPU has"},
     {"set_capture", py_set_capture, METH_VARARGS,
      "set_capture(pre_hook, max_bytes, seqs, namespaces): capture='s copy of written arguments, next start()"},
     {"start", py_start, METH_VARARGS, "start(t0_ns, screen, storages, warnings): install the observer on this thread"},

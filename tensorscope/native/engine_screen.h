@@ -340,43 +340,46 @@ TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uin
   acc.nf += nf;
 }
 
-// fp_run's unit-stride loop with AVX2 (+F16C for half), where the CPU has them: its four lanes as
-// one vector of each accumulator, the 64-bit multiply of the mix from 32-bit ones. Each lane adds
-// its values in the same order as fp_run's, so both give the same bits.
+// fp_run's unit-stride loop vectorised, where the CPU can: its four lanes as one 256-bit vector of
+// each accumulator, each lane adding its values in the same order as fp_run's, so every path gives
+// the same bits. Two builds of the one loop (engine_fp_runs.h): AVX2 (+F16C for half), the 64-bit
+// multiply of the mix from 32-bit ones; and AVX-512 DQ+VL, the same on 256-bit registers with a
+// native 64-bit lane multiply (vpmullq). Chosen at run time: the best the CPU has, capped by
+// set_fp_simd (tests force each path and compare).
 #if (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11)) && defined(__x86_64__)
 #define TS_FP_AVX2 1
 #define TS_AVX2 __attribute__((target("avx2,f16c")))
-inline std::atomic<bool> fp_simd{true};   // set_fp_simd(False): the portable loop only (a test compares them)
-inline bool fp_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return yes && fp_simd.load(std::memory_order_relaxed);
+#define TS_AVX512 __attribute__((target("avx2,f16c,avx512f,avx512dq,avx512vl")))
+enum FpSimd : int { kFpPortable = 0, kFpAvx2 = 1, kFpAvx512 = 2 };
+inline int fp_cpu_simd() {   // the best path this CPU has (asked once)
+  static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) ? kFpPortable
+                           : (__builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) ? kFpAvx512
+                                                                                                          : kFpAvx2;
+  return level;
 }
-TS_AVX2 inline __m256i fp_mul64(__m256i x, __m256i k, __m256i k_hi) {   // x * k mod 2^64, per lane
-  const __m256i lo = _mm256_mul_epu32(x, k);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k), _mm256_mul_epu32(x, k_hi));
-  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
-}
-// four values: their raw bits zero-extended to 64 bits, and as doubles
-TS_AVX2 inline void fp_load4(const float* p, __m256i* bits, __m256d* v) {
+inline std::atomic<int> fp_simd_cap{kFpAvx512};   // set_fp_simd: the best path allowed (a test forces each)
+inline int fp_simd_level() { return std::min(fp_cpu_simd(), fp_simd_cap.load(std::memory_order_relaxed)); }
+// four values (every build of the loop inlines these): their raw bits zero-extended to 64 bits, and as doubles
+TS_AVX2 inline __attribute__((always_inline)) void fp_load4(const float* p, __m256i* bits, __m256d* v) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   *bits = _mm256_cvtepu32_epi64(b);
   *v = _mm256_cvtps_pd(_mm_castsi128_ps(b));
 }
-TS_AVX2 inline void fp_load4(const double* p, __m256i* bits, __m256d* v) {
+TS_AVX2 inline __attribute__((always_inline)) void fp_load4(const double* p, __m256i* bits, __m256d* v) {
   *bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   *v = _mm256_castsi256_pd(*bits);
 }
-TS_AVX2 inline void fp_load4(const c10::Half* p, __m256i* bits, __m256d* v) {
+TS_AVX2 inline __attribute__((always_inline)) void fp_load4(const c10::Half* p, __m256i* bits, __m256d* v) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   *bits = _mm256_cvtepu16_epi64(b);
   *v = _mm256_cvtps_pd(_mm_cvtph_ps(b));
 }
-TS_AVX2 inline void fp_load4(const c10::BFloat16* p, __m256i* bits, __m256d* v) {
+TS_AVX2 inline __attribute__((always_inline)) void fp_load4(const c10::BFloat16* p, __m256i* bits, __m256d* v) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   *bits = _mm256_cvtepu16_epi64(b);
   *v = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(b), 16)));
 }
-// One step of a run in the AVX2 loop: four values into the four lanes of each accumulator.
+// A run's four lanes of each accumulator, and the loop's constants.
 struct FpVec {
   __m256i iv, hv;
   __m256d sv, av, mv;
@@ -385,146 +388,24 @@ struct FpConst {
   __m256i k2, k2_hi, exp, step;
   __m256d abs_mask;
 };
-template <typename T>
-TS_AVX2 inline __attribute__((always_inline)) void fp_step4(const T* p, const FpConst& c, FpVec& r, __m256i& nfv) {
-  __m256i bits;
-  __m256d v;
-  fp_load4(p, &bits, &v);
-  const __m256i z = fp_mul64(_mm256_xor_si256(bits, r.iv), c.k2, c.k2_hi);
-  r.hv = _mm256_add_epi64(r.hv, _mm256_xor_si256(z, _mm256_srli_epi64(z, 31)));
-  r.iv = _mm256_add_epi64(r.iv, c.step);
-  const __m256i bad = _mm256_cmpeq_epi64(_mm256_and_si256(bits, c.exp), c.exp);   // all ones: NaN/Inf
-  v = _mm256_andnot_pd(_mm256_castsi256_pd(bad), v);                              // those count as 0.0
-  const __m256d x = _mm256_and_pd(v, c.abs_mask);
-  r.sv = _mm256_add_pd(r.sv, v);
-  r.av = _mm256_add_pd(r.av, x);
-  r.mv = _mm256_max_pd(x, r.mv);   // x > m ? x : m, as fp_run
-  nfv = _mm256_sub_epi64(nfv, bad);
+namespace fp_avx2 {
+TS_AVX2 inline __attribute__((always_inline)) __m256i fp_mul64(__m256i x, __m256i k, __m256i k_hi) {   // x * k mod 2^64
+  const __m256i lo = _mm256_mul_epu32(x, k);
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k), _mm256_mul_epu32(x, k_hi));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
 }
-
-// Every run of fp_strided when the innermost dim has memory stride 1 (contiguous, channels_last...):
-// the runs of fp_run, one after another in the same order, each with fp_run's lanes and its tail
-// and combining step, without a call per run (a channels_last activation is runs of C values).
-// Short runs without a tail go two at a time (independent chains; both combined by one hadd),
-// their results added to the totals in run order.
-template <typename T, typename U>
-TS_AVX2 __attribute__((noinline)) void fp_runs_avx2(const T* base, int64_t nk, const int64_t* sz, const int64_t* st,
-                                                    const int64_t* ls, FpAcc& acc) {
-  constexpr U kExp = U(FpExp<T>::v);
-  FpConst c;
-  c.k2 = _mm256_set1_epi64x(int64_t(kFpK2));
-  c.k2_hi = _mm256_srli_epi64(c.k2, 32);
-  c.exp = _mm256_set1_epi64x(int64_t(uint64_t(kExp)));
-  c.abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
-  const int64_t n = sz[0];
-  const uint64_t dk = uint64_t(ls[0]) * kFpK1;
-  c.step = _mm256_set1_epi64x(int64_t(4 * dk));
-  const __m256i lane_k = _mm256_set_epi64x(int64_t(3 * dk), int64_t(2 * dk), int64_t(dk), 0);
-  int64_t idx[32] = {0};
-  __m256i hsum = _mm256_setzero_si256(), nfv = _mm256_setzero_si256();   // order-free: summed over runs
-  __m256d mall = _mm256_setzero_pd();
-  double acc_s = acc.s, acc_a = acc.a;   // in registers across the runs (acc is written once, at the end)
-  int64_t nf = 0;
-  const bool pairs = n % 4 == 0 && n <= 256;
-  auto at = [&](uint64_t* li) -> const T* {   // the current run: its first value and logical index
-    int64_t off = 0;
-    uint64_t l = 0;
-    for (int64_t d = 1; d < nk; ++d) {
-      off += idx[d] * st[d];
-      l += uint64_t(idx[d] * ls[d]);
-    }
-    *li = l;
-    return base + off;
-  };
-  auto advance = [&]() -> bool {   // the next run; false past the last
-    int64_t d = 1;
-    while (d < nk) {
-      if (++idx[d] < sz[d]) return true;
-      idx[d] = 0;
-      ++d;
-    }
-    return false;
-  };
-  bool more = true;
-  while (more) {
-    uint64_t li;
-    const T* p = at(&li);
-    FpVec r{_mm256_add_epi64(_mm256_set1_epi64x(int64_t(li * kFpK1)), lane_k), _mm256_setzero_si256(),
-            _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-    more = advance();
-    if (pairs && more) {
-      const T* pq = at(&li);
-      FpVec q{_mm256_add_epi64(_mm256_set1_epi64x(int64_t(li * kFpK1)), lane_k), _mm256_setzero_si256(),
-              _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-      more = advance();
-      for (int64_t k = 0; k < n; k += 4) {
-        fp_step4(p + k, c, r, nfv);
-        fp_step4(pq + k, c, q, nfv);
-      }
-      hsum = _mm256_add_epi64(hsum, _mm256_add_epi64(r.hv, q.hv));
-      // [r0+r1, q0+q1, r2+r3, q2+q3] -> [(r0+r1)+(r2+r3), (q0+q1)+(q2+q3)]: each run's combine
-      const __m256d s4 = _mm256_hadd_pd(r.sv, q.sv), a4 = _mm256_hadd_pd(r.av, q.av);
-      const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-      const __m128d a2 = _mm_add_pd(_mm256_castpd256_pd128(a4), _mm256_extractf128_pd(a4, 1));
-      acc_s += _mm_cvtsd_f64(s2);
-      acc_s += _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
-      acc_a += _mm_cvtsd_f64(a2);
-      acc_a += _mm_cvtsd_f64(_mm_unpackhi_pd(a2, a2));
-      mall = _mm256_max_pd(mall, _mm256_max_pd(r.mv, q.mv));   // a maximum: in any order
-      continue;
-    }
-    int64_t k = 0;
-    for (; k + 4 <= n; k += 4) fp_step4(p + k, c, r, nfv);
-    hsum = _mm256_add_epi64(hsum, r.hv);
-    if (k == n) {   // no tail (C a multiple of 4): the lanes combined in registers, (l0 + l1) + (l2 + l3)
-      const __m128d s2 = _mm_hadd_pd(_mm256_castpd256_pd128(r.sv), _mm256_extractf128_pd(r.sv, 1));
-      const __m128d a2 = _mm_hadd_pd(_mm256_castpd256_pd128(r.av), _mm256_extractf128_pd(r.av, 1));
-      acc_s += _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
-      acc_a += _mm_cvtsd_f64(_mm_add_sd(a2, _mm_unpackhi_pd(a2, a2)));
-      mall = _mm256_max_pd(mall, r.mv);
-      continue;
-    }
-    alignas(32) uint64_t iks[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(iks), r.iv);
-    uint64_t ik = iks[0];   // lane 0's index mix: the tail's first value
-    alignas(32) double s[4], a[4], m[4];
-    _mm256_store_pd(s, r.sv);
-    _mm256_store_pd(a, r.av);
-    _mm256_store_pd(m, r.mv);
-    uint64_t h0 = 0;
-    for (; k < n; ++k) {   // fp_run's tail: lane 0
-      const T x = p[k];
-      U b;
-      std::memcpy(&b, &x, sizeof(U));
-      const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
-      h0 += z ^ (z >> 31);
-      ik += dk;
-      if ((b & kExp) != kExp) {
-        const double v = fp_value(x);
-        s[0] += v;
-        a[0] += std::fabs(v);
-        m[0] = std::fabs(v) > m[0] ? std::fabs(v) : m[0];
-      } else {
-        nf++;
-      }
-    }
-    acc.h += h0;
-    acc_s += (s[0] + s[1]) + (s[2] + s[3]);
-    acc_a += (a[0] + a[1]) + (a[2] + a[3]);
-    acc.m = std::max(acc.m, std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
-  }
-  acc.s = acc_s;
-  acc.a = acc_a;
-  alignas(32) double mm[4];
-  _mm256_store_pd(mm, mall);
-  acc.m = std::max(acc.m, std::max(std::max(mm[0], mm[1]), std::max(mm[2], mm[3])));
-  alignas(32) uint64_t hh[4];
-  alignas(32) int64_t cc[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(hh), hsum);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(cc), nfv);
-  acc.h += hh[0] + hh[1] + hh[2] + hh[3];
-  acc.nf += nf + cc[0] + cc[1] + cc[2] + cc[3];
+#define TS_FP_TARGET TS_AVX2
+#include "engine_fp_runs.h"
+#undef TS_FP_TARGET
+}  // namespace fp_avx2
+namespace fp_avx512 {
+TS_AVX512 inline __attribute__((always_inline)) __m256i fp_mul64(__m256i x, __m256i k, __m256i) {   // the same, vpmullq
+  return _mm256_mullo_epi64(x, k);
 }
+#define TS_FP_TARGET TS_AVX512
+#include "engine_fp_runs.h"
+#undef TS_FP_TARGET
+}  // namespace fp_avx512
 #endif
 
 
@@ -570,9 +451,16 @@ inline void fp_strided(const T* base, const int64_t* sizes, const int64_t* strid
     return;
   }
 #ifdef TS_FP_AVX2
-  if (st[0] == 1 && fp_has_avx2()) {
-    fp_runs_avx2<T, U>(base, nk, sz, st, ls, acc);
-    return;
+  if (st[0] == 1) {
+    const int simd = fp_simd_level();
+    if (simd == kFpAvx512) {
+      fp_avx512::fp_runs<T, U>(base, nk, sz, st, ls, acc);
+      return;
+    }
+    if (simd == kFpAvx2) {
+      fp_avx2::fp_runs<T, U>(base, nk, sz, st, ls, acc);
+      return;
+    }
   }
 #endif
   // dim 0 is the innermost (smallest memory stride): a tight run; the others by an index vector

@@ -87,9 +87,10 @@ def test_fingerprint_matches_its_definition(name):
 
 
 def test_the_vectorised_and_the_portable_loop_give_the_same_bits():
-    """The native engine fingerprints with AVX2 where the CPU has it and with a portable loop
-    elsewhere: every case (layouts, dtypes, NaN/Inf, runs with and without a tail) gets the same
-    hash and the same float64 statistics, bit for bit, from both."""
+    """The native engine fingerprints with the best vectorised loop the CPU has (AVX-512 DQ+VL,
+    else AVX2) and with a portable loop elsewhere: every case (layouts, dtypes, NaN/Inf, runs with
+    and without a tail) gets the same hash and the same float64 statistics, bit for bit, from
+    every path this CPU can run (each forced in turn)."""
     from tensorscope import native
 
     ext, why = native.engine()
@@ -100,13 +101,19 @@ def test_the_vectorised_and_the_portable_loop_give_the_same_bits():
     cases = dict(_cases())
     g = torch.Generator().manual_seed(1)
     cases["channels_last C=16"] = _holes(torch.randn(3, 16, 5, 6, generator=g)).to(memory_format=torch.channels_last)
+    for dt in (torch.float64, torch.float16, torch.bfloat16):   # runs of 8 two at a time, an odd count of them
+        cases[f"channels_last C=8 {dt}"] = _holes(torch.randn(3, 8, 5, 3, generator=g).to(dt)).to(
+            memory_format=torch.channels_last)
     cases["float64 wide range"] = torch.randn(999, generator=g, dtype=torch.float64) * torch.logspace(-30, 30, 999,
                                                                                                           dtype=torch.float64)
+    paths = ext.set_fp_simd(True)
+    if not paths:
+        pytest.skip("this CPU has no AVX2: only the portable loop runs")
+    assert set(paths) <= {"avx2", "avx512"}
     got = []
     try:
-        for simd in (True, False):
-            if not ext.set_fp_simd(simd) and simd:
-                pytest.skip("this CPU has no AVX2: only the portable loop runs")
+        for simd in (False, *paths):
+            ext.set_fp_simd(simd)
             with tensorscope.trace(fingerprints=True, leaks=False, engine="native") as t:
                 for x in cases.values():
                     x.clone()
@@ -115,7 +122,10 @@ def test_the_vectorised_and_the_portable_loop_give_the_same_bits():
             got.append([(r["fp_hash"], r["fp_nonfinite"], r["fp_sum"], r["fp_abs_sum"], r["fp_max_abs"]) for r in rows])
     finally:
         ext.set_fp_simd(True)
-    assert got[0] == got[1]
+    for path, bits in zip(paths, got[1:]):
+        assert bits == got[0], path
+    with pytest.raises(ValueError):
+        ext.set_fp_simd("sse")
 
 
 def test_fingerprints_change_nothing_the_screen_records():
