@@ -73,11 +73,11 @@ def op_totals(ops: pa.Table, by: Union[str, Sequence[str]] = "op", *, include_no
     for k in keys:
         if k not in ops.column_names:
             raise KeyError(f"op_totals: no ops column {k!r}; columns: {', '.join(ops.column_names)}")
+    if len(keys) == 1 and pa.types.is_dictionary(ops.schema.field(keys[0]).type):
+        return _op_totals_codes(ops, keys[0], include_noise)
     need = list(dict.fromkeys(keys + ["cpu_ns", "cuda_ns", "flops", "bytes_read", "bytes_written"]
                               + (["is_noise"] if "is_noise" in ops.column_names else [])))
     work = _work(ops.select(need), include_noise)   # the columns read, then the rows: no list column copied
-    if len(keys) == 1 and pa.types.is_dictionary(work.schema.field(keys[0]).type):
-        return _op_totals_codes(work, keys[0])
     cols = {k: _key_column(work, k) for k in keys}
     nums = {n: pc.fill_null(work.column(n), 0) for n in ("cpu_ns", "flops", "bytes_read", "bytes_written")}
     t = pa.table({**{f"k{i}": cols[k] for i, k in enumerate(keys)}, **nums, "cuda_ns": work.column("cuda_ns")})
@@ -103,44 +103,70 @@ def op_totals(ops: pa.Table, by: Union[str, Sequence[str]] = "op", *, include_no
     return res
 
 
-def _op_totals_codes(work: pa.Table, key: str) -> pa.Table:
-    """``op_totals`` by one dictionary column: its codes summed with ``np.bincount`` (no hash join)."""
-    col = work.column(key).combine_chunks() if work.num_rows else pa.array([], work.schema.field(key).type)
-    codes = pc.fill_null(col.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
-    names = col.dictionary.to_pylist() + [None]
-    codes[codes < 0] = len(names) - 1
-    n = len(names)
+_SUMMED = ("cpu_ns", "cuda_ns", "flops", "bytes_read", "bytes_written")
 
-    def sums(name: str) -> np.ndarray:
-        v = pc.fill_null(work.column(name), 0).to_numpy(zero_copy_only=False).astype(np.float64)
-        return np.bincount(codes, weights=v, minlength=n)
 
-    calls = np.bincount(codes, minlength=n)
-    cpu = sums("cpu_ns")
-    mx = np.zeros(n, dtype=np.int64)
-    if len(codes):   # the max per code: sorted by code, then one reduceat (np.maximum.at is ~50x slower)
-        order = np.argsort(codes, kind="stable")
-        sc = codes[order]
-        starts = np.flatnonzero(np.concatenate(([True], sc[1:] != sc[:-1])))
-        cpu_v = pc.fill_null(work.column("cpu_ns"), 0).to_numpy(zero_copy_only=False).astype(np.int64)[order]
-        mx[sc[starts]] = np.maximum.reduceat(cpu_v, starts)
-    cuda_col = work.column("cuda_ns")
-    has_cuda = np.bincount(codes, weights=pc.is_valid(cuda_col).to_numpy(zero_copy_only=False).astype(np.float64),
-                           minlength=n) > 0
-    cuda = sums("cuda_ns")
+def _op_totals_codes(ops: pa.Table, key: str, include_noise: bool) -> pa.Table:
+    """``op_totals`` by one dictionary column: its codes summed with ``np.bincount`` (no hash join, no
+    copy of the rows kept). A record batch at a time when the batches share their dictionary (every
+    table a trace builds: a memory-mapped table is read a batch at a time); else the whole columns,
+    combined into one batch. Bookkeeping rows go to a bin of their own, dropped at the end."""
+    noisy = not include_noise and "is_noise" in ops.column_names
+    work = ops.select([key, *_SUMMED] + (["is_noise"] if noisy else []))
+    batches = [b for b in work.to_batches() if b.num_rows]
+    dicts = [b.column(0).dictionary for b in batches]
+    if any(not (d is dicts[0] or d.equals(dicts[0])) for d in dicts[1:]):
+        batches = [b for b in work.combine_chunks().to_batches() if b.num_rows]   # one dictionary
+        dicts = [b.column(0).dictionary for b in batches]
+    names = (dicts[0].to_pylist() if dicts else []) + [None]
+    n = len(names) + 1                       # the codes, null (``names[-1]``), then bookkeeping rows
+    calls = np.zeros(n, np.int64)
+    sums = {name: np.zeros(n, np.int64) for name in _SUMMED}
+    mx = np.zeros(n, np.int64)
+    has_cuda = np.zeros(n, bool)
+    for b in batches:
+        codes = pc.fill_null(b.column(0).indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        codes[codes < 0] = len(names) - 1
+        if noisy:
+            codes[np.asarray(pc.fill_null(b.column("is_noise"), False).to_numpy(zero_copy_only=False), bool)] = n - 1
+        calls += np.bincount(codes, minlength=n)
+        cuda_valid = np.asarray(pc.is_valid(b.column("cuda_ns")).to_numpy(zero_copy_only=False), bool)
+        has_cuda |= np.bincount(codes[cuda_valid], minlength=n) > 0
+        for name in _SUMMED:
+            v = pc.fill_null(b.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+            _add_exact(sums[name], codes, v)
+            if name == "cpu_ns":   # the max per code: sorted by code, then one reduceat (np.maximum.at is ~50x slower)
+                order = np.argsort(codes, kind="stable")
+                sc = codes[order]
+                starts = np.flatnonzero(np.concatenate(([True], sc[1:] != sc[:-1])))
+                at = sc[starts]
+                mx[at] = np.maximum(mx[at], np.maximum.reduceat(v[order], starts))
     keep = calls > 0
-    total = float(cpu.sum()) or 1.0
-    cpu_i = cpu.astype(np.int64)
+    keep[-1] = False                         # bookkeeping rows
+    cpu_i = sums["cpu_ns"]
+    cpu = cpu_i.astype(np.float64)
+    total = float(cpu_i[keep].sum()) or 1.0
     res = pa.table({
         key: pa.array([names[i] for i in np.flatnonzero(keep)], _str),
         "calls": pa.array(calls[keep], _i64), "cpu_ns": pa.array(cpu_i[keep], _i64),
         "mean_cpu_ns": pa.array(cpu[keep] / np.maximum(calls[keep], 1), _f64),
         "max_cpu_ns": pa.array(mx[keep], _i64), "share": pa.array(cpu[keep] / total, _f64),
-        "cuda_ns": pa.array(cuda[keep].astype(np.int64), _i64, mask=~has_cuda[keep]),
-        "flops": pa.array(sums("flops")[keep].astype(np.int64), _i64),
-        "bytes_read": pa.array(sums("bytes_read")[keep].astype(np.int64), _i64),
-        "bytes_written": pa.array(sums("bytes_written")[keep].astype(np.int64), _i64)})
+        "cuda_ns": pa.array(sums["cuda_ns"][keep], _i64, mask=~has_cuda[keep]),
+        "flops": pa.array(sums["flops"][keep], _i64),
+        "bytes_read": pa.array(sums["bytes_read"][keep], _i64),
+        "bytes_written": pa.array(sums["bytes_written"][keep], _i64)})
     return res.sort_by([("cpu_ns", "descending"), (key, "ascending")]) if res.num_rows else res
+
+
+def _add_exact(acc: np.ndarray, codes: np.ndarray, v: np.ndarray) -> None:
+    """``acc[codes] += v`` as exact int64 sums: ``np.bincount``'s float64 sums where no partial sum can
+    pass 2**53 (exact then), else ``np.add.at`` (~10x slower; FLOPs can pass 2**53)."""
+    if not len(v):
+        return
+    if int(np.abs(v).max()) * len(v) < 1 << 53:
+        acc += np.bincount(codes, weights=v.astype(np.float64), minlength=len(acc)).astype(np.int64)
+    else:
+        np.add.at(acc, codes, v)
 
 
 def module_totals(ops: pa.Table) -> pa.Table:
