@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import NOISE_OPS
-from .opview import codes_of
+from .opview import add_exact, codes_of
 
 
 def _core_rows(tags: Any) -> np.ndarray:
@@ -99,47 +99,61 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     sorted_ids = call_ids[order]
     # per call: the ops attributed to it directly (ops.call_id)
     direct = np.zeros(n_calls_total, np.int64)
-    idx = np.zeros(0, np.int64)
-    ok = np.zeros(0, bool)
+    # per (API, op): [ops with a CPU time, their CPU time, any core, hidden copies]; a record batch at a time
+    groups: dict[tuple[int, Any], list[int]] = {}
     if ops.num_rows:
-        oc = np.asarray(pc.fill_null(ops.column("call_id"), -1).to_numpy(), dtype=np.int64)
-        k = np.minimum(np.searchsorted(sorted_ids, oc), max(len(sorted_ids) - 1, 0))
-        ok = (oc >= 0) & (sorted_ids[k] == oc)
-        idx = np.where(ok, order[k], -1)
-        np.add.at(direct, idx[ok], 1)
+        for b in ops.select(["call_id", "op", "cpu_ns", "tags", "hidden_copy"]).to_batches():
+            _api_batch(b, sorted_ids, order, api_codes, direct, groups)
     total = np.where(n_ops_col >= 0, n_ops_col, direct) if n_ops_col is not None else direct
     no_op_call = (total == 0) & (direct == 0)
     api_calls = np.bincount(api_codes, minlength=n_api)
     api_no_op = np.bincount(api_codes, weights=no_op_call.astype(np.float64), minlength=n_api).astype(np.int64)
     rows: list[dict[str, Any]] = []
     seen_api = np.zeros(n_api, dtype=bool)
-    sel = np.nonzero(ok)[0]
-    if len(sel):
-        sub = ops.select(["op", "cpu_ns", "tags", "hidden_copy"])
-        if len(sel) != ops.num_rows:   # every op inside a call (the usual case): no take
-            sub = sub.take(pa.array(sel))
-        work = pa.table({
-            "api": pa.array(api_codes[idx[sel]], pa.int64()),
-            "op": sub.column("op"),
-            "cpu_ns": sub.column("cpu_ns"),
-            "core": pa.array(_core_rows(sub.column("tags")), pa.bool_()),
-            "hidden": pc.cast(sub.column("hidden_copy").fill_null(False), pa.int64()),
-        })
-        g = work.group_by(["api", "op"]).aggregate([("cpu_ns", "sum"), ("cpu_ns", "count"), ("core", "max"),
-                                                     ("hidden", "sum")])
-        for r in g.to_pylist():   # one row per (API, op): few
-            c = r["api"]
-            seen_api[c] = True
-            n = int(api_calls[c])
-            rows.append(dict(qualname=api_names[c], name=api_name_of[c], n_calls=n, no_op_calls=int(api_no_op[c]),
-                             op=r["op"], n_ops=r["cpu_ns_count"], ops_per_call=r["cpu_ns_count"] / max(n, 1),
-                             cpu_ns=r["cpu_ns_sum"], core=bool(r["core_max"]), hidden_copies=r["hidden_sum"]))
+    for (c, op), (n_ops, cpu, core, hidden) in groups.items():   # one row per (API, op): few
+        seen_api[c] = True
+        n = int(api_calls[c])
+        rows.append(dict(qualname=api_names[c], name=api_name_of[c], n_calls=n, no_op_calls=int(api_no_op[c]),
+                         op=op, n_ops=n_ops, ops_per_call=n_ops / max(n, 1), cpu_ns=cpu if n_ops else None,
+                         core=bool(core), hidden_copies=hidden))
     for c in np.nonzero(~seen_api)[0].tolist():
         rows.append(dict(qualname=api_names[c], name=api_name_of[c], n_calls=int(api_calls[c]),
                          no_op_calls=int(api_no_op[c]), op=None, n_ops=0, ops_per_call=0.0, cpu_ns=0, core=None,
                          hidden_copies=0))
     rows.sort(key=lambda r: (-(r["cpu_ns"] or 0), r["qualname"], r["op"] or ""))
     return pa.Table.from_pylist(rows, schema=S.API) if rows else S.empty("api")
+
+
+def _api_batch(b: pa.RecordBatch, sorted_ids: np.ndarray, order: np.ndarray, api_codes: np.ndarray,
+               direct: np.ndarray, groups: dict[tuple[int, Any], list[int]]) -> None:
+    """One record batch of ops into ``direct`` (ops per call) and ``groups`` (per (API, op name))."""
+    oc = np.asarray(pc.fill_null(b.column("call_id"), -1).to_numpy(zero_copy_only=False), dtype=np.int64)
+    k = np.minimum(np.searchsorted(sorted_ids, oc), max(len(sorted_ids) - 1, 0))
+    ok = (oc >= 0) & (sorted_ids[k] == oc)
+    if not ok.any():
+        return
+    idx = order[k[ok]]
+    direct += np.bincount(idx, minlength=len(direct))
+    codes, names = codes_of(b.column("op"))
+    width = len(names) + 1
+    key = api_codes[idx] * width + (codes[ok] + 1)          # (API, op code); null op -> 0
+    uniq, inv = np.unique(key, return_inverse=True)
+    cpu_col = b.column("cpu_ns")
+    has_cpu = np.asarray(pc.is_valid(cpu_col).to_numpy(zero_copy_only=False), dtype=bool)[ok]
+    cpu = np.asarray(pc.fill_null(cpu_col, 0).to_numpy(zero_copy_only=False), dtype=np.int64)[ok]
+    n_ops = np.bincount(inv, weights=has_cpu.astype(np.float64), minlength=len(uniq)).astype(np.int64)
+    cpu_sum = np.zeros(len(uniq), np.int64)
+    add_exact(cpu_sum, inv, cpu)
+    core = np.bincount(inv, weights=_core_rows(b.column("tags"))[ok].astype(np.float64), minlength=len(uniq)) > 0
+    hidden = np.asarray(pc.fill_null(b.column("hidden_copy"), False).to_numpy(zero_copy_only=False), dtype=bool)[ok]
+    n_hidden = np.bincount(inv, weights=hidden.astype(np.float64), minlength=len(uniq)).astype(np.int64)
+    for j, key_j in enumerate(uniq.tolist()):
+        c, o = divmod(key_j, width)
+        g = groups.setdefault((c, names[o - 1] if o else None), [0, 0, 0, 0])
+        g[0] += int(n_ops[j])
+        g[1] += int(cpu_sum[j])
+        g[2] |= int(core[j])
+        g[3] += int(n_hidden[j])
 
 
 def surprising(api: pa.Table, *, min_ops_per_call: float = 4.0, k: int = 8) -> list[dict[str, Any]]:

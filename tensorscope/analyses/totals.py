@@ -23,6 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .opview import add_exact
+
 __all__ = ["op_totals", "module_totals", "cell_totals", "OP_TOTALS", "MODULE_TOTALS"]
 
 _i64, _f64, _str = pa.int64(), pa.float64(), pa.string()
@@ -134,7 +136,7 @@ def _op_totals_codes(ops: pa.Table, key: str, include_noise: bool) -> pa.Table:
         has_cuda |= np.bincount(codes[cuda_valid], minlength=n) > 0
         for name in _SUMMED:
             v = pc.fill_null(b.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-            _add_exact(sums[name], codes, v)
+            add_exact(sums[name], codes, v)
             if name == "cpu_ns":   # the max per code: sorted by code, then one reduceat (np.maximum.at is ~50x slower)
                 order = np.argsort(codes, kind="stable")
                 sc = codes[order]
@@ -156,17 +158,6 @@ def _op_totals_codes(ops: pa.Table, key: str, include_noise: bool) -> pa.Table:
         "bytes_read": pa.array(sums["bytes_read"][keep], _i64),
         "bytes_written": pa.array(sums["bytes_written"][keep], _i64)})
     return res.sort_by([("cpu_ns", "descending"), (key, "ascending")]) if res.num_rows else res
-
-
-def _add_exact(acc: np.ndarray, codes: np.ndarray, v: np.ndarray) -> None:
-    """``acc[codes] += v`` as exact int64 sums: ``np.bincount``'s float64 sums where no partial sum can
-    pass 2**53 (exact then), else ``np.add.at`` (~10x slower; FLOPs can pass 2**53)."""
-    if not len(v):
-        return
-    if int(np.abs(v).max()) * len(v) < 1 << 53:
-        acc += np.bincount(codes, weights=v.astype(np.float64), minlength=len(acc)).astype(np.int64)
-    else:
-        np.add.at(acc, codes, v)
 
 
 def module_totals(ops: pa.Table) -> pa.Table:
