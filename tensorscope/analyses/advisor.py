@@ -414,6 +414,22 @@ def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] =
         _CELLS.reset(token)
 
 
+def _drop_amp_on(over: Mapping[str, Any], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``found`` less the ``amp`` findings that name a (window, row) pair the finding ``over`` names."""
+    if not any(f["kind"] == "amp" for f in found):
+        return found
+    tiny = _row_keys(over)
+    return [f for f in found if f["kind"] != "amp" or not np.isin(_row_keys(f), tiny).any()]
+
+
+def _row_keys(f: Mapping[str, Any]) -> np.ndarray:
+    """A finding's (window, row) pairs as one int64 each (a row is an ``ops.seq``, under 2**43): compared
+    with ``np.isin``, not as a set of Python tuples (the overhead finding of a trace of small ops names
+    every row: ~100 bytes a row as tuples)."""
+    out: np.ndarray = np.asarray(f["rows_w"], np.int64) * (1 << 43) + np.asarray(f["rows"], np.int64)
+    return out
+
+
 def _times(ops: pa.Table) -> np.ndarray:
     out: np.ndarray = pc.fill_null(pc.coalesce(ops.column("cuda_ns"), ops.column("cpu_ns")), 0).to_numpy(
         zero_copy_only=False).astype(np.int64)
@@ -524,9 +540,7 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
             found += _idle_findings(idle, multi)
             roof_found = _roofline_findings(roof, warm_wins, peaks, multi, steps, speedup)
             if over:   # one event, one finding: rows the overhead finding names are no compute-bound amp proof
-                tiny = set(zip(over[0]["rows_w"].tolist(), over[0]["rows"].tolist()))
-                roof_found = [f for f in roof_found if f["kind"] != "amp"
-                              or not tiny & set(zip(f["rows_w"].tolist(), f["rows"].tolist()))]
+                roof_found = _drop_amp_on(over[0], roof_found)
             found += roof_found
         else:
             for f in found:
