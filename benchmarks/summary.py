@@ -22,6 +22,10 @@ which tracemalloc does not see; file-backed pages of memory-mapped tables count 
 the memory the step before freed is given back to the system (Arrow's pool, ``malloc_trim``).
 
     python benchmarks/summary.py --large --ops 300000,1000000
+
+``--sections`` (with ``--large``): before the summary, the advisor and each summary section on their
+own, in the summary's order (what one computes and caches on the trace the next reads for free), each
+timed with its sampled anonymous peak: which step holds the summary's peak.
 """
 from __future__ import annotations
 
@@ -136,7 +140,23 @@ def _timed(fn):
     return r, ms, (_status("VmHWM") - base) / 1e6, (max(top[0], _status("RssAnon")) - anon0) / 1e6
 
 
-def measure_large(n_ops: int, spill_rows: int, engine: str) -> dict:
+def _sections(t) -> list:
+    """(step, wall ms, sampled anonymous peak MB) of the advisor and of each summary section of ``t``."""
+    from tensorscope.options import DisplayOptions
+    from tensorscope.render import summary as R
+
+    share = DisplayOptions().min_finding_share
+    rows = []
+    _, ms, _peak, anon = _timed(lambda: t.advice(min_share=share))
+    rows.append(("advisor", ms, anon))
+    for fn in R.SECTIONS:
+        if fn is not R.sections_advice.advice_section:
+            _, ms, _peak, anon = _timed(lambda fn=fn: fn(t))
+            rows.append((fn.__name__, ms, anon))
+    return rows
+
+
+def measure_large(n_ops: int, spill_rows: int, engine: str, sections: bool = False) -> dict:
     import os
     import shutil
     import tempfile
@@ -147,6 +167,8 @@ def measure_large(n_ops: int, spill_rows: int, engine: str) -> dict:
             a.add(b)
     t = rec.result
     out: dict = {"ops": t.ops.num_rows}
+    if sections:
+        out["sections"] = _sections(t)
     bundle, out["summary_ms"], out["summary_peak_mb"], out["summary_anon_mb"] = _timed(t._repr_mimebundle_)
     out["html_kb"] = len(bundle["text/html"].encode("utf-8")) / 1000
     where = tempfile.mkdtemp(prefix="summary-bench-")
@@ -169,8 +191,10 @@ def main_large(a) -> None:
     print(f"{'ops':>9} " + " ".join(f"{s + ' ms':>10} {'peak MB':>8} {'anon MB':>8}" for s in ("summary", "save", "load",
                                                                                         "read")))
     for n in (int(v) for v in a.ops.split(",")):
-        r = measure_large(n, a.spill_rows, a.engine)
+        r = measure_large(n, a.spill_rows, a.engine, a.sections)
         out.append(r)
+        for name, ms, anon in r.get("sections", []):
+            print(f"  {name:>24} {ms:>8.0f} ms {anon:>8.1f} anon MB")
         print(f"{r['ops']:>9} " + " ".join(f"{r[s + '_ms']:>10.0f} {r[s + '_peak_mb']:>8.1f} {r[s + '_anon_mb']:>8.1f}"
                                            for s in ("summary", "save", "load", "read")))
     if a.json:
@@ -182,6 +206,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default=None, help="op counts, comma-separated (default 1000,20000; --large 300000,1000000)")
     ap.add_argument("--large", action="store_true", help="big traces of small ops: summary, save and load, with peaks")
+    ap.add_argument("--sections", action="store_true", help="--large: the advisor and each section on its own first")
     ap.add_argument("--spill-rows", type=int, default=100_000, help="--large: the traces' spill_rows")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--engine", default="native")
