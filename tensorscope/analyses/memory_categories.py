@@ -396,13 +396,17 @@ def _category_codes(tensors: pa.Table) -> np.ndarray:
     return out
 
 
+def storage_columns(tensors: pa.Table) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What the live-bytes views read of each storage: (device names, device code, category code,
+    nbytes, alloc_seq (-1: before the trace), free_seq (-1: never freed))."""
+    names, dev = _devices(tensors)
+    return (names, dev, _category_codes(tensors), _int_column(tensors, "nbytes", 0),
+            _int_column(tensors, "alloc_seq", -1), _int_column(tensors, "free_seq", -1))
+
+
 def _live(tensors: pa.Table, n_ops: int) -> tuple[list[str], np.ndarray]:
     """(devices, live[d, c, s]): bytes of category c on device d live while op s runs (``live_mask``)."""
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    names, dev = _devices(tensors)
-    cat = _category_codes(tensors)
+    names, dev, cat, nbytes, alloc, free = storage_columns(tensors)
     D, C = len(names), len(CATS)
     live, _ = live_matrix(dev * C + cat, nbytes, alloc, free, D * C, n_ops)
     return names, live.reshape(D, C, n_ops)

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .memory import _devices, _int_column, _sum_by
-from .memory_categories import CATS, _category_codes, _op_columns
+from .memory import _int_column, _sum_by
+from .memory_categories import CATS, _op_columns, storage_columns
 
 
 def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1 << 16) -> dict[str, Any]:
@@ -28,11 +28,7 @@ def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1
     n = ops.num_rows
     if n == 0 or tensors.num_rows == 0:
         return {"n": 0, "devices": []}
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    names, dev = _devices(tensors)
-    cat = _category_codes(tensors)
+    names, dev, cat, nbytes, alloc, free = storage_columns(tensors)
     D, C = len(names), len(CATS)
     K = D * C
     key = dev * C + cat

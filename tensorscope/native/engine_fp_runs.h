@@ -115,22 +115,7 @@ TS_FP_TARGET __attribute__((noinline)) void fp_runs(const T* base, int64_t nk, c
     _mm256_store_pd(a, r.av);
     _mm256_store_pd(m, r.mv);
     uint64_t h0 = 0;
-    for (; k < n; ++k) {   // fp_run's tail: lane 0
-      const T x = p[k];
-      U b;
-      std::memcpy(&b, &x, sizeof(U));
-      const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
-      h0 += z ^ (z >> 31);
-      ik += dk;
-      if ((b & kExp) != kExp) {
-        const double v = fp_value(x);
-        s[0] += v;
-        a[0] += std::fabs(v);
-        m[0] = std::fabs(v) > m[0] ? std::fabs(v) : m[0];
-      } else {
-        nf++;
-      }
-    }
+    for (; k < n; ++k) fp_step1<T, U>(p[k], ik, dk, h0, s[0], a[0], m[0], nf);   // fp_run's tail: lane 0
     acc.h += h0;
     acc_s += (s[0] + s[1]) + (s[2] + s[3]);
     acc_a += (a[0] + a[1]) + (a[2] + a[3]);

@@ -285,6 +285,27 @@ template <> struct FpExp<double> { static constexpr uint64_t v = 0x7ff0000000000
 template <> struct FpExp<c10::Half> { static constexpr uint16_t v = 0x7c00u; };
 template <> struct FpExp<c10::BFloat16> { static constexpr uint16_t v = 0x7f80u; };
 
+// One value into lane 0 of fp_run's accumulators, the index mix advanced: fp_run's scalar step, also
+// the tail of the vectorised loop (engine_fp_runs.h), so every path adds the same values in order.
+template <typename T, typename U>
+inline __attribute__((always_inline)) void fp_step1(T x, uint64_t& ik, uint64_t dk, uint64_t& h, double& s,
+                                                    double& a, double& m, int64_t& nf) {
+  constexpr U kExp = U(FpExp<T>::v);
+  U b;
+  std::memcpy(&b, &x, sizeof(U));
+  const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
+  h += z ^ (z >> 31);
+  ik += dk;
+  if ((b & kExp) != kExp) {
+    const double v = fp_value(x);
+    s += v;
+    a += std::fabs(v);
+    m = std::fabs(v) > m ? std::fabs(v) : m;
+  } else {
+    nf++;
+  }
+}
+
 // `n` values from p (memory stride `stride`), the first at logical index i0, the next ones `lstep`
 // further each (the hash needs each value's logical index, not the order they are read in).
 // Unit-stride runs go four values at a time into four independent accumulators, branch-free (the
@@ -317,22 +338,7 @@ TS_VECTORISE void fp_run(const T* p, int64_t n, int64_t stride, uint64_t i0, uin
       ik += dk4;
     }
   }
-  for (; k < n; ++k) {
-    const T x = p[k * stride];
-    U b;
-    std::memcpy(&b, &x, sizeof(U));
-    const uint64_t z = (uint64_t(b) ^ ik) * kFpK2;
-    h[0] += z ^ (z >> 31);
-    ik += dk;
-    if ((b & kExp) != kExp) {
-      const double v = fp_value(x);
-      s[0] += v;
-      a[0] += std::fabs(v);
-      m[0] = std::fabs(v) > m[0] ? std::fabs(v) : m[0];
-    } else {
-      nf++;
-    }
-  }
+  for (; k < n; ++k) fp_step1<T, U>(p[k * stride], ik, dk, h[0], s[0], a[0], m[0], nf);
   acc.h += h[0] + h[1] + h[2] + h[3];
   acc.s += (s[0] + s[1]) + (s[2] + s[3]);
   acc.a += (a[0] + a[1]) + (a[2] + a[3]);
