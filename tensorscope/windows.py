@@ -15,12 +15,17 @@ traced into one Trace; ``repeat`` cycles (0: until the loop ends). The loop call
 
 Built on the public ``trace()``: every window takes the trace options given (``dataset=``
 writes each window into the dataset as its own trace; ``expect=`` checks each window).
+
+A window whose trace could not spill (its disk filled: ``SpillError``) never stops the loop: the
+window's trace is kept whole in ``traces``, no further window is opened (it would fill the same
+disk), and the ``SpillError`` is raised by the ``with`` statement after the loop, as ``trace()``
+raises it after its block (a ``RuntimeWarning`` instead when the loop raised).
 """
 from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from .errors import OptionsError
+from .errors import OptionsError, SpillError
 from .options import resolve
 
 __all__ = ["schedule", "Schedule"]
@@ -42,6 +47,8 @@ class Schedule:
         self._step = 0
         self._open: Optional[Any] = None
         self._entered = False
+        #: the SpillError of a window that could not spill: raised after the loop (no window opens after it)
+        self.spill_error: Optional[SpillError] = None
 
     # -- which step does what ----------------------------------------------------------------
     def action(self, step: int) -> str:
@@ -95,6 +102,14 @@ class Schedule:
             if phantom and self.traces:
                 self.traces.pop()
                 self.windows.pop()
+        err, self.spill_error = self.spill_error, None
+        if err is not None:
+            if ev is None:
+                raise err
+            import warnings
+
+            warnings.warn(f"{err} (the loop raised: its exception is reported, this is a warning)", RuntimeWarning,
+                          stacklevel=2)
         return False
 
     def _window_start(self, step: int) -> bool:
@@ -106,7 +121,7 @@ class Schedule:
         return k % cycle == self.wait + self.warmup
 
     def _begin(self) -> None:
-        if self._open is None and self.action(self._step) == "active":
+        if self._open is None and self.spill_error is None and self.action(self._step) == "active":
             from .recording.session import trace
 
             tr = trace(self.options, display=self.display)
@@ -121,6 +136,9 @@ class Schedule:
         assert tr is not None
         try:
             tr.__exit__(et, ev, tb)
+        except SpillError as e:
+            if self.spill_error is None:   # the loop goes on; the with statement raises it after the loop
+                self.spill_error = e
         finally:
             try:
                 res = tr.result
