@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from .._common import fmt_bytes
 from .findings import _finding, _rows_of, _where
-from .opview import short_name
+from .opview import short_name, views
 
 _CONV = frozenset({"convolution", "_convolution", "convolution_backward", "mkldnn_convolution", "cudnn_convolution",
                    "_mkldnn_convolution", "miopen_convolution", "conv2d", "conv3d", "conv_transpose2d"})
@@ -25,18 +25,19 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
             "source_file", "source_line"]
     mixed, copies = [], []
     for w, win in enumerate(wins):
-        for r in _rows_of(w, win["view"], _CONV | _COPY, cols):
-            fm = [(f, a) for f, a, sh in zip(r["in_formats"] or [], r["in_ambiguous"] or [], r["in_shapes"] or [])
-                  if len(sh) in (4, 5) and not a]
-            if short_name(r["op"]) in _CONV:
-                kinds = {f for f, _ in fm}
-                if kinds & set(_CL) and "contiguous" in kinds:
-                    mixed.append(r)
-            elif fm:
-                src = fm[1][0] if short_name(r["op"]) in ("copy_", "_copy_from") and len(fm) > 1 else fm[0][0]
-                dst = (r["out_formats"] or [None])[0]
-                if src in _CL and dst == "contiguous":
-                    copies.append(r)
+        for view in views(win["ops"], win.get("batch_rows")):   # a record batch at a time
+            for r in _rows_of(w, view, _CONV | _COPY, cols):
+                fm = [(f, a) for f, a, sh in zip(r["in_formats"] or [], r["in_ambiguous"] or [], r["in_shapes"] or [])
+                      if len(sh) in (4, 5) and not a]
+                if short_name(r["op"]) in _CONV:
+                    kinds = {f for f, _ in fm}
+                    if kinds & set(_CL) and "contiguous" in kinds:
+                        mixed.append(r)
+                elif fm:
+                    src = fm[1][0] if short_name(r["op"]) in ("copy_", "_copy_from") and len(fm) > 1 else fm[0][0]
+                    dst = (r["out_formats"] or [None])[0]
+                    if src in _CL and dst == "contiguous":
+                        copies.append(r)
     out = []
     if not mixed:
         copies = []   # no convolution mixes formats: each copy is its own layout_changes finding below
