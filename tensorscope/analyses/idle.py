@@ -67,6 +67,15 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
             "share": g.outside / span if span else 0.0, "gaps": gaps, "dataloader_ns": dl}
 
 
+def _largest(v: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` largest values of ``v`` (ties: the earliest), in position order."""
+    if k >= len(v):
+        return np.arange(len(v))
+    kth = np.partition(v, len(v) - k)[len(v) - k]
+    above = np.flatnonzero(v > kth)
+    return np.sort(np.concatenate((above, np.flatnonzero(v == kth)[:k - len(above)])))
+
+
 Part = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -140,9 +149,7 @@ class _Gaps:
             for t in self.top:           # gaps before this part still waiting for the real op after them
                 if t[4] is None:
                     t[4] = int(q[real[0]])
-        k = min(_GAPS_LISTED, len(gap))
-        part = np.argpartition(-gap, k - 1)[:k] if k < len(gap) else np.arange(len(gap))
-        for i in sorted(part.tolist()):
+        for i in _largest(gap, _GAPS_LISTED).tolist():
             j = int(np.searchsorted(real, i))   # the first real op at or after the gap
             after = int(q[real[j]]) if j < len(real) else None
             before = int(q[real[j - 1]]) if j > 0 else self.last_real
