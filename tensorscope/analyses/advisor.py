@@ -104,20 +104,25 @@ def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, step
 
 
 def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
-    groups: OrderedDict[tuple[Any, ...], list[dict[str, Any]]] = OrderedDict()
+    # per (file, line): [rows, distinct storages, the first row's module, cpu time, runs of rows]
+    groups: OrderedDict[tuple[Any, ...], list[Any]] = OrderedDict()
     for w, win in enumerate(wins):
         for view in _views(win):
             for r in _rows_of(w, view, frozenset({"zero_", "_foreach_zero_"}),
                               ["seq", "op", "in_storages", "cpu_ns", "module", "source_file", "source_line"]):
-                groups.setdefault((r["source_file"], r["source_line"]), []).append(r)
+                g = groups.get((r["source_file"], r["source_line"]))
+                if g is None:
+                    g = groups[(r["source_file"], r["source_line"])] = [0, set(), r["module"], 0, Runs()]
+                g[0] += 1
+                g[1].update(s for s in (r["in_storages"] or []) if s is not None and s >= 0)
+                g[3] += r["cpu_ns"] or 0
+                g[4].add_one(w, r["seq"])
     out = []
-    for (f, line), rs in groups.items():
-        storages = {s for r in rs for s in (r["in_storages"] or []) if s is not None and s >= 0}
-        if len(storages) < 2 or rs[0]["module"] is not None:
+    for (f, line), (n, storages, module, cost, runs) in groups.items():
+        if len(storages) < 2 or module is not None:
             continue
-        seen = f"{len(rs)} in-place zero ops on {len(storages)} distinct tensors at {_where(f, line)}"
-        out.append(_finding("zero_grad", f"zeroing at {_where(f, line)}", seen, [(r["window"], r["seq"]) for r in rs],
-                            multi, sum(r["cpu_ns"] or 0 for r in rs),
+        seen = f"{n} in-place zero ops on {len(storages)} distinct tensors at {_where(f, line)}"
+        out.append(_finding("zero_grad", f"zeroing at {_where(f, line)}", seen, runs, multi, cost,
                             "if these are gradients: optimizer.zero_grad(set_to_none=True) (the default since "
                             "torch 2.0) frees them instead of writing zeros", steps, None, f, line))
     return out
@@ -205,7 +210,7 @@ def _outside_findings(outs: list[Optional[dict[str, Any]]], wins: Sequence[Mappi
 
 
 def _host_to_device(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
-    rs = []
+    runs, n, cost, first = Runs(), 0, 0, None
     for w, win in enumerate(wins):
         for view in _views(win):
             for r in _rows_of(w, view, frozenset({"_to_copy", "copy_"}),
@@ -214,14 +219,17 @@ def _host_to_device(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optio
                 ins, outs = r["in_devices"] or [], r["out_devices"] or []
                 src = ins[1] if short_name(r["op"]) == "copy_" and len(ins) > 1 else (ins[0] if ins else None)
                 if src == "cpu" and any(d and d.startswith("cuda") for d in outs):
-                    rs.append(r)
-    if not rs:
+                    first = first or r
+                    n += 1
+                    cost += r["cpu_ns"] or 0
+                    runs.add_one(w, r["seq"])
+    if first is None:
         return []
-    seen = f"{len(rs)} host-to-device copies, {fmt_ns(sum(r['cpu_ns'] or 0 for r in rs))} on the host"
-    return [_finding("host_copy", "host-to-device copies", seen, [(r["window"], r["seq"]) for r in rs], multi,
-                     sum(r["cpu_ns"] or 0 for r in rs),
+    seen = f"{n} host-to-device copies, {fmt_ns(cost)} on the host"
+    return [_finding("host_copy", "host-to-device copies", seen, runs, multi, cost,
                      "pin the host memory (DataLoader(pin_memory=True) or t.pin_memory()) and copy with "
-                     ".to(device, non_blocking=True)", steps, rs[0]["module"], rs[0]["source_file"], rs[0]["source_line"])]
+                     ".to(device, non_blocking=True)", steps, first["module"], first["source_file"],
+                     first["source_line"])]
 
 
 def _idle_findings(idle: list[dict[str, Any]], multi: bool) -> list[dict[str, Any]]:

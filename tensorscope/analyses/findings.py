@@ -42,9 +42,33 @@ class Runs:
         self._w: list[np.ndarray] = []
         self._f: list[np.ndarray] = []
         self._c: list[np.ndarray] = []
+        self._tail: list[list[int]] = []     # runs added a row at a time (add_one), not yet arrays
+
+    def add_one(self, w: int, seq: int) -> None:
+        """Append one row (for findings read row by row)."""
+        if self._tail:
+            last = self._tail[-1]
+            if last[0] == w and last[1] + last[2] == seq:
+                last[2] += 1
+                return
+        elif self._c and int(self._w[-1][-1]) == w and int(self._f[-1][-1] + self._c[-1][-1]) == seq:
+            self._c[-1][-1] += 1
+            return
+        self._tail.append([w, seq, 1])
+        if len(self._tail) >= 4096:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._tail:
+            a = np.array(self._tail, dtype=np.int64)
+            self._w.append(a[:, 0].copy())
+            self._f.append(a[:, 1].copy())
+            self._c.append(a[:, 2].copy())
+            self._tail = []
 
     def add(self, w: int, seqs: np.ndarray) -> None:
         """Append the rows ``seqs`` (in order) of window ``w``."""
+        self._flush()
         seqs = np.asarray(seqs, dtype=np.int64)
         if not len(seqs):
             return
@@ -63,6 +87,7 @@ class Runs:
 
     def extend(self, other: Runs) -> None:
         """Append the rows ``other`` names, after these (merged where a run goes on)."""
+        self._flush()
         w, f, c = (x.copy() for x in other.arrays())
         if not len(c):
             return
@@ -92,6 +117,7 @@ class Runs:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(window, first seq, count) of each run."""
+        self._flush()
         if not self._c:
             z = np.zeros(0, np.int64)
             return z, z, z
@@ -100,7 +126,21 @@ class Runs:
         return self._w[0], self._f[0], self._c[0]
 
     def __len__(self) -> int:
+        self._flush()
         return int(sum(int(c.sum()) for c in self._c))
+
+    def member(self, w: int, seqs: np.ndarray) -> np.ndarray:
+        """Per seq of window ``w``, whether these runs name it."""
+        rw, rf, rc = self.arrays()
+        keys = w * (1 << 43) + np.asarray(seqs, np.int64)
+        if not len(rc) or not len(keys):
+            return np.zeros(len(keys), bool)
+        a0 = rw * (1 << 43) + rf
+        order = np.argsort(a0, kind="stable")
+        a0, reach = a0[order], np.maximum.accumulate((a0 + rc)[order])
+        j = np.searchsorted(a0, keys, side="right") - 1
+        out: np.ndarray = (j >= 0) & (reach[np.maximum(j, 0)] > keys)
+        return out
 
     def head(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``k`` (window, seq) pairs."""

@@ -243,3 +243,44 @@ def test_the_advice_table_names_rows_as_runs_with_the_same_evidence():
     assert adv.rows(i).tolist() == [s for s in range(300) if s != 150]
     assert f["evidence"].startswith("ops seq 0, 1, 2, 3, 4, 5 … (299 rows)")
     assert adv.findings.schema.equals(S.ADVICE) and pa.types.is_list(adv.findings.schema.field("row_starts").type)
+
+
+def test_row_by_row_findings_read_in_small_batches_equal_one_batch():
+    """Layout mixes and copies, layout_changes groups (some rows the mix already names), zeroing and
+    host-to-device copies, on hand-built rows (the cuda device names are strings in the table: no CUDA runs),
+    their runs split by every batch size."""
+    cl4 = {"in_ambiguous": [False, False], "in_shapes": [[2, 3, 8, 8], [4, 3, 3, 3]]}
+    rows = []
+    for i in range(60):
+        r = {"seq": i, "start_ns": 1000 * i, "cpu_ns": 100 + i, "is_noise": False, "source_file": "m.py",
+             "source_line": 10 + i % 3, "in_ambiguous": None, "in_shapes": None, "in_formats": None,
+             "out_formats": None, "in_storages": None, "in_devices": None, "out_devices": None}
+        k = i % 6
+        if k in (0, 1):      # forward convolutions: channels_last data, contiguous weight
+            r.update(cl4, op="aten.convolution.default", in_formats=["channels_last", "contiguous"])
+        elif k == 2:         # copies converting channels_last back to contiguous
+            r.update(cl4, op="aten.copy_.default", in_formats=["contiguous", "channels_last"],
+                     out_formats=["contiguous"])
+        elif k == 3:         # zeroing distinct tensors outside modules
+            r.update(op="aten.zero_.default", in_storages=[i])
+        elif k == 4:         # host-to-device copies
+            r.update(op="aten._to_copy.default", in_devices=["cpu"], out_devices=["cuda:0"])
+        else:
+            r.update(op="aten.add.Tensor")
+        rows.append(r)
+    lc = table("layout_changes", [
+        {"seq": s, "op": "aten.clone.default" if s % 2 else "aten.copy_.default", "kind": "hidden_copy",
+         "reason": "a copy", "bytes": 64 * s, "source_file": "m.py", "source_line": 10 + s % 2, "call": "reshape",
+         "from_format": "channels_last"} for s in (2, 5, 7, 8, 11, 13, 14, 17, 29, 31, 41, 44)])
+    t = make_trace({"wall_ns": 100_000}, ops=table("ops", rows), layout_changes=lc)
+    whole = advise_tables(_wins([t]), {}, min_share=0.0)
+    subjects = [f["subject"] for f in whole["findings"].to_pylist()]
+    for want in ("mixed memory formats around convolutions", "host-to-device copies", "zeroing at m.py:10",
+                 "aten.clone.default (hidden copy)"):
+        assert any(s.startswith(want) for s in subjects), (want, subjects)
+    (mix,) = [f for f in whole["findings"].to_pylist() if f["subject"].startswith("mixed memory")]
+    assert finding_rows(mix).tolist() == [s for s in range(60) if s % 6 in (0, 1)] + list(range(2, 60, 6))
+    (clone,) = [f for f in whole["findings"].to_pylist() if f["subject"] == "aten.clone.default (hidden copy)"]
+    assert finding_rows(clone).tolist() == [5, 11, 17, 29, 41]   # the ones the mix does not name (7, 13, 31)
+    for n in SIZES:
+        _same(advise_tables(_wins([t]), {}, min_share=0.0, batch_rows=n), whole)
