@@ -325,8 +325,8 @@ def _cold_finding(windows: Sequence[Mapping[str, Any]], first_ns: int, op_ns: in
 def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_OPS: frozenset[str],
             min_share: float = MIN_SHARE, predicted: bool = False, speedup: Optional[Any] = None) -> dict[str, Any]:
     multi = len(windows) > 1
-    steps_each: list[Optional[int]] = [w.get("steps") if w.get("steps") is not None else infer_steps(w["calls"])
-                                       for w in windows]
+    steps_each: list[Optional[int]] = [w["steps"] if w.get("steps") is not None
+                                       else infer_steps(w["calls"], w.get("batch_rows")) for w in windows]
     steps = sum(int(s) for s in steps_each if s) if steps_each and all(steps_each) else None
     op_ns = first_ns = 0
     warm_ops = []

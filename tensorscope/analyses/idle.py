@@ -59,10 +59,12 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
     in_ops = max(span - g.outside, 0)
     gaps = [(gap, before, after) for _, _, gap, before, after in sorted(g.top) if gap > 0 and after is not None]
     dl = 0
-    if calls.num_rows:
-        m = string_mask(calls.column("qualname"), lambda v: "DataLoader" in v)
+    step = max(int(rows or BATCH_ROWS), 1)
+    for off in range(0, calls.num_rows, step):     # the calls a record batch at a time
+        b = calls.slice(off, step)
+        m = string_mask(b.column("qualname"), lambda v: "DataLoader" in v)
         if m.any():
-            dl = int(pc.sum(pc.filter(calls.column("dur_ns"), pa.array(m))).as_py() or 0)
+            dl += int(pc.sum(pc.filter(b.column("dur_ns"), pa.array(m))).as_py() or 0)
     return {"wall_ns": int(wall_ns), "span_ns": span, "in_ops_ns": in_ops, "outside_ns": g.outside,
             "share": g.outside / span if span else 0.0, "gaps": gaps, "dataloader_ns": dl}
 

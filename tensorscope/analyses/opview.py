@@ -104,7 +104,7 @@ def string_mask(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
         if not pa.types.is_dictionary(chunk.type):
             chunk = pc.dictionary_encode(chunk)
         want = np.array([v is not None and bool(pred(v)) for v in chunk.dictionary.to_pylist()] + [False], dtype=bool)
-        parts.append(want[pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)])
+        parts.append(want[pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False)])
     return np.concatenate(parts) if parts else np.zeros(0, bool)
 
 

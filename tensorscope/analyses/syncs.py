@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .opview import OpView, first_of, short_name, string_mask, views
+from .opview import BATCH_ROWS, OpView, first_of, short_name, string_mask, views
 
 SCALAR_READ = frozenset({"_local_scalar_dense", "equal", "is_nonzero", "item"})
 DATA_DEPENDENT = frozenset({"nonzero", "nonzero_numpy", "argwhere", "masked_select", "_unique", "_unique2",
@@ -114,21 +114,35 @@ def _sync_rows(view: OpView) -> Optional[pa.Table]:
     })
 
 
-def call_names(calls: pa.Table, call_ids: Any) -> list[Optional[str]]:
-    """The qualname (``Tensor.item``) of each call id (None where unknown)."""
-    if calls.num_rows == 0 or not len(call_ids):
-        return [None] * len(call_ids)
-    idx = pc.index_in(call_ids, value_set=calls.column("call_id"))
-    out: list[Optional[str]] = S.plain_strings(pa.table({"q": calls.column("qualname").take(idx)})).column("q").to_pylist()
-    return out
+def call_names(calls: pa.Table, call_ids: Any, rows: Optional[int] = None) -> list[Optional[str]]:
+    """The qualname (``Tensor.item``) of each call id (None where unknown; the first call of an id that repeats),
+    the calls read a record batch at a time against the few ids wanted (no hash of every call)."""
+    ids = pa.array(call_ids) if not isinstance(call_ids, (pa.Array, pa.ChunkedArray)) else call_ids
+    if calls.num_rows == 0 or not len(ids):
+        return [None] * len(ids)
+    want = pc.unique(pc.drop_null(ids))
+    found: dict[int, Optional[str]] = {}
+    step = max(int(rows or BATCH_ROWS), 1)
+    for off in range(0, calls.num_rows, step):
+        b = calls.select(["call_id", "qualname"]).slice(off, step)
+        m = pc.is_in(b.column("call_id"), value_set=want)
+        if pc.any(m).as_py():
+            hit = S.plain_strings(b.filter(m))
+            for k, v in zip(hit.column("call_id").to_pylist(), hit.column("qualname").to_pylist()):
+                found.setdefault(k, v)
+    return [found.get(c) if c is not None else None for c in ids.to_pylist()]
 
 
-def infer_steps(calls: pa.Table) -> Optional[int]:
-    """Training steps in a trace: its outermost ``backward`` calls (None when it ran none)."""
-    if calls.num_rows == 0:
-        return None
-    back = string_mask(calls.column("name"), lambda v: v == "backward")
-    n = int((back & (pc.fill_null(calls.column("depth"), -1).to_numpy(zero_copy_only=False) == 0)).sum())
+def infer_steps(calls: pa.Table, rows: Optional[int] = None) -> Optional[int]:
+    """Training steps in a trace: its outermost ``backward`` calls (None when it ran none), a record batch
+    at a time."""
+    n = 0
+    step = max(int(rows or BATCH_ROWS), 1)
+    for off in range(0, calls.num_rows, step):
+        b = calls.slice(off, step)
+        back = string_mask(b.column("name"), lambda v: v == "backward")
+        if back.any():
+            n += int((back & (pc.fill_null(b.column("depth"), -1).to_numpy(zero_copy_only=False) == 0)).sum())
     return n or None
 
 

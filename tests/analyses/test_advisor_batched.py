@@ -109,6 +109,20 @@ def test_sync_table_in_batches_equals_one_batch():
         assert sync_table(t.ops, t.calls, rows=n).equals(whole)
 
 
+def test_call_names_and_steps_read_the_calls_in_batches():
+    from tensorscope.analyses.syncs import call_names, infer_steps
+
+    with tensorscope.trace(leaks=False) as t:
+        _loop(4)()
+    ids = t.ops.column("call_id").to_pylist() + [None, 10**9]
+    whole = call_names(t.calls, ids)
+    assert "Tensor.item" in whole and whole[-2:] == [None, None]
+    assert infer_steps(t.calls) == 4
+    for n in (1, 3, 64):
+        assert call_names(t.calls, ids, rows=n) == whole
+        assert infer_steps(t.calls, rows=n) == 4
+
+
 # -- time outside ops: one pass in start order, against the whole-table reading -------------------------
 
 def _oracle(rows, tracer_ns=0):
