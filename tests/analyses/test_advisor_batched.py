@@ -298,3 +298,30 @@ def test_row_by_row_findings_read_in_small_batches_equal_one_batch():
     assert finding_rows(clone).tolist() == [5, 11, 17, 29, 41]   # the ones the mix does not name (7, 13, 31)
     for n in SIZES:
         _same(advise_tables(_wins([t]), {}, min_share=0.0, batch_rows=n), whole)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_layout_changes_found_in_small_batches_equal_one_batch(engine):
+    """Format changes, hidden copies (whose next row names the target shape: a pair a boundary may split) and
+    non-dense inputs, with their call names, whatever the slice size."""
+    from tensorscope.analyses.layout import layout_changes
+
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(3, 4, 3)
+
+    def run():
+        for _ in range(3):
+            y = conv(x)
+            y.flatten(1).sum()                    # a hidden copy of a channels_last activation
+            y.contiguous()                        # a hidden copy that changes the format
+            torch.ones(2, 3, 4, 4).to(memory_format=torch.channels_last)   # a format change
+            torch.randn(4, 6).t().mm(torch.randn(4, 5))   # a non-dense (transposed) input
+            x.permute(0, 2, 3, 1).reshape(2, -1)  # a copy the reshape makes
+
+    with tensorscope.trace(engine=engine, leaks=False) as t:
+        run()
+    whole = layout_changes(t.ops, t.calls)
+    assert {"hidden_copy", "format_change"} <= set(whole.column("kind").to_pylist()), whole.to_pylist()
+    assert any(whole.column("call").to_pylist())
+    for n in (1, 2, 3, 7, 64):
+        assert layout_changes(t.ops, t.calls, rows=n).equals(whole), n
