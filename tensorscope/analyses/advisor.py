@@ -21,6 +21,13 @@ Which rows a finding may rest on:
 * a prediction (``predicted``: FakeTensor times) gets no timing finding, and the structural ones
   (syncs, layout, zero_grad, host copies, tiny ops) carry no cost;
 * percentages of time are of the trace's wall time from enter to exit (``wall_ns``), the overview's base.
+
+How the rows are read: a record batch at a time (``opview.views``, zero-copy slices of at most
+``BATCH_ROWS`` rows; ``batch_rows`` in tests), keeping only sums, counts, per-group aggregates, the largest
+gaps (``idle.outside_ops``, one pass in start order) and each finding's rows as runs of seq
+(``findings.Runs``): no array with an entry per row of the trace. The warm rows are the rows less
+``first_run`` ones (an ``OpView(warm_only=True)`` counts them as bookkeeping; the roofline reads the table
+with them marked ``is_noise``), never a filtered copy. The result is the same whatever the batch size.
 """
 from __future__ import annotations
 
