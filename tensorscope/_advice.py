@@ -61,6 +61,14 @@ class Advice(Displayable):
 
         return Summary([self.section()]).to_html()
 
+    def rows(self, i: int) -> Any:
+        """Every ``ops.seq`` finding ``i`` names, in order (a numpy array): its ``row_starts``/``row_counts``
+        runs expanded."""
+        from .analyses.findings import expand_runs
+
+        r = self.findings.slice(i, 1).select(["row_starts", "row_counts"]).to_pylist()[0]
+        return expand_runs(r["row_starts"] or [], r["row_counts"] or [])
+
     def to_arrow(self) -> pa.Table:
         """The findings (schema ``ADVICE``), as the views' ``to_arrow()``."""
         return self.findings

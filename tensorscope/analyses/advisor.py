@@ -21,6 +21,13 @@ Which rows a finding may rest on:
 * a prediction (``predicted``: FakeTensor times) gets no timing finding, and the structural ones
   (syncs, layout, zero_grad, host copies, tiny ops) carry no cost;
 * percentages of time are of the trace's wall time from enter to exit (``wall_ns``), the overview's base.
+
+How the rows are read: a record batch at a time (``opview.views``, zero-copy slices of at most
+``BATCH_ROWS`` rows; ``batch_rows`` in tests), keeping only sums, counts, per-group aggregates, the largest
+gaps (``idle.outside_ops``, one pass in start order) and each finding's rows as runs of seq
+(``findings.Runs``): no array with an entry per row of the trace. The warm rows are the rows less
+``first_run`` ones (an ``OpView(warm_only=True)`` counts them as bookkeeping; the roofline reads the table
+with them marked ``is_noise``), never a filtered copy. The result is the same whatever the batch size.
 """
 from __future__ import annotations
 
@@ -34,11 +41,12 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import fmt_bytes, fmt_ns
-from .findings import _CELLS, _advice_table, _finding, _rows_of, _where
+from .findings import _CELLS, Runs, _advice_table, _finding, _rows_of, _where
 from .idle import TRACER_NS, gpu_idle, outside_ops
-from .layout_findings import _CONV, _layout_findings
-from .opview import OpView, first_of, short_name
-from .roofline import ROOF_SHARE, Peaks, roofline
+from .layout_findings import _layout_findings
+from .opview import first_run, short_name, views
+from .roofline import Peaks, roofline
+from .roofline_findings import _roofline_findings, _warm_views
 from .syncs import infer_steps, sync_table, tiny_mask
 
 TINY_BYTES = 64 * 1024          # an op moving less than this ...
@@ -47,9 +55,6 @@ TINY_MIN = 100                  # the overhead finding needs at least this many 
 TINY_SHARE = 0.5                # ... making at least this share of the ops
 OUTSIDE_SHARE = 0.3             # time outside ops worth a finding (share of the wall time) ...
 OUTSIDE_MIN_NS = 5_000_000      # ... and at least this much
-TOP_SHARE = 0.2                 # an op group taking this share of op time gets a roofline finding
-AMP_GAIN = 1.5                  # a 16-bit GEMM this many times faster than fp32 (same shape) makes AMP worth suggesting
-AMP_SHARE = 0.5                 # ... when compute-bound fp32 GEMMs/convolutions take this share of warm op time
 COLD_SHARE = 0.5                # first-run rows holding this share of op time make the cell "cold" ...
 COLD_NOTE_NS = 2_000_000        # ... and the first_run note is shown when they took at least this long (a cold
                                 # cell of a few hundred µs has nothing a user would read as slowness)
@@ -59,7 +64,6 @@ SYNC_REPEAT = 3                 # a CPU sync seen this many times at one line (a
 DESCRIPTIVE = frozenset({"compute_bound", "memory_bound", "below_roof"})
 #: findings read from timings (none on a prediction)
 TIMING_KINDS = frozenset({"compute_bound", "memory_bound", "below_roof", "amp", "outside_ops", "gpu_idle"})
-_GEMM = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation"} | _CONV)
 _OPTIM_INPLACE = frozenset({"add_", "mul_", "addcmul_", "addcdiv_", "lerp_", "sqrt", "div_", "maximum", "sub_"})
 
 _SYNC_FIX = {
@@ -107,19 +111,25 @@ def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, step
 
 
 def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
-    groups: OrderedDict[tuple[Any, ...], list[dict[str, Any]]] = OrderedDict()
+    # per (file, line): [rows, distinct storages, the first row's module, cpu time, runs of rows]
+    groups: OrderedDict[tuple[Any, ...], list[Any]] = OrderedDict()
     for w, win in enumerate(wins):
-        for r in _rows_of(w, win["view"], frozenset({"zero_", "_foreach_zero_"}),
-                          ["seq", "op", "in_storages", "cpu_ns", "module", "source_file", "source_line"]):
-            groups.setdefault((r["source_file"], r["source_line"]), []).append(r)
+        for view in _views(win):
+            for r in _rows_of(w, view, frozenset({"zero_", "_foreach_zero_"}),
+                              ["seq", "op", "in_storages", "cpu_ns", "module", "source_file", "source_line"]):
+                g = groups.get((r["source_file"], r["source_line"]))
+                if g is None:
+                    g = groups[(r["source_file"], r["source_line"])] = [0, set(), r["module"], 0, Runs()]
+                g[0] += 1
+                g[1].update(s for s in (r["in_storages"] or []) if s is not None and s >= 0)
+                g[3] += r["cpu_ns"] or 0
+                g[4].add_one(w, r["seq"])
     out = []
-    for (f, line), rs in groups.items():
-        storages = {s for r in rs for s in (r["in_storages"] or []) if s is not None and s >= 0}
-        if len(storages) < 2 or rs[0]["module"] is not None:
+    for (f, line), (n, storages, module, cost, runs) in groups.items():
+        if len(storages) < 2 or module is not None:
             continue
-        seen = f"{len(rs)} in-place zero ops on {len(storages)} distinct tensors at {_where(f, line)}"
-        out.append(_finding("zero_grad", f"zeroing at {_where(f, line)}", seen, [(r["window"], r["seq"]) for r in rs],
-                            multi, sum(r["cpu_ns"] or 0 for r in rs),
+        seen = f"{n} in-place zero ops on {len(storages)} distinct tensors at {_where(f, line)}"
+        out.append(_finding("zero_grad", f"zeroing at {_where(f, line)}", seen, runs, multi, cost,
                             "if these are gradients: optimizer.zero_grad(set_to_none=True) (the default since "
                             "torch 2.0) frees them instead of writing zeros", steps, None, f, line))
     return out
@@ -127,35 +137,31 @@ def _zero_grad_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: O
 
 def _overhead_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int],
                        cuda: bool) -> list[dict[str, Any]]:
-    ws: list[np.ndarray] = []
-    ss: list[np.ndarray] = []
+    rows = Runs()
     cost = 0
     n_work = 0
     names: dict[tuple[str, Optional[str], Optional[int]], int] = {}
     optim = 0
     for w, win in enumerate(wins):
-        ops, view = win["ops"], win["view"]
-        if ops.num_rows == 0:
-            continue
-        m = tiny_mask(ops, TINY_BYTES, TINY_FLOPS, view.noise)
-        n_work += int((~view.noise).sum())
-        if not m.any():
-            continue
-        ss.append(view.seq[m])
-        ws.append(np.full(int(m.sum()), w, dtype=np.int64))
-        tiny = ops.select(["op", "source_file", "source_line", "module", "cuda_ns", "cpu_ns"]).filter(pa.array(m))
-        cost += int(pc.sum(pc.coalesce(tiny.column("cuda_ns"), tiny.column("cpu_ns"))).as_py() or 0)
-        g = tiny.select(["op", "source_file", "source_line", "module"]).group_by(
-            ["op", "source_file", "source_line", "module"], use_threads=False).aggregate([("source_line", "count")])
-        for r in S.plain_strings(g).to_pylist():
-            k = (r["op"], r["source_file"], r["source_line"])
-            names[k] = names.get(k, 0) + r["source_line_count"]
-            if r["module"] is None and short_name(r["op"]) in _OPTIM_INPLACE:
-                optim += r["source_line_count"]
-    n_tiny = sum(len(x) for x in ss)
+        for view in _warm_views(win):      # a record batch at a time: sums, counts and runs of rows
+            ops = view.ops
+            m = tiny_mask(ops, TINY_BYTES, TINY_FLOPS, view.noise)
+            n_work += int((~view.noise).sum())
+            if not m.any():
+                continue
+            rows.add(w, view.seq[m])
+            tiny = ops.select(["op", "source_file", "source_line", "module", "cuda_ns", "cpu_ns"]).filter(pa.array(m))
+            cost += int(pc.sum(pc.coalesce(tiny.column("cuda_ns"), tiny.column("cpu_ns"))).as_py() or 0)
+            g = tiny.select(["op", "source_file", "source_line", "module"]).group_by(
+                ["op", "source_file", "source_line", "module"], use_threads=False).aggregate([("source_line", "count")])
+            for r in S.plain_strings(g).to_pylist():
+                k = (r["op"], r["source_file"], r["source_line"])
+                names[k] = names.get(k, 0) + r["source_line_count"]
+                if r["module"] is None and short_name(r["op"]) in _OPTIM_INPLACE:
+                    optim += r["source_line_count"]
+    n_tiny = len(rows)
     if n_tiny < TINY_MIN or not n_work or n_tiny / n_work < TINY_SHARE:
         return []
-    pairs = (np.concatenate(ws), np.concatenate(ss))
     top = sorted(names.items(), key=lambda kv: -kv[1])[:3]
     per = f" ({n_tiny / steps:g} per step)" if steps else ""
     seen = (f"{n_tiny} of {n_work} ops{per} move under {fmt_bytes(TINY_BYTES)} each, so their time is mostly "
@@ -167,7 +173,7 @@ def _overhead_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Op
         fixes.append(f"{optim} of them are in-place updates outside any module: an optimizer with foreach=True "
                      "or fused=True runs them as a few multi-tensor kernels")
     fixes.append("a bigger batch amortises the per-op cost")
-    return [_finding("overhead", f"{n_tiny} tiny ops", seen, pairs, multi, cost, "; ".join(fixes), steps)]
+    return [_finding("overhead", f"{n_tiny} tiny ops", seen, rows, multi, cost, "; ".join(fixes), steps)]
 
 
 def _outside_findings(outs: list[Optional[dict[str, Any]]], wins: Sequence[Mapping[str, Any]],
@@ -210,173 +216,27 @@ def _outside_findings(outs: list[Optional[dict[str, Any]]], wins: Sequence[Mappi
                      what="gaps next to ops seq")]
 
 
-def _roofline_findings(roof: pa.Table, wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], multi: bool,
-                       steps: Optional[int], speedup: Optional[Any] = None) -> list[dict[str, Any]]:
-    ops_rows = [r for r in roof.to_pylist() if r["level"] == "op"]
-    total = sum(r["time_ns"] or 0 for r in ops_rows)
-    out: list[dict[str, Any]] = []
-    if not total:
-        return out
-    for r in ops_rows:
-        share = (r["time_ns"] or 0) / total
-        if share < TOP_SHARE or r["bound"] not in ("compute", "memory", "below_roof"):
-            continue
-        pairs = _seqs_of(wins, r["name"], r["dtype"])
-        rate = _rate(r["flops_per_s"], "FLOP/s") if r["flops"] else _rate(r["bytes_per_s"], "B/s")
-        frac = 100 * (r["roof_fraction"] or 0)
-        if r["bound"] == "below_roof":
-            seen = (f"{r['name']} ({r['dtype']}) took {100 * share:.0f}% of warm op time at {rate}, {frac:.0f}% of the "
-                    f"{r['device']} roof (under {100 * ROOF_SHARE:.0f}%: neither compute- nor memory-bound); "
-                    + _below_reason(r, wins, peaks))
-            fix = ("bring the work to the roof: " + _below_fix(r, wins, peaks))
-            out.append(_finding("below_roof", r["name"], seen, pairs, multi, r["time_ns"], fix, None))
-            continue
-        seen = (f"{r['name']} ({r['dtype']}) took {100 * share:.0f}% of warm op time; {r['bound']}-bound at {rate}, "
-                f"{frac:.0f}% of the {r['device']} roof at intensity {r['intensity'] or 0:.1f} FLOP/byte")
-        if r["bound"] == "compute":
-            fix = (f"it runs at {frac:.0f}% of the measured peak: to go faster, fewer FLOPs (smaller layers), lower "
-                   "precision or a faster device")
-        else:
-            fix = ("fuse it with its neighbours (torch.compile) so the data is read once; 16-bit dtypes halve the bytes")
-        out.append(_finding(f"{r['bound']}_bound", r["name"], seen, pairs, multi, r["time_ns"], fix, None))
-    amp = _amp_finding(ops_rows, total, wins, peaks, multi, steps, speedup)
-    if amp:
-        out.append(amp)
-    return out
-
-
-def _rate(v: Optional[float], unit: str) -> str:
-    v = v or 0.0
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if v >= scale:
-            return f"{v / scale:.3g} {prefix}{unit}"
-    return f"{v:.3g} {unit}"
-
-
-def _gemm_shape(wins: Sequence[Mapping[str, Any]], op: str) -> Optional[tuple[int, int, int, int]]:
-    """(batch, M, K, N) of the longest-running shape of matmul ``op`` (mm, addmm, bmm, baddbmm), or None."""
-    if short_name(op) not in ("mm", "addmm", "bmm", "baddbmm"):
-        return None
-    best: dict[tuple[int, int, int, int], int] = {}
-    for win in wins:
-        view = win["view"]
-        m = view.mask(lambda n: n == op)
-        for r in view.rows(m, ["in_shapes", "cpu_ns"]):
-            sh = [x for x in (r["in_shapes"] or []) if x is not None and len(x) >= 2]
-            if len(sh) < 2:
-                continue
-            a, b = sh[-2], sh[-1]
-            key = (int(a[0]) if len(a) == 3 else 1, int(a[-2]), int(a[-1]), int(b[-1]))
-            best[key] = best.get(key, 0) + (r["cpu_ns"] or 0)
-    return max(best, key=best.__getitem__) if best else None
-
-
-def _amp_finding(ops_rows: list[dict[str, Any]], total: int, wins: Sequence[Mapping[str, Any]],
-                 peaks: Optional[Peaks], multi: bool, steps: Optional[int], speedup: Optional[Any]
-                 ) -> Optional[dict[str, Any]]:
-    """``amp`` only where compute-bound float32 GEMMs/convolutions take ``AMP_SHARE`` of warm op time and a
-    16-bit GEMM of the same shape measured ``AMP_GAIN`` times faster (``speedup``), or, for a trace read on
-    another machine, its recorded peaks at the nearest measured size."""
-    gemm = [r for r in ops_rows if r["dtype"] == "float32" and short_name(r["name"]) in _GEMM and r["bound"] == "compute"]
-    fp32_gemm = sum(r["time_ns"] or 0 for r in gemm)
-    if not gemm or fp32_gemm / total < AMP_SHARE:
-        return None
-    top = max(gemm, key=lambda r: r["time_ns"] or 0)
-    shape = _gemm_shape(wins, top["name"])
-    got: Optional[tuple[str, float, str]] = None
-    if speedup is not None and shape is not None:
-        got = speedup(shape)
-    if got is None:
-        got = _nearest_size_gain(peaks, top)
-    if got is None or got[1] < AMP_GAIN:
-        return None
-    dtype16, gain, how = got
-    sq = [_seqs_of(wins, r["name"], r["dtype"]) for r in gemm]
-    pairs = (np.concatenate([g[0] for g in sq]), np.concatenate([g[1] for g in sq]))
-    seen = (f"compute-bound float32 matmuls/convolutions took {100 * fp32_gemm / total:.0f}% of warm op time, and "
-            f"{dtype16} {how} ran {gain:.1f}x faster than float32 on this device")
-    return _finding("amp", "float32 matmuls and convolutions", seen, pairs, multi, fp32_gemm,
-                    f"run the forward under torch.autocast(device_type, dtype=torch.{dtype16})", steps)
-
-
-def _nearest_size_gain(peaks: Optional[Peaks], r: Mapping[str, Any]) -> Optional[tuple[str, float, str]]:
-    """(16-bit dtype, its rate / float32's, how) at the measured GEMM size nearest the group's FLOPs per op."""
-    p = (peaks or {}).get(r["device"] or "cpu") or {}
-    det = p.get("detail") or {}
-    f32 = (det.get("float32") or {}).get("sizes") or {}
-    if not f32 or not r["n_ops"]:
-        return None
-    per_op = (r["flops"] or 0) / r["n_ops"]
-    size = min(f32, key=lambda n: abs(np.log(max(2 * int(n) ** 3, 1)) - np.log(max(per_op, 1))))
-    best: Optional[tuple[str, float, str]] = None
-    for d16 in ("bfloat16", "float16"):
-        s16 = ((det.get(d16) or {}).get("sizes") or {}).get(size)
-        if s16 and f32[size].get("best"):
-            g = s16["best"] / f32[size]["best"]
-            if best is None or g > best[1]:
-                best = (d16, g, f"at the nearest measured peak size ({size}^3 GEMM)")
-    return best
-
-
-def _below_reason(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks]) -> str:
-    """The likely reason an op group stays under the roof, from what the rows and the peaks say."""
-    p = (peaks or {}).get(r["device"] or "cpu") or {}
-    why = []
-    per_op = (r["flops"] or 0) / max(r["n_ops"], 1)
-    if short_name(r["name"]) in _GEMM and per_op and per_op < 2 * 256 ** 3:
-        why.append(f"small work per op ({per_op / 1e6:.1f} MFLOP, under a 256^3 GEMM): libraries reach their peak on "
-                   "larger shapes")
-    if r["dtype"] in ("bfloat16", "float16") and r["device"] == "cpu" and p.get("bf16_native") is False:
-        why.append(f"{r['dtype']} has no native support on this CPU (emulated)")
-    threads, cores = p.get("threads"), p.get("cpu_count")
-    if r["device"] == "cpu" and threads and cores and threads < cores:
-        why.append(f"torch uses {threads} of {cores} cores")
-    if p.get("contended"):
-        why.append("this machine was busy when the peaks were measured, and may have been while the trace ran")
-    if not why:
-        why.append("the kernel does not reach the roof at these shapes and layouts (strided inputs, odd sizes, "
-                   "or a competing load while the trace ran)")
-    return "likely: " + "; ".join(why)
-
-
-def _below_fix(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks]) -> str:
-    per_op = (r["flops"] or 0) / max(r["n_ops"], 1)
-    if short_name(r["name"]) in _CONV and per_op and per_op < 2 * 256 ** 3:
-        return "more work per call: a bigger batch"
-    if short_name(r["name"]) in _GEMM and per_op and per_op < 2 * 256 ** 3:
-        return "batch the small matmuls into fewer, larger ones (a bigger batch, torch.bmm over stacked inputs)"
-    return "run the cell again on an idle machine to confirm; check torch.get_num_threads() and the input layouts"
-
-
-def _seqs_of(wins: Sequence[Mapping[str, Any]], op: str, dtype: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
-    """The (window, seq) of the rows of ``op`` (of output dtype ``dtype`` when given) in each window's view."""
-    ws, ss = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for w, win in enumerate(wins):
-        view = win["view"]
-        m = view.mask(lambda n: n == op)
-        if dtype is not None and m.any():
-            m &= pc.fill_null(pc.equal(win["out_dtype"], dtype), False).to_numpy(zero_copy_only=False)
-        ss.append(view.seq[m])
-        ws.append(np.full(int(m.sum()), w, dtype=np.int64))
-    return np.concatenate(ws), np.concatenate(ss)
-
-
 def _host_to_device(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
-    rs = []
+    runs, n, cost, first = Runs(), 0, 0, None
     for w, win in enumerate(wins):
-        for r in _rows_of(w, win["view"], frozenset({"_to_copy", "copy_"}),
-                          ["seq", "op", "in_devices", "out_devices", "cpu_ns", "module", "source_file", "source_line"]):
-            ins, outs = r["in_devices"] or [], r["out_devices"] or []
-            src = ins[1] if short_name(r["op"]) == "copy_" and len(ins) > 1 else (ins[0] if ins else None)
-            if src == "cpu" and any(d and d.startswith("cuda") for d in outs):
-                rs.append(r)
-    if not rs:
+        for view in _views(win):
+            for r in _rows_of(w, view, frozenset({"_to_copy", "copy_"}),
+                              ["seq", "op", "in_devices", "out_devices", "cpu_ns", "module", "source_file",
+                               "source_line"]):
+                ins, outs = r["in_devices"] or [], r["out_devices"] or []
+                src = ins[1] if short_name(r["op"]) == "copy_" and len(ins) > 1 else (ins[0] if ins else None)
+                if src == "cpu" and any(d and d.startswith("cuda") for d in outs):
+                    first = first or r
+                    n += 1
+                    cost += r["cpu_ns"] or 0
+                    runs.add_one(w, r["seq"])
+    if first is None:
         return []
-    seen = f"{len(rs)} host-to-device copies, {fmt_ns(sum(r['cpu_ns'] or 0 for r in rs))} on the host"
-    return [_finding("host_copy", "host-to-device copies", seen, [(r["window"], r["seq"]) for r in rs], multi,
-                     sum(r["cpu_ns"] or 0 for r in rs),
+    seen = f"{n} host-to-device copies, {fmt_ns(cost)} on the host"
+    return [_finding("host_copy", "host-to-device copies", seen, runs, multi, cost,
                      "pin the host memory (DataLoader(pin_memory=True) or t.pin_memory()) and copy with "
-                     ".to(device, non_blocking=True)", steps, rs[0]["module"], rs[0]["source_file"], rs[0]["source_line"])]
+                     ".to(device, non_blocking=True)", steps, first["module"], first["source_file"],
+                     first["source_line"])]
 
 
 def _idle_findings(idle: list[dict[str, Any]], multi: bool) -> list[dict[str, Any]]:
@@ -396,12 +256,14 @@ def _idle_findings(idle: list[dict[str, Any]], multi: bool) -> list[dict[str, An
 
 
 def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] = None, *,
-                  min_share: float = MIN_SHARE, predicted: bool = False, speedup: Optional[Any] = None) -> dict[str, Any]:
+                  min_share: float = MIN_SHARE, predicted: bool = False, speedup: Optional[Any] = None,
+                  batch_rows: Optional[int] = None) -> dict[str, Any]:
     """Every finding of ``windows`` (one mapping per trace), with the tables behind them.
 
     ``min_share``: the least cost, as a share of the op time, of a performance finding; ``predicted``:
     the traces are predictions (no timing finding); ``speedup``: ``(batch, M, K, N) -> (dtype, gain, how)``
-    or None, the measured 16-bit speed-up of a GEMM of that shape (the ``amp`` finding's proof)."""
+    or None, the measured 16-bit speed-up of a GEMM of that shape (the ``amp`` finding's proof);
+    ``batch_rows``: the rows read at a time (``opview.BATCH_ROWS``; the result is the same whatever it is)."""
     from .._common import NOISE_OPS
 
     cells: dict[str, int] = {}
@@ -409,67 +271,58 @@ def advise_tables(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks] =
         cells.update(w.get("cells") or {})
     token = _CELLS.set(cells or None)
     try:
-        return _advise(windows, peaks, NOISE_OPS, min_share, predicted, speedup)
+        return _advise([dict(w, batch_rows=batch_rows) for w in windows], peaks, NOISE_OPS, min_share, predicted,
+                       speedup)
     finally:
         _CELLS.reset(token)
 
 
 def _drop_amp_on(over: Mapping[str, Any], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``found`` less the ``amp`` findings that name a (window, row) pair the finding ``over`` names."""
+    """``found`` less the ``amp`` findings that name a (window, row) pair the finding ``over`` names (their
+    runs compared run against run: the overhead finding of a trace of small ops names every row)."""
     if not any(f["kind"] == "amp" for f in found):
         return found
-    tiny = _row_keys(over)
-    return [f for f in found if f["kind"] != "amp" or not np.isin(_row_keys(f), tiny).any()]
+    return [f for f in found if f["kind"] != "amp" or not over["runs"].overlaps(f["runs"])]
 
 
-def _row_keys(f: Mapping[str, Any]) -> np.ndarray:
-    """A finding's (window, row) pairs as one int64 each (a row is an ``ops.seq``, under 2**43): compared
-    with ``np.isin``, not as a set of Python tuples (the overhead finding of a trace of small ops names
-    every row: ~100 bytes a row as tuples)."""
-    out: np.ndarray = np.asarray(f["rows_w"], np.int64) * (1 << 43) + np.asarray(f["rows"], np.int64)
-    return out
+def _views(win: Mapping[str, Any]) -> Any:
+    """The window's rows a slice at a time (every row: the structural findings read what ran)."""
+    return views(win["ops"], win.get("batch_rows"))
 
 
-def _times(ops: pa.Table) -> np.ndarray:
-    out: np.ndarray = pc.fill_null(pc.coalesce(ops.column("cuda_ns"), ops.column("cpu_ns")), 0).to_numpy(
-        zero_copy_only=False).astype(np.int64)
-    return out
+def _op_time(win: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(op time, the part of it in ``first_run`` rows, the warm rows that are not bookkeeping) of a window,
+    a record batch at a time; the time of a row is ``cuda_ns`` where measured, else ``cpu_ns``."""
+    op_ns = first_ns = n_warm = 0
+    for view in _views(win):
+        ops = view.ops
+        t = pc.fill_null(pc.coalesce(ops.column("cuda_ns"), ops.column("cpu_ns")), 0).to_numpy(
+            zero_copy_only=False).astype(np.int64)
+        work = ~view.noise
+        first = first_run(ops)
+        op_ns += int(t[work].sum())
+        first_ns += int(t[work & first].sum())
+        n_warm += int((~first).sum())
+    return op_ns, first_ns, n_warm
 
 
-def _first_run(ops: pa.Table) -> np.ndarray:
-    if "first_run" not in ops.column_names:
-        return np.zeros(ops.num_rows, dtype=bool)
-    out: np.ndarray = pc.fill_null(ops.column("first_run"), False).to_numpy(zero_copy_only=False).astype(bool)
-    return out
-
-
-def _keep_rows(ops: pa.Table, keep: np.ndarray) -> pa.Table:
-    """``ops.filter(keep)``, as zero-copy slices when the kept rows are long runs (the first runs of a
-    cell are in its first step): a filter copies every column of a table that may be memory-mapped.
-    Runs of under 1024 rows on average (a small trace) are filtered: many short chunks cost more."""
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], keep.astype(np.int8), [0]))))
-    starts, ends = edges[0::2], edges[1::2]
-    if len(starts) == 0 or len(starts) * 1024 > len(keep):
-        return ops.filter(pa.array(keep))
-    return pa.concat_tables([ops.slice(int(a), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())])
-
-
-def _out_dtype(ops: pa.Table) -> pa.Array:
-    """Per row, the first output dtype (else the first input's): the roofline's dtype of the row (an
-    Arrow string array, compared column-wise: no Python string per row)."""
-    out: pa.Array = pc.coalesce(first_of(ops.column("out_dtypes")), first_of(ops.column("in_dtypes")))
-    return out
+def _warm_table(ops: pa.Table) -> pa.Table:
+    """``ops`` with its ``first_run`` rows marked bookkeeping (``is_noise``): what the roofline reads as the warm
+    rows, without copying a column (the rows kept, a bit-packed column replaced)."""
+    if "first_run" not in ops.column_names or ops.column("first_run").null_count == ops.num_rows:
+        return ops
+    noise = pc.or_(pc.fill_null(ops.column("is_noise"), False), pc.fill_null(ops.column("first_run"), False))
+    i = ops.schema.get_field_index("is_noise")
+    return ops.set_column(i, ops.schema.field(i), noise)
 
 
 def _cold_finding(windows: Sequence[Mapping[str, Any]], first_ns: int, op_ns: int, multi: bool) -> dict[str, Any]:
-    ws, ss = [], []
+    pairs = Runs()
     for w, win in enumerate(windows):
-        m = win["first"] & ~win["view"].noise
-        ss.append(win["view"].seq[m])
-        ws.append(np.full(int(m.sum()), w, dtype=np.int64))
-    pairs = (np.concatenate(ws), np.concatenate(ss))
+        for view in _views(win):
+            pairs.add(w, view.seq[first_run(view.ops) & ~view.noise])
     seen = (f"{100 * first_ns / op_ns:.0f}% of the op time ({fmt_ns(first_ns)} of {fmt_ns(op_ns)}) was the first "
-            f"execution in this process of {len(pairs[1])} op/shape/dtype combinations: timings include one-time "
+            f"execution in this process of {len(pairs)} op/shape/dtype combinations: timings include one-time "
             "initialisation (kernel selection, lazy library set-up, first allocations), so no performance advice is "
             "drawn from them")
     return _finding("first_run", "timings include one-time initialisation", seen, pairs, multi, first_ns,
@@ -479,45 +332,34 @@ def _cold_finding(windows: Sequence[Mapping[str, Any]], first_ns: int, op_ns: in
 def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_OPS: frozenset[str],
             min_share: float = MIN_SHARE, predicted: bool = False, speedup: Optional[Any] = None) -> dict[str, Any]:
     multi = len(windows) > 1
-    steps_each: list[Optional[int]] = [w.get("steps") if w.get("steps") is not None else infer_steps(w["calls"])
-                                       for w in windows]
+    steps_each: list[Optional[int]] = [w["steps"] if w.get("steps") is not None
+                                       else infer_steps(w["calls"], w.get("batch_rows")) for w in windows]
     steps = sum(int(s) for s in steps_each if s) if steps_each and all(steps_each) else None
-    wins: list[dict[str, Any]] = [dict(w, view=OpView(w["ops"])) for w in windows]
-    windows = wins
     op_ns = first_ns = 0
-    warm_wins: list[dict[str, Any]] = []
-    for w in wins:
-        ops, view = w["ops"], w["view"]
-        first = _first_run(ops)
-        t = _times(ops)
-        work = ~view.noise
-        op_ns += int(t[work].sum())
-        first_ns += int(t[work & first].sum())
-        w["first"] = first
-        w["out_dtype"] = _out_dtype(ops) if ops.num_rows else pa.array([], pa.string())
-        if first.any():   # the warm rows: what the timing findings read
-            wops = _keep_rows(ops, ~first)
-            warm_wins.append(dict(w, ops=wops, view=OpView(wops), out_dtype=w["out_dtype"].filter(pa.array(~first))))
-        else:
-            warm_wins.append(w)
-    syncs = [sync_table(w["ops"], w["calls"], i, w["view"]) for i, w in enumerate(windows)]
+    warm_ops = []
+    for w in windows:
+        w_op, w_first, n_warm = _op_time(w)
+        op_ns += w_op
+        first_ns += w_first
+        if n_warm:   # the warm rows: what the timing findings read
+            warm_ops.append(_warm_table(w["ops"]))
+    syncs = [sync_table(w["ops"], w["calls"], i, w.get("batch_rows")) for i, w in enumerate(windows)]
     sync_t = pa.concat_tables(syncs) if syncs else S.SYNCS.empty_table()
-    all_ops = [w["ops"] for w in warm_wins if w["ops"].num_rows]
-    ops = S.unify_dictionaries(pa.concat_tables(all_ops)) if len(all_ops) > 1 else (all_ops[0] if all_ops else None)
+    ops = S.unify_dictionaries(pa.concat_tables(warm_ops)) if len(warm_ops) > 1 else (warm_ops[0] if warm_ops else None)
     flops_known = all(w.get("flops_known", True) for w in windows)
     roof = roofline(ops, peaks, flops_known) if ops is not None else S.ROOFLINE.empty_table()
-    outs = [outside_ops(w["ops"], w["calls"], w.get("wall_ns"), TRACER_NS.get(str(w.get("engine")), 0))
-            for w in windows]
+    outs = [outside_ops(w["ops"], w["calls"], w.get("wall_ns"), TRACER_NS.get(str(w.get("engine")), 0),
+                        rows=w.get("batch_rows")) for w in windows]
     for o, w, s in zip(outs, windows, steps_each):
         if o is not None:   # tiny ops per window (and per step), shown whether or not they make a finding
-            o["tiny_ops"] = int(tiny_mask(w["ops"], TINY_BYTES, TINY_FLOPS, w["view"].noise).sum())
+            o["tiny_ops"] = sum(int(tiny_mask(v.ops, TINY_BYTES, TINY_FLOPS, v.noise).sum()) for v in _views(w))
             o["steps"] = s
             o["run_delay_ns"] = int(w.get("run_delay_ns") or 0)
     idle = []
     for i, w in enumerate(windows):
         k = w.get("kernels")
         if k is not None and k.num_rows:
-            for d in gpu_idle(w["ops"], k):
+            for d in gpu_idle(w["ops"], k, rows=w.get("batch_rows")):
                 idle.append(dict(d, window=i))
     cuda = any(r == "cuda" for r in roof.column("device").to_pylist()) if roof.num_rows else False
     found: list[dict[str, Any]] = []
@@ -533,12 +375,12 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
         if first_ns >= COLD_NOTE_NS:
             found.insert(0, _cold_finding(windows, first_ns, op_ns, multi))
     else:
-        over = _overhead_findings(warm_wins, multi, steps, cuda)
+        over = _overhead_findings(windows, multi, steps, cuda)
         found += over
         if not predicted:
             found += _outside_findings(outs, windows, multi, steps)
             found += _idle_findings(idle, multi)
-            roof_found = _roofline_findings(roof, warm_wins, peaks, multi, steps, speedup)
+            roof_found = _roofline_findings(roof, windows, peaks, multi, steps, speedup)
             if over:   # one event, one finding: rows the overhead finding names are no compute-bound amp proof
                 roof_found = _drop_amp_on(over[0], roof_found)
             found += roof_found

@@ -22,13 +22,14 @@ and queueing). Needs the ``kernels`` table (``trace(kernels=True)`` on CUDA).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .opview import string_mask
+from .opview import BATCH_ROWS, string_mask
 
 _GAPS_LISTED = 3
 #: tensorscope's own cost per op, by engine (ns): an upper bound of the per-op overhead benchmarks/overhead.py
@@ -43,62 +44,127 @@ def _np(col: Any, fill: Any = 0) -> np.ndarray:
 
 
 def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
-                tracer_ns: int = 0) -> Optional[dict[str, Any]]:
+                tracer_ns: int = 0, rows: Optional[int] = None) -> Optional[dict[str, Any]]:
     """``{wall_ns, span_ns, in_ops_ns, outside_ns, share, gaps: [(gap_ns, seq_before, seq_after)], dataloader_ns}``:
     the advisor adds ``tiny_ops`` and ``steps``. The span runs from the first op's start to the last op's end (the trace's own start and stop are
-    not the program's), ``share`` is ``outside_ns / span_ns``."""
+    not the program's), ``share`` is ``outside_ns / span_ns``. One pass in start order, ``rows`` (``opview.BATCH_ROWS``)
+    at a time (``_start_order``): the running end of the ops so far, the sum of the gaps and the largest gaps."""
     if not wall_ns or ops.num_rows == 0:
         return None
-    start = _np(ops.column("start_ns"))
-    end = start + _np(ops.column("cpu_ns"))
-    seq = _np(ops.column("seq"))
-    if len(start) < 2 or bool((start[1:] >= start[:-1]).all()):
-        s, e, q = start, end, seq                 # rows in dispatch order already start in order
-    else:
-        order = np.argsort(start, kind="stable")
-        s, e, q = start[order], end[order], seq[order]
-    run_end = np.maximum.accumulate(e)
-    # a gap opens where an op starts after every earlier op ended
-    prev_end = np.concatenate([[0], run_end[:-1]])
-    gap = np.maximum(s - prev_end, 0)
-    gap[0] = 0                              # before the first op: the trace starting, not the program
-    if tracer_ns:                           # what the tracer itself may have spent between two ops
-        gap = np.maximum(gap - tracer_ns, 0)
-    if "probe_ns" in ops.column_names and ops.column("probe_ns").null_count < ops.num_rows:
-        probe = _np(ops.column("probe_ns"))
-        probe = probe if s is start else probe[order]
-        # the probes after an op (screen, numerics shadow) ran in the gap before the next op to start
-        gap[1:] = np.maximum(gap[1:] - probe[:-1], 0)
-    span = int(run_end[-1]) - int(s[0])
-    outside = int(gap.sum())
-    in_ops = max(span - outside, 0)
-    k = min(_GAPS_LISTED, len(gap))
-    part = np.argpartition(-gap, k - 1)[:k] if k < len(gap) else np.arange(len(gap))
-    top = part[np.argsort(-gap[part], kind="stable")]
-    # a gap is named by the ops around it that the program asked for: eager's own bookkeeping rows
-    # (``is_noise``: lift_fresh, detach_ inside torch.tensor) are never its subject, the next real op is
-    real = np.arange(len(q))                     # positions (in start order) of the real ops
-    if "is_noise" in ops.column_names:
-        noise = _np(ops.column("is_noise"), False).astype(bool)
-        real = real[~(noise if q is seq else noise[order])]
-    gaps = []
-    for i in top:
-        j = int(np.searchsorted(real, i))        # the first real op at or after the gap
-        if gap[i] <= 0 or j == len(real):        # (only bookkeeping after it: nothing to name)
-            continue
-        after = int(q[real[j]])
-        before = int(q[real[j - 1]]) if j > 0 else None
-        gaps.append((int(gap[i]), before, after))
+    probe = "probe_ns" in ops.column_names and ops.column("probe_ns").null_count < ops.num_rows
+    g = _Gaps(tracer_ns)
+    for part in _start_order(ops, rows, probe, "is_noise" in ops.column_names):
+        g.feed(*part)
+    span = g.run_end - g.first_start
+    in_ops = max(span - g.outside, 0)
+    gaps = [(gap, before, after) for _, _, gap, before, after in sorted(g.top) if gap > 0 and after is not None]
     dl = 0
-    if calls.num_rows:
-        m = string_mask(calls.column("qualname"), lambda v: "DataLoader" in v)
+    step = max(int(rows or BATCH_ROWS), 1)
+    for off in range(0, calls.num_rows, step):     # the calls a record batch at a time
+        b = calls.slice(off, step)
+        m = string_mask(b.column("qualname"), lambda v: "DataLoader" in v)
         if m.any():
-            dl = int(pc.sum(pc.filter(calls.column("dur_ns"), pa.array(m))).as_py() or 0)
-    return {"wall_ns": int(wall_ns), "span_ns": span, "in_ops_ns": in_ops, "outside_ns": outside,
-            "share": outside / span if span else 0.0, "gaps": gaps, "dataloader_ns": dl}
+            dl += int(pc.sum(pc.filter(b.column("dur_ns"), pa.array(m))).as_py() or 0)
+    return {"wall_ns": int(wall_ns), "span_ns": span, "in_ops_ns": in_ops, "outside_ns": g.outside,
+            "share": g.outside / span if span else 0.0, "gaps": gaps, "dataloader_ns": dl}
 
 
-def gpu_idle(ops: pa.Table, kernels: pa.Table) -> list[dict[str, Any]]:
+def _largest(v: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` largest values of ``v`` (ties: the earliest), in position order."""
+    if k >= len(v):
+        return np.arange(len(v))
+    kth = np.partition(v, len(v) - k)[len(v) - k]
+    above = np.flatnonzero(v > kth)
+    return np.sort(np.concatenate((above, np.flatnonzero(v == kth)[:k - len(above)])))
+
+
+Part = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _start_order(ops: pa.Table, rows: Optional[int], probe: bool, noise: bool) -> Iterator[Part]:
+    """``(start, end, seq, probe_ns, is_noise)`` of the rows in start order (ties in row order: a stable sort), a
+    slice at a time. Rows in dispatch order start in order, and each slice goes as it is; where they do not,
+    a slice's rows that start after the earliest start of a later slice are held back (``held``) and merged
+    into the next slice. What is held is bounded by the disorder, not the trace: the rows that start after
+    some later row (an outer op recorded after the ops inside it); only rows in reverse start order all along
+    would hold the window."""
+    step = max(int(rows or BATCH_ROWS), 1)
+    n = ops.num_rows
+    starts = [ops.column("start_ns").slice(off, step) for off in range(0, n, step)]
+    # the earliest start of every later slice: the rows held until then (one min per slice, read once)
+    mins = [pc.min(pc.fill_null(c, 0)).as_py() for c in starts]
+    later = np.minimum.accumulate(np.array(mins[1:] + [np.iinfo(np.int64).max], dtype=np.int64)[::-1])[::-1]
+    held: Optional[Part] = None
+    for k, off in enumerate(range(0, n, step)):
+        sl = ops.slice(off, step)
+        s = _np(starts[k])
+        e = s + _np(sl.column("cpu_ns"))
+        part: Part = (s, e, _np(sl.column("seq")), _np(sl.column("probe_ns")) if probe else np.zeros(len(s), np.int64),
+                      _np(sl.column("is_noise"), False).astype(bool) if noise else np.zeros(len(s), bool))
+        if held is not None:
+            part = tuple(np.concatenate((a, b)) for a, b in zip(held, part))  # type: ignore[assignment]
+        s = part[0]
+        if len(s) > 1 and not bool((s[1:] >= s[:-1]).all()):
+            order = np.argsort(s, kind="stable")
+            part = tuple(a[order] for a in part)  # type: ignore[assignment]
+        cut = int(np.searchsorted(part[0], later[k], side="right"))   # rows no later row starts before
+        held = tuple(a[cut:] for a in part) if cut < len(part[0]) else None  # type: ignore[assignment]
+        if cut:
+            yield tuple(a[:cut] for a in part)  # type: ignore[misc]
+
+
+class _Gaps:
+    """The time outside ops, fed the rows in start order a part at a time: a gap opens where an op starts after
+    every earlier op ended (less ``tracer_ns`` and the probes of the op before it); its sum, the span, and the
+    ``_GAPS_LISTED`` largest gaps (largest first, ties by position), each named by the real ops around it."""
+
+    def __init__(self, tracer_ns: int) -> None:
+        self.tracer_ns = tracer_ns
+        self.n = 0                       # rows fed so far (the position of the next)
+        self.first_start = 0
+        self.run_end = 0                 # the latest end so far
+        self.prev_probe = 0              # the probe time of the last row fed
+        self.outside = 0
+        self.last_real: Optional[int] = None   # the seq of the last real (not bookkeeping) row fed
+        #: (-gap, position, gap, seq before, seq after): a gap whose real op after it is not fed yet has None
+        self.top: list[list[Any]] = []
+
+    def feed(self, s: np.ndarray, e: np.ndarray, q: np.ndarray, probe: np.ndarray, noise: np.ndarray) -> None:
+        if not len(s):
+            return
+        first = self.n == 0
+        if first:
+            self.first_start = int(s[0])
+        prev_end = np.maximum.accumulate(np.concatenate(([self.run_end], e)))
+        gap = np.maximum(s - prev_end[:-1], 0)
+        if first:
+            gap[0] = 0                   # before the first op: the trace starting, not the program
+        if self.tracer_ns:               # what the tracer itself may have spent between two ops
+            gap = np.maximum(gap - self.tracer_ns, 0)
+        # the probes after an op (screen, numerics shadow) ran in the gap before the next op to start
+        gap = np.maximum(gap - np.concatenate(([self.prev_probe], probe[:-1])), 0)
+        self.outside += int(gap.sum())
+        # a gap is named by the ops around it that the program asked for: eager's own bookkeeping rows
+        # (``is_noise``: lift_fresh, detach_ inside torch.tensor) are never its subject, the next real op is
+        real = np.flatnonzero(~noise)
+        if len(real):
+            for t in self.top:           # gaps before this part still waiting for the real op after them
+                if t[4] is None:
+                    t[4] = int(q[real[0]])
+        for i in _largest(gap, _GAPS_LISTED).tolist():
+            j = int(np.searchsorted(real, i))   # the first real op at or after the gap
+            after = int(q[real[j]]) if j < len(real) else None
+            before = int(q[real[j - 1]]) if j > 0 else self.last_real
+            self.top.append([-int(gap[i]), self.n + i, int(gap[i]), before, after])
+        self.top = sorted(self.top)[:_GAPS_LISTED]
+        if len(real):
+            self.last_real = int(q[real[-1]])
+        self.run_end = int(prev_end[-1])
+        self.prev_probe = int(probe[-1])
+        self.n += len(s)
+
+
+def gpu_idle(ops: pa.Table, kernels: pa.Table, rows: Optional[int] = None) -> list[dict[str, Any]]:
     """One dict per device: ``device, busy_ns, idle_ns, host_wait_ns, launch_ns, n_gaps, span_ns, n_kernels,
     gap_seqs`` (the ops that launched the kernels after the largest gaps)."""
     if kernels.num_rows == 0:
@@ -106,9 +172,16 @@ def gpu_idle(ops: pa.Table, kernels: pa.Table) -> list[dict[str, Any]]:
     k = kernels.filter(pc.invert(pc.is_null(kernels.column("start_ns"))))
     if k.num_rows == 0:
         return []
-    op_start: dict[int, int] = {}
-    if ops.num_rows:
-        op_start = dict(zip(_np(ops.column("seq")).tolist(), _np(ops.column("start_ns")).tolist()))
+    op_start: dict[int, int] = {}       # the start of the ops that launched a kernel (not of every op)
+    need = np.unique(_np(k.column("seq"), -1))
+    need = need[need >= 0]
+    step = max(int(rows or BATCH_ROWS), 1)
+    for off in range(0, ops.num_rows if len(need) else 0, step):
+        sl = ops.slice(off, step)
+        sq = _np(sl.column("seq"))
+        m = np.isin(sq, need)
+        if m.any():
+            op_start.update(zip(sq[m].tolist(), _np(sl.column("start_ns"))[m].tolist()))
     out = []
     devs = _np(k.column("device"), -1)
     for dev in sorted(set(devs.tolist())):

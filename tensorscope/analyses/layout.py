@@ -250,26 +250,63 @@ def _hidden_reason(r: dict[str, Any], call: Optional[str], target: Optional[list
     return f"{c}() copied: {src} cannot be viewed with the requested strides"
 
 
-def layout_changes(ops: pa.Table, calls: pa.Table) -> pa.Table:
-    """Derive the LAYOUT_CHANGES table from ``ops`` and ``calls`` (sorted by seq, then kind)."""
+def layout_changes(ops: pa.Table, calls: pa.Table, rows: int = 65_536) -> pa.Table:
+    """Derive the LAYOUT_CHANGES table from ``ops`` and ``calls`` (sorted by seq, then kind).
+
+    The candidate rows are found ``rows`` at a time (zero-copy slices: per-row arrays of one slice, never of
+    the whole trace), and the call names looked up only for the candidates' calls."""
     if ops is None or ops.num_rows == 0:
         return S.empty("layout_changes")
-    names = call_names(calls)
-    # format-change candidates, vectorised: a channels_last input and an unambiguous dense
-    # non-channels_last output, or a channels_last output without a channels_last input
-    cl_in = count_in(ops.column("in_formats"), CL_FORMATS)
-    cl_out = count_in(ops.column("out_formats"), CL_FORMATS)
-    other_out = count_in(ops.column("out_formats"), DENSE_FORMATS - CL_FORMATS, ops.column("out_ambiguous"))
-    fmt_idx = drop_noise(ops, np.nonzero(((cl_in > 0) & (other_out > 0)) | ((cl_out > 0) & (cl_in == 0)))[0]
-                         .astype(np.int64))
-    hid_idx = drop_noise(ops, true_rows(ops.column("hidden_copy")))
-    nd_idx = drop_noise(ops, rows_with_any(ops.column("in_formats"), NON_DENSE_FORMATS))
+    fmt, hid, nd = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for off in range(0, ops.num_rows, max(int(rows), 1)):
+        b = ops.slice(off, max(int(rows), 1))
+        # format-change candidates, vectorised: a channels_last input and an unambiguous dense
+        # non-channels_last output, or a channels_last output without a channels_last input
+        cl_in = count_in(b.column("in_formats"), CL_FORMATS)
+        cl_out = count_in(b.column("out_formats"), CL_FORMATS)
+        other_out = count_in(b.column("out_formats"), DENSE_FORMATS - CL_FORMATS, b.column("out_ambiguous"))
+        fmt.append(off + drop_noise(b, np.nonzero(((cl_in > 0) & (other_out > 0)) | ((cl_out > 0) & (cl_in == 0)))[0]
+                                    .astype(np.int64)))
+        hid.append(off + drop_noise(b, true_rows(b.column("hidden_copy"))))
+        nd.append(off + drop_noise(b, rows_with_any(b.column("in_formats"), NON_DENSE_FORMATS)))
+    fmt_idx, hid_idx, nd_idx = np.concatenate(fmt), np.concatenate(hid), np.concatenate(nd)
     # the row after each hidden copy, to name the shape the user asked for
     nxt_idx = hid_idx + 1
     nxt_idx = nxt_idx[nxt_idx < ops.num_rows]
     want = np.unique(np.concatenate([fmt_idx, hid_idx, nd_idx, nxt_idx]))
+    if len(want) and "call_id" in ops.column_names:
+        names: CallNames = _SomeCallNames(calls, ops.column("call_id").take(pa.array(want, pa.int64())), rows)
+    else:
+        names = call_names(None)
     with NoGC():
         return _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx)
+
+
+class _SomeCallNames(CallNames):
+    """``CallNames`` of the few call ids ``ids`` only (the calls read ``rows`` at a time): what an analysis
+    with a few candidate rows needs, without an index of every call."""
+
+    __slots__ = ("_some",)
+
+    def __init__(self, calls: Optional[pa.Table], ids: Any, rows: int) -> None:
+        super().__init__(None)
+        self._some: dict[int, Optional[str]] = {}
+        want = pc.unique(pc.drop_null(ids))
+        if calls is None or calls.num_rows == 0 or not len(want):
+            return
+        for off in range(0, calls.num_rows, max(int(rows), 1)):
+            b = calls.select(["call_id", "name"]).slice(off, max(int(rows), 1))
+            m = pc.is_in(b.column("call_id"), value_set=want)
+            if pc.any(m).as_py():
+                hit = b.filter(m)
+                for k, v in zip(hit.column("call_id").to_pylist(), hit.column("name").to_pylist()):
+                    self._some.setdefault(k, v)     # the first call of an id, as CallNames' stable search
+
+    def get(self, call_id: Optional[int], default: Optional[str] = None) -> Optional[str]:
+        if call_id is None or call_id < 0:
+            return default
+        v = self._some.get(call_id)
+        return v if v is not None else default
 
 
 def _layout_rows(ops: pa.Table, names: CallNames, want: np.ndarray, fmt_idx: np.ndarray,

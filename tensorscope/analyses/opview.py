@@ -1,14 +1,16 @@
-"""Per-row numpy views of an ops table that several passes share (op-name codes, noise, seq), made once.
+"""Per-row numpy views of a slice of an ops table (op-name codes, noise, seq), a record batch at a time.
 
 The ``op`` column is dictionary-encoded (schema 1.2): a predicate on op names runs once per
 distinct name and is broadcast to the rows through the codes, so a pass over a 10k-op trace
-costs a few numpy operations, not a string per row.
+costs a few numpy operations, not a string per row. ``views(ops)`` yields one ``OpView`` per
+slice of at most ``BATCH_ROWS`` rows (zero-copy slices of a memory-mapped table): a pass over a
+long trace holds one slice's arrays at a time, never a per-row array of the whole trace.
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -24,11 +26,19 @@ def short_name(op: str) -> str:
     return parts[1] if len(parts) > 1 else op
 
 
-class OpView:
-    """``names`` (distinct op names), ``codes`` (per row, -1 for null), ``noise`` and ``seq`` arrays."""
+#: rows per slice of a batched pass (``views``): its per-row arrays are a few MB whatever the trace's length
+BATCH_ROWS = 65_536
 
-    def __init__(self, ops: pa.Table) -> None:
+
+class OpView:
+    """``names`` (distinct op names), ``codes`` (per row, -1 for null), ``noise`` and ``seq`` arrays.
+
+    ``warm_only``: ``first_run`` rows count as bookkeeping (``noise``): every work-only mask leaves them
+    out, as the timing findings do; ``offset``: the position of the view's first row in its table."""
+
+    def __init__(self, ops: pa.Table, warm_only: bool = False, offset: int = 0) -> None:
         self.ops = ops
+        self.offset = offset
         self.n = ops.num_rows
         names: list[str] = []
         where: dict[str, int] = {}
@@ -38,15 +48,17 @@ class OpView:
             if not pa.types.is_dictionary(chunk.type):
                 chunk = pc.dictionary_encode(chunk)
             local = np.array([where.setdefault(v, len(where)) if v is not None else -1
-                              for v in chunk.dictionary.to_pylist()] + [-1], dtype=np.int64)
-            idx = pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+                              for v in chunk.dictionary.to_pylist()] + [-1], dtype=np.int32)
+            idx = pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False)
             parts.append(local[idx])
         names = list(where)
         self.names = names
-        self.codes: np.ndarray = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        self.codes: np.ndarray = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         self.noise: np.ndarray = (pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)
                                   if self.n else np.zeros(0, bool))
         self.seq: np.ndarray = ops.column("seq").to_numpy(zero_copy_only=False) if self.n else np.zeros(0, np.int64)
+        if warm_only and self.n:
+            self.noise = self.noise | first_run(ops)
 
     def mask(self, pred: Callable[[str], bool], work_only: bool = True) -> np.ndarray:
         """Rows whose op name satisfies ``pred`` (``work_only``: and that are not bookkeeping)."""
@@ -70,6 +82,21 @@ class OpView:
         return out
 
 
+def views(ops: pa.Table, rows: Optional[int] = None, warm_only: bool = False) -> Iterator[OpView]:
+    """One ``OpView`` per zero-copy slice of at most ``rows`` (``BATCH_ROWS``) rows of ``ops``, in order."""
+    step = max(int(rows or BATCH_ROWS), 1)
+    for off in range(0, ops.num_rows, step):
+        yield OpView(ops.slice(off, step), warm_only, off)
+
+
+def first_run(ops: Any) -> np.ndarray:
+    """Per row, whether it is a ``first_run`` row (False where the column is missing or null)."""
+    if "first_run" not in ops.column_names:
+        return np.zeros(ops.num_rows, dtype=bool)
+    out: np.ndarray = np.asarray(pc.fill_null(ops.column("first_run"), False).to_numpy(zero_copy_only=False), bool)
+    return out
+
+
 def string_mask(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
     """Rows of a (dictionary-encoded or plain) string column whose value satisfies ``pred``; null is False."""
     parts = []
@@ -77,7 +104,7 @@ def string_mask(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
         if not pa.types.is_dictionary(chunk.type):
             chunk = pc.dictionary_encode(chunk)
         want = np.array([v is not None and bool(pred(v)) for v in chunk.dictionary.to_pylist()] + [False], dtype=bool)
-        parts.append(want[pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)])
+        parts.append(want[pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False)])
     return np.concatenate(parts) if parts else np.zeros(0, bool)
 
 

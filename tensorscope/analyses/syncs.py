@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .opview import OpView, first_of, short_name, string_mask
+from .opview import BATCH_ROWS, OpView, first_of, short_name, string_mask, views
 
 SCALAR_READ = frozenset({"_local_scalar_dense", "equal", "is_nonzero", "item"})
 DATA_DEPENDENT = frozenset({"nonzero", "nonzero_numpy", "argwhere", "masked_select", "_unique", "_unique2",
@@ -61,11 +61,27 @@ def _kind(r: dict[str, Any], op: str) -> Optional[str]:
     return None
 
 
-def sync_table(ops: pa.Table, calls: pa.Table, window: int = 0, view: Optional[OpView] = None) -> pa.Table:
-    """The SYNCS rows of one trace (``window``: its index among the traces advised together)."""
+def sync_table(ops: pa.Table, calls: pa.Table, window: int = 0, rows: Optional[int] = None) -> pa.Table:
+    """The SYNCS rows of one trace (``window``: its index among the traces advised together), read a
+    record batch of ``rows`` (``opview.BATCH_ROWS``) at a time; only the sync rows are kept."""
     if ops.num_rows == 0:
         return S.SYNCS.empty_table()
-    view = view if view is not None else OpView(ops)
+    parts = [t for t in (_sync_rows(view) for view in views(ops, rows)) if t is not None]
+    if not parts:
+        return S.SYNCS.empty_table()
+    hit = pa.concat_tables(parts).combine_chunks()
+    return pa.table({
+        "window": pa.array(np.full(hit.num_rows, window, dtype=np.int64)),
+        "seq": hit.column("seq"), "op": hit.column("op"), "call_id": hit.column("call_id"),
+        "call": pa.array(call_names(calls, hit.column("call_id")), pa.string()), "kind": hit.column("kind"),
+        "device": hit.column("device"), "cpu_ns": hit.column("cpu_ns"), "cuda_ns": hit.column("cuda_ns"),
+        "module": hit.column("module").cast(pa.string()), "source_file": hit.column("source_file").cast(pa.string()),
+        "source_line": hit.column("source_line"),
+    }, schema=S.SYNCS)
+
+
+def _sync_rows(view: OpView) -> Optional[pa.Table]:
+    """The sync rows of one slice (its columns, with ``op``, ``kind`` and ``device`` as plain strings), or None."""
     by_name = view.mask(lambda o: short_name(o) in SCALAR_READ or short_name(o) in DATA_DEPENDENT
                         or (short_name(o) == "repeat_interleave" and o.endswith(".Tensor")), work_only=False)
     by_args = view.mask(lambda o: short_name(o) in MASK_INDEX or short_name(o) in COPY_OPS, work_only=False)
@@ -77,9 +93,9 @@ def sync_table(ops: pa.Table, calls: pa.Table, window: int = 0, view: Optional[O
             keep[i] = True
             kinds[i] = k
     if not keep.any():
-        return S.SYNCS.empty_table()
+        return None
     idx = np.flatnonzero(keep)
-    hit = ops.select(_COLS).take(pa.array(idx))
+    hit = view.ops.select(_COLS).take(pa.array(idx))
     names = [view.names[c] for c in view.codes[idx].tolist()]
     kind = [kinds.get(i) or ("scalar_read" if short_name(n) in SCALAR_READ else "data_dependent_shape")
             for i, n in zip(idx.tolist(), names)]
@@ -91,30 +107,42 @@ def sync_table(ops: pa.Table, calls: pa.Table, window: int = 0, view: Optional[O
             d[j] = ((v or []) + [None, None])[1]
         devs = pa.array(d, pa.string())
     return pa.table({
-        "window": pa.array(np.full(len(idx), window, dtype=np.int64)),
         "seq": hit.column("seq"), "op": pa.array(names, pa.string()), "call_id": hit.column("call_id"),
-        "call": pa.array(call_names(calls, hit.column("call_id")), pa.string()), "kind": pa.array(kind, pa.string()),
-        "device": devs, "cpu_ns": hit.column("cpu_ns"), "cuda_ns": hit.column("cuda_ns"),
-        "module": hit.column("module").cast(pa.string()), "source_file": hit.column("source_file").cast(pa.string()),
-        "source_line": hit.column("source_line"),
-    }, schema=S.SYNCS)
+        "kind": pa.array(kind, pa.string()), "device": devs, "cpu_ns": hit.column("cpu_ns"),
+        "cuda_ns": hit.column("cuda_ns"), "module": hit.column("module").cast(pa.string()),
+        "source_file": hit.column("source_file").cast(pa.string()), "source_line": hit.column("source_line"),
+    })
 
 
-def call_names(calls: pa.Table, call_ids: Any) -> list[Optional[str]]:
-    """The qualname (``Tensor.item``) of each call id (None where unknown)."""
-    if calls.num_rows == 0 or not len(call_ids):
-        return [None] * len(call_ids)
-    idx = pc.index_in(call_ids, value_set=calls.column("call_id"))
-    out: list[Optional[str]] = S.plain_strings(pa.table({"q": calls.column("qualname").take(idx)})).column("q").to_pylist()
-    return out
+def call_names(calls: pa.Table, call_ids: Any, rows: Optional[int] = None) -> list[Optional[str]]:
+    """The qualname (``Tensor.item``) of each call id (None where unknown; the first call of an id that repeats),
+    the calls read a record batch at a time against the few ids wanted (no hash of every call)."""
+    ids = pa.array(call_ids) if not isinstance(call_ids, (pa.Array, pa.ChunkedArray)) else call_ids
+    if calls.num_rows == 0 or not len(ids):
+        return [None] * len(ids)
+    want = pc.unique(pc.drop_null(ids))
+    found: dict[int, Optional[str]] = {}
+    step = max(int(rows or BATCH_ROWS), 1)
+    for off in range(0, calls.num_rows, step):
+        b = calls.select(["call_id", "qualname"]).slice(off, step)
+        m = pc.is_in(b.column("call_id"), value_set=want)
+        if pc.any(m).as_py():
+            hit = S.plain_strings(b.filter(m))
+            for k, v in zip(hit.column("call_id").to_pylist(), hit.column("qualname").to_pylist()):
+                found.setdefault(k, v)
+    return [found.get(c) if c is not None else None for c in ids.to_pylist()]
 
 
-def infer_steps(calls: pa.Table) -> Optional[int]:
-    """Training steps in a trace: its outermost ``backward`` calls (None when it ran none)."""
-    if calls.num_rows == 0:
-        return None
-    back = string_mask(calls.column("name"), lambda v: v == "backward")
-    n = int((back & (pc.fill_null(calls.column("depth"), -1).to_numpy(zero_copy_only=False) == 0)).sum())
+def infer_steps(calls: pa.Table, rows: Optional[int] = None) -> Optional[int]:
+    """Training steps in a trace: its outermost ``backward`` calls (None when it ran none), a record batch
+    at a time."""
+    n = 0
+    step = max(int(rows or BATCH_ROWS), 1)
+    for off in range(0, calls.num_rows, step):
+        b = calls.slice(off, step)
+        back = string_mask(b.column("name"), lambda v: v == "backward")
+        if back.any():
+            n += int((back & (pc.fill_null(b.column("depth"), -1).to_numpy(zero_copy_only=False) == 0)).sum())
     return n or None
 
 

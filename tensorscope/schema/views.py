@@ -138,7 +138,9 @@ ADVICE = _schema("advice", [
     ("subject", _str),              # what the finding is about (an op, a call, a module)
     ("seen", _str),                 # what the rows show, in words
     ("evidence", _str),             # which rows: "ops seq 3, 9, 15 … (30 rows)"
-    ("rows", _i64s),                # their ops.seq (or calls.call_id for kind sync on a call)
+    ("row_starts", _i64s),          # the rows it names, in order, as runs of consecutive ops.seq: run k is
+    ("row_counts", _i64s),          # seq row_starts[k] .. row_starts[k] + row_counts[k] - 1 (exact, and a few
+                                    # numbers for a finding naming nearly every row; finding_rows() expands them)
     ("n_rows", _i64),
     ("per_step", _f64),             # rows per step (null: steps unknown)
     ("cost_ns", _i64),              # time the rows cost (measured); null when not measurable

@@ -12,6 +12,7 @@ import torch
 
 import tensorscope
 from tensorscope import schema as S
+from tensorscope.analyses.findings import finding_rows
 from tensorscope.errors import GuardError, OptionsError
 from tests.helpers.synthetic import make_trace, table
 
@@ -47,7 +48,7 @@ def _check_no_noise_subjects(t, adv) -> None:
             continue
         if f["kind"] in ("outside_ops", "gpu_idle"):
             continue   # rows are the ops next to the gaps, not the subject
-        assert not any(noise[s] for s in f["rows"]), f
+        assert not any(noise[s] for s in finding_rows(f).tolist()), f
 
 
 # -- syncs ---------------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def test_item_per_step_is_found_at_its_line_with_the_right_count(engine):
     assert os.path.basename(__file__) in f["seen"] and f"{line}" in f["seen"]
     assert "read it once after the loop" in f["fix"]
     ops = {r["seq"]: r["op"] for r in t.ops.select(["seq", "op"]).to_pylist()}
-    assert {ops[s] for s in f["rows"]} == {"aten._local_scalar_dense.default"}
+    assert {ops[s] for s in finding_rows(f).tolist()} == {"aten._local_scalar_dense.default"}
     assert f["cost_ns"] == sum(sy.column("cpu_ns").to_pylist())
     _check_no_noise_subjects(t, adv)
 
@@ -165,10 +166,10 @@ def test_nchw_conv_net_fed_channels_last_finds_the_copies_and_recommends_channel
     (f,) = [f for f in adv.findings.to_pylist() if f["subject"] == "mixed memory formats around convolutions"]
     assert "model.to(memory_format=torch.channels_last)" in f["fix"]
     rows = {r["seq"]: r for r in t.ops.select(["seq", "op", "in_formats", "out_formats", "cpu_ns"]).to_pylist()}
-    ops = [rows[s]["op"] for s in f["rows"]]
+    ops = [rows[s]["op"] for s in finding_rows(f).tolist()]
     # the two forward convolutions (channels_last input, contiguous weight) and the weight-gradient copies
     assert ops.count("aten.convolution.default") == 2
-    copies = [rows[s] for s in f["rows"] if rows[s]["op"] == "aten.copy_.default"]
+    copies = [rows[s] for s in finding_rows(f).tolist() if rows[s]["op"] == "aten.copy_.default"]
     assert len(copies) == 2 and all(c["in_formats"][1] == "channels_last" and c["out_formats"] == ["contiguous"]
                                     for c in copies)
     assert f["cost_ns"] == sum(c["cpu_ns"] for c in copies)
@@ -430,7 +431,7 @@ def test_gpu_idle_time_is_split_into_host_wait_and_launch_gaps():
     t = make_trace({"wall_ns": 400}, ops=ops, kernels=kernels)
     adv = tensorscope.advise(t, peaks={})
     (f,) = [f for f in adv.findings.to_pylist() if f["kind"] == "gpu_idle"]
-    assert f["cost_ns"] == 110 and "50 ns waiting for the host" in f["seen"] and f["rows"] == [1, 2]
+    assert f["cost_ns"] == 110 and "50 ns waiting for the host" in f["seen"] and finding_rows(f).tolist() == [1, 2]
     assert "launch-bound" in f["fix"]
 
 

@@ -175,18 +175,20 @@ def test_cuda_peaks_are_measured_at_several_sizes_and_bounded_by_the_spec_sheet(
 
 
 def test_an_amp_finding_on_a_row_the_overhead_finding_names_is_dropped():
-    """The (window, row) pairs compared as int64 keys: a shared pair drops the amp finding, the same row
-    of another window or another kind of finding does not."""
+    """The (window, row) runs compared run against run: a shared pair drops the amp finding, the same row
+    of another window or another kind of finding does not; a row inside a long run of the overhead finding
+    counts, a row just past its end does not."""
     import numpy as np
 
     from tensorscope.analyses.advisor import _drop_amp_on
+    from tensorscope.analyses.findings import Runs
 
     def f(kind, w, r):
-        return {"kind": kind, "rows_w": np.array(w, np.int64), "rows": np.array(r, np.int64)}
+        return {"kind": kind, "runs": Runs.of((np.array(w, np.int64), np.array(r, np.int64)))}
 
-    over = f("overhead", [0, 0, 1], [5, 2**40, 7])
+    over = f("overhead", [0, 0, 1] + [2] * 1000, [5, 2**40, 7] + list(range(100, 1100)))
     found = [f("amp", [1], [5]), f("amp", [0, 1], [9, 7]), f("compute_bound", [0], [5]), f("amp", [0], [2**40]),
-             f("amp", [], [])]
+             f("amp", [], []), f("amp", [2, 2], [99, 1100]), f("amp", [2], [600])]
     kept = _drop_amp_on(over, found)
-    assert kept == [found[0], found[2], found[4]]
+    assert kept == [found[0], found[2], found[4], found[5]]
     assert _drop_amp_on(over, found[2:3]) == found[2:3]
