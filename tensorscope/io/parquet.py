@@ -71,9 +71,8 @@ def save(trace: TraceTables, path: PathLike, *, row_group_rows: int = ROW_GROUP_
         md = trace.metadata.replace(format=FORMAT, schema_version=S.SCHEMA_VERSION, saved_to=None,
                                     tables={name: t.num_rows for name, t in tables.items()})
         md_json = md.to_json().encode()
-        for name, table in tables.items():
-            _write(table, os.path.join(tmp, f"{name}.parquet"), kv_metadata(table.schema.metadata, md, md_json),
-                   row_group_rows)
+        _write_all([(table, os.path.join(tmp, f"{name}.parquet"), kv_metadata(table.schema.metadata, md, md_json))
+                    for name, table in tables.items()], row_group_rows)
         with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
             f.write(md.to_json(indent=1))
         if os.path.isdir(path):
@@ -86,6 +85,27 @@ def save(trace: TraceTables, path: PathLike, *, row_group_rows: int = ROW_GROUP_
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _write_all(jobs: list[tuple[pa.Table, str, dict[bytes, bytes]]], row_group_rows: int) -> None:
+    """Write each (table, file, key-value metadata), the big tables on threads of their own (the parquet
+    writer encodes and compresses without the GIL, one column after another: a small-op trace's
+    ops, calls and tensors files are written side by side); the first error is raised once all ended."""
+    big = sorted((j for j in jobs if j[0].num_rows > row_group_rows), key=lambda j: -j[0].num_rows)
+    workers = min(len(big), os.cpu_count() or 1, 4)
+    if workers < 2:
+        for table, file, kv in jobs:
+            _write(table, file, kv, row_group_rows)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tensorscope-save") as pool:
+        futures = [pool.submit(_write, table, file, kv, row_group_rows) for table, file, kv in big]
+        for table, file, kv in jobs:
+            if table.num_rows <= row_group_rows:
+                _write(table, file, kv, row_group_rows)
+        for f in futures:
+            f.result()
 
 
 def _write(table: pa.Table, file: str, kv: dict[bytes, bytes], row_group_rows: int) -> None:
