@@ -139,6 +139,8 @@ def _op_totals_codes(ops: pa.Table, key: str, include_noise: bool) -> pa.Table:
         cuda_valid = np.asarray(pc.is_valid(b.column("cuda_ns")).to_numpy(zero_copy_only=False), bool)
         has_cuda |= np.bincount(codes[cuda_valid], minlength=n) > 0
         for name in _SUMMED:
+            if b.column(name).null_count == b.num_rows:
+                continue   # a column no op of the batch has (CUDA time on CPU, FLOPs of small ops): adds 0
             v = pc.fill_null(b.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
             add_exact(sums[name], codes, v)
             if name == "cpu_ns":   # the max per code: sorted by code, then one reduceat (np.maximum.at is ~50x slower)

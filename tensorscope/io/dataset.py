@@ -29,6 +29,7 @@ import re
 import uuid
 from typing import Any, Optional, Union
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -104,7 +105,7 @@ def to_dataset_table(name: str, table: pa.Table, attempt: int, trace_id: int) ->
     """``table`` in the canonical dataset schema of ``name`` (cast, keys appended)."""
     t = S.conform(name, table)
     n = t.num_rows
-    cols = list(t.columns) + [pa.array([attempt] * n, pa.int64()), pa.array([trace_id] * n, pa.int64())]
+    cols = list(t.columns) + [pa.array(np.full(n, attempt, np.int64)), pa.array(np.full(n, trace_id, np.int64))]
     return pa.Table.from_arrays(cols, schema=S.dataset_schema(name))
 
 

@@ -82,3 +82,23 @@ def test_cell_totals_batched_equal_row_by_row(monkeypatch, batch_rows):
     assert T.column_sum(table.column("bytes_written")) is None
     assert T.count_equal(table.column("module"), "<Net>.0") == 4
     assert [b.num_rows for b in T.row_batches(table, ["cpu_ns"])] == ([2, 2, 2, 1, 2] if batch_rows else [4, 3, 2])
+
+
+def test_op_totals_skips_a_batch_whose_column_is_all_null_and_still_sums_the_others():
+    ops = pa.array(["aten.add.Tensor", "aten.mul.Tensor"]).dictionary_encode().dictionary
+
+    def batch(idx, cpu, cuda, flops):
+        n = len(idx)
+        return pa.record_batch({"op": pa.DictionaryArray.from_arrays(pa.array(idx, pa.int32()), ops),
+                                "cpu_ns": pa.array(cpu, pa.int64()), "cuda_ns": pa.array(cuda, pa.int64()),
+                                "flops": pa.array(flops, pa.int64()), "bytes_read": pa.array([None] * n, pa.int64()),
+                                "bytes_written": pa.array([1] * n, pa.int64()), "is_noise": pa.array([False] * n)})
+
+    table = pa.Table.from_batches([batch([0, 1], [None, None], [None, None], [None, None]),
+                                   batch([1, 0, 0], [4, 5, 6], [7, None, 2], [None, 9, None])])
+    got = T.op_totals(table).to_pylist()
+    as_text = table.set_column(0, "op", table.column("op").cast(pa.string()))
+    assert got == T.op_totals(as_text).to_pylist()
+    r = {x["op"]: x for x in got}
+    assert r["aten.add.Tensor"]["cuda_ns"] == 2 and r["aten.add.Tensor"]["flops"] == 9
+    assert r["aten.mul.Tensor"]["max_cpu_ns"] == 4 and r["aten.add.Tensor"]["calls"] == 3
