@@ -334,6 +334,9 @@ def _mixed_dtype_rows(ops: pa.Table) -> np.ndarray:
     base = 0
     for batch in ops.select(["in_dtypes", "out_dtypes"]).to_batches():
         n = batch.num_rows
+        if _one_dtype(batch):   # every input and output of the batch has one dtype: no row is mixed
+            base += n
+            continue
         lo = np.full(n, np.iinfo(np.int64).max)
         hi = np.full(n, -1)
         for col in batch.columns:
@@ -352,3 +355,19 @@ def _mixed_dtype_rows(ops: pa.Table) -> np.ndarray:
         found.append(np.flatnonzero((hi >= 0) & (lo != hi)) + base)
         base += n
     return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
+
+def _one_dtype(batch: pa.RecordBatch) -> bool:
+    """Whether a batch's dictionary-encoded dtype lists name one dtype only, none null (a homogeneous
+    stretch of a trace: decided from the dictionaries, without reading the rows)."""
+    seen: set[Any] = set()
+    for col in batch.columns:
+        if not (pa.types.is_list(col.type) and pa.types.is_dictionary(col.type.value_type)):
+            return False
+        values = col.values   # the lists' elements (a sliced batch's too: a superset of its rows')
+        if values.null_count:
+            return False
+        seen.update(values.dictionary.to_pylist())
+        if len(seen) > 1:
+            return False
+    return True

@@ -61,3 +61,22 @@ def test_calls_of_names_an_id_by_its_first_call(monkeypatch):
                       "autocast": [None, "", None, "cpu:bfloat16", None, None]})
     names, autocast = _calls_of(calls, {2, 5, 7})
     assert names == {2: "b", 5: "e"} and autocast == {2: "cpu:bfloat16"}
+
+
+def test_mixed_dtype_rows_skip_single_dtype_batches_and_find_the_rest():
+    from tensorscope.analyses.casts import _mixed_dtype_rows, _one_dtype
+
+    lt = pa.list_(pa.dictionary(pa.int32(), pa.string()))
+
+    def batch(ins, outs):
+        return pa.record_batch({"in_dtypes": pa.array(ins).cast(lt), "out_dtypes": pa.array(outs).cast(lt)})
+
+    batches = [batch([["float32", "float32"], [], None], [["float32"], ["float32"], []]),         # one dtype
+               batch([["float32", "float64"], ["float32"]], [["float64"], ["float32"]]),         # row 3 mixed
+               batch([["float32", None], ["float32"]], [["float32"], ["float32"]]),               # a null dtype
+               batch([["int64"], ["int64"]], [["int64"], ["float32"]])]                           # row 8 mixed
+    assert [_one_dtype(b) for b in batches] == [True, False, False, False]
+    table = pa.Table.from_batches(batches)
+    rows = [r for b in batches for r in b.to_pylist()]
+    want = [i for i, r in enumerate(rows) if len({*(r["in_dtypes"] or []), *(r["out_dtypes"] or [])}) > 1]
+    assert _mixed_dtype_rows(table).tolist() == want == [3, 5, 8]
