@@ -18,7 +18,8 @@ non-core overload or any 1:1 mapping (``Tensor.add_ → aten.add_.Tensor``,
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +28,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import NOISE_OPS
 from .opview import add_exact, codes_of
+from .totals import row_batches
 
 
 def _core_rows(tags: Any) -> np.ndarray:
@@ -77,44 +79,49 @@ def _api_codes(calls: pa.Table) -> tuple[np.ndarray, list[str]]:
 
 def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     """One row per (torch-level API, ATen op it dispatched); built column-wise (a trace of small ops
-    has one call per op: no per-call or per-op Python work)."""
-    if calls.num_rows and "compiled" in calls.column_names:
-        # calls made by torch.compile'd code (Inductor's extern kernels) are the compiler's, not the user's API use
-        compiled = pc.fill_null(calls.column("compiled"), False)
-        if pc.any(compiled).as_py():   # (a filter copies every column: only when there is something to drop)
-            calls = calls.filter(pc.invert(compiled))
+    has one call per op: no per-call or per-op Python work), both tables a record batch at a time.
+
+    What it keeps per call is one slot of ``_Slots`` (2 bytes for up to 8191 APIs): a call id's API and
+    two flags, so a 10 M-call trace costs ~20 MB whatever its batches; the rest is per API or per
+    (API, op). Calls made by torch.compile'd code are skipped row by row (no filtered copy)."""
     if calls.num_rows == 0:
         return S.empty("api")
-    n_calls_total = calls.num_rows
-    api_codes, api_names = _api_codes(calls)
-    n_api = len(api_names)
-    first_call = np.full(n_api, n_calls_total, dtype=np.int64)
-    np.minimum.at(first_call, api_codes, np.arange(n_calls_total, dtype=np.int64))
-    # the name of each API's first call
-    api_name_of = S.plain_strings(calls.select(["name"]).take(pa.array(first_call))).column("name").to_pylist()
-    n_ops_col = (np.asarray(pc.fill_null(calls.column("n_ops"), -1).to_numpy(), dtype=np.int64)
-                 if "n_ops" in calls.column_names else None)
-    call_ids = np.asarray(pc.fill_null(calls.column("call_id"), -1).to_numpy(), dtype=np.int64)
-    order = np.argsort(call_ids, kind="stable")
-    sorted_ids = call_ids[order]
-    # per call: the ops attributed to it directly (ops.call_id)
-    direct = np.zeros(n_calls_total, np.int64)
+    slots = _Slots(calls)
+    where: dict[str, int] = {}                  # API -> its index
+    api_calls = np.zeros(0, np.int64)
+    api_name_of: list[Any] = []                 # the name of each API's first call
+    for b, keep in _call_batches(calls):
+        codes = _batch_apis(b, keep, where, api_name_of)
+        if len(api_calls) < len(where):
+            api_calls = np.concatenate([api_calls, np.zeros(len(where) - len(api_calls), np.int64)])
+        api_calls += np.bincount(codes[keep], minlength=len(api_calls))
+        slots.claim(b.column("call_id"), codes, keep, len(where))
+    n_api = len(where)
+    if n_api == 0 or not api_calls.any():
+        return S.empty("api")
+    api_names = list(where)
     # per (API, op): [ops with a CPU time, their CPU time, any core, hidden copies]; a record batch at a time
     groups: dict[tuple[int, Any], list[int]] = {}
     if ops.num_rows:
-        for b in ops.select(["call_id", "op", "cpu_ns", "tags", "hidden_copy"]).to_batches():
-            _api_batch(b, sorted_ids, order, api_codes, direct, groups)
-    total = np.where(n_ops_col >= 0, n_ops_col, direct) if n_ops_col is not None else direct
-    no_op_call = (total == 0) & (direct == 0)
-    api_calls = np.bincount(api_codes, minlength=n_api)
-    api_no_op = np.bincount(api_codes, weights=no_op_call.astype(np.float64), minlength=n_api).astype(np.int64)
+        for b in row_batches(ops, ["call_id", "op", "cpu_ns", "tags", "hidden_copy"]):
+            _api_batch(b, slots, groups)
+    # per API: its calls that dispatched nothing (no op of their own, no op counted by the recorder)
+    api_no_op = np.zeros(n_api, np.int64)
+    for b, keep in _call_batches(calls):
+        codes = _batch_apis(b, keep, where, api_name_of)
+        direct = slots.owned_with_ops(b.column("call_id"), keep)
+        n_ops = (np.asarray(pc.fill_null(b.column("n_ops"), -1).to_numpy(zero_copy_only=False), np.int64)
+                 if "n_ops" in b.schema.names else np.full(b.num_rows, -1, np.int64))
+        # total = n_ops where recorded, else the ops attributed directly: nothing dispatched when both are 0
+        no_op = keep & (n_ops <= 0) & ~direct
+        api_no_op += np.bincount(codes[no_op], minlength=n_api)
     rows: list[dict[str, Any]] = []
     seen_api = np.zeros(n_api, dtype=bool)
-    for (c, op), (n_ops, cpu, core, hidden) in groups.items():   # one row per (API, op): few
+    for (c, op), (n_ops_c, cpu, core, hidden) in groups.items():   # one row per (API, op): few
         seen_api[c] = True
         n = int(api_calls[c])
         rows.append(dict(qualname=api_names[c], name=api_name_of[c], n_calls=n, no_op_calls=int(api_no_op[c]),
-                         op=op, n_ops=n_ops, ops_per_call=n_ops / max(n, 1), cpu_ns=cpu if n_ops else None,
+                         op=op, n_ops=n_ops_c, ops_per_call=n_ops_c / max(n, 1), cpu_ns=cpu if n_ops_c else None,
                          core=bool(core), hidden_copies=hidden))
     for c in np.nonzero(~seen_api)[0].tolist():
         rows.append(dict(qualname=api_names[c], name=api_name_of[c], n_calls=int(api_calls[c]),
@@ -124,19 +131,127 @@ def api_table(ops: pa.Table, calls: pa.Table) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=S.API) if rows else S.empty("api")
 
 
-def _api_batch(b: pa.RecordBatch, sorted_ids: np.ndarray, order: np.ndarray, api_codes: np.ndarray,
-               direct: np.ndarray, groups: dict[tuple[int, Any], list[int]]) -> None:
-    """One record batch of ops into ``direct`` (ops per call) and ``groups`` (per (API, op name))."""
-    oc = np.asarray(pc.fill_null(b.column("call_id"), -1).to_numpy(zero_copy_only=False), dtype=np.int64)
-    k = np.minimum(np.searchsorted(sorted_ids, oc), max(len(sorted_ids) - 1, 0))
-    ok = (oc >= 0) & (sorted_ids[k] == oc)
+def _call_batches(calls: pa.Table) -> Iterator[tuple[pa.RecordBatch, np.ndarray]]:
+    """(batch, per row: not made by torch.compile'd code) of the columns ``api_table`` reads of ``calls``."""
+    names = [c for c in ("call_id", "qualname", "name", "n_ops", "compiled") if c in calls.column_names]
+    for b in row_batches(calls, names):
+        if "compiled" in names:
+            keep = ~np.asarray(pc.fill_null(b.column("compiled"), False).to_numpy(zero_copy_only=False), bool)
+        else:
+            keep = np.ones(b.num_rows, bool)
+        yield b, keep
+
+
+def _batch_apis(b: pa.RecordBatch, keep: np.ndarray, where: dict[str, int], first_name: list[Any]) -> np.ndarray:
+    """Per call of batch ``b``, the index of its API in ``where`` (-1 for an API only compiled calls of
+    the batch have); an API first seen here is added, with the name of its first kept call in
+    ``first_name``."""
+    local, names = _api_codes(b)
+    used = np.zeros(len(names) + 1, bool)
+    used[local[keep]] = True
+    glob = np.full(len(names) + 1, -1, np.int64)      # the last: a row of no API (never: every call has one)
+    for j in np.flatnonzero(used[:-1]).tolist():
+        g = where.get(names[j])
+        if g is None:                                  # first seen here: the name of its first kept call
+            g = where[names[j]] = len(where)
+            first_name.append(b.column("name")[int(np.flatnonzero((local == j) & keep)[0])].as_py())
+        glob[j] = g
+    out: np.ndarray = glob[local]
+    return out
+
+
+class _Slots:
+    """Per call id (``call_id - lo``, dense: a trace's ids run 0..n), the API of its first kept call and
+    two flags, in one int16 (int32 past 8191 APIs): ``DIRECT``, an op was attributed to it; ``SEEN``,
+    its first call was met again by the second pass. Ids past ``64 x calls + 1M`` of the range (a
+    table whose ids are not a trace's) are looked up through their sorted distinct values instead."""
+
+    def __init__(self, calls: pa.Table) -> None:
+        ids = calls.column("call_id")
+        lo, hi = pc.min(ids).as_py(), pc.max(ids).as_py()
+        self.lo = 0 if lo is None else max(0, int(lo))
+        span = 0 if hi is None or hi < 0 else int(hi) - self.lo + 1
+        self.sparse: Optional[np.ndarray] = None
+        if span > 64 * calls.num_rows + (1 << 20):
+            self.sparse = np.unique(np.asarray(pc.drop_null(ids).to_numpy(), np.int64))
+            self.sparse = self.sparse[self.sparse >= 0]
+            self.lo, span = 0, len(self.sparse)
+        self._bits(np.int16)
+        self.v = np.zeros(span, self.dtype)
+
+    def _bits(self, dtype: Any) -> None:
+        self.dtype = dtype
+        width = np.iinfo(dtype).bits
+        self.DIRECT, self.SEEN = 1 << (width - 3), 1 << (width - 2)
+        self.MASK = self.DIRECT - 1
+
+    def slot(self, col: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(per row: the id's slot, whether it has one) of a batch's ``call_id`` column."""
+        ids = np.asarray(pc.fill_null(col, -1).to_numpy(zero_copy_only=False), np.int64)
+        if self.sparse is not None:
+            k = np.minimum(np.searchsorted(self.sparse, ids), max(len(self.sparse) - 1, 0))
+            ok = (ids >= 0) & (self.sparse[k] == ids) if len(self.sparse) else np.zeros(len(ids), bool)
+            return k, ok
+        s = ids - self.lo
+        ok = (ids >= 0) & (s >= 0) & (s < len(self.v))
+        return np.where(ok, s, 0), ok
+
+    def claim(self, col: Any, apis: np.ndarray, keep: np.ndarray, n_api: int) -> None:
+        """Give each kept call's id its API, unless an earlier call has it."""
+        if n_api > self.MASK - 1 and self.dtype is np.int16:   # more APIs than an int16 slot holds
+            self.v = self.v.astype(np.int32)
+            self._bits(np.int32)
+        s, ok = self.slot(col)
+        ok &= keep
+        s, a = s[ok], apis[ok]
+        first = _first_of_each(s)
+        s, a = s[first], a[first]
+        free = self.v[s] == 0
+        self.v[s[free]] = (a[free] + 1).astype(self.dtype)
+
+    def api_of(self, col: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(per row: the API of the call its id names, whether there is one); marks those calls ``DIRECT``."""
+        s, ok = self.slot(col)
+        v = self.v[s[ok]] & self.MASK
+        has = np.zeros(len(ok), bool)
+        has[np.flatnonzero(ok)[v > 0]] = True
+        s = s[has]
+        self.v[s] |= self.DIRECT
+        return (self.v[s] & self.MASK).astype(np.int64) - 1, has
+
+    def owned_with_ops(self, col: Any, keep: np.ndarray) -> np.ndarray:
+        """Per kept row: whether it is the first kept call of its id (the one its ops were attributed
+        to) and an op was; each id's first call met is marked ``SEEN``."""
+        s, ok = self.slot(col)
+        ok &= keep
+        rows = np.flatnonzero(ok)
+        first = _first_of_each(s[rows])
+        rows = rows[first]
+        v = self.v[s[rows]]
+        owner = (v & self.SEEN) == 0
+        rows = rows[owner]
+        self.v[s[rows]] |= self.SEEN
+        out = np.zeros(len(ok), bool)
+        out[rows] = (self.v[s[rows]] & self.DIRECT) != 0
+        return out
+
+
+def _first_of_each(ids: np.ndarray) -> np.ndarray:
+    """Indices of the first occurrence of each value of ``ids`` (all of them when the ids increase, as
+    a trace's calls do: no sort then)."""
+    if len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])):
+        return np.arange(len(ids))
+    return np.sort(np.unique(ids, return_index=True)[1])
+
+
+def _api_batch(b: pa.RecordBatch, slots: _Slots, groups: dict[tuple[int, Any], list[int]]) -> None:
+    """One record batch of ops into ``groups`` (per (API, op name)); their calls marked ``DIRECT``."""
+    api, ok = slots.api_of(b.column("call_id"))
     if not ok.any():
         return
-    idx = order[k[ok]]
-    direct += np.bincount(idx, minlength=len(direct))
     codes, names = codes_of(b.column("op"))
     width = len(names) + 1
-    key = api_codes[idx] * width + (codes[ok] + 1)          # (API, op code); null op -> 0
+    key = api * width + (codes[ok] + 1)          # (API, op code); null op -> 0
     uniq, inv = np.unique(key, return_inverse=True)
     cpu_col = b.column("cpu_ns")
     has_cpu = np.asarray(pc.is_valid(cpu_col).to_numpy(zero_copy_only=False), dtype=bool)[ok]

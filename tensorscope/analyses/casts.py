@@ -18,8 +18,9 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import COMPLEX_BITS, COPY_INTO_OPS, FLOAT_BITS, INT_BITS, NoGC, itemsize
-from .layout import CallNames, call_names, drop_noise, numel, short_name, take_rows
+from .layout import drop_noise, numel, short_name, take_rows
 from .opview import codes_of
+from .totals import row_batches
 
 #: ops that materialise a conversion of their (first) input
 CAST_OPS = frozenset({"_to_copy", "to", "type_as", "_autocast_to_reduced_precision", "_autocast_to_full_precision",
@@ -181,22 +182,41 @@ def _analyse(ops: pa.Table, calls: pa.Table) -> tuple[pa.Table, int]:
 def _analyse_uncached(ops: pa.Table, calls: pa.Table) -> tuple[pa.Table, int]:
     if ops is None or ops.num_rows == 0:
         return S.empty("casts"), 0
-    names = call_names(calls)
-    autocast = {}
-    if calls is not None and calls.num_rows:
-        on = calls.filter(pc.invert(pc.or_kleene(pc.is_null(calls.column("autocast")),
-                                                 pc.equal(calls.column("autocast"), ""))))
-        # only the calls that ran under autocast (usually none: no per-call Python work)
-        for cid, ac in zip(on.column("call_id").to_pylist(), on.column("autocast").to_pylist()):
-            autocast[cid] = ac
-
     # candidates: rows with more than one distinct dtype among inputs and outputs
     idx = drop_noise(ops, _mixed_dtype_rows(ops))
     with NoGC():
-        return _cast_rows(take_rows(ops, idx, _COLS), names, autocast)
+        rows = take_rows(ops, idx, _COLS)
+        wanted = {r["call_id"] for r in rows if r.get("call_id") is not None and r["call_id"] >= 0}
+        names, autocast = _calls_of(calls, wanted)
+        return _cast_rows(rows, names, autocast)
 
 
-def _cast_rows(rows: list[dict[str, Any]], names: CallNames,
+def _calls_of(calls: Optional[pa.Table], wanted: set[int]) -> tuple[dict[int, Optional[str]], dict[int, Any]]:
+    """(call id -> name, call id -> autocast state) of the calls ``wanted`` (the candidate rows' calls:
+    few), read a record batch at a time; an id's first call in table order names it. Autocast states of
+    every call that ran under autocast (usually none)."""
+    names: dict[int, Optional[str]] = {}
+    autocast: dict[int, Any] = {}
+    if calls is None or calls.num_rows == 0:
+        return names, autocast
+    want = np.array(sorted(wanted), np.int64)
+    cols = ["call_id", "name"] + (["autocast"] if "autocast" in calls.column_names else [])
+    for b in row_batches(calls, cols):
+        if len(cols) == 3:
+            ac = b.column(2)
+            on = pc.invert(pc.or_kleene(pc.is_null(ac), pc.equal(ac, "")))
+            if pc.any(on).as_py():   # only the calls that ran under autocast: no per-call Python work
+                sel = b.filter(on)
+                for cid, state in zip(sel.column(0).to_pylist(), sel.column(2).to_pylist()):
+                    autocast[cid] = state
+        if len(want):
+            ids = np.asarray(pc.fill_null(b.column(0), -1).to_numpy(zero_copy_only=False), np.int64)
+            for i in np.flatnonzero(np.isin(ids, want)).tolist():
+                names.setdefault(int(ids[i]), b.column(1)[i].as_py())
+    return names, autocast
+
+
+def _cast_rows(rows: list[dict[str, Any]], names: dict[int, Optional[str]],
                autocast: Any) -> tuple[pa.Table, int]:
     out: dict[str, list[Any]] = {f.name: [] for f in S.CASTS}
     #: kind of each forward materialised cast by seq (backward casts inherit it)
@@ -314,6 +334,9 @@ def _mixed_dtype_rows(ops: pa.Table) -> np.ndarray:
     base = 0
     for batch in ops.select(["in_dtypes", "out_dtypes"]).to_batches():
         n = batch.num_rows
+        if _one_dtype(batch):   # every input and output of the batch has one dtype: no row is mixed
+            base += n
+            continue
         lo = np.full(n, np.iinfo(np.int64).max)
         hi = np.full(n, -1)
         for col in batch.columns:
@@ -332,3 +355,19 @@ def _mixed_dtype_rows(ops: pa.Table) -> np.ndarray:
         found.append(np.flatnonzero((hi >= 0) & (lo != hi)) + base)
         base += n
     return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
+
+def _one_dtype(batch: pa.RecordBatch) -> bool:
+    """Whether a batch's dictionary-encoded dtype lists name one dtype only, none null (a homogeneous
+    stretch of a trace: decided from the dictionaries, without reading the rows)."""
+    seen: set[Any] = set()
+    for col in batch.columns:
+        if not (pa.types.is_list(col.type) and pa.types.is_dictionary(col.type.value_type)):
+            return False
+        values = col.values   # the lists' elements (a sliced batch's too: a superset of its rows')
+        if values.null_count:
+            return False
+        seen.update(values.dictionary.to_pylist())
+        if len(seen) > 1:
+            return False
+    return True

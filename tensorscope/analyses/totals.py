@@ -16,7 +16,7 @@ the plots, ``t.report(path)`` and users (``t.op_totals(by=...)``) read the same 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -25,7 +25,11 @@ import pyarrow.compute as pc
 
 from .opview import add_exact
 
-__all__ = ["op_totals", "module_totals", "cell_totals", "OP_TOTALS", "MODULE_TOTALS"]
+__all__ = ["op_totals", "module_totals", "cell_totals", "OP_TOTALS", "MODULE_TOTALS", "row_batches", "count_true",
+           "count_equal", "column_sum"]
+
+#: the most rows a batched pass reads at once (a table of one big chunk is read in slices of this many)
+BATCH_ROWS = 1 << 18
 
 _i64, _f64, _str = pa.int64(), pa.float64(), pa.string()
 
@@ -135,6 +139,8 @@ def _op_totals_codes(ops: pa.Table, key: str, include_noise: bool) -> pa.Table:
         cuda_valid = np.asarray(pc.is_valid(b.column("cuda_ns")).to_numpy(zero_copy_only=False), bool)
         has_cuda |= np.bincount(codes[cuda_valid], minlength=n) > 0
         for name in _SUMMED:
+            if b.column(name).null_count == b.num_rows:
+                continue   # a column no op of the batch has (CUDA time on CPU, FLOPs of small ops): adds 0
             v = pc.fill_null(b.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
             add_exact(sums[name], codes, v)
             if name == "cpu_ns":   # the max per code: sorted by code, then one reduceat (np.maximum.at is ~50x slower)
@@ -164,17 +170,9 @@ def module_totals(ops: pa.Table) -> pa.Table:
     """Per module path, children rolled into parents, in display order (``MODULE_TOTALS``)."""
     if ops.num_rows == 0 or "module" not in ops.column_names:
         return MODULE_TOTALS.empty_table()
-    mod = _key_column(ops, "module")
-    bwd = pc.fill_null(pc.equal(_key_column(ops, "phase"), "backward"), False)
-    t = pa.table({"module": mod, "bwd": bwd, "cpu": pc.fill_null(ops.column("cpu_ns"), 0)})
-    t = t.filter(pc.invert(pc.is_null(mod)))
-    if t.num_rows == 0:
-        return MODULE_TOTALS.empty_table()
-    g = t.group_by(["module", "bwd"], use_threads=False).aggregate([("cpu", "sum"), ([], "count_all")]).to_pylist()
     total: dict[str, list[int]] = {}   # path -> [total, forward, backward, ops]
     own: dict[str, int] = {}
-    for r in g:
-        name, ns, n, back = r["module"], int(r["cpu_sum"] or 0), int(r["count_all"]), bool(r["bwd"])
+    for name, back, ns, n in _module_groups(ops):
         own[name] = own.get(name, 0) + ns
         parts = name.split(".")
         for i in range(len(parts)):
@@ -182,6 +180,8 @@ def module_totals(ops: pa.Table) -> pa.Table:
             tot[0] += ns
             tot[2 if back else 1] += ns
             tot[3] += n
+    if not total:
+        return MODULE_TOTALS.empty_table()
     roots = [k for k in total if k.startswith("<") and "." not in k]
     root = roots[0] if len(roots) == 1 else None   # the outermost module called: "<Net>"
     if root is not None:
@@ -214,19 +214,91 @@ def module_totals(ops: pa.Table) -> pa.Table:
         "share": pa.array([total[r[0]][0] / grand for r in rows], _f64)}, schema=MODULE_TOTALS)
 
 
+def _module_groups(ops: pa.Table) -> list[tuple[str, bool, int, int]]:
+    """(module, backward, CPU time, ops) per (module, backward) pair of the rows with a module, a record
+    batch at a time: each batch's module and phase codes mapped to ids once per distinct value, the
+    CPU times summed per (module id, backward) by ``add_exact`` (no decoded string column)."""
+    ids: dict[str, int] = {}
+    sums = np.zeros(0, np.int64)
+    counts = np.zeros(0, np.int64)
+    for b in row_batches(ops, ["module", "phase", "cpu_ns"]):
+        mcodes, mnames = _codes(b.column(0))
+        lut = np.array([ids.setdefault(str(v), len(ids)) for v in mnames] + [-1], np.int64)
+        mod = lut[mcodes]                     # code -1 (null) -> the -1 appended
+        pcodes, pnames = _codes(b.column(1))
+        back = np.array([v == "backward" for v in pnames] + [False], bool)[pcodes]
+        keep = mod >= 0
+        key = mod[keep] * 2 + back[keep]
+        if len(sums) < 2 * len(ids):
+            sums = np.concatenate([sums, np.zeros(2 * len(ids) - len(sums), np.int64)])
+            counts = np.concatenate([counts, np.zeros(2 * len(ids) - len(counts), np.int64)])
+        counts += np.bincount(key, minlength=len(counts))
+        cpu = pc.fill_null(b.column(2), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        add_exact(sums, key, cpu[keep])
+    names = list(ids)
+    return [(names[k // 2], bool(k % 2), int(sums[k]), int(counts[k])) for k in np.flatnonzero(counts).tolist()]
+
+
+def _codes(col: Any) -> tuple[np.ndarray, list[Any]]:
+    """(per-row code, -1 for null; the distinct values) of one batch's column of any type (a dictionary
+    column's own codes; other columns are dictionary-encoded, lists first read as their text)."""
+    if any(f(col.type) for f in _LIST_TYPES):
+        col = pa.array([_text(v) for v in col.to_pylist()], _str)
+    if not pa.types.is_dictionary(col.type):
+        col = pc.dictionary_encode(col)
+    codes = pc.fill_null(col.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    return codes, col.dictionary.to_pylist()
+
+
+def row_batches(table: pa.Table, names: Sequence[str], rows: Optional[int] = None) -> Iterator[pa.RecordBatch]:
+    """The columns ``names`` of ``table`` a record batch at a time, a batch longer than ``rows``
+    (``BATCH_ROWS``) in zero-copy slices: what a batched pass holds at once is one batch's
+    temporaries, whatever the table's size or chunking (a memory-mapped table's batches are file pages)."""
+    rows = rows or BATCH_ROWS
+    for b in table.select(list(names)).to_batches():
+        for lo in range(0, b.num_rows, rows):
+            yield b.slice(lo, rows)
+
+
+def count_true(col: Any) -> int:
+    """Rows where a boolean column is true (nulls are not), chunk by chunk."""
+    return sum(int(pc.sum(c).as_py() or 0) for c in _chunks(col))
+
+
+def count_equal(col: Any, value: Any) -> int:
+    """Rows of ``col`` equal to ``value``, chunk by chunk; a dictionary chunk compares its distinct
+    values once and counts its codes (no decoded column)."""
+    n = 0
+    for c in _chunks(col):
+        if pa.types.is_dictionary(c.type):
+            hit = [i for i, v in enumerate(c.dictionary.to_pylist()) if v == value]
+            if hit:
+                n += int(pc.sum(pc.is_in(c.indices, value_set=pa.array(hit, c.indices.type))).as_py() or 0)
+        else:
+            n += int(pc.sum(pc.equal(c, value)).as_py() or 0)
+    return n
+
+
+def column_sum(col: Any) -> Optional[int]:
+    """``pc.sum(col).as_py()`` chunk by chunk: None when every row is null (or there is none)."""
+    parts = [v for v in (pc.sum(c).as_py() for c in _chunks(col)) if v is not None]
+    return sum(parts) if parts else None
+
+
+def _chunks(col: Any) -> list[Any]:
+    return list(col.chunks) if isinstance(col, pa.ChunkedArray) else [col]
+
+
 def cell_totals(ops: pa.Table, wall_ns: Optional[int] = None) -> dict[str, Any]:
-    """The cell in numbers: ops (forward, backward, bookkeeping), CPU time in ops, the wall, bytes, FLOPs."""
+    """The cell in numbers: ops (forward, backward, bookkeeping), CPU time in ops, the wall, bytes, FLOPs
+    (column by column, chunk by chunk: nothing the size of a column is made)."""
     n = ops.num_rows
     if n == 0:
         return {"ops": 0, "forward": 0, "backward": 0, "noise": 0, "cpu_ns": 0, "wall_ns": wall_ns,
                 "bytes_read": 0, "bytes_written": 0, "flops": 0}
-
-    def count(mask: Any) -> int:
-        return int(np.count_nonzero(pc.fill_null(mask, False).to_numpy(zero_copy_only=False)))
-
-    bwd = count(pc.equal(_key_column(ops, "phase"), "backward"))
-    return {"ops": n, "forward": n - bwd, "backward": bwd, "noise": count(ops.column("is_noise")),
-            "cpu_ns": int(pc.sum(ops.column("cpu_ns")).as_py() or 0), "wall_ns": wall_ns,
-            "bytes_read": int(pc.sum(ops.column("bytes_read")).as_py() or 0),
-            "bytes_written": int(pc.sum(ops.column("bytes_written")).as_py() or 0),
-            "flops": int(pc.sum(ops.column("flops")).as_py() or 0)}
+    bwd = count_equal(ops.column("phase"), "backward")
+    return {"ops": n, "forward": n - bwd, "backward": bwd, "noise": count_true(ops.column("is_noise")),
+            "cpu_ns": int(column_sum(ops.column("cpu_ns")) or 0), "wall_ns": wall_ns,
+            "bytes_read": int(column_sum(ops.column("bytes_read")) or 0),
+            "bytes_written": int(column_sum(ops.column("bytes_written")) or 0),
+            "flops": int(column_sum(ops.column("flops")) or 0)}

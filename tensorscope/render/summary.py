@@ -31,27 +31,33 @@ def _location(file, line, cells=None) -> str:
 
 
 def overview(t) -> Section:
+    from ..analyses.totals import column_sum, count_equal, count_true, row_batches
+
     md = t.metadata
     ops = t.ops
     n = ops.num_rows
     rows = []
-    noise = pc.sum(pc.cast(ops.column("is_noise"), "int64")).as_py() or 0 if n else 0
-    bwd = pc.sum(pc.cast(pc.equal(ops.column("phase"), "backward"), "int64")).as_py() or 0 if n else 0
+    # column by column, chunk by chunk (a spilled trace's columns are memory-mapped): no column copied
+    noise = count_true(ops.column("is_noise")) if n else 0
+    bwd = count_equal(ops.column("phase"), "backward") if n else 0
     rows.append(("ATen ops", f"{n} ({n - bwd} forward, {bwd} backward; {noise} bookkeeping ops hidden below)"))
     rows.append(("torch-level calls", str(t.calls.num_rows)))
     if n:
-        cpu = pc.sum(ops.column("cpu_ns")).as_py() or 0
+        cpu = column_sum(ops.column("cpu_ns")) or 0
         rows.append(("CPU time in ops", f"{fmt_ns(cpu)} of {fmt_ns(md.get('wall_ns'))} wall"))
-        rows.append(("bytes read / written", f"{fmt_bytes(pc.sum(ops.column('bytes_read')).as_py())} / "
-                                             f"{fmt_bytes(pc.sum(ops.column('bytes_written')).as_py())}"))
-        fl = pc.sum(ops.column("flops")).as_py()
+        rows.append(("bytes read / written", f"{fmt_bytes(column_sum(ops.column('bytes_read')))} / "
+                                             f"{fmt_bytes(column_sum(ops.column('bytes_written')))}"))
+        fl = column_sum(ops.column("flops"))
         if fl:
             rows.append(("FLOPs (ops with a formula)", f"{fl:,}"))
     tensors = t.tensors
     if tensors.num_rows:
-        created = pc.invert(pc.is_null(tensors.column("alloc_seq")))
-        nb = pc.sum(pc.filter(tensors.column("nbytes"), created)).as_py() or 0
-        rows.append(("storages created", f"{pc.sum(pc.cast(created, 'int64')).as_py()} ({fmt_bytes(nb)})"))
+        made, nb = 0, 0
+        for b in row_batches(tensors, ["alloc_seq", "nbytes"]):
+            created = pc.is_valid(b.column(0))
+            made += int(pc.sum(created).as_py() or 0)
+            nb += int(pc.sum(pc.filter(b.column(1), created)).as_py() or 0)
+        rows.append(("storages created", f"{made} ({fmt_bytes(nb)})"))
     nat = md.get("native") or {}
     if nat:
         used = "native C++ hooks" if nat.get("used") else f"pure-Python fallback ({nat.get('reason') or nat.get('state')})"
