@@ -26,7 +26,6 @@ from .columns import (
     _PHASES,
     _CallColumns,
     _dict,
-    _int64,
     _Links,
     _list,
     _list_columns,
@@ -57,7 +56,7 @@ _SEEN_KEYS: set[int] = set()
 PROBE_COLUMNS: dict[str, tuple[str, ...]] = {
     "ops": ("graph_id",),               # the compiled regions probe
     "calls": ("compiled", "graph_id"),  # the compiled regions probe
-    "tensors": ("category", "address"),   # the storages probe
+    "tensors": ("category",),   # the storages probe
 }
 
 
@@ -501,11 +500,14 @@ def _qualname(f: Any) -> str:
 
 
 def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
-    """The tensors table (one row per storage); with ``files`` (the trace spilled) decoded
-    ``chunk_rows`` rows at a time into a memory-mapped file."""
+    """The tensors table (one row per storage, in storage-id order) from the storage records
+    (``rec.tensors``: parts sorted by id, the spilled ones memory-mapped); with ``files`` (the trace
+    spilled) decoded ``chunk_rows`` ids at a time into a memory-mapped file. ``address``: the data
+    pointer both engines keyed the storage by (a fake tensor's key is no address: null)."""
     rec = ctx.rec
     c = rec.tensors
-    n = len(c.meta)
+    c.seal()   # the python engine's live records
+    n = len(c)
     if n == 0:
         return empty_decoded("tensors")
     devs = ctx.tup["devices"]
@@ -514,8 +516,9 @@ def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
 
     def batch(lo: int, hi: int) -> pa.RecordBatch:
         m = hi - lo
-        meta, alloc, free, call, nbytes, module = (_int64(col, lo, hi) for col in (
-            c.meta, c.alloc_seq, c.free_seq, c.call, c.nbytes, c.module))
+        b = c.block(lo, hi)
+        meta, alloc, free, call, nbytes, module, ptr = (b[k] for k in (
+            "meta", "alloc_seq", "free_seq", "call", "nbytes", "module", "ptr"))
         src_idx = np.zeros(m, dtype=np.int64)
         ok = call >= 0
         if len(ctx.call_src):
@@ -533,6 +536,7 @@ def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
             module=ctx.modules.take(module),
             source_file=ctx.src_files.take(src_idx),
             source_line=ctx._lines(src_idx),
+            address=nullable_array(ptr, ptr <= 0),
         )
         return pa.RecordBatch.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
 
