@@ -48,15 +48,15 @@ class AnonSampler(threading.Thread):
 
     def __init__(self, every: float = 0.002) -> None:
         super().__init__(daemon=True)
-        self.every, self.peak, self._stop = every, 0, threading.Event()
+        self.every, self.peak, self._done = every, 0, threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             self.peak = max(self.peak, status()["RssAnon"])
             time.sleep(self.every)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._done.set()
         self.join()
         return max(self.peak, status()["RssAnon"])
 
@@ -71,6 +71,8 @@ def one(n_ops: int, spill_rows: int) -> dict:
     with tensorscope.trace():   # one-time imports and lazy initialisation
         a.add(a)
     opts = {"spill_rows": spill_rows}
+    if spill_rows < 65536:   # below the default chunk_rows: smaller chunks (as benchmarks/scale.py)
+        opts["chunk_rows"] = max(1, spill_rows // 2)
     gc.collect()
     s0 = status()
     t0 = time.perf_counter()
