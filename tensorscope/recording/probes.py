@@ -451,7 +451,9 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
     lt = Lifetimes(tensors, ops, calls)   # one pass over the ops for every step below
     rows, seqs = made_by_out_argument(tensors, ops, lt)
     if len(rows):   # buffers compiled code made for an op's out=: made there, not before the trace
-        alloc = lt.alloc   # categorize reads the moved alloc_seq from here
+        lt.move_alloc(rows, seqs)   # categorize reads the moved alloc_seq from here
+        # (compiled regions only: the whole column)
+        alloc = np.array(pc.fill_null(tensors.column("alloc_seq"), -1).to_numpy(), dtype=np.int64)
         alloc[rows] = seqs
         op_names = take_rows(ops.select(["op"]), np.maximum(alloc, 0)).column(0).combine_chunks()
         out[("tensors", "alloc_seq")] = nullable_array(alloc, alloc < 0)
@@ -467,7 +469,7 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
         from ..tracking.leaks.roots import user_objects
         from ..tracking.state import find_optimizers, state_storages
 
-        alive = np.nonzero(lt.free < 0)[0]   # the storages never freed (their records: the last parts)
+        alive = lt.rows_where("free_seq", lambda f: f < 0)   # the storages never freed
         live = dict(zip(ctx.rec.tensors.values("ptr", alive).tolist(), alive.tolist()))
         modules = ctx.modules.roots() if ctx.modules is not None else []
         objs = user_objects(ipython_shell())

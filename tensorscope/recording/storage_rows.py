@@ -175,7 +175,7 @@ class StorageRows:
             raise RuntimeError(f"storage records {lo}..{hi}: {found} of {m} found")
         return out
 
-    def values(self, name: str, ids: Sequence[int]) -> np.ndarray:
+    def values(self, name: str, ids: Union[Sequence[int], np.ndarray]) -> np.ndarray:
         """Field ``name`` of the records of storage ``ids`` (any order), as int64."""
         want = np.asarray(ids, dtype=np.int64)
         out = np.zeros(len(want), np.int64)
