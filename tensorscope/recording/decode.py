@@ -24,6 +24,7 @@ from ..errors import SpillError
 from ..schema import dense_array, nullable_array
 from .columns import (
     _PHASES,
+    OpIdsAt,
     _CallColumns,
     _dict,
     _Links,
@@ -500,19 +501,16 @@ def _qualname(f: Any) -> str:
 
 
 def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
-    """The tensors table (one row per storage, in storage-id order) from the storage records
-    (``rec.tensors``: parts sorted by id, the spilled ones memory-mapped); with ``files`` (the trace
-    spilled) decoded ``chunk_rows`` ids at a time into a memory-mapped file. ``address``: the data
-    pointer both engines keyed the storage by (a fake tensor's key is no address: null)."""
-    rec = ctx.rec
-    c = rec.tensors
+    """The tensors table (a row per storage, in id order) from the storage records (``rec.tensors``),
+    ``chunk_rows`` ids at a time (with ``files``: into a memory-mapped file); ``address``: the data
+    pointer the engines keyed a storage by (a fake tensor's key is no address: null)."""
+    rec, c = ctx.rec, ctx.rec.tensors
     c.seal()   # the python engine's live records
-    n = len(c)
-    if n == 0:
+    if (n := len(c)) == 0:
         return empty_decoded("tensors")
-    devs = ctx.tup["devices"]
-    dts = ctx.tup["dtypes"]
-    g_op = ctx.g["op"]
+    devs, dts = ctx.tup["devices"], ctx.tup["dtypes"]
+    op_at = OpIdsAt(rec)
+    n_ops = int(op_at.starts[-1])
 
     def batch(lo: int, hi: int) -> pa.RecordBatch:
         m = hi - lo
@@ -523,13 +521,13 @@ def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
         ok = call >= 0
         if len(ctx.call_src):
             src_idx[ok] = ctx.call_src[call[ok]]
-        alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
+        alloc_op_idx = op_at(np.clip(alloc, 0, max(n_ops - 1, 0))) if n_ops else np.zeros(m, np.int64)
         cols = dict(
             storage_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
             nbytes=dense_array(nbytes),
             device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
             alloc_seq=nullable_array(alloc, alloc < 0),
-            alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
+            alloc_op=ctx.ops["op"].take(alloc_op_idx, alloc < 0) if n_ops else
             pa.nulls(m, S.TENSORS.field("alloc_op").type),
             free_seq=nullable_array(free, free < 0),
             cell=ctx._cells(m),
@@ -550,13 +548,12 @@ def errors_table(ctx: Decoder) -> pa.Table:
     if not rows:
         return S.empty("errors")
     names = ctx.ops["names"]
-    g_op = ctx.g["op"]
     folded: list[dict[str, Any]] = []
     index: dict[tuple[Any, ...], int] = {}
     for r in rows:
         r = dict(r)
-        if r.get("op") is None and r.get("seq") is not None and 0 <= r["seq"] < len(g_op) and r["kind"] == "warning":
-            r["op"] = names[int(g_op[r["seq"]])]
+        if r.get("op") is None and r.get("seq") is not None and r["kind"] == "warning" and 0 <= r["seq"] < len(ctx.g["op"]):
+            r["op"] = names[int(ctx.g["op"][r["seq"]])]
         if r["kind"] == "warning":
             key = (r.get("seq"), r.get("message"), r.get("cpp_file"), r.get("cpp_line"))
             if key in index:

@@ -62,7 +62,7 @@ def _bound(col: _Col, v: int) -> int:
 class _Part:
     """Records sorted by storage id: packed columns in memory, or their ``.npy`` files."""
 
-    __slots__ = ("lo", "hi", "count", "cols", "paths", "bases")
+    __slots__ = ("lo", "hi", "count", "cols", "paths", "bases", "mapped")
 
     def __init__(self, rows: np.ndarray) -> None:
         rows = rows[np.argsort(rows[:, _SID], kind="stable")]
@@ -71,12 +71,15 @@ class _Part:
         self.cols: Optional[list[_Col]] = [_pack(np.ascontiguousarray(rows[:, k])) for k in range(_W)]
         self.paths: list[str] = []
         self.bases: list[int] = []
+        self.mapped: Optional[list[_Col]] = None   # the spilled files, opened once
 
     def columns(self) -> list[_Col]:
         """The packed columns (a spilled part's memory-mapped: file pages, read as touched)."""
         if self.cols is not None:
             return self.cols
-        return [(b, np.load(p, mmap_mode="r", allow_pickle=False)) for b, p in zip(self.bases, self.paths)]
+        if self.mapped is None:
+            self.mapped = [(b, np.load(p, mmap_mode="r", allow_pickle=False)) for b, p in zip(self.bases, self.paths)]
+        return self.mapped
 
     def write(self, directory: str, name: str) -> None:
         assert self.cols is not None
@@ -164,7 +167,12 @@ class StorageRows:
             if a == b:
                 continue
             base, sids = cols[_SID]
-            pos = sids[a:b].astype(np.int64) + (base - lo)
+            first = int(sids[a]) + base - lo
+            # ids a..b of a part are usually consecutive (storages freed in the order they were
+            # made): a slice; else the positions
+            pos: Union[slice, np.ndarray] = slice(first, first + b - a)
+            if int(sids[b - 1]) - int(sids[a]) != b - a - 1:
+                pos = sids[a:b].astype(np.int64) + (base - lo)
             for k, i in zip(names, idx):
                 cb, ca = cols[i]
                 out[k][pos] = ca[a:b]
