@@ -75,7 +75,7 @@ def one(n_ops: int, spill_rows: int) -> dict:
         opts["chunk_rows"] = max(1, spill_rows // 2)
     gc.collect()
     s0 = status()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     with tensorscope.trace(**opts) as tr:
         for _ in range(n_ops):
             a.add(b)
@@ -92,7 +92,7 @@ def one(n_ops: int, spill_rows: int) -> dict:
     return {
         "engine": t.metadata.get("engine"), "n_ops": n, "spill_rows": spill_rows,
         "spilled_rows": t.metadata.get("spilled_rows", 0), "storages": t.tensors.num_rows,
-        "rec_us_per_op": (t1 - t0) / n * 1e6,
+        "rec_us_per_op": (t1 - t0) / n * 1e6, "rec_cpu_us_per_op": (c1 - c0) / n * 1e6,
         "rec_bytes_per_op": (s1["VmRSS"] - s0["VmRSS"]) / n,
         "rec_anon_bytes_per_op": (s1["RssAnon"] - s0["RssAnon"]) / n,
         "fin_us_per_op": (t2 - t1) / n * 1e6, "fin_cpu_us_per_op": (c2 - c1) / n * 1e6,
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                          capture_output=True, text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{r['engine']} {r['n_ops']:,} ops (spill_rows {r['spill_rows']:,}, {r['storages']:,} storages): "
-          f"rec {r['rec_bytes_per_op']:.0f} B/op ({r['rec_anon_bytes_per_op']:.0f} anon), {r['rec_us_per_op']:.2f} us/op; "
+          f"rec {r['rec_bytes_per_op']:.0f} B/op ({r['rec_anon_bytes_per_op']:.0f} anon), "
+          f"{r['rec_us_per_op']:.2f}/{r['rec_cpu_us_per_op']:.2f} us/op; "
           f"fin {r['fin_us_per_op']:.2f}/{r['fin_cpu_us_per_op']:.2f} us/op (wall/cpu), "
           f"VmHWM +{r['fin_vmhwm_mb']:.0f} MB, anon peak +{r['fin_anon_peak_mb']:.0f} MB; "
           f"after {r['after_anon_mb']:.0f} anon / {r['after_file_mb']:.0f} file MB")
