@@ -339,7 +339,8 @@ class _LiveCalls(CallStore):
             out[a - lo:] = self._rows[name][a - self.base:hi - self.base]
         return out
 
-    def handover(self, raw: bytes, n: int, first: int = 0, packed: Sequence[Any] = ()) -> None:
+    def handover(self, raw: bytes, n: int, first: int = 0,
+                 packed: Sequence[Sequence[tuple[int, int, bytes]]] = ()) -> None:
         """The C mode's rows: ``packed`` full blocks (per field ``(base, width, bytes)``), then the
         CALL_DTYPE rows of calls ``first`` .. ``n - 1``."""
         block = first // len(packed) if packed else 0
