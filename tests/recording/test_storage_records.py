@@ -143,6 +143,7 @@ def test_storage_rows_blocks_merge_parts_across_block_boundaries(tmp_path):
         got = {k: [] for k in names}
         for lo, hi, b in rows.blocks(step):
             for k in names:
+                assert len(b[k]) == hi - lo
                 got[k].append(b[k])
         for k in names:
             assert np.array_equal(np.concatenate(got[k]), full[:, RECORD_FIELDS.index(k)]), (step, k)
