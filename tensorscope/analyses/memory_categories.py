@@ -31,10 +31,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .. import schema as S
 from .memory import _array, _devices, _filled, _int_column, live_mask, live_matrix
+from .storage_reads import _batches, _flat, _ints, read_column, rows_where
 
 __all__ = ["categorize", "memory_timeline", "memory_at", "module_memory", "BACKWARD_CALLS"]
 
@@ -58,43 +58,6 @@ def _is(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
     hit = np.array([v is not None and bool(pred(v)) for v in values] + [False], dtype=bool)
     out: np.ndarray = hit[codes]   # code -1 reads the trailing False
     return out
-
-
-def _flat(col: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(values, row of each value) of a list<int64> column."""
-    arr = _array(col)
-    if len(arr) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    if arr.null_count == 0 and arr.values.null_count == 0:
-        # from the offsets: two compute calls fewer (a null list may own values, so not then)
-        offsets = _filled(arr.offsets, 0)
-        vals = _filled(arr.values.slice(offsets[0], offsets[-1] - offsets[0]), -1)
-        rows = np.repeat(np.arange(len(arr), dtype=np.int64), offsets[1:] - offsets[:-1])
-        return vals, rows
-    vals = np.asarray(pc.list_flatten(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
-    rows = np.asarray(pc.list_parent_indices(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
-    return vals, rows
-
-
-def _ints(col: Any, fill: int) -> np.ndarray:
-    """An integer column as one new int64 array, nulls as ``fill``, filled chunk by chunk (a chunked
-    column is never combined into one Arrow array first: a memory-mapped table stays mapped)."""
-    if not isinstance(col, pa.ChunkedArray):
-        return _filled(col, fill)
-    out = np.empty(len(col), np.int64)
-    pos = 0
-    for chunk in col.chunks:
-        out[pos:pos + len(chunk)] = _filled(chunk, fill)
-        pos += len(chunk)
-    return out
-
-
-def _batches(table: pa.Table, names: list[str]) -> Iterable[tuple[int, pa.RecordBatch]]:
-    """(first row, batch) of ``names`` of ``table``, chunk by chunk (zero-copy slices)."""
-    pos = 0
-    for b in table.select(names).to_batches():
-        yield pos, b
-        pos += b.num_rows
 
 
 def backward_calls(calls: Optional[pa.Table]) -> np.ndarray:
@@ -168,28 +131,35 @@ _STORAGE_STEP = 1 << 16
 class Lifetimes:
     """What ``categorize`` and ``made_by_out_argument`` read of ``tensors`` and ``ops``, gathered in
     one pass over ``ops`` batch by batch (a memory-mapped table stays mapped, never combined): per
-    storage ``alloc``/``free`` (int64) and whether an op of a module read it; per op one byte of
+    storage whether an op of a module read it (``alloc_seq``/``free_seq`` are read a block of rows
+    at a time from ``tensors``, never whole: a mapped table stays mapped); per op one byte of
     flags (an AccumulateGrad op, in a module, an ``out=`` overload); the phase runs (the first op
     of each run of forward or backward ops); the first op that showed each storage that existed
     before the trace (the only ones whose first sighting matters); the storages AccumulateGrad
-    wrote. ``alloc`` is writable: the caller that moves a storage's ``alloc_seq`` sets it here too."""
+    wrote. The caller that moves a storage's ``alloc_seq`` says so here too (``move_alloc``)."""
 
     def __init__(self, tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None) -> None:
         self.n_ops = n_ops = ops.num_rows
         n = tensors.num_rows
-        self.sid = sid = _ints(tensors.column("storage_id"), -1)
-        self.alloc = _ints(tensors.column("alloc_seq"), -1)
-        self.free = _ints(tensors.column("free_seq"), -1)
+        self.tensors = tensors   # alloc_seq/free_seq read a block of rows at a time (alloc_at, free_at)
+        #: rows whose alloc_seq the caller moved (move_alloc), and to where
+        self.moved: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        pre, rows_are_ids = [], True
+        for lo, b in _batches(tensors, ["storage_id", "alloc_seq"]):   # one block pass: no per-storage arrays
+            sid, alloc = _filled(b.column(0), -1), _filled(b.column(1), -1)
+            rows_are_ids = rows_are_ids and bool((sid == np.arange(lo, lo + len(sid))).all())
+            pre.append(sid[~((alloc >= 0) & (alloc < n_ops)) & (sid >= 0)])
         #: storage id -> row of tensors (-1: none); None when the ids are the rows (a recorded trace)
         self.pos: Optional[np.ndarray] = None
-        if n and not (sid[0] == 0 and sid[-1] == n - 1 and bool((np.diff(sid) == 1).all())):
+        self.sid: Optional[np.ndarray] = None   # the ids, read whole only when they are not the rows
+        if not rows_are_ids:
+            self.sid = sid = _ints(tensors.column("storage_id"), -1)
             self.pos = np.full(int(sid.max(initial=-1)) + 1, -1, dtype=np.int64)
             self.pos[sid[sid >= 0]] = np.nonzero(sid >= 0)[0]
         self.npos = len(self.pos) if self.pos is not None else n
-        made = (self.alloc >= 0) & (self.alloc < n_ops)
         #: storage ids not made by an op of the trace, sorted; the first op that showed each (as an
         #: input or an output) and the first that showed it as an output (``n_ops``: none)
-        self.pre = np.unique(sid[~made & (sid >= 0)])
+        self.pre = np.unique(np.concatenate(pre)) if pre else np.zeros(0, np.int64)
         self.first = np.full(len(self.pre), n_ops, np.int64)
         self.first_out = np.full(len(self.pre), n_ops, np.int64)
         #: per tensors row: an op of a module read it
@@ -238,6 +208,25 @@ class Lifetimes:
         self.run_bwd = np.array(run_bwd, bool)
         self.grads = np.concatenate(grads) if grads else np.zeros(0, np.int64)
 
+    def _read(self, name: str, lo: int, hi: int, rows: Optional[np.ndarray] = None) -> np.ndarray:
+        """Column ``name`` (nulls -1) of rows ``[lo, hi)``, or of ``rows``; moved allocations applied."""
+        return read_column(self.tensors, name, lo, hi, rows, self.moved if name == "alloc_seq" else None)
+
+    def alloc_at(self, rows: np.ndarray) -> np.ndarray:
+        return self._read("alloc_seq", 0, 0, rows)
+
+    def free_at(self, rows: np.ndarray) -> np.ndarray:
+        return self._read("free_seq", 0, 0, rows)
+
+    def move_alloc(self, rows: np.ndarray, seqs: np.ndarray) -> None:
+        """``alloc_seq`` of ``rows`` is ``seqs`` from now on (buffers made for an op's ``out=``)."""
+        order = np.argsort(rows, kind="stable")
+        self.moved = (np.asarray(rows, np.int64)[order], np.asarray(seqs, np.int64)[order])
+
+    def rows_where(self, name: str, pred: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Rows whose ``name`` (alloc_seq/free_seq, nulls -1) satisfies ``pred``, a block at a time."""
+        return rows_where(self.tensors, name, pred, _STORAGE_STEP, self.moved if name == "alloc_seq" else None)
+
     def _rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows of tensors of storage ids in [0, npos) (-1: none)."""
         return self.pos[ids] if self.pos is not None else ids
@@ -260,7 +249,7 @@ class Lifetimes:
         fo = fs.copy()
         if not len(self.pre):
             return fs, fo
-        ids = self.sid[rows]
+        ids = self.sid[rows] if self.sid is not None else rows
         idx = np.minimum(np.searchsorted(self.pre, ids), len(self.pre) - 1)
         hit = (self.pre[idx] == ids) & (ids >= 0)
         fs[hit], fo[hit] = self.first[idx[hit]], self.first_out[idx[hit]]
@@ -274,7 +263,7 @@ class Lifetimes:
     def categories(self, lo: int, hi: int) -> np.ndarray:
         """What the lifetimes alone say of tensors rows ``[lo, hi)`` (codes into CATS; see the
         module docstring): input, temporary, activation or other."""
-        alloc, free = self.alloc[lo:hi], self.free[lo:hi]
+        alloc, free = self._read("alloc_seq", lo, hi), self._read("free_seq", lo, hi)
         n_ops = self.n_ops
         cat = np.full(hi - lo, _CAT["other"], dtype=np.int32)
         made = (alloc >= 0) & (alloc < n_ops)
@@ -322,7 +311,7 @@ def made_by_out_argument(tensors: pa.Table, ops: pa.Table,
     if n_ops == 0 or tensors.num_rows == 0 or not _any_out_overload(ops):
         return empty   # no out= overload ran (most traces): nothing to look up
     lt = lifetimes if lifetimes is not None else Lifetimes(tensors, ops)
-    rows = np.nonzero(lt.alloc < 0)[0]
+    rows = lt.rows_where("alloc_seq", lambda a: a < 0)
     fs, fo = lt.first_of(rows)
     keep = (fs < n_ops) & (fo == fs)
     rows, fs = rows[keep], fs[keep]
@@ -344,7 +333,6 @@ def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = Non
     if n == 0:
         return _dict_array(cat)
     lt = lifetimes if lifetimes is not None else Lifetimes(tensors, ops, calls)
-    alloc, free = lt.alloc, lt.free
 
     def rows_of(ids: Iterable[int]) -> np.ndarray:
         a = ids.astype(np.int64) if isinstance(ids, np.ndarray) else np.fromiter((int(i) for i in ids), dtype=np.int64)
@@ -359,8 +347,8 @@ def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = Non
     grads = rows_of(lt.grads)
     held = rows_of(graph_held)
     if len(held):
-        made = (alloc[held] >= 0) & (alloc[held] < lt.n_ops)
-        held = held[made & (free[held] < 0) & (cat[held] == _CAT["other"])]
+        alloc = lt.alloc_at(held)
+        held = held[(alloc >= 0) & (alloc < lt.n_ops) & (lt.free_at(held) < 0) & (cat[held] == _CAT["other"])]
         cat[held] = _CAT["activation"]
     # state outranks what the lifetimes say (CATS is in precedence order)
     for r, c in ((grads, "gradient"), (rows_of(optimizer_held), "optimizer_state")):

@@ -123,11 +123,11 @@ constexpr struct {
                 {"OTHER", TAG_OTHER},   {"BOOL_LIST", TAG_BOOL_LIST}, {"OUTPUTS", TAG_OUTPUTS}};
 
 // ---------------------------------------------------------------------------
-// take()'s storages (engine): TC_N int64 per storage. Interned metas: MK_HEADER int64, then the
+// the storage records (engine: take_chunks' finished ones, take()'s rest): TC_N int64 per storage. Interned metas: MK_HEADER int64, then the
 // sizes and (strided) the strides. Python: recording/engines/native.py NativeEngine.finish / _sync_dicts.
 // ---------------------------------------------------------------------------
-enum TensorColumn { TC_META, TC_NBYTES, TC_ALLOC_SEQ, TC_FREE_SEQ, TC_MODULE, TC_CALL, TC_PTR, TC_N };
-constexpr const char* kTensorColumnNames[] = {"meta", "nbytes", "alloc_seq", "free_seq", "module", "call", "ptr"};
+enum TensorColumn { TC_META, TC_NBYTES, TC_ALLOC_SEQ, TC_FREE_SEQ, TC_MODULE, TC_CALL, TC_PTR, TC_SID, TC_N };
+constexpr const char* kTensorColumnNames[] = {"meta", "nbytes", "alloc_seq", "free_seq", "module", "call", "ptr", "sid"};
 static_assert(std::size(kTensorColumnNames) == TC_N, "a name per storage column");
 enum MetaKey { MK_NDIM, MK_DTYPE, MK_DEV_TYPE, MK_DEV_INDEX, MK_STRIDED, MK_HEADER };
 constexpr const char* kMetaKeyNames[] = {"ndim", "dtype", "dev_type", "dev_index", "strided"};

@@ -58,7 +58,7 @@ TAG_OTHER = 6
 TAG_BOOL_LIST = 8
 TAG_OUTPUTS = 9
 #: abi.h kTensorColumnNames: take()'s storage columns, in TensorColumn order
-TENSOR_COLUMNS = ('meta', 'nbytes', 'alloc_seq', 'free_seq', 'module', 'call', 'ptr')
+TENSOR_COLUMNS = ('meta', 'nbytes', 'alloc_seq', 'free_seq', 'module', 'call', 'ptr', 'sid')
 #: abi.h kMetaKeyNames: an interned meta's header values (then the sizes, then the strides)
 META_KEY = ('ndim', 'dtype', 'dev_type', 'dev_index', 'strided')
 MK_NDIM = 0

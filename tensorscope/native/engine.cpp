@@ -61,7 +61,11 @@ void Engine::clear() {
   last_error_line = -1;
   other_thread_rows = 0;
   by_ptr.clear();
-  storages.clear();
+  slots.clear();
+  free_slots.clear();
+  next_sid = 0;
+  last_slot = -1;
+  finished = std::vector<int64_t>();
   young.clear();
   old.clear();
   young_rr = old_rr = 0;
@@ -335,27 +339,20 @@ PyObject* py_warning_seen(PyObject*, PyObject* o) {
   Py_RETURN_FALSE;
 }
 
-// The rest of what was recorded (storages, screen, counters), once at the end; the rows and
-// dictionaries come through take_chunks(True) before.
+// The rest of what was recorded (storages, screen, counters), once at the end; the rows, the
+// dictionaries and the storage records finished so far come through take_chunks(True) before.
+// "tensors": the records finished since (the final sweep drops every freed one) and the live ones.
 PyObject* py_take(PyObject*, PyObject*) {
   std::lock_guard<std::mutex> lk(g.mu);
   // final sweep: every storage freed by now
   int64_t last = g.n_rows - 1;
   sweep_list(g.young, g.young_rr, size_t(-1) / 2, last);
   sweep_list(g.old, g.old_rr, size_t(-1) / 2, last);
-  size_t ns = g.storages.size();
-  std::vector<int64_t> st(ns * 7);
-  for (size_t i = 0; i < ns; ++i) {
-    const StorageRec& r = g.storages[i];
-    int64_t* o = &st[i * 7];
-    o[0] = r.meta;
-    o[1] = r.nbytes;
-    o[2] = r.alloc_seq;
-    o[3] = r.free_seq;
-    o[4] = r.module;
-    o[5] = r.call;
-    o[6] = int64_t(r.ptr);
-  }
+  std::vector<int64_t> st;
+  st.swap(g.finished);
+  st.reserve(st.size() + (g.young.size() + g.old.size()) * tsabi::TC_N);
+  for (int32_t slot : g.young) put_record(st, g.slots[size_t(slot)]);
+  for (int32_t slot : g.old) put_record(st, g.slots[size_t(slot)]);
   PyObject* d = PyDict_New();
   auto put = [&](const char* k, PyObject* v) {
     PyDict_SetItemString(d, k, v);
@@ -379,9 +376,10 @@ PyObject* py_live_created(PyObject*, PyObject*) {
   std::vector<std::pair<int32_t, c10::intrusive_ptr<c10::StorageImpl>>> live;
   {
     std::lock_guard<std::mutex> lk(g.mu);
-    for (int32_t sid : g.young) {
-      auto strong = g.storages[size_t(sid)].weak.lock();
-      if (strong) live.emplace_back(sid, std::move(strong));
+    for (int32_t slot : g.young) {
+      const StorageRec& r = g.slots[size_t(slot)];
+      auto strong = r.weak.lock();
+      if (strong) live.emplace_back(r.sid, std::move(strong));
     }
   }
   PyObject* l = PyList_New(0);

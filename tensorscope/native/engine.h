@@ -157,6 +157,7 @@ struct StorageRec {
   uintptr_t ptr;
   int64_t nbytes, alloc_seq, free_seq;
   int32_t meta, module, call;
+  int32_t sid;   // the storage id (creation order); the record lives in a reused slot
 };
 
 struct WarnRec {
@@ -181,6 +182,7 @@ struct Pending {
   Row row;
   std::vector<int64_t> in_metas;
   std::vector<int64_t> in_sids;
+  std::vector<int32_t> in_slots;   // their records' slots (engine_storages.h), -1: none
   std::vector<uintptr_t> in_ptrs;
   std::vector<const c10::StorageImpl*> in_impls;   // tentative rows: resolved at commit
   std::vector<int64_t> in_nbytes;
@@ -283,14 +285,22 @@ struct Engine {
   int64_t last_error_line = -1;                   // -1: none
   int64_t other_thread_rows = 0;
 
-  std::unordered_map<uintptr_t, int32_t> by_ptr;
-  std::deque<StorageRec> storages;   // grows in fixed blocks: no 2x slack, no copy when it grows
-  std::vector<int32_t> young;    // live storages first seen as outputs
-  std::vector<int32_t> old;      // live storages first seen as inputs
+  // Storage records live in slots while their storage is (or, until a list sweep drops it, was)
+  // alive; a dropped record's TC_N values go to `finished` and its slot is reused. So the engine
+  // holds the live storages, never every storage the trace made: `finished` is handed over with
+  // the packed chunks (take_chunks), the rest at take().
+  std::unordered_map<uintptr_t, int32_t> by_ptr;   // data pointer -> slot
+  std::deque<StorageRec> slots;    // grows in fixed blocks: no 2x slack, no copy when it grows
+  std::vector<int32_t> free_slots;
+  int32_t next_sid = 0;            // storage ids in creation order
+  int32_t last_slot = -1;          // the slot of the last storage_id() answer (-1: none)
+  std::vector<int64_t> finished;   // TC_N int64 per dropped record, until handed over
+  std::vector<int32_t> young;    // slots of live storages first seen as outputs
+  std::vector<int32_t> old;      // slots of live storages first seen as inputs
   size_t young_rr = 0, old_rr = 0;
-  // the storages the last rows named: checked at every row, so a free right after the op that
-  // last used a storage (a temporary, a saved tensor autograd releases after its node) is dated
-  // exactly (engine_storages.h)
+  // the slots of the storages the last rows named: checked at every row, so a free right after the
+  // op that last used a storage (a temporary, a saved tensor autograd releases after its node) is
+  // dated exactly (engine_storages.h)
   static constexpr size_t kRecent = 32;
   std::vector<int32_t> recent = std::vector<int32_t>(kRecent, -1);
   size_t recent_pos = 0;

@@ -128,6 +128,10 @@ PyObject* dicts_delta() {
   const size_t fk = g.fingerprints_taken;   // engine_screen.h FpRec records since the last call
   put("fingerprints", bytes_of(g.fingerprints.data() + fk, (g.fingerprints.size() - fk) * sizeof(FpRec)));
   g.fingerprints_taken = g.fingerprints.size();
+  // the storage records freed and dropped since the last call (abi.h TensorColumn order): handed
+  // over, so the engine keeps the live storages only
+  put("storages", bytes_of(g.finished.data(), g.finished.size() * 8));
+  std::vector<int64_t>().swap(g.finished);
   return d;
 }
 
@@ -177,10 +181,13 @@ PyObject* py_resident(PyObject*, PyObject*) {
   // bytes the engine holds for the ops rows (packed chunks + the live block) and for storages
   std::lock_guard<std::mutex> lk(g.mu);
   int64_t rows = g.chunk_bytes + int64_t(g.block.capacity() * sizeof(Row) + g.block_stor.capacity() * 4);
-  int64_t st = int64_t(g.storages.size() * sizeof(StorageRec));
+  int64_t st = int64_t(g.slots.size() * sizeof(StorageRec) + g.finished.capacity() * 8 +
+                       g.free_slots.capacity() * 4);
   int64_t interned = int64_t((g.metas.arena.capacity() + g.tuples.arena.capacity() + g.aliases.arena.capacity()) * 8);
-  return Py_BuildValue("{s:L,s:L,s:L,s:L}", "rows", (long long)rows, "storages", (long long)st, "interned",
-                       (long long)interned, "n_rows", (long long)g.n_rows);
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "rows", (long long)rows, "storages", (long long)st, "interned",
+                       (long long)interned, "n_rows", (long long)g.n_rows, "storage_slots", (long long)g.slots.size(),
+                       "storages_made", (long long)g.next_sid, "storages_finished",
+                       (long long)(g.finished.size() / tsabi::TC_N));
 }
 
 }  // namespace tsengine

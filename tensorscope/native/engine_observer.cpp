@@ -99,6 +99,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
   Pending& p = *s.pool[s.npending++];
   p.in_metas.clear();
   p.in_sids.clear();
+  p.in_slots.clear();
   p.in_ptrs.clear();
   p.in_impls.clear();
   p.in_nbytes.clear();
@@ -141,6 +142,7 @@ void open_row(ThreadState& s, const at::RecordFunction& fn, const OpFacts* f, in
       // provisional storage id: the seq is only known when the row commits
       // a tentative composite registers its inputs only if it turns out to be a row
       p.in_sids.push_back(kind == 2 ? -1 : storage_id(si, ptr, m, nb, false, g.n_rows));
+      p.in_slots.push_back(kind == 2 ? -1 : g.last_slot);
       if (kind == 2) {
         p.in_impls.push_back(si);
         p.in_nbytes.push_back(nb);
@@ -403,11 +405,12 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
   if (!p.in_impls.empty()) {
     for (size_t i = 0; i < p.in_sids.size(); ++i) {
       p.in_sids[i] = storage_id(p.in_impls[i], p.in_ptrs[i], int32_t(p.in_metas[i]), p.in_nbytes[i], false, seq);
+      p.in_slots[i] = g.last_slot;
     }
   }
   for (size_t i = 0; i < p.in_sids.size(); ++i) {
     stor.push_back(int32_t(p.in_sids[i]));
-    note_recent(int32_t(p.in_sids[i]));
+    note_recent(p.in_slots[i]);
     n_stor++;
   }
   r.ins = g.tuples.get(p.in_metas.data(), p.in_metas.size());
@@ -441,7 +444,7 @@ void commit(ThreadState& s, Pending& p, const at::RecordFunction& fn, int64_t t_
       }
       alias[n_out] = a;
       stor.push_back(storage_id(si, ptr, m, nb, true, seq));
-      note_recent(stor.back());
+      note_recent(g.last_slot);
       n_stor++;
       n_out++;
       FpRec fr{seq, 0, 0, 0, 0, 0};   // the first fresh or written float output (engine_screen.h)

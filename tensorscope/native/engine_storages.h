@@ -3,7 +3,10 @@
 // A storage is identified by its data pointer and watched through a c10::weak_intrusive_ptr (keeps
 // the StorageImpl object, never its memory), so an address reused after a free is a new storage.
 // Frees are found by sweeping the live lists a few entries per row (young: first seen as an
-// output, old: first seen as an input), and fully at the end of the trace. All under g.mu.
+// output, old: first seen as an input), and fully at the end of the trace. A record lives in a
+// slot (reused) until the sweep drops it from its list; then its values go to g.finished, which
+// take_chunks hands over with the packed chunks (so the recorder spills them with the ops): the
+// engine holds the live storages only. All under g.mu.
 
 #pragma once
 
@@ -64,12 +67,36 @@ inline int32_t meta_of(const at::TensorBase& t, uintptr_t* ptr_out, const c10::S
   return id;
 }
 
-inline void mark_free(int32_t sid, int64_t seq) {
-  StorageRec& r = g.storages[size_t(sid)];
+inline void mark_free(int32_t slot, int64_t seq) {
+  StorageRec& r = g.slots[size_t(slot)];
   if (r.free_seq < 0) r.free_seq = seq;
   auto it = g.by_ptr.find(r.ptr);
-  if (it != g.by_ptr.end() && it->second == sid) g.by_ptr.erase(it);
+  if (it != g.by_ptr.end() && it->second == slot) g.by_ptr.erase(it);
   r.weak.reset();
+}
+
+// one record's TC_N values (abi.h TensorColumn order) appended to `out`
+inline void put_record(std::vector<int64_t>& out, const StorageRec& r) {
+  size_t k = out.size();
+  out.resize(k + tsabi::TC_N);
+  int64_t* o = out.data() + k;
+  o[tsabi::TC_META] = r.meta;
+  o[tsabi::TC_NBYTES] = r.nbytes;
+  o[tsabi::TC_ALLOC_SEQ] = r.alloc_seq;
+  o[tsabi::TC_FREE_SEQ] = r.free_seq;
+  o[tsabi::TC_MODULE] = r.module;
+  o[tsabi::TC_CALL] = r.call;
+  o[tsabi::TC_PTR] = int64_t(r.ptr);
+  o[tsabi::TC_SID] = r.sid;
+}
+
+// a freed record leaves its list: its values join `finished` (handed over with the chunks), its
+// slot is reused (and forgotten by the recent rows, so a reused slot is not checked for them)
+inline void drop_record(int32_t slot) {
+  put_record(g.finished, g.slots[size_t(slot)]);
+  for (auto& s : g.recent)
+    if (s == slot) s = -1;
+  g.free_slots.push_back(slot);
 }
 
 // checks up to `budget` entries (the newest first), every entry while there are at most `all` of
@@ -80,9 +107,10 @@ inline void sweep_list(std::vector<int32_t>& lst, size_t& rr, size_t budget, int
   if (n == 0) return;
   if (n <= all) budget = n;
   auto check = [&](size_t i) -> bool {
-    StorageRec& r = g.storages[size_t(lst[i])];
+    StorageRec& r = g.slots[size_t(lst[i])];
     if (r.weak.expired()) {
       mark_free(lst[i], seq);
+      drop_record(lst[i]);
       lst[i] = lst.back();
       lst.pop_back();
       return true;
@@ -106,30 +134,43 @@ inline void sweep_list(std::vector<int32_t>& lst, size_t& rr, size_t budget, int
 
 // the storages of the last rows (Engine::recent): checked every row, freed ones dated `seq`
 inline void sweep_recent(int64_t seq) {
-  for (int32_t sid : g.recent) {
-    if (sid < 0) continue;
-    StorageRec& r = g.storages[size_t(sid)];
-    if (r.free_seq < 0 && r.weak.expired()) mark_free(sid, seq);   // the list sweep drops it later
+  for (int32_t slot : g.recent) {
+    if (slot < 0) continue;
+    StorageRec& r = g.slots[size_t(slot)];
+    if (r.free_seq < 0 && r.weak.expired()) mark_free(slot, seq);   // the list sweep drops it later
   }
 }
 
-inline void note_recent(int32_t sid) {
-  if (sid < 0) return;
-  g.recent[g.recent_pos] = sid;
+inline void note_recent(int32_t slot) {
+  if (slot < 0) return;
+  g.recent[g.recent_pos] = slot;
   g.recent_pos = (g.recent_pos + 1) % Engine::kRecent;
 }
 
+// the storage id of (si, ptr), registering a new storage; its slot in g.last_slot (-1: none)
 inline int32_t storage_id(const c10::StorageImpl* si, uintptr_t ptr, int32_t meta, int64_t nbytes, bool alloc,
                           int64_t seq) {
+  g.last_slot = -1;
   if (!g.want_storages || ptr == 0 || si == nullptr) return -1;
   auto it = g.by_ptr.find(ptr);
   if (it != g.by_ptr.end()) {
-    StorageRec& r = g.storages[size_t(it->second)];
-    if (!r.weak.expired()) return it->second;   // alive (also: another StorageImpl over the same buffer)
+    StorageRec& r = g.slots[size_t(it->second)];
+    if (!r.weak.expired()) {   // alive (also: another StorageImpl over the same buffer)
+      g.last_slot = it->second;
+      return r.sid;
+    }
     mark_free(it->second, seq - 1);           // the address was freed and reused
   }
-  int32_t sid = int32_t(g.storages.size());
-  StorageRec r;
+  int32_t sid = g.next_sid++;
+  int32_t slot;
+  if (!g.free_slots.empty()) {
+    slot = g.free_slots.back();
+    g.free_slots.pop_back();
+  } else {
+    slot = int32_t(g.slots.size());
+    g.slots.emplace_back();
+  }
+  StorageRec& r = g.slots[size_t(slot)];
   r.weak = c10::weak_intrusive_ptr<c10::StorageImpl>(
       c10::intrusive_ptr<c10::StorageImpl>::unsafe_reclaim_from_nonowning(const_cast<c10::StorageImpl*>(si)));
   r.ptr = ptr;
@@ -139,9 +180,10 @@ inline int32_t storage_id(const c10::StorageImpl* si, uintptr_t ptr, int32_t met
   r.free_seq = -1;
   r.call = int32_t(g.cur_call);
   r.module = int32_t(g.cur_module);
-  g.storages.push_back(std::move(r));
-  g.by_ptr[ptr] = sid;
-  (alloc ? g.young : g.old).push_back(sid);
+  r.sid = sid;
+  g.by_ptr[ptr] = slot;
+  (alloc ? g.young : g.old).push_back(slot);
+  g.last_slot = slot;
   return sid;
 }
 

@@ -238,11 +238,12 @@ PyObject* py_set_recording(PyObject*, PyObject* o) {
 }
 
 // The first n calls rows as one bytes object of CallRow (packed blocks unpacked).
-PyObject* copy_rows(int64_t n) {
-  PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n * int64_t(sizeof(CallRow))));
+// rows [from, n) as CALL_DTYPE records (blocks start at multiples of kBlock; `from` is one)
+PyObject* copy_rows(int64_t from, int64_t n) {
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t((n - from) * int64_t(sizeof(CallRow))));
   if (out == nullptr) return nullptr;
-  char* p = PyBytes_AS_STRING(out);
-  for (int64_t done = 0; done < n;) {
+  char* p = PyBytes_AS_STRING(out) - from * int64_t(sizeof(CallRow));
+  for (int64_t done = from; done < n;) {
     int64_t k = std::min(kBlock, n - done);
     const Block& b = S.blocks[size_t(done >> kBlockBits)];
     if (b.rows != nullptr) {
@@ -258,13 +259,45 @@ PyObject* copy_rows(int64_t n) {
   return out;
 }
 
-// take() -> (rows bytes, n_calls): the calls rows as CALL_DTYPE records; stops the mode.
+// the packed blocks below S.packed_upto as they are: per block a tuple of (base, width, bytes),
+// one per calls field (abi.h kCallFieldOrder); each block's memory freed once copied
+PyObject* packed_blocks() {
+  PyObject* l = PyList_New(Py_ssize_t(S.packed_upto));
+  if (l == nullptr) return nullptr;
+  for (size_t i = 0; i < S.packed_upto; ++i) {
+    Block& b = S.blocks[i];
+    PyObject* cols = PyTuple_New(tsabi::kCallFields);
+    if (cols == nullptr) {
+      Py_DECREF(l);
+      return nullptr;
+    }
+    for (int c = 0; c < tsabi::kCallFields; ++c) {
+      const int k = tsabi::kCallFieldOrder[c];
+      const char* d = reinterpret_cast<const char*>(b.data[k]);
+      PyTuple_SET_ITEM(cols, c, Py_BuildValue("(LiN)", (long long)b.base[k], int(b.width[k]),
+                                              PyBytes_FromStringAndSize(d, Py_ssize_t(kBlock * b.width[k]))));
+    }
+    PyList_SET_ITEM(l, Py_ssize_t(i), cols);
+    free_block(b);   // no doubled peak: each block goes as soon as it is copied
+  }
+  return l;
+}
+
+// take() -> (tail rows bytes, n_calls, first tail call id, packed blocks): the calls rows, the
+// full blocks still packed (~10 bytes a call, packed_blocks) and the rest as CALL_DTYPE records;
+// stops the mode.
 PyObject* py_take(PyObject*, PyObject*) {
   S.active = false;
   S.recording = false;
   int64_t n = S.n_calls;
-  PyObject* out = copy_rows(n);
+  int64_t first = std::min(n, int64_t(S.packed_upto) * kBlock);
+  PyObject* out = copy_rows(first, n);
   if (out == nullptr) return nullptr;
+  PyObject* packed = packed_blocks();
+  if (packed == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
   free_rows();
   clear_caches();
   Py_CLEAR(S.helper);
@@ -283,7 +316,7 @@ PyObject* py_take(PyObject*, PyObject*) {
   Py_CLEAR(S.mod_code);
   Py_CLEAR(S.cacheable);
   S.eng = nullptr;
-  return Py_BuildValue("(NL)", out, (long long)n);
+  return Py_BuildValue("(NLLN)", out, (long long)n, (long long)first, packed);
 }
 
 // field(cid, k): one calls field while recording (k: CALL_FIELDS index), None when out of range.
@@ -343,7 +376,7 @@ PyObject* py_stats(PyObject*, PyObject*) {
 PyMethodDef kStateMethods[] = {
     {"configure", py_configure, METH_VARARGS, "configure(helper, engine_capsule, t0_ns, source, modules)"},
     {"set_recording", py_set_recording, METH_O, "record (True) or pass every call through (False)"},
-    {"take", py_take, METH_NOARGS, "(calls rows as bytes, n): hand the rows over and stop"},
+    {"take", py_take, METH_NOARGS, "(tail rows as bytes, n, first tail id, packed blocks): hand the rows over and stop"},
     {"field", py_field, METH_VARARGS, "field(call_id, k): a calls field while recording"},
     {"column", py_column, METH_VARARGS, "(one calls field of every call so far as int64 bytes, n), recording on"},
     {"n_calls", py_n_calls, METH_NOARGS, "calls recorded so far"},

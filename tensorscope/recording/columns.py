@@ -18,7 +18,7 @@ import pyarrow as pa
 from .._common import INEXACT_DTYPES, NOISE_OPS
 from ..native import forced_fallback, loaded_engine
 from ..schema import dense_array, nullable_array
-from .recorder import Recorder
+from .recorder import Recorder, unpack
 
 
 class _Dict:
@@ -394,3 +394,41 @@ def _shape_rows(shape: tuple[np.ndarray, np.ndarray, np.ndarray], metas: np.ndar
     lens, starts, flat = shape
     off, vals = gather(metas, starts, lens, flat)
     return off, dense_array(vals)
+
+
+class OpIdsAt:
+    """The op id of rows ``seqs`` (in ``[0, n_ops)``), read from the op chunks that hold them (the
+    spilled ones loaded one column at a time, the last few kept): a tensors block's allocating ops
+    sit in a few neighbouring chunks, so no whole-trace op column is read (the tensors decode)."""
+
+    def __init__(self, rec: Recorder, keep: int = 4) -> None:
+        self.rec, self.keep = rec, keep
+        counts = list(rec.spilled_counts) + [len(ch["op"][1]) for ch in rec.mem_chunks]
+        self.starts = np.cumsum([0] + counts)
+        self.cache: dict[int, np.ndarray] = {}
+
+    def chunk(self, k: int) -> np.ndarray:
+        got = self.cache.get(k)
+        if got is None:
+            rec, ns = self.rec, len(self.rec.spilled_chunks)
+            if k < ns:
+                with np.load(rec.spilled_chunks[k], allow_pickle=False) as z:
+                    names = sorted(x for x in z.files if x != "__bases__")
+                    got = unpack((int(z["__bases__"][names.index("op")]), z["op"]))
+            else:
+                got = unpack(rec.mem_chunks[k - ns]["op"])
+            if len(self.cache) >= self.keep:
+                del self.cache[next(iter(self.cache))]
+            self.cache[k] = got
+        return got
+
+    def __call__(self, seqs: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(seqs), np.int64)
+        if not len(seqs):
+            return out
+        which = np.searchsorted(self.starts, seqs, side="right") - 1
+        for k in range(int(which.min()), int(which.max()) + 1):   # a few neighbouring chunks
+            sel = which == k
+            if sel.any():
+                out[sel] = self.chunk(k)[seqs[sel] - self.starts[k]]
+        return out

@@ -24,9 +24,9 @@ from ..errors import SpillError
 from ..schema import dense_array, nullable_array
 from .columns import (
     _PHASES,
+    OpIdsAt,
     _CallColumns,
     _dict,
-    _int64,
     _Links,
     _list,
     _list_columns,
@@ -57,7 +57,7 @@ _SEEN_KEYS: set[int] = set()
 PROBE_COLUMNS: dict[str, tuple[str, ...]] = {
     "ops": ("graph_id",),               # the compiled regions probe
     "calls": ("compiled", "graph_id"),  # the compiled regions probe
-    "tensors": ("category", "address"),   # the storages probe
+    "tensors": ("category",),   # the storages probe
 }
 
 
@@ -501,38 +501,40 @@ def _qualname(f: Any) -> str:
 
 
 def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
-    """The tensors table (one row per storage); with ``files`` (the trace spilled) decoded
-    ``chunk_rows`` rows at a time into a memory-mapped file."""
-    rec = ctx.rec
-    c = rec.tensors
-    n = len(c.meta)
-    if n == 0:
+    """The tensors table (a row per storage, in id order) from the storage records (``rec.tensors``),
+    ``chunk_rows`` ids at a time (with ``files``: into a memory-mapped file); ``address``: the data
+    pointer the engines keyed a storage by (a fake tensor's key is no address: null)."""
+    rec, c = ctx.rec, ctx.rec.tensors
+    c.seal()   # the python engine's live records
+    if (n := len(c)) == 0:
         return empty_decoded("tensors")
-    devs = ctx.tup["devices"]
-    dts = ctx.tup["dtypes"]
-    g_op = ctx.g["op"]
+    devs, dts = ctx.tup["devices"], ctx.tup["dtypes"]
+    op_at = OpIdsAt(rec)
+    n_ops = int(op_at.starts[-1])
 
     def batch(lo: int, hi: int) -> pa.RecordBatch:
         m = hi - lo
-        meta, alloc, free, call, nbytes, module = (_int64(col, lo, hi) for col in (
-            c.meta, c.alloc_seq, c.free_seq, c.call, c.nbytes, c.module))
+        b = c.block(lo, hi)
+        meta, alloc, free, call, nbytes, module, ptr = (b[k] for k in (
+            "meta", "alloc_seq", "free_seq", "call", "nbytes", "module", "ptr"))
         src_idx = np.zeros(m, dtype=np.int64)
         ok = call >= 0
         if len(ctx.call_src):
             src_idx[ok] = ctx.call_src[call[ok]]
-        alloc_op_idx = np.where(alloc >= 0, g_op[np.clip(alloc, 0, max(len(g_op) - 1, 0))] if len(g_op) else 0, 0)
+        alloc_op_idx = op_at(np.clip(alloc, 0, max(n_ops - 1, 0))) if n_ops else np.zeros(m, np.int64)
         cols = dict(
             storage_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
             nbytes=dense_array(nbytes),
             device=devs.take(meta), dtype=dts.take(meta), shape=_list(*_shape_rows(ctx.tup["shape"], meta)),
             alloc_seq=nullable_array(alloc, alloc < 0),
-            alloc_op=ctx.ops["op"].take(alloc_op_idx.astype(np.int64), alloc < 0) if len(g_op) else
+            alloc_op=ctx.ops["op"].take(alloc_op_idx, alloc < 0) if n_ops else
             pa.nulls(m, S.TENSORS.field("alloc_op").type),
             free_seq=nullable_array(free, free < 0),
             cell=ctx._cells(m),
             module=ctx.modules.take(module),
             source_file=ctx.src_files.take(src_idx),
             source_line=ctx._lines(src_idx),
+            address=nullable_array(ptr, ptr <= 0),
         )
         return pa.RecordBatch.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
 
@@ -546,13 +548,12 @@ def errors_table(ctx: Decoder) -> pa.Table:
     if not rows:
         return S.empty("errors")
     names = ctx.ops["names"]
-    g_op = ctx.g["op"]
     folded: list[dict[str, Any]] = []
     index: dict[tuple[Any, ...], int] = {}
     for r in rows:
         r = dict(r)
-        if r.get("op") is None and r.get("seq") is not None and 0 <= r["seq"] < len(g_op) and r["kind"] == "warning":
-            r["op"] = names[int(g_op[r["seq"]])]
+        if r.get("op") is None and r.get("seq") is not None and r["kind"] == "warning" and 0 <= r["seq"] < len(ctx.g["op"]):
+            r["op"] = names[int(ctx.g["op"][r["seq"]])]
         if r["kind"] == "warning":
             key = (r.get("seq"), r.get("message"), r.get("cpp_file"), r.get("cpp_line"))
             if key in index:

@@ -256,8 +256,10 @@ _C_PRINTING = CALL_KINDS["PRINTING"]
 
 class _LiveCalls(CallStore):
     """``rec.calls`` while the native function mode records: the rows live in C until it hands them
-    over, then in the structured array it handed over, read a field at a time (no per-row Python
-    work either way, and no int64 matrix of every call: a build reads columns)."""
+    over; then its full blocks stay packed as it packed them (``frozen`` chunks, ~10 B a call, as
+    the python engine's ``CallStore`` freezes them) and the rest are a structured array from
+    ``base`` on, read a field (or a range of one) at a time: no per-row Python work, and no row
+    of 56 B per call (nor an int64 matrix of every call) when the trace ends."""
 
     def __init__(self, fm: Any) -> None:
         super().__init__(CALL_FIELDS)
@@ -266,9 +268,10 @@ class _LiveCalls(CallStore):
         self._released = False
 
     def release(self) -> None:
-        """Drop the handed-over rows (56 B a call): a spilled trace's finish calls it once the calls
-        table is in its file; nothing reads them after that (reading raises)."""
+        """Drop the handed-over rows: a spilled trace's finish calls it once the calls table is in
+        its file; nothing reads them after that (reading raises)."""
         self._rows = None
+        self.frozen = []
         self._released = True
 
     def _check(self) -> None:
@@ -280,8 +283,8 @@ class _LiveCalls(CallStore):
         if self._fm is not None:
             v = self._fm.field(call_id, k)
             return 0 if v is None else v
-        if self._rows is not None:
-            return int(self._rows[self.fields[k]][call_id])
+        if self._rows is not None and call_id >= self.base:
+            return int(self._rows[self.fields[k]][call_id - self.base])
         return super().field(call_id, k)
 
     def full_matrix(self) -> np.ndarray:
@@ -298,21 +301,59 @@ class _LiveCalls(CallStore):
             # next, was 40% of a spilling trace's memory)
             raw, n = self._fm.column(self.fields.index(name))
             return np.frombuffer(raw, dtype=np.int64, count=n)
-        if rows is not None:
-            return rows[name].astype(np.int64)   # a contiguous copy, widened
-        return super().column(name)
+        if rows is None:
+            return super().column(name)
+        return self.column_range(name, 0, self.base + len(rows))
+
+    def _counts(self) -> list[int]:
+        return [n for _, n in self.spilled] + [len(ch[self.fields[0]][1]) for ch in self.frozen]
+
+    def _chunk(self, i: int, name: str) -> tuple[int, np.ndarray]:
+        """Field ``name`` of packed chunk ``i`` (spilled ones read back), packed."""
+        if i < len(self.spilled):
+            with np.load(self.spilled[i][0], allow_pickle=False) as z:
+                return int(z["__bases__"][self.fields.index(name)]), z[name]
+        return self.frozen[i - len(self.spilled)][name]
 
     def column_range(self, name: str, lo: int, hi: int) -> np.ndarray:
-        """Rows ``[lo, hi)`` of one field as int64 (the calls table is built a range at a time)."""
+        """Rows ``[lo, hi)`` of one field as int64 (the calls table is built a range at a time):
+        from the packed chunks that hold them, then the structured rows."""
         self._check()
-        if self._rows is not None:
-            return self._rows[name][lo:hi].astype(np.int64)
-        return self.column(name)[lo:hi]
+        if self._rows is None:
+            return self.column(name)[lo:hi]
+        out = np.empty(max(hi - lo, 0), np.int64)
+        start = 0
+        for i, n in enumerate(self._counts()):
+            if start >= hi:
+                break
+            if start + n > lo:
+                a, b = max(lo, start), min(hi, start + n)
+                base, arr = self._chunk(i, name)
+                part = out[a - lo:b - lo]
+                part[:] = arr[a - start:b - start]
+                if base:
+                    part += base
+            start += n
+        if hi > self.base:
+            a = max(lo, self.base)
+            out[a - lo:] = self._rows[name][a - self.base:hi - self.base]
+        return out
 
-    def handover(self, raw: bytes, n: int) -> None:
-        self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n)
+    def handover(self, raw: bytes, n: int, first: int = 0,
+                 packed: Sequence[Sequence[tuple[int, int, bytes]]] = ()) -> None:
+        """The C mode's rows: ``packed`` full blocks (per field ``(base, width, bytes)``), then the
+        CALL_DTYPE rows of calls ``first`` .. ``n - 1``."""
+        block = first // len(packed) if packed else 0
+        self.frozen = [{name: (int(b), np.frombuffer(buf, dtype=_PACKED[w]) if w else
+                               np.broadcast_to(np.zeros(1, np.uint8), (block,)))
+                        for name, (b, w, buf) in zip(self.fields, blk)} for blk in packed]
+        self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n - first)
         self._fm = None
-        self.base = n
+        self.base = first
+
+
+#: a packed calls field's width -> its numpy type (native/fmode.h: unsigned, minus the base; 8: raw)
+_PACKED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class NativeFunctionMode(TorchFunctionMode):
@@ -384,8 +425,8 @@ class NativeFunctionMode(TorchFunctionMode):
         if self.ctx.capture is not None:
             self.ctx.capture.count_call_warnings(None)
         self._compile_callbacks(False)
-        raw, n = self._fm.take()
-        self._calls.handover(raw, n)
+        raw, n, first, packed = self._fm.take()
+        self._calls.handover(raw, n, first, packed)
         self._rec.n_calls = n
 
     # -- torch.compile: Dynamo must see the Python handler, not the C builtin ---------------------

@@ -375,8 +375,8 @@ class InputsProbe:
 
 class StoragesProbe:
     """What the storage tracker (``ctx.tracker``) knows at the end: the ``leaks`` table, and the
-    ``tensors`` columns ``category`` (with the ``alloc_seq``/``alloc_op`` of buffers made for an
-    op's ``out=``) and ``address``. Each step is contained on its own, in this order: the leak
+    ``tensors`` column ``category`` (with the ``alloc_seq``/``alloc_op`` of buffers made for an
+    op's ``out=``; ``address`` is decoded with the storage records). Each step is contained on its own, in this order: the leak
     finder reads the decoded allocation columns, the categories read the leaks."""
 
     name = "storages"
@@ -404,12 +404,6 @@ class StoragesProbe:
             columns.update(_categories(decoded, tensors, leaks))
         except Exception as e:
             rec.tracer_error("memory categories", e)
-        try:
-            address = _addresses(decoded.ctx, tensors.num_rows)
-            if address is not None:
-                columns[("tensors", "address")] = address
-        except Exception as e:
-            rec.tracer_error("storage addresses", e)
         return Contribution({"leaks": leaks}, columns, [])
 
     def _leaks_table(self, ctx: RecordingContext, tensors: pa.Table) -> pa.Table:
@@ -428,11 +422,12 @@ class StoragesProbe:
         # objects cost ~1 ms per 300 storages)
         cols = ("nbytes", "device", "dtype", "shape", "alloc_seq", "alloc_op", "cell", "source_file", "source_line")
         t = take_rows(tensors.select(list(cols)), [sid for sid, _ref in live]).to_pydict()
+        ptrs = ctx.rec.tensors.values("ptr", [sid for sid, _ref in live]).tolist()
         records: list[LiveStorage] = []
         for i, (sid, ref) in enumerate(live):
             row = {k: t[k][i] for k in cols}
             records.append(LiveStorage(
-                storage_id=sid, ref=ref, data_ptr=int(tracker.ptrs[sid]), nbytes=row["nbytes"], device=row["device"],
+                storage_id=sid, ref=ref, data_ptr=int(ptrs[i]), nbytes=row["nbytes"], device=row["device"],
                 dtype=row["dtype"], shape=tuple(row["shape"] or ()), alloc_seq=row["alloc_seq"],
                 alloc_op=row["alloc_op"], cell=row["cell"], source_file=row["source_file"],
                 source_line=row["source_line"]))
@@ -440,22 +435,6 @@ class StoragesProbe:
 
         with torch._C.DisableTorchFunction():   # the search reads tensor attributes: invisible to user modes
             return leak_table(records, shell=ipython_shell())
-
-
-def _addresses(ctx: RecordingContext, n: int) -> Optional[pa.Array]:
-    """The ``address`` column: each storage's data pointer, which the trackers of both engines keyed
-    it by (``tracker.ptrs``; fake tensors' keys are not addresses: null); None when unknown."""
-    tracker = ctx.tracker
-    if tracker is None or n == 0:
-        return None
-    try:
-        arr = np.asarray(tracker.ptrs[:n], dtype=np.int64)
-    except OverflowError:
-        return None
-    if len(arr) < n:
-        arr = np.concatenate([arr, np.zeros(n - len(arr), np.int64)])
-    col: pa.Array = nullable_array(arr, arr <= 0)
-    return col
 
 
 def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tuple[str, str], Column]:
@@ -472,7 +451,9 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
     lt = Lifetimes(tensors, ops, calls)   # one pass over the ops for every step below
     rows, seqs = made_by_out_argument(tensors, ops, lt)
     if len(rows):   # buffers compiled code made for an op's out=: made there, not before the trace
-        alloc = lt.alloc   # categorize reads the moved alloc_seq from here
+        lt.move_alloc(rows, seqs)   # categorize reads the moved alloc_seq from here
+        # (compiled regions only: the whole column)
+        alloc = np.array(pc.fill_null(tensors.column("alloc_seq"), -1).to_numpy(), dtype=np.int64)
         alloc[rows] = seqs
         op_names = take_rows(ops.select(["op"]), np.maximum(alloc, 0)).column(0).combine_chunks()
         out[("tensors", "alloc_seq")] = nullable_array(alloc, alloc < 0)
@@ -488,9 +469,8 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
         from ..tracking.leaks.roots import user_objects
         from ..tracking.state import find_optimizers, state_storages
 
-        ptrs = tracker.ptrs
-        alive = np.nonzero(lt.free < 0)[0]
-        live = {int(ptrs[i]): i for i in alive[alive < len(ptrs)].tolist()}
+        alive = lt.rows_where("free_seq", lambda f: f < 0)   # the storages never freed
+        live = dict(zip(ctx.rec.tensors.values("ptr", alive).tolist(), alive.tolist()))
         modules = ctx.modules.roots() if ctx.modules is not None else []
         objs = user_objects(ipython_shell())
         try:

@@ -21,19 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
-
-if TYPE_CHECKING:
-    import numpy as np
+from typing import Any, Callable, Optional, Protocol
 
 
 class Storages(Protocol):
-    """The storages of a trace as the finish reads them (leaks)."""
-
-    @property
-    def ptrs(self) -> Union[Sequence[int], np.ndarray]:
-        """Storage id -> data pointer (8 bytes a storage: an int64 array, or ``array('q')``)."""
-        ...
+    """The storages of a trace as the finish reads them (leaks); their records (data pointers
+    included) are the recorder's ``tensors`` (``storage_rows.StorageRows``)."""
 
     def live_created(self) -> list[tuple[int, Any]]:
         """(storage id, weak reference) of the storages created by the trace and still alive."""

@@ -18,7 +18,6 @@ import shutil
 from array import array
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Literal,
@@ -34,6 +33,7 @@ from .._tensormeta import memory_format
 from ..errors import SpillError
 from ..native import abi_layout as _abi
 from .spill import make_spill_dir, spill_file, spill_note
+from .storage_rows import StorageRows
 
 # ops row flags
 F_INPLACE = 1
@@ -380,29 +380,6 @@ class SparseInts:
         return np.concatenate(rows), np.concatenate(vals).astype(dtype)
 
 
-class _Columns:
-    """A set of ``array`` columns with chunk freezing."""
-
-    def __init__(self, spec: Sequence[tuple[str, str]]) -> None:
-        self.spec = spec
-        self.reset()
-        self.frozen: list[dict[str, np.ndarray]] = []
-
-    if TYPE_CHECKING:   # the columns are attributes named by ``spec`` (reset() sets them)
-        def __getattr__(self, name: str) -> array[int]: ...
-        def __setattr__(self, name: str, value: Any) -> None: ...
-
-    def reset(self) -> None:
-        for name, code in self.spec:
-            setattr(self, name, array(code))
-
-    def freeze(self) -> dict[str, np.ndarray]:
-        chunk = {name: np.frombuffer(getattr(self, name), dtype=np.int32 if code == "i" else np.int64).copy()
-                 for name, code in self.spec}
-        self.reset()
-        return chunk
-
-
 def _release_memory() -> None:
     """After a spill's parts are written: return the Arrow memory pool's cached free buffers
     (jemalloc/mimalloc keep what decoding the parts used) to the OS; a long trace would otherwise
@@ -456,7 +433,8 @@ class Recorder:
         self.calls = CallStore(CALL_FIELDS)
         self.n_calls = 0
 
-        self.tensors = _Columns(TENSOR_COLUMNS)
+        #: the storage records (the tensors table's rows): finished ones spill with the op chunks
+        self.tensors = StorageRows()
 
         # sparse per-op facts: seq -> value
         self.op_errors: dict[int, int] = {}
@@ -486,6 +464,7 @@ class Recorder:
         self.chunk_start += rows
         self.probe_ns.freeze()
         self.nonfinite.freeze()
+        self.tensors.freeze()
         if rows == 0:
             return
         self.mem_chunks.append({k: pack(v) for k, v in chunk.items()})
@@ -536,10 +515,19 @@ class Recorder:
         self.calls.spill(self.spill_path)   # the finished calls rows go with them (python engine)
         self.probe_ns.spill(self.spill_path)
         self.nonfinite.spill(self.spill_path)
+        self.tensors.spill(self.spill_path)   # the finished storage records
 
     def spill_failure(self, e: SpillError, what: str) -> None:
         """A spill file could not be written: nothing is written from now on (a full disk is the
         program's too); the note says what stayed in memory, the end of the trace raises ``e``."""
+        # kept until the end of the trace: without their tracebacks, whose frames' f_back chain
+        # reaches the user's frame the spill ran under (its tensors would outlive their scope)
+        seen: set[int] = set()
+        err: Optional[BaseException] = e
+        while err is not None and id(err) not in seen:
+            seen.add(id(err))
+            err.__traceback__ = None
+            err = err.__cause__ or err.__context__
         if self.spill_failed is None:
             self.spill_failed = e
             self.notes.append(spill_note(e, what))

@@ -98,7 +98,7 @@ def null_column(n: int, typ: pa.DataType, lengths: Optional[Sequence[int]] = Non
     return pa.chunked_array([shared.setdefault(m, pa.nulls(m, typ)) for m in lengths], typ)
 
 
-def take_rows(table: pa.Table, rows: Sequence[int]) -> pa.Table:
+def take_rows(table: pa.Table, rows: Union[Sequence[int], np.ndarray]) -> pa.Table:
     """``table.take(rows)`` chunk by chunk: Arrow's take over a chunked column concatenates the
     whole column first (a memory-mapped table's column copied into anonymous memory for a handful
     of rows); here each chunk gives its own rows, and only the result is put in order."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -63,28 +62,36 @@ class LiveStorage:
 
 
 class StorageTracker:
-    """Assigns storage ids by data pointer and watches each storage's death."""
+    """Assigns storage ids by data pointer and watches each storage's death.
+
+    Only live storages are held here (``live``: id -> (weakref, meta, nbytes, alloc_seq, module,
+    call, data pointer)); a freed one's record goes to the recorder's ``StorageRows`` buffer
+    (``recording/storage_rows.py``), which spills with the op chunks. ``seal()`` hands the live ones
+    over when the tables are built; frees after that only forget them."""
 
     def __init__(self, rec, seq_fn: Callable[[], int]):
         self.rec = rec
-        self.cols = rec.tensors
+        self.rows = rec.tensors
+        self.rows.live_source = self.seal
         self._seq = seq_fn
         self.by_ptr: dict[int, int] = {}          # live data_ptr -> storage id
-        self.refs: dict[int, weakref.ref] = {}    # storage id -> weakref (live ones)
-        #: storage id -> data_ptr (8 bytes a storage: a list of ints held 40, per op in a loop that allocates)
-        self.ptrs = array("q")
+        self.live: dict[int, tuple[Any, int, int, int, int, int, int]] = {}
+        self.n = 0                                # storages seen (the next id)
         self.devices: list[str] = []
         self.closed = False
+        self.sealed = False
         self.fake_keys = bool(getattr(fake, "on", False))
-        self._cb_cache: dict[int, Callable] = {}
 
     def _freed(self, sid: int):
         # Runs from the weakref callback, at an arbitrary point: keep it tiny.
         if self.closed:
             return
-        self.cols.free_seq[sid] = self._seq()
-        self.refs.pop(sid, None)
-        ptr = self.ptrs[sid]
+        r = self.live.pop(sid, None)
+        if r is None:
+            return
+        _ref, meta, nbytes, alloc, module, call, ptr = r
+        if not self.sealed:
+            self.rows.buffer.extend((meta, nbytes, alloc, self._seq(), module, call, ptr, sid))
         if self.by_ptr.get(ptr) == sid:
             del self.by_ptr[ptr]
 
@@ -102,36 +109,37 @@ class StorageTracker:
         sid = self.by_ptr.get(ptr)
         if sid is not None:
             return sid
-        sid = len(self.ptrs)
-        cols = self.cols
+        sid = self.n
         try:
             # mypy cannot type a lambda whose argument is bound by a default
             ref = weakref.ref(storage, lambda _r, sid=sid: self._freed(sid))  # type: ignore[misc]
         except TypeError:
             return -1
+        self.n += 1
         self.by_ptr[ptr] = sid
-        self.refs[sid] = ref
-        self.ptrs.append(ptr)
-        cols.meta.append(meta_id)
-        cols.nbytes.append(storage.nbytes())
-        cols.alloc_seq.append(self._seq() if alloc else -1)
-        cols.free_seq.append(-1)
-        cols.module.append(module_id)
-        cols.call.append(call_id)
+        self.live[sid] = (ref, meta_id, storage.nbytes(), self._seq() if alloc else -1, module_id, call_id, ptr)
         return sid
+
+    def seal(self) -> list[tuple[int, ...]]:
+        """The records of the storages alive now (``free_seq`` -1), once: from here on a free only
+        forgets its storage (the tables are being built from the records)."""
+        if self.sealed:
+            return []
+        self.sealed = True
+        return [(meta, nbytes, alloc, -1, module, call, ptr, sid)
+                for sid, (_ref, meta, nbytes, alloc, module, call, ptr) in list(self.live.items())]
 
     def live_created(self) -> list[tuple[int, Any]]:
         """(storage id, weakref) of storages the trace created that are still alive."""
-        alloc = self.cols.alloc_seq
-        free = self.cols.free_seq
         out = []
-        for sid, ref in list(self.refs.items()):
-            if alloc[sid] >= 0 and free[sid] < 0 and ref() is not None:
+        for sid, r in list(self.live.items()):
+            ref = r[0]
+            if r[3] >= 0 and ref() is not None:
                 out.append((sid, ref))
         return out
 
     def close(self):
         """Stop watching: the callbacks become no-ops and the weak refs are dropped."""
         self.closed = True
-        self.refs.clear()
+        self.live.clear()
         self.by_ptr.clear()

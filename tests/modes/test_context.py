@@ -170,7 +170,7 @@ def test_each_engine_pair_has_the_members_of_its_protocol():
     from tensorscope.recording.engines.python.shadow import NumericsShadow
     from tensorscope.tracking.storages import StorageTracker
 
-    instance_attrs = {"ptrs", "op_begin", "op_end", "engine", "native", "sites_reason"}   # set in __init__ / class
+    instance_attrs = {"op_begin", "op_end", "engine", "native", "sites_reason"}   # set in __init__ / class
     pairs = [(P.Storages, (StorageTracker, NativeStorages)), (P.Screen, (NonfiniteScreen, NativeScreen)),
              (P.OpScreen, (NonfiniteScreen,)), (P.Capture, (FallbackCapture, NativeCapture)),
              (P.NativeSiteCapture, (NativeCapture,)), (P.FunctionMode, (TracingFunctionMode, NativeFunctionMode)),
@@ -181,4 +181,4 @@ def test_each_engine_pair_has_the_members_of_its_protocol():
         for cls in classes:
             missing = {m for m in members if not hasattr(cls, m) and m not in instance_attrs}
             assert not missing, f"{cls.__name__} lacks {sorted(missing)} of {proto.__name__}"
-    assert {"ptrs"} <= _protocol_members(P.Storages) and {"pre", "post"} <= _protocol_members(P.OpScreen)
+    assert {"live_created", "close"} <= _protocol_members(P.Storages) and {"pre", "post"} <= _protocol_members(P.OpScreen)

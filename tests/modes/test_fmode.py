@@ -249,12 +249,12 @@ def test_many_calls_are_packed_and_decode_to_the_same_rows(monkeypatch):
 
     stats = {}
 
-    def run(py):
+    def run(py, **spill):
         if py:
             monkeypatch.setenv(PY_FUNCTION_MODE_ENV, "1")
         else:
             monkeypatch.delenv(PY_FUNCTION_MODE_ENV, raising=False)
-        with tensorscope.trace(engine="native", leaks=False, storages=False, nonfinite=False) as t:
+        with tensorscope.trace(engine="native", leaks=False, storages=False, nonfinite=False, **spill) as t:
             many()
             if not py:
                 stats.update(_build._STATES["fmode"].module.stats())
@@ -267,6 +267,11 @@ def test_many_calls_are_packed_and_decode_to_the_same_rows(monkeypatch):
     assert _rows(tc.calls, times) == _rows(tp.calls, times)
     starts = tc.calls.column("start_ns").to_pylist()
     assert starts == sorted(starts) and tc.calls.column("dur_ns").to_pylist()[20000] >= 0
+    # spilled: the packed blocks handed over at the end spill with the last op chunks and the calls
+    # table is decoded 3000 calls at a time across them and the rows after them
+    ts = run(False, spill_rows=6000, chunk_rows=3000)
+    assert ts.metadata["spilled_rows"] > 0 and ts.calls.column("call_id").num_chunks > 10
+    assert _rows(ts.calls, times) == _rows(tp.calls, times)
 
 
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")

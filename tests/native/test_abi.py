@@ -121,7 +121,7 @@ def test_the_call_kinds(abi):
 def test_the_storage_columns(abi):
     # NativeEngine.finish reads take()'s storages column by column in the recorder's order, then the pointer
     py = _python()
-    assert abi["tensors"] == [n for n, _ in py.TENSOR_COLUMNS] + ["ptr"]
+    assert abi["tensors"] == [n for n, _ in py.TENSOR_COLUMNS] + ["ptr", "sid"]
 
 
 def test_every_argument_tag_decodes():

@@ -259,6 +259,7 @@ class NativeEngine:
         """The engine's packed chunks into ``rec.mem_chunks`` (the recorder's format: flags and
         FLOPs derived per distinct op), its new dictionary entries into the recorder's interners."""
         chunks, dicts = self.ext.take_chunks(final)
+        rec.tensors.add(dicts.pop("storages", b""))   # the storage records freed since the last hand-over
         self._sync_dicts(rec, dicts)
         for first, n, cols in chunks:
             packed = {name: (int(b), np.frombuffer(buf, dtype=_PACKED_DTYPES[w]))
@@ -285,6 +286,8 @@ class NativeEngine:
         rec = ctx.rec
         self._take_chunks(rec, final=True)
         d = ext.take()
+        if opts is not None and opts.storages:   # the records finished since, and the live ones
+            rec.tensors.add(d["tensors"])
         # warnings no call drained (ops outside any torch-level call, or after the last one)
         rest = self.take_warnings()
         if rest:
@@ -297,14 +300,8 @@ class NativeEngine:
             rec.tracer_error("op hook", RuntimeError("converting an op's arguments for the op hook failed"))
         if int(d.get("on_full_errors", 0)):
             rec.tracer_error("native spill", RuntimeError(f"{d['on_full_errors']} hand-over(s) raised"))
-        # storages
-        st = np.frombuffer(d["tensors"], dtype=np.int64).reshape(-1, 7)
         if opts is not None and opts.storages:
-            # views of the handed-over rows, no copies (decode.tensors_table reads any integer
-            # column a range at a time): 56 B a storage in all; the pointers an array (a list: ~40 B more)
-            cols = rec.tensors
-            cols.meta, cols.nbytes, cols.alloc_seq, cols.free_seq, cols.module, cols.call = (st[:, k] for k in range(6))
-            ctx.tracker = NativeStorages(ext, st[:, 6].copy())
+            ctx.tracker = NativeStorages(ext)
         # non-finite screen (its findings came with the chunks)
         if ctx.screen is not None:
             ctx.screen = NativeScreen(d["screen"])
@@ -319,12 +316,11 @@ class NativeEngine:
 
 
 class NativeStorages:
-    """The storage view the leak finder reads (``ptrs``, ``live_created()``), from the native engine."""
+    """The storage view the leak finder reads (``live_created()``), from the native engine (the
+    records themselves are in ``rec.tensors``)."""
 
-    def __init__(self, ext: Any, ptrs: np.ndarray) -> None:
+    def __init__(self, ext: Any) -> None:
         self._ext = ext
-        self.ptrs = ptrs
-        self._live = None
 
     def live_created(self) -> list[tuple[int, Any]]:
         out: list[tuple[int, Any]] = []

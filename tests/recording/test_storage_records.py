@@ -1,0 +1,224 @@
+"""Storage records leave memory once finished: both engines hold the live storages only, the
+finished records spill with the op chunks (``recording/storage_rows.py``), and the ``tensors``
+table built from them a block of ids at a time equals the in-memory trace's.
+
+The traces here free their storages out of creation order (a shuffled pool), keep some alive to
+the end (a leak the leak finder names, and a list the program holds), and spill with a tiny
+``chunk_rows``/``spill_rows`` so the records come in many parts and the table in many blocks.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import os
+import random
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import tensorscope
+from tensorscope.errors import SpillError
+from tensorscope.recording import spill
+from tensorscope.recording.storage_rows import RECORD_FIELDS, StorageRows
+
+from .test_spill_equal import _with_times_of
+
+SPILL = dict(chunk_rows=16, spill_rows=32)
+KEPT: list[Any] = []
+
+
+def _forced_fallback() -> bool:
+    return os.environ.get("TENSORSCOPE_FORCE_FALLBACK", "") not in ("", "0")
+
+
+def _native_available() -> bool:
+    from tensorscope.recording.engines import _native_ext
+
+    ext, _ = _native_ext(wait=True)
+    return ext is not None
+
+
+@pytest.fixture(params=["native", "python"])
+def engine(request):
+    if request.param == "native" and (_forced_fallback() or not _native_available()):
+        pytest.skip("native engine unavailable (or TENSORSCOPE_FORCE_FALLBACK): the python engine is covered")
+    return request.param
+
+
+def _program(seen_spill: list[int], spill_dir: Any = None) -> torch.Tensor:
+    """Storages made in a pool and freed in a shuffled order; a few held to the end (KEPT: one with
+    an autograd graph, the leak finder's), the rest of the program's results returned."""
+    rnd = random.Random(0)
+    torch.manual_seed(0)
+    w = torch.randn(6, 6, requires_grad=True)
+    pool: list[torch.Tensor] = []
+    acc = torch.zeros(6)
+    for step in range(30):
+        pool.append(torch.randn(6) * (step + 1))
+        pool.append(pool[-1].add(1.0))
+        if len(pool) > 6:
+            del pool[rnd.randrange(len(pool))]      # frees out of creation order
+            del pool[rnd.randrange(len(pool))]
+        acc = acc + pool[rnd.randrange(len(pool))]
+        if step % 10 == 3:
+            KEPT.append((w @ w).sum())              # holds its graph: a leak
+        if spill_dir is not None:
+            seen_spill.append(len(glob.glob(os.path.join(spill_dir, "tensorscope-spill-*", "storages-*-sid.npy"))))
+    KEPT.append(pool)                               # alive past the trace too
+    return acc + torch.stack(pool).sum(0)
+
+
+def _traced(engine: str, **opts: Any) -> tuple[Any, torch.Tensor, list[int]]:
+    KEPT.clear()
+    seen: list[int] = []
+    with tensorscope.trace(engine=engine, **opts) as t:
+        out = _program(seen, opts.get("spill_dir"))
+    t = t.result
+    assert t.metadata["engine"] == engine, t.metadata.get("engine_reason")
+    assert t.metadata["tracer_errors"] == 0, t.metadata["tracer_error_messages"]
+    return t, out, seen
+
+
+def _rows(table: pa.Table, skip: tuple[str, ...] = ()) -> dict[str, list[Any]]:
+    return {c: table.column(c).to_pylist() for c in table.column_names if c not in skip}
+
+
+def test_finished_storage_records_spill_and_the_tables_equal_the_in_memory_trace(engine, tmp_path):
+    _traced(engine, leaks=False)   # the first trace claims every op's first run in this process
+    mem, out_mem, _ = _traced(engine)
+    spilled, out_sp, seen = _traced(engine, spill_dir=str(tmp_path), **SPILL)
+    assert torch.equal(out_mem, out_sp)
+    assert spilled.metadata["spilled_rows"] > 0
+    assert max(seen) >= 2, seen   # finished records were written while recording, in several parts
+    a, b = mem.tensors, spilled.tensors
+    assert a.num_rows == b.num_rows > 100
+    assert b.column("storage_id").to_pylist() == list(range(b.num_rows))   # id order, every id once
+    assert b.column("storage_id").num_chunks > 3                            # built a block at a time
+    # addresses differ between runs: the same ones null, all known ones distinct per live interval
+    assert a.column("address").is_null().to_pylist() == b.column("address").is_null().to_pylist()
+    assert _rows(a, ("address",)) == _rows(b, ("address",))
+    free = b.column("free_seq").to_pylist()
+    freed = [s for s in free if s is not None]
+    assert any(x > y for x, y in zip(freed, freed[1:]))        # freed out of creation order
+    assert free.count(None) >= 8                                # and some live to the end
+    # memory categories, leaks and the summary: the same
+    assert mem.tensors.column("category").to_pylist() == spilled.tensors.column("category").to_pylist()
+    assert mem.leaks.num_rows == spilled.leaks.num_rows >= 3
+    assert _rows(mem.leaks) == _rows(spilled.leaks)
+    ref = _with_times_of(mem, spilled)   # the measured times (and addresses) of the spilled run
+    assert "still alive" in ref.summary().to_text()
+    assert spilled.summary().to_text() == ref.summary().to_text()
+
+
+def test_storage_rows_blocks_merge_parts_across_block_boundaries(tmp_path):
+    """Parts made of records finished out of id order, some spilled (memory-mapped) and some in
+    memory, read back in blocks of every size: each block is exactly the id-sorted rows."""
+    rng = np.random.default_rng(0)
+    n = 1000
+    full = np.zeros((n, len(RECORD_FIELDS)), np.int64)
+    sid = RECORD_FIELDS.index("sid")
+    full[:, sid] = np.arange(n)
+    for k, name in enumerate(RECORD_FIELDS):
+        if name != "sid":
+            full[:, k] = rng.integers(-1, 1 << (8 * (k % 4 + 1) + 3), n) if name != "ptr" else rng.integers(1, 1 << 60, n)
+    order = rng.permutation(n)
+    rows = StorageRows()
+    cuts = np.sort(rng.choice(np.arange(1, n), 12, replace=False))
+    for i, part in enumerate(np.split(order, cuts)):
+        if i % 3 == 0:   # the python engine's buffer, frozen into a part
+            rows.buffer.extend(full[part].ravel().tolist())
+            rows.freeze()
+        else:
+            rows.add(full[part].tobytes())
+        if i in (4, 9):
+            rows.spill(str(tmp_path))   # the parts in memory so far, merged into one, to .npy files
+    assert len(rows) == n and rows.n_spilled > 0 and rows.resident_records < n
+    assert glob.glob(str(tmp_path / "storages-*-sid.npy"))
+    names = [f for f in RECORD_FIELDS if f != "sid"]
+    for step in (1, 7, 64, 333, n):
+        got = {k: [] for k in names}
+        for lo, hi, b in rows.blocks(step):
+            for k in names:
+                assert len(b[k]) == hi - lo
+                got[k].append(b[k])
+        for k in names:
+            assert np.array_equal(np.concatenate(got[k]), full[:, RECORD_FIELDS.index(k)]), (step, k)
+    ids = rng.choice(n, 50, replace=False)
+    assert np.array_equal(rows.values("ptr", ids), full[ids, RECORD_FIELDS.index("ptr")])
+    with pytest.raises(RuntimeError, match="found"):   # an id no part holds is an error, not a zero
+        rows.block(n - 1, n + 1)
+
+
+def test_the_native_engine_keeps_only_live_storage_records(tmp_path):
+    if _forced_fallback() or not _native_available():
+        pytest.skip("native engine unavailable (or TENSORSCOPE_FORCE_FALLBACK)")
+    from tensorscope.recording.engines import _native_ext
+    from tensorscope.recording.session import active_session
+
+    ext, _ = _native_ext(wait=True)
+    a, b = torch.ones(4), torch.ones(4)
+    seen: list[dict[str, int]] = []
+    with tensorscope.trace(engine="native", spill_dir=str(tmp_path), chunk_rows=256, spill_rows=512) as t:
+        for i in range(5000):
+            a.add(b)                        # one output storage per op, freed at once
+            if i % 1000 == 999:
+                seen.append(dict(ext.resident(), held=active_session().ctx.rec.tensors.resident_records))
+    t = t.result
+    assert t.tensors.num_rows >= 5000
+    last = seen[-1]
+    assert last["storages_made"] >= 4999
+    assert last["storage_slots"] <= 64, last            # the live ones (a few), not every one made
+    assert last["storages_finished"] <= 2 * 512, last   # handed over with the chunks
+    assert last["held"] <= 2 * 512, last                # and spilled with them by the recorder
+
+
+class _FullFile:
+    """A file on a disk with no room: a write raises ENOSPC, as write(2) does."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def write(self, b: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("engine_name", ["auto", "python"])
+def test_a_full_disk_at_the_storage_records_is_a_clear_error_and_the_trace_stays_whole(
+        engine_name, monkeypatch, tmp_path):
+    KEPT.clear()
+    with tensorscope.trace(engine=engine_name, leaks=False) as ref:
+        expected = _program([])
+    ref = ref.result
+    real = spill._open
+
+    def opener(path: str) -> Any:
+        f = real(path)
+        return _FullFile(f) if os.path.basename(path).startswith("storages-") else f
+
+    monkeypatch.setattr(spill, "_open", opener)
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    KEPT.clear()
+    cm = tensorscope.trace(engine=engine_name, spill_dir=str(spill_dir), leaks=False, **SPILL)
+    with pytest.raises(SpillError) as ei:
+        got = None
+        with cm:
+            got = _program([])
+    assert got is not None and torch.equal(got, expected)
+    e = ei.value
+    assert "storages-000000-" in str(e) and "No space left on device" in str(e)
+    t = e.trace
+    assert any("kept in memory" in n for n in t.metadata["notes"])
+    assert _rows(t.tensors, ("address",)) == _rows(ref.tensors, ("address",))
+    back = tensorscope.load(t.save(tmp_path / "saved"))
+    assert back.tensors.num_rows == ref.tensors.num_rows
+    assert os.listdir(spill_dir) == []
+    with contextlib.suppress(Exception):
+        KEPT.clear()
