@@ -25,34 +25,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from .live_sweep import STORAGE_STEP
+from .memory_batches import memory_batches
+from .memory_columns import _array, _devices, _filled, _int_column  # noqa: F401  (read here by name)
 
 __all__ = ["memory_table", "memory_peak", "live_mask", "live_matrix"]
-
-
-def _array(col: Any) -> pa.Array:
-    """One array of a column (a table's column is chunked; one chunk is taken as is, not copied)."""
-    if isinstance(col, pa.ChunkedArray):
-        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-    return col
-
-
-def _filled(arr: pa.Array, fill: int) -> np.ndarray:
-    """An integer array as a new int64 array, nulls as ``fill``: read from its buffers, a few numpy
-    calls where ``pc.fill_null`` and ``to_numpy`` are heavier (the end of every trace converts a dozen)."""
-    n, off = len(arr), arr.offset
-    if n == 0:
-        return np.zeros(0, np.int64)
-    validity, data = arr.buffers()[:2]
-    out = np.frombuffer(data, dtype=arr.type.to_pandas_dtype())[off:off + n].astype(np.int64)   # a copy
-    if arr.null_count:
-        valid = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[off:off + n]
-        out[valid == 0] = fill
-    return out
-
-
-def _int_column(table: pa.Table, name: str, fill: int) -> np.ndarray:
-    """An integer column of ``table`` as a new int64 array, nulls as ``fill``."""
-    return _filled(_array(table.column(name)), fill)
 
 
 def _sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
@@ -90,39 +67,26 @@ def live_matrix(key: np.ndarray, nbytes: np.ndarray, alloc: np.ndarray, free: np
     return live, baseline
 
 
-def _devices(tensors: pa.Table) -> tuple[list[str], np.ndarray]:
-    """(device names in first-seen order, per-row device index)."""
-    col = pc.fill_null(tensors.column("device"), "unknown").combine_chunks()
-    enc = col.dictionary_encode()
-    names = enc.dictionary.to_pylist()
-    idx = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-    return names, idx
+def memory_devices(tensors: pa.Table) -> int:
+    """How many devices ``_devices(tensors)`` names (each has a row per op in ``memory``), read a
+    chunk of storages at a time."""
+    seen: set[str] = set()
+    for b in tensors.select(["device"]).to_batches(max_chunksize=STORAGE_STEP):
+        seen.update(_devices(pa.Table.from_batches([b]))[0])
+    return len(seen)
 
 
 def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
-    """MEMORY rows ``(seq, device, live_bytes, delta_bytes)``: one per op and device, seq order;
-    ``live_bytes`` while the op runs (``live_mask``).
+    """MEMORY rows ``(seq, device, live_bytes, delta_bytes)``: one per op and device, device by device,
+    seq order; ``live_bytes`` while the op runs (``live_mask``; built a block of ops at a time:
+    ``memory_batches.memory_batches``).
 
     ``delta_bytes`` is the change against the previous op (against the pre-trace baseline for
     seq 0). Devices are listed in the order they first appear in ``tensors``.
     """
-    n_ops = int(n_ops)
-    if n_ops <= 0 or tensors.num_rows == 0:
+    if int(n_ops) <= 0 or tensors.num_rows == 0:
         return S.empty("memory")
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    dev_order, dev = _devices(tensors)
-    # (bincount's float64 sums are exact below 2**53 bytes)
-    live, baseline = live_matrix(dev, nbytes, alloc, free, len(dev_order), n_ops)
-    delta = live.copy()   # the change against the op before (the baseline for seq 0), in place
-    delta[:, 1:] -= live[:, :-1]
-    delta[:, 0] -= baseline
-    seqs = np.tile(np.arange(n_ops, dtype=np.int64), len(dev_order))
-    dev_col = pa.DictionaryArray.from_arrays(np.repeat(np.arange(len(dev_order), dtype=np.int32), n_ops),
-                                             pa.array(dev_order, pa.string())).cast(pa.string())
-    return pa.Table.from_arrays([pa.array(seqs), dev_col, pa.array(live.reshape(-1)),
-                                 pa.array(delta.reshape(-1))], schema=S.MEMORY)
+    return pa.Table.from_batches(list(memory_batches(tensors, int(n_ops))), schema=S.MEMORY).combine_chunks()
 
 
 def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,232 @@
+"""The live-bytes tables built a block of ops at a time equal the whole-table definitions.
+
+``memory``, ``memory_timeline`` and ``module_memory`` are built by ``LiveSweep`` (analyses/live_sweep.py)
+over op blocks, reading the storages a chunk at a time; here each is compared, over blocks of one op and
+of a few ops (a storage alive across many blocks, peaks and tie-breaks at block edges) and chunks of one
+and a few storages, with the whole-array definitions they replaced (kept below as the reference: every
+op's live bytes in one array, ``live_matrix``), on a training trace, the same storages listed in reverse
+(not in first-sighting order: the sweep reads them whole), on two devices, and as a table of many small
+chunks (the ops too: pieces with their own dictionaries).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import tensorscope
+from tensorscope import schema as S
+from tensorscope.analyses.memory import _devices, _int_column, live_matrix, memory_table
+from tensorscope.analyses.memory_batches import memory_batches, memory_timeline_batches, module_memory
+from tensorscope.analyses.memory_categories import (
+    _CAT,
+    CATS,
+    _category_codes,
+    _codes,
+    _op_columns,
+    backward_region,
+    storage_modules,
+)
+
+# -- the whole-table definitions (what the batched builders replaced), the reference ------------
+
+def whole_memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
+    nbytes = _int_column(tensors, "nbytes", 0)
+    alloc = _int_column(tensors, "alloc_seq", -1)
+    free = _int_column(tensors, "free_seq", -1)
+    dev_order, dev = _devices(tensors)
+    live, baseline = live_matrix(dev, nbytes, alloc, free, len(dev_order), n_ops)
+    delta = live.copy()
+    delta[:, 1:] -= live[:, :-1]
+    delta[:, 0] -= baseline
+    seqs = np.tile(np.arange(n_ops, dtype=np.int64), len(dev_order))
+    dev_col = pa.DictionaryArray.from_arrays(np.repeat(np.arange(len(dev_order), dtype=np.int32), n_ops),
+                                             pa.array(dev_order, pa.string())).cast(pa.string())
+    return pa.Table.from_arrays([pa.array(seqs), dev_col, pa.array(live.reshape(-1)),
+                                 pa.array(delta.reshape(-1))], schema=S.MEMORY)
+
+
+def storage_columns(tensors: pa.Table) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What the live-bytes views read of each storage: (device names, device code, category code,
+    nbytes, alloc_seq (-1: before the trace), free_seq (-1: never freed))."""
+    names, dev = _devices(tensors)
+    return (names, dev, _category_codes(tensors), _int_column(tensors, "nbytes", 0),
+            _int_column(tensors, "alloc_seq", -1), _int_column(tensors, "free_seq", -1))
+
+
+def _live(tensors: pa.Table, n_ops: int) -> tuple[list[str], np.ndarray]:
+    """(devices, live[d, c, s]): bytes of category c on device d live while op s runs (``live_mask``)."""
+    names, dev, cat, nbytes, alloc, free = storage_columns(tensors)
+    D, C = len(names), len(CATS)
+    live, _ = live_matrix(dev * C + cat, nbytes, alloc, free, D * C, n_ops)
+    return names, live.reshape(D, C, n_ops)
+
+
+def _repeated(names: list[str], n: int) -> pa.Array:
+    """Each of ``names`` ``n`` times, as one string array (through a dictionary: no string per row in Python)."""
+    codes = np.repeat(np.arange(len(names), dtype=np.int32), n)
+    return pa.DictionaryArray.from_arrays(codes, pa.array(names, pa.string())).cast(pa.string())
+
+
+def whole_memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
+    """MEMORY_TIMELINE rows: per device, one row per op (seq order), live bytes per category while it runs."""
+    n_ops = ops.num_rows
+    if n_ops == 0 or tensors.num_rows == 0:
+        return S.MEMORY_TIMELINE.empty_table()
+    names, live = _live(tensors, n_ops)
+    D = len(names)
+    total = live.sum(axis=1)
+    peak = np.zeros((D, n_ops), bool)
+    peak[np.arange(D), np.argmax(total, axis=1)] = True
+    rows = np.tile(np.arange(n_ops, dtype=np.int64), D)
+    opc = _op_columns(ops, n_ops, rows)
+    cols: dict[str, Any] = dict(seq=pa.array(rows), device=_repeated(names, n_ops),
+                                live_bytes=pa.array(total.reshape(-1)), is_peak=pa.array(peak.reshape(-1)))
+    cols.update(opc)
+    for ci, c in enumerate(CATS):
+        cols[f"{c}_bytes"] = pa.array(live[:, ci, :].reshape(-1))
+    return pa.Table.from_arrays([cols[f.name] for f in S.MEMORY_TIMELINE], schema=S.MEMORY_TIMELINE)
+
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def whole_module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None) -> pa.Table:
+    """MODULE_MEMORY rows, largest activations first (see the module docstring)."""
+    n_ops = ops.num_rows
+    if n_ops == 0 or tensors.num_rows == 0:
+        return S.MODULE_MEMORY.empty_table()
+    # live bytes per device while each op runs (every category at once: one row per device, not per category)
+    names, dev = _devices(tensors)
+    total, _ = live_matrix(dev, _int_column(tensors, "nbytes", 0), _int_column(tensors, "alloc_seq", -1),
+                           _int_column(tensors, "free_seq", -1), len(names), n_ops)   # [device, seq]
+    mcodes, mvalues = _codes(ops.column("module"))
+    bwd = backward_region(ops, calls)
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def row(m: str, d: str) -> dict[str, Any]:
+        r = rows.get((m, d))
+        if r is None:
+            r = rows[(m, d)] = dict(module=m, device=d, depth=m.count("."), activation_bytes=0,
+                                    own_activation_bytes=0, fwd_peak_bytes=None, fwd_peak_seq=None,
+                                    bwd_peak_bytes=None, bwd_peak_seq=None, fwd_ops=0, bwd_ops=0)
+        return r
+
+    has = mcodes >= 0
+    for di, d in enumerate(names):
+        for phase, mask in (("fwd", ~bwd), ("bwd", bwd)):
+            sel = np.nonzero(has & mask)[0]
+            if not len(sel):
+                continue
+            codes = mcodes[sel]
+            order = np.lexsort((sel, codes))
+            sel, codes = sel[order], codes[order]
+            starts = np.concatenate([[0], np.nonzero(np.diff(codes))[0] + 1])
+            vals = total[di, sel]
+            for k, st in enumerate(starts.tolist()):
+                end = int(starts[k + 1]) if k + 1 < len(starts) else len(sel)
+                j = st + int(np.argmax(vals[st:end]))
+                path = mvalues[int(codes[st])]
+                if path is None:
+                    continue
+                for anc in _ancestors(path):
+                    r = row(anc, d)
+                    r[f"{phase}_ops"] += end - st
+                    b = int(vals[j])
+                    if r[f"{phase}_peak_bytes"] is None or b > r[f"{phase}_peak_bytes"] or (
+                            b == r[f"{phase}_peak_bytes"] and int(sel[j]) < r[f"{phase}_peak_seq"]):
+                        r[f"{phase}_peak_bytes"], r[f"{phase}_peak_seq"] = b, int(sel[j])
+    _, dev = _devices(tensors)
+    cat = _category_codes(tensors)
+    act = np.nonzero(cat == _CAT["activation"])[0]
+    if len(act):
+        mcodes, mnames = storage_modules(tensors, ops)
+        nbytes = _int_column(tensors, "nbytes", 0)
+        act = act[mcodes[act] >= 0]
+        M = len(mnames)
+        key = dev[act] * M + mcodes[act]
+        keys, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv, weights=nbytes[act].astype(np.float64)).astype(np.int64)
+        for k, b in zip(keys.tolist(), sums.tolist()):
+            m, d = mnames[k % M], names[k // M]
+            if m is None:
+                continue
+            row(m, d)["own_activation_bytes"] += b
+            for anc in _ancestors(m):
+                row(anc, d)["activation_bytes"] += b
+    out = sorted(rows.values(), key=lambda r: (-r["activation_bytes"], -(r["fwd_peak_bytes"] or 0), r["module"]))
+    return pa.Table.from_pylist(out, schema=S.MODULE_MEMORY)
+
+
+# -- the comparisons ---------------------------------------------------------------------------
+
+def _training():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.Tanh()), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(16, 6)
+    kept = []
+    with tensorscope.trace() as t:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            kept.append(loss.detach())
+    return t.result
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return _training()
+
+
+def _variants(t):
+    tensors = t.tensors
+    yield "recorded", tensors, t.ops
+    yield "reversed", tensors.take(pa.array(np.arange(tensors.num_rows)[::-1])), t.ops
+    dev = [("meta" if i % 3 == 0 else d) for i, d in enumerate(tensors.column("device").to_pylist())]
+    yield "two devices", tensors.set_column(tensors.schema.get_field_index("device"), "device",
+                                            pa.array(dev).dictionary_encode()), t.ops
+    yield "small chunks", pa.Table.from_batches(tensors.to_batches(max_chunksize=5)), \
+        pa.Table.from_batches([S.plain_strings(pa.Table.from_batches([b])).to_batches()[0]
+                               for b in t.ops.to_batches(max_chunksize=4)])   # a dictionary per piece
+
+
+@pytest.mark.parametrize("block,step", [(1, 1), (7, 3), (1 << 16, 1 << 16)])
+def test_the_batched_tables_equal_the_whole_ones(trace, block, step):
+    n = trace.ops.num_rows
+    for name, tensors, ops in _variants(trace):
+        got = pa.Table.from_batches(list(memory_batches(tensors, n, block=block, step=step)), schema=S.MEMORY)
+        want = whole_memory_table(tensors, n)
+        assert got.equals(want), name
+        assert got.num_rows == n * (2 if name == "two devices" else 1)
+        got = pa.Table.from_batches(list(memory_timeline_batches(tensors, ops, block=block, step=step)),
+                                    schema=S.MEMORY_TIMELINE)
+        want = whole_memory_timeline(tensors, trace.ops)
+        assert got.equals(want), name
+        assert got.column("is_peak").to_pylist().count(True) == (2 if name == "two devices" else 1)
+        got = module_memory(tensors, ops, trace.calls, block=block, step=step)
+        want = whole_module_memory(tensors, trace.ops, trace.calls)
+        assert got.equals(want), name
+        assert {r["module"] for r in got.to_pylist()} >= {"0", "2", "2.0", "3"}
+        assert any(r["activation_bytes"] for r in got.to_pylist())
+
+
+def test_the_public_builders_are_the_batched_ones(trace):
+    from tensorscope.analyses.memory_categories import memory_timeline
+    from tensorscope.analyses.memory_categories import module_memory as mm
+
+    assert memory_table(trace.tensors, trace.ops.num_rows).equals(whole_memory_table(trace.tensors, trace.ops.num_rows))
+    assert memory_timeline(trace.tensors, trace.ops).equals(whole_memory_timeline(trace.tensors, trace.ops))
+    assert mm(trace.tensors, trace.ops, trace.calls).equals(whole_module_memory(trace.tensors, trace.ops, trace.calls))
+    assert trace.memory.equals(whole_memory_table(trace.tensors, trace.ops.num_rows))
+    assert trace.memory_timeline.to_arrow().equals(whole_memory_timeline(trace.tensors, trace.ops))
+    assert trace.module_memory.to_arrow().equals(whole_module_memory(trace.tensors, trace.ops, trace.calls))
