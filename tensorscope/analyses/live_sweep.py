@@ -25,10 +25,15 @@ import pyarrow as pa
 
 from .memory_columns import CATS, _category_codes, _devices, _filled
 
-__all__ = ["LiveSweep", "STORAGE_STEP"]
+__all__ = ["LiveSweep", "STORAGE_STEP", "storage_step"]
 
 #: storages (tensors rows) read at a time
 STORAGE_STEP = 1 << 16
+
+
+def storage_step(step: Optional[int] = None) -> int:
+    """Storages read at a time: ``step``, or ``STORAGE_STEP`` when None."""
+    return max(1, int(step)) if step else STORAGE_STEP
 
 
 class LiveSweep:
@@ -39,8 +44,9 @@ class LiveSweep:
     storages): ``names`` (devices, the order ``memory._devices`` gives), ``K`` keys, ``baseline[K]``
     (bytes before the first op), ``last`` (the largest op any storage names, -1: none)."""
 
-    def __init__(self, tensors: pa.Table, n_ops: int, categories: bool = False, step: int = STORAGE_STEP) -> None:
-        self.tensors, self.n, self.step = tensors, int(n_ops), max(1, int(step))
+    def __init__(self, tensors: pa.Table, n_ops: int, categories: bool = False,
+                 step: Optional[int] = None) -> None:
+        self.tensors, self.n, self.step = tensors, int(n_ops), storage_step(step)
         self.C = len(CATS) if categories else 1
         self.categories = categories
         self.names: list[str] = []
@@ -103,11 +109,9 @@ class LiveSweep:
 
         def add(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
             nonlocal ev_seq, ev_key, ev_w
-            s = np.concatenate([ev_seq] + [p[0] for p in parts])
-            order = np.argsort(s, kind="stable")
-            ev_seq = s[order]
-            ev_key = np.concatenate([ev_key] + [p[1] for p in parts])[order]
-            ev_w = np.concatenate([ev_w] + [p[2] for p in parts])[order]
+            ev_seq = np.concatenate([ev_seq] + [p[0] for p in parts])
+            ev_key = np.concatenate([ev_key] + [p[1] for p in parts])
+            ev_w = np.concatenate([ev_w] + [p[2] for p in parts])
 
         def events(key: np.ndarray, nbytes: np.ndarray, alloc: np.ndarray,
                    free: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -115,9 +119,11 @@ class LiveSweep:
             freed = made & (free >= 0) & (free + 1 < n)
             return [(alloc[made], key[made], nbytes[made]), (free[freed] + 1, key[freed], -nbytes[freed])]
 
-        add([])
-        if not self.ordered:   # not in first-sighting order: every event at once
+        if not self.ordered:   # not in first-sighting order: every event at once, in seq order
             add([e for c in self._chunks() for e in events(*c)])
+            order = np.argsort(ev_seq, kind="stable")
+            ev_seq, ev_key, ev_w = ev_seq[order], ev_key[order], ev_w[order]
+            del order
             chunks = None
         running = self.baseline.copy()
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -136,10 +142,26 @@ class LiveSweep:
                 if got:
                     add(got)
             width = b - a
-            hi = int(np.searchsorted(ev_seq, b, side="left"))
-            d = np.bincount(ev_key[:hi] * width + (ev_seq[:hi] - a), weights=ev_w[:hi].astype(np.float64),
+            if not self.ordered:   # sorted: the block's events are a prefix
+                hi = int(np.searchsorted(ev_seq, b, side="left"))
+                s_now, k_now, w_now = ev_seq[:hi], ev_key[:hi], ev_w[:hi]
+                ev_seq, ev_key, ev_w = ev_seq[hi:], ev_key[hi:], ev_w[hi:]
+                now = None
+            else:   # the events of this block (none is before it: earlier blocks took theirs)
+                now = ev_seq < b
+            if now is None:
+                pass
+            elif now.all():
+                s_now, k_now, w_now = ev_seq, ev_key, ev_w
+                ev_seq, ev_key, ev_w = ev_seq[:0], ev_key[:0], ev_w[:0]
+            else:
+                s_now, k_now, w_now = ev_seq[now], ev_key[now], ev_w[now]
+                later = ~now
+                ev_seq, ev_key, ev_w = ev_seq[later], ev_key[later], ev_w[later]
+            # (bincount's float64 sums are exact below 2**53 bytes)
+            d = np.bincount(k_now * width + (s_now - a), weights=w_now.astype(np.float64),
                             minlength=K * width)[:K * width].astype(np.int64).reshape(K, width)
-            ev_seq, ev_key, ev_w = ev_seq[hi:], ev_key[hi:], ev_w[hi:]
+            del s_now, k_now, w_now
             np.cumsum(d, axis=1, out=d)
             d += running[:, None]
             running = d[:, -1].copy() if width else running

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import schema as S
-from .live_sweep import STORAGE_STEP, LiveSweep
+from .live_sweep import LiveSweep, storage_step
 from .memory_columns import (
     _CAT,
     CATS,
@@ -35,16 +35,17 @@ __all__ = ["memory_batches", "memory_timeline_batches", "module_memory", "device
 OP_BLOCK = 1 << 16
 
 
-def _bounds(n: int, block: int) -> list[int]:
-    return list(range(0, n, max(1, int(block)))) + [n]
+def _bounds(n: int, block: Optional[int]) -> list[int]:
+    """Block edges of ``block`` ops (None: ``OP_BLOCK``) over ``n`` ops."""
+    return list(range(0, n, max(1, int(block)) if block else OP_BLOCK)) + [n]
 
 
 def _string_block(names: list[str], di: int, n: int) -> pa.Array:
     return pa.DictionaryArray.from_arrays(np.full(n, di, np.int32), pa.array(names, pa.string())).cast(pa.string())
 
 
-def memory_batches(tensors: pa.Table, n_ops: int, block: int = OP_BLOCK,
-                   step: int = STORAGE_STEP) -> Iterator[pa.RecordBatch]:
+def memory_batches(tensors: pa.Table, n_ops: int, block: Optional[int] = None,
+                   step: Optional[int] = None) -> Iterator[pa.RecordBatch]:
     """``memory_table(tensors, n_ops)``'s rows as record batches of at most ``block`` rows, in order."""
     n = int(n_ops)
     if n <= 0 or tensors.num_rows == 0:
@@ -64,8 +65,8 @@ def memory_batches(tensors: pa.Table, n_ops: int, block: int = OP_BLOCK,
                                               pa.array(delta)], schema=S.MEMORY)
 
 
-def memory_timeline_batches(tensors: pa.Table, ops: pa.Table, block: int = OP_BLOCK,
-                            step: int = STORAGE_STEP) -> Iterator[pa.RecordBatch]:
+def memory_timeline_batches(tensors: pa.Table, ops: pa.Table, block: Optional[int] = None,
+                            step: Optional[int] = None) -> Iterator[pa.RecordBatch]:
     """``memory_timeline(tensors, ops)``'s rows as record batches of at most ``block`` rows, in order:
     a sweep for each device's peak (the first op with the most live bytes), then one per device."""
     n = ops.num_rows
@@ -90,8 +91,8 @@ def memory_timeline_batches(tensors: pa.Table, ops: pa.Table, block: int = OP_BL
                                             schema=S.MEMORY_TIMELINE).combine_chunks().to_batches()
 
 
-def device_peaks(tensors: pa.Table, n_ops: int, block: int = OP_BLOCK,
-                 step: int = STORAGE_STEP) -> tuple[list[str], list[int]]:
+def device_peaks(tensors: pa.Table, n_ops: int, block: Optional[int] = None,
+                 step: Optional[int] = None) -> tuple[list[str], list[int]]:
     """(devices, per device the first op during which its live bytes were largest: the timeline's
     ``is_peak`` row), from one sweep."""
     sweep = LiveSweep(tensors, n_ops, step=step)
@@ -162,8 +163,8 @@ def _ancestors(path: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None, block: int = OP_BLOCK,
-                  step: int = STORAGE_STEP) -> pa.Table:
+def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None, block: Optional[int] = None,
+                  step: Optional[int] = None) -> pa.Table:
     """MODULE_MEMORY rows, largest activations first (see analyses/memory_categories.py): per module and
     device the ops its forward and backward ran, the peak live bytes while they ran (the first op with
     the most), and the activations its forward ops made; children rolled into parents by path.
@@ -182,7 +183,8 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
     under = backward_calls(calls)
     # (device, phase, module code) -> [ops, peak bytes, peak seq]
     groups: dict[tuple[int, int, int], list[int]] = {}
-    for a, b, live in sweep.blocks(_bounds(n, block)):
+    # no op ran in a module: no block has a group (the sweep is skipped)
+    for a, b, live in (sweep.blocks(_bounds(n, block)) if any(v is not None for v in mods.names) else ()):
         part = ops.slice(a, b - a)
         codes = mods.codes(part.column("module"))
         bwd = np.concatenate([np.zeros(0, bool)] + [_backward_rows(pb.column(0), pb.column(1), under)
@@ -235,7 +237,7 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
     act: dict[tuple[int, int], int] = {}
     dev_index = {d: i for i, d in enumerate(names)}
     for b in tensors.select([c for c in ("device", "nbytes", "alloc_seq", "module", "category")
-                             if c in tensors.column_names]).to_batches(max_chunksize=max(1, int(step))):
+                             if c in tensors.column_names]).to_batches(max_chunksize=storage_step(step)):
         part = pa.Table.from_batches([b])
         hit = np.nonzero(_category_codes(part) == _CAT["activation"])[0]
         if not len(hit):

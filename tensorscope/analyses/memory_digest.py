@@ -11,12 +11,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .live_sweep import STORAGE_STEP, LiveSweep
+from .live_sweep import LiveSweep
 from .memory_columns import CATS, _op_columns
 
 
 def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1 << 16,
-                  step: int = STORAGE_STEP) -> dict[str, Any]:
+                  step: Optional[int] = None) -> dict[str, Any]:
     """What the summary reads of ``memory_timeline`` and ``memory``, without building either: per device
     the peak (the timeline's ``is_peak`` row and ``memory_peak``'s tie-break past bookkeeping ops), the
     bytes before the first op and during the last, and the rows the memory chart draws on ``columns``

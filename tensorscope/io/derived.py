@@ -28,10 +28,11 @@ MAP_ROWS = MMAP_ROWS
 
 
 def table_from_batches(schema: pa.Schema, batches: Callable[[], Iterable[pa.RecordBatch]], rows: int,
-                       directory: Optional[str] = None, name: str = "derived", map_rows: int = MAP_ROWS) -> pa.Table:
+                       directory: Optional[str] = None, name: str = "derived", map_rows: Optional[int] = None) -> pa.Table:
     """The table of ``batches()`` (``rows`` rows in all): in memory up to ``map_rows`` rows, else
-    memory-mapped from an unlinked IPC file in ``directory`` (None or gone: a temporary directory)."""
-    if rows <= map_rows:
+    memory-mapped from an unlinked IPC file in ``directory`` (None or gone: a temporary directory);
+    ``map_rows`` None: ``MAP_ROWS``."""
+    if rows <= (MAP_ROWS if map_rows is None else map_rows):
         return pa.Table.from_batches(list(batches()), schema=schema).combine_chunks()
     mapped = _mapped(schema, batches, directory, name)
     if mapped is not None:
