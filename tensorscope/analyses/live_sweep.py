@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from .memory_columns import CATS, _category_codes, _devices, _filled
 
-__all__ = ["LiveSweep", "STORAGE_STEP", "storage_step"]
+__all__ = ["LiveSweep", "STORAGE_STEP", "storage_step", "DeviceIndex", "device_names"]
 
 #: storages (tensors rows) read at a time
 STORAGE_STEP = 1 << 16
@@ -34,6 +34,33 @@ STORAGE_STEP = 1 << 16
 def storage_step(step: Optional[int] = None) -> int:
     """Storages read at a time: ``step``, or ``STORAGE_STEP`` when None."""
     return max(1, int(step)) if step else STORAGE_STEP
+
+
+class DeviceIndex:
+    """Device codes of storages read a chunk at a time: each chunk's devices (``memory._devices`` of the
+    chunk) merged in the order the chunks first list them (``_devices`` of the whole table)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def codes(self, part: pa.Table) -> np.ndarray:
+        """Per row of ``part`` (a table with a ``device`` column) the index of its device in ``names``."""
+        cnames, dev = _devices(part)
+        for v in cnames:
+            if v not in self._index:
+                self._index[v] = len(self.names)
+                self.names.append(v)
+        out: np.ndarray = np.array([self._index[v] for v in cnames] + [0], np.int64)[dev]
+        return out
+
+
+def device_names(tensors: pa.Table, step: Optional[int] = None) -> list[str]:
+    """The devices ``memory._devices(tensors)`` names, read ``step`` storages at a time."""
+    devs = DeviceIndex()
+    for b in tensors.select(["device"]).to_batches(max_chunksize=storage_step(step)):
+        devs.codes(pa.Table.from_batches([b]))
+    return devs.names
 
 
 class LiveSweep:
@@ -49,8 +76,8 @@ class LiveSweep:
         self.tensors, self.n, self.step = tensors, int(n_ops), storage_step(step)
         self.C = len(CATS) if categories else 1
         self.categories = categories
-        self.names: list[str] = []
-        self._index: dict[str, int] = {}
+        self._devices = DeviceIndex()
+        self.names = self._devices.names
         self.last = -1
         self.ordered = True
         base: list[np.ndarray] = []
@@ -88,13 +115,7 @@ class LiveSweep:
             if b.num_rows == 0:
                 continue
             part = pa.Table.from_batches([b])
-            cnames, dev = _devices(part)
-            for v in cnames:   # devices in the order their chunks first list them
-                if v not in self._index:
-                    self._index[v] = len(self.names)
-                    self.names.append(v)
-            lut = np.array([self._index[v] for v in cnames] + [0], np.int64)
-            key = lut[dev]
+            key = self._devices.codes(part)
             if self.categories:
                 key = key * self.C + _category_codes(part)
             yield (key, _filled(b.column(1), 0), _filled(b.column(2), -1), _filled(b.column(3), -1))

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .live_sweep import storage_step
+from .live_sweep import device_names
 from .memory_batches import memory_batches
 from .memory_columns import _array, _devices, _filled, _int_column  # noqa: F401  (read here by name)
 
@@ -70,10 +70,7 @@ def live_matrix(key: np.ndarray, nbytes: np.ndarray, alloc: np.ndarray, free: np
 def memory_devices(tensors: pa.Table) -> int:
     """How many devices ``_devices(tensors)`` names (each has a row per op in ``memory``), read a
     chunk of storages at a time."""
-    seen: set[str] = set()
-    for b in tensors.select(["device"]).to_batches(max_chunksize=storage_step()):
-        seen.update(_devices(pa.Table.from_batches([b]))[0])
-    return len(seen)
+    return len(device_names(tensors))
 
 
 def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:

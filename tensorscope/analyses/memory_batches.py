@@ -16,20 +16,19 @@ import numpy as np
 import pyarrow as pa
 
 from .. import schema as S
-from .live_sweep import LiveSweep, storage_step
+from .live_sweep import DeviceIndex, LiveSweep, device_names, storage_step
 from .memory_columns import (
     _CAT,
     CATS,
     _backward_rows,
     _category_codes,
     _codes,
-    _devices,
     _filled,
     _op_columns,
     backward_calls,
 )
 
-__all__ = ["memory_batches", "memory_timeline_batches", "module_memory", "device_peaks", "OP_BLOCK"]
+__all__ = ["memory_batches", "memory_timeline_batches", "module_memory", "device_peaks", "memory_at", "OP_BLOCK"]
 
 #: ops per block of a sweep
 OP_BLOCK = 1 << 16
@@ -102,7 +101,8 @@ def device_peaks(tensors: pa.Table, n_ops: int, block: Optional[int] = None,
         j = np.argmax(live, axis=1).tolist()
         for di in range(len(best)):
             m = int(live[di, j[di]])
-            if best[di] is None or m > best[di]:
+            prev = best[di]
+            if prev is None or m > prev:
                 best[di], at[di] = m, a + j[di]
     return sweep.names, at
 
@@ -156,6 +156,63 @@ class _Names:
             sel = np.nonzero(which == k)[0]
             out[sel] = self.codes(chunks[k].take(pa.array(rows[sel] - offsets[k])))
         return out
+
+
+def _storage_modules(smods: _Names, module: Any, alloc: np.ndarray, rows: np.ndarray, ops: pa.Table) -> np.ndarray:
+    """Global codes (``smods``) of the module of each storage ``rows`` of a chunk (``module``: its
+    ``tensors.module``, ``alloc``: its ``alloc_seq``, -1 for null): the module of the op that made it
+    (backward ops carry their forward op's), else the one whose op first read it."""
+    mc: np.ndarray = smods.codes(module)[rows]
+    alloc = alloc[rows]
+    made = (alloc >= 0) & (alloc < ops.num_rows)
+    if made.any():
+        mc[made] = smods.codes_at(ops.column("module"), alloc[made])
+    return mc
+
+
+def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None, step: Optional[int] = None) -> pa.Table:
+    """MEMORY_AT rows (analyses/memory_categories.py ``memory_at``): the storages live while op ``seq``
+    ran (None: each device's peak) grouped by (device, category, module), largest first; the storages
+    read ``step`` at a time, summed per group."""
+    n = ops.num_rows
+    if n == 0 or tensors.num_rows == 0:
+        return S.MEMORY_AT.empty_table()
+    if seq is None:
+        names, seqs = device_peaks(tensors, n, step=step)
+    else:
+        names = device_names(tensors, step)
+        seqs = [int(seq)] * len(names)
+    at = np.array(seqs + [0], np.int64)
+    smods = _Names()
+    smods.learn(tensors.column("module"))
+    smods.learn(ops.column("module"))
+    devs = DeviceIndex()
+    groups: dict[tuple[int, int, int], list[int]] = {}   # (device, category, module code + 1) -> [bytes, storages]
+    for b in tensors.select([c for c in ("device", "nbytes", "alloc_seq", "free_seq", "module", "category")
+                             if c in tensors.column_names]).to_batches(max_chunksize=storage_step(step)):
+        part = pa.Table.from_batches([b])
+        dev = devs.codes(part)
+        alloc, free = _filled(b.column(2), -1), _filled(b.column(3), -1)
+        s = at[dev]
+        alive = np.nonzero((alloc <= s) & ((free < 0) | (free >= s)))[0]   # memory.live_mask, per device
+        if not len(alive):
+            continue
+        mc = _storage_modules(smods, b.column(4), alloc, alive, ops) + 1
+        cat = _category_codes(part)[alive]
+        for key, w in zip(zip(dev[alive].tolist(), cat.tolist(), mc.tolist()), _filled(b.column(1), 0)[alive].tolist()):
+            g = groups.get(key)
+            if g is None:
+                groups[key] = [int(w), 1]
+            else:
+                g[0] += int(w)
+                g[1] += 1
+    out: list[dict[str, Any]] = []
+    for di, d in enumerate(names):
+        mine = sorted((k, v) for k, v in groups.items() if k[0] == di)
+        for (_, ci, m1), (nbytes, count) in sorted(mine, key=lambda kv: -kv[1][0]):   # stable: by key on ties
+            out.append(dict(seq=seqs[di], device=d, category=CATS[ci], module=smods.names[m1 - 1] if m1 else None,
+                            bytes=nbytes, storages=count))
+    return pa.Table.from_pylist(out, schema=S.MEMORY_AT)
 
 
 def _ancestors(path: str) -> list[str]:
@@ -235,26 +292,21 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
     smods.learn(tensors.column("module"))
     smods.learn(ops.column("module"))
     act: dict[tuple[int, int], int] = {}
-    dev_index = {d: i for i, d in enumerate(names)}
+    devs = DeviceIndex()   # the same order as the sweep's names
     for b in tensors.select([c for c in ("device", "nbytes", "alloc_seq", "module", "category")
                              if c in tensors.column_names]).to_batches(max_chunksize=storage_step(step)):
         part = pa.Table.from_batches([b])
         hit = np.nonzero(_category_codes(part) == _CAT["activation"])[0]
         if not len(hit):
             continue
-        mc = smods.codes(b.column(3))[hit]
-        alloc = _filled(b.column(2), -1)[hit]
-        made = (alloc >= 0) & (alloc < n)
-        if made.any():
-            mc[made] = smods.codes_at(ops.column("module"), alloc[made])
-        cnames, dev = _devices(part)
-        dg = np.array([dev_index[v] for v in cnames] + [0], np.int64)[dev[hit]]
+        mc = _storage_modules(smods, b.column(3), _filled(b.column(2), -1), hit, ops)
+        dg = devs.codes(part)[hit]
         nb = _filled(b.column(1), 0)[hit]
         for k, w in zip((dg * (1 << 32) + mc)[mc >= 0].tolist(), nb[mc >= 0].tolist()):
             key = (k >> 32, k & 0xFFFFFFFF)
             act[key] = act.get(key, 0) + int(w)
-    for (di, mc), bsum in sorted(act.items()):
-        m = smods.names[mc]
+    for (di, code), bsum in sorted(act.items()):
+        m = smods.names[code]
         if m is None:
             continue
         d = names[di]

@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .memory import _int_column, live_mask
-from .memory_batches import device_peaks, memory_timeline_batches
+from .memory_batches import memory_at as _memory_at
+from .memory_batches import memory_timeline_batches
 from .memory_batches import module_memory as _module_memory
 from .memory_columns import (  # noqa: F401  (the names this module had: read here by name)
     _CAT,
@@ -364,66 +364,10 @@ def peaks(timeline: pa.Table) -> list[dict[str, Any]]:
     return rows
 
 
-def storage_modules(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, list[Optional[str]]]:
-    """(per storage an index into the names, -1 for none; names): the module that made it (the
-    op's module: backward ops carry their forward op's), or for one the trace did not make, the
-    module whose op first read it. Vectorised: one lookup table per dictionary."""
-    names: list[Optional[str]] = []
-    index: dict[Optional[str], int] = {}
-
-    def lut(values: list[Optional[str]]) -> np.ndarray:
-        return np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values] + [-1],
-                        dtype=np.int64)
-
-    tcodes, tvals = _codes(tensors.column("module"))
-    codes = lut(tvals)[tcodes]
-    if ops.num_rows:
-        alloc = _int_column(tensors, "alloc_seq", -1)
-        made = (alloc >= 0) & (alloc < ops.num_rows)
-        if made.any():
-            ocodes, ovals = _codes(ops.column("module"))
-            codes[made] = lut(ovals)[ocodes[alloc[made]]]
-    names = [None] * len(index)
-    for v, i in index.items():
-        names[i] = v
-    return codes, names
-
-
 def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa.Table:
     """MEMORY_AT rows: storages live while op ``seq`` ran grouped by (device, category, module), largest
     first. ``seq`` None: each device at its own peak."""
-    n_ops = ops.num_rows
-    if n_ops == 0 or tensors.num_rows == 0:
-        return S.MEMORY_AT.empty_table()
-    names, dev = _devices(tensors)
-    if seq is None:
-        dnames, seqs = device_peaks(tensors, n_ops)
-        at = dict(zip(dnames, seqs))
-    else:
-        at = {d: int(seq) for d in names}
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    cat = _category_codes(tensors)
-    mcodes, mnames = storage_modules(tensors, ops)
-    M = len(mnames) + 1
-    out: list[dict[str, Any]] = []
-    for di, d in enumerate(names):
-        s = at.get(d)
-        if s is None:
-            continue
-        alive = np.nonzero((dev == di) & live_mask(alloc, free, s))[0]
-        if not len(alive):
-            continue
-        key = cat[alive] * M + (mcodes[alive] + 1)
-        keys, inv = np.unique(key, return_inverse=True)
-        sums = np.bincount(inv, weights=nbytes[alive].astype(np.float64)).astype(np.int64)
-        counts = np.bincount(inv)
-        for k in np.argsort(-sums, kind="stable").tolist():
-            mi = int(keys[k] % M) - 1
-            out.append(dict(seq=s, device=d, category=CATS[int(keys[k] // M)],
-                            module=mnames[mi] if mi >= 0 else None, bytes=int(sums[k]), storages=int(counts[k])))
-    return pa.Table.from_pylist(out, schema=S.MEMORY_AT)
+    return _memory_at(tensors, ops, seq)
 
 
 # -- per module ----------------------------------------------------------------------------------

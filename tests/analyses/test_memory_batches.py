@@ -19,8 +19,8 @@ import torch
 
 import tensorscope
 from tensorscope import schema as S
-from tensorscope.analyses.memory import _devices, _int_column, live_matrix, memory_table
-from tensorscope.analyses.memory_batches import memory_batches, memory_timeline_batches, module_memory
+from tensorscope.analyses.memory import _devices, _int_column, live_mask, live_matrix, memory_table
+from tensorscope.analyses.memory_batches import memory_at, memory_batches, memory_timeline_batches, module_memory
 from tensorscope.analyses.memory_categories import (
     _CAT,
     CATS,
@@ -28,7 +28,7 @@ from tensorscope.analyses.memory_categories import (
     _codes,
     _op_columns,
     backward_region,
-    storage_modules,
+    peaks,
 )
 
 # -- the whole-table definitions (what the batched builders replaced), the reference ------------
@@ -95,6 +95,68 @@ def whole_memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
 def _ancestors(path: str) -> list[str]:
     parts = path.split(".")
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def storage_modules(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, list[Optional[str]]]:
+    """(per storage an index into the names, -1 for none; names): the module that made it (the
+    op's module: backward ops carry their forward op's), or for one the trace did not make, the
+    module whose op first read it. Vectorised: one lookup table per dictionary."""
+    names: list[Optional[str]] = []
+    index: dict[Optional[str], int] = {}
+
+    def lut(values: list[Optional[str]]) -> np.ndarray:
+        return np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values] + [-1],
+                        dtype=np.int64)
+
+    tcodes, tvals = _codes(tensors.column("module"))
+    codes = lut(tvals)[tcodes]
+    if ops.num_rows:
+        alloc = _int_column(tensors, "alloc_seq", -1)
+        made = (alloc >= 0) & (alloc < ops.num_rows)
+        if made.any():
+            ocodes, ovals = _codes(ops.column("module"))
+            codes[made] = lut(ovals)[ocodes[alloc[made]]]
+    names = [None] * len(index)
+    for v, i in index.items():
+        names[i] = v
+    return codes, names
+
+
+def whole_memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa.Table:
+    """MEMORY_AT rows: storages live while op ``seq`` ran grouped by (device, category, module), largest
+    first. ``seq`` None: each device at its own peak."""
+    n_ops = ops.num_rows
+    if n_ops == 0 or tensors.num_rows == 0:
+        return S.MEMORY_AT.empty_table()
+    names, dev = _devices(tensors)
+    if seq is None:
+        tl = whole_memory_timeline(tensors, ops)
+        at = {p["device"]: p["seq"] for p in peaks(tl)}
+    else:
+        at = {d: int(seq) for d in names}
+    nbytes = _int_column(tensors, "nbytes", 0)
+    alloc = _int_column(tensors, "alloc_seq", -1)
+    free = _int_column(tensors, "free_seq", -1)
+    cat = _category_codes(tensors)
+    mcodes, mnames = storage_modules(tensors, ops)
+    M = len(mnames) + 1
+    out: list[dict[str, Any]] = []
+    for di, d in enumerate(names):
+        s = at.get(d)
+        if s is None:
+            continue
+        alive = np.nonzero((dev == di) & live_mask(alloc, free, s))[0]
+        if not len(alive):
+            continue
+        key = cat[alive] * M + (mcodes[alive] + 1)
+        keys, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv, weights=nbytes[alive].astype(np.float64)).astype(np.int64)
+        counts = np.bincount(inv)
+        for k in np.argsort(-sums, kind="stable").tolist():
+            mi = int(keys[k] % M) - 1
+            out.append(dict(seq=s, device=d, category=CATS[int(keys[k] // M)],
+                            module=mnames[mi] if mi >= 0 else None, bytes=int(sums[k]), storages=int(counts[k])))
+    return pa.Table.from_pylist(out, schema=S.MEMORY_AT)
 
 
 def whole_module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None) -> pa.Table:
@@ -218,6 +280,10 @@ def test_the_batched_tables_equal_the_whole_ones(trace, block, step):
         assert got.equals(want), name
         assert {r["module"] for r in got.to_pylist()} >= {"0", "2", "2.0", "3"}
         assert any(r["activation_bytes"] for r in got.to_pylist())
+        for seq in (None, 0, n // 2, n - 1):
+            got = memory_at(tensors, ops, seq, step=step)
+            assert got.equals(whole_memory_at(tensors, trace.ops, seq)), (name, seq)
+            assert got.num_rows
 
 
 def test_the_public_builders_are_the_batched_ones(trace):
