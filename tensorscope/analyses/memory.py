@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .live_sweep import device_names
-from .memory_batches import memory_batches
+from .live_sweep import DeviceIndex, device_names, storage_step
+from .memory_batches import device_peaks, memory_batches
 from .memory_columns import _array, _devices, _filled, _int_column  # noqa: F401  (read here by name)
 
 __all__ = ["memory_table", "memory_peak", "live_mask", "live_matrix"]
@@ -95,29 +95,44 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
     out: dict[str, dict[str, Any]] = {}
     if memory.num_rows == 0:
         return out
-    seq = memory.column("seq").to_numpy()
-    live = memory.column("live_bytes").to_numpy()
-    delta = memory.column("delta_bytes").to_numpy()
-    names, devs = _devices(memory)
     op_col = ops.column("op") if ops is not None and ops.num_rows else None
-    noise: Optional[np.ndarray] = None
+    noise: Optional[np.ndarray] = None   # a byte per op
     if ops is not None and op_col is not None and "is_noise" in ops.column_names:
         noise = np.asarray(pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)).astype(bool)
+    devs = DeviceIndex()
+    # per device [start, end, peak bytes, its first row's seq, the first such row's seq past bookkeeping (None)]
+    state: list[list[Any]] = []
+    for b in memory.select(["device", "seq", "live_bytes", "delta_bytes"]).to_batches(max_chunksize=storage_step()):
+        if b.num_rows == 0:
+            continue
+        dev = devs.codes(pa.Table.from_batches([b]))
+        seq, live, delta = (_filled(b.column(i), 0) for i in (1, 2, 3))
+        for di in np.unique(dev).tolist():
+            m = dev == di
+            sq, lv = seq[m], live[m]
+            while len(state) <= di:
+                state.append([None, None, None, 0, None])
+            st = state[di]
+            if st[0] is None:
+                st[0] = int(lv[0] - delta[m][0])
+            st[1] = int(lv[-1])
+            k = int(np.argmax(lv))
+            if st[2] is None or int(lv[k]) > st[2]:
+                st[2], st[3], st[4] = int(lv[k]), int(sq[k]), None
+            if int(lv[k]) == st[2] and st[4] is None and noise is not None:
+                # the first op after which live bytes were largest that is not eager's bookkeeping (a lift or
+                # detach moves no data: never the op a peak is named after); none: the peak names no op
+                sp = sq[lv == lv[k]]
+                sp = sp[(sp >= 0) & (sp < len(noise))]
+                sp = sp[~noise[sp]]
+                st[4] = int(sp[0]) if len(sp) else None
     hw = _high_water(tensors) if tensors is not None else {}
-    for di, d in enumerate(names):
-        m = devs == di
-        s, lv, dl = seq[m], live[m], delta[m]
-        k = int(np.argmax(lv))
-        if noise is not None:
-            # the first op after which live bytes were largest that is not eager's bookkeeping (a lift or
-            # detach moves no data: never the op a peak is named after); none: the peak names no op
-            at_peak = np.nonzero(lv == lv[k])[0]
-            sp = s[at_peak]
-            inside = (sp >= 0) & (sp < len(noise))
-            named = at_peak[inside][~noise[sp[inside]]]
-            k = int(named[0]) if len(named) else k
-        info = {"peak_bytes": int(lv[k]), "peak_seq": int(s[k]), "start_bytes": int(lv[0] - dl[0]),
-                "end_bytes": int(lv[-1])}
+    for di, d in enumerate(devs.names):
+        if di >= len(state) or state[di][0] is None:
+            continue
+        start, end, peak, at, named = state[di]
+        info = {"peak_bytes": peak, "peak_seq": at if named is None else named, "start_bytes": start,
+                "end_bytes": end}
         if op_col is not None and 0 <= info["peak_seq"] < len(op_col) and not (noise is not None and noise[info["peak_seq"]]):
             info["peak_op"] = op_col[info["peak_seq"]].as_py()
         if d in hw:
@@ -128,15 +143,13 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
 
 def _high_water(tensors: pa.Table) -> dict[str, tuple[int, int]]:
     """Per device (bytes, seq): the largest live bytes while an op runs, over every op a storage of
-    ``tensors`` names (``live_mask``)."""
+    ``tensors`` names (``live_mask``), the first such op; one sweep of those ops."""
     if tensors.num_rows == 0:
         return {}
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    names, dev = _devices(tensors)
-    n = int(max(alloc.max(initial=-1), free.max(initial=-1))) + 1
-    if n <= 0:
+    last = -1
+    for b in tensors.select(["alloc_seq", "free_seq"]).to_batches(max_chunksize=storage_step()):
+        last = max(last, int(_filled(b.column(0), -1).max(initial=-1)), int(_filled(b.column(1), -1).max(initial=-1)))
+    if last < 0:
         return {}
-    live, _ = live_matrix(dev, nbytes, alloc, free, len(names), n)
-    return {d: (int(live[di].max()), int(np.argmax(live[di]))) for di, d in enumerate(names)}
+    names, at, peak = device_peaks(tensors, last + 1)
+    return {d: (peak[di], at[di]) for di, d in enumerate(names)}

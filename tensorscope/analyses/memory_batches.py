@@ -71,7 +71,7 @@ def memory_timeline_batches(tensors: pa.Table, ops: pa.Table, block: Optional[in
     n = ops.num_rows
     if n == 0 or tensors.num_rows == 0:
         return
-    names, at = device_peaks(tensors, n, block, step)
+    names, at, _ = device_peaks(tensors, n, block, step)
     D, C = len(names), len(CATS)
     for di in range(D):
         cats = LiveSweep(tensors, n, categories=True, step=step)
@@ -91,9 +91,9 @@ def memory_timeline_batches(tensors: pa.Table, ops: pa.Table, block: Optional[in
 
 
 def device_peaks(tensors: pa.Table, n_ops: int, block: Optional[int] = None,
-                 step: Optional[int] = None) -> tuple[list[str], list[int]]:
-    """(devices, per device the first op during which its live bytes were largest: the timeline's
-    ``is_peak`` row), from one sweep."""
+                 step: Optional[int] = None) -> tuple[list[str], list[int], list[int]]:
+    """(devices, per device the first op during which its live bytes were largest (the timeline's
+    ``is_peak`` row), and those bytes), from one sweep."""
     sweep = LiveSweep(tensors, n_ops, step=step)
     best: list[Optional[int]] = [None] * len(sweep.names)
     at = [0] * len(sweep.names)
@@ -104,7 +104,7 @@ def device_peaks(tensors: pa.Table, n_ops: int, block: Optional[int] = None,
             prev = best[di]
             if prev is None or m > prev:
                 best[di], at[di] = m, a + j[di]
-    return sweep.names, at
+    return sweep.names, at, [int(b or 0) for b in best]
 
 
 # -- per module ----------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None, step:
     if n == 0 or tensors.num_rows == 0:
         return S.MEMORY_AT.empty_table()
     if seq is None:
-        names, seqs = device_peaks(tensors, n, step=step)
+        names, seqs, _ = device_peaks(tensors, n, step=step)
     else:
         names = device_names(tensors, step)
         seqs = [int(seq)] * len(names)

@@ -14,12 +14,13 @@ from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
 import tensorscope
 from tensorscope import schema as S
-from tensorscope.analyses.memory import _devices, _int_column, live_mask, live_matrix, memory_table
+from tensorscope.analyses.memory import _devices, _int_column, live_mask, live_matrix, memory_peak, memory_table
 from tensorscope.analyses.memory_batches import memory_at, memory_batches, memory_timeline_batches, module_memory
 from tensorscope.analyses.memory_categories import (
     _CAT,
@@ -226,6 +227,62 @@ def whole_module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Tab
     return pa.Table.from_pylist(out, schema=S.MODULE_MEMORY)
 
 
+def whole_memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> dict[str, dict[str, Any]]:
+    """Per device: ``peak_bytes`` and ``peak_seq`` (first op during which live bytes were largest),
+    ``peak_op`` (its name, when ``ops`` is given), ``start_bytes`` (before seq 0), ``end_bytes``
+    (during the last op) and, when ``tensors`` is given, ``high_water_bytes``/``high_water_seq``:
+    the same rule over every storage of ``tensors`` (equal to the peak since live bytes count what
+    an op allocates and what it frees within itself; kept for readers of the key)."""
+    out: dict[str, dict[str, Any]] = {}
+    if memory.num_rows == 0:
+        return out
+    seq = memory.column("seq").to_numpy()
+    live = memory.column("live_bytes").to_numpy()
+    delta = memory.column("delta_bytes").to_numpy()
+    names, devs = _devices(memory)
+    op_col = ops.column("op") if ops is not None and ops.num_rows else None
+    noise: Optional[np.ndarray] = None
+    if ops is not None and op_col is not None and "is_noise" in ops.column_names:
+        noise = np.asarray(pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)).astype(bool)
+    hw = _whole_high_water(tensors) if tensors is not None else {}
+    for di, d in enumerate(names):
+        m = devs == di
+        s, lv, dl = seq[m], live[m], delta[m]
+        k = int(np.argmax(lv))
+        if noise is not None:
+            # the first op after which live bytes were largest that is not eager's bookkeeping (a lift or
+            # detach moves no data: never the op a peak is named after); none: the peak names no op
+            at_peak = np.nonzero(lv == lv[k])[0]
+            sp = s[at_peak]
+            inside = (sp >= 0) & (sp < len(noise))
+            named = at_peak[inside][~noise[sp[inside]]]
+            k = int(named[0]) if len(named) else k
+        info = {"peak_bytes": int(lv[k]), "peak_seq": int(s[k]), "start_bytes": int(lv[0] - dl[0]),
+                "end_bytes": int(lv[-1])}
+        if op_col is not None and 0 <= info["peak_seq"] < len(op_col) and not (noise is not None and noise[info["peak_seq"]]):
+            info["peak_op"] = op_col[info["peak_seq"]].as_py()
+        if d in hw:
+            info["high_water_bytes"], info["high_water_seq"] = hw[d]
+        out[d] = info
+    return out
+
+
+def _whole_high_water(tensors: pa.Table) -> dict[str, tuple[int, int]]:
+    """Per device (bytes, seq): the largest live bytes while an op runs, over every op a storage of
+    ``tensors`` names (``live_mask``)."""
+    if tensors.num_rows == 0:
+        return {}
+    nbytes = _int_column(tensors, "nbytes", 0)
+    alloc = _int_column(tensors, "alloc_seq", -1)
+    free = _int_column(tensors, "free_seq", -1)
+    names, dev = _devices(tensors)
+    n = int(max(alloc.max(initial=-1), free.max(initial=-1))) + 1
+    if n <= 0:
+        return {}
+    live, _ = live_matrix(dev, nbytes, alloc, free, len(names), n)
+    return {d: (int(live[di].max()), int(np.argmax(live[di]))) for di, d in enumerate(names)}
+
+
 # -- the comparisons ---------------------------------------------------------------------------
 
 def _training():
@@ -296,3 +353,58 @@ def test_the_public_builders_are_the_batched_ones(trace):
     assert trace.memory.equals(whole_memory_table(trace.tensors, trace.ops.num_rows))
     assert trace.memory_timeline.to_arrow().equals(whole_memory_timeline(trace.tensors, trace.ops))
     assert trace.module_memory.to_arrow().equals(whole_module_memory(trace.tensors, trace.ops, trace.calls))
+
+
+def _flat():
+    """Every op allocates and frees the same bytes: the peak is tied over every op, bookkeeping ones too."""
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with tensorscope.trace() as t:
+        for _ in range(30):
+            a.add(b)
+            torch.tensor([1.0, 2.0])
+    return t.result
+
+
+@pytest.mark.parametrize("rows", [1, 3, 1 << 16])
+def test_memory_peak_read_a_batch_at_a_time_equals_the_whole_read(trace, rows, monkeypatch):
+    from tensorscope.analyses import live_sweep
+
+    monkeypatch.setattr(live_sweep, "STORAGE_STEP", rows)   # memory rows and storages read at a time
+    for t in (trace, _flat()):
+        n = t.ops.num_rows
+        for name, tensors, ops in _variants(t) if t is trace else [("flat", t.tensors, t.ops)]:
+            mem = whole_memory_table(tensors, n)
+            for m in (mem, pa.Table.from_batches(mem.to_batches(max_chunksize=rows))):
+                want = whole_memory_peak(mem, t.ops, tensors)
+                assert memory_peak(m, ops, tensors) == want, name
+                assert memory_peak(m, ops) == whole_memory_peak(mem, t.ops), name
+                assert memory_peak(m) == whole_memory_peak(mem), name
+                assert want and all("peak_op" in p and "high_water_bytes" in p for p in want.values()), want
+
+
+def _tied(t):
+    """``t``'s ops over storages that make every op's live bytes equal (one kept from before the trace,
+    one made and freed by each op), the first seven ops bookkeeping: the peak is the first op, and
+    the op it is named after the first one past the bookkeeping, several batches later."""
+    n = t.ops.num_rows
+    tensors = S.conform("tensors", pa.table({
+        "storage_id": pa.array(range(n + 1), pa.int64()), "nbytes": pa.array([100] + [50] * n, pa.int64()),
+        "alloc_seq": pa.array([None] + list(range(n)), pa.int64()),
+        "free_seq": pa.array([None] + list(range(n)), pa.int64()), "device": pa.array(["cpu"] * (n + 1))}))
+    noise = pa.array([i < 7 for i in range(n)])
+    return tensors, t.ops.set_column(t.ops.schema.get_field_index("is_noise"), "is_noise", noise)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 1 << 16])
+def test_a_peak_tied_past_bookkeeping_ops_is_named_after_the_first_real_op(trace, rows, monkeypatch):
+    from tensorscope.analyses import live_sweep
+    from tensorscope.analyses.memory_digest import digest_memory_peak, memory_digest
+
+    monkeypatch.setattr(live_sweep, "STORAGE_STEP", rows)
+    tensors, ops = _tied(trace)
+    mem = whole_memory_table(tensors, ops.num_rows)
+    assert set(mem.column("live_bytes").to_pylist()) == {150}
+    want = whole_memory_peak(mem, ops, tensors)
+    assert want["cpu"]["peak_seq"] == 7 and want["cpu"]["high_water_seq"] == 0
+    assert memory_peak(pa.Table.from_batches(mem.to_batches(max_chunksize=rows)), ops, tensors) == want
+    assert digest_memory_peak(memory_digest(tensors, ops, 10, block=rows, step=rows), ops, tensors) == want
