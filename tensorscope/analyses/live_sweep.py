@@ -28,7 +28,7 @@ from .memory_columns import CATS, _category_codes, _devices, _filled
 __all__ = ["LiveSweep", "STORAGE_STEP", "storage_step", "DeviceIndex", "device_names"]
 
 #: storages (tensors rows) read at a time
-STORAGE_STEP = 1 << 16
+STORAGE_STEP = 1 << 14
 
 
 def storage_step(step: Optional[int] = None) -> int:

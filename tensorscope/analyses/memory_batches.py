@@ -31,7 +31,7 @@ from .memory_columns import (
 __all__ = ["memory_batches", "memory_timeline_batches", "module_memory", "device_peaks", "memory_at", "OP_BLOCK"]
 
 #: ops per block of a sweep
-OP_BLOCK = 1 << 16
+OP_BLOCK = 1 << 14
 
 
 def _bounds(n: int, block: Optional[int]) -> list[int]:

@@ -15,7 +15,7 @@ from .live_sweep import LiveSweep
 from .memory_columns import CATS, _op_columns
 
 
-def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1 << 16,
+def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1 << 14,
                   step: Optional[int] = None) -> dict[str, Any]:
     """What the summary reads of ``memory_timeline`` and ``memory``, without building either: per device
     the peak (the timeline's ``is_peak`` row and ``memory_peak``'s tie-break past bookkeeping ops), the
