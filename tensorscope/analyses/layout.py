@@ -93,26 +93,33 @@ def drop_noise(ops: pa.Table, idx: np.ndarray) -> np.ndarray:
 
 class CallNames:
     """call_id -> torch-level call name, looked up on demand: a trace of small ops has one call per
-    op, and a dict of every call costs far more than the few lookups an analysis makes."""
+    op, and a dict of every call costs far more than the few lookups an analysis makes. The sorted
+    index of the call ids is built on the first lookup (most traces look none up)."""
 
-    __slots__ = ("_ids", "_order", "_names")
+    __slots__ = ("_calls", "_ids", "_order", "_names")
 
     def __init__(self, calls: Optional[pa.Table]) -> None:
-        if calls is None or calls.num_rows == 0:
-            self._ids = np.zeros(0, np.int64)
-            self._order = np.zeros(0, np.int64)
-            self._names: Optional[pa.ChunkedArray] = None
-            return
-        ids = np.asarray(pc.fill_null(calls.column("call_id"), -1).to_numpy(), dtype=np.int64)
-        self._order = np.argsort(ids, kind="stable")
-        self._ids = ids[self._order]
-        self._names = calls.column("name")
+        self._calls = calls if calls is not None and calls.num_rows else None
+        self._ids: Optional[np.ndarray] = None
+        self._order = np.zeros(0, np.int64)
+        self._names: Optional[pa.ChunkedArray] = None
+
+    def _index(self) -> np.ndarray:
+        if self._ids is None:
+            calls, self._ids = self._calls, np.zeros(0, np.int64)
+            if calls is not None:
+                ids = np.asarray(pc.fill_null(calls.column("call_id"), -1).to_numpy(), dtype=np.int64)
+                self._order = np.argsort(ids, kind="stable")
+                self._ids = ids[self._order]
+                self._names = calls.column("name")
+        return self._ids
 
     def get(self, call_id: Optional[int], default: Optional[str] = None) -> Optional[str]:
-        if call_id is None or self._names is None or call_id < 0:
+        if call_id is None or self._calls is None or call_id < 0:
             return default
-        k = int(np.searchsorted(self._ids, call_id))
-        if k < len(self._ids) and self._ids[k] == call_id:
+        ids = self._index()
+        k = int(np.searchsorted(ids, call_id))
+        if k < len(ids) and ids[k] == call_id and self._names is not None:
             v = self._names[int(self._order[k])].as_py()
             return v if v is not None else default
         return default
@@ -254,22 +261,42 @@ def layout_changes(ops: pa.Table, calls: pa.Table) -> pa.Table:
     """Derive the LAYOUT_CHANGES table from ``ops`` and ``calls`` (sorted by seq, then kind)."""
     if ops is None or ops.num_rows == 0:
         return S.empty("layout_changes")
-    names = call_names(calls)
-    # format-change candidates, vectorised: a channels_last input and an unambiguous dense
-    # non-channels_last output, or a channels_last output without a channels_last input
-    cl_in = count_in(ops.column("in_formats"), CL_FORMATS)
-    cl_out = count_in(ops.column("out_formats"), CL_FORMATS)
-    other_out = count_in(ops.column("out_formats"), DENSE_FORMATS - CL_FORMATS, ops.column("out_ambiguous"))
-    fmt_idx = drop_noise(ops, np.nonzero(((cl_in > 0) & (other_out > 0)) | ((cl_out > 0) & (cl_in == 0)))[0]
-                         .astype(np.int64))
-    hid_idx = drop_noise(ops, true_rows(ops.column("hidden_copy")))
-    nd_idx = drop_noise(ops, rows_with_any(ops.column("in_formats"), NON_DENSE_FORMATS))
+    fmt_idx, hid_idx, nd_idx = _candidates(ops)
     # the row after each hidden copy, to name the shape the user asked for
     nxt_idx = hid_idx + 1
     nxt_idx = nxt_idx[nxt_idx < ops.num_rows]
     want = np.unique(np.concatenate([fmt_idx, hid_idx, nd_idx, nxt_idx]))
+    names = call_names(calls)
     with NoGC():
         return _layout_rows(ops, names, want, fmt_idx, hid_idx, nd_idx)
+
+
+#: ops read at a time by ``_candidates``
+CANDIDATE_ROWS = 1 << 16
+
+
+def _candidates(ops: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(format-change, hidden-copy, non-dense-input) candidate rows past bookkeeping ones, found
+    ``CANDIDATE_ROWS`` ops at a time (zero-copy slices: no list column combined, no array per op):
+    a format change is a channels_last input and an unambiguous dense non-channels_last output, or
+    a channels_last output without a channels_last input."""
+    cols = ["in_formats", "out_formats", "out_ambiguous", "hidden_copy"]
+    noisy = "is_noise" in ops.column_names
+    found: list[list[np.ndarray]] = [[], [], []]
+    lo = 0
+    for b in ops.select(cols + (["is_noise"] if noisy else [])).to_batches(max_chunksize=CANDIDATE_ROWS):
+        cl_in = count_in(b.column(0), CL_FORMATS)
+        cl_out = count_in(b.column(1), CL_FORMATS)
+        other_out = count_in(b.column(1), DENSE_FORMATS - CL_FORMATS, b.column(2))
+        noise = (np.asarray(pc.fill_null(b.column(4), False).to_numpy(zero_copy_only=False), dtype=bool)
+                 if noisy else np.zeros(b.num_rows, bool))
+        for k, idx in enumerate((np.nonzero(((cl_in > 0) & (other_out > 0)) | ((cl_out > 0) & (cl_in == 0)))[0],
+                                 true_rows(b.column(3)), rows_with_any(b.column(0), NON_DENSE_FORMATS))):
+            idx = idx.astype(np.int64)
+            found[k].append(idx[~noise[idx]] + lo)
+        lo += b.num_rows
+    fmt, hid, nd = (np.concatenate(f) if f else np.zeros(0, np.int64) for f in found)
+    return fmt, hid, nd
 
 
 def _layout_rows(ops: pa.Table, names: CallNames, want: np.ndarray, fmt_idx: np.ndarray,
