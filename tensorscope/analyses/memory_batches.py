@@ -199,13 +199,16 @@ def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None, step:
             continue
         mc = _storage_modules(smods, b.column(4), alloc, alive, ops) + 1
         cat = _category_codes(part)[alive]
-        for key, w in zip(zip(dev[alive].tolist(), cat.tolist(), mc.tolist()), _filled(b.column(1), 0)[alive].tolist()):
-            g = groups.get(key)
-            if g is None:
-                groups[key] = [int(w), 1]
-            else:
-                g[0] += int(w)
-                g[1] += 1
+        m1 = len(smods.names) + 1   # every name is learnt before the loop: a fixed base
+        key = (dev[alive] * len(CATS) + cat) * m1 + mc
+        keys, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv, weights=_filled(b.column(1), 0)[alive].astype(np.float64)).astype(np.int64)
+        counts = np.bincount(inv)
+        for k, w, c in zip(keys.tolist(), sums.tolist(), counts.tolist()):
+            dc, m = divmod(k, m1)
+            g = groups.setdefault((dc // len(CATS), dc % len(CATS), m), [0, 0])
+            g[0] += w
+            g[1] += c
     out: list[dict[str, Any]] = []
     for di, d in enumerate(names):
         mine = sorted((k, v) for k, v in groups.items() if k[0] == di)
@@ -302,9 +305,12 @@ def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = 
         mc = _storage_modules(smods, b.column(3), _filled(b.column(2), -1), hit, ops)
         dg = devs.codes(part)[hit]
         nb = _filled(b.column(1), 0)[hit]
-        for k, w in zip((dg * (1 << 32) + mc)[mc >= 0].tolist(), nb[mc >= 0].tolist()):
+        has = mc >= 0
+        keys, inv = np.unique(dg[has] * (1 << 32) + mc[has], return_inverse=True)
+        sums = np.bincount(inv, weights=nb[has].astype(np.float64), minlength=len(keys)).astype(np.int64)
+        for k, w in zip(keys.tolist(), sums.tolist()):
             key = (k >> 32, k & 0xFFFFFFFF)
-            act[key] = act.get(key, 0) + int(w)
+            act[key] = act.get(key, 0) + w
     for (di, code), bsum in sorted(act.items()):
         m = smods.names[code]
         if m is None:
