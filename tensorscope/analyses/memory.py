@@ -27,44 +27,9 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .live_sweep import DeviceIndex, device_names, storage_step
 from .memory_batches import device_peaks, memory_batches
-from .memory_columns import _array, _devices, _filled, _int_column  # noqa: F401  (read here by name)
+from .memory_columns import _array, _devices, _filled, _int_column, live_mask  # noqa: F401  (read here by name)
 
-__all__ = ["memory_table", "memory_peak", "live_mask", "live_matrix"]
-
-
-def _sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
-    if index.size == 0:
-        return np.zeros(n, dtype=np.int64)
-    return np.bincount(index, weights=weights.astype(np.float64), minlength=n)[:n].astype(np.int64)
-
-
-def live_mask(alloc: np.ndarray, free: np.ndarray, s: int) -> np.ndarray:
-    """The storages live while op ``s`` runs (``alloc``/``free``: ``alloc_seq``/``free_seq``, nulls as -1)."""
-    return (alloc <= s) & ((free < 0) | (free >= s))
-
-
-def live_matrix(key: np.ndarray, nbytes: np.ndarray, alloc: np.ndarray, free: np.ndarray, n_keys: int,
-                n_ops: int) -> tuple[np.ndarray, np.ndarray]:
-    """(live[k, s], baseline[k]): bytes of the storages of each key (device, or device and category)
-    live while op ``s`` runs (``live_mask``, for every op at once), and before the first op.
-
-    Built in one ``n_keys x n_ops`` array (the changes per op, summed in place), with one more of
-    the same size at a time: an event at or past ``n_ops`` changes no op's bytes and is left out."""
-    pre = alloc < 0
-    baseline = _sum_by(key[pre], nbytes[pre], n_keys)
-    size = n_keys * n_ops
-    made = ~pre & (alloc < n_ops)
-    # (bincount's float64 sums are exact below 2**53 bytes)
-    delta = np.bincount(key[made] * n_ops + alloc[made], weights=nbytes[made].astype(np.float64), minlength=size)
-    # a storage freed after op f started still counts during f: it stops counting at f + 1
-    freed = (free >= 0) & (free + 1 < n_ops)
-    delta -= np.bincount(key[freed] * n_ops + free[freed] + 1, weights=nbytes[freed].astype(np.float64),
-                         minlength=size)
-    live = delta.astype(np.int64).reshape(n_keys, n_ops)
-    del delta
-    np.cumsum(live, axis=1, out=live)
-    live += baseline[:, None]
-    return live, baseline
+__all__ = ["memory_table", "memory_peak", "live_mask"]
 
 
 def memory_devices(tensors: pa.Table) -> int:

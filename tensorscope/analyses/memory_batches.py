@@ -26,6 +26,7 @@ from .memory_columns import (
     _filled,
     _op_columns,
     backward_calls,
+    live_mask,
 )
 
 __all__ = ["memory_batches", "memory_timeline_batches", "module_memory", "device_peaks", "memory_at", "OP_BLOCK"]
@@ -193,8 +194,7 @@ def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None, step:
         part = pa.Table.from_batches([b])
         dev = devs.codes(part)
         alloc, free = _filled(b.column(2), -1), _filled(b.column(3), -1)
-        s = at[dev]
-        alive = np.nonzero((alloc <= s) & ((free < 0) | (free >= s)))[0]   # memory.live_mask, per device
+        alive = np.nonzero(live_mask(alloc, free, at[dev]))[0]   # each storage at its device's op
         if not len(alive):
             continue
         mc = _storage_modules(smods, b.column(4), alloc, alive, ops) + 1

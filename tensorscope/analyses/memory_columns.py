@@ -8,7 +8,7 @@ read their columns through it).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -116,13 +116,45 @@ def _category_codes(tensors: pa.Table) -> np.ndarray:
 
 def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> dict[str, pa.Array]:
     """The op's columns of each timeline row (``rows``: its seq); read in place, not gathered, when the
-    rows are every op once (one device)."""
+    rows are every op once (one device), else taken chunk by chunk (``take_plain``)."""
     every = len(rows) == n
-    idx = None if every else pa.array(rows)
     out: dict[str, pa.Array] = {}
     for name in ("op", "phase", "module", "source_file", "source_line"):
-        col = ops.column(name) if idx is None else ops.column(name).take(idx)
-        out[name] = S.plain_strings(pa.table({name: col})).column(name)
+        if every:
+            out[name] = S.plain_strings(pa.table({name: ops.column(name)})).column(name)
+        else:
+            out[name] = take_plain(ops.column(name), rows)
     return out
 
 
+def take_plain(col: Any, rows: np.ndarray) -> pa.Array:
+    """``col.take(rows)`` with its strings decoded (``S.plain_strings``), each chunk giving its own rows:
+    Arrow's take over a chunked column combines the chunks first (a memory-mapped column copied into
+    anonymous memory, its dictionaries unified, for a handful of rows)."""
+    rows = np.asarray(rows, np.int64)
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+
+    def plain(arr: pa.Array) -> pa.Array:
+        got: pa.Array = S.plain_strings(pa.table({"c": arr})).column("c").combine_chunks()
+        return got
+
+    if len(chunks) <= 1:
+        return plain(chunks[0].take(pa.array(rows)) if chunks else pa.array([], col.type))
+    offsets = np.cumsum([0] + [len(c) for c in chunks])
+    which = np.searchsorted(offsets, rows, side="right") - 1
+    parts, order = [], []
+    for k in np.unique(which).tolist():
+        sel = np.nonzero(which == k)[0]
+        parts.append(plain(chunks[k].take(pa.array(rows[sel] - offsets[k]))))
+        order.append(sel)
+    if not parts:
+        return plain(chunks[0].slice(0, 0))
+    inverse = np.empty(len(rows), np.int64)
+    inverse[np.concatenate(order)] = np.arange(len(rows))
+    return pa.concat_arrays(parts).take(pa.array(inverse))
+
+
+def live_mask(alloc: np.ndarray, free: np.ndarray, s: Union[int, np.ndarray]) -> np.ndarray:
+    """The storages live while op ``s`` runs (``alloc``/``free``: ``alloc_seq``/``free_seq``, nulls as -1;
+    ``s``: one op, or one per storage). The one rule every live-bytes view here follows."""
+    return (alloc <= s) & ((free < 0) | (free >= s))

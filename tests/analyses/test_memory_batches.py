@@ -20,7 +20,7 @@ import torch
 
 import tensorscope
 from tensorscope import schema as S
-from tensorscope.analyses.memory import _devices, _int_column, live_mask, live_matrix, memory_peak, memory_table
+from tensorscope.analyses.memory import _devices, _int_column, live_mask, memory_peak, memory_table
 from tensorscope.analyses.memory_batches import memory_at, memory_batches, memory_timeline_batches, module_memory
 from tensorscope.analyses.memory_categories import (
     _CAT,
@@ -33,6 +33,36 @@ from tensorscope.analyses.memory_categories import (
 )
 
 # -- the whole-table definitions (what the batched builders replaced), the reference ------------
+
+def _sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    if index.size == 0:
+        return np.zeros(n, dtype=np.int64)
+    return np.bincount(index, weights=weights.astype(np.float64), minlength=n)[:n].astype(np.int64)
+
+
+def live_matrix(key: np.ndarray, nbytes: np.ndarray, alloc: np.ndarray, free: np.ndarray, n_keys: int,
+                n_ops: int) -> tuple[np.ndarray, np.ndarray]:
+    """(live[k, s], baseline[k]): bytes of the storages of each key (device, or device and category)
+    live while op ``s`` runs (``live_mask``, for every op at once), and before the first op.
+
+    Built in one ``n_keys x n_ops`` array (the changes per op, summed in place), with one more of
+    the same size at a time: an event at or past ``n_ops`` changes no op's bytes and is left out."""
+    pre = alloc < 0
+    baseline = _sum_by(key[pre], nbytes[pre], n_keys)
+    size = n_keys * n_ops
+    made = ~pre & (alloc < n_ops)
+    # (bincount's float64 sums are exact below 2**53 bytes)
+    delta = np.bincount(key[made] * n_ops + alloc[made], weights=nbytes[made].astype(np.float64), minlength=size)
+    # a storage freed after op f started still counts during f: it stops counting at f + 1
+    freed = (free >= 0) & (free + 1 < n_ops)
+    delta -= np.bincount(key[freed] * n_ops + free[freed] + 1, weights=nbytes[freed].astype(np.float64),
+                         minlength=size)
+    live = delta.astype(np.int64).reshape(n_keys, n_ops)
+    del delta
+    np.cumsum(live, axis=1, out=live)
+    live += baseline[:, None]
+    return live, baseline
+
 
 def whole_memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
     nbytes = _int_column(tensors, "nbytes", 0)
@@ -408,3 +438,19 @@ def test_a_peak_tied_past_bookkeeping_ops_is_named_after_the_first_real_op(trace
     assert want["cpu"]["peak_seq"] == 7 and want["cpu"]["high_water_seq"] == 0
     assert memory_peak(pa.Table.from_batches(mem.to_batches(max_chunksize=rows)), ops, tensors) == want
     assert digest_memory_peak(memory_digest(tensors, ops, 10, block=rows, step=rows), ops, tensors) == want
+
+
+def test_the_ops_columns_of_a_few_rows_are_taken_chunk_by_chunk(trace):
+    from tensorscope.analyses.memory_columns import _op_columns, take_plain
+
+    ops = trace.ops
+    # chunks of 4 ops, each with its own dictionaries (another writer's pieces)
+    pieces = pa.Table.from_batches([S.plain_strings(pa.Table.from_batches([b])).to_batches()[0]
+                                    for b in ops.to_batches(max_chunksize=4)])
+    rows = np.array([17, 3, 3, ops.num_rows - 1, 0, 9], np.int64)   # any order, repeated, across chunks
+    for name in ("op", "module", "source_line"):
+        want = S.plain_strings(ops.select([name]).take(pa.array(rows))).column(name).combine_chunks()
+        for t in (ops, pieces):
+            assert take_plain(t.column(name), rows).equals(want), name
+    got = _op_columns(pieces, ops.num_rows, rows)
+    assert got["op"].to_pylist() == [ops.column("op")[int(r)].as_py() for r in rows]
