@@ -3,7 +3,9 @@
 A Trace is built whole: the recorded tables and the complete ``TraceMetadata`` are given at
 construction (``kernels`` may be given as its resolver, run once on first read). Derived tables
 (``casts``, ``layout_changes``, ``memory``, ``api``) are computed on first access by the pure
-functions in ``analyses/`` and cached. Its attributes cannot be assigned, its tables are Arrow
+functions in ``analyses/`` and cached; ``memory`` and the ``memory_timeline`` view are built a block
+of ops at a time and, past ``io.derived.MAP_ROWS`` rows, memory-mapped from an unlinked file (in a
+spilled trace's table directory, else a temporary one). Its attributes cannot be assigned, its tables are Arrow
 (immutable) and its metadata is frozen and never replaced; ``t.metadata`` reads it with the one
 fact learnt later, the notes of the kernels resolver. Where ``save`` wrote the trace is kept beside
 it (``t.saved_to``), not in its metadata. Nothing here refers to a tensor, so a Trace sitting in
