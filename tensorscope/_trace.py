@@ -3,7 +3,9 @@
 A Trace is built whole: the recorded tables and the complete ``TraceMetadata`` are given at
 construction (``kernels`` may be given as its resolver, run once on first read). Derived tables
 (``casts``, ``layout_changes``, ``memory``, ``api``) are computed on first access by the pure
-functions in ``analyses/`` and cached. Its attributes cannot be assigned, its tables are Arrow
+functions in ``analyses/`` and cached; ``memory`` and the ``memory_timeline`` view are built a block
+of ops at a time and, past ``io.derived.MAP_ROWS`` rows, memory-mapped from an unlinked file (in a
+spilled trace's table directory, else a temporary one). Its attributes cannot be assigned, its tables are Arrow
 (immutable) and its metadata is frozen and never replaced; ``t.metadata`` reads it with the one
 fact learnt later, the notes of the kernels resolver. Where ``save`` wrote the trace is kept beside
 it (``t.saved_to``), not in its metadata. Nothing here refers to a tensor, so a Trace sitting in
@@ -32,7 +34,11 @@ def _view(table: pa.Table, title: str, notes: Sequence[str] = ()) -> TableView:
     return TableView(table, title, tuple(notes))
 
 
-def _derive(name: str, tables: dict[str, pa.Table]) -> pa.Table:
+def _derive(name: str, tables: dict[str, pa.Table], where: Optional[str] = None) -> pa.Table:
+    """The derived table ``name`` from the recorded ``tables``.
+
+    ``where``: the directory a big one's memory-mapped file goes to (a spilled trace's; None: a temporary one).
+    """
     try:
         if name == "casts":
             from .analyses.casts import casts
@@ -43,9 +49,7 @@ def _derive(name: str, tables: dict[str, pa.Table]) -> pa.Table:
 
             return S.conform("layout_changes", layout_changes(tables["ops"], tables["calls"]))
         if name == "memory":
-            from .analyses.memory import memory_table
-
-            return S.conform("memory", memory_table(tables["tensors"], tables["ops"].num_rows))
+            return _memory_table(tables["tensors"], tables["ops"].num_rows, where)
         if name == "api":
             from .analyses.api import api_table
 
@@ -53,6 +57,16 @@ def _derive(name: str, tables: dict[str, pa.Table]) -> pa.Table:
     except ImportError:
         return S.empty(name)
     raise KeyError(name)
+
+
+def _memory_table(tensors: pa.Table, n_ops: int, where: Optional[str]) -> pa.Table:
+    """``memory`` a block of ops at a time; memory-mapped past ``io.derived.MAP_ROWS`` rows."""
+    from .analyses.memory import memory_devices
+    from .analyses.memory_batches import memory_batches
+    from .io.derived import table_from_batches
+
+    rows = n_ops * memory_devices(tensors) if n_ops > 0 and tensors.num_rows else 0
+    return table_from_batches(S.MEMORY, lambda: memory_batches(tensors, n_ops), rows, where, "memory")
 
 
 class _Resolver:
@@ -95,6 +109,7 @@ class Trace:
     _later: dict[str, Any]      # saved_to (Trace.save), notes (the kernels resolver) when they come
     _plot: Any
     _derived: dict[str, pa.Table]   # views that are no table of the trace (memory_timeline ...), cached
+    _spill_dir: Optional[str]       # a spilled trace's table directory (big derived tables are mapped there)
 
     def __init__(self, tables: dict[str, pa.Table], metadata: Union[TraceMetadata, Mapping[str, Any]], *,
                  kernels: Optional[Callable[[], tuple[pa.Table, Sequence[str]]]] = None,
@@ -121,6 +136,7 @@ class Trace:
         object.__setattr__(self, "_later", {})
         object.__setattr__(self, "_plot", None)
         object.__setattr__(self, "_derived", {})
+        object.__setattr__(self, "_spill_dir", os.path.dirname(_spill_file) if _spill_file else None)
         if _spill_file:
             # a spilled trace: its ops, calls and tensors (and what probes added to them) are
             # memory-mapped files in _spill_file's directory, removed when the Trace goes
@@ -139,7 +155,7 @@ class Trace:
             raise KeyError(f"no table {name!r}; tables: {', '.join(S.TABLES)}")
         t = self._tables.get(name)
         if t is None:
-            t = self._tables[name] = _derive(name, self._tables)
+            t = self._tables[name] = _derive(name, self._tables, self._spill_dir)
         elif isinstance(t, _Resolver):
             # the kernels resolver given at construction (always-on CUDA kernels): run once
             t, notes = t.fn()
@@ -261,9 +277,15 @@ class Trace:
         """
         got = self._derived.get("memory_timeline")
         if got is None:
-            from .analyses.memory_categories import memory_timeline
+            from .analyses.memory import memory_devices
+            from .analyses.memory_batches import memory_timeline_batches
+            from .io.derived import table_from_batches
 
-            got = self._derived["memory_timeline"] = memory_timeline(self.tensors, self.ops)
+            tensors, ops = self.tensors, self.ops
+            rows = ops.num_rows * memory_devices(tensors) if tensors.num_rows else 0
+            got = self._derived["memory_timeline"] = table_from_batches(
+                S.MEMORY_TIMELINE, lambda: memory_timeline_batches(tensors, ops), rows, self._spill_dir,
+                "memory_timeline")
         return _view(got, "t.memory_timeline: live bytes by category after each op",
                      ("is_peak marks each device's peak; t.memory_at() breaks it down by module",))
 
@@ -307,7 +329,7 @@ class Trace:
         """
         got = self._derived.get("module_memory")
         if got is None:
-            from .analyses.memory_categories import module_memory
+            from .analyses.memory_batches import module_memory
 
             got = self._derived["module_memory"] = module_memory(self.tensors, self.ops, self.calls)
         return _view(got, "t.module_memory: activations saved and peaks per module")

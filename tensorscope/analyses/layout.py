@@ -93,26 +93,33 @@ def drop_noise(ops: pa.Table, idx: np.ndarray) -> np.ndarray:
 
 class CallNames:
     """call_id -> torch-level call name, looked up on demand: a trace of small ops has one call per
-    op, and a dict of every call costs far more than the few lookups an analysis makes."""
+    op, and a dict of every call costs far more than the few lookups an analysis makes. The sorted
+    index of the call ids is built on the first lookup (most traces look none up)."""
 
-    __slots__ = ("_ids", "_order", "_names")
+    __slots__ = ("_calls", "_ids", "_order", "_names")
 
     def __init__(self, calls: Optional[pa.Table]) -> None:
-        if calls is None or calls.num_rows == 0:
-            self._ids = np.zeros(0, np.int64)
-            self._order = np.zeros(0, np.int64)
-            self._names: Optional[pa.ChunkedArray] = None
-            return
-        ids = np.asarray(pc.fill_null(calls.column("call_id"), -1).to_numpy(), dtype=np.int64)
-        self._order = np.argsort(ids, kind="stable")
-        self._ids = ids[self._order]
-        self._names = calls.column("name")
+        self._calls = calls if calls is not None and calls.num_rows else None
+        self._ids: Optional[np.ndarray] = None
+        self._order = np.zeros(0, np.int64)
+        self._names: Optional[pa.ChunkedArray] = None
+
+    def _index(self) -> np.ndarray:
+        if self._ids is None:
+            calls, self._ids = self._calls, np.zeros(0, np.int64)
+            if calls is not None:
+                ids = np.asarray(pc.fill_null(calls.column("call_id"), -1).to_numpy(), dtype=np.int64)
+                self._order = np.argsort(ids, kind="stable")
+                self._ids = ids[self._order]
+                self._names = calls.column("name")
+        return self._ids
 
     def get(self, call_id: Optional[int], default: Optional[str] = None) -> Optional[str]:
-        if call_id is None or self._names is None or call_id < 0:
+        if call_id is None or self._calls is None or call_id < 0:
             return default
-        k = int(np.searchsorted(self._ids, call_id))
-        if k < len(self._ids) and self._ids[k] == call_id:
+        ids = self._index()
+        k = int(np.searchsorted(ids, call_id))
+        if k < len(ids) and ids[k] == call_id and self._names is not None:
             v = self._names[int(self._order[k])].as_py()
             return v if v is not None else default
         return default

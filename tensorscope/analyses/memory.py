@@ -25,104 +25,30 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from .live_sweep import DeviceIndex, device_names, storage_step
+from .memory_batches import device_peaks, memory_batches
+from .memory_columns import _array, _devices, _filled, _int_column, live_mask  # noqa: F401  (read here by name)
 
-__all__ = ["memory_table", "memory_peak", "live_mask", "live_matrix"]
-
-
-def _array(col: Any) -> pa.Array:
-    """One array of a column (a table's column is chunked; one chunk is taken as is, not copied)."""
-    if isinstance(col, pa.ChunkedArray):
-        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-    return col
+__all__ = ["memory_table", "memory_peak", "live_mask"]
 
 
-def _filled(arr: pa.Array, fill: int) -> np.ndarray:
-    """An integer array as a new int64 array, nulls as ``fill``: read from its buffers, a few numpy
-    calls where ``pc.fill_null`` and ``to_numpy`` are heavier (the end of every trace converts a dozen)."""
-    n, off = len(arr), arr.offset
-    if n == 0:
-        return np.zeros(0, np.int64)
-    validity, data = arr.buffers()[:2]
-    out = np.frombuffer(data, dtype=arr.type.to_pandas_dtype())[off:off + n].astype(np.int64)   # a copy
-    if arr.null_count:
-        valid = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[off:off + n]
-        out[valid == 0] = fill
-    return out
-
-
-def _int_column(table: pa.Table, name: str, fill: int) -> np.ndarray:
-    """An integer column of ``table`` as a new int64 array, nulls as ``fill``."""
-    return _filled(_array(table.column(name)), fill)
-
-
-def _sum_by(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
-    if index.size == 0:
-        return np.zeros(n, dtype=np.int64)
-    return np.bincount(index, weights=weights.astype(np.float64), minlength=n)[:n].astype(np.int64)
-
-
-def live_mask(alloc: np.ndarray, free: np.ndarray, s: int) -> np.ndarray:
-    """The storages live while op ``s`` runs (``alloc``/``free``: ``alloc_seq``/``free_seq``, nulls as -1)."""
-    return (alloc <= s) & ((free < 0) | (free >= s))
-
-
-def live_matrix(key: np.ndarray, nbytes: np.ndarray, alloc: np.ndarray, free: np.ndarray, n_keys: int,
-                n_ops: int) -> tuple[np.ndarray, np.ndarray]:
-    """(live[k, s], baseline[k]): bytes of the storages of each key (device, or device and category)
-    live while op ``s`` runs (``live_mask``, for every op at once), and before the first op.
-
-    Built in one ``n_keys x n_ops`` array (the changes per op, summed in place), with one more of
-    the same size at a time: an event at or past ``n_ops`` changes no op's bytes and is left out."""
-    pre = alloc < 0
-    baseline = _sum_by(key[pre], nbytes[pre], n_keys)
-    size = n_keys * n_ops
-    made = ~pre & (alloc < n_ops)
-    # (bincount's float64 sums are exact below 2**53 bytes)
-    delta = np.bincount(key[made] * n_ops + alloc[made], weights=nbytes[made].astype(np.float64), minlength=size)
-    # a storage freed after op f started still counts during f: it stops counting at f + 1
-    freed = (free >= 0) & (free + 1 < n_ops)
-    delta -= np.bincount(key[freed] * n_ops + free[freed] + 1, weights=nbytes[freed].astype(np.float64),
-                         minlength=size)
-    live = delta.astype(np.int64).reshape(n_keys, n_ops)
-    del delta
-    np.cumsum(live, axis=1, out=live)
-    live += baseline[:, None]
-    return live, baseline
-
-
-def _devices(tensors: pa.Table) -> tuple[list[str], np.ndarray]:
-    """(device names in first-seen order, per-row device index)."""
-    col = pc.fill_null(tensors.column("device"), "unknown").combine_chunks()
-    enc = col.dictionary_encode()
-    names = enc.dictionary.to_pylist()
-    idx = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-    return names, idx
+def memory_devices(tensors: pa.Table) -> int:
+    """How many devices ``_devices(tensors)`` names (each has a row per op in ``memory``), read a
+    chunk of storages at a time."""
+    return len(device_names(tensors))
 
 
 def memory_table(tensors: pa.Table, n_ops: int) -> pa.Table:
-    """MEMORY rows ``(seq, device, live_bytes, delta_bytes)``: one per op and device, seq order;
-    ``live_bytes`` while the op runs (``live_mask``).
+    """MEMORY rows ``(seq, device, live_bytes, delta_bytes)``: one per op and device, device by device,
+    seq order; ``live_bytes`` while the op runs (``live_mask``; built a block of ops at a time:
+    ``memory_batches.memory_batches``).
 
     ``delta_bytes`` is the change against the previous op (against the pre-trace baseline for
     seq 0). Devices are listed in the order they first appear in ``tensors``.
     """
-    n_ops = int(n_ops)
-    if n_ops <= 0 or tensors.num_rows == 0:
+    if int(n_ops) <= 0 or tensors.num_rows == 0:
         return S.empty("memory")
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    dev_order, dev = _devices(tensors)
-    # (bincount's float64 sums are exact below 2**53 bytes)
-    live, baseline = live_matrix(dev, nbytes, alloc, free, len(dev_order), n_ops)
-    delta = live.copy()   # the change against the op before (the baseline for seq 0), in place
-    delta[:, 1:] -= live[:, :-1]
-    delta[:, 0] -= baseline
-    seqs = np.tile(np.arange(n_ops, dtype=np.int64), len(dev_order))
-    dev_col = pa.DictionaryArray.from_arrays(np.repeat(np.arange(len(dev_order), dtype=np.int32), n_ops),
-                                             pa.array(dev_order, pa.string())).cast(pa.string())
-    return pa.Table.from_arrays([pa.array(seqs), dev_col, pa.array(live.reshape(-1)),
-                                 pa.array(delta.reshape(-1))], schema=S.MEMORY)
+    return pa.Table.from_batches(list(memory_batches(tensors, int(n_ops))), schema=S.MEMORY).combine_chunks()
 
 
 def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optional[pa.Table] = None) -> dict[str, dict[str, Any]]:
@@ -134,29 +60,44 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
     out: dict[str, dict[str, Any]] = {}
     if memory.num_rows == 0:
         return out
-    seq = memory.column("seq").to_numpy()
-    live = memory.column("live_bytes").to_numpy()
-    delta = memory.column("delta_bytes").to_numpy()
-    names, devs = _devices(memory)
     op_col = ops.column("op") if ops is not None and ops.num_rows else None
-    noise: Optional[np.ndarray] = None
+    noise: Optional[np.ndarray] = None   # a byte per op
     if ops is not None and op_col is not None and "is_noise" in ops.column_names:
         noise = np.asarray(pc.fill_null(ops.column("is_noise"), False).to_numpy(zero_copy_only=False)).astype(bool)
+    devs = DeviceIndex()
+    # per device [start, end, peak bytes, its first row's seq, the first such row's seq past bookkeeping (None)]
+    state: list[list[Any]] = []
+    for b in memory.select(["device", "seq", "live_bytes", "delta_bytes"]).to_batches(max_chunksize=storage_step()):
+        if b.num_rows == 0:
+            continue
+        dev = devs.codes(pa.Table.from_batches([b]))
+        seq, live, delta = (_filled(b.column(i), 0) for i in (1, 2, 3))
+        for di in np.unique(dev).tolist():
+            m = dev == di
+            sq, lv = seq[m], live[m]
+            while len(state) <= di:
+                state.append([None, None, None, 0, None])
+            st = state[di]
+            if st[0] is None:
+                st[0] = int(lv[0] - delta[m][0])
+            st[1] = int(lv[-1])
+            k = int(np.argmax(lv))
+            if st[2] is None or int(lv[k]) > st[2]:
+                st[2], st[3], st[4] = int(lv[k]), int(sq[k]), None
+            if int(lv[k]) == st[2] and st[4] is None and noise is not None:
+                # the first op after which live bytes were largest that is not eager's bookkeeping (a lift or
+                # detach moves no data: never the op a peak is named after); none: the peak names no op
+                sp = sq[lv == lv[k]]
+                sp = sp[(sp >= 0) & (sp < len(noise))]
+                sp = sp[~noise[sp]]
+                st[4] = int(sp[0]) if len(sp) else None
     hw = _high_water(tensors) if tensors is not None else {}
-    for di, d in enumerate(names):
-        m = devs == di
-        s, lv, dl = seq[m], live[m], delta[m]
-        k = int(np.argmax(lv))
-        if noise is not None:
-            # the first op after which live bytes were largest that is not eager's bookkeeping (a lift or
-            # detach moves no data: never the op a peak is named after); none: the peak names no op
-            at_peak = np.nonzero(lv == lv[k])[0]
-            sp = s[at_peak]
-            inside = (sp >= 0) & (sp < len(noise))
-            named = at_peak[inside][~noise[sp[inside]]]
-            k = int(named[0]) if len(named) else k
-        info = {"peak_bytes": int(lv[k]), "peak_seq": int(s[k]), "start_bytes": int(lv[0] - dl[0]),
-                "end_bytes": int(lv[-1])}
+    for di, d in enumerate(devs.names):
+        if di >= len(state) or state[di][0] is None:
+            continue
+        start, end, peak, at, named = state[di]
+        info = {"peak_bytes": peak, "peak_seq": at if named is None else named, "start_bytes": start,
+                "end_bytes": end}
         if op_col is not None and 0 <= info["peak_seq"] < len(op_col) and not (noise is not None and noise[info["peak_seq"]]):
             info["peak_op"] = op_col[info["peak_seq"]].as_py()
         if d in hw:
@@ -167,15 +108,13 @@ def memory_peak(memory: pa.Table, ops: Optional[pa.Table] = None, tensors: Optio
 
 def _high_water(tensors: pa.Table) -> dict[str, tuple[int, int]]:
     """Per device (bytes, seq): the largest live bytes while an op runs, over every op a storage of
-    ``tensors`` names (``live_mask``)."""
+    ``tensors`` names (``live_mask``), the first such op; one sweep of those ops."""
     if tensors.num_rows == 0:
         return {}
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    names, dev = _devices(tensors)
-    n = int(max(alloc.max(initial=-1), free.max(initial=-1))) + 1
-    if n <= 0:
+    last = -1
+    for b in tensors.select(["alloc_seq", "free_seq"]).to_batches(max_chunksize=storage_step()):
+        last = max(last, int(_filled(b.column(0), -1).max(initial=-1)), int(_filled(b.column(1), -1).max(initial=-1)))
+    if last < 0:
         return {}
-    live, _ = live_matrix(dev, nbytes, alloc, free, len(names), n)
-    return {d: (int(live[di].max()), int(np.argmax(live[di]))) for di, d in enumerate(names)}
+    names, at, peak = device_peaks(tensors, last + 1)
+    return {d: (peak[di], at[di]) for di, d in enumerate(names)}

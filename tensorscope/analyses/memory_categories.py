@@ -26,61 +26,34 @@ and the peaks while its forward and backward ops ran, children rolled into paren
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
 
 from .. import schema as S
-from .memory import _array, _devices, _filled, _int_column, live_mask, live_matrix
-from .storage_reads import _batches, _flat, _ints, read_column, rows_where
+from .memory_batches import memory_at as _memory_at
+from .memory_batches import memory_timeline_batches
+from .memory_batches import module_memory as _module_memory
+from .memory_columns import (  # noqa: F401  (the names this module had: read here by name)
+    _CAT,
+    BACKWARD_CALLS,
+    CATS,
+    _array,
+    _backward_rows,
+    _batches,
+    _category_codes,
+    _codes,
+    _devices,
+    _filled,
+    _is,
+    _op_columns,
+    backward_calls,
+)
+from .storage_reads import _flat, _ints, read_column, rows_where
 
 __all__ = ["categorize", "memory_timeline", "memory_at", "module_memory", "BACKWARD_CALLS"]
-
-CATS = S.MEMORY_CATEGORIES
-_CAT = {c: i for i, c in enumerate(CATS)}
-#: torch-level calls that run autograd's engine: ops they make outside it belong to the backward
-BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "Tensor.backward", "torch.autograd.backward",
-                            "torch.autograd.grad", "torch.autograd.__init__.backward", "torch.autograd.__init__.grad"})
-
-
-def _codes(col: Any) -> tuple[np.ndarray, list[Optional[str]]]:
-    """(per-row index into values, -1 for null; values) of a string or dictionary column."""
-    arr = _array(col)
-    if not pa.types.is_dictionary(arr.type):
-        arr = arr.dictionary_encode()
-    return _filled(arr.indices, -1), arr.dictionary.to_pylist()
-
-
-def _is(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
-    codes, values = _codes(col)
-    hit = np.array([v is not None and bool(pred(v)) for v in values] + [False], dtype=bool)
-    out: np.ndarray = hit[codes]   # code -1 reads the trailing False
-    return out
-
-
-def backward_calls(calls: Optional[pa.Table]) -> np.ndarray:
-    """Sorted ids of the calls that run autograd's engine (``BACKWARD_CALLS``) or are nested in one."""
-    if calls is None or calls.num_rows == 0:
-        return np.zeros(0, np.int64)
-    under: set[int] = set()
-    for lo, b in _batches(calls, ["qualname", "parent_id"]):
-        flag = _is(b.column(0), lambda v: v in BACKWARD_CALLS)
-        under.update((np.nonzero(flag)[0] + lo).tolist())
-        parent = _filled(b.column(1), -1)
-        for i in np.nonzero((parent >= 0) & ~flag)[0].tolist():   # nested calls are rare; parents precede children
-            if int(parent[i]) in under:
-                under.add(lo + i)
-    return np.array(sorted(under), np.int64)
-
-
-def _backward_rows(phase: Any, call_id: Any, under: np.ndarray) -> np.ndarray:
-    """Per op of one batch: ran in autograd's engine, or under one of the calls ``under``."""
-    bwd = _is(phase, lambda v: v == "backward")
-    if len(under):
-        bwd |= np.isin(_filled(call_id, -1), under)
-    return bwd
 
 
 def backward_region(ops: pa.Table, calls: Optional[pa.Table]) -> np.ndarray:
@@ -374,68 +347,10 @@ def _dict_array(codes: np.ndarray) -> pa.DictionaryArray:
 
 # -- the timeline --------------------------------------------------------------------------------
 
-def _category_codes(tensors: pa.Table) -> np.ndarray:
-    """Index into CATS per row (``other`` where null: a trace of an older schema)."""
-    if "category" not in tensors.column_names:
-        return np.full(tensors.num_rows, _CAT["other"], np.int64)
-    codes, values = _codes(tensors.column("category"))
-    lut = np.array([_CAT.get(v or "other", _CAT["other"]) for v in values] + [_CAT["other"]], dtype=np.int64)
-    out: np.ndarray = lut[codes]
-    return out
-
-
-def storage_columns(tensors: pa.Table) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """What the live-bytes views read of each storage: (device names, device code, category code,
-    nbytes, alloc_seq (-1: before the trace), free_seq (-1: never freed))."""
-    names, dev = _devices(tensors)
-    return (names, dev, _category_codes(tensors), _int_column(tensors, "nbytes", 0),
-            _int_column(tensors, "alloc_seq", -1), _int_column(tensors, "free_seq", -1))
-
-
-def _live(tensors: pa.Table, n_ops: int) -> tuple[list[str], np.ndarray]:
-    """(devices, live[d, c, s]): bytes of category c on device d live while op s runs (``live_mask``)."""
-    names, dev, cat, nbytes, alloc, free = storage_columns(tensors)
-    D, C = len(names), len(CATS)
-    live, _ = live_matrix(dev * C + cat, nbytes, alloc, free, D * C, n_ops)
-    return names, live.reshape(D, C, n_ops)
-
-
-def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> dict[str, pa.Array]:
-    """The op's columns of each timeline row (``rows``: its seq); read in place, not gathered, when the
-    rows are every op once (one device)."""
-    every = len(rows) == n
-    idx = None if every else pa.array(rows)
-    out: dict[str, pa.Array] = {}
-    for name in ("op", "phase", "module", "source_file", "source_line"):
-        col = ops.column(name) if idx is None else ops.column(name).take(idx)
-        out[name] = S.plain_strings(pa.table({name: col})).column(name)
-    return out
-
-
-def _repeated(names: list[str], n: int) -> pa.Array:
-    """Each of ``names`` ``n`` times, as one string array (through a dictionary: no string per row in Python)."""
-    codes = np.repeat(np.arange(len(names), dtype=np.int32), n)
-    return pa.DictionaryArray.from_arrays(codes, pa.array(names, pa.string())).cast(pa.string())
-
-
 def memory_timeline(tensors: pa.Table, ops: pa.Table) -> pa.Table:
-    """MEMORY_TIMELINE rows: per device, one row per op (seq order), live bytes per category while it runs."""
-    n_ops = ops.num_rows
-    if n_ops == 0 or tensors.num_rows == 0:
-        return S.MEMORY_TIMELINE.empty_table()
-    names, live = _live(tensors, n_ops)
-    D = len(names)
-    total = live.sum(axis=1)
-    peak = np.zeros((D, n_ops), bool)
-    peak[np.arange(D), np.argmax(total, axis=1)] = True
-    rows = np.tile(np.arange(n_ops, dtype=np.int64), D)
-    opc = _op_columns(ops, n_ops, rows)
-    cols: dict[str, Any] = dict(seq=pa.array(rows), device=_repeated(names, n_ops),
-                                live_bytes=pa.array(total.reshape(-1)), is_peak=pa.array(peak.reshape(-1)))
-    cols.update(opc)
-    for ci, c in enumerate(CATS):
-        cols[f"{c}_bytes"] = pa.array(live[:, ci, :].reshape(-1))
-    return pa.Table.from_arrays([cols[f.name] for f in S.MEMORY_TIMELINE], schema=S.MEMORY_TIMELINE)
+    """MEMORY_TIMELINE rows: per device, one row per op (seq order), live bytes per category while it runs
+    (built a block of ops at a time: ``memory_batches.memory_timeline_batches``)."""
+    return pa.Table.from_batches(list(memory_timeline_batches(tensors, ops)), schema=S.MEMORY_TIMELINE).combine_chunks()
 
 
 def peaks(timeline: pa.Table) -> list[dict[str, Any]]:
@@ -446,137 +361,15 @@ def peaks(timeline: pa.Table) -> list[dict[str, Any]]:
     return rows
 
 
-def storage_modules(tensors: pa.Table, ops: pa.Table) -> tuple[np.ndarray, list[Optional[str]]]:
-    """(per storage an index into the names, -1 for none; names): the module that made it (the
-    op's module: backward ops carry their forward op's), or for one the trace did not make, the
-    module whose op first read it. Vectorised: one lookup table per dictionary."""
-    names: list[Optional[str]] = []
-    index: dict[Optional[str], int] = {}
-
-    def lut(values: list[Optional[str]]) -> np.ndarray:
-        return np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values] + [-1],
-                        dtype=np.int64)
-
-    tcodes, tvals = _codes(tensors.column("module"))
-    codes = lut(tvals)[tcodes]
-    if ops.num_rows:
-        alloc = _int_column(tensors, "alloc_seq", -1)
-        made = (alloc >= 0) & (alloc < ops.num_rows)
-        if made.any():
-            ocodes, ovals = _codes(ops.column("module"))
-            codes[made] = lut(ovals)[ocodes[alloc[made]]]
-    names = [None] * len(index)
-    for v, i in index.items():
-        names[i] = v
-    return codes, names
-
-
 def memory_at(tensors: pa.Table, ops: pa.Table, seq: Optional[int] = None) -> pa.Table:
     """MEMORY_AT rows: storages live while op ``seq`` ran grouped by (device, category, module), largest
     first. ``seq`` None: each device at its own peak."""
-    n_ops = ops.num_rows
-    if n_ops == 0 or tensors.num_rows == 0:
-        return S.MEMORY_AT.empty_table()
-    names, dev = _devices(tensors)
-    if seq is None:
-        tl = memory_timeline(tensors, ops)
-        at = {p["device"]: p["seq"] for p in peaks(tl)}
-    else:
-        at = {d: int(seq) for d in names}
-    nbytes = _int_column(tensors, "nbytes", 0)
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    cat = _category_codes(tensors)
-    mcodes, mnames = storage_modules(tensors, ops)
-    M = len(mnames) + 1
-    out: list[dict[str, Any]] = []
-    for di, d in enumerate(names):
-        s = at.get(d)
-        if s is None:
-            continue
-        alive = np.nonzero((dev == di) & live_mask(alloc, free, s))[0]
-        if not len(alive):
-            continue
-        key = cat[alive] * M + (mcodes[alive] + 1)
-        keys, inv = np.unique(key, return_inverse=True)
-        sums = np.bincount(inv, weights=nbytes[alive].astype(np.float64)).astype(np.int64)
-        counts = np.bincount(inv)
-        for k in np.argsort(-sums, kind="stable").tolist():
-            mi = int(keys[k] % M) - 1
-            out.append(dict(seq=s, device=d, category=CATS[int(keys[k] // M)],
-                            module=mnames[mi] if mi >= 0 else None, bytes=int(sums[k]), storages=int(counts[k])))
-    return pa.Table.from_pylist(out, schema=S.MEMORY_AT)
+    return _memory_at(tensors, ops, seq)
 
 
 # -- per module ----------------------------------------------------------------------------------
 
-def _ancestors(path: str) -> list[str]:
-    parts = path.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
 def module_memory(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None) -> pa.Table:
-    """MODULE_MEMORY rows, largest activations first (see the module docstring)."""
-    n_ops = ops.num_rows
-    if n_ops == 0 or tensors.num_rows == 0:
-        return S.MODULE_MEMORY.empty_table()
-    # live bytes per device while each op runs (every category at once: one row per device, not per category)
-    names, dev = _devices(tensors)
-    total, _ = live_matrix(dev, _int_column(tensors, "nbytes", 0), _int_column(tensors, "alloc_seq", -1),
-                           _int_column(tensors, "free_seq", -1), len(names), n_ops)   # [device, seq]
-    mcodes, mvalues = _codes(ops.column("module"))
-    bwd = backward_region(ops, calls)
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-
-    def row(m: str, d: str) -> dict[str, Any]:
-        r = rows.get((m, d))
-        if r is None:
-            r = rows[(m, d)] = dict(module=m, device=d, depth=m.count("."), activation_bytes=0,
-                                    own_activation_bytes=0, fwd_peak_bytes=None, fwd_peak_seq=None,
-                                    bwd_peak_bytes=None, bwd_peak_seq=None, fwd_ops=0, bwd_ops=0)
-        return r
-
-    has = mcodes >= 0
-    for di, d in enumerate(names):
-        for phase, mask in (("fwd", ~bwd), ("bwd", bwd)):
-            sel = np.nonzero(has & mask)[0]
-            if not len(sel):
-                continue
-            codes = mcodes[sel]
-            order = np.lexsort((sel, codes))
-            sel, codes = sel[order], codes[order]
-            starts = np.concatenate([[0], np.nonzero(np.diff(codes))[0] + 1])
-            vals = total[di, sel]
-            for k, st in enumerate(starts.tolist()):
-                end = int(starts[k + 1]) if k + 1 < len(starts) else len(sel)
-                j = st + int(np.argmax(vals[st:end]))
-                path = mvalues[int(codes[st])]
-                if path is None:
-                    continue
-                for anc in _ancestors(path):
-                    r = row(anc, d)
-                    r[f"{phase}_ops"] += end - st
-                    b = int(vals[j])
-                    if r[f"{phase}_peak_bytes"] is None or b > r[f"{phase}_peak_bytes"] or (
-                            b == r[f"{phase}_peak_bytes"] and int(sel[j]) < r[f"{phase}_peak_seq"]):
-                        r[f"{phase}_peak_bytes"], r[f"{phase}_peak_seq"] = b, int(sel[j])
-    _, dev = _devices(tensors)
-    cat = _category_codes(tensors)
-    act = np.nonzero(cat == _CAT["activation"])[0]
-    if len(act):
-        mcodes, mnames = storage_modules(tensors, ops)
-        nbytes = _int_column(tensors, "nbytes", 0)
-        act = act[mcodes[act] >= 0]
-        M = len(mnames)
-        key = dev[act] * M + mcodes[act]
-        keys, inv = np.unique(key, return_inverse=True)
-        sums = np.bincount(inv, weights=nbytes[act].astype(np.float64)).astype(np.int64)
-        for k, b in zip(keys.tolist(), sums.tolist()):
-            m, d = mnames[k % M], names[k // M]
-            if m is None:
-                continue
-            row(m, d)["own_activation_bytes"] += b
-            for anc in _ancestors(m):
-                row(anc, d)["activation_bytes"] += b
-    out = sorted(rows.values(), key=lambda r: (-r["activation_bytes"], -(r["fwd_peak_bytes"] or 0), r["module"]))
-    return pa.Table.from_pylist(out, schema=S.MODULE_MEMORY)
+    """MODULE_MEMORY rows, largest activations first (see the module docstring; built a block of ops at
+    a time: ``memory_batches.module_memory``)."""
+    return _module_memory(tensors, ops, calls)

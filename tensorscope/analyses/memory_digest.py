@@ -11,38 +11,28 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .memory import _int_column, _sum_by
-from .memory_categories import CATS, _op_columns, storage_columns
+from .live_sweep import LiveSweep
+from .memory_columns import CATS, _op_columns
 
 
-def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1 << 16) -> dict[str, Any]:
+def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1 << 14,
+                  step: Optional[int] = None) -> dict[str, Any]:
     """What the summary reads of ``memory_timeline`` and ``memory``, without building either: per device
     the peak (the timeline's ``is_peak`` row and ``memory_peak``'s tie-break past bookkeeping ops), the
     bytes before the first op and during the last, and the rows the memory chart draws on ``columns``
     pixel columns (render/svg_memory.py: per column the op with the most live bytes, the first such).
 
-    The ops are swept in blocks of about ``block`` (whole chart columns): what it holds is one block
-    of live bytes per (device, category) and the storages' events, whatever the op count. Equal to
+    The ops are swept in blocks of about ``block`` (whole chart columns) by ``live_sweep.LiveSweep``
+    (the storages read ``step`` rows at a time): what it holds is one block of live bytes per
+    (device, category), the events of the storages alive across it and the chart's points. Equal to
     reading the same from ``memory_timeline(tensors, ops)`` (tests/analyses/test_memory_digest.py).
     """
     n = ops.num_rows
     if n == 0 or tensors.num_rows == 0:
-        return {"n": 0, "devices": []}
-    names, dev, cat, nbytes, alloc, free = storage_columns(tensors)
+        return {"n": 0, "devices": [], "last": -1}
+    sweep = LiveSweep(tensors, n, categories=True, step=step)
+    names, baseline = sweep.names, sweep.baseline
     D, C = len(names), len(CATS)
-    K = D * C
-    key = dev * C + cat
-    pre = alloc < 0
-    baseline = _sum_by(key[pre], nbytes[pre], K)
-    # the events (``live_matrix``'s rule): +bytes at the op that made a storage, -bytes after the op it died in
-    made = ~pre & (alloc < n)
-    freed = (free >= 0) & (free + 1 < n)
-    ev_seq = np.concatenate([alloc[made], free[freed] + 1])
-    order = np.argsort(ev_seq, kind="stable")
-    ev_seq = ev_seq[order]
-    ev_key = np.concatenate([key[made], key[freed]])[order]
-    ev_w = np.concatenate([nbytes[made], -nbytes[freed]]).astype(np.float64)[order]
-    del order, made, freed, pre
     edges = np.linspace(0, n, columns + 1).astype(np.int64) if n > columns else np.arange(n + 1, dtype=np.int64)
     edges = edges[np.concatenate(([True], edges[1:] > edges[:-1]))]   # empty columns draw nothing
     per = max(1, block // max(1, n // max(len(edges) - 1, 1)))
@@ -50,7 +40,6 @@ def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1
     if bounds[-1] != n:
         bounds.append(n)
     has_noise = "is_noise" in ops.column_names
-    running = baseline.copy()
     best: list[Optional[int]] = [None] * D
     best_seq = [0] * D
     best_cats: list[Any] = [None] * D
@@ -58,14 +47,8 @@ def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1
     drawn: list[list[np.ndarray]] = [[] for _ in range(D)]
     drawn_live: list[list[np.ndarray]] = [[] for _ in range(D)]
     end = np.zeros(D, np.int64)
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b, d in sweep.blocks(bounds):
         width = b - a
-        lo, hi = np.searchsorted(ev_seq, [a, b], side="left").tolist()
-        d = np.bincount(ev_key[lo:hi] * width + (ev_seq[lo:hi] - a), weights=ev_w[lo:hi],
-                        minlength=K * width).astype(np.int64).reshape(K, width)
-        np.cumsum(d, axis=1, out=d)
-        d += running[:, None]
-        running = d[:, -1].copy()
         live3 = d.reshape(D, C, width)
         tot = live3.sum(axis=1)
         end = tot[:, -1].copy()
@@ -94,7 +77,7 @@ def memory_digest(tensors: pa.Table, ops: pa.Table, columns: int, block: int = 1
                     "peak_categories": np.asarray(best_cats[di], np.int64), "named_peak_seq": named[di],
                     "start_bytes": int(baseline[di * C:(di + 1) * C].sum()), "end_bytes": int(end[di]),
                     "drawn": np.concatenate(drawn[di]), "drawn_live": np.concatenate(drawn_live[di], axis=1)})
-    return {"n": n, "devices": out, "has_noise": has_noise}
+    return {"n": n, "devices": out, "has_noise": has_noise, "last": sweep.last}
 
 
 def digest_peaks(digest: Mapping[str, Any], ops: pa.Table) -> list[dict[str, Any]]:
@@ -118,10 +101,7 @@ def digest_memory_peak(digest: Mapping[str, Any], ops: pa.Table, tensors: pa.Tab
     out: dict[str, dict[str, Any]] = {}
     if not digest["devices"]:
         return out
-    n = digest["n"]
-    alloc = _int_column(tensors, "alloc_seq", -1)
-    free = _int_column(tensors, "free_seq", -1)
-    last = int(max(alloc.max(initial=-1), free.max(initial=-1)))
+    n, last = digest["n"], digest["last"]
     if last >= n:
         return None
     noise_col = ops.column("is_noise") if digest.get("has_noise") else None

@@ -3,14 +3,13 @@ the memory categories share: a long trace's tensors table is memory-mapped (one 
 so a pass keeps per-block arrays, never an int64 array of every storage."""
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .memory import _array, _filled
+from .memory_columns import _array, _filled
 
 
 def _flat(col: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -40,14 +39,6 @@ def _ints(col: Any, fill: int) -> np.ndarray:
         out[pos:pos + len(chunk)] = _filled(chunk, fill)
         pos += len(chunk)
     return out
-
-
-def _batches(table: pa.Table, names: list[str]) -> Iterable[tuple[int, pa.RecordBatch]]:
-    """(first row, batch) of ``names`` of ``table``, chunk by chunk (zero-copy slices)."""
-    pos = 0
-    for b in table.select(names).to_batches():
-        yield pos, b
-        pos += b.num_rows
 
 
 def read_column(tensors: pa.Table, name: str, lo: int, hi: int, rows: Optional[np.ndarray] = None,

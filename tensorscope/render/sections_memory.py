@@ -1,12 +1,13 @@
 """Summary sections "memory" and "leaks": how live bytes moved during the cell, and what it left behind.
 
-"memory" reads the derived ``memory`` table (live bytes per device after each op)
-through ``analyses.memory.memory_peak``: the peak per device, the op (and source
-line) after which it happened, the bytes at the start and end, and the high-water
+"memory" reads the trace's memory digest (``analyses.memory_digest``: one bounded sweep of the ops
+a block at a time, never the ``memory`` or ``memory_timeline`` table): the peak per device, the op
+(and source line) after which it happened, the bytes at the start and end, and the high-water
 mark that also counts what ops allocated and freed within themselves.
 "memory" also says what was alive at each peak by category (``tensors.category``) and draws the
 timeline stacked by category (render/svg_memory.py, HTML only); "memory per module" reads
-``t.module_memory``: activations each module saved for backward and its forward/backward peaks.
+``t.module_memory`` (built a block of ops at a time, a few numbers per module): activations each
+module saved for backward and its forward/backward peaks.
 "CUDA allocator" reads ``t.allocator`` (CUDA only): allocated vs reserved, the fragmentation (reserved −
 allocated at our peak, or at the end), retries and OOMs, and the snapshot's tables when recorded.
 "leaks" groups ``t.leaks`` (storages the cell created that are still alive) by

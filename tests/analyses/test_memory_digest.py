@@ -49,11 +49,11 @@ def traces():
     return [_training(), _flat()]
 
 
-@pytest.mark.parametrize("block", [1, 7, 1 << 16])
+@pytest.mark.parametrize("block,step", [(1, 1), (7, 3), (1 << 16, 1 << 16)])
 @pytest.mark.parametrize("columns", [3, 10, 10_000])
-def test_the_digest_reads_what_the_timeline_and_memory_peak_read(traces, block, columns):
+def test_the_digest_reads_what_the_timeline_and_memory_peak_read(traces, block, step, columns):
     for t in traces:
-        dg = memory_digest(t.tensors, t.ops, columns, block=block)
+        dg = memory_digest(t.tensors, t.ops, columns, block=block, step=step)
         tl = memory_timeline(t.tensors, t.ops)
         assert digest_peaks(dg, t.ops) == peaks(tl)
         want = memory_peak(memory_table(t.tensors, t.ops.num_rows), t.ops, t.tensors)
