@@ -21,6 +21,37 @@ from ..schema import dense_array, nullable_array
 from .recorder import Recorder
 
 
+class Nulls:
+    """All-null columns of one decode, one array per (length, type), shared by every chunk and
+    column that is null on every row (Arrow arrays are immutable): a column no row of the trace
+    fills (``seq_nr`` of a trace without autograd, ``parent_id`` of calls that never nest...)
+    costs one array per chunk length, not 8 bytes a row per column and chunk."""
+
+    __slots__ = ("_cache", "share")
+
+    def __init__(self, share: bool = True) -> None:
+        self._cache: dict[tuple[int, Any], pa.Array] = {}
+        self.share = share
+
+    def __call__(self, n: int, typ: Any) -> pa.Array:
+        if not self.share:
+            return pa.nulls(n, typ)
+        key = (n, typ)
+        arr = self._cache.get(key)
+        if arr is None:
+            arr = self._cache[key] = pa.nulls(n, typ)
+        return arr
+
+    def nullable(self, values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
+        """``nullable_array(values, null_mask, typ)``, the shared array when every row is null."""
+        if len(values) and bool(null_mask.all()):
+            return self(len(values), typ)
+        return nullable_array(values, null_mask, typ)
+
+
+_NO_SHARING = Nulls(share=False)
+
+
 class _Dict:
     """Interned strings as an Arrow dictionary: ``codes[id]`` is the value's index in
     ``dictionary`` (-1 for None), so a column is a numpy gather of codes, never a string copy.
@@ -40,7 +71,10 @@ class _Dict:
         self.codes = np.array(codes, dtype=np.int32)
         self.has_null = -1 in codes
 
-    def take(self, ids: np.ndarray, null_mask: Optional[np.ndarray] = None) -> pa.DictionaryArray:
+    def take(self, ids: np.ndarray, null_mask: Optional[np.ndarray] = None, nulls: Optional[Nulls] = None
+             ) -> pa.DictionaryArray:
+        """The column of rows ``ids``, null also where ``null_mask``; with ``nulls`` (a decode's
+        :class:`Nulls`) a column null on every row takes that decode's shared all-null indices."""
         c = self.codes[ids] if len(ids) else np.zeros(0, np.int32)
         if null_mask is None and not self.has_null:
             indices = dense_array(c, pa.int32())   # no null possible: no mask to count or pack
@@ -48,7 +82,7 @@ class _Dict:
             null = c < 0
             if null_mask is not None:
                 null |= null_mask
-            indices = nullable_array(c, null, pa.int32())
+            indices = (nulls or _NO_SHARING).nullable(c, null, pa.int32())
         # codes index the dictionary by construction: skip the O(n) bounds validation
         return pa.DictionaryArray.from_arrays(indices, self.dictionary, safe=False)
 
@@ -203,16 +237,48 @@ def _list(offsets: np.ndarray, values: Any) -> pa.ListArray:
 
 def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dict[str, Any]) -> np.ndarray:
     """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
-    returns the rows' offsets (tensors per row, cumulated) as numpy."""
+    returns the rows' int32 offsets (tensors per row, cumulated). Every column of the side shares
+    one offsets buffer; strides share the shapes' inner offsets when every meta has as many
+    strides as dims (``same_layout``)."""
     off1, metas = gather(tuple_ids, t["tup_start"], t["tup_len"], t["tup_flat"])
-    for key, name in (("shape", "shapes"), ("stride", "strides")):
-        lens, starts, flat = t[key]
-        off2, vals = gather(metas, starts, lens, flat)
-        cols[f"{side}_{name}"] = _list(off1, _list(off2, dense_array(vals)))
+    lens, starts, flat = t["shape"]
+    off2, vals = gather(metas, starts, lens, flat)
+    cols[f"{side}_shapes"] = _list(off1, _list(off2, dense_array(vals)))
+    lens, starts, flat = t["stride"]
+    soff, vals = gather(metas, starts, lens, flat)
+    cols[f"{side}_strides"] = _list(off1, _list(off2 if t["same_layout"] else soff, dense_array(vals)))
     for name in ("dtypes", "devices", "formats"):
         cols[f"{side}_{name}"] = _list(off1, t[name].take(metas))
     cols[f"{side}_ambiguous"] = _list(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
     return off1
+
+
+def _storage_lists(stor: np.ndarray, in_off: np.ndarray, out_off: np.ndarray) -> tuple[pa.ListArray, pa.ListArray]:
+    """The ``in_storages``/``out_storages`` columns from a chunk's storage ids (per row its inputs'
+    then its outputs', row after row) and the int32 offsets of the rows' input and output tensors
+    (the in_*/out_* columns' offsets, shared). Rows that all have as many inputs and as many outputs
+    (a loop of one op) split as a matrix's columns; others by segment gathers."""
+    n = len(in_off) - 1
+    n_in, n_out = int(in_off[-1]), int(out_off[-1])
+    total = n_in + n_out
+    if len(stor) < total:  # defensive: a truncated chunk never misaligns rows
+        stor = np.concatenate([stor, np.full(total - len(stor), -1, stor.dtype)])
+    k, m = (n_in // n, n_out // n) if n else (0, 0)
+    if n and k * n == n_in and m * n == n_out and _steps(in_off, k) and _steps(out_off, m):
+        rows = stor[:total].reshape(n, k + m)
+        ins, outs = np.ascontiguousarray(rows[:, :k]).ravel(), np.ascontiguousarray(rows[:, k:]).ravel()
+    else:
+        in_o, out_o = in_off.astype(np.int64), out_off.astype(np.int64)
+        row_start = in_o[:-1] + out_o[:-1]   # row i's ids start at in_off[i] + out_off[i]
+        in_len = np.diff(in_o)
+        ins = gather(None, row_start, in_len, stor)[1]
+        outs = gather(None, row_start + in_len, np.diff(out_o), stor)[1]
+    return _list(in_off, dense_array(ins)), _list(out_off, dense_array(outs))
+
+
+def _steps(off: np.ndarray, k: int) -> bool:
+    """Whether offsets ``off`` grow by exactly ``k`` every row."""
+    return bool((off[1:] - off[:-1] == k).all())
 
 
 class _ListDict:
