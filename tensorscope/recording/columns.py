@@ -220,11 +220,30 @@ def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat
         off, vals = native(None if ids is None else np.ascontiguousarray(ids), starts, lens, flat, flat.itemsize)
         return np.frombuffer(off, dtype=np.int32), np.frombuffer(vals, dtype=flat.dtype)
     if ids is not None:
-        starts, lens = starts[ids], lens[ids]
+        row_lens = lens[ids]
+        if len(ids) and bool((row_lens == row_lens[0]).all()):
+            return _uniform_gather(ids, starts, lens, flat, int(row_lens[0]))
+        starts, lens = starts[ids], row_lens
     offsets = _offsets(lens)
     if offsets[-1] > np.iinfo(np.int32).max:
         raise OverflowError("gather: more than 2**31 list items in one column chunk")
     return offsets.astype(np.int32), flat[_segments(starts, lens, offsets)]
+
+
+def _uniform_gather(ids: np.ndarray, starts: np.ndarray, lens: np.ndarray, flat: np.ndarray, width: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """``gather`` when every row's segment is ``width`` long (a loop of one op: every row the same
+    tuple, every meta as many dims): the segments of that length as the rows of a small matrix
+    (one per interned segment), and one row take of it, no per-item index arrays."""
+    n = len(ids)
+    if n * width > np.iinfo(np.int32).max:
+        raise OverflowError("gather: more than 2**31 list items in one column chunk")
+    offsets = np.arange(0, (n + 1) * width, width, dtype=np.int32) if width else np.zeros(n + 1, np.int32)
+    if width == 0:
+        return offsets, flat[:0]
+    # rows of segments of another length are clipped garbage: no id selects them
+    idx = np.minimum(starts[:, None] + np.arange(width), len(flat) - 1)
+    return offsets, flat[idx].take(ids, axis=0).ravel()
 
 
 def _list(offsets: np.ndarray, values: Any) -> pa.ListArray:
