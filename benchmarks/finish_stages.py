@@ -1,17 +1,18 @@
 """Finishing a trace, stage by stage: where the time between the end of the ``with`` block and the
 built Trace goes.
 
-Run: ``.venv/bin/python benchmarks/finish_stages.py [--ops 1M] [--spill N] [--engines native,python] [--json out.json]``
+Run: ``.venv/bin/python benchmarks/finish_stages.py [--ops 1M] [--spill N] [--engines native,python]
+[--repeat R] [--wall] [--json out.json]``; ``--show out.json [--wall]`` prints a saved run.
 
 Per engine, and once with ``spill_rows`` left at its default and once with ``--spill`` (default 200k; ``0``:
 no spilling row), a fresh subprocess traces N ops of ``a.add(b)`` on 8x8 CPU tensors with every default
 option (``tensorscope.trace()``, as ``scale.py``'s ``small`` workload), with the finishing stages wrapped by
-a timer: the thread's CPU time (``time.thread_time_ns``: user and system time, so page faults count; with
-``--wall`` wall-clock time). The wrappers cost well under a microsecond per call, and the stages are called a
-handful of times per trace. Prints each stage's total in ms and in µs per op, nested
-stages indented under their parent; ``exit`` is the whole ``with`` block's exit (the number scale.py's
-``fin us/op`` reports). ``--repeat R`` runs each row R times (fresh processes) and keeps each stage's
-minimum, the figure least disturbed by a shared machine.
+timers: the thread's CPU time (``time.thread_time_ns``: user and system time, so page faults count), and
+wall-clock time (``--wall`` prints that one; it also counts waits, e.g. for the kernel to find huge pages).
+The wrappers cost well under a microsecond a call, and the stages are called a handful of times per trace.
+Prints each stage's total in ms and in µs per op, nested stages indented under their parent; ``exit`` is the
+whole ``with`` block's exit (what scale.py's ``fin us/op`` reports). ``--repeat R`` runs each row R times
+(fresh processes) and keeps each stage's minimum, the figure least disturbed by a shared machine.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ STAGES = (
 
 
 #: the clock: the thread's CPU time (user + system, page faults included), steadier than wall time
-#: on a shared machine; ``--wall`` measures wall time
+#: on a shared machine (wall time is kept too: ``--wall`` prints it)
 _clock = time.thread_time_ns
 
 
@@ -58,11 +59,12 @@ def _wrap(owner: Any, attr: str, acc: dict[str, int], label: str) -> None:
     fn = getattr(owner, attr)
 
     def timed(*a: Any, **kw: Any) -> Any:
-        t0 = _clock()
+        t0, w0 = _clock(), time.perf_counter_ns()
         try:
             return fn(*a, **kw)
         finally:
             acc[label] = acc.get(label, 0) + _clock() - t0
+            acc["wall " + label] = acc.get("wall " + label, 0) + time.perf_counter_ns() - w0
     setattr(owner, attr, timed)
 
 
@@ -83,10 +85,6 @@ def install(acc: dict[str, int]) -> None:
         _wrap(owner, attr, acc, label)
 
 
-if os.environ.get("TENSORSCOPE_BENCH_WALL"):
-    _clock = time.perf_counter_ns
-
-
 def one(n_ops: int, spill_rows: int | None) -> dict[str, Any]:
     import torch
 
@@ -103,8 +101,9 @@ def one(n_ops: int, spill_rows: int | None) -> dict[str, Any]:
     with tensorscope.trace(**opts) as tr:
         for _ in range(n_ops):
             a.add(b)
-        t1 = _clock()
+        t1, w1 = _clock(), time.perf_counter_ns()
     acc["exit"] = _clock() - t1
+    acc["wall exit"] = time.perf_counter_ns() - w1
     t = tr.result
     return {"n_ops": t.ops.num_rows, "spill_rows": spill_rows, "engine": t.metadata.get("engine"),
             "spilled_rows": t.metadata.get("spilled_rows", 0), "ns": acc}
@@ -117,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="native,python")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row; each stage's minimum is kept")
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of the thread's CPU time")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="also write the numbers here")
+    ap.add_argument("--show", help="print the numbers a --json run wrote, measure nothing")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         n, spill = a.one
         print("RESULT " + json.dumps(one(int(n), None if spill == "default" else int(spill))))
         return 0
+    if a.show:
+        with open(a.show) as f:
+            _print(json.load(f), "wall " if a.wall else "")
+        return 0
     n = size(a.ops)
     spills: list[str] = ["default"] + ([str(size(a.spill))] if size(a.spill) else [])
     results = []
@@ -140,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
             env["TENSORSCOPE_FORCE_FALLBACK"] = "1"
         else:
             env.pop("TENSORSCOPE_FORCE_FALLBACK", None)
-        if a.wall:
-            env["TENSORSCOPE_BENCH_WALL"] = "1"
         for spill in spills:
             best: dict[str, Any] = {}
             for _ in range(max(a.repeat, 1)):
@@ -158,23 +160,23 @@ def main(argv: list[str] | None = None) -> int:
                     best = r
             if best:
                 results.append(best)
-    _print(results)
+    _print(results, "wall " if a.wall else "")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
 
 
-def _print(results: list[dict[str, Any]]) -> None:
+def _print(results: list[dict[str, Any]], clock: str) -> None:
     heads = [f"{r['engine']} {'default' if r['spill_rows'] is None else format(r['spill_rows'], ',')}" for r in results]
-    print(f"{'stage (ms, us/op)':28s}" + "".join(f"{h:>22s}" for h in heads))
+    print(f"{'stage (' + (clock or 'cpu ') + 'ms, us/op)':28s}" + "".join(f"{h:>22s}" for h in heads))
     depth: Callable[[str], int] = {lbl: d for lbl, _m, _p, d in STAGES}.get   # type: ignore[assignment]
     for label in ("exit",) + tuple(s[0] for s in STAGES):
-        if not any(label in r["ns"] for r in results):
+        if not any(clock + label in r["ns"] for r in results):
             continue
         cells = []
         for r in results:
-            ns = r["ns"].get(label)
+            ns = r["ns"].get(clock + label)
             cells.append(f"{'-':>22s}" if ns is None else f"{ns / 1e6:12.1f} {ns / 1e3 / r['n_ops']:8.3f} ")
         print(f"{'  ' * (depth(label) or 0) + label:28s}" + "".join(cells))
     print("rows: " + ", ".join(f"{h}: {r['n_ops']:,} ops, {r['spilled_rows']:,} spilled" for h, r in zip(heads, results)))

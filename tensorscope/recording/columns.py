@@ -20,20 +20,30 @@ from ..native import forced_fallback, loaded_engine
 from ..schema import dense_array, nullable_array
 from .recorder import Recorder
 
+#: the integer types whose one-value chunks ``Nulls`` shares (equal ints are equal bits; floats are
+#: not: -0.0 == 0.0, and NaN is never equal)
+_SHARED_INTS = {pa.int64(): np.int64, pa.int32(): np.int32, pa.uint64(): np.uint64}
+
 
 class Nulls:
-    """All-null columns of one decode, one array per (length, type), shared by every chunk and
-    column that is null on every row (Arrow arrays are immutable): a column no row of the trace
-    fills (``seq_nr`` of a trace without autograd, ``parent_id`` of calls that never nest...)
-    costs one array per chunk length, not 8 bytes a row per column and chunk."""
+    """The columns of one decode that are the same on every row of a chunk: all null, or one value.
+
+    Arrow arrays are immutable, so every chunk (and column) of the same length whose rows are all
+    null, or all one value, shares one array (per length, type and value): a column no row of the
+    trace fills (``seq_nr`` of a trace without autograd, ``parent_id`` of calls that never nest...)
+    or that never changes (``cell``, ``nonfinite`` zeros, the ``namespace`` codes of aten ops, every
+    column of a loop of one op) costs one array per chunk length, not a fresh buffer per chunk: an
+    in-memory trace's finishing time goes mostly to the kernel handing out the pages its columns fill.
+    """
 
     __slots__ = ("_cache", "share")
 
     def __init__(self, share: bool = True) -> None:
-        self._cache: dict[tuple[int, Any], pa.Array] = {}
+        self._cache: dict[tuple[Any, ...], pa.Array] = {}
         self.share = share
 
     def __call__(self, n: int, typ: Any) -> pa.Array:
+        """An all-null column of ``n`` rows."""
         if not self.share:
             return pa.nulls(n, typ)
         key = (n, typ)
@@ -43,10 +53,33 @@ class Nulls:
         return arr
 
     def nullable(self, values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
-        """``nullable_array(values, null_mask, typ)``, the shared array when every row is null."""
-        if len(values) and bool(null_mask.all()):
-            return self(len(values), typ)
+        """``nullable_array(values, null_mask, typ)``, shared when every row is null or (not bool)
+        every row holds the same value."""
+        if len(values) and self.share:
+            nulls = int(np.count_nonzero(null_mask))
+            if nulls == len(values):
+                return self(len(values), typ)
+            if nulls == 0 and typ in _SHARED_INTS:
+                return self.dense(values, typ)
         return nullable_array(values, null_mask, typ)
+
+    def dense(self, values: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
+        """``dense_array(values, typ)``, shared with the earlier chunks of this length that held the
+        same single value on every row."""
+        n = len(values)
+        if (not self.share or n < 2 or typ not in _SHARED_INTS or values[0] != values[-1]
+                or values.min() != values.max()):
+            return dense_array(values, typ)
+        key = (n, typ, values[0].item())
+        arr = self._cache.get(key)
+        if arr is None:
+            arr = self._cache[key] = dense_array(values, typ)
+        return arr
+
+    def full(self, n: int, value: int, typ: Any = pa.int64()) -> pa.Array:
+        """A column of ``n`` rows holding ``value``."""
+        arr = self._cache.get((n, typ, value)) if self.share else None
+        return arr if arr is not None else self.dense(np.full(n, value, _SHARED_INTS[typ]), typ)
 
 
 _NO_SHARING = Nulls(share=False)
@@ -76,8 +109,8 @@ class _Dict:
         """The column of rows ``ids``, null also where ``null_mask``; with ``nulls`` (a decode's
         :class:`Nulls`) a column null on every row takes that decode's shared all-null indices."""
         c = self.codes[ids] if len(ids) else np.zeros(0, np.int32)
-        if null_mask is None and not self.has_null:
-            indices = dense_array(c, pa.int32())   # no null possible: no mask to count or pack
+        if null_mask is None and not self.has_null:   # no null possible: no mask to count or pack
+            indices = dense_array(c, pa.int32()) if nulls is None else nulls.dense(c, pa.int32())
         else:
             null = c < 0
             if null_mask is not None:

@@ -24,6 +24,7 @@ from ..errors import SpillError
 from ..schema import dense_array, nullable_array
 from .columns import (
     _PHASES,
+    Nulls,
     _CallColumns,
     _dict,
     _int64,
@@ -31,13 +32,11 @@ from .columns import (
     _list,
     _list_columns,
     _ListDict,
-    Nulls,
     _memo,
     _op_dicts,
     _shape_rows,
     _storage_lists,
     _tuple_dicts,
-    gather,
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
@@ -178,15 +177,15 @@ class Decoder:
             src_idx[~call_null] = self.call_src[call[~call_null]]
         t = self.tup
         cols: dict[str, Any] = {}
+        nulls = self.nulls
         cols["seq"] = dense_array(seq)
         cols["cell"] = self._cells(n)
         for k in ("op", "namespace", "overload"):
-            cols[k] = self.ops[k].take(op)
+            cols[k] = self.ops[k].take(op, nulls=nulls)
         cols["tags"] = self.tags.take(op)
         backward = (flags & F_BACKWARD) != 0
-        cols["phase"] = pa.DictionaryArray.from_arrays(dense_array(backward, pa.int32()), _PHASES,
+        cols["phase"] = pa.DictionaryArray.from_arrays(nulls.dense(backward.astype(np.int32), pa.int32()), _PHASES,
                                                        safe=False)
-        nulls = self.nulls
         cols["autograd_node"] = self.nodes.take(node, nulls=nulls)
         seq_nr = chunk["seq_nr"]
         cols["seq_nr"] = nulls.nullable(seq_nr, seq_nr < 0)
@@ -208,8 +207,8 @@ class Decoder:
         flops = self._shape_flops(chunk["flops"], op, ins)
         cols["flops"] = nulls.nullable(flops, flops < 0)
         no_bytes = is_view | noise
-        cols["bytes_read"] = dense_array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
-        cols["bytes_written"] = dense_array(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
+        cols["bytes_read"] = nulls.dense(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
+        cols["bytes_written"] = nulls.dense(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
         cols["start_ns"] = dense_array(chunk["start"])
         cols["cpu_ns"] = dense_array(chunk["dur"])
         cols["cuda_ns"] = self._sparse_int(rec.cuda_ns, start, n)
@@ -331,7 +330,7 @@ class Decoder:
         """The ``cell`` column: one value on every row, or null outside a notebook cell."""
         if self.cell is None:
             return self._nulls(n, pa.int64())
-        return dense_array(np.full(n, self.cell, np.int64))
+        return self.nulls.full(n, self.cell)
 
     def _nulls(self, n: int, typ: Any) -> pa.Array:
         """An all-null column, one per (length, type) for the whole build (Arrow arrays are
@@ -341,9 +340,11 @@ class Decoder:
     def _sparse_int(self, d: Union[dict[int, int], SparseInts], start: int, n: int) -> pa.Array:
         if not d:
             return self._nulls(n, pa.int64())
+        rows, v = _sparse_rows(d, start, n, np.int64)
+        if len(rows) == n and n and rows[0] == 0 and bool((rows[1:] > rows[:-1]).all()):
+            return dense_array(v[:, 0])   # every row has one, in order (probe_ns of a screened loop)
         vals = np.zeros(n, dtype=np.int64)
         mask = np.ones(n, dtype=bool)
-        rows, v = _sparse_rows(d, start, n, np.int64)
         vals[rows] = v[:, 0]
         mask[rows] = False
         return nullable_array(vals, mask)
@@ -456,10 +457,10 @@ def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
         cols = dict(
             call_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
             parent_id=nulls.nullable(parent, parent < 0),
-            depth=dense_array(depth),
+            depth=nulls.dense(depth),
             cell=ctx._cells(hi - lo),
-            name=names.take(a["func"]),
-            qualname=qual.take(a["func"]),
+            name=names.take(a["func"], nulls=nulls),
+            qualname=qual.take(a["func"], nulls=nulls),
             module=ctx.modules.take(a["module"], nulls=nulls),
             source_file=ctx.src_files.take(src, nulls=nulls),
             source_line=ctx._lines(src),

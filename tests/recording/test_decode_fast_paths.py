@@ -62,8 +62,18 @@ def test_storage_lists_split_each_row_into_inputs_then_outputs(ragged):
     assert [c.to_pylist() for c in short] == [c.to_pylist() for c in columns._storage_lists(cut, in_off, out_off)]
 
 
-def test_nulls_share_one_array_per_length_and_type():
+def test_nulls_share_one_array_per_length_type_and_value():
     nulls = columns.Nulls()
+    sevens = nulls.dense(np.full(6, 7, np.int64))
+    assert nulls.dense(np.full(6, 7, np.int64)) is sevens and nulls.full(6, 7) is sevens
+    assert nulls.dense(np.full(6, 8, np.int64)).to_pylist() == [8] * 6
+    assert nulls.dense(np.full(6, 7, np.int32), pa.int32()).type == pa.int32()
+    mixed = np.full(6, 7, np.int64)
+    mixed[3] = 1                  # first and last alike, one row not: not shared
+    assert nulls.dense(mixed).to_pylist() == [7, 7, 7, 1, 7, 7]
+    zeros = nulls.nullable(np.zeros(6, np.float64), np.zeros(6, bool), pa.float64())
+    signed = nulls.nullable(-np.zeros(6, np.float64), np.zeros(6, bool), pa.float64())
+    assert np.signbit(signed.to_numpy()).all() and not np.signbit(zeros.to_numpy()).any()   # floats never shared
     a = nulls.nullable(np.full(5, -1, np.int64), np.ones(5, bool))
     assert a is nulls(5, pa.int64()) and a.null_count == 5
     assert nulls.nullable(np.arange(5), np.arange(5) < 2).to_pylist() == [None, None, 2, 3, 4]
@@ -112,6 +122,7 @@ def test_a_trace_decodes_alike_with_and_without_the_shortcuts(monkeypatch, engin
         m.setattr(columns, "_steps", lambda off, k: False)
         m.setattr(columns, "_uniform_gather", lambda *a: pytest.fail("uniform gather with the shortcuts off"))
         m.setattr(columns.Nulls, "nullable", lambda self, v, mask, typ=pa.int64(): columns.nullable_array(v, mask, typ))
+        m.setattr(columns.Nulls, "dense", lambda self, v, typ=pa.int64(): columns.dense_array(v, typ))
         m.setattr(rec, "chunk_rows", 10 ** 9)   # the calls in one batch
         m.setattr(columns, "gather", _general_gather)
         slow_ops, slow_calls = tables()
