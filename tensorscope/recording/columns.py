@@ -39,10 +39,10 @@ class Nulls:
     __slots__ = ("_cache", "share")
 
     def __init__(self, share: bool = True) -> None:
-        self._cache: dict[tuple[Any, ...], pa.Array] = {}
+        self._cache: dict[tuple[object, ...], pa.Array] = {}
         self.share = share
 
-    def __call__(self, n: int, typ: Any) -> pa.Array:
+    def __call__(self, n: int, typ: pa.DataType) -> pa.Array:
         """An all-null column of ``n`` rows."""
         if not self.share:
             return pa.nulls(n, typ)
@@ -52,7 +52,7 @@ class Nulls:
             arr = self._cache[key] = pa.nulls(n, typ)
         return arr
 
-    def nullable(self, values: np.ndarray, null_mask: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
+    def nullable(self, values: np.ndarray, null_mask: np.ndarray, typ: pa.DataType = pa.int64()) -> pa.Array:
         """``nullable_array(values, null_mask, typ)``, shared when every row is null or (not bool)
         every row holds the same value."""
         if len(values) and self.share:
@@ -63,7 +63,7 @@ class Nulls:
                 return self.dense(values, typ)
         return nullable_array(values, null_mask, typ)
 
-    def dense(self, values: np.ndarray, typ: Any = pa.int64()) -> pa.Array:
+    def dense(self, values: np.ndarray, typ: pa.DataType = pa.int64()) -> pa.Array:
         """``dense_array(values, typ)``, shared with the earlier chunks of this length that held the
         same single value on every row."""
         n = len(values)
@@ -76,7 +76,7 @@ class Nulls:
             arr = self._cache[key] = dense_array(values, typ)
         return arr
 
-    def full(self, n: int, value: int, typ: Any = pa.int64()) -> pa.Array:
+    def full(self, n: int, value: int, typ: pa.DataType = pa.int64()) -> pa.Array:
         """A column of ``n`` rows holding ``value``."""
         arr = self._cache.get((n, typ, value)) if self.share else None
         return arr if arr is not None else self.dense(np.full(n, value, _SHARED_INTS[typ]), typ)
