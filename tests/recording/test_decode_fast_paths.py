@@ -161,3 +161,26 @@ def test_first_run_marks_the_first_row_of_each_key_once():
            if r["op"] == "aten.neg.default"]
     assert neg == [(True, (13, 5)), (False, (13, 5)), (True, (13, 7)), (False, (13, 7)), (False, (13, 5)),
                    (False, (13, 7)), (False, (13, 5))]
+
+
+def test_call_store_reads_any_row_range_as_its_whole_column_has_it(tmp_path):
+    """The python engine's calls store a range at a time (the calls table's batches): ranges across
+    spilled, frozen and live rows, and their boundaries, against the whole column."""
+    from tensorscope.recording.recorder import CALL_FIELDS, CallStore
+
+    store = CallStore(CALL_FIELDS)
+    rng = np.random.default_rng(11)
+    rows = rng.integers(-5, 10 ** 12, (230, len(CALL_FIELDS)))
+    for cut in (40, 95, 150):   # three chunks: two spilled, one frozen, then live rows
+        while len(store) + store.base < cut:
+            store.data.extend(rows[len(store) + store.base].tolist())
+        store.freeze_below(cut)
+        if cut < 150:
+            store.spill(str(tmp_path))
+    store.data.extend(rows[150:].ravel().tolist())
+    assert store.spilled and store.frozen and len(store)
+    for name in ("func", "start", "parent"):
+        whole = store.column(name)
+        assert whole.tolist() == rows[:, CALL_FIELDS.index(name)].tolist()
+        for lo, hi in ((0, 230), (0, 40), (39, 41), (40, 95), (90, 160), (149, 151), (150, 230), (200, 230), (7, 7)):
+            assert store.column_range(name, lo, hi).tolist() == whole[lo:hi].tolist(), (name, lo, hi)
