@@ -287,11 +287,13 @@ def _list(offsets: np.ndarray, values: Any) -> pa.ListArray:
                                  children=[values])
 
 
-def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dict[str, Any]) -> np.ndarray:
+def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dict[str, Any],
+                  nulls: Optional[Nulls] = None) -> np.ndarray:
     """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
     returns the rows' int32 offsets (tensors per row, cumulated). Every column of the side shares
     one offsets buffer; strides share the shapes' inner offsets when every meta has as many
-    strides as dims (``same_layout``)."""
+    strides as dims (``same_layout``); with ``nulls``, a chunk's dtypes/devices/formats that are one
+    value (float32 on cpu, contiguous) share their indices."""
     off1, metas = gather(tuple_ids, t["tup_start"], t["tup_len"], t["tup_flat"])
     lens, starts, flat = t["shape"]
     off2, vals = gather(metas, starts, lens, flat)
@@ -300,7 +302,7 @@ def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dic
     soff, vals = gather(metas, starts, lens, flat)
     cols[f"{side}_strides"] = _list(off1, _list(off2 if t["same_layout"] else soff, dense_array(vals)))
     for name in ("dtypes", "devices", "formats"):
-        cols[f"{side}_{name}"] = _list(off1, t[name].take(metas))
+        cols[f"{side}_{name}"] = _list(off1, t[name].take(metas, nulls=nulls))
     cols[f"{side}_ambiguous"] = _list(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
     return off1
 

@@ -194,8 +194,8 @@ class Decoder:
         cols["module"] = self.modules.take(module, nulls=nulls)
         cols["source_file"] = self.src_files.take(src_idx, nulls=nulls)
         cols["source_line"] = self._lines(src_idx)
-        in_off = _list_columns(t, ins, "in", cols)
-        out_off = _list_columns(t, outs, "out", cols)
+        in_off = _list_columns(t, ins, "in", cols, nulls)
+        out_off = _list_columns(t, outs, "out", cols, nulls)
         cols["in_storages"], cols["out_storages"] = _storage_lists(chunk["storages"], in_off, out_off)
         cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
