@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +18,7 @@ import pyarrow as pa
 from .._common import INEXACT_DTYPES, NOISE_OPS
 from ..native import forced_fallback, loaded_engine
 from ..schema import dense_array, nullable_array
-from .recorder import Recorder
+from .recorder import CallStore, Packed, Recorder
 
 #: the integer types whose one-value chunks ``Nulls`` shares (equal ints are equal bits; floats are
 #: not: -0.0 == 0.0, and NaN is never equal)
@@ -378,6 +378,32 @@ class _CallColumns(dict[str, np.ndarray]):   # a plain dict subclass at run time
     def __missing__(self, name: str) -> np.ndarray:
         col = self[name] = self._calls.column(name)
         return col
+
+
+def call_rows(store: CallStore, name: str, lo: int, hi: int) -> np.ndarray:
+    """Rows ``[lo, hi)`` of one field of a calls store as a new int64 array, reading only the chunks
+    that overlap them (a spilled one from its file): the calls table is built a range at a time and
+    never holds a whole column (8 B a call each). The native engine's store has its own
+    (``_LiveCalls.column_range``)."""
+    k, out, start = store.fields.index(name), np.empty(max(hi - lo, 0), dtype=np.int64), 0
+    parts: list[tuple[int, Union[str, dict[str, Packed], None]]] = [(n, path) for path, n in store.spilled]
+    parts += [(len(ch[name][1]), ch) for ch in store.frozen] + [(len(store), None)]   # then the live rows
+    for n, src in parts:
+        b, e = max(lo, start), min(hi, start + n)
+        if b < e:
+            if src is None:
+                base, a = 0, store.matrix()[:, k]
+            elif isinstance(src, str):
+                with np.load(src, allow_pickle=False) as z:
+                    base, a = int(z["__bases__"][k]), z[name]
+            else:
+                base, a = src[name]
+            part = out[b - lo:e - lo]
+            part[:] = a[b - start:e - start]
+            if base:
+                part += base
+        start += n
+    return out
 
 
 class _Links:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -37,9 +38,10 @@ from .columns import (
     _shape_rows,
     _storage_lists,
     _tuple_dicts,
+    call_rows,
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
-from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, CallStore, Recorder, SparseInts
 from .spilled import SpillFiles, _ranges, null_column, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
@@ -442,9 +444,11 @@ def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
     autocasts = _dict(rec.autocasts.values)
     nested: dict[int, int] = {}   # call id -> depth, for nested calls only (rare; parents precede children)
 
-    # the store's rows a range at a time where it reads them so (the native engine's), else its
+    # the store's rows a range at a time (the native engine's store reads them itself), else its
     # whole int64 columns, read once (``ctx.call_cols``) and sliced
     ranged = getattr(rec.calls, "column_range", None)
+    if ranged is None and isinstance(rec.calls, CallStore):
+        ranged = partial(call_rows, rec.calls)
 
     def batch(lo: int, hi: int) -> pa.RecordBatch:
         a = {k: ranged(k, lo, hi) if ranged is not None else ctx.call_cols[k][lo:hi] for k in rec.calls.fields}

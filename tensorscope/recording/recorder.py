@@ -248,34 +248,6 @@ class CallStore(RowBuffer):
         col[pos:] = live
         return col
 
-    def column_range(self, name: str, lo: int, hi: int) -> np.ndarray:
-        """Rows ``[lo, hi)`` of one field as a new int64 array: only the chunks that overlap the
-        range are read (a spilled one from its file), so building the calls table a range at a time
-        never holds a whole column (8 B a call each)."""
-        k = self.fields.index(name)
-        out = np.empty(max(hi - lo, 0), dtype=np.int64)
-        start = 0   # the call id of the chunk's first row
-
-        def fill(base: int, a: np.ndarray) -> None:
-            b, e = max(lo, start), min(hi, start + len(a))
-            part = out[b - lo:e - lo]
-            part[:] = a[b - start:e - start]
-            if base:
-                part += base
-        for path, n in self.spilled:
-            if start < hi and start + n > lo:
-                with np.load(path, allow_pickle=False) as z:
-                    fill(int(z["__bases__"][k]), z[name])
-            start += n
-        for ch in self.frozen:
-            base, a = ch[name]
-            if start < hi and start + len(a) > lo:
-                fill(base, a)
-            start += len(a)
-        if hi > start:   # the live rows (start == self.base)
-            fill(0, self.matrix()[:, k])
-        return out
-
     def field(self, call_id: int, k: int) -> int:
         i = call_id - self.base
         if i >= 0:

@@ -183,4 +183,4 @@ def test_call_store_reads_any_row_range_as_its_whole_column_has_it(tmp_path):
         whole = store.column(name)
         assert whole.tolist() == rows[:, CALL_FIELDS.index(name)].tolist()
         for lo, hi in ((0, 230), (0, 40), (39, 41), (40, 95), (90, 160), (149, 151), (150, 230), (200, 230), (7, 7)):
-            assert store.column_range(name, lo, hi).tolist() == whole[lo:hi].tolist(), (name, lo, hi)
+            assert columns.call_rows(store, name, lo, hi).tolist() == whole[lo:hi].tolist(), (name, lo, hi)
