@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +18,71 @@ import pyarrow as pa
 from .._common import INEXACT_DTYPES, NOISE_OPS
 from ..native import forced_fallback, loaded_engine
 from ..schema import dense_array, nullable_array
-from .recorder import Recorder, unpack
+from .recorder import CallStore, Packed, Recorder, unpack
+
+#: the integer types whose one-value chunks ``Nulls`` shares (equal ints are equal bits; floats are
+#: not: -0.0 == 0.0, and NaN is never equal)
+_SHARED_INTS = {pa.int64(): np.int64, pa.int32(): np.int32, pa.uint64(): np.uint64}
+
+
+class Nulls:
+    """The columns of one decode that are the same on every row of a chunk: all null, or one value.
+
+    Arrow arrays are immutable, so every chunk (and column) of the same length whose rows are all
+    null, or all one value, shares one array (per length, type and value): a column no row of the
+    trace fills (``seq_nr`` of a trace without autograd, ``parent_id`` of calls that never nest...)
+    or that never changes (``cell``, ``nonfinite`` zeros, the ``namespace`` codes of aten ops, every
+    column of a loop of one op) costs one array per chunk length, not a fresh buffer per chunk: an
+    in-memory trace's finishing time goes mostly to the kernel handing out the pages its columns fill.
+    """
+
+    __slots__ = ("_cache", "share")
+
+    def __init__(self, share: bool = True) -> None:
+        self._cache: dict[tuple[object, ...], pa.Array] = {}
+        self.share = share
+
+    def __call__(self, n: int, typ: pa.DataType) -> pa.Array:
+        """An all-null column of ``n`` rows."""
+        if not self.share:
+            return pa.nulls(n, typ)
+        key = (n, typ)
+        arr = self._cache.get(key)
+        if arr is None:
+            arr = self._cache[key] = pa.nulls(n, typ)
+        return arr
+
+    def nullable(self, values: np.ndarray, null_mask: np.ndarray, typ: pa.DataType = pa.int64()) -> pa.Array:
+        """``nullable_array(values, null_mask, typ)``, shared when every row is null or (not bool)
+        every row holds the same value."""
+        if len(values) and self.share:
+            nulls = int(np.count_nonzero(null_mask))
+            if nulls == len(values):
+                return self(len(values), typ)
+            if nulls == 0 and typ in _SHARED_INTS:
+                return self.dense(values, typ)
+        return nullable_array(values, null_mask, typ)
+
+    def dense(self, values: np.ndarray, typ: pa.DataType = pa.int64()) -> pa.Array:
+        """``dense_array(values, typ)``, shared with the earlier chunks of this length that held the
+        same single value on every row."""
+        n = len(values)
+        if (not self.share or n < 2 or typ not in _SHARED_INTS or values[0] != values[-1]
+                or values.min() != values.max()):
+            return dense_array(values, typ)
+        key = (n, typ, values[0].item())
+        arr = self._cache.get(key)
+        if arr is None:
+            arr = self._cache[key] = dense_array(values, typ)
+        return arr
+
+    def full(self, n: int, value: int, typ: pa.DataType = pa.int64()) -> pa.Array:
+        """A column of ``n`` rows holding ``value``."""
+        arr = self._cache.get((n, typ, value)) if self.share else None
+        return arr if arr is not None else self.dense(np.full(n, value, _SHARED_INTS[typ]), typ)
+
+
+_NO_SHARING = Nulls(share=False)
 
 
 class _Dict:
@@ -40,15 +104,18 @@ class _Dict:
         self.codes = np.array(codes, dtype=np.int32)
         self.has_null = -1 in codes
 
-    def take(self, ids: np.ndarray, null_mask: Optional[np.ndarray] = None) -> pa.DictionaryArray:
+    def take(self, ids: np.ndarray, null_mask: Optional[np.ndarray] = None, nulls: Optional[Nulls] = None
+             ) -> pa.DictionaryArray:
+        """The column of rows ``ids``, null also where ``null_mask``; with ``nulls`` (a decode's
+        :class:`Nulls`) a column null on every row takes that decode's shared all-null indices."""
         c = self.codes[ids] if len(ids) else np.zeros(0, np.int32)
-        if null_mask is None and not self.has_null:
-            indices = dense_array(c, pa.int32())   # no null possible: no mask to count or pack
+        if null_mask is None and not self.has_null:   # no null possible: no mask to count or pack
+            indices = dense_array(c, pa.int32()) if nulls is None else nulls.dense(c, pa.int32())
         else:
             null = c < 0
             if null_mask is not None:
                 null |= null_mask
-            indices = nullable_array(c, null, pa.int32())
+            indices = (nulls or _NO_SHARING).nullable(c, null, pa.int32())
         # codes index the dictionary by construction: skip the O(n) bounds validation
         return pa.DictionaryArray.from_arrays(indices, self.dictionary, safe=False)
 
@@ -186,11 +253,30 @@ def gather(ids: Optional[np.ndarray], starts: np.ndarray, lens: np.ndarray, flat
         off, vals = native(None if ids is None else np.ascontiguousarray(ids), starts, lens, flat, flat.itemsize)
         return np.frombuffer(off, dtype=np.int32), np.frombuffer(vals, dtype=flat.dtype)
     if ids is not None:
-        starts, lens = starts[ids], lens[ids]
+        row_lens = lens[ids]
+        if len(ids) and bool((row_lens == row_lens[0]).all()):
+            return _uniform_gather(ids, starts, lens, flat, int(row_lens[0]))
+        starts, lens = starts[ids], row_lens
     offsets = _offsets(lens)
     if offsets[-1] > np.iinfo(np.int32).max:
         raise OverflowError("gather: more than 2**31 list items in one column chunk")
     return offsets.astype(np.int32), flat[_segments(starts, lens, offsets)]
+
+
+def _uniform_gather(ids: np.ndarray, starts: np.ndarray, lens: np.ndarray, flat: np.ndarray, width: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """``gather`` when every row's segment is ``width`` long (a loop of one op: every row the same
+    tuple, every meta as many dims): the segments of that length as the rows of a small matrix
+    (one per interned segment), and one row take of it, no per-item index arrays."""
+    n = len(ids)
+    if n * width > np.iinfo(np.int32).max:
+        raise OverflowError("gather: more than 2**31 list items in one column chunk")
+    offsets = np.arange(0, (n + 1) * width, width, dtype=np.int32) if width else np.zeros(n + 1, np.int32)
+    if width == 0:
+        return offsets, flat[:0]
+    # rows of segments of another length are clipped garbage: no id selects them
+    idx = np.minimum(starts[:, None] + np.arange(width), len(flat) - 1)
+    return offsets, flat[idx].take(ids, axis=0).ravel()
 
 
 def _list(offsets: np.ndarray, values: Any) -> pa.ListArray:
@@ -201,18 +287,52 @@ def _list(offsets: np.ndarray, values: Any) -> pa.ListArray:
                                  children=[values])
 
 
-def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dict[str, Any]) -> np.ndarray:
+def _list_columns(t: dict[str, Any], tuple_ids: np.ndarray, side: str, cols: dict[str, Any],
+                  nulls: Optional[Nulls] = None) -> np.ndarray:
     """in_*/out_* list columns for rows whose metas are the interned tuples ``tuple_ids``;
-    returns the rows' offsets (tensors per row, cumulated) as numpy."""
+    returns the rows' int32 offsets (tensors per row, cumulated). Every column of the side shares
+    one offsets buffer; strides share the shapes' inner offsets when every meta has as many
+    strides as dims (``same_layout``); with ``nulls``, a chunk's dtypes/devices/formats that are one
+    value (float32 on cpu, contiguous) share their indices."""
     off1, metas = gather(tuple_ids, t["tup_start"], t["tup_len"], t["tup_flat"])
-    for key, name in (("shape", "shapes"), ("stride", "strides")):
-        lens, starts, flat = t[key]
-        off2, vals = gather(metas, starts, lens, flat)
-        cols[f"{side}_{name}"] = _list(off1, _list(off2, dense_array(vals)))
+    lens, starts, flat = t["shape"]
+    off2, vals = gather(metas, starts, lens, flat)
+    cols[f"{side}_shapes"] = _list(off1, _list(off2, dense_array(vals)))
+    lens, starts, flat = t["stride"]
+    soff, vals = gather(metas, starts, lens, flat)
+    cols[f"{side}_strides"] = _list(off1, _list(off2 if t["same_layout"] else soff, dense_array(vals)))
     for name in ("dtypes", "devices", "formats"):
-        cols[f"{side}_{name}"] = _list(off1, t[name].take(metas))
+        cols[f"{side}_{name}"] = _list(off1, t[name].take(metas, nulls=nulls))
     cols[f"{side}_ambiguous"] = _list(off1, pa.array(t["ambiguous"][metas], pa.bool_()))
     return off1
+
+
+def _storage_lists(stor: np.ndarray, in_off: np.ndarray, out_off: np.ndarray) -> tuple[pa.ListArray, pa.ListArray]:
+    """The ``in_storages``/``out_storages`` columns from a chunk's storage ids (per row its inputs'
+    then its outputs', row after row) and the int32 offsets of the rows' input and output tensors
+    (the in_*/out_* columns' offsets, shared). Rows that all have as many inputs and as many outputs
+    (a loop of one op) split as a matrix's columns; others by segment gathers."""
+    n = len(in_off) - 1
+    n_in, n_out = int(in_off[-1]), int(out_off[-1])
+    total = n_in + n_out
+    if len(stor) < total:  # defensive: a truncated chunk never misaligns rows
+        stor = np.concatenate([stor, np.full(total - len(stor), -1, stor.dtype)])
+    k, m = (n_in // n, n_out // n) if n else (0, 0)
+    if n and k * n == n_in and m * n == n_out and _steps(in_off, k) and _steps(out_off, m):
+        rows = stor[:total].reshape(n, k + m)
+        ins, outs = np.ascontiguousarray(rows[:, :k]).ravel(), np.ascontiguousarray(rows[:, k:]).ravel()
+    else:
+        in_o, out_o = in_off.astype(np.int64), out_off.astype(np.int64)
+        row_start = in_o[:-1] + out_o[:-1]   # row i's ids start at in_off[i] + out_off[i]
+        in_len = np.diff(in_o)
+        ins = gather(None, row_start, in_len, stor)[1]
+        outs = gather(None, row_start + in_len, np.diff(out_o), stor)[1]
+    return _list(in_off, dense_array(ins)), _list(out_off, dense_array(outs))
+
+
+def _steps(off: np.ndarray, k: int) -> bool:
+    """Whether offsets ``off`` grow by exactly ``k`` every row."""
+    return bool((off[1:] - off[:-1] == k).all())
 
 
 class _ListDict:
@@ -258,6 +378,32 @@ class _CallColumns(dict[str, np.ndarray]):   # a plain dict subclass at run time
     def __missing__(self, name: str) -> np.ndarray:
         col = self[name] = self._calls.column(name)
         return col
+
+
+def call_rows(store: CallStore, name: str, lo: int, hi: int) -> np.ndarray:
+    """Rows ``[lo, hi)`` of one field of a calls store as a new int64 array, reading only the chunks
+    that overlap them (a spilled one from its file): the calls table is built a range at a time and
+    never holds a whole column (8 B a call each). The native engine's store has its own
+    (``_LiveCalls.column_range``)."""
+    k, out, start = store.fields.index(name), np.empty(max(hi - lo, 0), dtype=np.int64), 0
+    parts: list[tuple[int, Union[str, dict[str, Packed], None]]] = [(n, path) for path, n in store.spilled]
+    parts += [(len(ch[name][1]), ch) for ch in store.frozen] + [(len(store), None)]   # then the live rows
+    for n, src in parts:
+        b, e = max(lo, start), min(hi, start + n)
+        if b < e:
+            if src is None:
+                base, a = 0, store.matrix()[:, k]
+            elif isinstance(src, str):
+                with np.load(src, allow_pickle=False) as z:
+                    base, a = int(z["__bases__"][k]), z[name]
+            else:
+                base, a = src[name]
+            part = out[b - lo:e - lo]
+            part[:] = a[b - start:e - start]
+            if base:
+                part += base
+        start += n
+    return out
 
 
 class _Links:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..errors import SpillError
 from ..schema import dense_array, nullable_array
 from .columns import (
     _PHASES,
+    Nulls,
     OpIdsAt,
     _CallColumns,
     _dict,
@@ -34,11 +36,12 @@ from .columns import (
     _memo,
     _op_dicts,
     _shape_rows,
+    _storage_lists,
     _tuple_dicts,
-    gather,
+    call_rows,
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
-from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, CallStore, Recorder, SparseInts
 from .spilled import SpillFiles, _ranges, null_column, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
@@ -137,7 +140,7 @@ class Decoder:
                                      for f in rec.funcs.values] or [False], dtype=bool)
         self._g: Optional[dict[str, np.ndarray]] = None
         self._run_keys: dict[tuple[int, int], int] = {}   # (op id, input tuple id) -> process-wide key hash
-        self._null_cache: dict[Any, pa.Array] = {}
+        self.nulls = Nulls()   # all-null columns shared by every chunk (see columns.Nulls)
         self.links = links
         fp_none = not rec.fingerprints
         #: ops columns null on every row of the trace, known before any chunk is decoded (what no
@@ -176,34 +179,26 @@ class Decoder:
             src_idx[~call_null] = self.call_src[call[~call_null]]
         t = self.tup
         cols: dict[str, Any] = {}
+        nulls = self.nulls
         cols["seq"] = dense_array(seq)
         cols["cell"] = self._cells(n)
         for k in ("op", "namespace", "overload"):
-            cols[k] = self.ops[k].take(op)
+            cols[k] = self.ops[k].take(op, nulls=nulls)
         cols["tags"] = self.tags.take(op)
         backward = (flags & F_BACKWARD) != 0
-        cols["phase"] = pa.DictionaryArray.from_arrays(dense_array(backward, pa.int32()), _PHASES,
+        cols["phase"] = pa.DictionaryArray.from_arrays(nulls.dense(backward.astype(np.int32), pa.int32()), _PHASES,
                                                        safe=False)
-        cols["autograd_node"] = self.nodes.take(node)
+        cols["autograd_node"] = self.nodes.take(node, nulls=nulls)
         seq_nr = chunk["seq_nr"]
-        cols["seq_nr"] = nullable_array(seq_nr, seq_nr < 0)
-        cols["fwd_seq"] = nullable_array(fs, fs < 0)
-        cols["call_id"] = nullable_array(chunk["call"], chunk["call"] < 0)
-        cols["module"] = self.modules.take(module)
-        cols["source_file"] = self.src_files.take(src_idx)
+        cols["seq_nr"] = nulls.nullable(seq_nr, seq_nr < 0)
+        cols["fwd_seq"] = nulls.nullable(fs, fs < 0)
+        cols["call_id"] = nulls.nullable(chunk["call"], chunk["call"] < 0)
+        cols["module"] = self.modules.take(module, nulls=nulls)
+        cols["source_file"] = self.src_files.take(src_idx, nulls=nulls)
         cols["source_line"] = self._lines(src_idx)
-        in_off = _list_columns(t, ins, "in", cols).astype(np.int64)
-        out_off = _list_columns(t, outs, "out", cols).astype(np.int64)
-        # storages: per row n_in then n_out ids, row after row (row i starts at in_off[i] + out_off[i])
-        stor = chunk["storages"]
-        total = in_off[-1] + out_off[-1]
-        if len(stor) < total:  # defensive: a truncated chunk never misaligns rows
-            stor = np.concatenate([stor, np.full(total - len(stor), -1, stor.dtype)])
-        row_start = in_off[:-1] + out_off[:-1]
-        for key, starts, lens in (("in_storages", row_start, np.diff(in_off)),
-                                  ("out_storages", row_start + np.diff(in_off), np.diff(out_off))):
-            off, vals = gather(None, starts, lens, stor)
-            cols[key] = _list(off, dense_array(vals))
+        in_off = _list_columns(t, ins, "in", cols, nulls)
+        out_off = _list_columns(t, outs, "out", cols, nulls)
+        cols["in_storages"], cols["out_storages"] = _storage_lists(chunk["storages"], in_off, out_off)
         cols["out_alias"] = self.alias_lists.take(alias)
         is_view = (flags & F_VIEW) != 0
         cols["is_view"] = pa.array(is_view)
@@ -212,10 +207,10 @@ class Decoder:
         noise = self.ops["is_noise"][op] if n else np.zeros(0, bool)
         cols["is_noise"] = pa.array(noise, pa.bool_())
         flops = self._shape_flops(chunk["flops"], op, ins)
-        cols["flops"] = nullable_array(flops, flops < 0)
+        cols["flops"] = nulls.nullable(flops, flops < 0)
         no_bytes = is_view | noise
-        cols["bytes_read"] = dense_array(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
-        cols["bytes_written"] = dense_array(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
+        cols["bytes_read"] = nulls.dense(np.where(no_bytes, 0, t["nbytes"][ins]) if n else np.zeros(0, np.int64))
+        cols["bytes_written"] = nulls.dense(np.where(no_bytes, 0, t["nbytes"][outs]) if n else np.zeros(0, np.int64))
         cols["start_ns"] = dense_array(chunk["start"])
         cols["cpu_ns"] = dense_array(chunk["dur"])
         cols["cuda_ns"] = self._sparse_int(rec.cuda_ns, start, n)
@@ -233,7 +228,7 @@ class Decoder:
                 cols["nonfinite_produced"] = nullable_array(prod, prod_null, pa.bool_())
             else:
                 cols["nonfinite_produced"] = self._nulls(n, pa.bool_())
-            cols["nonfinite"] = nullable_array(nf.astype(np.int64), nf < 0)
+            cols["nonfinite"] = nulls.nullable(nf.astype(np.int64), nf < 0)
         else:
             cols["nonfinite"] = self._nulls(n, pa.int64())
             cols["nonfinite_produced"] = self._nulls(n, pa.bool_())
@@ -262,7 +257,10 @@ class Decoder:
         if not len(op):
             return out
         pair = op * (len(self.rec.tuples.values) + 1) + ins
-        uniq, first = np.unique(pair, return_index=True)
+        # a key's first row starts a run of equal keys: only run starts can be first (a loop of one op
+        # is one run), and np.unique sorts those, not every row
+        starts = np.flatnonzero(np.concatenate(([True], pair[1:] != pair[:-1])))
+        first = starts[np.unique(pair[starts], return_index=True)[1]]
         first.sort()                       # rows in dispatch order: the first of a key wins within the chunk
         funcs, tuples, m = self.rec.funcs.values, self.rec.tuples.values, self.rec.metas
         for i in first.tolist():
@@ -312,7 +310,7 @@ class Decoder:
 
     def _lines(self, src_idx: np.ndarray) -> pa.Array:
         lines = self.src_lines[src_idx] if len(src_idx) else np.zeros(0, np.int64)
-        return nullable_array(lines, lines < 0)
+        return self.nulls.nullable(lines, lines < 0)
 
     def _shape_flops(self, flops: np.ndarray, op: np.ndarray, ins: np.ndarray) -> np.ndarray:
         """Fill the rows the dispatch mode left for later (FLOP_AT_BUILD): matmul FLOPs from input shapes,
@@ -334,23 +332,21 @@ class Decoder:
         """The ``cell`` column: one value on every row, or null outside a notebook cell."""
         if self.cell is None:
             return self._nulls(n, pa.int64())
-        return dense_array(np.full(n, self.cell, np.int64))
+        return self.nulls.full(n, self.cell)
 
     def _nulls(self, n: int, typ: Any) -> pa.Array:
         """An all-null column, one per (length, type) for the whole build (Arrow arrays are
         immutable: every chunk of the same length shares it)."""
-        key = (n, typ)
-        arr = self._null_cache.get(key)
-        if arr is None:
-            arr = self._null_cache[key] = pa.nulls(n, typ)
-        return arr
+        return self.nulls(n, typ)
 
     def _sparse_int(self, d: Union[dict[int, int], SparseInts], start: int, n: int) -> pa.Array:
         if not d:
             return self._nulls(n, pa.int64())
+        rows, v = _sparse_rows(d, start, n, np.int64)
+        if len(rows) == n and n and rows[0] == 0 and bool((rows[1:] > rows[:-1]).all()):
+            return dense_array(v[:, 0])   # every row has one, in order (probe_ns of a screened loop)
         vals = np.zeros(n, dtype=np.int64)
         mask = np.ones(n, dtype=bool)
-        rows, v = _sparse_rows(d, start, n, np.int64)
         vals[rows] = v[:, 0]
         mask[rows] = False
         return nullable_array(vals, mask)
@@ -401,7 +397,8 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str], files: Optional[SpillFiles
                 start += b.num_rows
                 yield pa.RecordBatch.from_arrays([b.column(i) for i in kept], schema=schema)
                 del b
-                release_memory()   # this chunk's temporaries: the next one's peak starts from here
+                # no release_memory() here: the next chunk reuses this one's freed temporaries (giving them
+                # back to the OS made every chunk fault its pages in again)
         t = files.write("ops", schema, batches, rec.n_spilled + rec.mem_rows)
         lengths = [len(c) for c in t.column(0).chunks]
         path = files.path("ops")
@@ -447,9 +444,11 @@ def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
     autocasts = _dict(rec.autocasts.values)
     nested: dict[int, int] = {}   # call id -> depth, for nested calls only (rare; parents precede children)
 
-    # the store's rows a range at a time where it reads them so (the native engine's), else its
+    # the store's rows a range at a time (the native engine's store reads them itself), else its
     # whole int64 columns, read once (``ctx.call_cols``) and sliced
     ranged = getattr(rec.calls, "column_range", None)
+    if ranged is None and isinstance(rec.calls, CallStore):
+        ranged = partial(call_rows, rec.calls)
 
     def batch(lo: int, hi: int) -> pa.RecordBatch:
         a = {k: ranged(k, lo, hi) if ranged is not None else ctx.call_cols[k][lo:hi] for k in rec.calls.fields}
@@ -458,27 +457,31 @@ def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
         for i in np.nonzero(parent >= 0)[0].tolist():
             depth[i] = nested[lo + i] = nested.get(int(parent[i]), 0) + 1
         src = a["src"].astype(np.int64)
+        nulls = ctx.nulls
         cols = dict(
             call_id=dense_array(np.arange(lo, hi, dtype=np.int64)),
-            parent_id=nullable_array(parent, parent < 0),
-            depth=dense_array(depth),
+            parent_id=nulls.nullable(parent, parent < 0),
+            depth=nulls.dense(depth),
             cell=ctx._cells(hi - lo),
-            name=names.take(a["func"]),
-            qualname=qual.take(a["func"]),
-            module=ctx.modules.take(a["module"]),
-            source_file=ctx.src_files.take(src),
+            name=names.take(a["func"], nulls=nulls),
+            qualname=qual.take(a["func"], nulls=nulls),
+            module=ctx.modules.take(a["module"], nulls=nulls),
+            source_file=ctx.src_files.take(src, nulls=nulls),
             source_line=ctx._lines(src),
             start_ns=dense_array(a["start"]),
             dur_ns=dense_array(a["dur"]),
-            first_seq=nullable_array(a["first_seq"], a["n_ops"] <= 0),
+            first_seq=nulls.nullable(a["first_seq"], a["n_ops"] <= 0),
             n_ops=dense_array(a["n_ops"]),
-            autocast=autocasts.take(a["autocast"]),
-            error_id=nullable_array(a["error"], a["error"] < 0),
+            autocast=autocasts.take(a["autocast"], nulls=nulls),
+            error_id=nulls.nullable(a["error"], a["error"] < 0),
         )
         return pa.RecordBatch.from_arrays([cols[name] for name in _CALLS_NAMES], schema=DECODED_CALLS)
 
+    # ``chunk_rows`` rows a batch in memory too: a batch's temporaries are reused by the next one,
+    # and no column is one array of every call (numpy asks the kernel for huge pages past 4 MB,
+    # which can cost more than the table)
     if files is None:
-        return pa.Table.from_batches([batch(0, n)], schema=DECODED_CALLS)
+        return pa.Table.from_batches([batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)], schema=DECODED_CALLS)
     try:
         return files.write("calls", DECODED_CALLS, lambda: (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)), n)
     finally:   # the whole int64 columns read for it, if any
