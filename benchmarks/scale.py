@@ -24,11 +24,15 @@ Prints one row per run:
   and ``after B/op`` once the trace is built (the ``Trace`` alive);
 * ``fin peak MB``: the high-water mark of RSS during the exit over RSS at the start (the mark is reset
   with ``echo 5 > /proc/self/clear_refs`` just before the exit, read from ``VmHWM``);
+  ``fin anon MB``: the largest RssAnon sampled every 2 ms during the exit, over the start: what
+  finishing really holds (VmHWM also counts the file-backed pages of the memory-mapped tables);
   ``anon/file MB``: RssAnon and RssFile over the start after the exit (memory-mapped spill and table
   files count as file-backed pages, which the kernel can drop and read back);
-* ``sum s`` / ``sum peak MB``: the summary as a notebook shows it (``_repr_mimebundle_``: text and HTML)
-  and the high-water mark during it over the start;
-* ``save s``: ``t.save()`` to a temporary directory (removed afterwards).
+* ``sum s`` / ``sum peak MB`` / ``sum anon MB``: the summary as a notebook shows it
+  (``_repr_mimebundle_``: text and HTML), the high-water mark during it over the start, and its
+  sampled anonymous peak over the built trace's;
+* ``save s`` / ``sav anon MB``: ``t.save()`` to a temporary directory (removed afterwards) and its
+  sampled anonymous peak over what the trace held before it.
 
 Then, per run, the bytes per row of the big tables (``ops``, ``calls``, ``tensors``, ``memory``) as the
 ``Trace`` holds them (Arrow ``nbytes``; a memory-mapped table's bytes are file-backed).
@@ -45,28 +49,7 @@ import sys
 import tempfile
 import time
 
-_STATUS_KEYS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
-
-
-def status() -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile and VmHWM of this process, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in _STATUS_KEYS:
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def reset_peak() -> bool:
-    """Reset VmHWM to the current RSS; False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from _procmem import AnonSampler, reset_peak, status
 
 
 def parse_size(s: str) -> int:
@@ -140,8 +123,11 @@ def one(kind: str, n_ops: int, spill_rows: int | None) -> dict:
         run()
         s1 = status()
         peak_ok = reset_peak()
+        sampler = AnonSampler()
+        sampler.start()
         c1, t1 = time.process_time(), time.perf_counter()
     c2, t2 = time.process_time(), time.perf_counter()
+    fin_anon = sampler.stop()
     s2 = status()
     t = tr.result if hasattr(tr, "result") else tr
     n = t.ops.num_rows
@@ -158,6 +144,7 @@ def one(kind: str, n_ops: int, spill_rows: int | None) -> dict:
         "rec_anon_bytes_per_op": (s1["RssAnon"] - s0["RssAnon"]) / n,
         "after_bytes_per_op": (s2["VmRSS"] - s0["VmRSS"]) / n,
         "fin_peak_mb": (s2["VmHWM"] - s0["VmRSS"]) / 2**20 if peak_ok else None,
+        "fin_anon_peak_mb": (fin_anon - s0["RssAnon"]) / 2**20,
         "after_anon_mb": (s2["RssAnon"] - s0["RssAnon"]) / 2**20,
         "after_file_mb": (s2["RssFile"] - s0["RssFile"]) / 2**20,
     }
@@ -169,18 +156,28 @@ def one(kind: str, n_ops: int, spill_rows: int | None) -> dict:
     res["tables"] = tables
     gc.collect()
     peak_ok = reset_peak()
+    anon3 = status()["RssAnon"]
+    sampler = AnonSampler()
+    sampler.start()
     t3 = time.perf_counter()
     bundle = t._repr_mimebundle_()
     t4 = time.perf_counter()
+    sum_anon = sampler.stop()
     s3 = status()
     res["summary_s"] = t4 - t3
     res["summary_peak_mb"] = (s3["VmHWM"] - s0["VmRSS"]) / 2**20 if peak_ok else None
+    res["summary_anon_peak_mb"] = (sum_anon - anon3) / 2**20   # over the built trace
     res["summary_chars"] = len(bundle["text/plain"])
     where = tempfile.mkdtemp(prefix="tensorscope-bench-scale-")
     try:
+        gc.collect()
+        anon5 = status()["RssAnon"]
+        sampler = AnonSampler()
+        sampler.start()
         t5 = time.perf_counter()
         t.save(os.path.join(where, "trace"))
         res["save_s"] = time.perf_counter() - t5
+        res["save_anon_peak_mb"] = (sampler.stop() - anon5) / 2**20
         res["saved_mb"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(where) for f in fs) / 2**20
     finally:
         shutil.rmtree(where, ignore_errors=True)
@@ -196,15 +193,17 @@ def print_row(r: dict) -> None:
     print(f"{r['kind']:6s} {r['n_ops']:>11,} {spill:>10s} {r['engine'] or '?':7s} "
           f"{r['eager_us_per_op']:6.2f} {r['rec_us_per_op']:5.2f}/{r['rec_cpu_us_per_op']:<5.2f} {r['fin_us_per_op']:5.2f}/{r['fin_cpu_us_per_op']:<5.2f} "
           f"{r['rec_bytes_per_op']:7.0f} "
-          f"{r['after_bytes_per_op']:7.0f} {_fmt(r['fin_peak_mb'], '8.0f')} "
+          f"{r['after_bytes_per_op']:7.0f} {_fmt(r['fin_peak_mb'], '8.0f')} {r['fin_anon_peak_mb']:8.0f} "
           f"{r['after_anon_mb']:7.0f}/{r['after_file_mb']:<6.0f} {r['summary_s']:6.1f} "
-          f"{_fmt(r['summary_peak_mb'], '8.0f')} {r['save_s']:6.1f}", flush=True)
+          f"{_fmt(r['summary_peak_mb'], '8.0f')} {r['summary_anon_peak_mb']:8.0f} {r['save_s']:6.1f} "
+          f"{r['save_anon_peak_mb']:8.0f}", flush=True)
 
 
 HEADER = (f"{'work':6s} {'ops':>11s} {'spill_rows':>10s} {'engine':7s} {'eager':>6s} {'rec':>11s} {'fin':>11s} {'rec':>7s} "
-          f"{'after':>7s} {'fin peak':>8s} {'anon/file':>14s} {'sum':>6s} {'sum peak':>8s} {'save':>6s}\n"
+          f"{'after':>7s} {'fin peak':>8s} {'fin anon':>8s} {'anon/file':>14s} {'sum':>6s} {'sum peak':>8s} {'sum anon':>8s} "
+          f"{'save':>6s} {'sav anon':>8s}\n"
           f"{'':6s} {'':>11s} {'':>10s} {'':7s} {'us/op':>6s} {'us/op w/cpu':>11s} {'us/op w/cpu':>11s} {'B/op':>7s} "
-          f"{'B/op':>7s} {'MB':>8s} {'MB after':>14s} {'s':>6s} {'MB':>8s} {'s':>6s}")
+          f"{'B/op':>7s} {'MB':>8s} {'MB':>8s} {'MB after':>14s} {'s':>6s} {'MB':>8s} {'MB':>8s} {'s':>6s} {'MB':>8s}")
 
 
 def main(argv=None) -> int:

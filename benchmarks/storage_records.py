@@ -18,47 +18,9 @@ import gc
 import json
 import subprocess
 import sys
-import threading
 import time
 
-_KEYS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
-
-
-def status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in _KEYS:
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class AnonSampler(threading.Thread):
-    """The largest RssAnon seen every ``every`` seconds until ``stop()``."""
-
-    def __init__(self, every: float = 0.002) -> None:
-        super().__init__(daemon=True)
-        self.every, self.peak, self._done = every, 0, threading.Event()
-
-    def run(self) -> None:
-        while not self._done.is_set():
-            self.peak = max(self.peak, status()["RssAnon"])
-            time.sleep(self.every)
-
-    def stop(self) -> int:
-        self._done.set()
-        self.join()
-        return max(self.peak, status()["RssAnon"])
+from _procmem import AnonSampler, reset_peak, status
 
 
 def one(n_ops: int, spill_rows: int) -> dict:
