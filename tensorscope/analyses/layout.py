@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import NoGC, itemsize
 from .._tensormeta import non_dense_kind
+from .opview import take_table_rows
 
 CL_FORMATS = frozenset({"channels_last", "channels_last_3d"})
 #: dense labels (the recorder writes "strided"; older recorders wrote "dense_permuted"); traces before
@@ -135,29 +136,10 @@ def take_rows(ops: pa.Table, idx: np.ndarray, cols: Sequence[str] = _COLS) -> li
     if len(idx) == 0:
         return []
     have = [c for c in cols if c in ops.column_names]
-    sub = take_chunked(ops.select(have), np.asarray(idx, np.int64))
+    sub = take_table_rows(ops.select(have), np.asarray(idx, np.int64))
     with NoGC():
         values = [sub.column(c).to_pylist() for c in have]
         return [dict(zip(have, v)) for v in zip(*values)]
-
-
-def take_chunked(table: pa.Table, idx: np.ndarray) -> pa.Table:
-    """``table.take(idx)`` record batch by record batch: Arrow's take over a chunked column
-    concatenates the whole column first (a memory-mapped ops table's columns copied into memory for
-    a handful of rows: ~57 MB at 1 M small ops); each batch here gives its own rows, then the few
-    rows taken are put in the order asked."""
-    batches = table.to_batches()
-    if len(batches) <= 1:
-        return table.take(pa.array(idx, pa.int64()))
-    offsets = np.cumsum([0] + [b.num_rows for b in batches])
-    if idx.min() < 0 or idx.max() >= offsets[-1]:
-        raise IndexError(f"row index out of bounds for a table of {offsets[-1]} rows")
-    which = np.searchsorted(offsets, idx, side="right") - 1
-    order = np.argsort(which, kind="stable")   # grouped by batch, each group in the order asked
-    parts = [batches[k].take(pa.array(idx[which == k] - offsets[k])) for k in np.unique(which).tolist()]
-    inverse = np.empty(len(idx), np.int64)
-    inverse[order] = np.arange(len(idx))
-    return pa.Table.from_batches(parts, schema=table.schema).take(pa.array(inverse))
 
 
 def count_in(col: Any, values: Iterable[str], flags: Any = None) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -150,3 +150,23 @@ def add_exact(acc: np.ndarray, codes: np.ndarray, v: np.ndarray) -> None:
         acc += np.bincount(codes, weights=v.astype(np.float64), minlength=len(acc)).astype(np.int64)
     else:
         np.add.at(acc, codes, v)
+
+
+def take_table_rows(table: pa.Table, rows: Union[Sequence[int], np.ndarray]) -> pa.Table:
+    """``table.take(rows)`` record batch by record batch: Arrow's take over a chunked column
+    concatenates the whole column first (a memory-mapped table's column copied into anonymous
+    memory for a handful of rows: ~57 MB of a 1 M-op ops table); here each batch gives its own
+    rows, and only the few rows taken are put in the order asked."""
+    idx = np.asarray(rows, dtype=np.int64)
+    batches = table.to_batches()
+    if len(batches) <= 1 or not len(idx):
+        return table.take(pa.array(idx, pa.int64()))
+    offsets = np.cumsum([0] + [b.num_rows for b in batches])
+    if idx.min() < 0 or idx.max() >= offsets[-1]:
+        raise IndexError(f"row index out of bounds for a table of {offsets[-1]} rows")
+    which = np.searchsorted(offsets, idx, side="right") - 1
+    order = np.argsort(which, kind="stable")   # grouped by batch, each group in the order asked
+    parts = [batches[k].take(pa.array(idx[which == k] - offsets[k])) for k in np.unique(which).tolist()]
+    inverse = np.empty(len(idx), np.int64)
+    inverse[order] = np.arange(len(idx))
+    return pa.Table.from_batches(parts, schema=table.schema).take(pa.array(inverse))

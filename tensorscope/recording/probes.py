@@ -27,8 +27,9 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .._common import ipython_shell
+from ..analyses.opview import take_table_rows as take_rows
 from ..schema import nullable_array
-from .spilled import SpillFiles, mapped_table, release_memory, take_rows
+from .spilled import SpillFiles, mapped_table, release_memory
 
 Column = Union[pa.Array, pa.ChunkedArray]   # a column a probe contributes
 

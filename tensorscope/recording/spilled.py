@@ -5,7 +5,7 @@
 file through the spill seam (``spill.py``) and reads it back memory-mapped, or, once a write failed
 (a full disk), builds the table in memory; ``mapped_table`` builds a finished table from its
 decoded (mapped) columns and what probes contributed; ``null_column`` is an all-null column of shared
-chunks; ``take_rows`` takes rows of a chunked table chunk by chunk; ``release_memory`` gives freed
+chunks; ``release_memory`` gives freed
 memory back to the OS between the stages of a spilled finish.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-import numpy as np
 import pyarrow as pa
 
 from ..errors import SpillError
@@ -96,25 +95,6 @@ def null_column(n: int, typ: pa.DataType, lengths: Optional[Sequence[int]] = Non
         lengths = [hi - lo for lo, hi in _ranges(n, 65536)]
     shared: dict[int, pa.Array] = {}
     return pa.chunked_array([shared.setdefault(m, pa.nulls(m, typ)) for m in lengths], typ)
-
-
-def take_rows(table: pa.Table, rows: Union[Sequence[int], np.ndarray]) -> pa.Table:
-    """``table.take(rows)`` chunk by chunk: Arrow's take over a chunked column concatenates the
-    whole column first (a memory-mapped table's column copied into anonymous memory for a handful
-    of rows); here each chunk gives its own rows, and only the result is put in order."""
-    idx = np.asarray(rows, dtype=np.int64)
-    batches = table.to_batches()
-    if len(batches) <= 1 or not len(idx):
-        return table.take(pa.array(idx, pa.int64()))
-    offsets = np.cumsum([0] + [b.num_rows for b in batches])
-    if idx.min() < 0 or idx.max() >= offsets[-1]:
-        raise IndexError(f"row index out of bounds for a table of {offsets[-1]} rows")
-    which = np.searchsorted(offsets, idx, side="right") - 1
-    order = np.argsort(which, kind="stable")   # grouped by chunk, each group in the given order
-    parts = [batches[k].take(pa.array(idx[which == k] - offsets[k])) for k in np.unique(which).tolist()]
-    inverse = np.empty(len(idx), np.int64)
-    inverse[order] = np.arange(len(idx))
-    return pa.Table.from_batches(parts, schema=table.schema).take(pa.array(inverse))
 
 
 def _ranges(n: int, step: int) -> Iterator[tuple[int, int]]:

@@ -1,6 +1,6 @@
 """The casts table of a trace whose tables come in many record batches (a spilled trace: chunks of 8
 rows) equals that of the same tables in one batch: candidate rows taken batch by batch
-(``layout.take_chunked``), the calls' names and autocast states read a batch at a time. Both engines."""
+(``opview.take_table_rows``), the calls' names and autocast states read a batch at a time. Both engines."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,7 @@ import torch
 import tensorscope
 from tensorscope.analyses import totals
 from tensorscope.analyses.casts import _analyse_uncached, _calls_of
-from tensorscope.analyses.layout import take_chunked
+from tensorscope.analyses.opview import take_table_rows as take_chunked
 
 
 def test_take_chunked_equals_take_over_one_batch():

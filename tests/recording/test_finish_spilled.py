@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tensorscope
+from tensorscope.analyses.opview import take_table_rows as take_rows
 from tensorscope.recording import history
-from tensorscope.recording.spilled import take_rows
 
 
 def _step(n_small: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
