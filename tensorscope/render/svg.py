@@ -119,16 +119,40 @@ def _shape_txt(shapes) -> str:
 
 # -- timeline ----------------------------------------------------------------------------------------------
 
-def _runs(x0: np.ndarray, x1: np.ndarray, n_cols: int) -> list[tuple[int, int]]:
-    """The runs of pixel columns (start, end) covered by marks [x0, x1) (pixels from the plot's left)."""
-    if len(x0) == 0:
-        return []
-    c0 = np.clip(np.floor(x0).astype(np.int64), 0, n_cols - 1)
-    c1 = np.clip(np.maximum(np.ceil(x1).astype(np.int64), c0 + 1), 1, n_cols)
-    diff = np.bincount(c0, minlength=n_cols + 1) - np.bincount(c1, minlength=n_cols + 1)
-    cov = np.cumsum(diff[:-1]) > 0
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], cov.astype(np.int8), [0]))))
-    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+#: rows of a table drawn at a time: the timeline reads the ops a record batch at a time (a long
+#: trace's columns are memory-mapped: an int64 copy of a column costs 8 bytes per op)
+TIMELINE_ROWS = 1 << 16
+
+
+class _Series:
+    """One series of marks [start, start + dur), drawn as the runs of pixel columns they cover: the
+    coverage is a difference array over the columns, summed a batch of marks at a time."""
+
+    __slots__ = ("key", "n", "tot", "diff")
+
+    def __init__(self, key: str, n_cols: int) -> None:
+        self.key, self.n, self.tot = key, 0, 0
+        self.diff = np.zeros(n_cols + 1, np.int64)
+
+    def add(self, s0: np.ndarray, d0: np.ndarray, scale: float) -> None:
+        if not len(s0):
+            return
+        n_cols = len(self.diff) - 1
+        self.n += len(s0)
+        self.tot += int(d0.sum())
+        x0 = s0 * scale
+        x1 = x0 + d0 * scale
+        c0 = np.clip(np.floor(x0).astype(np.int64), 0, n_cols - 1)
+        c1 = np.clip(np.maximum(np.ceil(x1).astype(np.int64), c0 + 1), 1, n_cols)
+        self.diff += np.bincount(c0, minlength=n_cols + 1) - np.bincount(c1, minlength=n_cols + 1)
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The runs of pixel columns (start, end) the marks cover."""
+        if not self.n:
+            return []
+        cov = np.cumsum(self.diff[:-1]) > 0
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], cov.astype(np.int8), [0]))))
+        return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
 def _series_path(runs: list[tuple[int, int]], x: float, y: float, h: float, color: str, title: str) -> str:
@@ -140,53 +164,64 @@ def _np(col: Any, fill: int = 0) -> np.ndarray:
     return pc.fill_null(col, fill).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _marks(table: pa.Table, start: str, dur: str, extra: tuple[str, ...] = ()) -> Any:
+    """Per record batch of ``table`` (``TIMELINE_ROWS`` rows at most): the rows with a start, as
+    (start, max(dur, 0), the ``extra`` columns' values of those rows as numpy)."""
+    cols = [start, dur] + [c for c in extra if c in table.column_names]
+    for b in table.select(cols).to_batches(max_chunksize=TIMELINE_ROWS):
+        ok = pc.invert(pc.is_null(b.column(0))).to_numpy(zero_copy_only=False)
+        yield (_np(b.column(0))[ok], np.maximum(_np(b.column(1))[ok], 0),
+               {c: b.column(2 + i) for i, c in enumerate(cols[2:])}, ok)
+
+
 def timeline_svg(trace, width: int = 720, hovers: int = 0) -> Optional[str]:
     """Calls by nesting depth, ATen ops (forward/backward/compiled) and GPU kernels over time: one
-    path per series; ``hovers``: the longest ops drawn again each with its hover title."""
+    path per series; ``hovers``: the longest ops drawn again each with its hover title. Two passes
+    over each table a record batch at a time: the end of the last mark, then each series' coverage."""
     ops, calls, kernels = trace.ops, trace.calls, trace.kernels
     label_w, row_h, top = 90, 16, 6
     plot_w = width - label_w - 10
     cells = _cells(trace)
-    # rows: label, [(key, start array, dur array)]
-    rows: list[tuple[str, list[tuple[str, np.ndarray, np.ndarray]]]] = []
     end = 0
+    for table, st, du, n in ((calls, "start_ns", "dur_ns", calls.num_rows), (ops, "start_ns", "cpu_ns", ops.num_rows),
+                             (kernels, "start_ns", "dur_ns", kernels.num_rows)):
+        if n:
+            for s0, d0, _x, _ok in _marks(table, st, du):
+                if len(s0):
+                    end = max(end, int((s0 + d0).max()))
+    scale = plot_w / end if end > 0 else 0.0
+    # rows: label, [series]
+    rows: list[tuple[str, list[_Series]]] = []
     if calls.num_rows:
-        st, du = calls.column("start_ns"), calls.column("dur_ns")
-        ok = pc.invert(pc.is_null(st)).to_numpy(zero_copy_only=False)
-        s0, d0 = _np(st)[ok], np.maximum(_np(du)[ok], 0)
-        dep = _np(calls.column("depth"))[ok]
-        if len(s0):
-            end = max(end, int((s0 + d0).max()))
-        for d in sorted(set(dep.tolist()))[:4]:
-            m = dep == d
-            rows.append((f"calls (depth {d})", [("call", s0[m], d0[m])]))
-    op_series = []
+        depths: dict[int, _Series] = {}
+        for s0, d0, x, ok in _marks(calls, "start_ns", "dur_ns", ("depth",)):
+            dep = _np(x["depth"])[ok]
+            for d in np.unique(dep).tolist():
+                m = dep == d
+                depths.setdefault(d, _Series("call", plot_w)).add(s0[m], d0[m], scale)
+        for d in sorted(depths)[:4]:
+            rows.append((f"calls (depth {d})", [depths[d]]))
     if ops.num_rows:
-        st = ops.column("start_ns")
-        ok = pc.invert(pc.is_null(st)).to_numpy(zero_copy_only=False)
-        s0, d0 = _np(st)[ok], np.maximum(_np(ops.column("cpu_ns"))[ok], 0)
-        if len(s0):
-            end = max(end, int((s0 + d0).max()))
-        bwd = pc.fill_null(pc.equal(ops.column("phase"), "backward"), False).to_numpy(zero_copy_only=False)[ok]
-        comp = (pc.invert(pc.is_null(ops.column("graph_id"))).to_numpy(zero_copy_only=False)[ok]
-                if "graph_id" in ops.column_names else np.zeros(len(s0), dtype=bool))
-        for key, m in (("forward", ~bwd & ~comp), ("backward", bwd & ~comp), ("compiled", comp)):
-            if m.any():
-                op_series.append((key, s0[m], d0[m]))
-        rows.append(("ATen ops", op_series))
+        by_key = {k: _Series(k, plot_w) for k in ("forward", "backward", "compiled")}
+        for s0, d0, x, ok in _marks(ops, "start_ns", "cpu_ns", ("phase", "graph_id")):
+            bwd = pc.fill_null(pc.equal(x["phase"], "backward"), False).to_numpy(zero_copy_only=False)[ok]
+            comp = (pc.invert(pc.is_null(x["graph_id"])).to_numpy(zero_copy_only=False)[ok]
+                    if "graph_id" in x else np.zeros(len(s0), dtype=bool))
+            for key, m in (("forward", ~bwd & ~comp), ("backward", bwd & ~comp), ("compiled", comp)):
+                if m.any():
+                    by_key[key].add(s0[m], d0[m], scale)
+        rows.append(("ATen ops", [v for v in by_key.values() if v.n]))
     if kernels.num_rows:
-        st = kernels.column("start_ns")
-        ok = pc.invert(pc.is_null(st)).to_numpy(zero_copy_only=False)
-        s0, d0 = _np(st)[ok], np.maximum(_np(kernels.column("dur_ns"))[ok], 0)
-        if len(s0):
-            end = max(end, int((s0 + d0).max()))
-        dev, stream = _np(kernels.column("device"))[ok], _np(kernels.column("stream"))[ok]
-        for dv, sm in sorted(set(zip(dev.tolist(), stream.tolist()))):
-            m = (dev == dv) & (stream == sm)
-            rows.append((f"cuda:{dv} stream {sm}", [("kernel", s0[m], d0[m])]))
+        streams: dict[tuple[int, int], _Series] = {}
+        for s0, d0, x, ok in _marks(kernels, "start_ns", "dur_ns", ("device", "stream")):
+            dev, stream = _np(x["device"])[ok], _np(x["stream"])[ok]
+            for dv, sm in sorted(set(zip(dev.tolist(), stream.tolist()))):
+                m = (dev == dv) & (stream == sm)
+                streams.setdefault((dv, sm), _Series("kernel", plot_w)).add(s0[m], d0[m], scale)
+        for dv, sm in sorted(streams):
+            rows.append((f"cuda:{dv} stream {sm}", [streams[(dv, sm)]]))
     if not rows or end <= 0:
         return None
-    scale = plot_w / end
     used = set()
     parts = []
     op_row_y = None
@@ -197,14 +232,13 @@ def timeline_svg(trace, width: int = 720, hovers: int = 0) -> Optional[str]:
         parts.append(f'<text x="{label_w - 6}" y="{y + row_h - 4}" text-anchor="end" {_FONT} fill="#333">'
                      f'{_e(label)}</text>')
         parts.append(f'<rect x="{label_w}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f6f6f6"/>')
-        for key, s0, d0 in series:
-            x0 = s0 * scale
-            runs = _runs(x0, x0 + d0 * scale, plot_w)
+        for ser in series:
+            runs = ser.runs()
             if runs:
-                used.add(key)
-                n, tot = len(s0), int(d0.sum())
-                parts.append(_series_path(runs, label_w, y, row_h, COLORS[key][0],
-                                          f"{COLORS[key][1]}: {n} mark{'s' * (n != 1)}, {_fmt_ns(tot)} in all"))
+                used.add(ser.key)
+                n, tot = ser.n, ser.tot
+                parts.append(_series_path(runs, label_w, y, row_h, COLORS[ser.key][0],
+                                          f"{COLORS[ser.key][1]}: {n} mark{'s' * (n != 1)}, {_fmt_ns(tot)} in all"))
     if hovers and ops.num_rows and op_row_y is not None:
         parts.extend(_op_hovers(ops, hovers, scale, label_w, op_row_y, row_h, cells))
     axis_y = top + len(rows) * (row_h + 4) + 2
