@@ -8,8 +8,9 @@ pass when the native engine is loaded, numpy otherwise; both give the same buffe
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from itertools import chain
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -404,6 +405,22 @@ def call_rows(store: CallStore, name: str, lo: int, hi: int) -> np.ndarray:
                 part += base
         start += n
     return out
+
+
+#: calls read at a time when the decoder reads their source and function ids
+CALL_RANGE = 1 << 16
+
+
+def _call_ranges(rec: Recorder, cols: _CallColumns) -> Callable[[str, int, int], np.ndarray]:
+    """``(field, lo, hi) -> int64 rows [lo, hi)`` of the calls store: the store's rows a range at a
+    time (the native engine's store reads them itself; the python one ``call_rows``), else its whole
+    int64 columns, read once (``cols``) and sliced."""
+    ranged = getattr(rec.calls, "column_range", None)
+    if ranged is not None:
+        return cast(Callable[[str, int, int], np.ndarray], ranged)
+    if isinstance(rec.calls, CallStore):
+        return partial(call_rows, rec.calls)
+    return lambda name, lo, hi: cols[name][lo:hi]
 
 
 class _Links:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from functools import partial
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -25,8 +24,10 @@ from ..errors import SpillError
 from ..schema import dense_array, nullable_array
 from .columns import (
     _PHASES,
+    CALL_RANGE,
     Nulls,
     OpIdsAt,
+    _call_ranges,
     _CallColumns,
     _dict,
     _Links,
@@ -38,10 +39,9 @@ from .columns import (
     _shape_rows,
     _storage_lists,
     _tuple_dicts,
-    call_rows,
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
-from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, CallStore, Recorder, SparseInts
+from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
 from .spilled import SpillFiles, _ranges, null_column, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
@@ -116,21 +116,21 @@ class Decoder:
         self.modules = _dict(rec.modules.values)
         self.nodes = _dict(rec.nodes.values)
         n_calls = rec.n_calls
-        self.call_cols = _CallColumns(rec)
-        call_src = self.call_cols["src"]
         src_vals = rec.sources.values
         self.src_files = _dict([None if v is None else v[0] for v in src_vals])
         self.src_lines = np.array([-1 if v is None or v[1] is None else v[1] for v in src_vals] or [-1], dtype=np.int64)
-        # per call: its source (int32: ids of interned locations) and whether its function is
-        # expected to be free; the int64 columns read for them are not kept (8 B a call each)
-        self.call_src = call_src.astype(np.int32) if len(src_vals) < 2**31 else call_src
         self.call_names = func_names = [getattr(f, "__name__", str(f)) for f in rec.call_funcs.values]
-        call_func = self.call_cols["func"][:n_calls]
-        self.call_cols.clear()
-        del call_src
         func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
-        self.call_free = func_free[call_func] if n_calls else np.zeros(0, bool)
-        del call_func
+        # per call: its source (int32: ids of interned locations) and whether its function is
+        # expected to be free, read a range of calls at a time (an int64 column is 8 B a call)
+        self.call_src = np.empty(n_calls, np.int32 if len(src_vals) < 2**31 else np.int64)
+        self.call_free = np.zeros(n_calls, bool)
+        self.call_cols = _CallColumns(rec)   # whole columns, read on first use: only a store without ranges
+        ranged = self.call_range = _call_ranges(rec, self.call_cols)
+        for lo in range(0, n_calls, CALL_RANGE):
+            hi = min(lo + CALL_RANGE, n_calls)
+            self.call_src[lo:hi] = ranged("src", lo, hi)
+            self.call_free[lo:hi] = func_free[ranged("func", lo, hi)]
         short = self.ops["short"]
         self.copy_op = np.array([s in COPYING_OPS for s in short] or [False], dtype=bool)
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)
@@ -444,14 +444,10 @@ def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
     autocasts = _dict(rec.autocasts.values)
     nested: dict[int, int] = {}   # call id -> depth, for nested calls only (rare; parents precede children)
 
-    # the store's rows a range at a time (the native engine's store reads them itself), else its
-    # whole int64 columns, read once (``ctx.call_cols``) and sliced
-    ranged = getattr(rec.calls, "column_range", None)
-    if ranged is None and isinstance(rec.calls, CallStore):
-        ranged = partial(call_rows, rec.calls)
+    ranged = ctx.call_range
 
     def batch(lo: int, hi: int) -> pa.RecordBatch:
-        a = {k: ranged(k, lo, hi) if ranged is not None else ctx.call_cols[k][lo:hi] for k in rec.calls.fields}
+        a = {k: ranged(k, lo, hi) for k in rec.calls.fields}
         parent = a["parent"]
         depth = np.zeros(hi - lo, dtype=np.int64)
         for i in np.nonzero(parent >= 0)[0].tolist():
