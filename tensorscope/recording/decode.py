@@ -499,7 +499,7 @@ def _qualname(f: Any) -> str:
 
 def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
     """The tensors table (a row per storage, in id order) from the storage records (``rec.tensors``),
-    ``chunk_rows`` ids at a time (with ``files``: into a memory-mapped file); ``address``: the data
+    ``chunk_rows`` ids at a time, a record batch each (with ``files``: into a memory-mapped file); ``address``: the data
     pointer the engines keyed a storage by (a fake tensor's key is no address: null)."""
     rec, c = ctx.rec, ctx.rec.tensors
     c.seal()   # the python engine's live records
@@ -535,8 +535,8 @@ def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
         )
         return pa.RecordBatch.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
 
-    if files is None:
-        return pa.Table.from_batches([batch(0, n)], schema=DECODED_TENSORS)
+    if files is None:   # a batch per chunk_rows ids as well: no whole-trace temporaries (huge pages)
+        return pa.Table.from_batches([batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)], schema=DECODED_TENSORS)
     return files.write("tensors", DECODED_TENSORS, lambda: (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)), n)
 
 
