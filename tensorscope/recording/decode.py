@@ -42,7 +42,7 @@ from .columns import (
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
-from .spilled import SpillFiles, _ranges, null_column, release_memory
+from .spilled import SpillFiles, _ranges, null_column, null_ops, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -142,15 +142,9 @@ class Decoder:
         self._run_keys: dict[tuple[int, int], int] = {}   # (op id, input tuple id) -> process-wide key hash
         self.nulls = Nulls()   # all-null columns shared by every chunk (see columns.Nulls)
         self.links = links
-        fp_none = not rec.fingerprints
-        #: ops columns null on every row of the trace, known before any chunk is decoded (what no
-        #: probe of this trace recorded): a spilled ops file leaves them out (8 B a row each)
-        self.null_ops = frozenset(name for name, none in (
-            ("cell", cell is None), ("cuda_ns", not rec.cuda_ns), ("error_id", not rec.op_errors),
-            ("nonfinite", not self.screened), ("nonfinite_produced", not self.screened or not rec.nonfinite),
-            ("num_rel_err", not rec.numerics), ("num_max_abs_err", not rec.numerics),
-            ("probe_ns", not rec.probe_ns), ("fp_hash", fp_none), ("fp_nonfinite", fp_none), ("fp_sum", fp_none),
-            ("fp_abs_sum", fp_none), ("fp_max_abs", fp_none)) if none)
+        #: ops columns null on every row of the trace, known before any chunk is decoded: a spilled
+        #: ops file leaves them out (8 B a row each)
+        self.null_ops = null_ops(rec, cell=cell, screened=self.screened, nodes=self.nodes, modules=self.modules)
 
     @property
     def g(self) -> dict[str, np.ndarray]:
@@ -501,7 +495,7 @@ def _qualname(f: Any) -> str:
 
 def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
     """The tensors table (a row per storage, in id order) from the storage records (``rec.tensors``),
-    ``chunk_rows`` ids at a time (with ``files``: into a memory-mapped file); ``address``: the data
+    ``chunk_rows`` ids at a time, a record batch each (with ``files``: into a memory-mapped file); ``address``: the data
     pointer the engines keyed a storage by (a fake tensor's key is no address: null)."""
     rec, c = ctx.rec, ctx.rec.tensors
     c.seal()   # the python engine's live records
@@ -537,8 +531,8 @@ def tensors_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
         )
         return pa.RecordBatch.from_arrays([cols[name] for name in _TENSORS_NAMES], schema=DECODED_TENSORS)
 
-    if files is None:
-        return pa.Table.from_batches([batch(0, n)], schema=DECODED_TENSORS)
+    if files is None:   # a batch per chunk_rows ids as well: no whole-trace temporaries (huge pages)
+        return pa.Table.from_batches([batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)], schema=DECODED_TENSORS)
     return files.write("tensors", DECODED_TENSORS, lambda: (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)), n)
 
 

@@ -54,6 +54,10 @@ TENSOR_COLUMNS = (
     ("module", "i"), ("call", "q"),
 )
 
+#: ops columns whose one value on every row is tracked (``Recorder.op_constants``): what decodes to
+#: a column null on every row (spilled.null_ops), which a spilled ops file leaves out
+CONSTANT_COLUMNS = ("seq_nr", "node", "module", "flops")
+
 #: a frozen column: (base, narrow array) from ``pack``; ``unpack`` widens it back to int64
 Packed = tuple[int, np.ndarray]
 
@@ -411,6 +415,9 @@ class Recorder:
         self.spilled_counts: list[int] = []          # rows of each spilled chunk
         self.mem_chunks: list[dict[str, Packed]] = []   # frozen chunks: column -> pack()ed
         self.mem_rows = 0
+        #: per CONSTANT_COLUMNS column, its value on every row of the chunks frozen so far, or None
+        #: once two rows differ (``add_chunk``): what is null on every row is known before decoding
+        self.op_constants: dict[str, Optional[int]] = {}
         self.on_spill: Optional[Callable[[], None]] = None   # called after each spill (dataset=: decode the spilled rows into parts)
         #: the first spill that failed (spill.py): from then on rows stay in memory; reported at the end
         self.spill_failed: Optional[SpillError] = None
@@ -467,10 +474,20 @@ class Recorder:
         self.tensors.freeze()
         if rows == 0:
             return
-        self.mem_chunks.append({k: pack(v) for k, v in chunk.items()})
+        self.add_chunk({k: pack(v) for k, v in chunk.items()})
         self.mem_rows += rows
         if self.mem_rows > self.spill_rows:
             self._spill()
+
+    def add_chunk(self, packed: dict[str, Packed]) -> None:
+        """A frozen chunk (column -> ``pack()``ed, non-empty) into ``mem_chunks``, noting in
+        ``op_constants`` which CONSTANT_COLUMNS columns still hold one value on every row (a packed
+        column whose narrow array is all zero holds its base)."""
+        self.mem_chunks.append(packed)
+        for k in CONSTANT_COLUMNS if len(packed["op"][1]) else ():   # an empty chunk says nothing
+            base, a = packed[k]
+            v = None if a.any() else int(base)
+            self.op_constants[k] = v if self.op_constants.get(k, v) == v else None
 
     def _spill(self) -> None:
         """Write the frozen chunks in memory to the spill directory (then ``on_spill``). A chunk

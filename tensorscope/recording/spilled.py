@@ -4,8 +4,8 @@
 ``SpillFiles`` is the directory they live in (the Trace removes it): it writes record batches to a
 file through the spill seam (``spill.py``) and reads it back memory-mapped, or, once a write failed
 (a full disk), builds the table in memory; ``mapped_table`` builds a finished table from its
-decoded (mapped) columns and what probes contributed; ``null_column`` is an all-null column of shared
-chunks; ``release_memory`` gives freed
+decoded (mapped) columns and what probes contributed; ``null_ops`` names the ops columns null on every
+row of a trace; ``null_column`` is an all-null column of shared chunks; ``release_memory`` gives freed
 memory back to the OS between the stages of a spilled finish.
 """
 from __future__ import annotations
@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import pyarrow as pa
 
 from ..errors import SpillError
+from .opfacts import FLOP_AT_BUILD
+from .recorder import CONSTANT_COLUMNS
 from .spill import make_spill_dir, write_ipc
 
 if TYPE_CHECKING:
+    from .columns import _Dict
     from .recorder import Recorder
 
 Column = Union[pa.Array, pa.ChunkedArray]
@@ -86,6 +89,28 @@ def release_memory() -> None:
             pass
     for trim in _TRIM:
         trim(0)
+
+
+def null_ops(rec: Recorder, *, cell: Optional[int], screened: bool, nodes: _Dict, modules: _Dict) -> frozenset[str]:
+    """The decoded ops columns null on every row of the trace, known before any chunk is decoded:
+    what no probe of this trace recorded, and what the raw columns' one value on every row
+    (``rec.op_constants``) decodes to null: ``seq_nr`` < 0 (no autograd), no backward row
+    (``node`` 0) or no sequence number for ``fwd_seq``, the none id of ``node`` / ``module``
+    (a backward row's module is a forward row's), ``flops`` < 0 but not left for the decode."""
+    c = rec.op_constants
+    seq_nr, node, module, flops = (c.get(k) for k in CONSTANT_COLUMNS)
+    no_seq = seq_nr is not None and seq_nr < 0
+    fp_none = not rec.fingerprints
+    return frozenset(name for name, none in (
+        ("cell", cell is None), ("cuda_ns", not rec.cuda_ns), ("error_id", not rec.op_errors),
+        ("nonfinite", not screened), ("nonfinite_produced", not screened or not rec.nonfinite),
+        ("num_rel_err", not rec.numerics), ("num_max_abs_err", not rec.numerics),
+        ("probe_ns", not rec.probe_ns), ("fp_hash", fp_none), ("fp_nonfinite", fp_none), ("fp_sum", fp_none),
+        ("fp_abs_sum", fp_none), ("fp_max_abs", fp_none),
+        ("seq_nr", no_seq), ("fwd_seq", no_seq or node == 0),
+        ("autograd_node", node is not None and 0 <= node < len(nodes.codes) and nodes.codes[node] < 0),
+        ("module", module is not None and 0 <= module < len(modules.codes) and modules.codes[module] < 0),
+        ("flops", flops is not None and flops < 0 and flops != FLOP_AT_BUILD)) if none)
 
 
 def null_column(n: int, typ: pa.DataType, lengths: Optional[Sequence[int]] = None) -> pa.ChunkedArray:

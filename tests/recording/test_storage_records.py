@@ -114,6 +114,26 @@ def test_finished_storage_records_spill_and_the_tables_equal_the_in_memory_trace
     assert spilled.summary().to_text() == ref.summary().to_text()
 
 
+def test_the_in_memory_tensors_table_is_built_a_chunk_rows_block_at_a_time(engine):
+    """Not spilled, the tensors table is decoded ``chunk_rows`` storages at a time too (a record batch
+    each): with a tiny ``chunk_rows`` many batches, equal row for row to the default's, and so are the
+    categories, the leaks and the summary built over them."""
+    _traced(engine, leaks=False)   # the first trace claims every op's first run in this process
+    whole, out_whole, _ = _traced(engine)
+    small, out_small, _ = _traced(engine, chunk_rows=16)
+    assert torch.equal(out_whole, out_small)
+    assert not small.metadata.get("spilled_rows")
+    a, b = whole.tensors, small.tensors
+    assert a.num_rows == b.num_rows > 100
+    assert a.column("storage_id").num_chunks == 1 and b.column("storage_id").num_chunks > 5
+    assert b.column("storage_id").to_pylist() == list(range(b.num_rows))
+    assert a.column("address").is_null().to_pylist() == b.column("address").is_null().to_pylist()
+    assert _rows(a, ("address",)) == _rows(b, ("address",))
+    assert _rows(whole.leaks) == _rows(small.leaks) and whole.leaks.num_rows >= 3
+    ref = _with_times_of(whole, small)
+    assert small.summary().to_text() == ref.summary().to_text()
+
+
 def test_storage_rows_blocks_merge_parts_across_block_boundaries(tmp_path):
     """Parts made of records finished out of id order, some spilled (memory-mapped) and some in
     memory, read back in blocks of every size: each block is exactly the id-sorted rows."""

@@ -275,7 +275,7 @@ class NativeEngine:
             packed["flops"] = pack(flops)
             self.opaque_rows += int(np.count_nonzero((unpack(packed["node"]) == 0) & (unpack(packed["call"]) < 0)))
             assert set(packed) == set(OPS_FIELDS) | {"storages"}
-            rec.mem_chunks.append(packed)
+            rec.add_chunk(packed)
             rec.mem_rows += int(n)
             rec.chunk_start = int(first + n)
 
