@@ -123,13 +123,18 @@ class Decoder:
         func_free = np.array([name in EXPECT_FREE_CALLS for name in func_names] or [False], dtype=bool)
         # per call: its source (int32: ids of interned locations) and whether its function is
         # expected to be free, read a range of calls at a time (an int64 column is 8 B a call)
-        self.call_src = np.empty(n_calls, np.int32 if len(src_vals) < 2**31 else np.int64)
+        # (still recording, a dataset= spill decoding ops now: the native store hands whole columns of
+        # every call so far, while ``n_calls`` is set at the end)
+        live = bool(getattr(rec.calls, "live", False))
+        src_type = np.int32 if len(src_vals) < 2**31 else np.int64
+        self.call_src = rec.calls.column("src").astype(src_type) if live else np.empty(n_calls, src_type)
         self.call_free = np.zeros(n_calls, bool)
         self.call_cols = _CallColumns(rec)   # whole columns, read on first use: only a store without ranges
         ranged = self.call_range = _call_ranges(rec, self.call_cols)
         for lo in range(0, n_calls, CALL_RANGE):
             hi = min(lo + CALL_RANGE, n_calls)
-            self.call_src[lo:hi] = ranged("src", lo, hi)
+            if not live:
+                self.call_src[lo:hi] = ranged("src", lo, hi)
             self.call_free[lo:hi] = func_free[ranged("func", lo, hi)]
         short = self.ops["short"]
         self.copy_op = np.array([s in COPYING_OPS for s in short] or [False], dtype=bool)

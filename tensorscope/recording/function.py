@@ -292,6 +292,11 @@ class _LiveCalls(CallStore):
             return super().full_matrix()
         return np.stack([self.column(name) for name in self.fields], axis=1)
 
+    @property
+    def live(self) -> bool:
+        """Still recording: a field is read whole from C (``column``), ``rec.n_calls`` is set at the end."""
+        return self._rows is None and self._fm is not None
+
     def column(self, name: str) -> np.ndarray:
         self._check()
         rows = self._rows
