@@ -366,21 +366,6 @@ class _ListDict:
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
 
 
-class _CallColumns(dict[str, np.ndarray]):   # a plain dict subclass at run time
-    """The calls rows as contiguous int64 columns, each read on first use: a frozen chunk's packed
-    column unpacked and concatenated with the live rows' (column-wise: stacking rows into one
-    matrix and slicing strided columns from it cost several times more). A decode needs two
-    columns (``src``, ``func``); only the calls table reads them all."""
-
-    def __init__(self, rec: Recorder) -> None:
-        super().__init__()
-        self._calls = rec.calls
-
-    def __missing__(self, name: str) -> np.ndarray:
-        col = self[name] = self._calls.column(name)
-        return col
-
-
 def call_rows(store: CallStore, name: str, lo: int, hi: int) -> np.ndarray:
     """Rows ``[lo, hi)`` of one field of a calls store as a new int64 array, reading only the chunks
     that overlap them (a spilled one from its file): the calls table is built a range at a time and
@@ -411,16 +396,13 @@ def call_rows(store: CallStore, name: str, lo: int, hi: int) -> np.ndarray:
 CALL_RANGE = 1 << 16
 
 
-def _call_ranges(rec: Recorder, cols: _CallColumns) -> Callable[[str, int, int], np.ndarray]:
-    """``(field, lo, hi) -> int64 rows [lo, hi)`` of the calls store: the store's rows a range at a
-    time (the native engine's store reads them itself; the python one ``call_rows``), else its whole
-    int64 columns, read once (``cols``) and sliced."""
+def _call_ranges(rec: Recorder) -> Callable[[str, int, int], np.ndarray]:
+    """``(field, lo, hi) -> int64 rows [lo, hi)`` of the calls store, a range at a time: the native
+    engine's store reads them itself (``column_range``), the python one through ``call_rows``."""
     ranged = getattr(rec.calls, "column_range", None)
     if ranged is not None:
         return cast(Callable[[str, int, int], np.ndarray], ranged)
-    if isinstance(rec.calls, CallStore):
-        return partial(call_rows, rec.calls)
-    return lambda name, lo, hi: cols[name][lo:hi]
+    return partial(call_rows, rec.calls)
 
 
 class _Links:

@@ -28,7 +28,6 @@ from .columns import (
     Nulls,
     OpIdsAt,
     _call_ranges,
-    _CallColumns,
     _dict,
     _Links,
     _list,
@@ -129,8 +128,7 @@ class Decoder:
         src_type = np.int32 if len(src_vals) < 2**31 else np.int64
         self.call_src = rec.calls.column("src").astype(src_type) if live else np.empty(n_calls, src_type)
         self.call_free = np.zeros(n_calls, bool)
-        self.call_cols = _CallColumns(rec)   # whole columns, read on first use: only a store without ranges
-        ranged = self.call_range = _call_ranges(rec, self.call_cols)
+        ranged = self.call_range = _call_ranges(rec)
         for lo in range(0, n_calls, CALL_RANGE):
             hi = min(lo + CALL_RANGE, n_calls)
             if not live:
@@ -477,10 +475,7 @@ def calls_table(ctx: Decoder, files: Optional[SpillFiles] = None) -> pa.Table:
     # which can cost more than the table)
     if files is None:
         return pa.Table.from_batches([batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)], schema=DECODED_CALLS)
-    try:
-        return files.write("calls", DECODED_CALLS, lambda: (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)), n)
-    finally:   # the whole int64 columns read for it, if any
-        ctx.call_cols.clear()
+    return files.write("calls", DECODED_CALLS, lambda: (batch(lo, hi) for lo, hi in _ranges(n, rec.chunk_rows)), n)
 
 
 def _qualname(f: Any) -> str:
