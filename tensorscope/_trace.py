@@ -69,6 +69,11 @@ def _memory_table(tensors: pa.Table, n_ops: int, where: Optional[str]) -> pa.Tab
     return table_from_batches(S.MEMORY, lambda: memory_batches(tensors, n_ops), rows, where, "memory")
 
 
+#: no table of a trace held in memory is mapped below this many rows (``io.parquet.MMAP_ROWS``:
+#: a loaded table past it is; tests/io/test_pages.py checks the two agree)
+_MAPPED_ROWS = 262144
+
+
 class _Resolver:
     """A table given as the function that makes it (``Trace(kernels=...)``)."""
 
@@ -141,6 +146,19 @@ class Trace:
             # a spilled trace: its ops, calls and tensors (and what probes added to them) are
             # memory-mapped files in _spill_file's directory, removed when the Trace goes
             weakref.finalize(self, shutil.rmtree, os.path.dirname(_spill_file), True)
+
+    def _release_pages(self) -> int:
+        """Give the kernel back the file pages a pass read from the memory-mapped tables; the bytes advised.
+
+        A spilled or big loaded trace's tables are mapped files (``io/pages.py``). A trace held in
+        memory has none: nothing is done for it (not even reading the process's mappings).
+        """
+        tables = [t for t in (*self._tables.values(), *self._derived.values()) if isinstance(t, pa.Table)]
+        if self._spill_dir is None and not any(t.num_rows > _MAPPED_ROWS for t in tables):
+            return 0
+        from .io.pages import release
+
+        return release(*tables)
 
     # -- tables ------------------------------------------------------------
     def table(self, name: str) -> pa.Table:

@@ -25,6 +25,7 @@ from ..errors import ExportError, TraceFormatError
 from ..metadata import FORMAT, PARQUET_KEY, PARQUET_VERSION_KEY, TraceMetadata, check_version
 from ..metadata import jsonable as _jsonable  # noqa: F401  (the name earlier versions exported)
 from . import TraceTables
+from .pages import release as release_pages
 
 METADATA_FILE = "metadata.json"
 #: rows per parquet row group ``save`` writes (what a writer or a lazy reader holds at once)
@@ -73,6 +74,7 @@ def save(trace: TraceTables, path: PathLike, *, row_group_rows: int = ROW_GROUP_
         md_json = md.to_json().encode()
         _write_all([(table, os.path.join(tmp, f"{name}.parquet"), kv_metadata(table.schema.metadata, md, md_json))
                     for name, table in tables.items()], row_group_rows)
+        release_pages(*tables.values())   # what the writers read of mapped tables (io/pages.py)
         with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
             f.write(md.to_json(indent=1))
         if os.path.isdir(path):
@@ -114,7 +116,15 @@ def _write(table: pa.Table, file: str, kv: dict[bytes, bytes], row_group_rows: i
     is one row group's pages, not the table."""
     schema = table.schema.with_metadata(kv)
     with pq.ParquetWriter(file, schema, **writer_options(schema)) as writer:
-        writer.write_table(table.replace_schema_metadata(kv), row_group_size=max(1, int(row_group_rows)))
+        step = max(1, int(row_group_rows))
+        if table.num_rows <= step:
+            writer.write_table(table.replace_schema_metadata(kv), row_group_size=step)
+            return
+        for start in range(0, table.num_rows, step):
+            # a row group at a time, the pages it read of a mapped table given back (io/pages.py)
+            part = table.slice(start, step)
+            writer.write_table(part.replace_schema_metadata(kv), row_group_size=step)
+            release_pages(part)
 
 
 def writer_options(schema: pa.Schema) -> dict[str, Any]:

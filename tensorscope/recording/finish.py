@@ -13,7 +13,10 @@ import platform
 import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+import pyarrow as pa
+
 from .. import schema as S
+from ..io.pages import release as release_pages
 from .columns import _Links
 from .context import RecordingContext
 from .decode import decode_tables
@@ -46,12 +49,16 @@ def finish_tables(f: Finishing) -> tuple[dict[str, Any], Optional[str], list[str
     ctx = f.ctx
     tables, files = decode_tables(ctx.rec, cell=f.cell, screen=ctx.screen, links=f.links,
                                   spill_dir=f.options.spill_dir)
+    if files is not None:
+        release_pages(*tables.values())   # the decode's passes over the mapped files: pages back
     decoded = Decoded(ctx, tables, files)
     del tables
     contribute_all(f.probes, decoded)
+    decoded.release_pages()
     built = decoded.build()
     if files is not None:
         release_memory()
+        release_pages(*(t for t in built.values() if isinstance(t, pa.Table)))
     return built, files.path("ops") if files is not None and files.used else None, decoded.notes
 
 

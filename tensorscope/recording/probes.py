@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import ipython_shell
 from ..analyses.opview import take_table_rows as take_rows
+from ..io.pages import release as release_pages
 from ..schema import nullable_array
 from .spilled import SpillFiles, mapped_table, release_memory
 
@@ -101,6 +102,12 @@ class Decoded:
             self._columns[name][col] = arr
         self.tables.update(c.tables)
         self.notes.extend(c.notes)
+
+    def release_pages(self) -> None:
+        """A spilled trace: the file pages the last pass read from the mapped tables go back (io/pages.py)."""
+        if self.files is not None:
+            release_pages(*(c for cols in self._columns.values() for c in cols.values()),
+                          *(t for t in self.tables.values() if isinstance(t, pa.Table)))
 
     def build(self) -> dict[str, Any]:
         """Every table, once, in its schema's order. A memory-mapped (spilled) table keeps its
@@ -545,6 +552,7 @@ def contribute_all(probes: Iterable[Probe], decoded: Decoded) -> None:
     for p in probes:
         if decoded.files is not None:
             release_memory()   # a spilled trace: what decoding and the previous probe freed goes back first
+            decoded.release_pages()   # and the pages the previous pass read of the mapped tables
         try:
             decoded.add(p.contribute(decoded))
         except Exception as e:

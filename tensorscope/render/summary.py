@@ -192,11 +192,14 @@ def summarize(t, display=None, full: bool = False) -> Summary:
 
     display = display if display is not None else DisplayOptions()
     ctx: dict[str, Any] = {}
+    release = getattr(t, "_release_pages", None)   # a long trace: what each pass read of its mapped tables
     if t.ops.num_rows and hasattr(t, "advice"):
         try:
             ctx["advice"] = t.advice(min_share=display.min_finding_share)
         except Exception as e:   # the advisor failing must not hide the summary
             ctx["advice_error"] = e
+        if release is not None:
+            release()
     out = []
     for fn in SECTIONS:
         try:
@@ -214,9 +217,14 @@ def summarize(t, display=None, full: bool = False) -> Summary:
                 sec = fn(t, **kw)
         except Exception as e:  # a broken section must not hide the others
             sec = Section(getattr(fn, "__name__", "section"), [], None, [f"could not render: {type(e).__name__}: {e}"])
+        if release is not None:
+            release()
         if sec is not None:
             out.append(sec)
-    return Summary(out, head=head(t, ctx, min_share=display.min_finding_share), inline_svg=full)
+    summary = Summary(out, head=head(t, ctx, min_share=display.min_finding_share), inline_svg=full)
+    if release is not None:
+        release()
+    return summary
 
 
 def report_html(t, display=None) -> str:
