@@ -256,14 +256,19 @@ _C_PRINTING = CALL_KINDS["PRINTING"]
 
 class _LiveCalls(CallStore):
     """``rec.calls`` while the native function mode records: the rows live in C until it hands them
-    over; then its full blocks stay packed as it packed them (``frozen`` chunks, ~10 B a call, as
-    the python engine's ``CallStore`` freezes them) and the rest are a structured array from
-    ``base`` on, read a field (or a range of one) at a time: no per-row Python work, and no row
-    of 56 B per call (nor an int64 matrix of every call) when the trace ends."""
+    over; its full blocks stay packed as it packed them (``frozen`` chunks, ~10 B a call, as the
+    python engine's ``CallStore`` freezes them). Each spill of the recorder takes the blocks packed
+    since the last one from C (``take_packed``) and writes them out with the op chunks (``spill``),
+    so C holds only the calls after them; at the end the rest is handed over: its packed blocks
+    appended to ``frozen`` and the tail rows a structured array from ``base`` on, read a field (or a
+    range of one) at a time: no per-row Python work, and no row of 56 B per call (nor an int64
+    matrix of every call) when the trace ends. While recording, ``base`` is the first call C still
+    holds: the calls below it are read from the spilled and frozen chunks, never from C."""
 
     def __init__(self, fm: Any) -> None:
         super().__init__(CALL_FIELDS)
         self._fm = fm   # the C function mode until it hands the rows over, then None
+        self._block = int(fm.BLOCK_ROWS)   # calls a packed block holds (native/fmode.h kBlock)
         self._rows: Optional[np.ndarray] = None
         self._released = False
 
@@ -280,7 +285,7 @@ class _LiveCalls(CallStore):
 
     def field(self, call_id: int, k: int) -> int:
         self._check()
-        if self._fm is not None:
+        if self._fm is not None and call_id >= self.base:
             v = self._fm.field(call_id, k)
             return 0 if v is None else v
         if self._rows is not None and call_id >= self.base:
@@ -302,10 +307,12 @@ class _LiveCalls(CallStore):
         rows = self._rows
         if rows is None and self._fm is not None:
             # still recording (a dataset= spill decodes ops now): this field of every call so far,
-            # read by C (8 B a call; a copy of whole rows, 56 B a call, kept from one spill to the
-            # next, was 40% of a spilling trace's memory)
-            raw, n = self._fm.column(self.fields.index(name))
-            return np.frombuffer(raw, dtype=np.int64, count=n)
+            # the calls handed over read from their chunks, the rest by C (8 B a call; a copy of
+            # whole rows, 56 B a call, kept from one spill to the next, was 40% of a spilling
+            # trace's memory)
+            raw, n = self._fm.column(self.fields.index(name), self.base)
+            rest = np.frombuffer(raw, dtype=np.int64, count=n - self.base)
+            return np.concatenate([super().column(name), rest]) if self.base else rest
         if rows is None:
             return super().column(name)
         return self.column_range(name, 0, self.base + len(rows))
@@ -344,17 +351,37 @@ class _LiveCalls(CallStore):
             out[a - lo:] = self._rows[name][a - self.base:hi - self.base]
         return out
 
+    def spill(self, directory: str) -> None:
+        """The recorder spills (its op chunks are written): take the blocks C packed since the last
+        spill and write them out with the frozen chunks (``CallStore.spill``)."""
+        self.take_packed()
+        super().spill(directory)
+
+    def take_packed(self) -> None:
+        """While recording: the full blocks C packed and did not hand over yet, appended to
+        ``frozen`` (C frees them; ``base`` moves past them)."""
+        if self._fm is not None and self._rows is None:
+            first, packed = self._fm.take_packed()
+            self._append(first, packed)
+
+    def _append(self, first: int, packed: Sequence[Sequence[tuple[int, int, bytes]]]) -> None:
+        """Packed blocks of calls ``first`` on (per field ``(base, width, bytes)``) after ``frozen``."""
+        assert first == self.base, (first, self.base)   # call order: they follow the ones handed over
+        block = self._block
+        self.frozen.extend({name: (int(b), np.frombuffer(buf, dtype=_PACKED[w]) if w else
+                                   np.broadcast_to(np.zeros(1, np.uint8), (block,)))
+                            for name, (b, w, buf) in zip(self.fields, blk)} for blk in packed)
+        self.base = first + len(packed) * block
+
     def handover(self, raw: bytes, n: int, first: int = 0,
                  packed: Sequence[Sequence[tuple[int, int, bytes]]] = ()) -> None:
-        """The C mode's rows: ``packed`` full blocks (per field ``(base, width, bytes)``), then the
-        CALL_DTYPE rows of calls ``first`` .. ``n - 1``."""
-        block = first // len(packed) if packed else 0
-        self.frozen = [{name: (int(b), np.frombuffer(buf, dtype=_PACKED[w]) if w else
-                               np.broadcast_to(np.zeros(1, np.uint8), (block,)))
-                        for name, (b, w, buf) in zip(self.fields, blk)} for blk in packed]
+        """The C mode's rows not handed over yet (``take_packed``): ``packed`` full blocks (per
+        field ``(base, width, bytes)``) from call ``base`` on, then the CALL_DTYPE rows of calls
+        ``first`` .. ``n - 1``."""
+        self._append(self.base, packed)
+        assert self.base == first, (self.base, first)
         self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n - first)
         self._fm = None
-        self.base = first
 
 
 #: a packed calls field's width -> its numpy type (native/fmode.h: unsigned, minus the base; 8: raw)
