@@ -271,12 +271,14 @@ class _LiveCalls(CallStore):
         self._block = int(fm.BLOCK_ROWS)   # calls a packed block holds (native/fmode.h kBlock)
         self._rows: Optional[np.ndarray] = None
         self._released = False
+        self._read: dict[int, dict[str, tuple[int, np.ndarray]]] = {}   # spilled chunks read back (_chunk)
 
     def release(self) -> None:
         """Drop the handed-over rows: a spilled trace's finish calls it once the calls table is in
         its file; nothing reads them after that (reading raises)."""
         self._rows = None
         self.frozen = []
+        self._read = {}
         self._released = True
 
     def _check(self) -> None:
@@ -322,10 +324,19 @@ class _LiveCalls(CallStore):
 
     def _chunk(self, i: int, name: str) -> tuple[int, np.ndarray]:
         """Field ``name`` of packed chunk ``i`` (spilled ones read back), packed."""
-        if i < len(self.spilled):
+        if i >= len(self.spilled):
+            return self.frozen[i - len(self.spilled)][name]
+        got = self._read.get(i)
+        if got is None:
+            # the calls table reads every field of a range in turn: a spilled chunk is read whole
+            # once (a few bytes a call) and kept among the last few read, not opened per field
             with np.load(self.spilled[i][0], allow_pickle=False) as z:
-                return int(z["__bases__"][self.fields.index(name)]), z[name]
-        return self.frozen[i - len(self.spilled)][name]
+                bases = z["__bases__"].tolist()
+                got = {k: (int(b), z[k]) for k, b in zip(self.fields, bases)}
+            if len(self._read) >= _READ_CHUNKS:
+                del self._read[next(iter(self._read))]
+            self._read[i] = got
+        return got[name]
 
     def column_range(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of one field as int64 (the calls table is built a range at a time):
@@ -384,6 +395,8 @@ class _LiveCalls(CallStore):
         self._fm = None
 
 
+#: spilled calls chunks ``_LiveCalls`` keeps read back (a calls range of 65,536 spans 4-5 blocks)
+_READ_CHUNKS = 8
 #: a packed calls field's width -> its numpy type (native/fmode.h: unsigned, minus the base; 8: raw)
 _PACKED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
