@@ -272,6 +272,7 @@ class _LiveCalls(CallStore):
         self._rows: Optional[np.ndarray] = None
         self._released = False
         self._read: dict[int, dict[str, tuple[int, np.ndarray]]] = {}   # spilled chunks read back (_chunk)
+        self._live_cols: dict[str, list[tuple[int, np.ndarray]]] = {}   # fields read while recording (_handed_over)
 
     def release(self) -> None:
         """Drop the handed-over rows: a spilled trace's finish calls it once the calls table is in
@@ -314,10 +315,28 @@ class _LiveCalls(CallStore):
             # trace's memory)
             raw, n = self._fm.column(self.fields.index(name), self.base)
             rest = np.frombuffer(raw, dtype=np.int64, count=n - self.base)
-            return np.concatenate([super().column(name), rest]) if self.base else rest
+            return np.concatenate([self._handed_over(name), rest]) if self.base else rest
         if rows is None:
             return super().column(name)
         return self.column_range(name, 0, self.base + len(rows))
+
+    def _handed_over(self, name: str) -> np.ndarray:
+        """While recording: field ``name`` of the calls handed over (below ``base``) as int64. Each
+        spill of a dataset= trace reads a field of every call so far: its packed parts (a few bytes
+        a call at most, nothing for a constant field) are kept from the first read on, the blocks
+        taken since added by ``_append``, so no spill reads the spilled files back again."""
+        parts = self._live_cols.get(name)
+        if parts is None:
+            parts = self._live_cols[name] = list(self._frozen_columns(name))
+        col = np.empty(sum(len(a) for _, a in parts), dtype=np.int64)
+        pos = 0
+        for base, a in parts:
+            part = col[pos:pos + len(a)]
+            part[:] = a
+            if base:
+                part += base
+            pos += len(a)
+        return col
 
     def _counts(self) -> list[int]:
         return [n for _, n in self.spilled] + [len(ch[self.fields[0]][1]) for ch in self.frozen]
@@ -379,9 +398,12 @@ class _LiveCalls(CallStore):
         """Packed blocks of calls ``first`` on (per field ``(base, width, bytes)``) after ``frozen``."""
         assert first == self.base, (first, self.base)   # call order: they follow the ones handed over
         block = self._block
-        self.frozen.extend({name: (int(b), np.frombuffer(buf, dtype=_PACKED[w]) if w else
-                                   np.broadcast_to(np.zeros(1, np.uint8), (block,)))
-                            for name, (b, w, buf) in zip(self.fields, blk)} for blk in packed)
+        chunks = [{name: (int(b), np.frombuffer(buf, dtype=_PACKED[w]) if w else
+                          np.broadcast_to(np.zeros(1, np.uint8), (block,)))
+                   for name, (b, w, buf) in zip(self.fields, blk)} for blk in packed]
+        self.frozen.extend(chunks)
+        for name, parts in self._live_cols.items():
+            parts.extend(ch[name] for ch in chunks)
         self.base = first + len(packed) * block
 
     def handover(self, raw: bytes, n: int, first: int = 0,
@@ -393,6 +415,7 @@ class _LiveCalls(CallStore):
         assert self.base == first, (self.base, first)
         self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n - first)
         self._fm = None
+        self._live_cols = {}
 
 
 #: spilled calls chunks ``_LiveCalls`` keeps read back (a calls range of 65,536 spans 4-5 blocks)

@@ -117,6 +117,7 @@ def test_a_dataset_trace_spilling_calls_while_recording_is_equal(tmp_path, monke
     stats = {}
     with tensorscope.trace(engine="native", dataset=str(root), **OPTS, **SPILL) as t:
         _program(stats)
+    assert t.metadata["tracer_errors"] == 0, t.metadata["tracer_error_messages"]
     assert stats["taken_blocks"] == CALLS // 16384   # handed over before the last rolling parts read the calls
     parts = sorted((root / "ops" / "run=run1" / "rank=0").glob("part-*.parquet"))
     assert len(parts) > 3 and t.metadata["spilled_rows"] > 0
