@@ -170,3 +170,29 @@ def test_a_full_disk_while_writing_a_calls_part_keeps_the_calls_in_memory(engine
     assert t.ops.select(ops).equals(mem.ops.select(ops))
     back = tensorscope.load(t.save(tmp_path / "saved"))
     assert_tables_equal("calls", mem.calls, back.calls)
+
+
+def test_calls_handed_over_read_back_while_recording():
+    # rec.calls.field (an error's or a warning's call) and .column (a dataset= spill) while the
+    # trace records: the calls C handed over come from their chunks, the rest from C
+    _engine("native")
+    from tensorscope.options import TraceOptions
+    from tensorscope.recording.recorder import C_FIRST_SEQ, C_SRC
+    from tensorscope.recording.session import new_session
+
+    sess = new_session(TraceOptions(engine="native", **OPTS, **SPILL))
+    sess.start()
+    try:
+        _program()
+        calls = sess.ctx.rec.calls
+        assert calls.live and calls.base == 3 * 16384 and calls.spilled   # three blocks handed over, spilled
+        ids = [0, 16383, 16384, 40000, 3 * 16384 - 1, 3 * 16384, CALLS - 1]
+        first = [calls.field(i, C_FIRST_SEQ) for i in ids]
+        src = [calls.field(i, C_SRC) for i in ids]
+        col = calls.column("first_seq")
+        srcs = sess.ctx.rec.sources.values
+    finally:
+        t = sess.stop()
+    assert first == ids and col.tolist() == list(range(CALLS))
+    lines = t.calls.column("source_line").to_pylist()
+    assert [srcs[s][1] for s in src] == [lines[i] for i in ids]
