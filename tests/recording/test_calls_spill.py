@@ -108,6 +108,22 @@ def test_calls_spilled_while_recording_equal_the_in_memory_trace(engine, monkeyp
         assert spilled_stats["row_bytes"] == live_block
 
 
+def test_blocks_handed_over_together_are_one_chunk_equal_to_the_in_memory_trace(monkeypatch):
+    # the first spill comes after two full blocks: they are re-packed as one chunk (as the three
+    # blocks of the in-memory trace are at the end); its fields vary across the blocks
+    engine = _engine("native")
+    _traced(engine)
+    mem = _traced(engine)
+    stats = {}
+    seen = []
+    real = function._LiveCalls._merged
+    monkeypatch.setattr(function._LiveCalls, "_merged", lambda self, blocks: seen.append(len(blocks)) or real(self, blocks))
+    got = _traced(engine, stats, chunk_rows=8192, spill_rows=40000)
+    assert stats["taken_blocks"] == 2 and seen == [2, 1] and got.metadata["spilled_rows"] > 0
+    assert_tables_equal("calls", mem.calls, got.calls)
+    assert got.ops.select(OPS_COLS).equals(mem.ops.select(OPS_COLS))
+
+
 def test_a_dataset_trace_spilling_calls_while_recording_is_equal(tmp_path, monkeypatch):
     _engine("native")
     monkeypatch.setenv("TENSORSCOPE_RUN_ID", "run1")
