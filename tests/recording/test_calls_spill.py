@@ -22,7 +22,7 @@ import torch
 import tensorscope
 from tensorscope import schema as S
 from tensorscope.errors import SpillError
-from tensorscope.recording import function, spill
+from tensorscope.recording import live_calls, spill
 from tests.recording.test_spill_equal import _text, _with_times_of, assert_tables_equal
 
 CALLS = 60_000       # > 3 blocks of 16384 calls (native/fmode.h kBlock)
@@ -82,7 +82,7 @@ def _same_tables(mem, got, spills):
 @pytest.mark.parametrize("engine", ["native", "python"])
 def test_calls_spilled_while_recording_equal_the_in_memory_trace(engine, monkeypatch):
     engine = _engine(engine)
-    monkeypatch.setattr(function, "_READ_CHUNKS", 1)   # a spilled chunk read back is dropped at the next
+    monkeypatch.setattr(live_calls, "READ_CHUNKS", 1)   # a spilled chunk read back is dropped at the next
     _traced(engine)   # claims every op's first run in this process (ops.first_run)
     native = engine == "native"
     mem_stats, spilled_stats = {}, {}
@@ -116,8 +116,8 @@ def test_blocks_handed_over_together_are_one_chunk_equal_to_the_in_memory_trace(
     mem = _traced(engine)
     stats = {}
     seen = []
-    real = function._LiveCalls._merged
-    monkeypatch.setattr(function._LiveCalls, "_merged", lambda self, blocks: seen.append(len(blocks)) or real(self, blocks))
+    real = live_calls.LiveCalls._merged
+    monkeypatch.setattr(live_calls.LiveCalls, "_merged", lambda self, blocks: seen.append(len(blocks)) or real(self, blocks))
     got = _traced(engine, stats, chunk_rows=8192, spill_rows=40000)
     assert stats["taken_blocks"] == 2 and seen == [2, 1] and got.metadata["spilled_rows"] > 0
     assert_tables_equal("calls", mem.calls, got.calls)
