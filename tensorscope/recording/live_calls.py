@@ -150,8 +150,21 @@ class LiveCalls(CallStore):
 
     def spill(self, directory: str) -> None:
         """The recorder spills (its op chunks are written): take the blocks C packed since the last
-        spill and write them out with the frozen chunks (``CallStore.spill``)."""
+        spill and write them out with the frozen chunks (``CallStore.spill``), up to
+        ``MERGE_BLOCKS`` blocks a part: reading a part back costs ~1 ms whatever its rows, so
+        parts of 16,384 calls made finishing ~0.1 us a call slower (in memory they stay blocks:
+        re-packed over more calls a field may need a wider type)."""
         self.take_packed()
+        merged: list[dict[str, Packed]] = []
+        group: list[dict[str, Packed]] = []
+        for ch in self.frozen:
+            group.append(ch)
+            if sum(_rows(c) for c in group) >= MERGE_BLOCKS * self._block:
+                merged.append(self._merged(group))
+                group = []
+        if group:
+            merged.append(self._merged(group))
+        self.frozen = merged
         super().spill(directory)
 
     def take_packed(self) -> None:
@@ -162,39 +175,39 @@ class LiveCalls(CallStore):
             self._append(first, packed)
 
     def _append(self, first: int, packed: Sequence[Sequence[tuple[int, int, bytes]]]) -> None:
-        """Packed blocks of calls ``first`` on (per field ``(base, width, bytes)``) after ``frozen``,
-        up to ``MERGE_BLOCKS`` blocks a chunk (re-packed as one: reading a spilled chunk back costs
-        ~1 ms a file whatever its rows, so 16,384-call files made finishing ~0.1 us a call slower)."""
+        """Packed blocks of calls ``first`` on (per field ``(base, width, bytes)``) after ``frozen``."""
         assert first == self.base, (first, self.base)   # call order: they follow the ones handed over
-        chunks = [self._merged(packed[i:i + MERGE_BLOCKS]) for i in range(0, len(packed), MERGE_BLOCKS)]
+        block = self._block
+        chunks = [{name: (int(b), np.frombuffer(buf, dtype=_PACKED[w]) if w else _zeros(block))
+                   for name, (b, w, buf) in zip(self.fields, blk)} for blk in packed]
         self.frozen.extend(chunks)
         for name, parts in self._live_cols.items():
             parts.extend(ch[name] for ch in chunks)
-        self.base = first + len(packed) * self._block
+        self.base = first + len(packed) * block
 
-    def _merged(self, blocks: Sequence[Sequence[tuple[int, int, bytes]]]) -> dict[str, Packed]:
-        """One frozen chunk of ``blocks`` (in call order): a field constant over them costs nothing
-        (a broadcast zero, as in C), another is widened a field at a time and ``pack``ed again."""
-        block = self._block
-        n = block * len(blocks)
-        chunk: dict[str, Packed] = {}
-        for k, name in enumerate(self.fields):
-            cols = [blk[k] for blk in blocks]
-            b0 = int(cols[0][0])
-            if all(w == 0 and b == b0 for b, w, _ in cols):
-                chunk[name] = (b0, np.broadcast_to(np.zeros(1, np.uint8), (n,)))
-            elif len(cols) == 1:
-                chunk[name] = (b0, np.frombuffer(cols[0][2], dtype=_PACKED[cols[0][1]]))
-            else:
-                col = np.zeros(n, np.int64)
-                for j, (b, w, buf) in enumerate(cols):
-                    part = col[j * block:(j + 1) * block]
-                    if w:
-                        part[:] = np.frombuffer(buf, dtype=_PACKED[w])
-                    if b:
-                        part += b
-                chunk[name] = pack(col)
-        return chunk
+    def _merged(self, chunks: Sequence[dict[str, Packed]]) -> dict[str, Packed]:
+        """One frozen chunk of ``chunks`` (in call order): a field constant over them costs nothing
+        (a broadcast zero, as C's width 0), another is widened a field at a time and ``pack``ed."""
+        if len(chunks) == 1:
+            return chunks[0]
+        n = sum(_rows(ch) for ch in chunks)
+        out: dict[str, Packed] = {}
+        for name in self.fields:
+            parts = [ch[name] for ch in chunks]
+            b0 = parts[0][0]
+            if all(b == b0 and a.strides == (0,) and a[0] == 0 for b, a in parts):
+                out[name] = (b0, _zeros(n))
+                continue
+            col = np.empty(n, np.int64)
+            pos = 0
+            for b, a in parts:
+                part = col[pos:pos + len(a)]
+                part[:] = a
+                if b:
+                    part += b
+                pos += len(a)
+            out[name] = pack(col)
+        return out
 
     def handover(self, raw: bytes, n: int, first: int = 0,
                  packed: Sequence[Sequence[tuple[int, int, bytes]]] = ()) -> None:
@@ -211,7 +224,16 @@ class LiveCalls(CallStore):
 #: spilled calls chunks ``LiveCalls`` keeps read back (the calls table reads a range of calls a field
 #: at a time: a range rarely spans more than two chunks)
 READ_CHUNKS = 4
-#: C's packed calls blocks (16,384 calls each) handed over together become one chunk of up to this many
+#: the packed calls blocks (16,384 calls each) a spilled calls part holds at most
 MERGE_BLOCKS = 16
+def _zeros(n: int) -> np.ndarray:
+    """A packed field that is its base on ``n`` rows: a broadcast zero (no memory)."""
+    return np.broadcast_to(np.zeros(1, np.uint8), (n,))
+
+
+def _rows(chunk: dict[str, Packed]) -> int:
+    return len(next(iter(chunk.values()))[1])
+
+
 #: a packed calls field's width -> its numpy type (native/fmode.h: unsigned, minus the base; 8: raw)
 _PACKED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
