@@ -367,6 +367,7 @@ PyMODINIT_FUNC PyInit_tensorscope_fmode() {
     return nullptr;
   }
   PyModule_AddIntConstant(m, "ROW_SIZE", sizeof(tsabi::CallRow));
+  PyModule_AddIntConstant(m, "BLOCK_ROWS", long(kBlock));   // calls a packed block holds
   PyModule_AddIntConstant(m, "FAST_FRAMES", TS_FAST_FRAMES);
   return m;
 }

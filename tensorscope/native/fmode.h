@@ -143,6 +143,9 @@ struct State {
   // rows
   std::vector<struct Block> blocks;
   size_t packed_upto = 0;           // blocks below this index are packed
+  // blocks below this index were handed over to Python (take_packed, when the recorder spills):
+  // their bytes are freed, their slots kept so a call id still indexes its block; never read here
+  size_t taken_upto = 0;
   int64_t n_calls = 0;
   std::vector<int32_t> stack;       // open recorded calls
   int32_t cur_mid = 0;              // module id of the innermost outermost call (ModuleTracker.current)
@@ -169,7 +172,7 @@ inline CallRow& row(int64_t cid) {
   return S.blocks[size_t(cid >> kBlockBits)].rows[cid & (kBlock - 1)];
 }
 
-// One field of any row, live or packed.
+// One field of any row, live or packed, not handed over (cid >= S.taken_upto * kBlock).
 inline int64_t any_field(int64_t cid, int k) {
   const Block& b = S.blocks[size_t(cid >> kBlockBits)];
   int64_t j = cid & (kBlock - 1);

@@ -3,7 +3,9 @@
 // configure() starts a trace on this thread, take() hands the calls rows over and stops; the rows
 // live in blocks of kBlock calls, packed column by column once no running call points into them
 // (each field minus its minimum in the narrowest of 0/1/2/4/8 bytes: a constant field such as
-// parent or error costs nothing), like recorder.py packs the Python calls chunks. Also here: the
+// parent or error costs nothing), like recorder.py packs the Python calls chunks. When the
+// recorder spills, take_packed() hands the packed blocks not handed over yet to Python (which
+// spills them with the op chunks) and frees them here: take() then hands over only the rest. Also here: the
 // caches' upkeep and the containment of a failing Python helper (never the program's problem).
 
 #include <Python.h>
@@ -36,6 +38,7 @@ void free_block(Block& b) {
   for (int k = 0; k < kFields; ++k) {
     PyMem_RawFree(b.data[k]);
     b.data[k] = nullptr;
+    b.width[k] = 0;
   }
 }
 
@@ -114,6 +117,7 @@ void free_rows() {
   g_spare = nullptr;
   S.blocks.clear();
   S.packed_upto = 0;
+  S.taken_upto = 0;
   S.n_calls = 0;
   S.stack.clear();
 }
@@ -259,43 +263,51 @@ PyObject* copy_rows(int64_t from, int64_t n) {
   return out;
 }
 
-// the packed blocks below S.packed_upto as they are: per block a tuple of (base, width, bytes),
-// one per calls field (abi.h kCallFieldOrder); each block's memory freed once copied
+// the packed blocks from S.taken_upto to S.packed_upto (those not handed over yet) as they are:
+// per block a tuple of (base, width, bytes), one per calls field (abi.h kCallFieldOrder); each
+// block's memory freed once copied (no doubled peak), its slot kept (call ids index blocks), and
+// S.taken_upto moved past it. Out of memory: the blocks copied so far (the rest stay here).
 PyObject* packed_blocks() {
-  PyObject* l = PyList_New(Py_ssize_t(S.packed_upto));
+  const size_t from = S.taken_upto;
+  PyObject* l = PyList_New(0);
   if (l == nullptr) return nullptr;
-  for (size_t i = 0; i < S.packed_upto; ++i) {
+  for (size_t i = from; i < S.packed_upto; ++i) {
     Block& b = S.blocks[i];
     PyObject* cols = PyTuple_New(tsabi::kCallFields);
-    if (cols == nullptr) {
-      Py_DECREF(l);
-      return nullptr;
-    }
-    for (int c = 0; c < tsabi::kCallFields; ++c) {
+    bool ok = cols != nullptr;
+    for (int c = 0; ok && c < tsabi::kCallFields; ++c) {
       const int k = tsabi::kCallFieldOrder[c];
       const char* d = reinterpret_cast<const char*>(b.data[k]);
-      PyTuple_SET_ITEM(cols, c, Py_BuildValue("(LiN)", (long long)b.base[k], int(b.width[k]),
-                                              PyBytes_FromStringAndSize(d, Py_ssize_t(kBlock * b.width[k]))));
+      PyObject* col = Py_BuildValue("(LiN)", (long long)b.base[k], int(b.width[k]),
+                                    PyBytes_FromStringAndSize(d, Py_ssize_t(kBlock * b.width[k])));
+      ok = col != nullptr;
+      if (ok) PyTuple_SET_ITEM(cols, c, col);
     }
-    PyList_SET_ITEM(l, Py_ssize_t(i), cols);
-    free_block(b);   // no doubled peak: each block goes as soon as it is copied
+    if (!ok || PyList_Append(l, cols) < 0) {
+      Py_XDECREF(cols);
+      PyErr_Clear();
+      break;
+    }
+    Py_DECREF(cols);
+    free_block(b);
+    S.taken_upto = i + 1;
   }
   return l;
 }
 
-// take() -> (tail rows bytes, n_calls, first tail call id, packed blocks): the calls rows, the
-// full blocks still packed (~10 bytes a call, packed_blocks) and the rest as CALL_DTYPE records;
-// stops the mode.
+// take() -> (tail rows bytes, n_calls, first tail call id, packed blocks): the calls rows not
+// handed over yet: the full blocks still packed (~10 bytes a call, packed_blocks, from call
+// S.taken_upto * kBlock on) and the rest as CALL_DTYPE records; stops the mode.
 PyObject* py_take(PyObject*, PyObject*) {
   S.active = false;
   S.recording = false;
   int64_t n = S.n_calls;
-  int64_t first = std::min(n, int64_t(S.packed_upto) * kBlock);
-  PyObject* out = copy_rows(first, n);
-  if (out == nullptr) return nullptr;
   PyObject* packed = packed_blocks();
-  if (packed == nullptr) {
-    Py_DECREF(out);
+  if (packed == nullptr) return nullptr;
+  int64_t first = std::min(n, int64_t(S.taken_upto) * kBlock);   // the rows after the blocks handed over
+  PyObject* out = copy_rows(first, n);
+  if (out == nullptr) {
+    Py_DECREF(packed);
     return nullptr;
   }
   free_rows();
@@ -319,32 +331,52 @@ PyObject* py_take(PyObject*, PyObject*) {
   return Py_BuildValue("(NLLN)", out, (long long)n, (long long)first, packed);
 }
 
-// field(cid, k): one calls field while recording (k: CALL_FIELDS index), None when out of range.
+// take_packed() -> (first call id, packed blocks): while recording, the packed blocks not handed
+// over yet (packed_blocks), freed here; the recorder spills them with its op chunks.
+PyObject* py_take_packed(PyObject*, PyObject*) {
+  if (!S.active) {
+    PyErr_SetString(PyExc_RuntimeError, "the native function mode is not recording a trace");
+    return nullptr;
+  }
+  long long first = (long long)(int64_t(S.taken_upto) * kBlock);
+  PyObject* packed = packed_blocks();
+  if (packed == nullptr) return nullptr;
+  return Py_BuildValue("(LN)", first, packed);
+}
+
+// field(cid, k): one calls field while recording (k: CALL_FIELDS index), None when out of range
+// or handed over (take_packed: the caller reads those rows itself).
 PyObject* py_field(PyObject*, PyObject* args) {
   long long cid;
   int k;
   if (!PyArg_ParseTuple(args, "Li", &cid, &k)) return nullptr;
-  if (cid < 0 || cid >= S.n_calls) Py_RETURN_NONE;
+  if (cid < int64_t(S.taken_upto) * kBlock || cid >= S.n_calls) Py_RETURN_NONE;
   if (k < 0 || k >= tsabi::kCallFields) Py_RETURN_NONE;
   long long v = any_field(cid, tsabi::kCallFieldOrder[k]);
   return PyLong_FromLongLong(v);
 }
 
-// column(k): one calls field (k: CALL_FIELDS index) of every call so far, as int64 bytes, while
-// recording: what a dataset= spill reads (8 bytes a call, not a copy of every row).
+// column(k, from=0): one calls field (k: CALL_FIELDS index) of calls [from, n), n the calls so
+// far, as int64 bytes, while recording: what a dataset= spill reads (8 bytes a call, not a copy of
+// every row). `from` is at least the calls handed over (take_packed): those are never read here.
 PyObject* py_column(PyObject*, PyObject* args) {
   int k;
-  if (!PyArg_ParseTuple(args, "i", &k)) return nullptr;
+  long long from = 0;
+  if (!PyArg_ParseTuple(args, "i|L", &k, &from)) return nullptr;
   if (k < 0 || k >= tsabi::kCallFields) {
     PyErr_SetString(PyExc_IndexError, "calls field index out of range");
     return nullptr;
   }
   int64_t n = S.n_calls;
-  PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n * 8));
+  if (from < int64_t(S.taken_upto) * kBlock || from > n) {
+    PyErr_SetString(PyExc_IndexError, "calls column start handed over or past the calls recorded");
+    return nullptr;
+  }
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t((n - from) * 8));
   if (out == nullptr) return nullptr;
-  int64_t* dst = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(out));
+  int64_t* dst = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(out)) - from;
   const int f = tsabi::kCallFieldOrder[k];
-  for (int64_t cid = 0; cid < n; ++cid) dst[cid] = any_field(cid, f);
+  for (int64_t cid = from; cid < n; ++cid) dst[cid] = any_field(cid, f);
   return Py_BuildValue("(NL)", out, (long long)n);
 }
 
@@ -365,9 +397,10 @@ PyObject* py_stats(PyObject*, PyObject*) {
       for (int k = 0; k < kFields; ++k) bytes += (long long)(b.width[k]) * kBlock;
     }
   }
-  return Py_BuildValue("{s:L,s:n,s:n,s:n,s:L,s:n,s:L}", "calls", (long long)S.n_calls, "src_cache", Py_ssize_t(S.src_cache.size()),
-                       "module_cache", Py_ssize_t(S.mod_cache.size()), "trampolines", Py_ssize_t(S.tramp_cache.size()),
-                       "tracer_errors", (long long)S.tracer_errors, "packed_blocks", Py_ssize_t(S.packed_upto),
+  return Py_BuildValue("{s:L,s:n,s:n,s:n,s:L,s:n,s:n,s:L}", "calls", (long long)S.n_calls,
+                       "src_cache", Py_ssize_t(S.src_cache.size()), "module_cache", Py_ssize_t(S.mod_cache.size()),
+                       "trampolines", Py_ssize_t(S.tramp_cache.size()), "tracer_errors", (long long)S.tracer_errors,
+                       "packed_blocks", Py_ssize_t(S.packed_upto), "taken_blocks", Py_ssize_t(S.taken_upto),
                        "row_bytes", bytes);
 }
 
@@ -377,8 +410,9 @@ PyMethodDef kStateMethods[] = {
     {"configure", py_configure, METH_VARARGS, "configure(helper, engine_capsule, t0_ns, source, modules)"},
     {"set_recording", py_set_recording, METH_O, "record (True) or pass every call through (False)"},
     {"take", py_take, METH_NOARGS, "(tail rows as bytes, n, first tail id, packed blocks): hand the rows over and stop"},
+    {"take_packed", py_take_packed, METH_NOARGS, "(first call id, packed blocks): hand the packed blocks over, recording on"},
     {"field", py_field, METH_VARARGS, "field(call_id, k): a calls field while recording"},
-    {"column", py_column, METH_VARARGS, "(one calls field of every call so far as int64 bytes, n), recording on"},
+    {"column", py_column, METH_VARARGS, "column(k, from=0): (one calls field of calls [from, n) as int64 bytes, n), recording on"},
     {"n_calls", py_n_calls, METH_NOARGS, "calls recorded so far"},
     {"active", py_active, METH_NOARGS, "whether a trace is configured"},
     {"stats", py_stats, METH_NOARGS, "cache sizes and counters (tests, benchmarks)"},

@@ -370,7 +370,7 @@ def call_rows(store: CallStore, name: str, lo: int, hi: int) -> np.ndarray:
     """Rows ``[lo, hi)`` of one field of a calls store as a new int64 array, reading only the chunks
     that overlap them (a spilled one from its file): the calls table is built a range at a time and
     never holds a whole column (8 B a call each). The native engine's store has its own
-    (``_LiveCalls.column_range``)."""
+    (``live_calls.LiveCalls.column_range``)."""
     k, out, start = store.fields.index(name), np.empty(max(hi - lo, 0), dtype=np.int64), 0
     parts: list[tuple[int, Union[str, dict[str, Packed], None]]] = [(n, path) for path, n in store.spilled]
     parts += [(len(ch[name][1]), ch) for ch in store.frozen] + [(len(store), None)]   # then the live rows

@@ -20,13 +20,11 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .._common import CompileCallbacks
-from ..native import fields_dtype
-from ..native.abi_layout import CALL_KINDS, CALL_ROW_FIELDS, CALL_ROW_SIZE, KIND_BITS
+from ..native.abi_layout import CALL_KINDS, KIND_BITS
 from . import source as _source
 from .frames import (
     _HTF_CODE,
@@ -40,8 +38,19 @@ from .frames import (
     seen_exc,
     trampoline_for,
 )
+from .live_calls import CALL_DTYPE as CALL_DTYPE  # re-exported: the engine and the tests read it here
+from .live_calls import LiveCalls
 from .modules import _MOD_CODE, _GraphModule
-from .recorder import C_DUR, C_ERROR, C_FIRST_SEQ, C_N_OPS, C_SRC, CALL_FIELDS, CALL_WIDTH, CallStore, Recorder
+from .recorder import (
+    C_DUR,
+    C_ERROR,
+    C_FIRST_SEQ,
+    C_N_OPS,
+    C_SRC,
+    CALL_WIDTH,
+    CallStore,
+    Recorder,
+)
 from .source import user_location_from
 
 if TYPE_CHECKING:
@@ -248,117 +257,8 @@ register_tracer_code(TracingFunctionMode.__torch_function__)
 # ---------------------------------------------------------------------------
 # the native function mode: the hot path above, in C (native/fmode.cpp)
 # ---------------------------------------------------------------------------
-#: a calls row as native/fmode.cpp's ``CallRow`` lays it out (checked against ROW_SIZE at load)
-CALL_DTYPE = fields_dtype(CALL_ROW_FIELDS, CALL_ROW_SIZE)   # native/abi.h CallRow
 #: kinds as native/fmode.cpp numbers them (PRINTING: a LAZY conversion that prints a tensor)
 _C_PRINTING = CALL_KINDS["PRINTING"]
-
-
-class _LiveCalls(CallStore):
-    """``rec.calls`` while the native function mode records: the rows live in C until it hands them
-    over; then its full blocks stay packed as it packed them (``frozen`` chunks, ~10 B a call, as
-    the python engine's ``CallStore`` freezes them) and the rest are a structured array from
-    ``base`` on, read a field (or a range of one) at a time: no per-row Python work, and no row
-    of 56 B per call (nor an int64 matrix of every call) when the trace ends."""
-
-    def __init__(self, fm: Any) -> None:
-        super().__init__(CALL_FIELDS)
-        self._fm = fm   # the C function mode until it hands the rows over, then None
-        self._rows: Optional[np.ndarray] = None
-        self._released = False
-
-    def release(self) -> None:
-        """Drop the handed-over rows: a spilled trace's finish calls it once the calls table is in
-        its file; nothing reads them after that (reading raises)."""
-        self._rows = None
-        self.frozen = []
-        self._released = True
-
-    def _check(self) -> None:
-        if self._released:
-            raise RuntimeError("the calls rows were released once the calls table was built")
-
-    def field(self, call_id: int, k: int) -> int:
-        self._check()
-        if self._fm is not None:
-            v = self._fm.field(call_id, k)
-            return 0 if v is None else v
-        if self._rows is not None and call_id >= self.base:
-            return int(self._rows[self.fields[k]][call_id - self.base])
-        return super().field(call_id, k)
-
-    def full_matrix(self) -> np.ndarray:
-        if self._rows is None:
-            return super().full_matrix()
-        return np.stack([self.column(name) for name in self.fields], axis=1)
-
-    @property
-    def live(self) -> bool:
-        """Still recording: a field is read whole from C (``column``), ``rec.n_calls`` is set at the end."""
-        return self._rows is None and self._fm is not None
-
-    def column(self, name: str) -> np.ndarray:
-        self._check()
-        rows = self._rows
-        if rows is None and self._fm is not None:
-            # still recording (a dataset= spill decodes ops now): this field of every call so far,
-            # read by C (8 B a call; a copy of whole rows, 56 B a call, kept from one spill to the
-            # next, was 40% of a spilling trace's memory)
-            raw, n = self._fm.column(self.fields.index(name))
-            return np.frombuffer(raw, dtype=np.int64, count=n)
-        if rows is None:
-            return super().column(name)
-        return self.column_range(name, 0, self.base + len(rows))
-
-    def _counts(self) -> list[int]:
-        return [n for _, n in self.spilled] + [len(ch[self.fields[0]][1]) for ch in self.frozen]
-
-    def _chunk(self, i: int, name: str) -> tuple[int, np.ndarray]:
-        """Field ``name`` of packed chunk ``i`` (spilled ones read back), packed."""
-        if i < len(self.spilled):
-            with np.load(self.spilled[i][0], allow_pickle=False) as z:
-                return int(z["__bases__"][self.fields.index(name)]), z[name]
-        return self.frozen[i - len(self.spilled)][name]
-
-    def column_range(self, name: str, lo: int, hi: int) -> np.ndarray:
-        """Rows ``[lo, hi)`` of one field as int64 (the calls table is built a range at a time):
-        from the packed chunks that hold them, then the structured rows."""
-        self._check()
-        if self._rows is None:
-            return self.column(name)[lo:hi]
-        out = np.empty(max(hi - lo, 0), np.int64)
-        start = 0
-        for i, n in enumerate(self._counts()):
-            if start >= hi:
-                break
-            if start + n > lo:
-                a, b = max(lo, start), min(hi, start + n)
-                base, arr = self._chunk(i, name)
-                part = out[a - lo:b - lo]
-                part[:] = arr[a - start:b - start]
-                if base:
-                    part += base
-            start += n
-        if hi > self.base:
-            a = max(lo, self.base)
-            out[a - lo:] = self._rows[name][a - self.base:hi - self.base]
-        return out
-
-    def handover(self, raw: bytes, n: int, first: int = 0,
-                 packed: Sequence[Sequence[tuple[int, int, bytes]]] = ()) -> None:
-        """The C mode's rows: ``packed`` full blocks (per field ``(base, width, bytes)``), then the
-        CALL_DTYPE rows of calls ``first`` .. ``n - 1``."""
-        block = first // len(packed) if packed else 0
-        self.frozen = [{name: (int(b), np.frombuffer(buf, dtype=_PACKED[w]) if w else
-                               np.broadcast_to(np.zeros(1, np.uint8), (block,)))
-                        for name, (b, w, buf) in zip(self.fields, blk)} for blk in packed]
-        self._rows = np.frombuffer(raw, dtype=CALL_DTYPE, count=n - first)
-        self._fm = None
-        self.base = first
-
-
-#: a packed calls field's width -> its numpy type (native/fmode.h: unsigned, minus the base; 8: raw)
-_PACKED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class NativeFunctionMode(TorchFunctionMode):
@@ -392,7 +292,7 @@ class NativeFunctionMode(TorchFunctionMode):
         self.c_htf_code = _HTF_CODE if _HTF_CODE is not None else object()
         self.c_mod_code = _MOD_CODE if _MOD_CODE is not None else object()
         self.c_cacheable = _plain_modules
-        self._calls = rec.calls = _LiveCalls(fm)
+        self._calls = rec.calls = LiveCalls(fm)
         self._bound = fm.bind(self)
         self.__dict__["__torch_function__"] = self._bound   # the instance attribute torch calls (its __self__ is the mode)
 
