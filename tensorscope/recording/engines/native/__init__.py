@@ -53,6 +53,13 @@ _MK_NDIM, _MK_DTYPE, _MK_DEV_TYPE, _MK_DEV_INDEX, _MK_STRIDED = (_abi.META_KEY.i
     "ndim", "dtype", "dev_type", "dev_index", "strided"))
 _MK_HEADER = _abi.MK_HEADER
 
+#: finished storage records the engine holds (64 B each there, ~20 B packed in ``rec.tensors``)
+#: before it hands them over with its packed chunks at the next full block, spilling or not: a trace
+#: of small ops makes a storage per op, and without this every record of it stayed in C to the end
+#: (64 B/op). 2^16: a block's worth at one storage per op; ~4 MB in C at most, and a hand-over
+#: (a Python call, a packed part) every 65,536 storages costs ~0.02 us per op.
+HANDOVER_RECORDS = 1 << 16
+
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
 _SCALAR_TYPES = (
     "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "complex32", "complex64",
@@ -156,7 +163,7 @@ class NativeEngine:
         self.ext.start(ctx.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
                        hooks if hooks else None, tuple(hooks.namespaces) if hooks else None,
-                       int(opts.spill_rows), self._on_full, int(opts.chunk_rows))
+                       int(opts.spill_rows), self._on_full, int(opts.chunk_rows), int(HANDOVER_RECORDS))
         self.running = True
         self._compile_callbacks()
 
@@ -187,10 +194,14 @@ class NativeEngine:
                         "cpp_function": func or None, "native": True})
         return out
 
-    def _on_full(self) -> None:
-        """Called by the engine, on the tracing thread between two ops, when its packed chunks
-        passed ``spill_rows`` rows: move them into the recorder and spill them there (to disk, or
-        as ``dataset=`` parts) as the python engine's recorder does. Never raises."""
+    def _on_full(self) -> int:
+        """Called by the engine, on the tracing thread between two ops, when its packed chunks and
+        the rows handed over before passed ``spill_rows`` rows, or its finished storage records
+        ``HANDOVER_RECORDS``: move them into the recorder, and past ``spill_rows`` rows in memory
+        spill them there (to disk, or as ``dataset=`` parts) as the python engine's recorder does.
+        Returns the rows the recorder still holds unspilled (the engine counts them toward
+        ``spill_rows``; 0 once a spill failed: then rows stay in memory and the engine hands them
+        over every ``spill_rows`` rows, as before). Never raises."""
         ctx = self._ctx
         assert ctx is not None   # set by start(): the engine calls this only while it runs
         rec = ctx.rec
@@ -199,10 +210,11 @@ class NativeEngine:
 
             with torch._C.DisableTorchFunction():
                 self._take_chunks(rec, final=False)
-                if rec.mem_rows:
+                if rec.mem_rows > rec.spill_rows:
                     rec._spill()
         except Exception as e:
             rec.tracer_error("native spill", e)
+        return int(rec.mem_rows) if rec.spill_failed is None else 0
 
     def _sync_dicts(self, rec: Recorder, d: dict[str, Any]) -> None:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
