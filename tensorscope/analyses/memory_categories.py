@@ -104,7 +104,7 @@ _STORAGE_STEP = 1 << 16
 class Lifetimes:
     """What ``categorize`` and ``made_by_out_argument`` read of ``tensors`` and ``ops``, gathered in
     one pass over ``ops`` batch by batch (a memory-mapped table stays mapped, never combined): per
-    storage whether an op of a module read it (``alloc_seq``/``free_seq`` are read a block of rows
+    storage whether an op of a module read it (a bit each; ``alloc_seq``/``free_seq`` are read a block of rows
     at a time from ``tensors``, never whole: a mapped table stays mapped); per op one byte of
     flags (an AccumulateGrad op, in a module, an ``out=`` overload); the phase runs (the first op
     of each run of forward or backward ops); the first op that showed each storage that existed
@@ -135,8 +135,8 @@ class Lifetimes:
         self.pre = np.unique(np.concatenate(pre)) if pre else np.zeros(0, np.int64)
         self.first = np.full(len(self.pre), n_ops, np.int64)
         self.first_out = np.full(len(self.pre), n_ops, np.int64)
-        #: per tensors row: an op of a module read it
-        self.read_in_module = np.zeros(n, bool)
+        #: per tensors row, a bit (little-endian within each byte): an op of a module read it
+        self.read_in_module = np.zeros((n + 7) // 8, np.uint8)
         self.flags = np.zeros(n_ops, np.uint8)
         grads: list[np.ndarray] = []
         starts: list[int] = []        # first op of each phase run
@@ -174,12 +174,19 @@ class Lifetimes:
             self._first(outs, orow + lo, self.first, self.first_out)
             sel = (ins >= 0) & (ins < self.npos) & in_mod[rows]
             r = self._rows(ins[sel])
-            self.read_in_module[r[r >= 0]] = True
+            r = r[r >= 0]
+            np.bitwise_or.at(self.read_in_module, r >> 3, np.left_shift(1, r & 7).astype(np.uint8))
             if acc.any():
                 grads.append(outs[acc[orow]])
         self.starts = np.array(starts, np.int64)
         self.run_bwd = np.array(run_bwd, bool)
         self.grads = np.concatenate(grads) if grads else np.zeros(0, np.int64)
+
+    def read_by_module(self, lo: int, hi: int) -> np.ndarray:
+        """Per tensors row of ``[lo, hi)``: an op of a module read it (bools, from the bits)."""
+        bits = np.unpackbits(self.read_in_module[lo >> 3:(hi + 7) >> 3], bitorder="little")
+        out: np.ndarray = bits[lo & 7:(lo & 7) + hi - lo].astype(bool)
+        return out
 
     def _read(self, name: str, lo: int, hi: int, rows: Optional[np.ndarray] = None) -> np.ndarray:
         """Column ``name`` (nulls -1) of rows ``[lo, hi)``, or of ``rows``; moved allocations applied."""
@@ -270,7 +277,7 @@ class Lifetimes:
             cat[rows[same]] = _CAT["temporary"]
         # made outside every module, outside backward, read by a module's op: the step's input
         in_mod_a = (self.flags[a] & _MOD) != 0
-        cat[made & self.read_in_module[lo:hi] & ~in_mod_a & ~bwd_a] = _CAT["input"]
+        cat[made & self.read_by_module(lo, hi) & ~in_mod_a & ~bwd_a] = _CAT["input"]
         return cat
 
 

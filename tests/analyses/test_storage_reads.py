@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def _trace():
     kept = []
     with tensorscope.trace(chunk_rows=16, spill_rows=32) as t:   # tables in many small chunks
         for step in range(4):
-            loss = model(x).square().mean()
+            loss = model(x + 0).square().mean()   # x + 0: made in the trace outside modules, read by one: input
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -99,4 +100,11 @@ def test_category_blocks_equal_the_whole_column_across_block_boundaries(lengths)
         assert [len(b) for b in blocks][:len(want)] == want
     got = [v for b in blocks for v in b.to_pylist()]
     assert got == whole
-    assert {"parameter", "buffer", "optimizer_state", "gradient"} <= set(got)
+    assert {"parameter", "buffer", "optimizer_state", "gradient", "input"} <= set(got)
+    lt = mc.Lifetimes(tensors, ops, calls)   # what a module read: a bit per storage, read at any offset
+    every = lt.read_by_module(0, n)
+    assert every.sum() >= 4 and len(every) == n
+    in_mod = ops.filter(pc.is_valid(ops.column("module"))).column("in_storages").to_pylist()
+    assert set(np.nonzero(every)[0].tolist()) == {s for ins in in_mod for s in ins if s is not None and 0 <= s < n}
+    for lo, hi in ((0, 1), (3, 11), (7, 9), (8, 16), (5, n), (n - 3, n)):
+        assert lt.read_by_module(lo, hi).tolist() == every[lo:hi].tolist(), (lo, hi)
