@@ -131,12 +131,7 @@ PyObject* dicts_delta() {
   // the storage records freed and dropped since the last call (abi.h TensorColumn order): handed
   // over, so the engine keeps the live storages only
   put("storages", bytes_of(g.finished.data(), g.finished.size() * 8));
-  // kept for the next handover_records (a fixed size: no regrowth per hand-over), unless larger
-  if (g.finished.capacity() > size_t(2 * g.handover_records * tsabi::TC_N)) {
-    std::vector<int64_t>().swap(g.finished);
-  } else {
-    g.finished.clear();
-  }
+  std::vector<int64_t>().swap(g.finished);   // freed (kept for the next hand-over, the heap grew more: measured)
   return d;
 }
 

@@ -53,11 +53,15 @@ _MK_NDIM, _MK_DTYPE, _MK_DEV_TYPE, _MK_DEV_INDEX, _MK_STRIDED = (_abi.META_KEY.i
     "ndim", "dtype", "dev_type", "dev_index", "strided"))
 _MK_HEADER = _abi.MK_HEADER
 
-#: finished storage records the engine holds (64 B each there, ~20 B packed in ``rec.tensors``)
+#: finished storage records the engine holds (64 B each there, ~15 B packed in ``rec.tensors``)
 #: before it hands them over with its packed chunks at the next full block, spilling or not: a trace
-#: of small ops makes a storage per op, and without this every record of it stayed in C to the end
-#: (64 B/op). 2^16: a block's worth at one storage per op; ~4 MB in C at most, and a hand-over
-#: (a Python call, a packed part) every 65,536 storages costs ~0.02 us per op.
+#: of small ops makes a storage per op, and without this every record of it stayed in C until
+#: ``spill_rows`` rows (64 B/op; 2 M rows by default). 2^16: a block's worth at one storage per op,
+#: ~4 MB in C at most. Only where ``spill_rows`` is more than ``4 * HANDOVER_RECORDS``: below,
+#: the records go with the spill's hand-over within a few blocks anyway (at most ~spill_rows of
+#: them in C, a fixed cost), and each extra hand-over's buffers, freed at the next spill, left
+#: holes in the heap between the function mode's long-lived call blocks (recording at
+#: ``spill_rows=200_000`` grew 16 B/op instead of 9).
 HANDOVER_RECORDS = 1 << 16
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
@@ -160,10 +164,12 @@ class NativeEngine:
         self.ext.set_capture(written, int(hooks.written_limit) if written else 0,
                              tuple(sorted(hooks.written_seqs or ())) if written else (),
                              tuple(hooks.written_namespaces) if written else ())
+        early = int(opts.spill_rows) > 4 * HANDOVER_RECORDS   # see HANDOVER_RECORDS
         self.ext.start(ctx.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
                        hooks if hooks else None, tuple(hooks.namespaces) if hooks else None,
-                       int(opts.spill_rows), self._on_full, int(opts.chunk_rows), int(HANDOVER_RECORDS))
+                       int(opts.spill_rows), self._on_full, int(opts.chunk_rows),
+                       int(HANDOVER_RECORDS) if early else 1 << 62)
         self.running = True
         self._compile_callbacks()
 
