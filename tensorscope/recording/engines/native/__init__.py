@@ -3,8 +3,9 @@
 A thread-local RecordFunction callback records rows (interned op ids, metas, tuples, storage
 ids) into a live block of ``chunk_rows`` rows, packs each full block column by column in the
 recorder's chunk format, and hands the packed chunks over as bytes viewed by numpy: at the
-end, or -- past ``spill_rows`` rows -- between two ops through ``NativeEngine._on_full``, so the
-recorder spills them as it does its own. No Python dispatch mode is on the stack: the program
+end, or -- past ``spill_rows`` rows, or past ``HANDOVER_RECORDS`` finished storage records --
+between two ops through ``NativeEngine._on_full``, so the recorder packs the records and, past
+``spill_rows`` rows, spills as it does its own. No Python dispatch mode is on the stack: the program
 sees plain eager. What the function mode and the module tracker set is forwarded to the
 observer by the context this engine makes (``NativeRecordingContext``).
 """
