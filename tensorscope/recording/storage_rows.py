@@ -79,9 +79,9 @@ class _Part:
     def _sorted(self, sid: np.ndarray, column: Callable[[int], np.ndarray], count: int) -> None:
         """The packed columns, sorted by id a column at a time (``column(k)``: field k, int64, in
         the order of ``sid``; a reordered copy of the whole matrix doubled a hand-over's peak)."""
-        order: Optional[np.ndarray] = np.argsort(sid, kind="stable")
-        if order is not None and bool((order == np.arange(len(order))).all()):
-            order = None
+        order: Optional[np.ndarray] = None   # records mostly finish in id order: no sort then
+        if len(sid) > 1 and not bool((sid[1:] >= sid[:-1]).all()):
+            order = np.argsort(sid, kind="stable")
         cols = (column(k) if order is None else column(k)[order] for k in range(_W))
         self.cols: Optional[list[_Col]] = [_pack(np.ascontiguousarray(c)) for c in cols]
         sc = self.cols[_SID]

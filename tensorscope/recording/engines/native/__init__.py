@@ -62,7 +62,9 @@ _MK_HEADER = _abi.MK_HEADER
 #: the records go with the spill's hand-over within a few blocks anyway (at most ~spill_rows of
 #: them in C, a fixed cost), and each extra hand-over's buffers, freed at the next spill, left
 #: holes in the heap between the function mode's long-lived call blocks (recording at
-#: ``spill_rows=200_000`` grew 16 B/op instead of 9).
+#: ``spill_rows=200_000`` grew 16 B/op instead of 9). A hand-over costs ~6.5 ms of CPU (copying the
+#: chunks and records out of C, packing the records): ~0.1 us/op at a storage per op, work the end
+#: of the trace then no longer does.
 HANDOVER_RECORDS = 1 << 16
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
