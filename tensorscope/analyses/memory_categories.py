@@ -26,7 +26,7 @@ and the peaks while its forward and backward ops ran, children rolled into paren
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import numpy as np
@@ -53,7 +53,7 @@ from .memory_columns import (  # noqa: F401  (the names this module had: read he
 )
 from .storage_reads import _flat, _ints, read_column, rows_where
 
-__all__ = ["categorize", "memory_timeline", "memory_at", "module_memory", "BACKWARD_CALLS"]
+__all__ = ["categorize", "category_blocks", "memory_timeline", "memory_at", "module_memory", "BACKWARD_CALLS"]
 
 
 def backward_region(ops: pa.Table, calls: Optional[pa.Table]) -> np.ndarray:
@@ -104,7 +104,7 @@ _STORAGE_STEP = 1 << 16
 class Lifetimes:
     """What ``categorize`` and ``made_by_out_argument`` read of ``tensors`` and ``ops``, gathered in
     one pass over ``ops`` batch by batch (a memory-mapped table stays mapped, never combined): per
-    storage whether an op of a module read it (``alloc_seq``/``free_seq`` are read a block of rows
+    storage whether an op of a module read it (a bit each; ``alloc_seq``/``free_seq`` are read a block of rows
     at a time from ``tensors``, never whole: a mapped table stays mapped); per op one byte of
     flags (an AccumulateGrad op, in a module, an ``out=`` overload); the phase runs (the first op
     of each run of forward or backward ops); the first op that showed each storage that existed
@@ -135,8 +135,8 @@ class Lifetimes:
         self.pre = np.unique(np.concatenate(pre)) if pre else np.zeros(0, np.int64)
         self.first = np.full(len(self.pre), n_ops, np.int64)
         self.first_out = np.full(len(self.pre), n_ops, np.int64)
-        #: per tensors row: an op of a module read it
-        self.read_in_module = np.zeros(n, bool)
+        #: per tensors row, a bit (little-endian within each byte): an op of a module read it
+        self.read_in_module = np.zeros((n + 7) // 8, np.uint8)
         self.flags = np.zeros(n_ops, np.uint8)
         grads: list[np.ndarray] = []
         starts: list[int] = []        # first op of each phase run
@@ -174,12 +174,19 @@ class Lifetimes:
             self._first(outs, orow + lo, self.first, self.first_out)
             sel = (ins >= 0) & (ins < self.npos) & in_mod[rows]
             r = self._rows(ins[sel])
-            self.read_in_module[r[r >= 0]] = True
+            r = r[r >= 0]
+            np.bitwise_or.at(self.read_in_module, r >> 3, np.left_shift(1, r & 7).astype(np.uint8))
             if acc.any():
                 grads.append(outs[acc[orow]])
         self.starts = np.array(starts, np.int64)
         self.run_bwd = np.array(run_bwd, bool)
         self.grads = np.concatenate(grads) if grads else np.zeros(0, np.int64)
+
+    def read_by_module(self, lo: int, hi: int) -> np.ndarray:
+        """Per tensors row of ``[lo, hi)``: an op of a module read it (bools, from the bits)."""
+        bits = np.unpackbits(self.read_in_module[lo >> 3:(hi + 7) >> 3], bitorder="little")
+        out: np.ndarray = bits[lo & 7:(lo & 7) + hi - lo].astype(bool)
+        return out
 
     def _read(self, name: str, lo: int, hi: int, rows: Optional[np.ndarray] = None) -> np.ndarray:
         """Column ``name`` (nulls -1) of rows ``[lo, hi)``, or of ``rows``; moved allocations applied."""
@@ -270,7 +277,7 @@ class Lifetimes:
             cat[rows[same]] = _CAT["temporary"]
         # made outside every module, outside backward, read by a module's op: the step's input
         in_mod_a = (self.flags[a] & _MOD) != 0
-        cat[made & self.read_in_module[lo:hi] & ~in_mod_a & ~bwd_a] = _CAT["input"]
+        cat[made & self.read_by_module(lo, hi) & ~in_mod_a & ~bwd_a] = _CAT["input"]
         return cat
 
 
@@ -300,42 +307,72 @@ def categorize(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = Non
     ``known``: storage id -> parameter / buffer / gradient / optimizer_state; ``graph_held``: ids of
     storages alive at the end that only an autograd graph holds; ``optimizer_held``: ids an
     optimizer holds (both from the leak finder); ``lifetimes``: the pass over ``ops`` already made
-    (with ``calls``). Storages are categorised ``_STORAGE_STEP`` rows at a time."""
+    (with ``calls``). Storages are categorised ``_STORAGE_STEP`` rows at a time (``category_blocks``)."""
     n = tensors.num_rows
     cat = np.full(n, _CAT["other"], dtype=np.int32)
+    lo = 0
+    for block in category_blocks(tensors, ops, calls, known, graph_held, optimizer_held, lifetimes):
+        cat[lo:lo + len(block)] = block.indices.to_numpy()
+        lo += len(block)
+    return _dict_array(cat)
+
+
+def category_blocks(tensors: pa.Table, ops: pa.Table, calls: Optional[pa.Table] = None,
+                    known: Optional[Mapping[int, str]] = None, graph_held: Iterable[int] = (),
+                    optimizer_held: Iterable[int] = (), lifetimes: Optional[Lifetimes] = None,
+                    lengths: Optional[Iterable[int]] = None) -> Iterator[pa.DictionaryArray]:
+    """``categorize``'s column a block of rows at a time, in row order: blocks of
+    ``lengths`` rows (a spilled trace writes each to its file as it comes: no array per storage),
+    then of ``_STORAGE_STEP``. What overrides the lifetimes (gradients, state, graph-held) is a
+    set of rows, sorted once and applied to each block's own rows, in ``categorize``'s order."""
+    n = tensors.num_rows
     if n == 0:
-        return _dict_array(cat)
+        return
     lt = lifetimes if lifetimes is not None else Lifetimes(tensors, ops, calls)
 
     def rows_of(ids: Iterable[int]) -> np.ndarray:
         a = ids.astype(np.int64) if isinstance(ids, np.ndarray) else np.fromiter((int(i) for i in ids), dtype=np.int64)
         a = a[(a >= 0) & (a < lt.npos)]
         r = lt._rows(a)
-        return r[r >= 0]
+        return np.unique(r[r >= 0])
 
-    for lo in range(0, n, _STORAGE_STEP):
-        hi = min(lo + _STORAGE_STEP, n)
-        cat[lo:hi] = lt.categories(lo, hi)
-    # what AccumulateGrad wrote is a gradient (also one zero_grad() freed before the end)
-    grads = rows_of(lt.grads)
+    # what AccumulateGrad wrote is a gradient (also one zero_grad() freed before the end); state
+    # outranks what the lifetimes say (CATS is in precedence order)
     held = rows_of(graph_held)
-    if len(held):
-        alloc = lt.alloc_at(held)
-        held = held[(alloc >= 0) & (alloc < lt.n_ops) & (lt.free_at(held) < 0) & (cat[held] == _CAT["other"])]
-        cat[held] = _CAT["activation"]
-    # state outranks what the lifetimes say (CATS is in precedence order)
-    for r, c in ((grads, "gradient"), (rows_of(optimizer_held), "optimizer_state")):
-        if len(r):
-            cat[r] = np.minimum(cat[r], _CAT[c])
+    ranked = [(rows_of(lt.grads), np.int32(_CAT["gradient"])), (rows_of(optimizer_held), np.int32(_CAT["optimizer_state"]))]
     if known:
         ks = np.fromiter(known.keys(), dtype=np.int64, count=len(known))
         kc = np.array([_CAT.get(c, _CAT["other"]) for c in known.values()], dtype=np.int32)
         ok = (ks >= 0) & (ks < lt.npos)
         r = lt._rows(ks[ok])
-        kc = kc[ok][r >= 0]
-        r = r[r >= 0]
-        cat[r] = np.minimum(cat[r], kc)
-    return _dict_array(cat)
+        kc, r = kc[ok][r >= 0], r[r >= 0]
+        order = np.argsort(r, kind="stable")
+        ranked.append((r[order], kc[order]))
+    steps = iter(lengths if lengths is not None else ())
+    lo = 0
+    while lo < n:
+        hi = min(lo + max(int(next(steps, _STORAGE_STEP)), 0), n)
+        if hi == lo:
+            continue
+        cat = lt.categories(lo, hi)
+        h = _within(held, lo, hi)
+        if len(h):
+            alloc = lt.alloc_at(h)
+            h = h[(alloc >= 0) & (alloc < lt.n_ops) & (lt.free_at(h) < 0) & (cat[h - lo] == _CAT["other"])]
+            cat[h - lo] = _CAT["activation"]
+        for rows, code in ranked:
+            a, b = np.searchsorted(rows, lo), np.searchsorted(rows, hi)
+            if a < b:
+                r = rows[a:b] - lo
+                cat[r] = np.minimum(cat[r], code if np.ndim(code) == 0 else code[a:b])
+        yield _dict_array(cat)
+        lo = hi
+
+
+def _within(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The sorted ``rows`` in ``[lo, hi)``."""
+    out: np.ndarray = rows[np.searchsorted(rows, lo):np.searchsorted(rows, hi)]
+    return out
 
 
 _CAT_DICT = pa.array(list(CATS), pa.string())

@@ -95,6 +95,9 @@ constexpr const char* kPackedColumnNames[] = {"op",     "ins",   "outs",  "alias
                                               "node",   "seq_nr", "rflags", "start", "dur",   "storages"};
 static_assert(std::size(kPackedColumnNames) == PC_N, "a name per packed column");
 constexpr size_t kBlockRows = 65536;   // rows per block by default; start(..., block_rows) sets it
+// finished storage records the engine holds before it hands them over (with the packed chunks) at the
+// next sealed block, spilling or not; start(..., handover_records) sets it
+constexpr int64_t kHandoverRecords = 65536;
 constexpr struct {
   int width;
   char kind;   // 'u': unsigned, minus the column's base; 'i': raw int64

@@ -52,6 +52,8 @@ void Engine::clear() {
   chunk_bytes = 0;
   chunk_rows = 0;
   handover_due = false;
+  py_rows = 0;
+  n_handovers = 0;
   on_full_errors = 0;
   ops_taken = metas_taken = tuples_taken = aliases_taken = args_taken = nodes_taken = row_args_taken = 0;
   nonfinite_taken = 0;
@@ -184,8 +186,9 @@ PyObject* py_start(PyObject*, PyObject* args) {
   long long spill_rows = -1;
   PyObject* on_full = Py_None;
   long long block_rows = int64_t(tsabi::kBlockRows);
-  if (!PyArg_ParseTuple(args, "Lppp|OOOLOL", &t0, &screen, &storages, &warnings, &arg_ops, &hook, &hook_ns,
-                        &spill_rows, &on_full, &block_rows))
+  long long handover_records = tsabi::kHandoverRecords;
+  if (!PyArg_ParseTuple(args, "Lppp|OOOLOLL", &t0, &screen, &storages, &warnings, &arg_ops, &hook, &hook_ns,
+                        &spill_rows, &on_full, &block_rows, &handover_records))
     return nullptr;
   std::unordered_map<std::string, bool> hns;
   if (hook != Py_None && hook_ns != Py_None) {
@@ -235,6 +238,7 @@ PyObject* py_start(PyObject*, PyObject* args) {
     Py_CLEAR(g.on_full);
     g.spill_rows = spill_rows >= 0 ? int64_t(spill_rows) : INT64_MAX;
     g.block_rows = size_t(block_rows < 1 ? 1 : block_rows > (1 << 24) ? (1 << 24) : block_rows);
+    g.handover_records = handover_records < 1 ? 1 : int64_t(handover_records);
     if (on_full != Py_None) {
       Py_INCREF(on_full);
       g.on_full = on_full;

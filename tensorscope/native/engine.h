@@ -271,7 +271,13 @@ struct Engine {
   int64_t chunk_rows = 0;                 // their rows
   // spilling: past spill_rows rows in chunks, on_full() is called on the tracing thread (with the
   // GIL, RecordFunction off) to take them (engines/native.py writes them out like the python recorder)
+  // Also past handover_records finished storage records (64 B each here, ~20 B packed in Python),
+  // spilling or not: a long trace of small ops makes one storage per op. on_full returns the rows
+  // Python still holds unspilled (py_rows): spill_rows counts them with the chunks here.
   int64_t spill_rows = INT64_MAX;
+  int64_t handover_records = tsabi::kHandoverRecords;
+  int64_t py_rows = 0;
+  int64_t n_handovers = 0;
   PyObject* on_full = nullptr;            // owned
   bool handover_due = false;
   int64_t on_full_errors = 0;

@@ -131,7 +131,7 @@ PyObject* dicts_delta() {
   // the storage records freed and dropped since the last call (abi.h TensorColumn order): handed
   // over, so the engine keeps the live storages only
   put("storages", bytes_of(g.finished.data(), g.finished.size() * 8));
-  std::vector<int64_t>().swap(g.finished);
+  std::vector<int64_t>().swap(g.finished);   // freed (kept for the next hand-over, the heap grew more: measured)
   return d;
 }
 
@@ -163,7 +163,10 @@ void seal_block() {
   g.chunks.push_back(pack_block(g.block, g.block_stor, g.block_first));
   g.chunk_bytes += int64_t(g.chunks.back().nbytes());
   g.chunk_rows += int64_t(g.block.size());
-  if (g.on_full != nullptr && g.chunk_rows > g.spill_rows) g.handover_due = true;
+  if (g.on_full != nullptr && (g.chunk_rows + g.py_rows > g.spill_rows ||
+                               int64_t(g.finished.size() / tsabi::TC_N) >= g.handover_records)) {
+    g.handover_due = true;
+  }
   g.block_first += int64_t(g.block.size());
   g.block.clear();
   g.block_stor.clear();
@@ -174,6 +177,7 @@ PyObject* py_take_chunks(PyObject*, PyObject* final_o) {
   std::lock_guard<std::mutex> lk(g.mu);
   if (PyObject_IsTrue(final_o)) seal_block();
   PyObject* ch = chunks_out();
+  g.n_handovers++;
   return Py_BuildValue("(NN)", ch, dicts_delta());
 }
 
@@ -184,10 +188,10 @@ PyObject* py_resident(PyObject*, PyObject*) {
   int64_t st = int64_t(g.slots.size() * sizeof(StorageRec) + g.finished.capacity() * 8 +
                        g.free_slots.capacity() * 4);
   int64_t interned = int64_t((g.metas.arena.capacity() + g.tuples.arena.capacity() + g.aliases.arena.capacity()) * 8);
-  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "rows", (long long)rows, "storages", (long long)st, "interned",
-                       (long long)interned, "n_rows", (long long)g.n_rows, "storage_slots", (long long)g.slots.size(),
-                       "storages_made", (long long)g.next_sid, "storages_finished",
-                       (long long)(g.finished.size() / tsabi::TC_N));
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "rows", (long long)rows, "storages", (long long)st,
+                       "interned", (long long)interned, "n_rows", (long long)g.n_rows, "storage_slots",
+                       (long long)g.slots.size(), "storages_made", (long long)g.next_sid, "storages_finished",
+                       (long long)(g.finished.size() / tsabi::TC_N), "handovers", (long long)g.n_handovers);
 }
 
 }  // namespace tsengine

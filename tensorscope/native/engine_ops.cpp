@@ -5,7 +5,8 @@
 //  * the argument encoding of the ops whose FLOP formulas need arguments (abi.h ArgTag);
 //  * the per-op warning handler's record;
 //  * the op hook (c10d collectives, capture=: hook(seq, name, inputs, outputs), inputs taken in the
-//    start callback) and the spill hand-over (on_full) -- the only places the observer takes the GIL;
+//    start callback) and the hand-over of chunks and finished storage records (on_full) -- the only
+//    places the observer takes the GIL;
 //  * capture='s copy of what an op will overwrite (pre_copy, in the start callback: a memcpy of the
 //    written arguments' memory, nothing dispatched), handed to the pre-hook just before the op hook.
 
@@ -353,6 +354,15 @@ void call_on_full() {
     PyObject *et, *ev, *etb;
     PyErr_Fetch(&et, &ev, &etb);
     PyObject* r = PyObject_CallNoArgs(cb);
+    if (r != nullptr && PyLong_Check(r)) {   // the rows Python still holds unspilled
+      long long held = PyLong_AsLongLong(r);
+      if (held == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+      } else {
+        std::lock_guard<std::mutex> lk(g.mu);
+        g.py_rows = held < 0 ? 0 : int64_t(held);
+      }
+    }
     if (r == nullptr) {
       // a Ctrl-C that landed in the hand-over belongs to the program: raised again at its next check
       bool interrupt = PyErr_ExceptionMatches(PyExc_KeyboardInterrupt);

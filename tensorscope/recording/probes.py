@@ -83,6 +83,18 @@ class Decoded:
                         if files is not None and os.path.exists(files.path(n))}
         self.tables: dict[str, Any] = {}
         self.notes: list[str] = []
+        self._in_files: dict[tuple[str, str], Column] = {}   # (table, column) -> written by write_column
+
+    def write_column(self, name: str, col: str, blocks: Callable[[], Iterable[pa.Array]]) -> Optional[Column]:
+        """Column ``col`` of the memory-mapped table ``name``, written to a file of its own as
+        ``blocks()`` computes it and read back memory-mapped (no array of every row in memory);
+        contributed, ``build()`` keeps it where it is. None when ``name`` is not mapped."""
+        if name not in self._mapped or self.files is None:
+            return None
+        sub = pa.schema([S.TABLES[name].field(col)])
+        t = self.files.write(f"{name}-{col}", sub, lambda: (pa.RecordBatch.from_arrays([a], schema=sub) for a in blocks()))
+        self._in_files[(name, col)] = out = t.column(0)
+        return out
 
     def table(self, name: str) -> pa.Table:
         cols = self._columns.get(name)
@@ -100,6 +112,8 @@ class Decoded:
                 raise ValueError(f"a contributed {name}.{col} has {len(arr)} rows, the table {self._rows[name]}")
         for (name, col), arr in c.columns.items():
             self._columns[name][col] = arr
+            if self._in_files.get((name, col)) is arr:   # already in its file: kept as the decoded columns are
+                self._mapped[name][col] = arr
         self.tables.update(c.tables)
         self.notes.extend(c.notes)
 
@@ -449,7 +463,7 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
     """The ``category`` column (analyses/memory_categories.py), from the lifetimes and the
     model/optimizer state alive now (tracking/state.py): read once, here, never per op; with the
     ``alloc_seq``/``alloc_op`` of buffers compiled code made for an op's ``out=`` moved there."""
-    from ..analyses.memory_categories import Lifetimes, categorize, made_by_out_argument
+    from ..analyses.memory_categories import Lifetimes, categorize, category_blocks, made_by_out_argument
 
     out: dict[tuple[str, str], Column] = {}
     if tensors.num_rows == 0:
@@ -497,7 +511,12 @@ def _categories(decoded: Decoded, tensors: pa.Table, leaks: pa.Table) -> dict[tu
                 graph_held.append(sid)
             elif kind == "optimizer_state":
                 opt_held.append(sid)
-    out[("tensors", "category")] = categorize(tensors, ops, calls, known, graph_held, opt_held, lifetimes=lt)
+    first = tensors.column(0)   # a spilled trace's categories go to a file a decoded chunk at a time
+    lengths = [len(c) for c in first.chunks] if isinstance(first, pa.ChunkedArray) else None
+    cat = decoded.write_column("tensors", "category", lambda: category_blocks(
+        tensors, ops, calls, known, graph_held, opt_held, lifetimes=lt, lengths=lengths))
+    out[("tensors", "category")] = cat if cat is not None else categorize(
+        tensors, ops, calls, known, graph_held, opt_held, lifetimes=lt)
     return out
 
 

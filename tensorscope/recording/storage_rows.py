@@ -65,14 +65,27 @@ class _Part:
     __slots__ = ("lo", "hi", "count", "cols", "paths", "bases", "mapped")
 
     def __init__(self, rows: np.ndarray) -> None:
-        # sorted a column at a time (a reordered copy of the whole matrix doubled a hand-over's peak)
-        order: Optional[np.ndarray] = np.argsort(rows[:, _SID], kind="stable")
-        if order is not None and bool((order == np.arange(len(order))).all()):
-            order = None
-        cols = (rows[:, k] if order is None else rows[:, k][order] for k in range(_W))
+        self._sorted(rows[:, _SID], lambda k: rows[:, k], len(rows))
+
+    @classmethod
+    def merged(cls, parts: Sequence[_Part]) -> _Part:
+        """One part of the records of ``parts``, made a column at a time (never an int64 matrix of
+        every record: a hand-over's parts merged at a spill cost 8 bytes a record at most)."""
+        p = cls.__new__(cls)
+        p._sorted(np.concatenate([_widened(q.columns()[_SID]) for q in parts]),
+                  lambda k: np.concatenate([_widened(q.columns()[k]) for q in parts]), sum(q.count for q in parts))
+        return p
+
+    def _sorted(self, sid: np.ndarray, column: Callable[[int], np.ndarray], count: int) -> None:
+        """The packed columns, sorted by id a column at a time (``column(k)``: field k, int64, in
+        the order of ``sid``; a reordered copy of the whole matrix doubled a hand-over's peak)."""
+        order: Optional[np.ndarray] = None   # records mostly finish in id order: no sort then
+        if len(sid) > 1 and not bool((sid[1:] >= sid[:-1]).all()):
+            order = np.argsort(sid, kind="stable")
+        cols = (column(k) if order is None else column(k)[order] for k in range(_W))
         self.cols: Optional[list[_Col]] = [_pack(np.ascontiguousarray(c)) for c in cols]
-        sid = self.cols[_SID]
-        self.lo, self.hi, self.count = sid[0] + int(sid[1][0]), sid[0] + int(sid[1][-1]), len(rows)
+        sc = self.cols[_SID]
+        self.lo, self.hi, self.count = sc[0] + int(sc[1][0]), sc[0] + int(sc[1][-1]), count
         self.paths: list[str] = []
         self.bases: list[int] = []
         self.mapped: Optional[list[_Col]] = None   # the spilled files, opened once
@@ -148,7 +161,7 @@ class StorageRows:
         if not mem:
             return
         if len(mem) > 1:
-            merged = _Part(np.concatenate([_unpacked(p) for p in mem]))
+            merged = _Part.merged(mem)
             self.parts = [p for p in self.parts if p.cols is None] + [merged]
         else:
             merged = mem[0]
@@ -217,12 +230,12 @@ class StorageRows:
             yield lo, hi, self.block(lo, hi, names)
 
 
-def _unpacked(p: _Part) -> np.ndarray:
-    cols = p.columns()
-    out = np.empty((p.count, _W), np.int64)
-    for k, (b, a) in enumerate(cols):
-        out[:, k] = a
-        out[:, k] += b
+def _widened(col: _Col) -> np.ndarray:
+    """A packed column's values as int64."""
+    base, arr = col
+    out = arr.astype(np.int64)
+    if base:
+        out += base
     return out
 
 

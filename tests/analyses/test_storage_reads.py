@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def _trace():
     kept = []
     with tensorscope.trace(chunk_rows=16, spill_rows=32) as t:   # tables in many small chunks
         for step in range(4):
-            loss = model(x).square().mean()
+            loss = model(x + 0).square().mean()   # x + 0: made in the trace outside modules, read by one: input
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -77,3 +78,33 @@ def test_block_readers_equal_numpy_across_chunk_and_block_boundaries():
     assert read_column(table, "alloc_seq", 0, 0, rows, moved).tolist() == want[rows].tolist()
     for step in (1, 11, 64, 1000):
         assert rows_where(table, "alloc_seq", lambda a: a < 0, step, moved).tolist() == np.nonzero(want < 0)[0].tolist()
+
+
+@pytest.mark.parametrize("lengths", [[1] * 400, [3, 7, 1, 50, 2, 500], None])
+def test_category_blocks_equal_the_whole_column_across_block_boundaries(lengths):
+    """``category_blocks`` (a spilled trace writes each block to its file as it comes) gives the
+    whole column's codes block by block, the overrides (gradients, state, graph-held, known) applied
+    to the rows of the block they fall in."""
+    t, _kept = _trace()
+    tensors, ops, calls = t.tensors, t.ops, t.calls
+    n = tensors.num_rows
+    known = {5: "parameter", 17: "buffer", n - 2: "optimizer_state", n + 7: "parameter"}
+    whole = mc.categorize(_whole(tensors), _whole(ops), _whole(calls), known, graph_held=[0, 1, 2, n - 1],
+                          optimizer_held=[9, 40]).to_pylist()
+    blocks = list(mc.category_blocks(tensors, ops, calls, known, graph_held=[n - 1, 2, 1, 0], optimizer_held=[40, 9],
+                                     lengths=lengths))
+    assert n > 100 and len(blocks) > (5 if lengths is not None else 0)
+    if lengths is not None:   # blocks of those lengths (then of _STORAGE_STEP), covering every row
+        ends = np.minimum(np.cumsum(lengths), n)
+        want = [int(m) for m in np.diff(ends, prepend=0) if m > 0]
+        assert [len(b) for b in blocks][:len(want)] == want
+    got = [v for b in blocks for v in b.to_pylist()]
+    assert got == whole
+    assert {"parameter", "buffer", "optimizer_state", "gradient", "input"} <= set(got)
+    lt = mc.Lifetimes(tensors, ops, calls)   # what a module read: a bit per storage, read at any offset
+    every = lt.read_by_module(0, n)
+    assert every.sum() >= 4 and len(every) == n
+    in_mod = ops.filter(pc.is_valid(ops.column("module"))).column("in_storages").to_pylist()
+    assert set(np.nonzero(every)[0].tolist()) == {s for ins in in_mod for s in ins if s is not None and 0 <= s < n}
+    for lo, hi in ((0, 1), (3, 11), (7, 9), (8, 16), (5, n), (n - 3, n)):
+        assert lt.read_by_module(lo, hi).tolist() == every[lo:hi].tolist(), (lo, hi)

@@ -55,7 +55,7 @@ def test_a_spilled_trace_reads_its_big_tables_from_mapped_files_removed_with_it(
     (d,) = [p for p in tmp_path.iterdir() if p.name.startswith("tensorscope-tables-")]
     names = set(os.listdir(d))
     assert {"ops.arrow", "calls.arrow", "tensors.arrow"} <= names
-    assert "tensors-contributed.arrow" in names   # category and address, written beside the decoded columns
+    assert "tensors-category.arrow" in names   # the memory categories, written a block at a time beside them
     maps = _mappings()
     for name in ("ops", "calls", "tensors"):
         table = t.table(name)

@@ -242,3 +242,94 @@ def test_a_full_disk_at_the_storage_records_is_a_clear_error_and_the_trace_stays
     assert os.listdir(spill_dir) == []
     with contextlib.suppress(Exception):
         KEPT.clear()
+
+
+def _native_only() -> None:
+    if _forced_fallback() or not _native_available():
+        pytest.skip("native engine unavailable (or TENSORSCOPE_FORCE_FALLBACK)")
+
+
+def test_finished_records_are_handed_over_while_recording_at_default_spill_rows():
+    """With every default option (nothing spills before 2 M rows) the native engine still hands its
+    finished storage records over (with its packed chunks) every ``HANDOVER_RECORDS`` records: the
+    engine holds the live storages and at most about one hand-over's records, never every storage
+    the trace made (64 B each in C; the recorder packs them to ~15 B)."""
+    _native_only()
+    from tensorscope.recording.engines import _native_ext
+    from tensorscope.recording.engines.native import HANDOVER_RECORDS
+    from tensorscope.recording.session import active_session
+
+    ext, _ = _native_ext(wait=True)
+    a, b = torch.ones(4), torch.ones(4)
+    n = 3 * HANDOVER_RECORDS
+    with tensorscope.trace(engine="native", leaks=False) as t:
+        for _ in range(n):
+            a.add(b)                        # one output storage per op, freed at once
+        own = ext.resident()
+        rec = active_session().ctx.rec
+        held, spilled, mem_rows = rec.tensors.resident_records, rec.n_spilled, rec.mem_rows
+    t = t.result
+    assert not t.metadata.get("spilled_rows") and spilled == 0         # nothing spilled
+    assert own["storages_made"] >= n and own["handovers"] >= 2, own
+    assert own["storages_finished"] <= 2 * HANDOVER_RECORDS, own       # not every one made
+    assert held >= n - 2 * HANDOVER_RECORDS, held                       # the recorder holds them
+    assert mem_rows >= n - 2 * HANDOVER_RECORDS, mem_rows                # and the op chunks with them
+    assert t.tensors.num_rows >= n
+    assert t.tensors.column("storage_id").to_pylist() == list(range(t.tensors.num_rows))
+
+
+def test_the_python_engine_packs_finished_records_a_chunk_at_a_time():
+    """The python engine's tracker moves each finished record to ``rec.tensors.buffer`` (8 int64),
+    which is packed into a part at every chunk: it never holds more than a chunk's records unpacked."""
+    from tensorscope.recording.session import active_session
+
+    a, b = torch.ones(4), torch.ones(4)
+    buffered: list[int] = []
+    with tensorscope.trace(engine="python", leaks=False, chunk_rows=64) as t:
+        for i in range(2000):
+            a.add(b)
+            if i % 100 == 99:
+                buffered.append(len(active_session().ctx.rec.tensors.buffer) // len(RECORD_FIELDS))
+        parts = len(active_session().ctx.rec.tensors.parts)
+    assert max(buffered) <= 2 * 64, buffered
+    assert parts >= 10, parts
+    assert t.result.tensors.num_rows >= 2000
+
+
+def _traced_resident(**opts: Any) -> tuple[Any, torch.Tensor, dict[str, int]]:
+    """``_traced("native", ...)`` that also reads the engine's ``resident()`` right before the exit."""
+    from tensorscope.recording.engines import _native_ext
+
+    ext, _ = _native_ext(wait=True)
+    KEPT.clear()
+    with tensorscope.trace(engine="native", **opts) as t:
+        out = _program([])
+        own = ext.resident()
+    t = t.result
+    assert t.metadata["engine"] == "native", t.metadata.get("engine_reason")
+    assert t.metadata["tracer_errors"] == 0, t.metadata["tracer_error_messages"]
+    return t, out, own
+
+
+def test_several_hand_overs_without_spilling_give_the_single_hand_over_trace(monkeypatch):
+    """A tiny ``HANDOVER_RECORDS`` and ``chunk_rows`` make the engine hand its chunks and records over
+    several times while recording, without spilling (the recorder keeps them in memory): every
+    table and the summary equal the trace whose rows were all handed over once, at the end."""
+    _native_only()
+    from tensorscope import schema as S
+    from tensorscope.recording.engines import native as native_engine
+
+    from .test_spill_equal import assert_tables_equal
+
+    _traced("native", leaks=False)   # the first trace claims every op's first run in this process
+    once, out_once, own_once = _traced_resident(chunk_rows=16)
+    monkeypatch.setattr(native_engine, "HANDOVER_RECORDS", 4)
+    many, out_many, own_many = _traced_resident(chunk_rows=16)
+    assert torch.equal(out_once, out_many)
+    assert own_once["handovers"] == 0 and own_many["handovers"] >= 5, (own_once, own_many)
+    assert not many.metadata.get("spilled_rows") and not once.metadata.get("spilled_rows")
+    for name in S.RECORDED:
+        assert_tables_equal(name, once.table(name), many.table(name))
+    ref = _with_times_of(once, many)
+    assert "still alive" in ref.summary().to_text()
+    assert many.summary().to_text() == ref.summary().to_text()

@@ -3,8 +3,9 @@
 A thread-local RecordFunction callback records rows (interned op ids, metas, tuples, storage
 ids) into a live block of ``chunk_rows`` rows, packs each full block column by column in the
 recorder's chunk format, and hands the packed chunks over as bytes viewed by numpy: at the
-end, or -- past ``spill_rows`` rows -- between two ops through ``NativeEngine._on_full``, so the
-recorder spills them as it does its own. No Python dispatch mode is on the stack: the program
+end, or -- past ``spill_rows`` rows, or past ``HANDOVER_RECORDS`` finished storage records --
+between two ops through ``NativeEngine._on_full``, so the recorder packs the records and, past
+``spill_rows`` rows, spills as it does its own. No Python dispatch mode is on the stack: the program
 sees plain eager. What the function mode and the module tracker set is forwarded to the
 observer by the context this engine makes (``NativeRecordingContext``).
 """
@@ -52,6 +53,19 @@ _PACKED_DTYPES = {w: np.dtype(f"<{k}{w}").type for w, k in _abi.PACKED_WIDTHS.it
 _MK_NDIM, _MK_DTYPE, _MK_DEV_TYPE, _MK_DEV_INDEX, _MK_STRIDED = (_abi.META_KEY.index(k) for k in (
     "ndim", "dtype", "dev_type", "dev_index", "strided"))
 _MK_HEADER = _abi.MK_HEADER
+
+#: finished storage records the engine holds (64 B each there, ~15 B packed in ``rec.tensors``)
+#: before it hands them over with its packed chunks at the next full block, spilling or not: a trace
+#: of small ops makes a storage per op, and without this every record of it stayed in C until
+#: ``spill_rows`` rows (64 B/op; 2 M rows by default). 2^16: a block's worth at one storage per op,
+#: ~4 MB in C at most. Only where ``spill_rows`` is more than ``4 * HANDOVER_RECORDS``: below,
+#: the records go with the spill's hand-over within a few blocks anyway (at most ~spill_rows of
+#: them in C, a fixed cost), and each extra hand-over's buffers, freed at the next spill, left
+#: holes in the heap between the function mode's long-lived call blocks (recording at
+#: ``spill_rows=200_000`` grew 16 B/op instead of 9). A hand-over costs ~6.5 ms of CPU (copying the
+#: chunks and records out of C, packing the records): ~0.1 us/op at a storage per op, work the end
+#: of the trace then no longer does.
+HANDOVER_RECORDS = 1 << 16
 
 #: c10::ScalarType values -> torch dtype attribute names (c10/core/ScalarType.h order)
 _SCALAR_TYPES = (
@@ -153,10 +167,12 @@ class NativeEngine:
         self.ext.set_capture(written, int(hooks.written_limit) if written else 0,
                              tuple(sorted(hooks.written_seqs or ())) if written else (),
                              tuple(hooks.written_namespaces) if written else ())
+        early = int(opts.spill_rows) > 4 * HANDOVER_RECORDS   # see HANDOVER_RECORDS
         self.ext.start(ctx.t0, bool(opts.nonfinite), bool(opts.storages), True,
                        _flop_op_names() if opts.flops else (),
                        hooks if hooks else None, tuple(hooks.namespaces) if hooks else None,
-                       int(opts.spill_rows), self._on_full, int(opts.chunk_rows))
+                       int(opts.spill_rows), self._on_full, int(opts.chunk_rows),
+                       int(HANDOVER_RECORDS) if early else 1 << 62)
         self.running = True
         self._compile_callbacks()
 
@@ -187,10 +203,14 @@ class NativeEngine:
                         "cpp_function": func or None, "native": True})
         return out
 
-    def _on_full(self) -> None:
-        """Called by the engine, on the tracing thread between two ops, when its packed chunks
-        passed ``spill_rows`` rows: move them into the recorder and spill them there (to disk, or
-        as ``dataset=`` parts) as the python engine's recorder does. Never raises."""
+    def _on_full(self) -> int:
+        """Called by the engine, on the tracing thread between two ops, when its packed chunks and
+        the rows handed over before passed ``spill_rows`` rows, or its finished storage records
+        ``HANDOVER_RECORDS``: move them into the recorder, and past ``spill_rows`` rows in memory
+        spill them there (to disk, or as ``dataset=`` parts) as the python engine's recorder does.
+        Returns the rows the recorder still holds unspilled (the engine counts them toward
+        ``spill_rows``; 0 once a spill failed: then rows stay in memory and the engine hands them
+        over every ``spill_rows`` rows, as before). Never raises."""
         ctx = self._ctx
         assert ctx is not None   # set by start(): the engine calls this only while it runs
         rec = ctx.rec
@@ -199,10 +219,11 @@ class NativeEngine:
 
             with torch._C.DisableTorchFunction():
                 self._take_chunks(rec, final=False)
-                if rec.mem_rows:
+                if rec.mem_rows > rec.spill_rows:
                     rec._spill()
         except Exception as e:
             rec.tracer_error("native spill", e)
+        return int(rec.mem_rows) if rec.spill_failed is None else 0
 
     def _sync_dicts(self, rec: Recorder, d: dict[str, Any]) -> None:
         """Append what the engine interned since the last hand-over to the recorder's interners."""
