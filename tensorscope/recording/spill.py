@@ -20,6 +20,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, BinaryIO, Optional
 
+import numpy as np
+
 from ..errors import SpillError
 
 if TYPE_CHECKING:
@@ -128,6 +130,28 @@ def spill_file(directory: str, name: str, needed: int) -> Iterator[BinaryIO]:
         if isinstance(e, SpillError) or not isinstance(e, OSError):
             raise
         raise spill_error(directory, needed, e, name) from e
+
+
+def write_npy(directory: str, name: str, dtype: np.dtype, n: int, blocks: Iterable[np.ndarray]) -> np.ndarray:
+    """A 1-d array of ``n`` values of ``dtype`` written block by block as the ``.npy`` file
+    ``directory/name`` (through :func:`spill_file`: whole or absent; numeric, no pickle), read back
+    memory-mapped: what stays in memory is one block, not the array. Raises SpillError when it cannot
+    be written, or ValueError when the blocks do not hold ``n`` values."""
+    dt = np.dtype(dtype)
+    if n == 0:
+        return np.zeros(0, dt)
+    header = {"descr": np.lib.format.dtype_to_descr(dt), "fortran_order": False, "shape": (n,)}
+    done = 0
+    with spill_file(directory, name, n * dt.itemsize + 128) as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        for b in blocks:
+            b = np.ascontiguousarray(b, dtype=dt)
+            f.write(b.tobytes())
+            done += len(b)
+        if done != n:
+            raise ValueError(f"{name}: {done} values written, {n} expected")
+    mapped: np.ndarray = np.load(os.path.join(directory, name), mmap_mode="r", allow_pickle=False)
+    return mapped
 
 
 def write_ipc(directory: str, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch],
