@@ -69,9 +69,6 @@ def _memory_table(tensors: pa.Table, n_ops: int, where: Optional[str]) -> pa.Tab
     return table_from_batches(S.MEMORY, lambda: memory_batches(tensors, n_ops), rows, where, "memory")
 
 
-#: no table of a trace held in memory is mapped below this many rows (``io.parquet.MMAP_ROWS``:
-#: a loaded table past it is; tests/io/test_pages.py checks the two agree)
-_MAPPED_ROWS = 262144
 
 
 class _Resolver:
@@ -153,10 +150,11 @@ class Trace:
         A spilled or big loaded trace's tables are mapped files (``io/pages.py``). A trace held in
         memory has none: nothing is done for it (not even reading the process's mappings).
         """
+        from .io.pages import MMAP_ROWS, release
+
         tables = [t for t in (*self._tables.values(), *self._derived.values()) if isinstance(t, pa.Table)]
-        if self._spill_dir is None and not any(t.num_rows > _MAPPED_ROWS for t in tables):
+        if self._spill_dir is None and not any(t.num_rows > MMAP_ROWS for t in tables):
             return 0
-        from .io.pages import release
 
         return release(*tables)
 

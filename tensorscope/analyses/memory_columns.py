@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from ..io.pages import passing
 
 CATS = S.MEMORY_CATEGORIES
 _CAT = {c: i for i, c in enumerate(CATS)}
@@ -76,7 +77,7 @@ def _is(col: Any, pred: Callable[[str], bool]) -> np.ndarray:
 def _batches(table: pa.Table, names: list[str]) -> Iterable[tuple[int, pa.RecordBatch]]:
     """(first row, batch) of ``names`` of ``table``, chunk by chunk (zero-copy slices)."""
     pos = 0
-    for b in table.select(names).to_batches():
+    for b in passing(table, table.select(names).to_batches()):   # a mapped table's pages back per batch
         yield pos, b
         pos += b.num_rows
 

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
+from ..io.pages import passing
 
 
 @functools.lru_cache(maxsize=8192)
@@ -85,8 +86,8 @@ class OpView:
 def views(ops: pa.Table, rows: Optional[int] = None, warm_only: bool = False) -> Iterator[OpView]:
     """One ``OpView`` per zero-copy slice of at most ``rows`` (``BATCH_ROWS``) rows of ``ops``, in order."""
     step = max(int(rows or BATCH_ROWS), 1)
-    for off in range(0, ops.num_rows, step):
-        yield OpView(ops.slice(off, step), warm_only, off)
+    for off, part in passing(ops, ((off, ops.slice(off, step)) for off in range(0, ops.num_rows, step))):
+        yield OpView(part, warm_only, off)   # a mapped table's pages given back slice by slice
 
 
 def first_run(ops: Any) -> np.ndarray:

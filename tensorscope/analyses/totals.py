@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..io.pages import passing
 from .opview import add_exact
 
 __all__ = ["op_totals", "module_totals", "cell_totals", "OP_TOTALS", "MODULE_TOTALS", "row_batches", "count_true",
@@ -255,9 +256,8 @@ def row_batches(table: pa.Table, names: Sequence[str], rows: Optional[int] = Non
     (``BATCH_ROWS``) in zero-copy slices: what a batched pass holds at once is one batch's
     temporaries, whatever the table's size or chunking (a memory-mapped table's batches are file pages)."""
     rows = rows or BATCH_ROWS
-    for b in table.select(list(names)).to_batches():
-        for lo in range(0, b.num_rows, rows):
-            yield b.slice(lo, rows)
+    slices = (b.slice(lo, rows) for b in table.select(list(names)).to_batches() for lo in range(0, b.num_rows, rows))
+    yield from passing(table, slices)   # a mapped table's pages given back slice by slice
 
 
 def count_true(col: Any) -> int:

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import pyarrow as pa
 
-from .parquet import MMAP_ROWS
+from .pages import MMAP_ROWS
 
 __all__ = ["MAP_ROWS", "table_from_batches"]
 

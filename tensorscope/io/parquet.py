@@ -25,13 +25,12 @@ from ..errors import ExportError, TraceFormatError
 from ..metadata import FORMAT, PARQUET_KEY, PARQUET_VERSION_KEY, TraceMetadata, check_version
 from ..metadata import jsonable as _jsonable  # noqa: F401  (the name earlier versions exported)
 from . import TraceTables
+from .pages import MMAP_ROWS
 from .pages import release as release_pages
 
 METADATA_FILE = "metadata.json"
 #: rows per parquet row group ``save`` writes (what a writer or a lazy reader holds at once)
 ROW_GROUP_ROWS = 65536
-#: a table of more rows than this is loaded into a memory-mapped Arrow file, not into memory
-MMAP_ROWS = 262144
 #: zstd level of the saved files: level 1 writes in about half the time of the default (3) for files
 #: a few percent larger (measured on a small-op trace's ops, calls and tensors)
 ZSTD_LEVEL = 1

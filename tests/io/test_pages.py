@@ -17,9 +17,7 @@ import pytest
 import torch
 
 import tensorscope
-from tensorscope import _trace
 from tensorscope.io import pages
-from tensorscope.io import parquet as P
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps")
 
@@ -104,13 +102,42 @@ def test_only_tensorscope_table_files_count_as_its_own():
     assert not pages._own("/tmp/tensorscope-tables-abc")    # no file
 
 
-def test_the_mapped_rows_threshold_is_the_loaders():
-    assert _trace._MAPPED_ROWS == P.MMAP_ROWS
-
-
 def test_a_trace_in_memory_reads_no_mappings():
     a = torch.ones(3)
     with tensorscope.trace() as t:
         a + 1
     assert t.result._spill_dir is None
     assert t.result._release_pages() == 0
+
+
+@linux_only
+def test_a_pass_keeps_one_batch_of_pages(tmp_path):
+    """A pass over a mapped table a slice at a time (``totals.row_batches``, the sections' reader):
+    while it runs, the pages of the slices it finished go back, so about one slice's pages are
+    resident, not the columns'."""
+    from tensorscope.analyses.totals import row_batches
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with tensorscope.trace(spill_rows=100_000, spill_dir=str(tmp_path)) as h:
+        for _ in range(pages.MMAP_ROWS + 40_000):
+            a.add(b)
+    t = h.result
+    ops = t.table("ops")
+    t._release_pages()
+    names = ["seq", "start_ns", "cpu_ns", "call_id", "bytes_read"]
+    whole = sum(ops.column(n).nbytes for n in names)
+    seen, total = [], 0
+    for batch in row_batches(ops, names, rows=8192):
+        total += int(np.asarray(batch.column(0)).sum())
+        for k in range(1, len(names)):   # every column's pages read
+            batch.column(k).to_numpy(zero_copy_only=False).sum()
+        seen.append(_resident(t._spill_dir))
+    assert total == sum(range(ops.num_rows))   # every row read, once
+    assert max(seen) < whole // 4, (max(seen), whole)
+
+
+def test_passing_gives_the_batches_unchanged():
+    table = pa.table({"x": np.arange(300_000, dtype=np.int64)})
+    got = list(pages.passing(table, table.to_batches(max_chunksize=70_000)))
+    assert [b.num_rows for b in got] == [70_000, 70_000, 70_000, 70_000, 20_000]
+    assert pa.Table.from_batches(got).equals(table)
