@@ -372,16 +372,15 @@ def call_rows(store: CallStore, name: str, lo: int, hi: int) -> np.ndarray:
     never holds a whole column (8 B a call each). The native engine's store has its own
     (``_LiveCalls.column_range``)."""
     k, out, start = store.fields.index(name), np.empty(max(hi - lo, 0), dtype=np.int64), 0
-    parts: list[tuple[int, Union[str, dict[str, Packed], None]]] = [(n, path) for path, n in store.spilled]
+    parts: list[tuple[int, Union[int, dict[str, Packed], None]]] = [(n, i) for i, (_, n) in enumerate(store.spilled)]
     parts += [(len(ch[name][1]), ch) for ch in store.frozen] + [(len(store), None)]   # then the live rows
     for n, src in parts:
         b, e = max(lo, start), min(hi, start + n)
         if b < e:
             if src is None:
                 base, a = 0, store.matrix()[:, k]
-            elif isinstance(src, str):
-                with np.load(src, allow_pickle=False) as z:
-                    base, a = int(z["__bases__"][k]), z[name]
+            elif isinstance(src, int):
+                base, a = store.spilled_field(src, name)
             else:
                 base, a = src[name]
             part = out[b - lo:e - lo]

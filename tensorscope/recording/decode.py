@@ -577,6 +577,7 @@ def decode_tables(rec: Recorder, *, cell: Optional[int], screen: Any, links: _Li
         except SpillError as e:
             rec.spill_failure(e, "the decoded tables were")
     tables = {"calls": calls_table(ctx, files)}
+    rec.calls.close_reads()   # the calls are read (the Decoder's sources and functions, then the table)
     release = getattr(rec.calls, "release", None)
     if files is not None and release is not None:
         release()   # the rows the native engine handed over are in the file now (the ops decode

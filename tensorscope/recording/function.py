@@ -316,8 +316,7 @@ class _LiveCalls(CallStore):
     def _chunk(self, i: int, name: str) -> tuple[int, np.ndarray]:
         """Field ``name`` of packed chunk ``i`` (spilled ones read back), packed."""
         if i < len(self.spilled):
-            with np.load(self.spilled[i][0], allow_pickle=False) as z:
-                return int(z["__bases__"][self.fields.index(name)]), z[name]
+            return self.spilled_field(i, name)
         return self.frozen[i - len(self.spilled)][name]
 
     def column_range(self, name: str, lo: int, hi: int) -> np.ndarray:

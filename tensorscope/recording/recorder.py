@@ -182,6 +182,11 @@ class RowBuffer:
         return chunk
 
 
+#: spilled calls chunks a store keeps open while it is read (``CallStore.spilled_field``): more than a
+#: range of calls the decoder reads at once spans (columns.CALL_RANGE over the native engine's blocks)
+OPEN_CHUNKS = 8
+
+
 class CallStore(RowBuffer):
     """Calls rows: the live tail is a RowBuffer; finished rows below every active call are packed.
 
@@ -197,6 +202,8 @@ class CallStore(RowBuffer):
         self.base = 0
         self.frozen: list[dict[str, Packed]] = []
         self.spilled: list[tuple[str, int]] = []   # (file, rows) of the chunks written out, in order
+        #: the spilled chunks being read (``spilled_field``): path -> open file, bases, the fields read
+        self._reading: dict[str, tuple[Any, np.ndarray, dict[str, Packed]]] = {}
 
     def freeze_below(self, keep_from: int) -> None:
         n = keep_from - self.base
@@ -221,12 +228,34 @@ class CallStore(RowBuffer):
             self.spilled.append((os.path.join(directory, name), len(chunk[self.fields[0]][1])))
             self.frozen.pop(0)
 
+    def spilled_field(self, i: int, name: str) -> Packed:
+        """Field ``name`` of spilled chunk ``i`` (``pack``ed), read from its file. The calls are read a
+        range of every field at a time, a field over the chunks the range spans: the last
+        :data:`OPEN_CHUNKS` chunks' files stay open with the fields read from them (packed: a few
+        bytes a call), so a chunk costs one open and one read per field, not an open per field of each
+        range (``np.load`` parses the zip's directory each time: it was most of a spilled trace's
+        calls table); ``close_reads`` closes them."""
+        path = self.spilled[i][0]
+        got = self._reading.get(path)
+        if got is None:
+            if len(self._reading) >= OPEN_CHUNKS:
+                self._reading.pop(next(iter(self._reading)))[0].close()   # the oldest
+            z = np.load(path, allow_pickle=False)
+            got = self._reading[path] = (z, z["__bases__"], {})
+        z, bases, fields = got
+        if name not in fields:
+            fields[name] = (int(bases[self.fields.index(name)]), z[name])
+        return fields[name]
+
+    def close_reads(self) -> None:
+        """Close the spilled chunks ``spilled_field`` holds open (the fields read from them are dropped)."""
+        while self._reading:
+            self._reading.popitem()[1][0].close()
+
     def _frozen_columns(self, name: str) -> Iterator[Packed]:
         """Column ``name`` of every frozen chunk in call order (``pack``ed), spilled ones read back."""
-        k = self.fields.index(name)
-        for path, _ in self.spilled:
-            with np.load(path, allow_pickle=False) as z:
-                yield int(z["__bases__"][k]), z[name]
+        for i in range(len(self.spilled)):
+            yield self.spilled_field(i, name)
         for ch in self.frozen:
             yield ch[name]
 
@@ -580,6 +609,7 @@ class Recorder:
             start += n
 
     def close(self) -> None:
+        self.calls.close_reads()
         if self.spill_path is not None:
             shutil.rmtree(self.spill_path, ignore_errors=True)
             self.spill_path = None
