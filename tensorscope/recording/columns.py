@@ -20,6 +20,7 @@ from .._common import INEXACT_DTYPES, NOISE_OPS
 from ..native import forced_fallback, loaded_engine
 from ..schema import dense_array, nullable_array
 from .recorder import CallStore, Packed, Recorder, unpack
+from .spill import read_npz
 
 #: the integer types whose one-value chunks ``Nulls`` shares (equal ints are equal bits; floats are
 #: not: -0.0 == 0.0, and NaN is never equal)
@@ -556,9 +557,9 @@ class OpIdsAt:
         if got is None:
             rec, ns = self.rec, len(self.rec.spilled_chunks)
             if k < ns:
-                with np.load(rec.spilled_chunks[k], allow_pickle=False) as z:
-                    names = sorted(x for x in z.files if x != "__bases__")
-                    got = unpack((int(z["__bases__"][names.index("op")]), z["op"]))
+                z = read_npz(rec.spilled_chunks[k])
+                names = sorted(x for x in z if x != "__bases__")
+                got = unpack((int(z["__bases__"][names.index("op")]), z["op"]))
             else:
                 got = unpack(rec.mem_chunks[k - ns]["op"])
             if len(self.cache) >= self.keep:

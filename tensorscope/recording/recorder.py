@@ -32,7 +32,7 @@ import numpy.typing as npt
 from .._tensormeta import memory_format
 from ..errors import SpillError
 from ..native import abi_layout as _abi
-from .spill import make_spill_dir, spill_file, spill_note
+from .spill import make_spill_dir, read_npz, spill_file, spill_note
 from .storage_rows import StorageRows
 
 # ops row flags
@@ -202,8 +202,8 @@ class CallStore(RowBuffer):
         self.base = 0
         self.frozen: list[dict[str, Packed]] = []
         self.spilled: list[tuple[str, int]] = []   # (file, rows) of the chunks written out, in order
-        #: the spilled chunks being read (``spilled_field``): path -> open file, bases, the fields read
-        self._reading: dict[str, tuple[Any, np.ndarray, dict[str, Packed]]] = {}
+        #: the spilled chunks being read (``spilled_field``): path -> its arrays, memory-mapped
+        self._reading: dict[str, dict[str, np.ndarray]] = {}
 
     def freeze_below(self, keep_from: int) -> None:
         n = keep_from - self.base
@@ -231,26 +231,20 @@ class CallStore(RowBuffer):
     def spilled_field(self, i: int, name: str) -> Packed:
         """Field ``name`` of spilled chunk ``i`` (``pack``ed), read from its file. The calls are read a
         range of every field at a time, a field over the chunks the range spans: the last
-        :data:`OPEN_CHUNKS` chunks' files stay open with the fields read from them (packed: a few
-        bytes a call), so a chunk costs one open and one read per field, not an open per field of each
-        range (``np.load`` parses the zip's directory each time: it was most of a spilled trace's
-        calls table); ``close_reads`` closes them."""
+        :data:`OPEN_CHUNKS` chunks read stay mapped (``read_npz``: file pages, no copy), so a chunk's
+        file is opened once, not once per field of each range (it was most of a spilled trace's calls
+        table); ``close_reads`` lets them go."""
         path = self.spilled[i][0]
-        got = self._reading.get(path)
-        if got is None:
+        z = self._reading.get(path)
+        if z is None:
             if len(self._reading) >= OPEN_CHUNKS:
-                self._reading.pop(next(iter(self._reading)))[0].close()   # the oldest
-            z = np.load(path, allow_pickle=False)
-            got = self._reading[path] = (z, z["__bases__"], {})
-        z, bases, fields = got
-        if name not in fields:
-            fields[name] = (int(bases[self.fields.index(name)]), z[name])
-        return fields[name]
+                del self._reading[next(iter(self._reading))]   # the oldest
+            z = self._reading[path] = read_npz(path)
+        return int(z["__bases__"][self.fields.index(name)]), z[name]
 
     def close_reads(self) -> None:
-        """Close the spilled chunks ``spilled_field`` holds open (the fields read from them are dropped)."""
-        while self._reading:
-            self._reading.popitem()[1][0].close()
+        """Let go of the spilled chunks ``spilled_field`` keeps mapped."""
+        self._reading.clear()
 
     def _frozen_columns(self, name: str) -> Iterator[Packed]:
         """Column ``name`` of every frozen chunk in call order (``pack``ed), spilled ones read back."""
@@ -367,9 +361,9 @@ class SparseInts:
         w = self.width
         for lo, hi, path in self.spilled:
             if hi >= start and (stop is None or lo < stop):
-                with np.load(path, allow_pickle=False) as z:
-                    sb, vb = z["bases"].tolist()
-                    yield unpack((sb, z["seqs"])), unpack((vb, z["vals"])).reshape(-1, w)
+                z = read_npz(path)
+                sb, vb = z["bases"].tolist()
+                yield unpack((sb, z["seqs"])), unpack((vb, z["vals"])).reshape(-1, w)
         for lo, hi, seqs, vals in self.frozen:
             if hi >= start and (stop is None or lo < stop):
                 yield unpack(seqs), unpack(vals).reshape(-1, w)
@@ -594,11 +588,12 @@ class Recorder:
         start = 0
         for path, n in zip(self.spilled_chunks, self.spilled_counts):
             if start + n > from_seq:
-                with np.load(path, allow_pickle=False) as z:
-                    names = sorted(k for k in z.files if k != "__bases__")
-                    bases = z["__bases__"]
-                    chunk = {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names)
-                             if columns is None or k in columns}
+                z = read_npz(path)
+                names = sorted(k for k in z if k != "__bases__")
+                bases = z["__bases__"]
+                chunk = {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names)
+                         if columns is None or k in columns}
+                del z
                 yield (start, chunk) if with_start else chunk
             start += n
         for packed in self.mem_chunks:
