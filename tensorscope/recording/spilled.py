@@ -119,7 +119,10 @@ def null_column(n: int, typ: pa.DataType, lengths: Optional[Sequence[int]] = Non
     if lengths is None:
         lengths = [hi - lo for lo, hi in _ranges(n, 65536)]
     shared: dict[int, pa.Array] = {}
-    return pa.chunked_array([shared.setdefault(m, pa.nulls(m, typ)) for m in lengths], typ)
+    for m in lengths:
+        if m not in shared:   # (not setdefault: its argument, a new array, would be made for every chunk)
+            shared[m] = pa.nulls(m, typ)
+    return pa.chunked_array([shared[m] for m in lengths], typ)
 
 
 def _ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
