@@ -158,6 +158,12 @@ def write_ipc(directory: str, name: str, schema: pa.Schema, batches: Iterable[pa
         return pa.ipc.open_file(src).read_all()
 
 
+#: ``.npy`` headers ``read_npz`` parsed, by their bytes: (shape, Fortran order, dtype). A spill file's
+#: columns have a few distinct headers (dtype and length), the same in every chunk; parsing one (numpy
+#: reads the dict with ``ast.literal_eval``) cost more than mapping the array
+_NPY_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}
+
+
 def read_npz(path: str) -> dict[str, np.ndarray]:
     """Every array of the ``.npz`` file ``path`` (as ``np.savez`` writes the spill files: members
     stored uncompressed), as read-only views of the file memory-mapped: file-backed pages, no copy.
@@ -184,22 +190,33 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
             continue
         n_name, n_extra = struct.unpack_from("<HH", mm, h + 26)
         start = h + 30 + n_name + n_extra
-        head = io.BytesIO(mm[start:start + min(zi.file_size, 65536)])
-        version = npformat.read_magic(head)
-        if version == (1, 0):
-            shape, fortran, dtype = npformat.read_array_header_1_0(head)
-        elif version == (2, 0):
-            shape, fortran, dtype = npformat.read_array_header_2_0(head)
-        else:
+        # the .npy header: magic, version, its length, then the dict (parsed once per distinct header)
+        major = mm[start + 6] if zi.file_size >= 12 else 0
+        width = 2 if major == 1 else 4 if major in (2, 3) else 0
+        size_h = int.from_bytes(mm[start + 8:start + 8 + width], "little") if width else 0
+        end = start + 8 + width + size_h
+        header = bytes(mm[start:end]) if width and end <= start + zi.file_size else b""
+        parsed = _NPY_HEADERS.get(header) if header else None
+        if parsed is None and header:
+            head = io.BytesIO(header)
+            version = npformat.read_magic(head)
+            if version == (1, 0):
+                parsed = npformat.read_array_header_1_0(head)
+            elif version == (2, 0):
+                parsed = npformat.read_array_header_2_0(head)
+            if parsed is not None and len(_NPY_HEADERS) < 4096:
+                _NPY_HEADERS[header] = parsed
+        if parsed is None:
             slow.append(name)
             continue
+        shape, fortran, dtype = parsed
         count = 1
         for d in shape:
             count *= d
-        if dtype.hasobject or start + head.tell() + count * dtype.itemsize > start + zi.file_size:
+        if dtype.hasobject or end + count * dtype.itemsize > start + zi.file_size:
             slow.append(name)
             continue
-        a = np.frombuffer(mm, dtype=dtype, count=count, offset=start + head.tell())
+        a = np.frombuffer(mm, dtype=dtype, count=count, offset=end)
         out[name] = a.reshape(shape[::-1]).T if fortran else a.reshape(shape)
     if slow:
         with np.load(path, allow_pickle=False) as z:

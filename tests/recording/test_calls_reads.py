@@ -76,3 +76,14 @@ def test_read_npz_refuses_object_arrays(tmp_path):
     np.savez(path, o=np.array([{"a": 1}], dtype=object))
     with pytest.raises(ValueError, match="allow_pickle"):
         read_npz(path)
+
+
+def test_read_npz_files_alike_but_for_their_lengths(tmp_path):
+    """The spill files of one trace repeat their headers (a header parsed once is reused): files whose
+    columns differ only in length or dtype each read as written."""
+    for k, (n, dt) in enumerate([(5, np.uint8), (9, np.uint8), (5, np.uint16), (5, np.uint8), (0, np.uint8)]):
+        a = (np.arange(n) * (k + 1)).astype(dt)
+        path = str(tmp_path / f"c{k}.npz")
+        np.savez(path, op=a, __bases__=np.array([k]))
+        got = read_npz(path)
+        assert got["op"].dtype == dt and got["op"].tolist() == a.tolist() and got["__bases__"].tolist() == [k]
