@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tensorscope.recording import columns
-from tensorscope.recording.recorder import CALL_FIELDS, OPEN_CHUNKS, CallStore
+from tensorscope.recording.packed_rows import OPEN_CHUNKS, CallStore
+from tensorscope.recording.recorder import CALL_FIELDS
 from tensorscope.recording.spill import read_npz
 
 
