@@ -399,8 +399,9 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str], files: Optional[SpillFiles
         t = files.write("ops", schema, batches, rec.n_spilled + rec.mem_rows)
         lengths = [len(c) for c in t.column(0).chunks]
         path = files.path("ops")
+        shared: dict[Any, pa.Array] = {}
         return pa.Table.from_arrays([t.column(f.name) if f.name not in ctx.null_ops else
-                                     null_column(t.num_rows, f.type, lengths) for f in DECODED_OPS],
+                                     null_column(t.num_rows, f.type, lengths, shared) for f in DECODED_OPS],
                                     schema=DECODED_OPS), path if os.path.exists(path) else None
     decoded: list[pa.RecordBatch] = []
     start = 0
