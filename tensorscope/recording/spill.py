@@ -180,7 +180,10 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
         with zipfile.ZipFile(f) as zf:
             infos = zf.infolist()
         size = os.fstat(f.fileno()).st_size
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except (OSError, ValueError):   # a filesystem that cannot map it: every member through np.load
+            mm = None
     slow: list[str] = []
     for zi in infos:
         name = zi.filename[:-4] if zi.filename.endswith(".npy") else zi.filename

@@ -88,3 +88,18 @@ def test_read_npz_files_alike_but_for_their_lengths(tmp_path):
         np.savez(path, op=a, __bases__=np.array([k]))
         got = read_npz(path)
         assert got["op"].dtype == dt and got["op"].tolist() == a.tolist() and got["__bases__"].tolist() == [k]
+
+
+def test_read_npz_where_the_file_cannot_be_mapped(tmp_path, monkeypatch):
+    """A filesystem that cannot map the file: every member read by ``np.load``, the same arrays."""
+    from tensorscope.recording import spill
+
+    path = str(tmp_path / "m.npz")
+    np.savez(path, a=np.arange(10, dtype=np.uint16), __bases__=np.array([3]))
+
+    def no_map(*a, **k):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(spill.mmap, "mmap", no_map)
+    got = read_npz(path)
+    assert got["a"].tolist() == list(range(10)) and got["a"].dtype == np.uint16 and got["__bases__"].tolist() == [3]
