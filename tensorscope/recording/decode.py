@@ -41,7 +41,7 @@ from .columns import (
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
-from .spilled import SpillFiles, _ranges, null_column, null_ops, release_memory
+from .spilled import SharedNulls, SpillFiles, _ranges, null_column, null_ops, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -399,7 +399,7 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str], files: Optional[SpillFiles
         t = files.write("ops", schema, batches, rec.n_spilled + rec.mem_rows)
         lengths = [len(c) for c in t.column(0).chunks]
         path = files.path("ops")
-        shared: dict[Any, pa.Array] = {}
+        shared = SharedNulls()
         return pa.Table.from_arrays([t.column(f.name) if f.name not in ctx.null_ops else
                                      null_column(t.num_rows, f.type, lengths, shared) for f in DECODED_OPS],
                                     schema=DECODED_OPS), path if os.path.exists(path) else None

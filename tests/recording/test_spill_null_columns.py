@@ -123,10 +123,10 @@ def test_null_columns_share_one_zero_buffer_and_equal_arrow_nulls(tmp_path):
     import pyarrow.parquet as pq
 
     from tensorscope.recording.decode import DECODED_CALLS, DECODED_OPS, DECODED_TENSORS
-    from tensorscope.recording.spilled import null_column
+    from tensorscope.recording.spilled import SharedNulls, null_column
 
     lengths = [700, 700, 33]
-    shared: dict = {}
+    shared = SharedNulls()
     fields = list(DECODED_OPS) + list(DECODED_CALLS) + list(DECODED_TENSORS)
     cols = {}
     for f in fields:
@@ -140,7 +140,7 @@ def test_null_columns_share_one_zero_buffer_and_equal_arrow_nulls(tmp_path):
         cols[f"{f.name}_{len(cols)}"] = c
     flat = [f for f in fields if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)]
     assert flat and {null_column(10, f.type, [10], shared).chunk(0).buffers()[1].address
-                     for f in flat} == {shared["zeros"].address}, "one zero buffer"
+                     for f in flat} == {shared.zeros.address}, "one zero buffer"
     t = pa.table(cols)
     with pa.OSFile(str(tmp_path / "n.arrow"), "wb") as sink, pa.ipc.new_file(sink, t.schema) as w:
         w.write_table(t)
