@@ -44,7 +44,7 @@ from .._common import fmt_bytes, fmt_ns
 from .findings import _CELLS, Runs, _advice_table, _finding, _rows_of, _where
 from .idle import TRACER_NS, gpu_idle, outside_ops
 from .layout_findings import _layout_findings
-from .opview import first_run, short_name, views
+from .opview import first_run, short_name, window_views
 from .roofline import Peaks, roofline
 from .roofline_findings import _roofline_findings, _warm_views
 from .syncs import infer_steps, sync_table, tiny_mask
@@ -287,7 +287,7 @@ def _drop_amp_on(over: Mapping[str, Any], found: list[dict[str, Any]]) -> list[d
 
 def _views(win: Mapping[str, Any]) -> Any:
     """The window's rows a slice at a time (every row: the structural findings read what ran)."""
-    return views(win["ops"], win.get("batch_rows"))
+    return window_views(win)
 
 
 def _op_time(win: Mapping[str, Any]) -> tuple[int, int, int]:

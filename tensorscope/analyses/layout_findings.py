@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from .._common import fmt_bytes
 from .findings import Runs, _finding, _rows_of, _where
-from .opview import BATCH_ROWS, short_name, views
+from .opview import BATCH_ROWS, short_name, window_views
 
 _CONV = frozenset({"convolution", "_convolution", "convolution_backward", "mkldnn_convolution", "cudnn_convolution",
                    "_mkldnn_convolution", "miopen_convolution", "conv2d", "conv3d", "conv_transpose2d"})
@@ -59,7 +59,7 @@ def _layout_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Opti
             "source_file", "source_line"]
     mix = _Mix()
     for w, win in enumerate(wins):
-        for view in views(win["ops"], win.get("batch_rows")):   # a record batch at a time
+        for view in window_views(win):   # a record batch at a time
             for r in _rows_of(w, view, _CONV | _COPY, cols):
                 mix.read(w, r)
     out = []

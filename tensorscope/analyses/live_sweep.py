@@ -80,6 +80,9 @@ class LiveSweep:
         self.names = self._devices.names
         self.last = -1
         self.ordered = True
+        #: the storages' one chunk when the table is at most ``step`` rows (a small trace): read once,
+        #: kept for ``blocks`` (32 B a storage, at most ``step`` of them); None: read again each pass
+        self._one: Optional[list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = None
         base: list[np.ndarray] = []
         pre_ev: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         frontier = -1
@@ -106,7 +109,16 @@ class LiveSweep:
                           for i in range(3))
 
     def _chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """(key, nbytes, alloc (-1: null), free (-1: null)) per chunk of ``step`` storages, in row order."""
+        """(key, nbytes, alloc (-1: null), free (-1: null)) per chunk of ``step`` storages, in row order;
+        a table of one chunk is read once (``_one``), the sweep's passes share it."""
+        if self._one is not None:
+            return iter(self._one)
+        if self.tensors.num_rows <= self.step:
+            self._one = list(self._read_chunks())
+            return iter(self._one)
+        return self._read_chunks()
+
+    def _read_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         t = self.tensors
         cols = ["device", "nbytes", "alloc_seq", "free_seq"]
         if self.categories and "category" in t.column_names:

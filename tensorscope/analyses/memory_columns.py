@@ -115,44 +115,41 @@ def _category_codes(tensors: pa.Table) -> np.ndarray:
     return out
 
 
-def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> dict[str, pa.Array]:
+#: the ops' descriptive columns a memory view shows for its rows (``_op_columns``)
+OP_COLUMNS = ("op", "phase", "module", "source_file", "source_line")
+
+
+def _op_columns(ops: pa.Table, n: int, rows: np.ndarray) -> dict[str, Any]:
     """The op's columns of each timeline row (``rows``: its seq); read in place, not gathered, when the
-    rows are every op once (one device), else taken chunk by chunk (``take_plain``)."""
-    every = len(rows) == n
-    out: dict[str, pa.Array] = {}
-    for name in ("op", "phase", "module", "source_file", "source_line"):
-        if every:
-            out[name] = S.plain_strings(pa.table({name: ops.column(name)})).column(name)
-        else:
-            out[name] = take_plain(ops.column(name), rows)
-    return out
+    rows are every op once (one device), else taken chunk by chunk (``take_plain``), all columns at once."""
+    sub = ops.select(list(OP_COLUMNS))
+    got = S.plain_strings(sub) if len(rows) == n else take_plain(sub, rows)
+    return {name: got.column(name) if len(rows) == n else got.column(name).chunk(0) for name in OP_COLUMNS}
 
 
-def take_plain(col: Any, rows: np.ndarray) -> pa.Array:
-    """``col.take(rows)`` with its strings decoded (``S.plain_strings``), each chunk giving its own rows:
-    Arrow's take over a chunked column combines the chunks first (a memory-mapped column copied into
-    anonymous memory, its dictionaries unified, for a handful of rows)."""
+def take_plain(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``table.take(rows)`` with its strings decoded (``S.plain_strings``), one chunk a column, each record
+    batch giving its own rows: Arrow's take over a chunked column combines the chunks first (a
+    memory-mapped column copied into anonymous memory, its dictionaries unified, for a handful of rows).
+    Every column is taken and decoded together: a few Arrow calls per batch the rows are in, whatever
+    the number of columns (a small trace is one batch: one take, one cast)."""
     rows = np.asarray(rows, np.int64)
-    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
-
-    def plain(arr: pa.Array) -> pa.Array:
-        got: pa.Array = S.plain_strings(pa.table({"c": arr})).column("c").combine_chunks()
-        return got
-
-    if len(chunks) <= 1:
-        return plain(chunks[0].take(pa.array(rows)) if chunks else pa.array([], col.type))
-    offsets = np.cumsum([0] + [len(c) for c in chunks])
+    batches = table.to_batches()
+    if len(batches) <= 1:
+        got = table.take(pa.array(rows)) if batches else table.slice(0, 0)
+        return S.plain_strings(got).combine_chunks()
+    offsets = np.cumsum([0] + [b.num_rows for b in batches])
     which = np.searchsorted(offsets, rows, side="right") - 1
     parts, order = [], []
     for k in np.unique(which).tolist():
         sel = np.nonzero(which == k)[0]
-        parts.append(plain(chunks[k].take(pa.array(rows[sel] - offsets[k]))))
+        parts.append(pa.Table.from_batches([batches[k].take(pa.array(rows[sel] - offsets[k]))]))
         order.append(sel)
     if not parts:
-        return plain(chunks[0].slice(0, 0))
+        return S.plain_strings(table.slice(0, 0)).combine_chunks()
     inverse = np.empty(len(rows), np.int64)
     inverse[np.concatenate(order)] = np.arange(len(rows))
-    return pa.concat_arrays(parts).take(pa.array(inverse))
+    return S.plain_strings(pa.concat_tables(parts)).combine_chunks().take(pa.array(inverse))
 
 
 def live_mask(alloc: np.ndarray, free: np.ndarray, s: Union[int, np.ndarray]) -> np.ndarray:

@@ -9,7 +9,7 @@ long trace holds one slice's arrays at a time, never a per-row array of the whol
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -88,6 +88,22 @@ def views(ops: pa.Table, rows: Optional[int] = None, warm_only: bool = False) ->
     step = max(int(rows or BATCH_ROWS), 1)
     for off, part in passing(ops, ((off, ops.slice(off, step)) for off in range(0, ops.num_rows, step))):
         yield OpView(part, warm_only, off)   # a mapped table's pages given back slice by slice
+
+
+def window_views(win: Mapping[str, Any], warm_only: bool = False) -> Sequence[OpView] | Iterator[OpView]:
+    """``views`` of an advised window's ops (``win["ops"]``, ``win.get("batch_rows")``). A window that is
+    one slice (a small trace) keeps its view in the window (``_views`` in the advisor's own copy of the
+    window, a mutable dict): the findings read it several times, and each ``OpView`` decodes the op names
+    and reads three columns. A bigger window is read a slice at a time each time, as ``views``: nothing
+    per row is kept (a view holds 13 B a row)."""
+    ops, rows = win["ops"], win.get("batch_rows")
+    if ops.num_rows > max(int(rows or BATCH_ROWS), 1) or not isinstance(win, MutableMapping):
+        return views(ops, rows, warm_only)
+    cache = win.setdefault("_views", {})
+    got: Optional[list[OpView]] = cache.get(warm_only)
+    if got is None:
+        got = cache[warm_only] = list(views(ops, rows, warm_only))
+    return got
 
 
 def first_run(ops: Any) -> np.ndarray:

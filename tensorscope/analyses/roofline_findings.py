@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 
 from .findings import Runs, _finding
 from .layout_findings import _CONV
-from .opview import first_of, short_name, views
+from .opview import first_of, short_name, window_views
 from .roofline import ROOF_SHARE, Peaks
 
 TOP_SHARE = 0.2                 # an op group taking this share of op time gets a roofline finding
@@ -25,7 +25,7 @@ _GEMM = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_
 
 def _warm_views(win: Mapping[str, Any]) -> Any:
     """The window's rows a slice at a time, ``first_run`` rows counted as bookkeeping (the warm rows)."""
-    return views(win["ops"], win.get("batch_rows"), warm_only=True)
+    return window_views(win, warm_only=True)
 
 
 def _roofline_findings(roof: pa.Table, wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], multi: bool,

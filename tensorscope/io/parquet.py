@@ -248,8 +248,14 @@ def _read_mapped(file: str, name: str) -> Optional[pa.Table]:
         return table
     lengths = [len(c) for c in table.column(0).chunks]
     shared: dict[tuple[str, int], pa.Array] = {}   # one all-null array per (type, chunk length)
-    cols = [table.column(f.name) if f.name not in nulls else
-            pa.chunked_array([shared.setdefault((str(f.type), m), pa.nulls(m, f.type)) for m in lengths], f.type)
+
+    def null(typ: pa.DataType, m: int) -> pa.Array:
+        key = (str(typ), m)
+        if key not in shared:   # (not setdefault: its argument, a new array, would be made for every chunk)
+            shared[key] = pa.nulls(m, typ)
+        return shared[key]
+
+    cols = [table.column(f.name) if f.name not in nulls else pa.chunked_array([null(f.type, m) for m in lengths], f.type)
             for f in schema]
     return pa.Table.from_arrays(cols, schema=schema)
 

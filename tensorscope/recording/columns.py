@@ -20,6 +20,7 @@ from .._common import INEXACT_DTYPES, NOISE_OPS
 from ..native import forced_fallback, loaded_engine
 from ..schema import dense_array, nullable_array
 from .recorder import CallStore, Packed, Recorder, unpack
+from .spill import read_npz
 
 #: the integer types whose one-value chunks ``Nulls`` shares (equal ints are equal bits; floats are
 #: not: -0.0 == 0.0, and NaN is never equal)
@@ -372,16 +373,15 @@ def call_rows(store: CallStore, name: str, lo: int, hi: int) -> np.ndarray:
     never holds a whole column (8 B a call each). The native engine's store has its own
     (``live_calls.LiveCalls.column_range``)."""
     k, out, start = store.fields.index(name), np.empty(max(hi - lo, 0), dtype=np.int64), 0
-    parts: list[tuple[int, Union[str, dict[str, Packed], None]]] = [(n, path) for path, n in store.spilled]
+    parts: list[tuple[int, Union[int, dict[str, Packed], None]]] = [(n, i) for i, (_, n) in enumerate(store.spilled)]
     parts += [(len(ch[name][1]), ch) for ch in store.frozen] + [(len(store), None)]   # then the live rows
     for n, src in parts:
         b, e = max(lo, start), min(hi, start + n)
         if b < e:
             if src is None:
                 base, a = 0, store.matrix()[:, k]
-            elif isinstance(src, str):
-                with np.load(src, allow_pickle=False) as z:
-                    base, a = int(z["__bases__"][k]), z[name]
+            elif isinstance(src, int):
+                base, a = store.spilled_field(src, name)
             else:
                 base, a = src[name]
             part = out[b - lo:e - lo]
@@ -557,9 +557,9 @@ class OpIdsAt:
         if got is None:
             rec, ns = self.rec, len(self.rec.spilled_chunks)
             if k < ns:
-                with np.load(rec.spilled_chunks[k], allow_pickle=False) as z:
-                    names = sorted(x for x in z.files if x != "__bases__")
-                    got = unpack((int(z["__bases__"][names.index("op")]), z["op"]))
+                z = read_npz(rec.spilled_chunks[k])
+                names = sorted(x for x in z if x != "__bases__")
+                got = unpack((int(z["__bases__"][names.index("op")]), z["op"]))
             else:
                 got = unpack(rec.mem_chunks[k - ns]["op"])
             if len(self.cache) >= self.keep:

@@ -42,7 +42,7 @@ from .columns import (
 from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
 from .spill import write_npy
-from .spilled import SpillFiles, _ranges, null_column, null_ops, release_memory
+from .spilled import SharedNulls, SpillFiles, _ranges, null_column, null_ops, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -422,8 +422,9 @@ def ops_table(ctx: Decoder, spill_dir: Optional[str], files: Optional[SpillFiles
         t = files.write("ops", schema, batches, rec.n_spilled + rec.mem_rows)
         lengths = [len(c) for c in t.column(0).chunks]
         path = files.path("ops")
+        shared = SharedNulls()
         return pa.Table.from_arrays([t.column(f.name) if f.name not in ctx.null_ops else
-                                     null_column(t.num_rows, f.type, lengths) for f in DECODED_OPS],
+                                     null_column(t.num_rows, f.type, lengths, shared) for f in DECODED_OPS],
                                     schema=DECODED_OPS), path if os.path.exists(path) else None
     decoded: list[pa.RecordBatch] = []
     start = 0
@@ -600,6 +601,7 @@ def decode_tables(rec: Recorder, *, cell: Optional[int], screen: Any, links: _Li
         except SpillError as e:
             rec.spill_failure(e, "the decoded tables were")
     tables = {"calls": calls_table(ctx, files)}
+    rec.calls.close_reads()   # the calls are read (the Decoder's sources and functions, then the table)
     release = getattr(rec.calls, "release", None)
     if files is not None and release is not None:
         release()   # the rows the native engine handed over are in the file now (the ops decode

@@ -38,7 +38,6 @@ class LiveCalls(CallStore):
         self._block = int(fm.BLOCK_ROWS)   # calls a packed block holds (native/fmode.h kBlock)
         self._rows: Optional[np.ndarray] = None
         self._released = False
-        self._read: dict[int, dict[str, tuple[int, np.ndarray]]] = {}   # spilled chunks read back (_chunk)
         self._live_cols: dict[str, list[tuple[int, np.ndarray]]] = {}   # fields read while recording (_handed_over)
 
     def release(self) -> None:
@@ -46,7 +45,7 @@ class LiveCalls(CallStore):
         its file; nothing reads them after that (reading raises)."""
         self._rows = None
         self.frozen = []
-        self._read = {}
+        self.close_reads()
         self._released = True
 
     def _check(self) -> None:
@@ -112,17 +111,7 @@ class LiveCalls(CallStore):
         """Field ``name`` of packed chunk ``i`` (spilled ones read back), packed."""
         if i >= len(self.spilled):
             return self.frozen[i - len(self.spilled)][name]
-        got = self._read.get(i)
-        if got is None:
-            # the calls table reads every field of a range in turn: a spilled chunk is read whole
-            # once (a few bytes a call) and kept among the last few read, not opened per field
-            with np.load(self.spilled[i][0], allow_pickle=False) as z:
-                bases = z["__bases__"].tolist()
-                got = {k: (int(b), z[k]) for k, b in zip(self.fields, bases)}
-            if len(self._read) >= READ_CHUNKS:
-                del self._read[next(iter(self._read))]
-            self._read[i] = got
-        return got[name]
+        return self.spilled_field(i, name)   # the last few chunks read stay mapped (CallStore)
 
     def column_range(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of one field as int64 (the calls table is built a range at a time):
@@ -221,9 +210,6 @@ class LiveCalls(CallStore):
         self._live_cols = {}
 
 
-#: spilled calls chunks ``LiveCalls`` keeps read back (the calls table reads a range of calls a field
-#: at a time: a range rarely spans more than two chunks)
-READ_CHUNKS = 4
 #: the packed calls blocks (16,384 calls each) a spilled calls part holds at most
 MERGE_BLOCKS = 16
 def _zeros(n: int) -> np.ndarray:

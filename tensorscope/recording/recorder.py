@@ -32,7 +32,15 @@ import numpy.typing as npt
 from .._tensormeta import memory_format
 from ..errors import SpillError
 from ..native import abi_layout as _abi
-from .spill import make_spill_dir, spill_file, spill_note
+
+# (re-exported: the engines, the decoder and the function modes import them from here)
+from .packed_rows import CallStore as CallStore
+from .packed_rows import Packed as Packed
+from .packed_rows import RowBuffer as RowBuffer
+from .packed_rows import _npz_bytes
+from .packed_rows import pack as pack
+from .packed_rows import unpack as unpack
+from .spill import make_spill_dir, read_npz, spill_file, spill_note
 from .storage_rows import StorageRows
 
 # ops row flags
@@ -57,34 +65,6 @@ TENSOR_COLUMNS = (
 #: ops columns whose one value on every row is tracked (``Recorder.op_constants``): what decodes to
 #: a column null on every row (spilled.null_ops), which a spilled ops file leaves out
 CONSTANT_COLUMNS = ("seq_nr", "node", "module", "flops")
-
-#: a frozen column: (base, narrow array) from ``pack``; ``unpack`` widens it back to int64
-Packed = tuple[int, np.ndarray]
-
-
-def pack(a: np.ndarray) -> Packed:
-    """(base, narrow array): the column minus its minimum, in the smallest int type that holds it.
-
-    Frozen chunks are most of a long trace's memory; ids, flags, times within a chunk
-    and durations mostly fit in 1-4 bytes, so this is what keeps a row near 30 bytes.
-    """
-    if len(a) == 0:
-        return 0, a.astype(np.int8)
-    lo = int(a.min())
-    span = int(a.max()) - lo
-    for dt in (np.uint8, np.uint16, np.uint32):
-        if span <= np.iinfo(dt).max:
-            return lo, (a - lo).astype(dt)
-    return 0, a
-
-
-def unpack(packed: Packed) -> np.ndarray:
-    base, a = packed
-    out = a.astype(np.int64)
-    if base:
-        out += base
-    return out
-
 
 class Interner:
     """value -> dense int id; ``values[id]`` gives it back. Id 0 may be reserved."""
@@ -155,114 +135,6 @@ class TensorMetas:
         self.itemsize.append(isz)
         self.nbytes.append(n * isz)
         return i
-
-
-class RowBuffer:
-    """Rows of int64 fields, interleaved in one ``array('q')``."""
-
-    def __init__(self, fields: Sequence[str]) -> None:
-        self.fields = fields
-        self.width = len(fields)
-        self.data = array("q")
-
-    def __len__(self) -> int:
-        return len(self.data) // self.width
-
-    def matrix(self) -> np.ndarray:
-        return np.frombuffer(self.data, dtype=np.int64).reshape(-1, self.width) if len(self.data) else \
-            np.zeros((0, self.width), dtype=np.int64)
-
-    def column(self, name: str) -> np.ndarray:
-        return self.matrix()[:, self.fields.index(name)]
-
-    def freeze(self) -> dict[str, np.ndarray]:
-        m = self.matrix()
-        chunk = {name: m[:, i].copy() for i, name in enumerate(self.fields)}
-        self.data = array("q")
-        return chunk
-
-
-class CallStore(RowBuffer):
-    """Calls rows: the live tail is a RowBuffer; finished rows below every active call are packed.
-
-    A call row is updated when the call returns, so only rows older than the
-    oldest call still on the stack may be frozen. ``base`` is the call id of
-    the first live row: live index = call_id - base. Frozen chunks spill with the op chunks
-    (``spill``: one ``calls-*.npz`` file each in the recorder's spill directory) and are read back
-    a column at a time.
-    """
-
-    def __init__(self, fields: Sequence[str]) -> None:
-        super().__init__(fields)
-        self.base = 0
-        self.frozen: list[dict[str, Packed]] = []
-        self.spilled: list[tuple[str, int]] = []   # (file, rows) of the chunks written out, in order
-
-    def freeze_below(self, keep_from: int) -> None:
-        n = keep_from - self.base
-        if n <= 0:
-            return
-        m = self.matrix()
-        self.frozen.append({name: pack(m[:n, i].copy()) for i, name in enumerate(self.fields)})
-        rest = m[n:].copy()
-        self.data = array("q")
-        self.data.frombytes(rest.tobytes())
-        self.base = keep_from
-
-    def spill(self, directory: str) -> None:
-        """Write the frozen chunks to ``directory`` and drop them from memory."""
-        while self.frozen:
-            chunk = self.frozen[0]
-            name = f"calls-{len(self.spilled):06d}.npz"
-            arrays: dict[str, Any] = {k: v for k, (_, v) in chunk.items()}
-            arrays["__bases__"] = np.array([chunk[k][0] for k in self.fields], dtype=np.int64)
-            with spill_file(directory, name, _npz_bytes(chunk)) as f:
-                np.savez(f, **arrays)   # numeric arrays only: no pickle is written or read
-            self.spilled.append((os.path.join(directory, name), len(chunk[self.fields[0]][1])))
-            self.frozen.pop(0)
-
-    def _frozen_columns(self, name: str) -> Iterator[Packed]:
-        """Column ``name`` of every frozen chunk in call order (``pack``ed), spilled ones read back."""
-        k = self.fields.index(name)
-        for path, _ in self.spilled:
-            with np.load(path, allow_pickle=False) as z:
-                yield int(z["__bases__"][k]), z[name]
-        for ch in self.frozen:
-            yield ch[name]
-
-    def full_matrix(self) -> np.ndarray:
-        if not self.spilled and not self.frozen:
-            return self.matrix()
-        return np.stack([self.column(name) for name in self.fields], axis=1)
-
-    def column(self, name: str) -> np.ndarray:
-        """One field of every row as a contiguous int64 column: each frozen chunk's packed column
-        widened straight into place, then the live rows' (column-wise: stacking rows into one
-        matrix and slicing strided columns from it costs several times more)."""
-        live = self.matrix()[:, self.fields.index(name)]
-        packed = list(self._frozen_columns(name))
-        col = np.empty(sum(len(a) for _, a in packed) + len(live), dtype=np.int64)
-        pos = 0
-        for base, a in packed:   # no temporaries
-            part = col[pos:pos + len(a)]
-            part[:] = a
-            if base:
-                part += base
-            pos += len(a)
-        col[pos:] = live
-        return col
-
-    def field(self, call_id: int, k: int) -> int:
-        i = call_id - self.base
-        if i >= 0:
-            return self.data[i * self.width + k]
-        start = 0   # a frozen row: read its chunk's column only
-        counts = [n for _, n in self.spilled] + [len(ch[self.fields[0]][1]) for ch in self.frozen]
-        for (base, a), n in zip(self._frozen_columns(self.fields[k]), counts):
-            if call_id < start + n:
-                return int(a[call_id - start]) + base
-            start += n
-        raise IndexError(call_id)
 
 
 #: one value of a :class:`SparseInts`: an int (``width`` 1) or a tuple of ``width`` ints
@@ -338,9 +210,9 @@ class SparseInts:
         w = self.width
         for lo, hi, path in self.spilled:
             if hi >= start and (stop is None or lo < stop):
-                with np.load(path, allow_pickle=False) as z:
-                    sb, vb = z["bases"].tolist()
-                    yield unpack((sb, z["seqs"])), unpack((vb, z["vals"])).reshape(-1, w)
+                z = read_npz(path)
+                sb, vb = z["bases"].tolist()
+                yield unpack((sb, z["seqs"])), unpack((vb, z["vals"])).reshape(-1, w)
         for lo, hi, seqs, vals in self.frozen:
             if hi >= start and (stop is None or lo < stop):
                 yield unpack(seqs), unpack(vals).reshape(-1, w)
@@ -394,12 +266,6 @@ def _release_memory() -> None:
         pa.default_memory_pool().release_unused()
     except Exception:
         pass
-
-
-def _npz_bytes(chunk: dict[str, Packed]) -> int:
-    """About the bytes a frozen chunk's ``.npz`` file takes: its columns, their bases, and ~250
-    bytes of zip and ``.npy`` headers per array."""
-    return sum(a.nbytes for _, a in chunk.values()) + 8 * len(chunk) + 250 * (len(chunk) + 1)
 
 
 class Recorder:
@@ -565,11 +431,12 @@ class Recorder:
         start = 0
         for path, n in zip(self.spilled_chunks, self.spilled_counts):
             if start + n > from_seq:
-                with np.load(path, allow_pickle=False) as z:
-                    names = sorted(k for k in z.files if k != "__bases__")
-                    bases = z["__bases__"]
-                    chunk = {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names)
-                             if columns is None or k in columns}
+                z = read_npz(path)
+                names = sorted(k for k in z if k != "__bases__")
+                bases = z["__bases__"]
+                chunk = {k: unpack((int(bases[i]), z[k])) for i, k in enumerate(names)
+                         if columns is None or k in columns}
+                del z
                 yield (start, chunk) if with_start else chunk
             start += n
         for packed in self.mem_chunks:
@@ -580,6 +447,7 @@ class Recorder:
             start += n
 
     def close(self) -> None:
+        self.calls.close_reads()
         if self.spill_path is not None:
             shutil.rmtree(self.spill_path, ignore_errors=True)
             self.spill_path = None

@@ -13,9 +13,13 @@ The recorder and the finishing code catch the ``SpillError`` and keep the rows i
 from __future__ import annotations
 
 import errno as _errno
+import io
+import mmap
 import os
 import shutil
+import struct
 import tempfile
+import zipfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, BinaryIO, Optional
@@ -27,7 +31,7 @@ from ..errors import SpillError
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["spill_file", "write_ipc", "make_spill_dir", "spill_error", "spill_note", "free_bytes", "human_bytes"]
+__all__ = ["spill_file", "write_ipc", "read_npz", "make_spill_dir", "spill_error", "spill_note", "free_bytes", "human_bytes"]
 
 
 def _open(path: str) -> BinaryIO:
@@ -174,3 +178,72 @@ def write_ipc(directory: str, name: str, schema: pa.Schema, batches: Iterable[pa
             raise spill_error(directory, size * max(rows or done, done) // max(done, 1), e, name) from e
     with pa.memory_map(os.path.join(directory, name)) as src:
         return pa.ipc.open_file(src).read_all()
+
+
+#: ``.npy`` headers ``read_npz`` parsed, by their bytes: (shape, Fortran order, dtype). A spill file's
+#: columns have a few distinct headers (dtype and length), the same in every chunk; parsing one (numpy
+#: reads the dict with ``ast.literal_eval``) cost more than mapping the array
+_NPY_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}
+
+
+def read_npz(path: str) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` file ``path`` (as ``np.savez`` writes the spill files: members
+    stored uncompressed), as read-only views of the file memory-mapped: file-backed pages, no copy.
+
+    ``np.load`` reads a member by parsing the zip's directory on each open, copying the bytes through
+    ``zipfile`` with a CRC over them and copying them again into the array: most of the time of
+    reading a spilled chunk back. Here the directory is read once per file and each array is a view
+    at its member's offset. A member that is not stored plainly (compressed, or an object array:
+    never written here) is read by ``np.load`` (``allow_pickle=False``: no pickle is ever read)."""
+    from numpy.lib import format as npformat
+
+    out: dict[str, np.ndarray] = {}
+    with open(path, "rb") as f:
+        with zipfile.ZipFile(f) as zf:
+            infos = zf.infolist()
+        size = os.fstat(f.fileno()).st_size
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except (OSError, ValueError):   # a filesystem that cannot map it: every member through np.load
+            mm = None
+    slow: list[str] = []
+    for zi in infos:
+        name = zi.filename[:-4] if zi.filename.endswith(".npy") else zi.filename
+        h = zi.header_offset
+        if mm is None or zi.compress_type != zipfile.ZIP_STORED or mm[h:h + 4] != b"PK\x03\x04":
+            slow.append(name)
+            continue
+        n_name, n_extra = struct.unpack_from("<HH", mm, h + 26)
+        start = h + 30 + n_name + n_extra
+        # the .npy header: magic, version, its length, then the dict (parsed once per distinct header)
+        major = mm[start + 6] if zi.file_size >= 12 else 0
+        width = 2 if major == 1 else 4 if major in (2, 3) else 0
+        size_h = int.from_bytes(mm[start + 8:start + 8 + width], "little") if width else 0
+        end = start + 8 + width + size_h
+        header = bytes(mm[start:end]) if width and end <= start + zi.file_size else b""
+        parsed = _NPY_HEADERS.get(header) if header else None
+        if parsed is None and header:
+            head = io.BytesIO(header)
+            version = npformat.read_magic(head)
+            if version == (1, 0):
+                parsed = npformat.read_array_header_1_0(head)
+            elif version == (2, 0):
+                parsed = npformat.read_array_header_2_0(head)
+            if parsed is not None and len(_NPY_HEADERS) < 4096:
+                _NPY_HEADERS[header] = parsed
+        if parsed is None:
+            slow.append(name)
+            continue
+        shape, fortran, dtype = parsed
+        count = 1
+        for d in shape:
+            count *= d
+        if dtype.hasobject or end + count * dtype.itemsize > start + zi.file_size:
+            slow.append(name)
+            continue
+        a = np.frombuffer(mm, dtype=dtype, count=count, offset=end)
+        out[name] = a.reshape(shape[::-1]).T if fortran else a.reshape(shape)
+    if slow:
+        with np.load(path, allow_pickle=False) as z:
+            out.update((k, z[k]) for k in slow)
+    return out

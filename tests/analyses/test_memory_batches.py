@@ -448,9 +448,49 @@ def test_the_ops_columns_of_a_few_rows_are_taken_chunk_by_chunk(trace):
     pieces = pa.Table.from_batches([S.plain_strings(pa.Table.from_batches([b])).to_batches()[0]
                                     for b in ops.to_batches(max_chunksize=4)])
     rows = np.array([17, 3, 3, ops.num_rows - 1, 0, 9], np.int64)   # any order, repeated, across chunks
+    # chunks of 5 ops whose string columns are dictionaries of their own (codes differ across batches)
+    own = []
+    for b in S.plain_strings(ops).to_batches(max_chunksize=5):
+        cols = [c.dictionary_encode() if pa.types.is_string(c.type) else c for c in b.columns]
+        own.append(pa.RecordBatch.from_arrays(cols, names=b.schema.names))
+    own_dicts = pa.Table.from_batches(own)
+    assert own_dicts.num_rows == ops.num_rows and own_dicts.column("op").num_chunks > 3
+    names = ["op", "module", "source_line", "phase"]
+    want_all = S.plain_strings(ops.select(names).take(pa.array(rows)))
+    for t in (ops, pieces, own_dicts):
+        got = take_plain(t.select(names), rows)
+        assert got.column("op").num_chunks == 1, "one chunk a column"
+        for name in names:
+            assert got.column(name).chunk(0).equals(want_all.column(name).combine_chunks()), name
     for name in ("op", "module", "source_line"):
         want = S.plain_strings(ops.select([name]).take(pa.array(rows))).column(name).combine_chunks()
-        for t in (ops, pieces):
-            assert take_plain(t.column(name), rows).equals(want), name
+        for t in (ops, pieces, own_dicts):
+            assert take_plain(t.select([name]), rows).column(name).chunk(0).equals(want), name
+    assert take_plain(ops.select(names), np.zeros(0, np.int64)).num_rows == 0
     got = _op_columns(pieces, ops.num_rows, rows)
     assert got["op"].to_pylist() == [ops.column("op")[int(r)].as_py() for r in rows]
+
+
+@pytest.mark.parametrize("categories", [False, True])
+def test_a_sweep_of_one_storage_chunk_reads_it_once(trace, categories, monkeypatch):
+    """A tensors table of at most ``step`` rows is read once (the sweep's passes share the chunk); its
+    blocks equal a sweep read many chunks at a time, the storages in their order and reversed (not in
+    first-sighting order: every event at once)."""
+    from tensorscope.analyses import live_sweep
+
+    n = trace.ops.num_rows
+    reads = []
+    real = live_sweep.LiveSweep._read_chunks
+    monkeypatch.setattr(live_sweep.LiveSweep, "_read_chunks", lambda self: reads.append(1) or real(self))
+    for tensors in (trace.tensors, trace.tensors.take(pa.array(np.arange(trace.tensors.num_rows)[::-1]))):
+        reads.clear()
+        one = live_sweep.LiveSweep(tensors, n, categories=categories)
+        got = [(a, b, live.copy()) for a, b, live in one.blocks([0, n // 3, n])]
+        assert len(reads) == 1 and one._one is not None
+        many = live_sweep.LiveSweep(tensors, n, categories=categories, step=5)
+        want = list(many.blocks([0, n // 3, n]))
+        assert many._one is None and len(reads) > 2
+        assert one.ordered == many.ordered and one.names == many.names
+        assert [(a, b) for a, b, _ in got] == [(a, b) for a, b, _ in want]
+        for (_, _, x), (_, _, y) in zip(got, want):
+            assert np.array_equal(x, y)

@@ -22,7 +22,7 @@ import torch
 import tensorscope
 from tensorscope import schema as S
 from tensorscope.errors import SpillError
-from tensorscope.recording import live_calls, spill
+from tensorscope.recording import live_calls, packed_rows, spill
 from tests.recording.test_spill_equal import _text, _with_times_of, assert_tables_equal
 
 CALLS = 60_000       # > 3 blocks of 16384 calls (native/fmode.h kBlock)
@@ -82,7 +82,7 @@ def _same_tables(mem, got, spills):
 @pytest.mark.parametrize("engine", ["native", "python"])
 def test_calls_spilled_while_recording_equal_the_in_memory_trace(engine, monkeypatch):
     engine = _engine(engine)
-    monkeypatch.setattr(live_calls, "READ_CHUNKS", 1)   # a spilled chunk read back is dropped at the next
+    monkeypatch.setattr(packed_rows, "OPEN_CHUNKS", 1)   # a spilled chunk read back is dropped at the next
     _traced(engine)   # claims every op's first run in this process (ops.first_run)
     native = engine == "native"
     mem_stats, spilled_stats = {}, {}

@@ -113,3 +113,38 @@ def test_a_column_with_one_value_on_every_row_is_written(engine, tmp_path):
     assert "module" in names and {"seq_nr", "fwd_seq", "flops", "autograd_node"}.isdisjoint(names)
     assert spilled.ops.column("module").null_count == 0
     _assert_equal(mem, spilled)
+
+
+def test_null_columns_share_one_zero_buffer_and_equal_arrow_nulls(tmp_path):
+    """``spilled.null_column`` over a ``shared`` dict: every type of the decoded tables (integers and
+    floats over one zero-filled buffer, dictionaries over its indices, the rest ``pa.nulls``) equals
+    ``pa.nulls`` chunk by chunk, validates, computes as nulls, and survives an IPC and a parquet file."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from tensorscope.recording.decode import DECODED_CALLS, DECODED_OPS, DECODED_TENSORS
+    from tensorscope.recording.spilled import SharedNulls, null_column
+
+    lengths = [700, 700, 33]
+    shared = SharedNulls()
+    fields = list(DECODED_OPS) + list(DECODED_CALLS) + list(DECODED_TENSORS)
+    cols = {}
+    for f in fields:
+        c = null_column(sum(lengths), f.type, lengths, shared)
+        c.validate(full=True)
+        want = pa.chunked_array([pa.nulls(m, f.type) for m in lengths], f.type)
+        assert c.type == f.type and c.null_count == sum(lengths) and c.equals(want), f.name
+        assert c.slice(695, 10).to_pylist() == [None] * 10
+        if pa.types.is_integer(f.type) or pa.types.is_floating(f.type):
+            assert pc.max(c).as_py() is None and pc.fill_null(c, 7).to_pylist()[-1] == 7
+        cols[f"{f.name}_{len(cols)}"] = c
+    flat = [f for f in fields if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)]
+    assert flat and {null_column(10, f.type, [10], shared).chunk(0).buffers()[1].address
+                     for f in flat} == {shared.zeros.address}, "one zero buffer"
+    t = pa.table(cols)
+    with pa.OSFile(str(tmp_path / "n.arrow"), "wb") as sink, pa.ipc.new_file(sink, t.schema) as w:
+        w.write_table(t)
+    with pa.memory_map(str(tmp_path / "n.arrow")) as src:
+        assert pa.ipc.open_file(src).read_all().equals(t)
+    pq.write_table(t, tmp_path / "n.parquet")
+    assert pq.read_table(tmp_path / "n.parquet").equals(t)
