@@ -12,7 +12,7 @@ decodes spilled rows while the trace runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -24,7 +24,6 @@ from ..errors import SpillError
 from ..schema import dense_array, nullable_array
 from .columns import (
     _PHASES,
-    CALL_RANGE,
     Nulls,
     OpIdsAt,
     _call_ranges,
@@ -41,8 +40,7 @@ from .columns import (
 )
 from .opfacts import FLOP_AT_BUILD, matmul_flops
 from .recorder import F_BACKWARD, F_INPLACE, F_OUT_KW, F_VIEW, Recorder, SparseInts
-from .spill import write_npy
-from .spilled import SharedNulls, SpillFiles, _ranges, null_column, null_ops, release_memory
+from .spilled import SharedNulls, SpillFiles, _ranges, call_facts, null_column, null_ops, release_memory
 
 #: torch-level calls a user expects to be free (views / no-ops); a copy under them is hidden
 EXPECT_FREE_CALLS = frozenset({
@@ -98,35 +96,6 @@ def _sparse_rows(d: Union[dict[int, Any], SparseInts], start: int, n: int, dtype
 
 
 
-def _call_facts(rec: Recorder, ranged: Callable[[str, int, int], np.ndarray], func_free: np.ndarray,
-                src_type: type, live: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per call: its source id and whether its function is expected to be free, read a range of
-    calls at a time. A spilled trace writes them into its spill directory and maps them back (5 B a
-    call on disk, not in memory while the ops are decoded); else, or when that file cannot be
-    written, they are arrays in memory."""
-    n_calls = rec.n_calls
-    if live:   # still recording (a dataset= spill decodes ops now): every call so far, whole, from C
-        return rec.calls.column("src").astype(src_type), func_free[rec.calls.column("func")]
-
-    def ranges() -> Iterator[tuple[int, int]]:
-        return ((lo, min(lo + CALL_RANGE, n_calls)) for lo in range(0, n_calls, CALL_RANGE))
-
-    if rec.spill_path is not None and rec.spilled_chunks and rec.spill_failed is None and n_calls > CALL_RANGE:
-        try:
-            return (write_npy(rec.spill_path, "call-src.npy", np.dtype(src_type), n_calls,
-                              (ranged("src", lo, hi) for lo, hi in ranges())),
-                    write_npy(rec.spill_path, "call-free.npy", np.dtype(bool), n_calls,
-                              (func_free[ranged("func", lo, hi)] for lo, hi in ranges())))
-        except SpillError as e:
-            rec.spill_failure(e, "the calls' sources were")
-    src: np.ndarray = np.empty(n_calls, src_type)
-    free = np.zeros(n_calls, bool)
-    for lo, hi in ranges():
-        src[lo:hi] = ranged("src", lo, hi)
-        free[lo:hi] = func_free[ranged("func", lo, hi)]
-    return src, free
-
-
 class Decoder:
     """Dictionaries and global per-op arrays shared by every chunk's decode of one trace's buffers.
 
@@ -156,7 +125,7 @@ class Decoder:
         live = bool(getattr(rec.calls, "live", False))
         src_type = np.int32 if len(src_vals) < 2**31 else np.int64
         ranged = self.call_range = _call_ranges(rec)
-        self.call_src, self.call_free = _call_facts(rec, ranged, func_free, src_type, live)
+        self.call_src, self.call_free = call_facts(rec, ranged, func_free, src_type, live)
         short = self.ops["short"]
         self.copy_op = np.array([s in COPYING_OPS for s in short] or [False], dtype=bool)
         self.to_copy_op = np.array([s == "_to_copy" for s in short] or [False], dtype=bool)

@@ -6,7 +6,8 @@ file through the spill seam (``spill.py``) and reads it back memory-mapped, or, 
 (a full disk), builds the table in memory; ``mapped_table`` builds a finished table from its
 decoded (mapped) columns and what probes contributed; ``null_ops`` names the ops columns null on every
 row of a trace; ``null_column`` is an all-null column of shared chunks; ``release_memory`` gives freed
-memory back to the OS between the stages of a spilled finish.
+memory back to the OS between the stages of a spilled finish; ``call_facts`` keeps the per-call
+facts the ops decode reads in a mapped file of the spill directory.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SpillError
+from .columns import CALL_RANGE
 from .opfacts import FLOP_AT_BUILD
 from .recorder import CONSTANT_COLUMNS
-from .spill import make_spill_dir, write_ipc
+from .spill import make_spill_dir, write_ipc, write_npy
 
 if TYPE_CHECKING:
     from .columns import _Dict
@@ -196,3 +198,32 @@ def mapped_table(name: str, schema: pa.Schema, n: int, cols: dict[str, Column], 
     shared = SharedNulls()
     return pa.Table.from_arrays([final[f.name] if f.name in final else null_column(n, f.type, lengths, shared)
                                  for f in schema], schema=schema)
+
+
+def call_facts(rec: Recorder, ranged: Callable[[str, int, int], np.ndarray], func_free: np.ndarray,
+                src_type: type, live: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per call: its source id and whether its function is expected to be free, read a range of
+    calls at a time. A spilled trace writes them into its spill directory and maps them back (5 B a
+    call on disk, not in memory while the ops are decoded); else, or when that file cannot be
+    written, they are arrays in memory."""
+    n_calls = rec.n_calls
+    if live:   # still recording (a dataset= spill decodes ops now): every call so far, whole, from C
+        return rec.calls.column("src").astype(src_type), func_free[rec.calls.column("func")]
+
+    def ranges() -> Iterator[tuple[int, int]]:
+        return ((lo, min(lo + CALL_RANGE, n_calls)) for lo in range(0, n_calls, CALL_RANGE))
+
+    if rec.spill_path is not None and rec.spilled_chunks and rec.spill_failed is None and n_calls > CALL_RANGE:
+        try:
+            return (write_npy(rec.spill_path, "call-src.npy", np.dtype(src_type), n_calls,
+                              (ranged("src", lo, hi) for lo, hi in ranges())),
+                    write_npy(rec.spill_path, "call-free.npy", np.dtype(bool), n_calls,
+                              (func_free[ranged("func", lo, hi)] for lo, hi in ranges())))
+        except SpillError as e:
+            rec.spill_failure(e, "the calls' sources were")
+    src: np.ndarray = np.empty(n_calls, src_type)
+    free = np.zeros(n_calls, bool)
+    for lo, hi in ranges():
+        src[lo:hi] = ranged("src", lo, hi)
+        free[lo:hi] = func_free[ranged("func", lo, hi)]
+    return src, free

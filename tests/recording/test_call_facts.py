@@ -1,6 +1,6 @@
 """A spilled trace's per-call facts (each call's source, whether its function is expected to be free)
 are written to its spill directory and read back memory-mapped while the ops are decoded
-(``decode._call_facts``), not held in memory; the tables are those of the same trace in memory.
+(``spilled.call_facts``), not held in memory; the tables are those of the same trace in memory.
 
 ``CALL_RANGE`` is made small so a few hundred calls span many ranges (the file is written a range
 at a time). Calls alternate between functions expected to be free (``reshape``: its hidden copy is
@@ -18,7 +18,7 @@ import torch
 
 import tensorscope
 from tensorscope.errors import SpillError
-from tensorscope.recording import decode, spill
+from tensorscope.recording import spill, spilled
 from tests.recording.test_spill_equal import assert_tables_equal
 
 SPILL = dict(chunk_rows=64, spill_rows=128, leaks=False)
@@ -50,15 +50,15 @@ def engine(request):
 
 @pytest.fixture
 def small_ranges(monkeypatch):
-    monkeypatch.setattr(decode, "CALL_RANGE", 37)
+    monkeypatch.setattr(spilled, "CALL_RANGE", 37)
     written = []
-    real = decode.write_npy
+    real = spilled.write_npy
 
     def spy(directory, name, *a, **k):
         written.append(name)
         return real(directory, name, *a, **k)
 
-    monkeypatch.setattr(decode, "write_npy", spy)
+    monkeypatch.setattr(spilled, "write_npy", spy)
     return written
 
 
