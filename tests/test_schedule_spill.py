@@ -7,8 +7,6 @@ file it returns raises ENOSPC past a few bytes, as a full disk's ``write`` does.
 """
 from __future__ import annotations
 
-import errno
-import os
 import warnings
 
 import pytest
@@ -17,27 +15,17 @@ import torch
 import tensorscope
 from tensorscope.errors import SpillError
 from tensorscope.recording import spill
+from tests.helpers.disk import FullFile
 
 SPILL = dict(chunk_rows=16, spill_rows=32, leaks=False)
 STEPS = 12
-
-
-class _FullFile:
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, b):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
 
 
 @pytest.fixture
 def full_disk(monkeypatch):
     """Call it to fill the disk: every spill file opened after it takes no byte."""
     real = spill._open
-    return lambda: monkeypatch.setattr(spill, "_open", lambda path: _FullFile(real(path)))
+    return lambda: monkeypatch.setattr(spill, "_open", lambda path: FullFile(real(path)))
 
 
 def _loop(s=None, raise_at=None):

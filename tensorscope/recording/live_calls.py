@@ -15,6 +15,7 @@ import numpy as np
 
 from ..native import fields_dtype
 from ..native.abi_layout import CALL_ROW_FIELDS, CALL_ROW_SIZE
+from .packed_rows import unpack_all
 from .recorder import CALL_FIELDS, CallStore, Packed, pack
 
 #: a calls row as native/fmode.cpp's ``CallRow`` lays it out (checked against ROW_SIZE at load)
@@ -94,15 +95,7 @@ class LiveCalls(CallStore):
         parts = self._live_cols.get(name)
         if parts is None:
             parts = self._live_cols[name] = list(self._frozen_columns(name))
-        col = np.empty(sum(len(a) for _, a in parts), dtype=np.int64)
-        pos = 0
-        for base, a in parts:
-            part = col[pos:pos + len(a)]
-            part[:] = a
-            if base:
-                part += base
-            pos += len(a)
-        return col
+        return unpack_all(parts)
 
     def _counts(self) -> list[int]:
         return [n for _, n in self.spilled] + [len(ch[self.fields[0]][1]) for ch in self.frozen]
@@ -187,15 +180,7 @@ class LiveCalls(CallStore):
             if all(b == b0 and a.strides == (0,) and a[0] == 0 for b, a in parts):
                 out[name] = (b0, _zeros(n))
                 continue
-            col = np.empty(n, np.int64)
-            pos = 0
-            for b, a in parts:
-                part = col[pos:pos + len(a)]
-                part[:] = a
-                if b:
-                    part += b
-                pos += len(a)
-            out[name] = pack(col)
+            out[name] = pack(unpack_all(parts))
         return out
 
     def handover(self, raw: bytes, n: int, first: int = 0,

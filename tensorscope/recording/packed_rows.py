@@ -17,7 +17,7 @@ import numpy as np
 
 from .spill import read_npz, spill_file
 
-__all__ = ["Packed", "pack", "unpack", "RowBuffer", "CallStore", "OPEN_CHUNKS"]
+__all__ = ["Packed", "pack", "unpack", "unpack_all", "RowBuffer", "CallStore", "OPEN_CHUNKS"]
 
 #: a frozen column: (base, narrow array) from ``pack``; ``unpack`` widens it back to int64
 Packed = tuple[int, np.ndarray]
@@ -44,6 +44,19 @@ def unpack(packed: Packed) -> np.ndarray:
     out = a.astype(np.int64)
     if base:
         out += base
+    return out
+
+
+def unpack_all(parts: Sequence[Packed]) -> np.ndarray:
+    """Packed parts of one column, in order, as one int64 array (no int64 copy of each part)."""
+    out = np.empty(sum(len(a) for _, a in parts), dtype=np.int64)
+    pos = 0
+    for base, a in parts:
+        part = out[pos:pos + len(a)]
+        part[:] = a
+        if base:
+            part += base
+        pos += len(a)
     return out
 
 

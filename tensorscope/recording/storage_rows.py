@@ -23,6 +23,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from ..native import abi_layout as _abi
+from .packed_rows import pack
 from .spill import spill_file
 
 #: a record's values, in the native engine's order (abi.h TensorColumn): the storage id last
@@ -34,18 +35,6 @@ COLUMNS: tuple[str, ...] = tuple(f for f in RECORD_FIELDS if f != "sid")
 
 #: a packed column: (base, narrow array, possibly memory-mapped); value = base + array
 _Col = tuple[int, np.ndarray]
-
-
-def _pack(a: np.ndarray) -> _Col:
-    """(base, the column minus base in the smallest unsigned type that holds it), or (0, int64)."""
-    if not len(a):
-        return 0, a.astype(np.uint8)
-    lo = int(a.min())
-    span = int(a.max()) - lo
-    for dt in (np.uint8, np.uint16, np.uint32):
-        if span <= np.iinfo(dt).max:
-            return lo, (a - lo).astype(dt)
-    return 0, a.astype(np.int64)
 
 
 def _bound(col: _Col, v: int) -> int:
@@ -83,7 +72,7 @@ class _Part:
         if len(sid) > 1 and not bool((sid[1:] >= sid[:-1]).all()):
             order = np.argsort(sid, kind="stable")
         cols = (column(k) if order is None else column(k)[order] for k in range(_W))
-        self.cols: Optional[list[_Col]] = [_pack(np.ascontiguousarray(c)) for c in cols]
+        self.cols: Optional[list[_Col]] = [pack(np.ascontiguousarray(c)) for c in cols]
         sc = self.cols[_SID]
         self.lo, self.hi, self.count = sc[0] + int(sc[1][0]), sc[0] + int(sc[1][-1]), count
         self.paths: list[str] = []

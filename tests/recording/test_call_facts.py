@@ -10,15 +10,13 @@ ends with the SpillError and is whole. Both engines (the environment's, and ``en
 """
 from __future__ import annotations
 
-import errno
-import os
-
 import pytest
 import torch
 
 import tensorscope
 from tensorscope.errors import SpillError
 from tensorscope.recording import spill, spilled
+from tests.helpers.disk import FullFile
 from tests.recording.test_spill_equal import assert_tables_equal
 
 SPILL = dict(chunk_rows=64, spill_rows=128, leaks=False)
@@ -76,21 +74,10 @@ def test_call_facts_mapped_from_the_spill_dir_give_the_in_memory_tables(engine, 
                             max_spills=spilled.metadata["spilled_rows"] // SPILL["chunk_rows"])
 
 
-class _Full:
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, b):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
 def test_a_full_disk_while_writing_the_call_facts(engine, small_ranges, monkeypatch):
     ref = _traced(engine, **SPILL)
     real = spill._open
-    monkeypatch.setattr(spill, "_open", lambda p: _Full(real(p)) if p.endswith("call-src.npy.part") else real(p))
+    monkeypatch.setattr(spill, "_open", lambda p: FullFile(real(p)) if p.endswith("call-src.npy.part") else real(p))
     cm = tensorscope.trace(engine=engine, **SPILL)
     with pytest.raises(SpillError) as ei:
         with cm:

@@ -12,7 +12,6 @@ part is written keeps the rows in memory, and C no longer holds the blocks it ha
 """
 from __future__ import annotations
 
-import errno
 import os
 
 import pyarrow.parquet as pq
@@ -23,6 +22,7 @@ import tensorscope
 from tensorscope import schema as S
 from tensorscope.errors import SpillError
 from tensorscope.recording import live_calls, packed_rows, spill
+from tests.helpers.disk import FullFile
 from tests.recording.test_spill_equal import _text, _with_times_of, assert_tables_equal
 
 CALLS = 60_000       # > 3 blocks of 16384 calls (native/fmode.h kBlock)
@@ -146,19 +146,6 @@ def test_a_dataset_trace_spilling_calls_while_recording_is_equal(tmp_path, monke
     assert back.ops.select(ops).to_pylist() == mem.ops.select(ops).to_pylist()
 
 
-class _FullFile:
-    """A file on a full disk: every write raises ENOSPC, as write(2) does."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, b):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
 @pytest.mark.parametrize("engine", ["native", "python"])
 def test_a_full_disk_while_writing_a_calls_part_keeps_the_calls_in_memory(engine, monkeypatch, tmp_path):
     engine = _engine(engine)
@@ -171,7 +158,7 @@ def test_a_full_disk_while_writing_a_calls_part_keeps_the_calls_in_memory(engine
         opened.append(path)
         f = real(path)
         n = sum(os.path.basename(p).startswith("calls-") for p in opened)
-        return _FullFile(f) if os.path.basename(path).startswith("calls-") and n == 2 else f
+        return FullFile(f) if os.path.basename(path).startswith("calls-") and n == 2 else f
 
     monkeypatch.setattr(spill, "_open", opener)
     (tmp_path / "spill").mkdir()

@@ -25,6 +25,7 @@ import tensorscope
 from tensorscope.errors import ExportError, SpillError
 from tensorscope.recording import session as session_mod
 from tensorscope.recording import spill
+from tests.helpers.disk import FullFile
 
 SPILL = dict(chunk_rows=16, spill_rows=32, leaks=False)
 STEPS = 60
@@ -76,23 +77,6 @@ def _reference(engine):
     return t.result
 
 
-class _FullFile:
-    """A file on a disk with ``room`` bytes left: writes past it raise ENOSPC, as write(2) does."""
-
-    def __init__(self, f, room):
-        self.f, self.room = f, room
-
-    def write(self, b):
-        n = len(memoryview(b).cast("B"))
-        if n > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= n
-        return self.f.write(b)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
 @pytest.fixture
 def full_disk(monkeypatch):
     """``full_disk(suffix, files_ok, room)``: spill files whose name ends with ``suffix`` fill the
@@ -110,7 +94,7 @@ def full_disk(monkeypatch):
             if not path.endswith(suffix):
                 return f
             state["n"] += 1
-            return f if state["n"] <= files_ok else _FullFile(f, room)
+            return f if state["n"] <= files_ok else FullFile(f, room)
 
         monkeypatch.setattr(spill, "_open", opener)
         return opened
