@@ -23,7 +23,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from ..native import abi_layout as _abi
-from .packed_rows import pack
+from .packed_rows import pack, unpack
 from .spill import spill_file
 
 #: a record's values, in the native engine's order (abi.h TensorColumn): the storage id last
@@ -61,8 +61,8 @@ class _Part:
         """One part of the records of ``parts``, made a column at a time (never an int64 matrix of
         every record: a hand-over's parts merged at a spill cost 8 bytes a record at most)."""
         p = cls.__new__(cls)
-        p._sorted(np.concatenate([_widened(q.columns()[_SID]) for q in parts]),
-                  lambda k: np.concatenate([_widened(q.columns()[k]) for q in parts]), sum(q.count for q in parts))
+        p._sorted(np.concatenate([unpack(q.columns()[_SID]) for q in parts]),
+                  lambda k: np.concatenate([unpack(q.columns()[k]) for q in parts]), sum(q.count for q in parts))
         return p
 
     def _sorted(self, sid: np.ndarray, column: Callable[[int], np.ndarray], count: int) -> None:
@@ -217,15 +217,6 @@ class StorageRows:
         for lo in range(0, n, max(int(step), 1)):
             hi = min(lo + step, n)
             yield lo, hi, self.block(lo, hi, names)
-
-
-def _widened(col: _Col) -> np.ndarray:
-    """A packed column's values as int64."""
-    base, arr = col
-    out = arr.astype(np.int64)
-    if base:
-        out += base
-    return out
 
 
 assert RECORD_FIELDS[-1] == "sid" and len(set(RECORD_FIELDS)) == _W, RECORD_FIELDS
