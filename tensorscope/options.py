@@ -129,7 +129,7 @@ class TraceOptions:
     baseline_memory: float = _opt(0.1, "baseline guard: allowed growth of peak live bytes per device (0.1 = +10%%)",
                                   type=float, metavar="FRAC")
     chunk_rows: int = _opt(65536, "rows buffered per column chunk before it is frozen", type=int, metavar="N")
-    spill_rows: int = _opt(2_000_000, "rows kept in memory before chunks spill to disk", type=int, metavar="N")
+    spill_rows: int = _opt(500_000, "rows kept in memory before chunks spill to disk", type=int, metavar="N")
     spill_dir: Optional[str] = _opt(None, "directory for spilled chunks (default: a temporary directory)", type=str,
                                     metavar="DIR")
     dataset: Optional[str] = _opt(None, "at the end of the trace, write every table of this rank into the multi-rank "

@@ -271,7 +271,7 @@ def _release_memory() -> None:
 class Recorder:
     """Holds everything one trace records. Plain values only: never a tensor."""
 
-    def __init__(self, chunk_rows: int = 65536, spill_rows: int = 2_000_000, spill_dir: Optional[str] = None) -> None:
+    def __init__(self, chunk_rows: int = 65536, spill_rows: int = 500_000, spill_dir: Optional[str] = None) -> None:
         self.chunk_rows = chunk_rows
         self.spill_rows = spill_rows
         self._spill_parent = spill_dir

@@ -250,7 +250,7 @@ def _native_only() -> None:
 
 
 def test_finished_records_are_handed_over_while_recording_at_default_spill_rows():
-    """With every default option (nothing spills before 2 M rows) the native engine still hands its
+    """With every default option (nothing spills before 500,000 rows) the native engine still hands its
     finished storage records over (with its packed chunks) every ``HANDOVER_RECORDS`` records: the
     engine holds the live storages and at most about one hand-over's records, never every storage
     the trace made (64 B each in C; the recorder packs them to ~15 B)."""

@@ -57,7 +57,7 @@ _MK_HEADER = _abi.MK_HEADER
 #: finished storage records the engine holds (64 B each there, ~15 B packed in ``rec.tensors``)
 #: before it hands them over with its packed chunks at the next full block, spilling or not: a trace
 #: of small ops makes a storage per op, and without this every record of it stayed in C until
-#: ``spill_rows`` rows (64 B/op; 2 M rows by default). 2^16: a block's worth at one storage per op,
+#: ``spill_rows`` rows (64 B/op; 500,000 rows by default). 2^16: a block's worth at one storage per op,
 #: ~4 MB in C at most. Only where ``spill_rows`` is more than ``4 * HANDOVER_RECORDS``: below,
 #: the records go with the spill's hand-over within a few blocks anyway (at most ~spill_rows of
 #: them in C, a fixed cost), and each extra hand-over's buffers, freed at the next spill, left
