@@ -37,13 +37,10 @@ class _Block(torch.nn.Module):
         return z.mul(1.0)   # a call from inside a module (its module path)
 
 
-X = torch.ones(2)
-
-
-def _program(stats=None):
+def _program(x, stats=None):
     """CALLS torch-level calls of one op each from four source lines (one in a module, every 39th call)."""
     blk = _Block()
-    z = X
+    z = x   # made by the caller before the trace (a module global tensor is a leak later leak tests find)
     for i in range(CALLS // 3):
         z = z + 1
         z = blk(z) if i % 13 == 0 else z.sub(1)
@@ -67,8 +64,9 @@ def _engine(name):
 
 
 def _traced(engine, stats=None, **opts):
+    x = torch.ones(2)
     with tensorscope.trace(engine=engine, **OPTS, **opts) as t:
-        _program(stats)
+        _program(x, stats)
     t = t.result
     assert t.metadata["engine"] == engine and t.metadata["tracer_errors"] == 0
     return t
@@ -131,8 +129,9 @@ def test_a_dataset_trace_spilling_calls_while_recording_is_equal(tmp_path, monke
     mem = _traced("native")
     root = tmp_path / "ds"
     stats = {}
+    x = torch.ones(2)
     with tensorscope.trace(engine="native", dataset=str(root), **OPTS, **SPILL) as t:
-        _program(stats)
+        _program(x, stats)
     assert t.metadata["tracer_errors"] == 0, t.metadata["tracer_error_messages"]
     assert stats["taken_blocks"] == CALLS // 16384   # handed over before the last rolling parts read the calls
     parts = sorted((root / "ops" / "run=run1" / "rank=0").glob("part-*.parquet"))
@@ -162,9 +161,10 @@ def test_a_full_disk_while_writing_a_calls_part_keeps_the_calls_in_memory(engine
 
     monkeypatch.setattr(spill, "_open", opener)
     (tmp_path / "spill").mkdir()
+    x = torch.ones(2)
     with pytest.raises(SpillError, match=r"calls-000001\.npz"):
         with tensorscope.trace(engine=engine, spill_dir=str(tmp_path / "spill"), **OPTS, **SPILL):
-            _program()
+            _program(x)
     t = tensorscope.last()
     assert any("kept in memory" in n for n in t.metadata["notes"])
     assert all(not p.endswith(".part") or not os.path.exists(p) for p in opened)
@@ -183,10 +183,11 @@ def test_calls_handed_over_read_back_while_recording():
     from tensorscope.recording.recorder import C_FIRST_SEQ, C_SRC
     from tensorscope.recording.session import new_session
 
+    x = torch.ones(2)
     sess = new_session(TraceOptions(engine="native", **OPTS, **SPILL))
     sess.start()
     try:
-        _program()
+        _program(x)
         calls = sess.ctx.rec.calls
         assert calls.live and calls.base == 3 * 16384 and calls.spilled   # three blocks handed over, spilled
         ids = [0, 16383, 16384, 40000, 3 * 16384 - 1, 3 * 16384, CALLS - 1]

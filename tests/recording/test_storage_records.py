@@ -9,7 +9,6 @@ the end (a leak the leak finder names, and a list the program holds), and spill 
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import os
 import random
@@ -24,11 +23,20 @@ import tensorscope
 from tensorscope.errors import SpillError
 from tensorscope.recording import spill
 from tensorscope.recording.storage_rows import RECORD_FIELDS, StorageRows
+from tests.helpers.disk import FullFile
 
 from .test_spill_equal import _with_times_of
 
 SPILL = dict(chunk_rows=16, spill_rows=32)
 KEPT: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _kept_released():
+    """KEPT holds its tensors only during a test: a module global still holding them would be a
+    leak every later leak test in the process finds."""
+    yield
+    KEPT.clear()
 
 
 def _forced_fallback() -> bool:
@@ -196,19 +204,6 @@ def test_the_native_engine_keeps_only_live_storage_records(tmp_path):
     assert last["held"] <= 2 * 512, last                # and spilled with them by the recorder
 
 
-class _FullFile:
-    """A file on a disk with no room: a write raises ENOSPC, as write(2) does."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-
-    def write(self, b: Any) -> int:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.f, name)
-
-
 @pytest.mark.parametrize("engine_name", ["auto", "python"])
 def test_a_full_disk_at_the_storage_records_is_a_clear_error_and_the_trace_stays_whole(
         engine_name, monkeypatch, tmp_path):
@@ -220,7 +215,7 @@ def test_a_full_disk_at_the_storage_records_is_a_clear_error_and_the_trace_stays
 
     def opener(path: str) -> Any:
         f = real(path)
-        return _FullFile(f) if os.path.basename(path).startswith("storages-") else f
+        return FullFile(f) if os.path.basename(path).startswith("storages-") else f
 
     monkeypatch.setattr(spill, "_open", opener)
     spill_dir = tmp_path / "spill"
