@@ -420,8 +420,30 @@ class _Links:
     def __init__(self) -> None:
         self.n_seen = 0          # rows of the trace added so far
         self.size = 0
-        self.keys = np.zeros(1024, np.int64)
-        self.vals = np.zeros((1024, 3), np.int64)   # first seq, module, call
+        # int32 while every value fits (16 B a forward row with a sequence number, not 32), then int64
+        self.keys = np.zeros(1024, np.int32)
+        self.vals = np.zeros((1024, 3), np.int32)   # first seq, module, call
+
+    def _fit(self, keys: np.ndarray, vals: np.ndarray) -> None:
+        """Widen the index to int64 before values that do not fit int32 are stored."""
+        if self.keys.dtype == np.int64 or not len(keys):
+            return
+        lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+        if min(int(keys.min()), int(vals.min())) < lo or max(int(keys.max()), int(vals.max())) > hi:
+            self.keys = self.keys.astype(np.int64)
+            self.vals = self.vals.astype(np.int64)
+
+    def _find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(position, found) of each of ``q`` (int64) among the index's keys. A value the int32
+        index cannot hold is not in it (numpy would compare it wrapped, not widened)."""
+        keys = self.keys[:self.size]
+        if keys.dtype == np.int32:
+            ok = (q >= np.iinfo(np.int32).min) & (q <= np.iinfo(np.int32).max)
+            q = np.where(ok, q, 0).astype(np.int32)
+        else:
+            ok = np.ones(len(q), bool)
+        pos = np.minimum(np.searchsorted(keys, q), self.size - 1)
+        return pos, ok & (keys[pos] == q)
 
     def extend(self, chunk: Mapping[str, np.ndarray], start: int) -> None:
         n = len(chunk["op"])
@@ -442,11 +464,12 @@ class _Links:
         vals = np.stack([rows + start + lo, np.asarray(chunk["module"][lo:])[rows],
                          np.asarray(chunk["call"][lo:])[rows]], axis=1)
         if self.size:   # keep the first row of a key seen before
-            pos = np.minimum(np.searchsorted(self.keys[:self.size], keys), self.size - 1)
-            new = self.keys[:self.size][pos] != keys
+            new = ~self._find(keys)[1]
             keys, vals = keys[new], vals[new]
             if not len(keys):
                 return
+        self._fit(keys, vals)
+        keys, vals = keys.astype(self.keys.dtype, copy=False), vals.astype(self.vals.dtype, copy=False)
         if self.size and keys[0] <= self.keys[self.size - 1]:   # rare: not increasing, merge
             k = np.concatenate([self.keys[:self.size], keys])
             v = np.concatenate([self.vals[:self.size], vals])
@@ -470,9 +493,7 @@ class _Links:
         seq_nr = np.asarray(chunk["seq_nr"], dtype=np.int64)
         bwd = np.nonzero((np.asarray(chunk["node"]) != 0) & (seq_nr >= 0))[0]
         if len(bwd) and self.size:
-            keys = self.keys[:self.size]
-            pos = np.minimum(np.searchsorted(keys, seq_nr[bwd]), self.size - 1)
-            hit = keys[pos] == seq_nr[bwd]
+            pos, hit = self._find(seq_nr[bwd])
             rows, v = bwd[hit], self.vals[pos[hit]]
             fwd_seq[rows] = v[:, 0]
             module[rows] = v[:, 1]

@@ -152,8 +152,11 @@ def _global_links(chunks):
     return fwd, module, call
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("increasing", [True, False])
-def test_links_built_chunk_by_chunk_match_one_global_pass(increasing):
+def test_links_built_chunk_by_chunk_match_one_global_pass(increasing, wide):
+    """``wide``: past the middle, sequence numbers and call ids beyond int32: the index (int32 while
+    every value fits) widens then, and nothing stored before changes."""
     rng = np.random.default_rng(3)
     n, size = 3000, 128
     node = (rng.random(n) < 0.4).astype(np.int64) * rng.integers(1, 5, n)
@@ -162,12 +165,16 @@ def test_links_built_chunk_by_chunk_match_one_global_pass(increasing):
     for i in range(n):   # a backward row reuses a number a forward row claimed before it
         if node[i] == 0:
             seq_nr[i] = i if increasing else rng.integers(-1, 200)   # not increasing: threads, restarts
+            if wide and i >= n // 2 and seq_nr[i] >= 0:
+                seq_nr[i] += 2**33
             if seq_nr[i] >= 0:
                 claimed.append(seq_nr[i])
         elif claimed and rng.random() < 0.8:
             seq_nr[i] = claimed[rng.integers(0, len(claimed))]
     cols = {"op": np.zeros(n, np.int64), "node": node, "seq_nr": seq_nr.astype(np.int64),
             "module": rng.integers(0, 9, n), "call": rng.integers(-1, 500, n)}
+    if wide:
+        cols["call"][np.arange(n) >= n // 2] += 2**33
     chunks = [{k: v[i:i + size] for k, v in cols.items()} for i in range(0, n, size)]
     links = build._Links()
     got = [[], [], []]
@@ -179,6 +186,7 @@ def test_links_built_chunk_by_chunk_match_one_global_pass(increasing):
     ref = _global_links(chunks)
     for g, r in zip(got, ref):
         assert np.concatenate(g).tolist() == r.tolist()
+    assert links.keys.dtype == (np.int64 if wide else np.int32)
 
 
 def test_native_hand_over_is_invisible_to_the_profiler_and_the_program():
