@@ -194,16 +194,20 @@ def module_totals(ops: pa.Table) -> pa.Table:
     grand = sum(own.values()) or 1
     rows: list[tuple[str, Optional[str], int]] = []
 
-    def walk(parent: Optional[str], depth: int) -> None:
-        for k in sorted(children.get(parent, []), key=lambda c: (-total[c][0], c)):
-            rows.append((k, parent, depth))
-            walk(k, depth + 1)
-
     if root is not None:
         rows.append((root, None, -1))   # the whole model: its children are the top level (depth 0)
-        walk(root, 0)
-    else:
-        walk(None, 0)
+    # depth first, the costliest child first (a stack, not a recursive closure: no reference cycle)
+    stack: list[tuple[str, Optional[str], int]] = []
+
+    def push(parent: Optional[str], depth: int) -> None:
+        kids = sorted(children.get(parent, []), key=lambda c: (-total[c][0], c))
+        stack.extend((k, parent, depth) for k in reversed(kids))
+
+    push(root, 0)
+    while stack:
+        k, parent, depth = stack.pop()
+        rows.append((k, parent, depth))
+        push(k, depth + 1)
     return pa.table({
         "module": pa.array([r[0] for r in rows], _str), "parent": pa.array([r[1] for r in rows], _str),
         "depth": pa.array([r[2] for r in rows], _i64),

@@ -130,7 +130,7 @@ class CollectiveProbe:
         self.rows: list[tuple[Any, ...]] = []   # the columns of table(), in its order
         self.done: dict[int, int] = {}          # row index -> perf_counter_ns at completion
         self.counts: dict[str, int] = {}        # pg_name -> collectives seen
-        self._on_first = on_first
+        self.on_first = on_first   # dropped when the trace stops
         self._names: dict[Any, Optional[str]] = {}
 
     def __len__(self) -> int:
@@ -182,8 +182,8 @@ class CollectiveProbe:
         self.rows.append((seq, name, pg_name, pg_size, reduce_op, _input_bytes(op, args), start_perf_ns,
                           None if start_perf_ns is None or end_perf_ns is None else end_perf_ns - start_perf_ns, k))
         self._watch(i, outputs)
-        if i == 0 and self._on_first is not None:
-            cb, self._on_first = self._on_first, None
+        if i == 0 and self.on_first is not None:
+            cb, self.on_first = self.on_first, None
             cb()
 
     def _watch(self, i: int, outputs: Any) -> None:

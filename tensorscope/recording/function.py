@@ -333,6 +333,12 @@ class NativeFunctionMode(TorchFunctionMode):
         raw, n, first, packed = self._fm.take()
         self._calls.handover(raw, n, first, packed)
         self._rec.n_calls = n
+        # take() dropped the C side's references to the c_* callbacks; this mode's own (bound
+        # methods of itself: a cycle) go too, so the recorder is freed with the session
+        for name in [k for k in self.__dict__ if k.startswith("c_")]:
+            del self.__dict__[name]
+        self.__dict__.pop("__torch_function__", None)
+        self._bound = None
 
     # -- torch.compile: Dynamo must see the Python handler, not the C builtin ---------------------
     def _compile_callbacks(self, on: bool) -> None:

@@ -356,7 +356,8 @@ class CollectivesProbe:
         ctx.op_hooks.add(NAMESPACES, _collective_hook(self.probe))
 
     def stop(self) -> None:
-        pass
+        if self.probe is not None:   # on_first holds the context, which holds the probe (its op hook)
+            self.probe.on_first = None
 
     def contribute(self, decoded: Decoded) -> Contribution:
         from .collectives import CollectiveProbe

@@ -147,28 +147,8 @@ class InputCapture:
         tensors: list[torch.Tensor] = []
         problems: list[str] = []
 
-        def enc(v: Any) -> Any:
-            if isinstance(v, torch.Tensor):
-                tensors.append(v)
-                return {"tensor": len(tensors) - 1}
-            if v is None or isinstance(v, (bool, int, str)):
-                return v
-            if isinstance(v, float):
-                return v if math.isfinite(v) else {"float": repr(v)}
-            if isinstance(v, complex):
-                return {"complex": [v.real, v.imag]}
-            if isinstance(v, (list, tuple)):
-                return [enc(x) for x in v]
-            if isinstance(v, torch.dtype):
-                return {"dtype": str(v).replace("torch.", "")}
-            if isinstance(v, torch.device):
-                return {"device": str(v)}
-            if isinstance(v, torch.memory_format):
-                return {"memory_format": str(v).replace("torch.", "")}
-            if isinstance(v, torch.layout):
-                return {"layout": str(v).replace("torch.", "")}
-            problems.append(f"an argument of type {type(v).__name__} cannot be written into a script")
-            return {"unsupported": type(v).__name__}
+        def enc(v: Any) -> Any:   # _encode_arg recurses: a closure calling itself would be a cycle holding the tensors
+            return _encode_arg(v, tensors, problems)
 
         args: list[Any] = []
         kwargs: dict[str, Any] = {}
@@ -236,3 +216,29 @@ class InputCapture:
             return S.empty("captures")
         cols = {name: [r[name] for r in self.rows] for name in S.CAPTURES.names}
         return pa.Table.from_pydict(cols, schema=S.CAPTURES)
+
+
+def _encode_arg(v: Any, tensors: list[Any], problems: list[str]) -> Any:
+    """One argument of a captured op as JSON, its tensors appended to ``tensors`` (replaced by their
+    index), what a script cannot hold to ``problems``."""
+    if isinstance(v, torch.Tensor):
+        tensors.append(v)
+        return {"tensor": len(tensors) - 1}
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"float": repr(v)}
+    if isinstance(v, complex):
+        return {"complex": [v.real, v.imag]}
+    if isinstance(v, (list, tuple)):
+        return [_encode_arg(x, tensors, problems) for x in v]
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).replace("torch.", "")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    if isinstance(v, torch.memory_format):
+        return {"memory_format": str(v).replace("torch.", "")}
+    if isinstance(v, torch.layout):
+        return {"layout": str(v).replace("torch.", "")}
+    problems.append(f"an argument of type {type(v).__name__} cannot be written into a script")
+    return {"unsupported": type(v).__name__}

@@ -220,7 +220,21 @@ class Session:
         description, the build) runs with ``__torch_function__`` disabled: a user's TorchFunctionMode
         around the trace sees none of it, nor does a tensor subclass's handler."""
         with torch._C.DisableTorchFunction():
-            return self._stop(exc)
+            try:
+                return self._stop(exc)
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        """Cut what the engine holds of the recording (its context holds the engine): with the function
+        mode's callbacks (dropped at its finish), the probes' hooks (at their stop) and the storage
+        tracker's clock (at its close), nothing of the recording is left in a reference cycle, so the
+        recorder, its buffers and its mapped spill parts go with the session, not at the garbage
+        collector's next full pass."""
+        try:
+            self.engine.release()
+        except Exception as e:
+            self.ctx.rec.tracer_error("release", e)
 
     def _stop(self, exc: Optional[BaseException]) -> Trace:
         end = time.perf_counter_ns()

@@ -61,6 +61,10 @@ class LiveStorage:
     source_line: Optional[int]
 
 
+def _no_seq() -> int:
+    return -1
+
+
 class StorageTracker:
     """Assigns storage ids by data pointer and watches each storage's death.
 
@@ -143,3 +147,4 @@ class StorageTracker:
         self.closed = True
         self.live.clear()
         self.by_ptr.clear()
+        self._seq = _no_seq   # the context's bound method: the context holds this tracker

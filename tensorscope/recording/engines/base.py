@@ -60,6 +60,10 @@ class Engine(Protocol):
     def finish(self, ctx: RecordingContext) -> None:
         """After stop: hand everything recorded to ``ctx.rec`` (and ``ctx``'s probes)."""
 
+    def release(self) -> None:
+        """Once the Trace is built: drop what the engine holds of the recording (its context), so
+        that nothing of it waits for the garbage collector. Idempotent, never raises."""
+
 
 def exit_mode(mode: Any, stack_fn: Callable[[], Sequence[Any]]) -> None:
     """Pop ``mode``, also when user code left other modes above it (they are re-pushed)."""

@@ -247,6 +247,8 @@ def _other_threads_frames() -> set[int]:
     """ids of frames executing on other threads (their locals are live holders)."""
     out: set[int] = set()
     me = None
+    top: Optional[types.FrameType] = None
+    f: Optional[types.FrameType] = None
     try:
         import threading
 
@@ -254,18 +256,23 @@ def _other_threads_frames() -> set[int]:
         for tid, top in sys._current_frames().items():
             if tid == me:
                 continue
-            f: Optional[types.FrameType] = top
+            f = top
             while f is not None:
                 out.add(id(f))
                 f = f.f_back
     except Exception:
         pass
+    finally:
+        top = f = None   # this thread's entry is this very frame: left in a local, a reference cycle
     return out
 
 
 def _running_frames() -> set[Any]:
+    """The frames executing on this thread, from the caller's out (this function's own would hold the
+    set it returns: a reference cycle that kept, until the collector's next full pass, every frame of
+    the stack, and with them the finished recording, alive). Callers drop the set when done."""
     out = set()
-    f: Optional[types.FrameType] = sys._getframe(0)
+    f: Optional[types.FrameType] = sys._getframe(1)
     while f is not None:
         out.add(f)
         f = f.f_back

@@ -74,3 +74,6 @@ class PythonEngine:
 
     def finish(self, ctx: RecordingContext) -> None:
         pass   # the dispatch mode appended its rows to ctx.rec as the ops ran
+
+    def release(self) -> None:
+        self._mode = None   # stop() dropped it already, unless stop never ran
