@@ -12,7 +12,7 @@ decodes spilled rows while the trace runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -133,7 +133,6 @@ class Decoder:
         self.screened = screen is not None
         self.screened_op = np.array([bool(screen.screens(f)) if screen is not None else False
                                      for f in rec.funcs.values] or [False], dtype=bool)
-        self._g: Optional[dict[str, np.ndarray]] = None
         self._run_keys: dict[tuple[int, int], int] = {}   # (op id, input tuple id) -> process-wide key hash
         self.nulls = Nulls()   # all-null columns shared by every chunk (see columns.Nulls)
         self.links = links
@@ -141,14 +140,22 @@ class Decoder:
         #: ops file leaves them out (8 B a row each)
         self.null_ops = null_ops(rec, cell=cell, screened=self.screened, nodes=self.nodes, modules=self.modules)
 
-    @property
-    def g(self) -> dict[str, np.ndarray]:
-        """Whole-trace columns some tables index by seq (``op``: a tensor's allocating op, a
-        warning's op), read once, only the columns needed, on first use."""
-        if self._g is None:
-            ops = [np.asarray(c["op"], dtype=np.int32) for c in self.rec.iter_op_chunks(columns=("op",))]
-            self._g = {"op": np.concatenate(ops) if ops else np.zeros(0, np.int32)}
-        return self._g
+    def ops_at(self, seqs: Collection[int]) -> dict[int, int]:
+        """The op id of each of the rows ``seqs`` that exists (a warning's op): only the chunks that
+        hold one are read, and nothing whole-trace is kept."""
+        want = np.unique(np.fromiter((int(q) for q in seqs), dtype=np.int64, count=len(seqs)))
+        want = want[want >= 0]
+        out: dict[int, int] = {}
+        if not len(want):
+            return out
+        for start, chunk in self.rec.iter_op_chunks(columns=("op",), from_seq=int(want[0]), with_start=True):
+            op = chunk["op"]
+            lo, hi = np.searchsorted(want, [start, start + len(op)])
+            for q in want[lo:hi].tolist():
+                out[q] = int(op[q - start])
+            if hi == len(want):
+                break
+        return out
 
     def decode(self, chunk: dict[str, np.ndarray], start: int) -> pa.RecordBatch:
         rec = self.rec
@@ -536,10 +543,11 @@ def errors_table(ctx: Decoder) -> pa.Table:
     names = ctx.ops["names"]
     folded: list[dict[str, Any]] = []
     index: dict[tuple[Any, ...], int] = {}
+    ops = ctx.ops_at([r["seq"] for r in rows if r.get("op") is None and r.get("seq") is not None and r["kind"] == "warning"])
     for r in rows:
         r = dict(r)
-        if r.get("op") is None and r.get("seq") is not None and r["kind"] == "warning" and 0 <= r["seq"] < len(ctx.g["op"]):
-            r["op"] = names[int(ctx.g["op"][r["seq"]])]
+        if r.get("op") is None and r["kind"] == "warning" and r.get("seq") in ops:
+            r["op"] = names[ops[r["seq"]]]
         if r["kind"] == "warning":
             key = (r.get("seq"), r.get("message"), r.get("cpp_file"), r.get("cpp_line"))
             if key in index:
