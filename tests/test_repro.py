@@ -218,13 +218,21 @@ def test_capture_keeps_no_reference_to_the_inputs():
     import torch.nn.functional as F
 
     x, w = torch.randn(4, 8), torch.randn(3, 8)
-    with tensorscope.trace(capture="nonfinite", leaks=False) as t:
-        y = F.linear(x, w)
-        x.mul_(2.0)
-    refs = [weakref.ref(x), weakref.ref(w), weakref.ref(y)]
-    del x, w, y, t
     gc.collect()
-    assert [r() is None for r in refs] == [True, True, True]
+    gc.disable()   # not even in a reference cycle (until a collection): eager frees them at ``del``
+    try:
+        for capture in ("nonfinite", "errors", "every op"):
+            x, w = torch.randn(4, 8), torch.randn(3, 8)
+            with tensorscope.trace(capture=capture if capture != "every op" else list(range(8)), leaks=False) as t:
+                y = F.linear(x, w)
+                x.mul_(2.0)
+            if capture == "every op":
+                assert t.result.table("captures").num_rows > 0   # the inputs were saved (copied)
+            refs = [weakref.ref(x), weakref.ref(w), weakref.ref(y)]
+            del x, w, y, t
+            assert [r() is None for r in refs] == [True, True, True], capture
+    finally:
+        gc.enable()
 
 
 def test_bad_input(tmp_path):
