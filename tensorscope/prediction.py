@@ -280,21 +280,25 @@ def _user_line(tb: Any) -> str:
 class _DeviceQueries:
     """A dispatch mode above the trace's that answers ``prim.device`` for FakeTensors itself."""
 
+    _cls: Any = None   # the mode's class, made once (a class made per call is a reference cycle)
+
     def __enter__(self) -> Any:
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
+        if _DeviceQueries._cls is None:
+            import torch
+            from torch.utils._python_dispatch import TorchDispatchMode
 
-        prim_device = torch.ops.prim.device.default
+            prim_device = torch.ops.prim.device.default
 
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is prim_device:
-                    fd = getattr(args[0], "fake_device", None)
-                    if fd is not None:
-                        return fd
-                return func(*args, **(kwargs or {}))
+            class _Mode(TorchDispatchMode):
+                def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                    if func is prim_device:
+                        fd = getattr(args[0], "fake_device", None)
+                        if fd is not None:
+                            return fd
+                    return func(*args, **(kwargs or {}))
 
-        self._mode = _Mode()
+            _DeviceQueries._cls = _Mode
+        self._mode = _DeviceQueries._cls()
         return self._mode.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:

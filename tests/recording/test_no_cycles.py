@@ -164,3 +164,45 @@ def test_a_spilled_trace_gives_its_files_back_when_dropped_without_a_collection(
             torch.ones(1)
         assert mapped() == []
         assert [p.name for p in tmp_path.iterdir()] == []
+
+
+class _Sub(torch.Tensor):
+    """A subclass torch's default ``__torch_function__`` keeps (check_substitution's input)."""
+
+
+def _entry_points(tmp_path: Any) -> dict[str, Callable[[], None]]:
+    def schedule() -> None:
+        with tensorscope.schedule(wait=1, warmup=1, active=2, leaks=False) as s:
+            for _ in range(4):
+                _step()
+                s.step()
+        tensorscope.advise(s)
+
+    def predict() -> None:
+        model = torch.nn.Linear(16, 4)
+        tensorscope.predict(lambda x: model(x).sum().backward(), torch.randn(8, 16))
+
+    def diverge_and_diff() -> None:
+        runs = []
+        for _ in range(2):
+            with tensorscope.trace(fingerprints=True, leaks=False) as t:
+                _step()
+            runs.append(t.result)
+        tensorscope.diverge(*runs).to_text()
+        str(tensorscope.diff(*runs))
+
+    def substitution() -> None:
+        w = torch.randn(4, 4)
+        tensorscope.check_substitution(lambda x: (x @ w).relu(), torch.randn(4, 4),
+                                       wrap=lambda t: t.as_subclass(_Sub))
+
+    def leaks() -> None:
+        tensorscope.find_leaks(user_ns={"kept": torch.ones(4)}, frames=True)
+
+    return {"schedule": schedule, "predict": predict, "diverge_and_diff": diverge_and_diff,
+            "substitution": substitution, "find_leaks": leaks}
+
+
+@pytest.mark.parametrize("entry", ["schedule", "predict", "diverge_and_diff", "substitution", "find_leaks"])
+def test_the_other_entry_points_leave_no_reference_cycle(entry, tmp_path):
+    assert _cyclic_garbage(_entry_points(tmp_path)[entry]) == []
