@@ -159,6 +159,9 @@ def test_a_spilled_trace_gives_its_files_back_when_dropped_without_a_collection(
         trace = t.result
         assert trace.metadata["spilled_rows"] > 0
         assert trace.ops.num_rows > 0 and mapped()   # read from the mapped files
+        # the block has ended: what is mapped is the trace's tables, nothing of the recording's
+        (tables,) = [p for p in tmp_path.iterdir() if p.name.startswith("tensorscope-tables-")]
+        assert all(path.startswith(str(tables) + os.sep) for path in mapped()), mapped()
         del t, trace
         with tensorscope.trace(engine=engine):   # takes the spilled trace's place in last()
             torch.ones(1)
