@@ -21,6 +21,24 @@ def peaks_line(peaks: Any) -> list[str]:
     return [f"{dev}: {peak_text(p)}" for dev, p in sorted((peaks or {}).items())]
 
 
+def outside_note(outs: list[dict[str, Any]], steps: Optional[int]) -> str:
+    """The time outside ops, as measured: the gaps between ops (past tensorscope's own per-op work)
+    against the wall time, and, on a busy machine, the time the thread waited for a CPU, which may
+    explain some of the gaps (the ``outside_ops`` finding counts only what it cannot: the rest)."""
+    wall = sum(o["wall_ns"] or o["span_ns"] for o in outs)
+    gaps = sum(o["outside_ns"] for o in outs)
+    delay = sum(o.get("run_delay_ns") or 0 for o in outs)
+    waited = sum(min(o.get("run_delay_ns") or 0, o["outside_ns"]) for o in outs)
+    tiny = sum(o.get("tiny_ops") or 0 for o in outs)
+    text = (f"{100 * gaps / wall if wall else 0:.0f}% of the wall time ({fmt_ns(gaps)} of {fmt_ns(wall)}, enter to "
+            "exit) was outside ops, past tensorscope's own per-op work")
+    if waited:
+        explains = "all of it" if waited >= gaps else f"{fmt_ns(waited)} of it"
+        text += (f"; the thread waited {fmt_ns(delay)} for a CPU in the block (other processes' time), which may "
+                 f"explain {explains}: the outside_ops finding counts the rest ({fmt_ns(gaps - waited)})")
+    return text + f"; {tiny} tiny ops" + (f", {tiny / steps:g} per step" if steps else "")
+
+
 def advice_to_section(a: Any) -> Section:
     rows = []
     for r in a.findings.to_pylist():
@@ -31,17 +49,8 @@ def advice_to_section(a: Any) -> Section:
         notes.append("PREDICTED (FakeTensorMode): nothing ran, the times are not measured")
     notes += list(a.notes)
     outs = [o for o in a.outside or [] if o]
-    if outs:
-        wall = sum(o["wall_ns"] or o["span_ns"] for o in outs)
-        waited = sum(min(o.get("run_delay_ns") or 0, o["outside_ns"]) for o in outs)
-        outside = sum(o["outside_ns"] for o in outs) - waited
-        tiny = sum(o.get("tiny_ops") or 0 for o in outs)
-        per = f", {tiny / a.steps:g} per step" if a.steps else ""
-        if not getattr(a, "predicted", False):
-            notes.append(f"{100 * outside / wall if wall else 0:.0f}% of the wall time ({fmt_ns(outside)} of "
-                         f"{fmt_ns(wall)}, enter to exit) was outside ops"
-                         + (f" (and {fmt_ns(waited)} waiting for a CPU: other processes' time)" if waited else "")
-                         + f"; {tiny} tiny ops{per}")
+    if outs and not getattr(a, "predicted", False):
+        notes.append(outside_note(outs, a.steps))
     first = int(getattr(a, "first_run_ns", 0) or 0)
     if first and not getattr(a, "cold", False) and not getattr(a, "predicted", False):
         notes.append(f"{fmt_ns(first)} of first executions (ops.first_run: one-time initialisation) left out of "
