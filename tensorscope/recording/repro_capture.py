@@ -147,15 +147,12 @@ class InputCapture:
         tensors: list[torch.Tensor] = []
         problems: list[str] = []
 
-        def enc(v: Any) -> Any:   # _encode_arg recurses: a closure calling itself would be a cycle holding the tensors
-            return _encode_arg(v, tensors, problems)
-
         args: list[Any] = []
         kwargs: dict[str, Any] = {}
         tensor_written: list[bool] = []
         for i, v in enumerate(inputs):
             n0 = len(tensors)
-            e = enc(v)
+            e = _encode_arg(v, tensors, problems)   # a module function: a recursive closure is a cycle holding the tensors
             tensor_written.extend([i in written] * (len(tensors) - n0))
             if i < len(kw_only) and kw_only[i]:
                 kwargs[str(names[i])] = e
@@ -218,7 +215,7 @@ class InputCapture:
         return pa.Table.from_pydict(cols, schema=S.CAPTURES)
 
 
-def _encode_arg(v: Any, tensors: list[Any], problems: list[str]) -> Any:
+def _encode_arg(v: Any, tensors: list[torch.Tensor], problems: list[str]) -> Any:
     """One argument of a captured op as JSON, its tensors appended to ``tensors`` (replaced by their
     index), what a script cannot hold to ``problems``."""
     if isinstance(v, torch.Tensor):
