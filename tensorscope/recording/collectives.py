@@ -186,6 +186,11 @@ class CollectiveProbe:
             cb, self.on_first = self.on_first, None
             cb()
 
+    def on_op(self, seq: int, op: str, inputs: Any, outputs: Any) -> None:
+        """The op hook (``OpHooks``) of the c10d namespaces: an op just returned (outputs None when it
+        raised); its start and duration come from its ops row when the tables are built."""
+        self.observe(seq, op, inputs, None, outputs if outputs is not None else (), None, None)
+
     def _watch(self, i: int, outputs: Any) -> None:
         import torch
 

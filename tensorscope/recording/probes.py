@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from .compiled import CompileCapture
     from .context import RecordingContext
     from .engines import Engine
-    from .ophooks import OpHook
     from .ranks import DistContext
     from .recorder import Recorder
     from .repro_capture import InputCapture
@@ -353,7 +352,7 @@ class CollectivesProbe:
         from .collectives import NAMESPACES, CollectiveProbe
 
         self.probe = CollectiveProbe(on_first=_first_collective(ctx, self.dist))
-        ctx.op_hooks.add(NAMESPACES, _collective_hook(self.probe))
+        ctx.op_hooks.add(NAMESPACES, self.probe.on_op)
 
     def stop(self) -> None:
         if self.probe is not None:   # on_first holds the context, which holds the probe (its op hook)
@@ -591,11 +590,3 @@ def _first_collective(ctx: RecordingContext, dist: DistContext) -> Callable[[], 
         finally:
             ctx.recording = was
     return on_first
-
-
-def _collective_hook(probe: CollectiveProbe) -> OpHook:
-    """Op hook: a c10d op just returned (outputs None when it raised); its start and duration come
-    from its ops row when the tables are built."""
-    def on_collective(seq: int, op: str, inputs: Any, outputs: Any) -> None:
-        probe.observe(seq, op, inputs, None, outputs if outputs is not None else (), None, None)
-    return on_collective

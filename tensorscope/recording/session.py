@@ -222,19 +222,8 @@ class Session:
         with torch._C.DisableTorchFunction():
             try:
                 return self._stop(exc)
-            finally:
-                self._release()
-
-    def _release(self) -> None:
-        """Cut what the engine holds of the recording (its context holds the engine): with the function
-        mode's callbacks (dropped at its finish), the probes' hooks (at their stop) and the storage
-        tracker's clock (at its close), nothing of the recording is left in a reference cycle, so the
-        recorder, its buffers and its mapped spill parts go with the session, not at the garbage
-        collector's next full pass."""
-        try:
-            self.engine.release()
-        except Exception as e:
-            self.ctx.rec.tracer_error("release", e)
+            finally:   # the context holds the engine: without this cut, the recording waited for a collection
+                self.engine.release()   # (docs/development/architecture.md; never raises)
 
     def _stop(self, exc: Optional[BaseException]) -> Trace:
         end = time.perf_counter_ns()
@@ -340,7 +329,7 @@ class Session:
         kernels = tables.pop("kernels", None)
         if kernels is None:   # the kernels probe contributed nothing (it failed): an empty table
             kernels = S.empty("kernels")
-        resolver = None if isinstance(kernels, pa_Table()) else kernels.resolve   # always-on cells: linked later
+        resolver = getattr(kernels, "resolve", None)   # a pending table, not a pa.Table: always-on cells link later
         if resolver is None:
             tables["kernels"] = kernels
         if not self.options.dataset or self.dataset_error is not None:
@@ -432,13 +421,6 @@ def pa_table(batch: pa.RecordBatch) -> pa.Table:
     import pyarrow as pa
 
     return pa.Table.from_batches([batch])
-
-
-def pa_Table() -> type:
-    import pyarrow as pa
-
-    t: type = pa.Table
-    return t
 
 
 def _exit_errors(session: Session, t: Optional[Trace]) -> list[BaseException]:
