@@ -24,11 +24,12 @@ def _body() -> None:
 @pytest.mark.parametrize("spill", [False, True])
 def test_a_warning_names_the_op_that_raised_it(engine, spill):
     options = {"chunk_rows": 64, "spill_rows": 128} if spill else {}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
         with tensorscope.trace(engine=engine, **options) as t:
             _body()
     assert (t.metadata["spilled_rows"] > 0) == spill
+    assert len(shown) == 5   # the program's warnings reach it unchanged
     ops = t.ops.column("op").to_pylist()
     rows = [e for e in t.errors.to_pylist() if e["kind"] == "warning"]
     assert [e["op"] for e in rows] == ["aten.cos.out", "aten.sin.out"] * 2 + ["aten.cos.out"]
