@@ -11,7 +11,6 @@ import contextlib
 import gc
 import os
 import sys
-import types
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -21,29 +20,7 @@ import torch
 
 import tensorscope
 from tensorscope.recording import history
-
-_PKG = os.path.dirname(tensorscope.__file__)
-
-
-def _ours(o: Any) -> bool:
-    """An object of tensorscope's own: an instance of one of its classes, or one of its functions,
-    bound methods or frames."""
-    if isinstance(o, types.FrameType):
-        return o.f_code.co_filename.startswith(_PKG)
-    if isinstance(o, types.MethodType):
-        o = o.__func__
-    if isinstance(o, types.FunctionType):
-        return o.__code__.co_filename.startswith(_PKG)
-    return (type(o).__module__ or "").startswith("tensorscope")
-
-
-def _name(o: Any) -> str:
-    if isinstance(o, types.FrameType):
-        return f"frame {o.f_code.co_name} ({os.path.basename(o.f_code.co_filename)}:{o.f_lineno})"
-    f = getattr(o, "__func__", o)
-    if isinstance(f, types.FunctionType):
-        return f"function {f.__qualname__}"
-    return type(o).__qualname__
+from tests.helpers import cycles
 
 
 @contextlib.contextmanager
@@ -61,15 +38,11 @@ def _no_collector() -> Iterator[None]:
 def _cyclic_garbage(run: Callable[[], None]) -> list[str]:
     """What of tensorscope's only a collection frees once ``run()`` returned (its names, sorted)."""
     run()   # warm: first-use caches (peaks, compiled builds, imports) are not what is asked
-    with _no_collector():
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            run()
-            gc.collect()
-            found = sorted({_name(o) for o in gc.garbage if _ours(o)})
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
+    cycles.start()
+    try:
+        run()
+    finally:
+        found = cycles.found()   # the collector back on, also when run() failed
     return found
 
 
