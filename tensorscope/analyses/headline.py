@@ -33,6 +33,29 @@ __all__ = ["headline", "MAX_LINES"]
 
 MAX_LINES = 5
 _ELEMENT = re.compile(r"^(.*)\[(\d+)\]$")
+_DEL_ITEM = re.compile(r"^del (\S+)\[(\d+)\]((?:  \(.*\))?)$")   # the leak finder's "del kept[3]  (in f())"
+
+
+def _group_fix(fixes: Sequence[str], container: str) -> Optional[str]:
+    """One fix for all the leaked elements of one container (their rows' fixes, largest index first,
+    as the leak finder lists them): the one they share; one that rebinds or deletes the whole
+    container; their ``del c[i]`` as one slice when the indices run without a gap; else every fix,
+    in that order (a ``del`` of a higher index first keeps the lower ones in place)."""
+    distinct = list(dict.fromkeys(f for f in fixes if f))
+    if len(distinct) <= 1:
+        return distinct[0] if distinct else None
+    name = container.rsplit(" ", 1)[-1]   # "global kept", "f() local kept": the variable
+    whole = [f for f in distinct if f.startswith((f"{name} = ", f"del {name}  (")) or f == f"del {name}"]
+    if whole:
+        return whole[0]
+    dels = [_DEL_ITEM.match(f) for f in distinct]
+    if all(dels) and len({(m.group(1), m.group(3)) for m in dels if m}) == 1:
+        idx = sorted(int(m.group(2)) for m in dels if m)
+        if idx == list(range(idx[0], idx[-1] + 1)):
+            m0 = dels[0]
+            assert m0 is not None
+            return f"del {m0.group(1)}[{idx[0]}:{idx[-1] + 1}]{m0.group(3)}"
+    return "; ".join(distinct)
 
 
 def _where(module: Optional[str], op: Optional[str], file: Optional[str], line: Optional[int],
@@ -101,8 +124,9 @@ def _leaks(leaks: pa.Table, peak_bytes: int, cells: Optional[Mapping[str, int]],
         holder = (r.get("holder") or "").split("; also ")[0].split(" → grad_fn")[0] or "(no holder found)"
         m = _ELEMENT.match(holder)   # the elements of one container (kept[0], kept[1], ...): one finding
         holder = m.group(1) if m else holder
-        g = groups.setdefault(holder, {"bytes": 0, "n": 0, "growth": None, "fix": r.get("fix") or None,
+        g = groups.setdefault(holder, {"bytes": 0, "n": 0, "growth": None, "fixes": [],
                                        "file": r.get("source_file"), "line": r.get("source_line"), "items": set()})
+        g["fixes"].append(r.get("fix") or "")
         if m:
             g["items"].add(int(m.group(2)))
         g["bytes"] += int(r.get("nbytes") or 0)
@@ -120,7 +144,8 @@ def _leaks(leaks: pa.Table, peak_bytes: int, cells: Optional[Mapping[str, int]],
                     "what": f"still alive after the cell, held by {holder}{items}",
                     "where": _where(None, None, g["file"], g["line"], cells),
                     "how_much": f"{fmt_bytes(g['bytes'])} in {g['n']} storage{'s' * (g['n'] != 1)}{grow}",
-                    "fix": g["fix"], "cost_ns": None, "bytes": g["bytes"]})
+                    "fix": _group_fix(g["fixes"], holder) if g["items"] else (g["fixes"][0] or None),
+                    "cost_ns": None, "bytes": g["bytes"]})
     return out
 
 

@@ -174,3 +174,31 @@ def test_report_is_one_standalone_escaped_page_with_everything_open(tmp_path):
 
     with pytest.raises(ExportError, match="cannot write the report"):
         t.result.report(tmp_path / "missing" / "dir" / "cell.html")
+
+
+def test_a_containers_leaked_elements_get_one_fix_that_releases_them_all():
+    """Each leaked element's row says ``del kept[i]``; the container's one headline line gives one fix
+    for all of them (here a slice), and running it frees every storage the line counts."""
+    import gc
+    import weakref
+
+    from tensorscope.tracking.leaks import fix_code
+
+    m = torch.nn.Linear(16, 16)
+    kept = [m(torch.randn(4, 16)).sum().detach()]   # from before the trace: not this cell's to release
+    with tensorscope.trace() as t:
+        for _ in range(3):
+            loss = m(torch.randn(4, 16)).sum()
+            loss.backward()   # frees the graph: each loss keeps its own 4 bytes
+            kept.append(loss)
+        del loss
+    (leak,) = [d for d in summarize(t.result).head.lines if d["kind"] == "leak"]
+    assert re.search(r"held by .*\bkept \(3 items\)$", leak["what"]), leak
+    assert [r["fix"].split("  (")[0] for r in t.result.leaks.to_pylist() if not r["expected"]] == \
+        ["del kept[3]", "del kept[2]", "del kept[1]"]
+    assert leak["fix"].split("  (")[0] == "del kept[1:4]"
+    refs = [weakref.ref(x.untyped_storage()) for x in kept]
+    exec(fix_code(leak["fix"]), {}, scope := {"kept": kept})
+    gc.collect()
+    assert scope["kept"] is kept and len(kept) == 1   # the earlier element stays
+    assert [r() is None for r in refs] == [False, True, True, True]
