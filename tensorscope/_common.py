@@ -84,6 +84,11 @@ def fmt_ns(n: Optional[float]) -> str:
     return f"{v / 1e9:.2f} s"
 
 
+def fmt_rate(x: float) -> str:
+    """A count per step: ``20``, ``35.3`` (one decimal when it is not whole), ``1,200``."""
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+
+
 def esc(s: object) -> str:
     """HTML-escaped text of any value (None is empty): every string that reaches HTML goes through it."""
     return html.escape("" if s is None else str(s), quote=True)

@@ -91,3 +91,9 @@ def test_ipython_shell_never_imports_ipython():
             "print(ipython_shell(), 'IPython' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["None", "False"]
+
+
+def test_fmt_rate_is_whole_or_one_decimal():
+    from tensorscope._common import fmt_rate
+
+    assert [fmt_rate(x) for x in (20, 20.0, 106 / 3, 1200, 0.5)] == ["20", "20", "35.3", "1,200", "0.5"]

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema as S
-from .._common import fmt_bytes, fmt_ns
+from .._common import fmt_bytes, fmt_ns, fmt_rate
 from .findings import _CELLS, Runs, _advice_table, _finding, _rows_of, _where
 from .idle import TRACER_NS, gpu_idle, outside_ops
 from .layout_findings import _layout_findings
@@ -96,7 +96,7 @@ def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, step
         n = len(r["seq_list"])
         devs = sorted({d or "?" for d in r["device_distinct"]})
         on_gpu = any(d not in ("cpu", "?") for d in devs)
-        per = f" ({n / steps:g} per step)" if steps else ""
+        per = f" ({fmt_rate(n / steps)} per step)" if steps else ""
         seen = (f"{subj_} at {_where(f, line)} ran {n}x{per} on {', '.join(devs)} "
                 f"({r['op_min']}: {kind.replace('_', ' ')})")
         seen += ("; each one waits for every kernel queued before it" if on_gpu else
@@ -163,7 +163,7 @@ def _overhead_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Op
     if n_tiny < TINY_MIN or not n_work or n_tiny / n_work < TINY_SHARE:
         return []
     top = sorted(names.items(), key=lambda kv: -kv[1])[:3]
-    per = f" ({n_tiny / steps:g} per step)" if steps else ""
+    per = f" ({fmt_rate(n_tiny / steps)} per step)" if steps else ""
     seen = (f"{n_tiny} of {n_work} ops{per} move under {fmt_bytes(TINY_BYTES)} each, so their time is mostly "
             f"per-op dispatch: " + ", ".join(f"{short_name(op)} at {_where(f, ln)} x{c}" for (op, f, ln), c in top))
     fixes = ["torch.compile(model) fuses them into few kernels"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .._common import fmt_ns
+from .._common import fmt_ns, fmt_rate
 from .section import Section
 
 TITLE = "why is it slow: the advisor"
@@ -36,13 +36,13 @@ def outside_note(outs: list[dict[str, Any]], steps: Optional[int]) -> str:
         explains = "all of it" if waited >= gaps else f"{fmt_ns(waited)} of it"
         text += (f"; the thread waited {fmt_ns(delay)} for a CPU in the block (other processes' time), which may "
                  f"explain {explains}: the outside_ops finding counts the rest ({fmt_ns(gaps - waited)})")
-    return text + f"; {tiny} tiny ops" + (f", {tiny / steps:g} per step" if steps else "")
+    return text + f"; {tiny} tiny ops" + (f", {fmt_rate(tiny / steps)} per step" if steps else "")
 
 
 def advice_to_section(a: Any) -> Section:
     rows = []
     for r in a.findings.to_pylist():
-        per = f" ({r['per_step']:g}/step)" if r.get("per_step") is not None else ""
+        per = f" ({fmt_rate(r['per_step'])}/step)" if r.get("per_step") is not None else ""
         rows.append((r["kind"], r["seen"], r["evidence"] + per, fmt_ns(r["cost_ns"]), r["fix"]))
     notes: list[str] = []
     if getattr(a, "predicted", False):
