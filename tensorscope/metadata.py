@@ -107,6 +107,10 @@ def _strs(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
 
 
+def _opt_strs(v: Any) -> bool:
+    return v is None or _strs(v)
+
+
 def _row_counts(v: Any) -> bool:
     return v is None or (isinstance(v, _MAP) and all(isinstance(k, str) and _int(n) for k, n in v.items()))
 
@@ -148,6 +152,8 @@ class TraceMetadata(Mapping[str, Any]):
     nonfinite_screen: Optional[Mapping[str, Any]] = _f(None, _opt_map, "NaN/Inf screen counters")
     numerics: Optional[Mapping[str, Any]] = _f(None, _opt_map, "numerics shadow counters")
     notes: tuple[str, ...] = _f((), _strs, "what the trace could not see, and why")
+    module_roots: Optional[tuple[str, ...]] = _f(None, _opt_strs, "class of each outermost module called (module "
+                                                 "paths are relative to it); None: not recorded (older traces)")
     distributed: Optional[Mapping[str, Any]] = _f(None, _opt_map, "rank identity, run id and clock offsets")
     dataset: Optional[Mapping[str, Any]] = _f(None, _opt_map, "where dataset= wrote the trace (or it was read from)")
     saved_to: Optional[str] = _f(None, _opt_str,

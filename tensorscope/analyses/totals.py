@@ -11,12 +11,13 @@ the plots, ``t.report(path)`` and users (``t.op_totals(by=...)``) read the same 
 * ``module_totals(ops)``: one row per module path, children rolled into their parents (total,
   self, forward, backward, ops), with its parent and depth, in display order: top-level modules by
   total time (ties by name), each followed by its children the same way. The outermost module
-  called (``<Net>``) is the root: its children are the top level.
+  called (``<Net>``) is the root: its children are the top level, when the trace called no other
+  outermost module (``root_label``: a loss module called beside the model is not its parent).
 * ``cell_totals(ops, wall_ns)``: ops, forward/backward/bookkeeping counts, CPU time, bytes, FLOPs.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -26,7 +27,7 @@ import pyarrow.compute as pc
 from ..io.pages import passing
 from .opview import add_exact
 
-__all__ = ["op_totals", "module_totals", "cell_totals", "OP_TOTALS", "MODULE_TOTALS", "row_batches", "count_true",
+__all__ = ["op_totals", "module_totals", "root_label", "cell_totals", "OP_TOTALS", "MODULE_TOTALS", "row_batches", "count_true",
            "count_equal", "column_sum"]
 
 #: the most rows a batched pass reads at once (a table of one big chunk is read in slices of this many)
@@ -167,8 +168,23 @@ def _op_totals_codes(ops: pa.Table, key: str, include_noise: bool) -> pa.Table:
     return res.sort_by([("cpu_ns", "descending"), (key, "ascending")]) if res.num_rows else res
 
 
-def module_totals(ops: pa.Table) -> pa.Table:
-    """Per module path, children rolled into parents, in display order (``MODULE_TOTALS``)."""
+def root_label(labels: Iterable[str], roots: Optional[Sequence[str]] = None) -> Optional[str]:
+    """The path of the outermost module called (``"<Net>"``), whose children's paths are the top-level
+    ones (``"fc"``), or None. ``labels``: the module paths seen; ``roots``: the class of each outermost
+    module the trace called (``metadata.module_roots``; None for older traces). Only one root can
+    hold the top-level paths: with a model and a loss module (``<CrossEntropyLoss>``), the only
+    ``<...>`` label is the loss, which the model's paths are not under."""
+    tops = [k for k in labels if k.startswith("<") and "." not in k]
+    if len(tops) != 1:
+        return None
+    if roots is not None and list(roots) != [tops[0][1:-1]]:
+        return None
+    return tops[0]
+
+
+def module_totals(ops: pa.Table, roots: Optional[Sequence[str]] = None) -> pa.Table:
+    """Per module path, children rolled into parents, in display order (``MODULE_TOTALS``); ``roots``:
+    ``t.metadata.module_roots`` (see ``root_label``)."""
     if ops.num_rows == 0 or "module" not in ops.column_names:
         return MODULE_TOTALS.empty_table()
     total: dict[str, list[int]] = {}   # path -> [total, forward, backward, ops]
@@ -183,8 +199,7 @@ def module_totals(ops: pa.Table) -> pa.Table:
             tot[3] += n
     if not total:
         return MODULE_TOTALS.empty_table()
-    roots = [k for k in total if k.startswith("<") and "." not in k]
-    root = roots[0] if len(roots) == 1 else None   # the outermost module called: "<Net>"
+    root = root_label(total, roots)   # the outermost module called: "<Net>"
     if root is not None:
         total[root] = [sum(v[i] for k, v in total.items() if "." not in k) for i in range(4)]
     children: dict[Optional[str], list[str]] = {}

@@ -76,6 +76,8 @@ class ModuleTracker:
         self._trees: dict[int, tuple[weakref.ref[_Module], dict[int, str]]] = {}
         # id(root) -> weakref(root): every root module the trace saw (kept past remove() for the build)
         self.roots_seen: dict[int, weakref.ref[_Module]] = {}
+        #: the class name of each root module seen, in order (module paths are relative to their root)
+        self.root_classes: list[str] = []
 
     def install(self) -> None:
         """Nothing to install: modules are read from the stack (see the module docstring)."""
@@ -166,6 +168,8 @@ class ModuleTracker:
         # ids are valid while the root (and so its children) is alive: checked through the weakref
         names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
         if len(self.roots_seen) < 256:
+            if id(root) not in self.roots_seen:
+                self.root_classes.append(type(root).__name__)
             self.roots_seen[id(root)] = weakref.ref(root)
         if len(self._trees) >= 16:
             self._trees.clear()

@@ -113,7 +113,7 @@ def modules_section(t, k: int = 12, full: bool = False) -> Optional[Section]:
 
     if t.ops.num_rows == 0:
         return None
-    mt = module_totals(t.ops)
+    mt = module_totals(t.ops, t.metadata.get("module_roots"))
     if mt.num_rows == 0:
         return None
     recs = mt.to_pylist()

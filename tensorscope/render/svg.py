@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 
 from .._common import esc as _e
 from .._common import fmt_ns as _fmt_ns
+from ..analyses.totals import root_label
 
 _SVG_NS = "http://www.w3.org/2000/svg"   # a namespace name, never fetched: an SVG file needs it
 
@@ -329,8 +330,7 @@ def icicle_tree(trace) -> Optional[_Node]:
     first = work.select(["in_shapes", "source_file", "source_line"]).take(g.column("i_min")).to_pylist()
     cells = _cells(trace)
     mods = [m for m in pc.unique(g.column("module")).to_pylist() if m]
-    tops = [m for m in mods if m.startswith("<") and "." not in m]
-    top = tops[0] if len(tops) == 1 else None   # the outermost module called ("<Net>") holds the others
+    top = root_label(mods, trace.metadata.get("module_roots"))   # the outermost module called ("<Net>") holds the others
     root = _Node("cell", "root")
     order = sorted(range(g.num_rows), key=lambda j: first_seq[j]) if (first_seq := g.column("i_min").to_pylist()) \
         else []
