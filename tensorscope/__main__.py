@@ -5,6 +5,7 @@ The headless commands live one per module in ``tensorscope/cli/``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -12,15 +13,15 @@ from typing import Optional
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tensorscope", description="tensorscope: traces of PyTorch programs")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("summary", help="print the summary of a saved trace")
+    s = sub.add_parser("summary", help="print the summary of a saved trace or a dataset (run --out)")
     s.add_argument("path")
     from .options import DisplayOptions, add_to_parser
 
     add_to_parser(s, (DisplayOptions,))
-    e = sub.add_parser("export", help="export a saved trace")
+    e = sub.add_parser("export", help="export a saved trace or a dataset")
     e.add_argument("path")
     e.add_argument("--perfetto", metavar="OUT", required=True, help="write Chrome/Perfetto trace-event JSON here")
-    q = sub.add_parser("sql", help="run a DuckDB query over a saved trace's tables")
+    q = sub.add_parser("sql", help="run a DuckDB query over a saved trace's or a dataset's tables")
     q.add_argument("path")
     q.add_argument("query")
     sub.add_parser("env", help="torch/CUDA/cuDNN versions, GPUs, arch support, TF32/bf16 settings")
@@ -90,6 +91,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             print(env())
             return 0
+        from .io.parquet import METADATA_FILE
+
+        if not os.path.isfile(os.path.join(args.path, METADATA_FILE)) and _is_dataset(args.path):
+            return _dataset_command(args)
         from ._trace import load
 
         t = load(args.path)
@@ -108,6 +113,41 @@ def main(argv: Optional[list[str]] = None) -> int:
     except TensorscopeError as e:
         print(f"tensorscope: {e}", file=sys.stderr)
         return 2
+
+
+def _is_dataset(path: str) -> bool:
+    from .io.dataset import has_parts
+
+    return os.path.isdir(path) and (has_parts(path, "ranks") or has_parts(path, "ops"))
+
+
+def _dataset_command(args: argparse.Namespace) -> int:
+    """summary, sql and export of a dataset (``run --out``, ``trace(dataset=)``): the dataset's summary,
+    preceded by its trace's own when it holds one trace (a script run headless); SQL over every run
+    and rank; Perfetto of its latest run."""
+    from ._dataset import open_dataset
+
+    with open_dataset(args.path) as ds:
+        if args.cmd == "summary":
+            from .options import parse_namespace
+
+            keys = ds.sql("select distinct run, rank, trace_id from ranks").to_dict("records")
+            if len(keys) == 1:
+                k = keys[0]
+                t = ds.trace(int(k["rank"]), k["run"], trace_id=int(k["trace_id"]))
+                print(t.summary(parse_namespace(args)[1]).to_text())
+            print(ds.summary().to_text())
+            if len(keys) > 1:
+                print(f"  note: {len(keys)} traces; one of them: tensorscope.open_dataset({args.path!r})"
+                      ".trace(rank=R, run=ID, trace_id=N).summary()")
+        elif args.cmd == "export":
+            print(ds.to_perfetto(args.perfetto))
+        elif args.cmd == "sql":
+            import pandas as pd
+
+            with pd.option_context("display.width", 200, "display.max_columns", 50):
+                print(ds.sql(args.query).to_string(index=False))
+    return 0
 
 
 if __name__ == "__main__":

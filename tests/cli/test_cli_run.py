@@ -124,3 +124,24 @@ def test_cell_magic_dataset_flag(tmp_path):
     ds = tensorscope.open_dataset(tmp_path / "ds")
     assert ds.runs == ["nb1"] and list(ds.ranks["cell"]) == [2]
     assert "aten.add.Tensor" in set(ds.df("ops")["op"])
+
+
+def test_summary_sql_and_export_read_the_dataset_run_wrote(tmp_path):
+    """What ``run --out DIR`` wrote answers ``summary DIR`` (its one trace's summary first, then the
+    dataset's), ``sql DIR`` and ``export DIR`` (it was "not a tensorscope trace directory")."""
+    script = tmp_path / "s.py"
+    script.write_text("import torch\nfor _ in range(3):\n    torch.ones(8).relu().sum()\n")
+    ds = str(tmp_path / "ds")
+    assert _cli("run", "--out", ds, "--no-leaks", str(script)).returncode == 0
+    r = _cli("summary", ds)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("tensorscope trace") and "aten.relu.default" in r.stdout
+    assert r.stdout.index("== the cell in numbers ==") < r.stdout.index("== dataset ==")
+    r = _cli("sql", ds, "select count(*) as n from ops where op = 'aten.relu.default'")
+    assert r.returncode == 0 and r.stdout.split()[-1] == "3", r.stderr
+    r = _cli("export", ds, "--perfetto", str(tmp_path / "p.json"))
+    assert r.returncode == 0 and json.loads((tmp_path / "p.json").read_text())
+    # a second run into the same dataset: two traces, the dataset's summary and how to read one
+    assert _cli("run", "--out", ds, "--no-leaks", str(script)).returncode == 0
+    r = _cli("summary", ds)
+    assert r.returncode == 0 and r.stdout.startswith("== dataset ==") and "2 traces; one of them" in r.stdout
