@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,13 +102,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             from .options import parse_namespace
 
             print(t.summary(parse_namespace(args)[1]).to_text())
-        elif args.cmd == "export":
-            print(t.to_perfetto(args.perfetto))
-        elif args.cmd == "sql":
-            import pandas as pd
-
-            with pd.option_context("display.width", 200, "display.max_columns", 50):
-                print(t.sql(args.query).to_string(index=False))
+        else:
+            _export_or_sql(t, args)
         return 0
     except TensorscopeError as e:
         print(f"tensorscope: {e}", file=sys.stderr)
@@ -140,14 +135,20 @@ def _dataset_command(args: argparse.Namespace) -> int:
             if len(keys) > 1:
                 print(f"  note: {len(keys)} traces; one of them: tensorscope.open_dataset({args.path!r})"
                       ".trace(rank=R, run=ID, trace_id=N).summary()")
-        elif args.cmd == "export":
-            print(ds.to_perfetto(args.perfetto))
-        elif args.cmd == "sql":
-            import pandas as pd
-
-            with pd.option_context("display.width", 200, "display.max_columns", 50):
-                print(ds.sql(args.query).to_string(index=False))
+        else:
+            _export_or_sql(ds, args)
     return 0
+
+
+def _export_or_sql(source: Any, args: argparse.Namespace) -> None:
+    """``export`` and ``sql`` of a Trace or a Dataset (both have ``to_perfetto`` and ``sql``)."""
+    if args.cmd == "export":
+        print(source.to_perfetto(args.perfetto))
+    else:
+        import pandas as pd
+
+        with pd.option_context("display.width", 200, "display.max_columns", 50):
+            print(source.sql(args.query).to_string(index=False))
 
 
 if __name__ == "__main__":
