@@ -13,7 +13,7 @@ import torch
 
 import tensorscope
 from tensorscope.errors import DivergeInputError
-from tests.helpers import ROOT
+from tests.helpers import ROOT, cycles
 
 pytest.importorskip("safetensors", reason="captured inputs are written as safetensors (tensorscope[repro])")
 
@@ -212,15 +212,11 @@ def test_inplace_capture_by_seq_and_on_error():
 def test_capture_keeps_no_reference_to_the_inputs():
     """capture= hands the op hook every aten op's inputs; an op that decomposes (linear) must not
     keep them (the native engine dropped a decomposed op's inputs without releasing them)."""
-    import gc
     import weakref
 
     import torch.nn.functional as F
 
-    x, w = torch.randn(4, 8), torch.randn(3, 8)
-    gc.collect()
-    gc.disable()   # not even in a reference cycle (until a collection): eager frees them at ``del``
-    try:
+    with cycles.no_collector():   # not even in a reference cycle (until a collection): eager frees them at ``del``
         for capture in ("nonfinite", "errors", "every op"):
             x, w = torch.randn(4, 8), torch.randn(3, 8)
             with tensorscope.trace(capture=capture if capture != "every op" else list(range(8)), leaks=False) as t:
@@ -231,8 +227,6 @@ def test_capture_keeps_no_reference_to_the_inputs():
             refs = [weakref.ref(x), weakref.ref(w), weakref.ref(y)]
             del x, w, y, t
             assert [r() is None for r in refs] == [True, True, True], capture
-    finally:
-        gc.enable()
 
 
 def test_bad_input(tmp_path):

@@ -11,6 +11,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import tensorscope
+from tests.helpers import cycles
 
 
 class EmptyMode(TorchDispatchMode):
@@ -111,9 +112,7 @@ def test_trace_holds_no_reference_to_user_tensors():
     (with the collector off, nothing only a collection would free may hold it)."""
     x = torch.randn(64, 64, requires_grad=True)
     refs = []
-    gc.collect()
-    gc.disable()
-    try:
+    with cycles.no_collector():
         with tensorscope.trace() as t:
             y = (x @ x).relu()
             z = y.sum()
@@ -123,8 +122,6 @@ def test_trace_holds_no_reference_to_user_tensors():
         del y, z
         assert all(r() is None for r in refs)
         assert storage_ref() is None, "the trace keeps a storage alive"
-    finally:
-        gc.enable()
     # nothing in the Trace's object graph is a tensor or storage
     seen, stack = set(), [t.result]
     while stack:

@@ -176,13 +176,25 @@ def _overhead_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Op
     return [_finding("overhead", f"{n_tiny} tiny ops", seen, rows, multi, cost, "; ".join(fixes), steps)]
 
 
+def outside_totals(outs: Sequence[Optional[Mapping[str, Any]]]) -> dict[str, int]:
+    """The windows' time outside ops (``idle.outside_ops``), summed: ``wall`` (enter to exit),
+    ``gaps`` (between ops, past tensorscope's own per-op work), ``delay`` (the recording thread's wait
+    for a CPU: other processes' time) and ``waited`` (the part of the gaps that wait may explain; the
+    ``outside_ops`` finding counts only ``gaps - waited``)."""
+    got = [o for o in outs if o]
+    return {"wall": sum(o["wall_ns"] or o["span_ns"] for o in got),
+            "gaps": sum(o["outside_ns"] for o in got),
+            "delay": sum(o.get("run_delay_ns") or 0 for o in got),
+            "waited": sum(min(o.get("run_delay_ns") or 0, o["outside_ns"]) for o in got)}
+
+
 def _outside_findings(outs: list[Optional[dict[str, Any]]], wins: Sequence[Mapping[str, Any]],
                       multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
-    wall = sum(o["wall_ns"] or o["span_ns"] for o in outs if o)   # enter to exit: the overview's base
+    tot = outside_totals(outs)
+    wall = tot["wall"]   # enter to exit: the overview's base
     # the time the recording thread waited for a CPU (a busy machine) is other processes' time, not the program's:
     # left out of the gaps and of the wall it is compared with
-    waited = sum(min(o.get("run_delay_ns") or 0, o["outside_ns"]) for o in outs if o)
-    outside = sum(o["outside_ns"] for o in outs if o) - waited
+    outside = tot["gaps"] - tot["waited"]
     base = wall - sum(min(o.get("run_delay_ns") or 0, o["wall_ns"] or o["span_ns"]) for o in outs if o)
     if not wall or base <= 0 or outside < OUTSIDE_MIN_NS or outside / base < OUTSIDE_SHARE:
         return []

@@ -146,7 +146,7 @@ def metadata(f: Finishing, ops_rows: int, notes: list[str], **extra: Any) -> dic
         "nonfinite_screen": f.ctx.screen.report() if f.ctx.screen is not None else None,
         "numerics": f.ctx.shadow.report() if f.ctx.shadow is not None else None,
         "notes": list(rec.notes) + list(notes),
-        "module_roots": list(f.ctx.modules.root_classes) if f.ctx.modules is not None else None,
+        "module_roots": list(f.ctx.modules.root_classes),
         **extra,
     }
 

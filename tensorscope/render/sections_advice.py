@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .._common import fmt_ns, fmt_rate
+from ..analyses.advisor import outside_totals
 from .section import Section
 
 TITLE = "why is it slow: the advisor"
@@ -25,10 +26,8 @@ def outside_note(outs: list[dict[str, Any]], steps: Optional[int]) -> str:
     """The time outside ops, as measured: the gaps between ops (past tensorscope's own per-op work)
     against the wall time, and, on a busy machine, the time the thread waited for a CPU, which may
     explain some of the gaps (the ``outside_ops`` finding counts only what it cannot: the rest)."""
-    wall = sum(o["wall_ns"] or o["span_ns"] for o in outs)
-    gaps = sum(o["outside_ns"] for o in outs)
-    delay = sum(o.get("run_delay_ns") or 0 for o in outs)
-    waited = sum(min(o.get("run_delay_ns") or 0, o["outside_ns"]) for o in outs)
+    tot = outside_totals(outs)
+    wall, gaps, delay, waited = tot["wall"], tot["gaps"], tot["delay"], tot["waited"]
     tiny = sum(o.get("tiny_ops") or 0 for o in outs)
     text = (f"{100 * gaps / wall if wall else 0:.0f}% of the wall time ({fmt_ns(gaps)} of {fmt_ns(wall)}, enter to "
             "exit) was outside ops, past tensorscope's own per-op work")

@@ -3,7 +3,8 @@
 * ``kernel_utils``: a real ipykernel driven through jupyter_client;
 * ``native_helpers``: minimal modes that drive a native Capture, and the test-op library's source;
 * ``synthetic``: hand-made traces for the renderers;
-* ``datasets``: the on-disk layout every dataset must have.
+* ``datasets``: the on-disk layout every dataset must have;
+* ``cycles``: the collector off, and what of tensorscope's only a collection frees.
 """
 from __future__ import annotations
 

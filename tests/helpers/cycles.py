@@ -2,9 +2,11 @@
 inside a real kernel tests/magics/test_no_cycles_kernel.py)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import tensorscope
@@ -31,6 +33,20 @@ def name(o: Any) -> str:
     if isinstance(f, types.FunctionType):
         return f"function {f.__qualname__}"
     return type(o).__qualname__
+
+
+@contextlib.contextmanager
+def no_collector() -> Iterator[None]:
+    """The collector off (after one collection) inside the block: what is freed there is freed by
+    reference counting, as eager frees a tensor at ``del``."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def start() -> None:

@@ -8,11 +8,9 @@ a collection would free is found and named."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
@@ -21,18 +19,6 @@ import torch
 import tensorscope
 from tensorscope.recording import history
 from tests.helpers import cycles
-
-
-@contextlib.contextmanager
-def _no_collector() -> Iterator[None]:
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _cyclic_garbage(run: Callable[[], None]) -> list[str]:
@@ -125,7 +111,7 @@ def test_a_spilled_trace_gives_its_files_back_when_dropped_without_a_collection(
             return [line.split(maxsplit=5)[5].strip() for line in f
                     if len(line.split(maxsplit=5)) == 6 and str(tmp_path) in line]
 
-    with _no_collector():
+    with cycles.no_collector():
         with tensorscope.trace(engine=engine, chunk_rows=64, spill_rows=128, spill_dir=str(tmp_path)) as t:
             for _ in range(4):
                 _step()
@@ -146,7 +132,7 @@ class _Sub(torch.Tensor):
     """A subclass torch's default ``__torch_function__`` keeps (check_substitution's input)."""
 
 
-def _entry_points(tmp_path: Any) -> dict[str, Callable[[], None]]:
+def _entry_points() -> dict[str, Callable[[], None]]:
     def schedule() -> None:
         with tensorscope.schedule(wait=1, warmup=1, active=2, leaks=False) as s:
             for _ in range(4):
@@ -180,5 +166,5 @@ def _entry_points(tmp_path: Any) -> dict[str, Callable[[], None]]:
 
 
 @pytest.mark.parametrize("entry", ["schedule", "predict", "diverge_and_diff", "substitution", "find_leaks"])
-def test_the_other_entry_points_leave_no_reference_cycle(entry, tmp_path):
-    assert _cyclic_garbage(_entry_points(tmp_path)[entry]) == []
+def test_the_other_entry_points_leave_no_reference_cycle(entry):
+    assert _cyclic_garbage(_entry_points()[entry]) == []

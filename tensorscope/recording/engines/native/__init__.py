@@ -195,7 +195,6 @@ class NativeEngine:
         """Drop the recording context start() took (it holds this engine: a cycle otherwise, which
         kept the recorder and its mapped storage parts until the collector's next full pass)."""
         self._reset(None)
-        self._cb = None
 
     def take_warnings(self) -> list[dict[str, Any]]:
         raw = self.ext.take_warnings()
