@@ -5,11 +5,13 @@
 is Python, data loading and everything else between ops. The largest gaps are named by the ops around them;
 ``DataLoader`` time is the calls whose qualname names one (when data loading ran through a
 recorded torch-level call). A traced gap also holds tensorscope's own work between two ops (the
-probes after one op, the bookkeeping before the next), which eager never runs: each gap counts only
-past ``tracer_ns``, the engine's per-op cost (``TRACER_NS``, upper bounds of what
-``benchmarks/overhead.py`` measures for a whole op), so a gap the tracer alone could explain is no finding,
-and past the recorded time of tensorscope's own probes after the op before it (``ops.probe_ns``: the
-non-finite screen, the numerics shadow, op hooks), which can be far longer than the op itself.
+probes after one op, the bookkeeping before the next), which eager never runs. Where the engine timed
+that work (``ops.probe_ns`` of the op before the gap: the python engine's modes time their own
+segments, probes and hooks included, so it grows with a slower or busier machine) the gap counts past
+it; and past what the engine cannot time itself (torch calling into its modes, the dispatcher's
+boxing): ``tracer_ns`` (``TRACER_NS``: the native engine's whole per-op cost, the python engine's
+floor), or ``UNTIMED_RATIO`` times the timed part where that is more. So a gap the tracer alone could
+explain is no finding, on a fast machine or a slow one.
 
 On a busy machine the gaps also hold other processes' time: the advisor leaves out the time the
 recording thread was runnable but waiting for a CPU (``metadata["run_delay_ns"]``, from
@@ -32,10 +34,14 @@ import pyarrow.compute as pc
 from .opview import BATCH_ROWS, string_mask
 
 _GAPS_LISTED = 3
-#: tensorscope's own cost per op, by engine (ns): an upper bound of the per-op overhead benchmarks/overhead.py
-#: measures end to end (native ~2-6 us, python ~25-50 us on the development machine), the part of a gap
-#: between two traced ops that may be the tracer's rather than the program's
+#: tensorscope's own cost per op that no row times, by engine (ns): the native engine's whole per-op work (an
+#: upper bound of what benchmarks/overhead.py measures end to end, ~2-6 us on the development machine), the
+#: python engine's floor (its gaps ~20-25 us there, of which the modes time ~60%): the part of a gap between
+#: two traced ops that may be the tracer's rather than the program's
 TRACER_NS = {"native": 6_000, "python": 50_000}
+#: what torch's calls into the python engine's modes cost beside the modes' own timed work (``ops.probe_ns``):
+#: 0.6-0.8 of it between back-to-back ops on the development machine (p90 1.2-1.4); both scale with the machine
+UNTIMED_RATIO = 1.5
 
 
 def _np(col: Any, fill: Any = 0) -> np.ndarray:
@@ -139,10 +145,10 @@ class _Gaps:
         gap = np.maximum(s - prev_end[:-1], 0)
         if first:
             gap[0] = 0                   # before the first op: the trace starting, not the program
-        if self.tracer_ns:               # what the tracer itself may have spent between two ops
-            gap = np.maximum(gap - self.tracer_ns, 0)
-        # the probes after an op (screen, numerics shadow) ran in the gap before the next op to start
-        gap = np.maximum(gap - np.concatenate(([self.prev_probe], probe[:-1])), 0)
+        # the tracer's own timed work after an op (python engine: bookkeeping, probes, hooks) ran in the gap
+        # before the next op to start; what it could not time is at least tracer_ns, or in proportion
+        own = np.concatenate(([self.prev_probe], probe[:-1]))
+        gap = np.maximum(gap - own - np.maximum(self.tracer_ns, (UNTIMED_RATIO * own).astype(np.int64)), 0)
         self.outside += int(gap.sum())
         # a gap is named by the ops around it that the program asked for: eager's own bookkeeping rows
         # (``is_noise``: lift_fresh, detach_ inside torch.tensor) are never its subject, the next real op is

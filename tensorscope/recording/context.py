@@ -72,6 +72,10 @@ FIELDS: dict[str, str] = {
     "shadow": "the NumericsShadow of numerics=, or None (the session, at start)",
     "cuda_timer": "the CudaOpTimer of cuda_timing= (python engine), or None (the engine's setup_probes)",
     "fingerprints": "the Fingerprinter of fingerprints= (python engine), or None (the engine's setup_probes)",
+    "own_ns": "tensorscope's own time so far in the python engine's modes, outside the ops and calls they wrap "
+              "(the modes add their segments; ops.probe_ns is its growth between two ops)",
+    "own_mark": "own_ns when the last ops row ended (the dispatch mode)",
+    "own_row": "the seq of that row, -1 before the first (the dispatch mode)",
 }
 
 
@@ -101,6 +105,9 @@ class RecordingContext:
     shadow: Optional[Shadow]
     cuda_timer: Optional[CudaOpTimer]
     fingerprints: Optional[Fingerprinter]
+    own_ns: int
+    own_mark: int
+    own_row: int
 
     def __init__(self, rec: Recorder, op_hooks: OpHooks, *, want_source: bool, want_modules: bool,
                  track_storages: bool) -> None:
@@ -123,6 +130,8 @@ class RecordingContext:
         self.shadow = None
         self.cuda_timer = None
         self.fingerprints = None
+        self.own_ns = self.own_mark = 0
+        self.own_row = -1
         self.modules = self._module_tracker()
         self.tracker = self._storage_tracker() if track_storages else None
 

@@ -150,6 +150,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 clean_traceback(e)   # this frame never existed untraced; bare raise adds none
                 clean_when_caught(1)   # and the two above it, should the user catch it in the block
                 raise
+        e0 = _perf()   # the tracer's own work before the call (the context's own_ns)
         rec = s.rec
         calls = rec.calls
         cap: Any   # the warning/error capture (s.capture)
@@ -194,6 +195,7 @@ class TracingFunctionMode(TorchFunctionMode):
                 clean_when_caught(1)
                 raise
         t0 = _perf()
+        s.own_ns += t0 - e0
         try:
             if keep == LAZY and getattr(named, "__name__", None) in PRINTING:
                 with s.printing():
@@ -239,6 +241,7 @@ class TracingFunctionMode(TorchFunctionMode):
                     _drop_if_empty(rec, calls, cid)
                 except Exception as e:
                     rec.tracer_error("function mode (exit)", e)
+            s.own_ns += _perf() - t1
 
 
 def _drop_if_empty(rec: Recorder, calls: CallStore, cid: int) -> None:

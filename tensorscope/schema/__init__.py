@@ -28,8 +28,9 @@ on CUDA) and, with ``memory_history=True``, its snapshot: ``allocator_segments``
 
 Since 1.5 ``ops.first_run`` marks the first execution in the process of each (op, input shapes,
 dtypes, devices) that a trace saw (one-time initialisation lands there), and ``ops.probe_ns``
-the time tensorscope's own probes took after an op (the python engine's non-finite screen,
-numerics shadow and op hooks), which time outside ops leaves out; both null in older files.
+the time tensorscope's own work took after an op until the next op started (the python engine's
+bookkeeping, non-finite screen, numerics shadow and op hooks; files written before this release hold
+the probes' part only), which time outside ops leaves out; both null in older files.
 """
 from __future__ import annotations
 

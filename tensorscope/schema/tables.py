@@ -56,7 +56,7 @@ OPS = _schema("ops", [
     ("num_max_abs_err", _f64),
     ("graph_id", _i64),             # compiled region (graphs.graph_id, kind inductor) that ran this op, or null
     ("first_run", _bool),           # 1.5: the first execution in the process of (op, input shapes, dtypes, devices)
-    ("probe_ns", _i64),             # 1.5: tensorscope's own probe time after the op (screen, numerics shadow), or null
+    ("probe_ns", _i64),             # 1.5: tensorscope's own time after the op until the next starts (python engine), or null
     # 1.5, fingerprints=True: the op's first real floating output (fresh or written), read where the
     # screen reads it; null when not recorded (older files, fingerprints off, views, non-float outputs)
     ("fp_hash", _u64),              # bitwise hash of the values in logical order (both engines agree)

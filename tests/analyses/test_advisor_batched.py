@@ -12,7 +12,7 @@ import tensorscope
 from tensorscope import schema as S
 from tensorscope.analyses.advisor import advise_tables
 from tensorscope.analyses.findings import Runs, expand_runs, finding_rows
-from tensorscope.analyses.idle import gpu_idle, outside_ops
+from tensorscope.analyses.idle import UNTIMED_RATIO, gpu_idle, outside_ops
 from tensorscope.analyses.syncs import sync_table
 from tests.helpers.synthetic import make_trace, table
 
@@ -132,9 +132,8 @@ def _oracle(rows, tracer_ns=0):
     for k, i in enumerate(order):
         r = rows[i]
         g = 0 if run_end is None else max(r["start_ns"] - run_end, 0)
-        g = max(g - tracer_ns, 0)
-        if k:
-            g = max(g - (rows[order[k - 1]].get("probe_ns") or 0), 0)
+        own = (rows[order[k - 1]].get("probe_ns") or 0) if k else 0
+        g = max(g - own - max(tracer_ns, int(UNTIMED_RATIO * own)), 0)
         outside += g
         gaps.append((g, k))
         e = r["start_ns"] + r["cpu_ns"]

@@ -236,6 +236,7 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             # decomposition (upsample -> _unsafe_index) whose ops and bits differ from eager
             with self:
                 return func._op_dk(_CIA, *args, **kwargs)
+        e0 = _perf()   # tensorscope's own work before the op starts here (own_ns)
         rec = s.rec
         seq = s.seq
         s.seq = seq + 1
@@ -280,8 +281,17 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if cuda is not None and ok:
             tok = cuda.begin_for(seq, ins, kwargs)
         t0 = _perf()
+        own = s.own_ns + t0 - e0
+        s.own_ns = own
+        if ok:
+            last = s.own_row
+            if last >= rec.n_spilled:   # the tracer's time between the last row's end and this start
+                rec.probe_ns[last] = own - s.own_mark   # (a row its own append spilled keeps null, as its part has it)
+            s.own_row = seq
+            s.own_mark = own
         try:
             out = func(*args, **kwargs)
+            t1 = _perf()   # before the finally's bookkeeping: that is the tracer's, not the op's
         except BaseException as e:
             t1 = _perf()
             try:
@@ -313,7 +323,6 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         s.record_warnings(ws, call_id=s.current_call, seq=seq, op=str(func))
                 except Exception as e4:
                     rec.tracer_error("native capture", e4)
-        t1 = _perf()
         if not ok:
             s.seq = seq
             return out
@@ -336,7 +345,6 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 flop = FLOP_NONE
             self._append(seq, info, flags, module_id, call_id, node_id, seq_nr, in_mids, in_ptrs, outs, flop, t0, t1)
             shadow = s.shadow
-            p0 = _perf() if (screen is not None or shadow is not None or info.hook or s.fingerprints is not None) else 0
             if info.hook:
                 s.op_hooks(seq, str(func), schema_inputs(func, args, kwargs),
                            tuple(out) if type(out) is tuple or type(out) is list else (out,))
@@ -355,10 +363,9 @@ class TracingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     rec.numerics[seq] = rs
             if screen is not None or shadow is not None:
                 self._seq_mark = _get_seq_nr()   # a probe's own ops must not look like the next op's node
-            if p0 and seq >= rec.n_spilled:   # tensorscope's own work after the op: never the program's time
-                rec.probe_ns[seq] = _perf() - p0   # (a row its own append spilled keeps null, as its part has it)
         except Exception as e:
             rec.tracer_error("dispatch (after op)", e)
+        s.own_ns += _perf() - t1   # the row, its probes and hooks: never the program's time
         return out
 
     def _append(self, seq: int, info: OpInfo, flags: int, module_id: int, call_id: int, node_id: int, seq_nr: int,
