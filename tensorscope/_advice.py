@@ -162,7 +162,7 @@ def advise(traces: Any, *, peaks: Optional[dict[str, dict[str, Any]]] = None,
         pk, source = dict(peaks), "given"
     wins = [{"ops": t.ops, "calls": t.calls, "kernels": t.kernels, "layout_changes": t.layout_changes,
              "wall_ns": t.metadata.get("wall_ns"), "steps": s, "engine": t.metadata.get("engine"),
-             "run_delay_ns": t.metadata.get("run_delay_ns"),
+             "run_delay_ns": t.metadata.get("run_delay_ns"), "tracer_op_ns": t.metadata.get("tracer_op_ns"),
              "cells": dict(t.metadata.get("cell_files") or {}),
              "flops_known": bool((t.metadata.get("options") or {}).get("flops", True))}
             for t, s in zip(ts, steps_each)]

@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 from .. import schema as S
 from .._common import fmt_bytes, fmt_ns, fmt_rate
 from .findings import _CELLS, Runs, _advice_table, _finding, _rows_of, _where
-from .idle import TRACER_NS, gpu_idle, outside_ops
+from .idle import TRACER_NS, UNTIMED_RATIO, gpu_idle, outside_ops
 from .layout_findings import _layout_findings
 from .opview import first_run, short_name, window_views
 from .roofline import Peaks, roofline
@@ -361,7 +361,8 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
     flops_known = all(w.get("flops_known", True) for w in windows)
     roof = roofline(ops, peaks, flops_known) if ops is not None else S.ROOFLINE.empty_table()
     outs = [outside_ops(w["ops"], w["calls"], w.get("wall_ns"), TRACER_NS.get(str(w.get("engine")), 0),
-                        rows=w.get("batch_rows")) for w in windows]
+                        rows=w.get("batch_rows"), own_op_ns=int(w.get("tracer_op_ns") or 0),
+                        untimed_ratio=UNTIMED_RATIO.get(str(w.get("engine")), 0.0)) for w in windows]
     for o, w, s in zip(outs, windows, steps_each):
         if o is not None:   # tiny ops per window (and per step), shown whether or not they make a finding
             o["tiny_ops"] = sum(int(tiny_mask(v.ops, TINY_BYTES, TINY_FLOPS, v.noise).sum()) for v in _views(w))

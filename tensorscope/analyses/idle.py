@@ -5,13 +5,14 @@
 is Python, data loading and everything else between ops. The largest gaps are named by the ops around them;
 ``DataLoader`` time is the calls whose qualname names one (when data loading ran through a
 recorded torch-level call). A traced gap also holds tensorscope's own work between two ops (the
-probes after one op, the bookkeeping before the next), which eager never runs. Where the engine timed
-that work (``ops.probe_ns`` of the op before the gap: the python engine's modes time their own
-segments, probes and hooks included, so it grows with a slower or busier machine) the gap counts past
-it; and past what the engine cannot time itself (torch calling into its modes, the dispatcher's
-boxing): ``tracer_ns`` (``TRACER_NS``: the native engine's whole per-op cost, the python engine's
-floor), or ``UNTIMED_RATIO`` times the timed part where that is more. So a gap the tracer alone could
-explain is no finding, on a fast machine or a slow one.
+probes after one op, the bookkeeping before the next), which eager never runs. The engine times that
+work: the python engine all of it, per row (``ops.probe_ns`` of the op before the gap: its modes'
+segments, probes and hooks), the native engine its callbacks' part on a sample of the rows
+(``metadata["tracer_op_ns"]``, a mean per op: ``own_op_ns`` here); either grows with a slower or
+busier machine. A gap counts past that and past what the engine cannot time itself (torch calling
+into its modes and callbacks, the dispatcher's boxing): ``tracer_ns`` (``TRACER_NS``), or
+``untimed_ratio`` (``UNTIMED_RATIO``) times the timed part where that is more. So a gap the tracer
+alone could explain is no finding, on a fast machine or a slow one.
 
 On a busy machine the gaps also hold other processes' time: the advisor leaves out the time the
 recording thread was runnable but waiting for a CPU (``metadata["run_delay_ns"]``, from
@@ -34,14 +35,14 @@ import pyarrow.compute as pc
 from .opview import BATCH_ROWS, string_mask
 
 _GAPS_LISTED = 3
-#: tensorscope's own cost per op that no row times, by engine (ns): the native engine's whole per-op work (an
-#: upper bound of what benchmarks/overhead.py measures end to end, ~2-6 us on the development machine), the
-#: python engine's floor (its gaps ~20-25 us there, of which the modes time ~60%): the part of a gap between
-#: two traced ops that may be the tracer's rather than the program's
+#: the least of tensorscope's own cost per op that it does not time, by engine (ns): the part of a gap between
+#: two traced ops that may be the tracer's rather than the program's. Upper bounds of a whole gap between
+#: back-to-back ops on the development machine (native ~3.5 us, python ~20-25 us there)
 TRACER_NS = {"native": 6_000, "python": 50_000}
-#: what torch's calls into the python engine's modes cost beside the modes' own timed work (``ops.probe_ns``):
-#: 0.6-0.8 of it between back-to-back ops on the development machine (p90 1.2-1.4); both scale with the machine
-UNTIMED_RATIO = 1.5
+#: what the engine does not time, per unit of what it does (both scale with the machine). Measured between
+#: back-to-back ops on the development machine: python 0.6-0.8 of ``ops.probe_ns`` (p90 1.2-1.4); native
+#: 1.5-4.6 of its sampled callbacks (the function mode and RecordFunction's own work are not timed)
+UNTIMED_RATIO = {"native": 5.0, "python": 1.5}
 
 
 def _np(col: Any, fill: Any = 0) -> np.ndarray:
@@ -50,7 +51,8 @@ def _np(col: Any, fill: Any = 0) -> np.ndarray:
 
 
 def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
-                tracer_ns: int = 0, rows: Optional[int] = None) -> Optional[dict[str, Any]]:
+                tracer_ns: int = 0, rows: Optional[int] = None, *, own_op_ns: int = 0,
+                untimed_ratio: float = 0.0) -> Optional[dict[str, Any]]:
     """``{wall_ns, span_ns, in_ops_ns, outside_ns, share, gaps: [(gap_ns, seq_before, seq_after)], dataloader_ns}``:
     the advisor adds ``tiny_ops`` and ``steps``. The span runs from the first op's start to the last op's end (the trace's own start and stop are
     not the program's), ``share`` is ``outside_ns / span_ns``. One pass in start order, ``rows`` (``opview.BATCH_ROWS``)
@@ -58,8 +60,8 @@ def outside_ops(ops: pa.Table, calls: pa.Table, wall_ns: Optional[int],
     if not wall_ns or ops.num_rows == 0:
         return None
     probe = "probe_ns" in ops.column_names and ops.column("probe_ns").null_count < ops.num_rows
-    g = _Gaps(tracer_ns)
-    for part in _start_order(ops, rows, probe, "is_noise" in ops.column_names):
+    g = _Gaps(tracer_ns, untimed_ratio)
+    for part in _start_order(ops, rows, probe, "is_noise" in ops.column_names, own_op_ns):
         g.feed(*part)
     span = g.run_end - g.first_start
     in_ops = max(span - g.outside, 0)
@@ -87,8 +89,8 @@ def _largest(v: np.ndarray, k: int) -> np.ndarray:
 Part = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def _start_order(ops: pa.Table, rows: Optional[int], probe: bool, noise: bool) -> Iterator[Part]:
-    """``(start, end, seq, probe_ns, is_noise)`` of the rows in start order (ties in row order: a stable sort), a
+def _start_order(ops: pa.Table, rows: Optional[int], probe: bool, noise: bool, own: int = 0) -> Iterator[Part]:
+    """``(start, end, seq, own, is_noise)`` of the rows in start order (ties in row order: a stable sort), a
     slice at a time. Rows in dispatch order start in order, and each slice goes as it is; where they do not,
     a slice's rows that start after the earliest start of a later slice are held back (``held``) and merged
     into the next slice. What is held is bounded by the disorder, not the trace: the rows that start after
@@ -105,7 +107,8 @@ def _start_order(ops: pa.Table, rows: Optional[int], probe: bool, noise: bool) -
         sl = ops.slice(off, step)
         s = _np(starts[k])
         e = s + _np(sl.column("cpu_ns"))
-        part: Part = (s, e, _np(sl.column("seq")), _np(sl.column("probe_ns")) if probe else np.zeros(len(s), np.int64),
+        part: Part = (s, e, _np(sl.column("seq")),   # the tracer's own time after each row: timed per row, or a mean
+                      _np(sl.column("probe_ns"), own) if probe else np.full(len(s), own, np.int64),
                       _np(sl.column("is_noise"), False).astype(bool) if noise else np.zeros(len(s), bool))
         if held is not None:
             part = tuple(np.concatenate((a, b)) for a, b in zip(held, part))  # type: ignore[assignment]
@@ -124,8 +127,9 @@ class _Gaps:
     every earlier op ended (less ``tracer_ns`` and the probes of the op before it); its sum, the span, and the
     ``_GAPS_LISTED`` largest gaps (largest first, ties by position), each named by the real ops around it."""
 
-    def __init__(self, tracer_ns: int) -> None:
+    def __init__(self, tracer_ns: int, untimed_ratio: float = 0.0) -> None:
         self.tracer_ns = tracer_ns
+        self.untimed_ratio = untimed_ratio
         self.n = 0                       # rows fed so far (the position of the next)
         self.first_start = 0
         self.run_end = 0                 # the latest end so far
@@ -148,7 +152,7 @@ class _Gaps:
         # the tracer's own timed work after an op (python engine: bookkeeping, probes, hooks) ran in the gap
         # before the next op to start; what it could not time is at least tracer_ns, or in proportion
         own = np.concatenate(([self.prev_probe], probe[:-1]))
-        gap = np.maximum(gap - own - np.maximum(self.tracer_ns, (UNTIMED_RATIO * own).astype(np.int64)), 0)
+        gap = np.maximum(gap - own - np.maximum(self.tracer_ns, (self.untimed_ratio * own).astype(np.int64)), 0)
         self.outside += int(gap.sum())
         # a gap is named by the ops around it that the program asked for: eager's own bookkeeping rows
         # (``is_noise``: lift_fresh, detach_ inside torch.tensor) are never its subject, the next real op is

@@ -80,6 +80,8 @@ void Engine::clear() {
   fingerprints.clear();
   fingerprints_taken = 0;
   n_screened = n_fired = n_pre = n_unscreened_device = n_proven = n_inputs_read = 0;
+  own_ns.store(0);
+  own_rows.store(0);
   memo.clear();
   storage_gen.clear();
   write_clock = 0;
@@ -372,6 +374,7 @@ PyObject* py_take(PyObject*, PyObject*) {
                                    (long long)g.n_fired, "pre_screened", (long long)g.n_pre, "device_unscreened",
                                    (long long)g.n_unscreened_device);
   put("screen", screen);
+  put("own", Py_BuildValue("(LL)", (long long)g.own_ns.load(), (long long)g.own_rows.load()));
   return d;
 }
 

@@ -195,6 +195,7 @@ struct Pending {
   c10::WarningHandler* prev_handler = nullptr;
   bool handler_pushed = false;
   bool pre_nonfinite = false;
+  int64_t own_pre = -1;   // a sampled row: its start callback's time up to the op's start (-1: not sampled)
   bool shell = false;   // re-issued itself above the Python key (autocast): the inner event is the row
   std::vector<const c10::StorageImpl*> written;   // storages of the written arguments (engine_known.h)
   double bound = -1;   // engine_known.h: a bound on every output's magnitude from its inputs' (-1: none)
@@ -319,6 +320,9 @@ struct Engine {
   std::vector<FpRec> fingerprints;         // engine_screen.h, one per op with a float output
   size_t fingerprints_taken = 0;
   int64_t n_screened = 0, n_fired = 0, n_pre = 0, n_unscreened_device = 0, n_proven = 0, n_inputs_read = 0;
+  // the callbacks' own time around a sample of the rows (one in kOwnSample events): before the op's
+  // start and after its end, what sits in the gaps between ops (time outside ops leaves it out)
+  std::atomic<int64_t> own_ns{0}, own_rows{0};
   std::unordered_map<const c10::TensorImpl*, Known> memo;
   std::unordered_map<const c10::StorageImpl*, uint64_t> storage_gen;   // the clock at its last write
   uint64_t write_clock = 0;

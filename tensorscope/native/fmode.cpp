@@ -165,6 +165,17 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
 
   if (kind == KIND_PASS) return call_through(tramp, func, args, kwargs);   // a getter's warning: at the user's line
 
+  // a sampled call: the mode's own time before the call and after it (at return, whatever the path)
+  struct OwnTimer {
+    int64_t in, t0 = 0, t1 = 0;
+    ~OwnTimer() {
+      if (t1 != 0) {
+        S.own_ns += (t0 - in) + (now_ns() - t1);
+        S.own_calls++;
+      }
+    }
+  } own{++S.tick % kOwnSample == 0 ? now_ns() : 0};
+  S.calls_seen++;
   int64_t cid = S.n_calls;
   CallRow* r = new_row(cid);
   if (r == nullptr) return call_through(tramp, func, args, kwargs);
@@ -246,6 +257,10 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
   r->start = t0 - S.t0;
   PyObject* result = call_through(tramp, func, args, kwargs);
   int64_t t1 = now_ns();
+  if (own.in != 0) {
+    own.t0 = t0;
+    own.t1 = t1;
+  }
 
   // from here on the row is finished whatever happens (the call stack and the engine's call id too)
   CallRow& rr = row(cid);

@@ -50,6 +50,7 @@ struct KeyHash {
 // A block of kBlock rows: live rows while calls in it may still change, then packed column by column
 // (each field minus its minimum in the narrowest of 0/1/2/4/8 bytes: a constant field such as
 // parent or error costs nothing), like recorder.py packs the Python calls chunks.
+constexpr uint32_t kOwnSample = 16;   // State::own_ns: one recorded call in this many times the mode's own work
 constexpr int kFields = CM_N;   // CallRow's members in order, pad included (abi.h CallMember)
 struct Block {
   CallRow* rows = nullptr;
@@ -150,6 +151,10 @@ struct State {
   std::vector<int32_t> stack;       // open recorded calls
   int32_t cur_mid = 0;              // module id of the innermost outermost call (ModuleTracker.current)
   int64_t tracer_errors = 0;
+  // the mode's own time outside the call it wraps (before the call, after it), on a sample of the
+  // recorded calls (one in kOwnSample): what sits in the gaps between ops; ``calls_seen`` counts them all
+  uint32_t tick = 0;
+  int64_t own_ns = 0, own_calls = 0, calls_seen = 0;
   // a KeyboardInterrupt (any non-Exception) raised inside a helper: re-raised to the program once
   // the bookkeeping is consistent, never swallowed
   PyObject *pend_t = nullptr, *pend_v = nullptr, *pend_tb = nullptr;

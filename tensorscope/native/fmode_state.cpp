@@ -230,6 +230,8 @@ PyObject* py_configure(PyObject*, PyObject* args) {
   S.want_modules = mods;
   S.cur_mid = 0;
   S.tracer_errors = 0;
+  S.tick = 0;
+  S.own_ns = S.own_calls = S.calls_seen = 0;
   S.owner = PyThread_get_thread_ident();
   S.recording = false;
   S.active = true;
@@ -397,11 +399,12 @@ PyObject* py_stats(PyObject*, PyObject*) {
       for (int k = 0; k < kFields; ++k) bytes += (long long)(b.width[k]) * kBlock;
     }
   }
-  return Py_BuildValue("{s:L,s:n,s:n,s:n,s:L,s:n,s:n,s:L}", "calls", (long long)S.n_calls,
+  return Py_BuildValue("{s:L,s:n,s:n,s:n,s:L,s:n,s:n,s:L,s:(LLL)}", "calls", (long long)S.n_calls,
                        "src_cache", Py_ssize_t(S.src_cache.size()), "module_cache", Py_ssize_t(S.mod_cache.size()),
                        "trampolines", Py_ssize_t(S.tramp_cache.size()), "tracer_errors", (long long)S.tracer_errors,
                        "packed_blocks", Py_ssize_t(S.packed_upto), "taken_blocks", Py_ssize_t(S.taken_upto),
-                       "row_bytes", bytes);
+                       "row_bytes", bytes, "own", (long long)S.own_ns, (long long)S.own_calls,
+                       (long long)S.calls_seen);
 }
 
 }  // namespace

@@ -147,6 +147,7 @@ def metadata(f: Finishing, ops_rows: int, notes: list[str], **extra: Any) -> dic
         "numerics": f.ctx.shadow.report() if f.ctx.shadow is not None else None,
         "notes": list(rec.notes) + list(notes),
         "module_roots": list(f.ctx.modules.root_classes),
+        **({"tracer_op_ns": rec.own_op_ns} if rec.own_op_ns is not None else {}),
         **extra,
     }
 

@@ -333,6 +333,8 @@ class NativeFunctionMode(TorchFunctionMode):
         if self.ctx.capture is not None:
             self.ctx.capture.count_call_warnings(None)
         self._compile_callbacks(False)
+        own_ns, own_calls, seen = self._fm.stats()["own"]   # the sampled calls' own time, for every call
+        self._rec.own_calls_ns = own_ns * seen // own_calls if own_calls else None
         raw, n, first, packed = self._fm.take()
         self._calls.handover(raw, n, first, packed)
         self._rec.n_calls = n

@@ -326,6 +326,10 @@ class Recorder:
         self.tracer_errors: list[str] = []     # the first messages
         self.n_tracer_errors = 0
         self.notes: list[str] = []
+        #: the engine's own time per op outside the op (the gaps between ops hold it), where it times a sample
+        #: of its rows and calls (native), else None; own_calls_ns: its function mode's part, for all calls
+        self.own_op_ns: Optional[int] = None
+        self.own_calls_ns: Optional[int] = None
 
     # -- ops ---------------------------------------------------------------
     def end_chunk(self) -> None:

@@ -12,7 +12,7 @@ import tensorscope
 from tensorscope import schema as S
 from tensorscope.analyses.advisor import advise_tables
 from tensorscope.analyses.findings import Runs, expand_runs, finding_rows
-from tensorscope.analyses.idle import UNTIMED_RATIO, gpu_idle, outside_ops
+from tensorscope.analyses.idle import gpu_idle, outside_ops
 from tensorscope.analyses.syncs import sync_table
 from tests.helpers.synthetic import make_trace, table
 
@@ -125,15 +125,19 @@ def test_call_names_and_steps_read_the_calls_in_batches():
 
 # -- time outside ops: one pass in start order, against the whole-table reading -------------------------
 
-def _oracle(rows, tracer_ns=0):
+def _oracle(rows, tracer_ns=0, ratio=0.0, own_op_ns=0):
     """The plain reading: every row sorted by start (ties in row order), gaps against the running end."""
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["start_ns"], i))
     run_end, gaps, outside = None, [], 0
     for k, i in enumerate(order):
         r = rows[i]
         g = 0 if run_end is None else max(r["start_ns"] - run_end, 0)
-        own = (rows[order[k - 1]].get("probe_ns") or 0) if k else 0
-        g = max(g - own - max(tracer_ns, int(UNTIMED_RATIO * own)), 0)
+        if k:   # the tracer's time after the row before: timed per row, else the engine's mean
+            p = rows[order[k - 1]].get("probe_ns")
+            own = own_op_ns if p is None else p
+        else:
+            own = 0
+        g = max(g - own - max(tracer_ns, int(ratio * own)), 0)
         outside += g
         gaps.append((g, k))
         e = r["start_ns"] + r["cpu_ns"]
@@ -179,6 +183,13 @@ def test_outside_ops_in_batches_crosses_boundaries_and_out_of_order_starts():
     # the tracer's own allowance comes off each gap, in every batch
     got = outside_ops(ops, S.empty("calls"), 1000, tracer_ns=7, rows=2)
     assert (got["span_ns"], got["outside_ns"], got["gaps"]) == _oracle(rows, 7)
+    # and in proportion to its timed work where that is more: per row, or the engine's mean where no row has it
+    got = outside_ops(ops, S.empty("calls"), 1000, tracer_ns=1, rows=3, untimed_ratio=4.0)
+    assert (got["span_ns"], got["outside_ns"], got["gaps"]) == _oracle(rows, 1, 4.0)
+    untimed = [{k: v for k, v in r.items() if k != "probe_ns"} for r in rows]
+    got = outside_ops(_ops(untimed), S.empty("calls"), 1000, tracer_ns=1, rows=3, own_op_ns=2, untimed_ratio=4.0)
+    assert (got["span_ns"], got["outside_ns"], got["gaps"]) == _oracle(untimed, 1, 4.0, own_op_ns=2)
+    assert got["outside_ns"] < _oracle(untimed)[1]
 
 
 def test_outside_ops_in_batches_matches_the_oracle_on_shuffled_starts():
@@ -193,9 +204,9 @@ def test_outside_ops_in_batches_matches_the_oracle_on_shuffled_starts():
                  "is_noise": bool(rng.random() < 0.3), "probe_ns": int(rng.integers(0, 3))} for k in range(n)]
         rows[0]["start_ns"] = int(start.max()) + 5 if trial % 4 == 0 else rows[0]["start_ns"]   # a late first row
         ops = _ops(rows)
-        want = _oracle(rows, 2)
+        want = _oracle(rows, 2, 1.5)
         for size in (1, 2, 5, 16, None):
-            got = outside_ops(ops, S.empty("calls"), 10**6, tracer_ns=2, rows=size)
+            got = outside_ops(ops, S.empty("calls"), 10**6, tracer_ns=2, rows=size, untimed_ratio=1.5)
             assert (got["span_ns"], got["outside_ns"], got["gaps"]) == want, (trial, size)
 
 

@@ -322,6 +322,12 @@ class NativeEngine:
             rec._spill()
         ctx.opaque_ops = self.opaque_rows
         self.other_thread_rows = int(d["other_thread_rows"])
+        # the tracer's own time per op in the gaps: the sampled rows' callbacks (outside the op) and the
+        # function mode's sampled calls, spread over the rows (time outside ops leaves it out)
+        own_ns, own_rows = d.get("own", (0, 0))
+        rows = int(d["n_rows"])
+        if own_rows and rows:
+            rec.own_op_ns = own_ns // own_rows + (rec.own_calls_ns or 0) // rows
         for _ in range(int(d.get("hook_errors", 0))):
             rec.tracer_error("op hook", RuntimeError("converting an op's arguments for the op hook failed"))
         if int(d.get("on_full_errors", 0)):
