@@ -44,6 +44,10 @@ class Advice(Displayable):
     cold: bool = False
     #: a prediction (``metadata["predicted"]``): no timing-based finding
     predicted: bool = False
+    #: the time the recording thread waited for a CPU in the traces (``metadata["run_delay_ns"]``: other
+    #: processes' time, which the op times hold), and the roofline findings it could explain whole (left out)
+    run_delay_ns: int = 0
+    busy_left: int = 0
     min_share: float = 0.01
 
     def section(self) -> Any:
@@ -199,7 +203,8 @@ def advise(traces: Any, *, peaks: Optional[dict[str, dict[str, Any]]] = None,
     return Advice(findings=out["findings"], syncs=out["syncs"], roofline=out["roofline"], outside=out["outside"],
                   gpu_idle=out["gpu_idle"], steps=out["steps"], peaks=pk, peaks_source=source, n_windows=len(ts),
                   notes=notes, wall_ns=sum(int(w["wall_ns"] or 0) for w in wins), op_ns=out["op_ns"],
-                  first_run_ns=out["first_run_ns"], cold=out["cold"], predicted=predicted, min_share=min_share)
+                  first_run_ns=out["first_run_ns"], cold=out["cold"], predicted=predicted, min_share=min_share,
+                  run_delay_ns=out["run_delay_ns"], busy_left=out["busy_left"])
 
 
 def _measured_here(pk: dict[str, dict[str, Any]]) -> bool:

@@ -375,6 +375,8 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
             for d in gpu_idle(w["ops"], k, rows=w.get("batch_rows")):
                 idle.append(dict(d, window=i))
     cuda = any(r == "cuda" for r in roof.column("device").to_pylist()) if roof.num_rows else False
+    delay = sum(int(w.get("run_delay_ns") or 0) for w in windows)
+    busy_left = 0
     found: list[dict[str, Any]] = []
     cold = bool(op_ns) and first_ns >= COLD_SHARE * op_ns and not predicted
     # structural findings: read from what ran, not from how long it took
@@ -396,7 +398,10 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
             roof_found = _roofline_findings(roof, windows, peaks, multi, steps, speedup)
             if over:   # one event, one finding: rows the overhead finding names are no compute-bound amp proof
                 roof_found = _drop_amp_on(over[0], roof_found)
-            found += roof_found
+            # a busy machine: the op times hold the time the thread waited for a CPU (other processes'); a
+            # finding read from op times that this wait could explain whole is not proven by them
+            busy_left = sum(1 for f in roof_found if f["cost_ns"] is not None and f["cost_ns"] <= delay)
+            found += [f for f in roof_found if f["cost_ns"] is None or f["cost_ns"] > delay]
         else:
             for f in found:
                 f["cost_ns"] = None
@@ -409,4 +414,4 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
                               -(f["cost_ns"] if f["cost_ns"] is not None else 0)))
     return {"findings": _advice_table(found), "syncs": sync_t, "roofline": roof,
             "outside": outs, "gpu_idle": idle, "steps": steps, "op_ns": op_ns, "first_run_ns": first_ns,
-            "cold": cold, "predicted": predicted}
+            "cold": cold, "predicted": predicted, "run_delay_ns": delay, "busy_left": busy_left}

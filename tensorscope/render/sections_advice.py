@@ -50,6 +50,11 @@ def advice_to_section(a: Any) -> Section:
     outs = [o for o in a.outside or [] if o]
     if outs and not getattr(a, "predicted", False):
         notes.append(outside_note(outs, a.steps))
+    busy = int(getattr(a, "busy_left", 0) or 0)
+    if busy:
+        notes.append(f"{busy} roofline finding{'s' * (busy != 1)} left out: the thread waited "
+                     f"{fmt_ns(a.run_delay_ns)} for a CPU in the block (other processes' time, which the op times "
+                     f"hold), as much as {'each' if busy != 1 else 'it'} cost; run the cell again on an idle machine")
     first = int(getattr(a, "first_run_ns", 0) or 0)
     if first and not getattr(a, "cold", False) and not getattr(a, "predicted", False):
         notes.append(f"{fmt_ns(first)} of first executions (ops.first_run: one-time initialisation) left out of "

@@ -21,6 +21,9 @@ from .._common import fmt_bytes, fmt_ns
 from . import sections_advice, sections_api, sections_compiled, sections_memory, sections_precision, sections_timing
 from .section import Head, Section, Summary
 
+#: the headline's totals say the machine was busy when the thread waited this share of the wall for a CPU
+BUSY_SHARE = 0.1
+
 
 def _location(file, line, cells=None) -> str:
     if file is None:
@@ -45,6 +48,10 @@ def overview(t) -> Section:
     if n:
         cpu = column_sum(ops.column("cpu_ns")) or 0
         rows.append(("CPU time in ops", f"{fmt_ns(cpu)} of {fmt_ns(md.get('wall_ns'))} wall"))
+        delay = int(md.get("run_delay_ns") or 0)
+        if delay:
+            rows.append(("waiting for a CPU", f"{fmt_ns(delay)} (other processes' time: the op times and gaps "
+                                              "hold it)"))
         rows.append(("bytes read / written", f"{fmt_bytes(column_sum(ops.column('bytes_read')))} / "
                                              f"{fmt_bytes(column_sum(ops.column('bytes_written')))}"))
         fl = column_sum(ops.column("flops"))
@@ -302,6 +309,9 @@ def _totals_line(t, tot: dict[str, Any], peaks: list[dict[str, Any]], predicted:
         when = "predicted " if predicted else ""
         wall = f" of {fmt_ns(tot['wall_ns'])} wall" if tot.get("wall_ns") and not predicted else ""
         parts.append(f"{fmt_ns(tot['cpu_ns'])} {when}in ops{wall}")
+    delay = int(t.metadata.get("run_delay_ns") or 0)
+    if delay >= BUSY_SHARE * (tot.get("wall_ns") or 0) > 0 and not predicted:
+        parts.append(f"waited {fmt_ns(delay)} for a CPU (a busy machine)")
     for p in peaks:
         cats = sorted(((p.get(f"{c}_bytes") or 0, c) for c in MEMORY_CATEGORIES), reverse=True)
         made = ", ".join(f"{c.replace('_', ' ')} {fmt_bytes(b)}" for b, c in cats if b)[:200]

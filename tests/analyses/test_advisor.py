@@ -14,7 +14,7 @@ import tensorscope
 from tensorscope import schema as S
 from tensorscope.analyses.findings import finding_rows
 from tensorscope.errors import GuardError, OptionsError
-from tests.helpers.synthetic import make_trace, table
+from tests.helpers.synthetic import make_trace, no_cpu_wait, table
 
 ENGINES = ("native", "python")
 
@@ -237,7 +237,7 @@ def test_gemm_heavy_mlp_is_compute_bound_and_the_roofline_matches_the_rows(engin
         for _ in range(3):
             mlp(x)
     peaks = tensorscope._peaks.machine_peaks()
-    adv = tensorscope.advise(t, peaks={"cpu": peaks})
+    adv = tensorscope.advise(no_cpu_wait(t), peaks={"cpu": peaks})
     ops = t.ops.filter(pc.equal(t.ops.column("op").cast(pa.string()), "aten.addmm.default"))
     fl = sum(ops.column("flops").to_pylist())
     ns = sum(ops.column("cpu_ns").to_pylist())

@@ -15,6 +15,7 @@ from tensorscope.analyses.advisor import advise_tables
 from tensorscope.analyses.roofline import ROOF_SHARE
 from tensorscope.errors import OptionsError
 from tensorscope.options import DisplayOptions
+from tests.helpers.synthetic import no_cpu_wait
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +67,7 @@ def test_peaks_record_sizes_spread_share_and_bound_and_env_shows_them():
 
 def test_a_group_far_below_its_roof_is_below_roof_and_one_at_it_is_compute_bound_capped_at_one():
     a, b = torch.randn(512, 512), torch.randn(512, 512)
-    t = _warm_trace(lambda: [torch.mm(a, b) for _ in range(3)])
+    t = no_cpu_wait(_warm_trace(lambda: [torch.mm(a, b) for _ in range(3)]))
     huge = {"cpu": {"flops": {"float32": 1e18}, "bytes_per_s": 1e18, "overhead_ns": None}}   # no per-op floor
     tiny = {"cpu": {"flops": {"float32": 1e6}, "bytes_per_s": 1e6, "overhead_ns": 1.0}}
     (r,) = [r for r in t.advice(peaks=huge).roofline.to_pylist() if r["name"] == "aten.mm.default"]

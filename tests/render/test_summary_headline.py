@@ -38,7 +38,8 @@ def test_nan_produced_ranks_before_performance_and_a_clean_cell_says_so_in_one_l
         torch.ones(4) + 1
     first = _text_lines(t.result)
     assert first[0].startswith("tensorscope trace: clean — no exception, no NaN/Inf produced, no leak")
-    assert re.match(r"  \d+ ops \(\d+ forward, 0 backward\) · .* in ops of .* wall · peak ", first[1]), first[1]
+    assert re.match(r"  \d+ ops \(\d+ forward, 0 backward\) · .* in ops of .* wall "
+                    r"(· waited .* for a CPU \(a busy machine\) )?· peak ", first[1]), first[1]
     html = t.result.summary().to_html()
     assert '<span class="ts-ok">clean' in html and "<details><summary>" in html
 
