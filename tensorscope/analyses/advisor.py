@@ -43,7 +43,8 @@ from .. import schema as S
 from .._common import fmt_bytes, fmt_ns, fmt_rate
 from .findings import _CELLS, Runs, _advice_table, _finding, _rows_of, _where
 from .idle import TRACER_NS, UNTIMED_RATIO, gpu_idle, outside_ops
-from .layout_findings import _layout_findings
+from .layout_findings import _CONV, _COPY, _layout_findings
+from .layout_mix import mix_findings
 from .opview import first_run, short_name, window_views
 from .roofline import Peaks, roofline
 from .roofline_findings import _roofline_findings, _warm_views
@@ -59,6 +60,8 @@ COLD_SHARE = 0.5                # first-run rows holding this share of op time m
 COLD_NOTE_NS = 2_000_000        # ... and the first_run note is shown when they took at least this long (a cold
                                 # cell of a few hundred µs has nothing a user would read as slowness)
 MIN_SHARE = 0.01                # default significance: a performance finding costs this share of op time
+BUSY_SHARE = 0.1                # the thread waited this share of the wall for a CPU: a busy machine, no finding read
+                                # from op times (and the headline says so)
 SYNC_REPEAT = 3                 # a CPU sync seen this many times at one line (a loop) is a finding whatever its time
 #: findings that say where the time goes rather than what to change: listed after the problems
 DESCRIPTIVE = frozenset({"compute_bound", "memory_bound", "below_roof"})
@@ -297,6 +300,13 @@ def _drop_amp_on(over: Mapping[str, Any], found: list[dict[str, Any]]) -> list[d
     return [f for f in found if f["kind"] != "amp" or not over["runs"].overlaps(f["runs"])]
 
 
+def _explained_by(mixes: Sequence[Mapping[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``found`` less the roofline findings a layout-mix finding explains (one event, one finding): those
+    naming its rows whose cost the mix's own cost is at least half of."""
+    return [f for f in found if not any(m["runs"].overlaps(f["runs"]) and 2 * m["cost_ns"] >= (f["cost_ns"] or 0)
+                                        for m in mixes)]
+
+
 def _views(win: Mapping[str, Any]) -> Any:
     """The window's rows a slice at a time (every row: the structural findings read what ran)."""
     return window_views(win)
@@ -398,10 +408,16 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
             roof_found = _roofline_findings(roof, windows, peaks, multi, steps, speedup)
             if over:   # one event, one finding: rows the overhead finding names are no compute-bound amp proof
                 roof_found = _drop_amp_on(over[0], roof_found)
+            mixes = mix_findings(windows, multi, steps, _CONV | _COPY)
+            roof_found = mixes + _explained_by(mixes, roof_found)
             # a busy machine: the op times hold the time the thread waited for a CPU (other processes'); a
-            # finding read from op times that this wait could explain whole is not proven by them
-            busy_left = sum(1 for f in roof_found if f["cost_ns"] is not None and f["cost_ns"] <= delay)
-            found += [f for f in roof_found if f["cost_ns"] is None or f["cost_ns"] > delay]
+            # finding read from op times (the roofline's, a layout mix's) that this wait could explain whole
+            # is not proven by them; past BUSY_SHARE of the wall, none is (every rate holds the wait)
+            wall = sum(int(w.get("wall_ns") or 0) for w in windows)
+            busy = wall > 0 and delay >= BUSY_SHARE * wall
+            kept = [f for f in roof_found if not busy and (f["cost_ns"] is None or f["cost_ns"] > delay)]
+            busy_left = len(roof_found) - len(kept)
+            found += kept
         else:
             for f in found:
                 f["cost_ns"] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .._common import fmt_ns, fmt_rate
-from ..analyses.advisor import outside_totals
+from ..analyses.advisor import BUSY_SHARE, outside_totals
 from .section import Section
 
 TITLE = "why is it slow: the advisor"
@@ -52,9 +52,12 @@ def advice_to_section(a: Any) -> Section:
         notes.append(outside_note(outs, a.steps))
     busy = int(getattr(a, "busy_left", 0) or 0)
     if busy:
-        notes.append(f"{busy} roofline finding{'s' * (busy != 1)} left out: the thread waited "
+        whole = a.wall_ns and a.run_delay_ns >= BUSY_SHARE * a.wall_ns
+        notes.append(f"{busy} finding{'s' * (busy != 1)} read from op times left out: the thread waited "
                      f"{fmt_ns(a.run_delay_ns)} for a CPU in the block (other processes' time, which the op times "
-                     f"hold), as much as {'each' if busy != 1 else 'it'} cost; run the cell again on an idle machine")
+                     "hold), " + (f"{100 * a.run_delay_ns / a.wall_ns:.0f}% of the wall" if whole else
+                                  f"as much as {'each' if busy != 1 else 'it'} cost")
+                     + "; run the cell again on an idle machine")
     first = int(getattr(a, "first_run_ns", 0) or 0)
     if first and not getattr(a, "cold", False) and not getattr(a, "predicted", False):
         notes.append(f"{fmt_ns(first)} of first executions (ops.first_run: one-time initialisation) left out of "

@@ -18,11 +18,9 @@ from typing import Any, Callable, Optional
 import pyarrow.compute as pc
 
 from .._common import fmt_bytes, fmt_ns
+from ..analyses.advisor import BUSY_SHARE
 from . import sections_advice, sections_api, sections_compiled, sections_memory, sections_precision, sections_timing
 from .section import Head, Section, Summary
-
-#: the headline's totals say the machine was busy when the thread waited this share of the wall for a CPU
-BUSY_SHARE = 0.1
 
 
 def _location(file, line, cells=None) -> str:

@@ -28,32 +28,40 @@ def gemm_trace() -> Trace:
     return t.result
 
 
-def _with_delay(t: Trace, delay_ns: int) -> Trace:
-    return Trace(t.tables, t.metadata.replace(run_delay_ns=delay_ns))
+def _with_delay(t: Trace, delay_ns: int, wall_ns: int = 0) -> Trace:
+    md = t.metadata.replace(run_delay_ns=delay_ns, **({"wall_ns": wall_ns} if wall_ns else {}))
+    return Trace(t.tables, md)
 
 
 def _roof(t: Trace, peaks: dict) -> list[dict]:
     return [f for f in t.advice(peaks=peaks).findings.to_pylist() if f["kind"] in ROOF_KINDS]
 
 
-def test_a_roofline_finding_the_wait_could_explain_is_left_out_and_said(gemm_trace):
+def test_a_finding_the_wait_could_explain_is_left_out_and_said(gemm_trace):
     peaks = {"cpu": tensorscope._peaks.machine_peaks()}
     calm = _roof(_with_delay(gemm_trace, 0), peaks)
     assert calm, "a gemm-heavy cell has a roofline finding"
     cost = max(f["cost_ns"] for f in calm)
-    # a wait shorter than each finding's cost: all stay
-    short = _with_delay(gemm_trace, min(f["cost_ns"] for f in calm) // 4)
+    wall = gemm_trace.metadata.wall_ns
+    # a wait shorter than each finding's cost and than a tenth of the wall: all stay
+    short = _with_delay(gemm_trace, min(min(f["cost_ns"] for f in calm) // 4, wall // 20))
     assert [f["subject"] for f in _roof(short, peaks)] == [f["subject"] for f in calm]
     assert short.advice(peaks=peaks).busy_left == 0
-    assert "roofline finding" not in short.advice(peaks=peaks).to_text()
-    # a wait as long as every finding's cost: none is proven by the op times
-    busy = _with_delay(gemm_trace, cost)
+    assert "read from op times left out" not in short.advice(peaks=peaks).to_text()
+    # a wait as long as every finding's cost (in a block whose wall is long enough for it to be under a
+    # tenth of it): none is proven by the op times
+    long_wall = _with_delay(gemm_trace, cost, wall_ns=20 * cost + wall)
+    adv = long_wall.advice(peaks=peaks)
+    assert _roof(long_wall, peaks) == [] and adv.busy_left == len(calm)
+    n = len(calm)
+    text = adv.to_text()
+    assert f"{n} finding{'s' * (n != 1)} read from op times left out: the thread waited " in text
+    assert f"as much as {'each' if n != 1 else 'it'} cost; run the cell again on an idle machine" in text
+    # a wait of a tenth of the wall or more: a busy machine, no finding read from op times at all
+    busy = _with_delay(gemm_trace, wall // 2)
     adv = busy.advice(peaks=peaks)
     assert _roof(busy, peaks) == [] and adv.busy_left == len(calm)
-    text = adv.to_text()
-    n = len(calm)
-    assert f"{n} roofline finding{'s' * (n != 1)} left out: the thread waited " in text
-    assert "run the cell again on an idle machine" in text
+    assert "hold), 50% of the wall; run the cell again on an idle machine" in adv.to_text()
 
 
 def _totals(t: Trace) -> tuple[str, list[str]]:
