@@ -153,9 +153,17 @@ def _below_reason(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks
     if p.get("contended"):
         why.append("this machine was busy when the peaks were measured, and may have been while the trace ran")
     if not why:
-        why.append("the kernel does not reach the roof at these shapes and layouts (strided inputs, odd sizes, "
-                   "or a competing load while the trace ran)")
+        why.append("the kernel does not reach the roof at these shapes and layouts (strided inputs, odd sizes"
+                   + (")" if _quiet(wins) else ", or a competing load while the trace ran)"))
     return "likely: " + "; ".join(why)
+
+
+def _quiet(wins: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the recording thread is known to have (nearly) never waited for a CPU in the windows
+    (``run_delay_ns`` measured, under 1% of the wall): a competing load is then no likely reason."""
+    delays = [w.get("run_delay_ns") for w in wins]
+    wall = sum(int(w.get("wall_ns") or 0) for w in wins)
+    return bool(wins) and all(d is not None for d in delays) and wall > 0 and sum(delays) <= 0.01 * wall
 
 
 def _below_fix(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks]) -> str:
@@ -164,6 +172,8 @@ def _below_fix(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks: O
         return "more work per call: a bigger batch"
     if short_name(r["name"]) in _GEMM and per_op and per_op < 2 * 256 ** 3:
         return "batch the small matmuls into fewer, larger ones (a bigger batch, torch.bmm over stacked inputs)"
+    if _quiet(wins):
+        return "check torch.get_num_threads() and the input layouts (strides, memory format) of these calls"
     return "run the cell again on an idle machine to confirm; check torch.get_num_threads() and the input layouts"
 
 

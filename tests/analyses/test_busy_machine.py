@@ -80,3 +80,19 @@ def test_the_headline_says_the_machine_was_busy(gemm_trace):
     assert totals.split(" wall · waited ")[1].split(" · ")[0].endswith("for a CPU (a busy machine)")
     totals, lines = _totals(_with_delay(gemm_trace, 0))
     assert "for a CPU" not in totals and not any("waiting for a CPU" in line for line in lines)
+
+
+def test_a_quiet_machine_is_no_likely_reason_for_a_slow_kernel(gemm_trace):
+    """below_roof's generic reason named "a competing load" and its fix "run the cell again on an idle
+    machine" also when the thread was measured not to wait for a CPU: a fix that does not apply."""
+    far = {"cpu": {"flops": {"float32": 1e18}, "bytes_per_s": 1e18, "overhead_ns": None}}   # every op far below
+
+    def below(t: Trace) -> dict:
+        (f,) = [f for f in t.advice(peaks=far).findings.to_pylist() if f["kind"] == "below_roof"]
+        return f
+    quiet = below(_with_delay(gemm_trace, 0))
+    assert "competing load" not in quiet["seen"] and "idle machine" not in quiet["fix"]
+    assert quiet["fix"].endswith("check torch.get_num_threads() and the input layouts (strides, memory format) of these calls")
+    unknown = below(_with_delay(gemm_trace, None))   # not measured (not Linux, or an older trace)
+    assert "or a competing load while the trace ran" in unknown["seen"]
+    assert "run the cell again on an idle machine to confirm" in unknown["fix"]
