@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ExportError, TraceActiveError
 from ..options import DisplayOptions, RunContext, TraceOptions, resolve
+from . import fastpaths
 from .columns import _Links
 from .context import RecordingContext, first_line_message
 from .engines import EngineChoice, exit_mode, make_engine, select_engine
@@ -154,6 +155,7 @@ class Session:
                 self._entered.append("modules")
             self._fmode.__enter__()
             self._entered.append("function")
+            fastpaths.install(self._fmode)   # torch's fast paths answer as in eager (recording/fastpaths.py)
             self.engine.start(self.ctx, opts)
             self._entered.append("engine")
         except BaseException:
@@ -183,6 +185,7 @@ class Session:
         except BaseException as e:
             errors.append(e)
         if "function" in self._entered:
+            fastpaths.remove(self._fmode)
             try:
                 from torch.overrides import _get_current_function_mode_stack
 
