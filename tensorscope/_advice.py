@@ -44,8 +44,9 @@ class Advice(Displayable):
     cold: bool = False
     #: a prediction (``metadata["predicted"]``): no timing-based finding
     predicted: bool = False
-    #: the time the recording thread waited for a CPU in the traces (``metadata["run_delay_ns"]``: other
-    #: processes' time, which the op times hold), and the roofline findings it could explain whole (left out)
+    #: the time a thread of the process waited for a CPU in the traces (the longer of ``metadata["run_delay_ns"]``
+    #: and ``["worker_run_delay_ns"]``: other processes' time, which the op times hold), and the findings read
+    #: from op times it could explain whole (left out)
     run_delay_ns: int = 0
     busy_left: int = 0
     min_share: float = 0.01
@@ -167,6 +168,7 @@ def advise(traces: Any, *, peaks: Optional[dict[str, dict[str, Any]]] = None,
     wins = [{"ops": t.ops, "calls": t.calls, "kernels": t.kernels, "layout_changes": t.layout_changes,
              "wall_ns": t.metadata.get("wall_ns"), "steps": s, "engine": t.metadata.get("engine"),
              "run_delay_ns": t.metadata.get("run_delay_ns"), "tracer_op_ns": t.metadata.get("tracer_op_ns"),
+             "worker_run_delay_ns": t.metadata.get("worker_run_delay_ns"),
              "cells": dict(t.metadata.get("cell_files") or {}),
              "flops_known": bool((t.metadata.get("options") or {}).get("flops", True))}
             for t, s in zip(ts, steps_each)]

@@ -45,6 +45,7 @@ from .findings import _CELLS, Runs, _advice_table, _finding, _rows_of, _where
 from .idle import TRACER_NS, UNTIMED_RATIO, gpu_idle, outside_ops
 from .layout_findings import _CONV, _COPY, _layout_findings
 from .layout_mix import mix_findings
+from .lineage import from_data
 from .opview import first_run, short_name, window_views
 from .roofline import Peaks, roofline
 from .roofline_findings import _roofline_findings, _warm_views
@@ -79,12 +80,30 @@ _SYNC_FIX = {
 }
 
 
-def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, steps: Optional[int]) -> list[dict[str, Any]]:
+def _host_only(syncs: pa.Table, wins: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """Per sync row: a CPU scalar read whose value derives from 0-d tensors only (``lineage.from_data``:
+    an optimizer's step counter), which stays on the host when the model runs on a GPU: no wait there."""
+    out = np.zeros(syncs.num_rows, bool)
+    for i, r in enumerate(syncs.select(["window", "seq", "device", "kind"]).to_pylist()):
+        if r["kind"] != "scalar_read" or (r["device"] or "cpu") != "cpu":
+            continue
+        ops = wins[r["window"]]["ops"]
+        first = ops.column("seq")[0].as_py() if ops.num_rows else 0
+        pos = r["seq"] - first
+        if 0 <= pos < ops.num_rows and ops.column("seq")[pos].as_py() == r["seq"]:
+            out[i] = not from_data(ops, pos)
+    return out
+
+
+def _sync_findings(syncs: pa.Table, noise_ops: frozenset[str], multi: bool, steps: Optional[int],
+                   wins: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
     if syncs.num_rows == 0:
         return []
     noise = np.array([short_name(o) in noise_ops for o in syncs.column("op").to_pylist()], dtype=bool)
     has_call = ~np.asarray(pc.is_null(syncs.column("call")).to_numpy(zero_copy_only=False), dtype=bool)
     keep = ~noise | has_call          # a bookkeeping row with no call to name: never a subject on its own
+    if wins:   # a CPU trace's sync is a claim about a GPU run: not for values that stay on the host there
+        keep &= ~_host_only(syncs, wins)
     st = syncs.filter(pa.array(keep))
     if st.num_rows == 0:
         return []
@@ -300,6 +319,13 @@ def _drop_amp_on(over: Mapping[str, Any], found: list[dict[str, Any]]) -> list[d
     return [f for f in found if f["kind"] != "amp" or not over["runs"].overlaps(f["runs"])]
 
 
+def cpu_wait(win: Mapping[str, Any]) -> int:
+    """How long the op times of a window may hold other processes' time: the longer wait for a CPU of the
+    recording thread (``run_delay_ns``) and of any one thread of the process (``worker_run_delay_ns``: an
+    intra-op parallel kernel waits for its slowest worker)."""
+    return max(int(win.get("run_delay_ns") or 0), int(win.get("worker_run_delay_ns") or 0))
+
+
 def _explained_by(mixes: Sequence[Mapping[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``found`` less the roofline findings a layout-mix finding explains (one event, one finding): those
     naming its rows whose cost the mix's own cost is at least half of."""
@@ -385,12 +411,12 @@ def _advise(windows: Sequence[Mapping[str, Any]], peaks: Optional[Peaks], NOISE_
             for d in gpu_idle(w["ops"], k, rows=w.get("batch_rows")):
                 idle.append(dict(d, window=i))
     cuda = any(r == "cuda" for r in roof.column("device").to_pylist()) if roof.num_rows else False
-    delay = sum(int(w.get("run_delay_ns") or 0) for w in windows)
+    delay = sum(cpu_wait(w) for w in windows)
     busy_left = 0
     found: list[dict[str, Any]] = []
     cold = bool(op_ns) and first_ns >= COLD_SHARE * op_ns and not predicted
     # structural findings: read from what ran, not from how long it took
-    found += _sync_findings(sync_t, NOISE_OPS, multi, steps)
+    found += _sync_findings(sync_t, NOISE_OPS, multi, steps, windows)
     found += _layout_findings(windows, multi, steps)
     found += _zero_grad_findings(windows, multi, steps)
     found += _host_to_device(windows, multi, steps)

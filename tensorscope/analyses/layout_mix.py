@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from .. import schema as S
 from .findings import Runs, _finding, _where
+from .lineage import producer
 from .opview import OpView, short_name, window_views
 
 MIX_SLOWDOWN = 2.0   # mixed calls this many times slower per byte than the op's one-format calls make a finding
@@ -73,10 +74,12 @@ def _may_hold_cl(col: Any) -> bool:
 
 
 class _Group:
-    __slots__ = ("n_mixed", "b_mixed", "t_mixed", "n_one", "b_one", "t_one", "runs", "first")
+    __slots__ = ("n_mixed", "b_mixed", "t_mixed", "n_one", "b_one", "t_one", "runs", "first", "r_mixed", "r_one")
 
     def __init__(self) -> None:
         self.n_mixed = self.b_mixed = self.t_mixed = self.n_one = self.b_one = self.t_one = 0
+        self.r_mixed: list[np.ndarray] = []   # bytes per ns of each call: the medians compare (one preempted
+        self.r_one: list[np.ndarray] = []     # call on a busy machine does not decide)
         self.runs = Runs()
         self.first: Optional[tuple[int, int]] = None   # (window, row in the window's ops) of the first mixed call
 
@@ -117,6 +120,8 @@ def _read(w: int, view: OpView, skip: frozenset[str], groups: dict[tuple[str, st
             g.n_one += int(mo.sum())
             g.b_one += int(nb[mo].sum())
             g.t_one += int(ns[mo].sum())
+            g.r_mixed.append(nb[mm] / ns[mm])
+            g.r_one.append(nb[mo] / ns[mo])
             if mm.any():
                 g.runs.add(w, view.seq[mm])
                 g.first = g.first or (w, view.offset + int(np.flatnonzero(mm)[0]))
@@ -136,22 +141,6 @@ def _first_dtype(ops: pa.Table) -> np.ndarray:
     return out
 
 
-def _producer(ops: pa.Table, row: int, sid: int, back: int = 4096) -> Optional[dict[str, Any]]:
-    """The last row before ``row`` (within ``back`` rows) that wrote storage ``sid``."""
-    lo = max(0, row - back)
-    part = ops.slice(lo, row - lo)
-    outs = part.column("out_storages").combine_chunks()
-    if len(outs) == 0:
-        return None
-    hit = pc.list_parent_indices(outs).to_numpy()[pc.equal(pc.list_flatten(outs), sid).to_numpy(
-        zero_copy_only=False).astype(bool)]
-    if not len(hit):
-        return None
-    got: dict[str, Any] = S.plain_strings(part.slice(int(hit[-1]), 1).select(
-        ["seq", "op", "autograd_node", "module", "source_file", "source_line"])).to_pylist()[0]
-    return got
-
-
 def mix_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional[int],
                  skip: frozenset[str]) -> list[dict[str, Any]]:
     """One ``layout`` finding per (op, dtype) whose mixed-format calls are ``MIX_SLOWDOWN`` times slower per
@@ -169,11 +158,12 @@ def mix_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional
             _read(w, view, skip, groups, names)
     out = []
     for (op, dtype), g in groups.items():
-        if not (g.n_mixed and g.t_one and g.b_mixed) or g.first is None:
+        if not (g.n_mixed and g.n_one and g.b_mixed) or g.first is None:
             continue
-        expected = g.b_mixed * g.t_one / g.b_one
-        slow = g.t_mixed / expected
-        if slow < MIX_SLOWDOWN:
+        rate_one = float(np.median(np.concatenate(g.r_one)))
+        slow = rate_one / float(np.median(np.concatenate(g.r_mixed)))
+        expected = g.b_mixed / rate_one   # the mixed calls' bytes at the one-format calls' median rate
+        if slow < MIX_SLOWDOWN or g.t_mixed <= expected:
             continue
         w, row = g.first
         ops = wins[w]["ops"]
@@ -181,10 +171,10 @@ def mix_findings(wins: Sequence[Mapping[str, Any]], multi: bool, steps: Optional
             ["in_formats", "in_storages", "module", "source_file", "source_line", "autograd_node"])).to_pylist()[0]
         fmts, sids = r["in_formats"] or [], r["in_storages"] or []
         ct = [s for f, s in zip(fmts, sids) if f == "contiguous" and s is not None]
-        made = _producer(ops, row, ct[0]) if ct else None
+        made = producer(ops, row, ct[0]) if ct else None
         seen = (f"{g.n_mixed} of {short_name(op)}'s calls ({dtype}) got channels_last and contiguous inputs together: "
-                f"{g.b_mixed / g.t_mixed:.2f} GB/s against {g.b_one / g.t_one:.2f} GB/s for its {g.n_one} calls with one "
-                f"format, {slow:.0f}x slower per byte (the strided path)")
+                f"{rate_one / slow:.2f} GB/s against {rate_one:.2f} GB/s for its {g.n_one} calls with one format "
+                f"(medians), {slow:.0f}x slower per byte (the strided path)")
         if made is not None:
             node = f" ({made['autograd_node']})" if made.get("autograd_node") else ""
             seen += (f"; the contiguous input is made by {short_name(made['op'])}{node} at "

@@ -159,11 +159,12 @@ def _below_reason(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks
 
 
 def _quiet(wins: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether the recording thread is known to have (nearly) never waited for a CPU in the windows
-    (``run_delay_ns`` measured, under 1% of the wall): a competing load is then no likely reason."""
-    delays = [w.get("run_delay_ns") for w in wins]
+    """Whether no thread of the process is known to have waited for a CPU in the windows (``run_delay_ns``
+    and ``worker_run_delay_ns`` measured, under 1% of the wall): a competing load is then no likely reason."""
+    delays = [max(w.get("run_delay_ns") or 0, w.get("worker_run_delay_ns") or 0) for w in wins]
+    known = all(w.get("run_delay_ns") is not None and w.get("worker_run_delay_ns") is not None for w in wins)
     wall = sum(int(w.get("wall_ns") or 0) for w in wins)
-    return bool(wins) and all(d is not None for d in delays) and wall > 0 and sum(delays) <= 0.01 * wall
+    return bool(wins) and known and wall > 0 and sum(delays) <= 0.01 * wall
 
 
 def _below_fix(r: Mapping[str, Any], wins: Sequence[Mapping[str, Any]], peaks: Optional[Peaks]) -> str:

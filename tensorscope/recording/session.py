@@ -29,6 +29,7 @@ from .frames import exc_mark, seen_exc
 from .history import _remember
 from .ophooks import OpHooks
 from .recorder import Recorder
+from .schedstat import longest_wait, thread_delay_ns, threads_delay_ns
 from .source import is_internal_file
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class Session:
         self._fmode = self.engine.function_mode(self.ctx)
         _local.session = self
         self.ctx.t0 = time.perf_counter_ns()
-        self._run_delay0 = run_delay_ns()
+        self._run_delay0, self._threads0 = thread_delay_ns(), threads_delay_ns()
         self.dist.set_anchor(self.ctx.t0)
         try:
             if opts.modules:
@@ -231,8 +232,9 @@ class Session:
     def _stop(self, exc: Optional[BaseException]) -> Trace:
         end = time.perf_counter_ns()
         self.wall_ns = end - self.ctx.t0 if self.ctx.t0 else 0
-        rd1, rd0 = run_delay_ns(), getattr(self, "_run_delay0", None)
+        rd1, rd0 = thread_delay_ns(), getattr(self, "_run_delay0", None)
         self.run_delay = rd1 - rd0 if (rd1 is not None and rd0 is not None) else None
+        self.worker_delay = longest_wait(getattr(self, "_threads0", None), threads_delay_ns())
         self.ctx.recording = False
         self._end_cell_warnings()
         self._restore()
@@ -255,7 +257,8 @@ class Session:
                 self.ctx.rec.tracer_error("op hook", RuntimeError(msg))
             tables, ops_file, notes = finish_tables(self)
             md = metadata(self, tables["ops"].num_rows, notes, **self._distributed(),
-                          **({"run_delay_ns": self.run_delay} if getattr(self, "run_delay", None) is not None else {}))
+                          **({"run_delay_ns": self.run_delay} if getattr(self, "run_delay", None) is not None else {}),
+                          **({"worker_run_delay_ns": self.worker_delay} if self.worker_delay is not None else {}))
         finally:
             if self.ctx.tracker is not None:
                 self.ctx.tracker.close()
@@ -585,13 +588,3 @@ class trace:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
         return self.summary()._repr_mimebundle_(include, exclude)
 
-
-def run_delay_ns() -> Optional[int]:
-    """This thread's time spent runnable but waiting for a CPU (``/proc/thread-self/schedstat``'s second
-    field), or None where the kernel does not say: a trace's wall minus the program's own time on a
-    busy machine, which the advisor never charges to the program as time outside ops."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None

@@ -46,7 +46,7 @@ def overview(t) -> Section:
     if n:
         cpu = column_sum(ops.column("cpu_ns")) or 0
         rows.append(("CPU time in ops", f"{fmt_ns(cpu)} of {fmt_ns(md.get('wall_ns'))} wall"))
-        delay = int(md.get("run_delay_ns") or 0)
+        delay = max(int(md.get("run_delay_ns") or 0), int(md.get("worker_run_delay_ns") or 0))
         if delay:
             rows.append(("waiting for a CPU", f"{fmt_ns(delay)} (other processes' time: the op times and gaps "
                                               "hold it)"))
@@ -307,7 +307,7 @@ def _totals_line(t, tot: dict[str, Any], peaks: list[dict[str, Any]], predicted:
         when = "predicted " if predicted else ""
         wall = f" of {fmt_ns(tot['wall_ns'])} wall" if tot.get("wall_ns") and not predicted else ""
         parts.append(f"{fmt_ns(tot['cpu_ns'])} {when}in ops{wall}")
-    delay = int(t.metadata.get("run_delay_ns") or 0)
+    delay = max(int(t.metadata.get("run_delay_ns") or 0), int(t.metadata.get("worker_run_delay_ns") or 0))
     if delay >= BUSY_SHARE * (tot.get("wall_ns") or 0) > 0 and not predicted:
         parts.append(f"waited {fmt_ns(delay)} for a CPU (a busy machine)")
     for p in peaks:

@@ -29,7 +29,8 @@ def gemm_trace() -> Trace:
 
 
 def _with_delay(t: Trace, delay_ns: int, wall_ns: int = 0) -> Trace:
-    md = t.metadata.replace(run_delay_ns=delay_ns, **({"wall_ns": wall_ns} if wall_ns else {}))
+    md = t.metadata.replace(run_delay_ns=delay_ns, worker_run_delay_ns=delay_ns,
+                            **({"wall_ns": wall_ns} if wall_ns else {}))
     return Trace(t.tables, md)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import tensorscope
-from tests.helpers.synthetic import no_cpu_wait
+from tensorscope.analyses.advisor import BUSY_SHARE, cpu_wait
 
 ENGINES = ("native", "python")
 
@@ -42,7 +42,17 @@ def _train(engine: str, m: torch.nn.Module) -> tensorscope.Trace:
     for _ in range(2):   # the second trace is warm
         with tensorscope.trace(engine=engine, leaks=False) as t:
             steps()
-    return no_cpu_wait(t)   # what the rows prove, not the busy-machine rule
+    return t.result
+
+
+def _busy(t: tensorscope.Trace) -> bool:
+    """Whether a thread of the process waited for a CPU long enough that the advisor reads no timing
+    (another process took a core: every op time holds it); the test then checks that it says so."""
+    adv = t.advice()
+    if adv.busy_left or cpu_wait(t.metadata) >= BUSY_SHARE * t.metadata.wall_ns:
+        assert not _mixes(t) and (adv.busy_left == 0 or "read from op times left out" in adv.to_text())
+        return True
+    return False
 
 
 def _mixes(t: tensorscope.Trace) -> list[dict]:
@@ -61,6 +71,8 @@ def test_global_pooling_into_channels_last_is_a_layout_finding_whose_fix_removes
     t = _train(engine, _cnn(torch.nn.AdaptiveAvgPool2d(1)))
     mixed = _mixed_rows(t, "aten.threshold_backward.default")
     assert len(mixed) == 3                                 # the last ReLU's backward, once a step
+    if _busy(t):
+        return
     (f,) = _mixes(t)
     adv = t.advice()
     i = adv.findings.column("subject").to_pylist().index(f["subject"])
@@ -77,7 +89,7 @@ def test_global_pooling_into_channels_last_is_a_layout_finding_whose_fix_removes
 
     # the fix, executed: the same model pooled with avg_pool2d over the whole map
     fixed = _train(engine, _cnn(WholeMapAvgPool()))
-    assert _mixed_rows(fixed, "aten.threshold_backward.default") == []
+    assert _mixed_rows(fixed, "aten.threshold_backward.default") == []   # the rows say it, whatever the timing
     assert _mixes(fixed) == []
     a, b = _cnn(torch.nn.AdaptiveAvgPool2d(1)), _cnn(WholeMapAvgPool())
     x = torch.randn(4, 3, 32, 32).to(memory_format=torch.channels_last)
@@ -97,9 +109,12 @@ def test_a_forward_mix_names_where_the_contiguous_input_is_made_and_converting_i
                 for _ in range(4):
                     a.add(b)                                # mixed unless fixed
                     a.add(a)                                # one format: the proof
-        return no_cpu_wait(t)
+        return t.result
 
-    (f,) = _mixes(run(False))
+    t = run(False)
+    if _busy(t):
+        return
+    (f,) = _mixes(t)
     assert "4 of add's calls (bfloat16)" in f["seen"] and "for its 4 calls with one format" in f["seen"]
     assert "the contiguous input is made by randn at test_layout_mix.py:" in f["seen"]
     assert f["fix"].startswith("convert the contiguous input once where it is made (randn at test_layout_mix.py:")
@@ -115,4 +130,4 @@ def test_no_proof_no_finding():
         with tensorscope.trace(leaks=False) as t:
             for _ in range(4):
                 a.add(b)
-    assert _mixes(no_cpu_wait(t)) == []
+    assert _mixes(t.result) == []

@@ -24,8 +24,8 @@ def make_trace(metadata=None, **tables) -> Trace:
 
 
 def no_cpu_wait(t) -> Trace:
-    """The recorded trace ``t`` (a Trace or a trace() handle) as if its thread had never waited for a CPU
-    (``run_delay_ns`` 0): for tests of what the roofline reads from op times, which a busy machine's wait
+    """The recorded trace ``t`` (a Trace or a trace() handle) as if no thread had waited for a CPU
+    (``run_delay_ns``, ``worker_run_delay_ns`` 0): for tests of what the roofline reads from op times, which a busy machine's wait
     could otherwise explain away (tests/analyses/test_busy_machine.py tests that rule)."""
     t = getattr(t, "result", t)
-    return Trace(t.tables, t.metadata.replace(run_delay_ns=0))
+    return Trace(t.tables, t.metadata.replace(run_delay_ns=0, worker_run_delay_ns=0))
