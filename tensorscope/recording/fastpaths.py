@@ -15,16 +15,16 @@ unchanged."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 
 _ORIG = torch.overrides.has_torch_function
 _lock = threading.Lock()
-_ours: dict[int, Any] = {}   # id -> the function mode objects of the traces recording now
+_ours: dict[int, object] = {}   # id -> the function mode objects of the traces recording now
 
 
-def has_torch_function(args: Any) -> bool:
+def has_torch_function(args: Iterable[object]) -> bool:
     """``torch.overrides.has_torch_function(args)`` as without tensorscope's function modes."""
     if not _ORIG(args):
         return False
@@ -43,13 +43,13 @@ def has_torch_function(args: Any) -> bool:
             torch._C._push_on_torch_function_stack(m)
 
 
-def install(mode: Any) -> None:
+def install(mode: object) -> None:
     with _lock:
         _ours[id(mode)] = mode
         torch.overrides.has_torch_function = has_torch_function
 
 
-def remove(mode: Any) -> None:
+def remove(mode: object) -> None:
     """Idempotent; the original comes back with the last trace's mode."""
     with _lock:
         _ours.pop(id(mode), None)
