@@ -63,6 +63,7 @@ COLD_NOTE_NS = 2_000_000        # ... and the first_run note is shown when they 
 MIN_SHARE = 0.01                # default significance: a performance finding costs this share of op time
 BUSY_SHARE = 0.1                # the thread waited this share of the wall for a CPU: a busy machine, no finding read
                                 # from op times (and the headline says so)
+_LINEAGE_READS = 3              # scalar reads per source line whose lineage is read (advisor._host_only)
 SYNC_REPEAT = 3                 # a CPU sync seen this many times at one line (a loop) is a finding whatever its time
 #: findings that say where the time goes rather than what to change: listed after the problems
 DESCRIPTIVE = frozenset({"compute_bound", "memory_bound", "below_roof"})
@@ -84,14 +85,23 @@ def _host_only(syncs: pa.Table, wins: Sequence[Mapping[str, Any]]) -> np.ndarray
     """Per sync row: a CPU scalar read whose value derives from 0-d tensors only (``lineage.from_data``:
     an optimizer's step counter), which stays on the host when the model runs on a GPU: no wait there."""
     out = np.zeros(syncs.num_rows, bool)
-    for i, r in enumerate(syncs.select(["window", "seq", "device", "kind"]).to_pylist()):
+    # per source line (what a finding groups): its first few reads decide for all of them (a loop's reads
+    # at one line read the same kind of value), so the cost is per line, not per step
+    verdict: dict[tuple[Any, ...], list[bool]] = {}
+    rows = syncs.select(["window", "seq", "device", "kind", "source_file", "source_line"]).to_pylist()
+    for r in rows:
         if r["kind"] != "scalar_read" or (r["device"] or "cpu") != "cpu":
             continue
-        ops = wins[r["window"]]["ops"]
-        first = ops.column("seq")[0].as_py() if ops.num_rows else 0
-        pos = r["seq"] - first
-        if 0 <= pos < ops.num_rows and ops.column("seq")[pos].as_py() == r["seq"]:
-            out[i] = not from_data(ops, pos)
+        got = verdict.setdefault((r["window"], r["source_file"], r["source_line"]), [])
+        if len(got) < _LINEAGE_READS:
+            ops = wins[r["window"]]["ops"]
+            first = ops.column("seq")[0].as_py() if ops.num_rows else 0
+            pos = r["seq"] - first
+            ok = 0 <= pos < ops.num_rows and ops.column("seq")[pos].as_py() == r["seq"]
+            got.append(ok and not from_data(ops, pos))
+    for i, r in enumerate(rows):
+        line = verdict.get((r["window"], r["source_file"], r["source_line"])) or []
+        out[i] = bool(line) and all(line) and r["kind"] == "scalar_read" and (r["device"] or "cpu") == "cpu"
     return out
 
 
