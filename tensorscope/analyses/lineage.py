@@ -37,20 +37,26 @@ def producer(ops: pa.Table, pos: int, sid: int, back: int = 4096) -> Optional[di
 
 
 def from_data(ops: pa.Table, pos: int, depth: int = 8, back: int = 512) -> bool:
-    """Whether the inputs of row ``pos`` derive from a tensor of one dimension or more, following the
-    0-d inputs' producers up to ``depth`` rows back in the chain (each within ``back`` rows)."""
+    """Whether the value row ``pos`` reads may derive from a tensor of one dimension or more: False only
+    when its 0-d inputs are proven made of 0-d tensors and Python numbers alone, following their producers
+    up to ``depth`` rows (each within ``back`` rows). An in-place update's own input (``x += 1``: a counter)
+    is the counter itself and not followed; an input whose producer is not found (made before, or too far
+    back) is not proven, and neither is a chain longer than ``depth``."""
     r = S.plain_strings(ops.slice(pos, 1).select(["in_storages", "in_shapes"])).to_pylist()[0]
-    todo = [(pos, r["in_storages"] or [], r["in_shapes"] or [])]
+    todo: list[tuple[int, list[Any], list[Any], Optional[int]]] = [(pos, r["in_storages"] or [], r["in_shapes"] or [], None)]
     seen = 0
-    while todo and seen < depth:
-        at, sids, shapes = todo.pop(0)
+    while todo:
+        if seen == depth:
+            return True
+        at, sids, shapes, own = todo.pop(0)
         seen += 1
         for sid, shape in zip(sids, shapes):
             if shape is not None and len(shape) >= 1:
                 return True
-            if sid is None or sid < 0:
+            if sid is None or sid < 0 or sid == own:
                 continue
             p = producer(ops, at, sid, back)
-            if p is not None:
-                todo.append((p["pos"], p["in_storages"] or [], p["in_shapes"] or []))
+            if p is None:
+                return True
+            todo.append((p["pos"], p["in_storages"] or [], p["in_shapes"] or [], sid))
     return False

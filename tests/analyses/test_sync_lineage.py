@@ -45,3 +45,23 @@ def test_an_optimizers_step_counters_are_no_sync_but_the_loss_and_a_data_counter
     lines = _sync_lines(t)
     assert line + 7 not in lines and line + 13 not in lines
     assert lines.get(line + 8) == 4 and lines.get(line + 10) == 4
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_read_whose_producer_is_far_back_or_before_the_trace_is_still_a_sync(engine):
+    """Not proven host-only is a sync: a loss read after a long backward (its producer past the rows
+    read back), and a 0-d tensor made before the trace."""
+    x = torch.randn(64, 64, requires_grad=True)
+    made_before = (x * 2).sum().detach()
+    import inspect
+    line = inspect.currentframe().f_lineno
+    with tensorscope.trace(engine=engine, leaks=False) as t:
+        for _ in range(3):
+            loss = (x * 3).sum()
+            y = torch.ones(4)
+            for _ in range(300):                              # 600 rows between the loss and its read
+                y = y.add(1.0).mul(1.0)
+            loss.item()                                       # line + 7
+            made_before.item()                                # line + 8
+    lines = _sync_lines(t)
+    assert lines.get(line + 7) == 3 and lines.get(line + 8) == 3
